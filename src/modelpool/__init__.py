@@ -1,0 +1,65 @@
+"""modelpool: serve a local Hugging Face model from a supervised pool of pre-warmed workers.
+
+    from modelpool import ModelPool, PoolConfig
+
+    with ModelPool(PoolConfig(model="./my-model", workers=2, deadline_s=30)) as pool:
+        print(pool.generate("What is the capital of France?").text)
+
+Names are loaded on first use so that a worker process, which imports
+``modelpool.worker``, never pays for (or imports) the supervisor.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "ModelPool": "modelpool.supervisor",
+    "PoolFuture": "modelpool.supervisor",
+    "Result": "modelpool.supervisor",
+    "PoolConfig": "modelpool.config",
+    "RetryPolicy": "modelpool.config",
+    "ServerConfig": "modelpool.config",
+    "Generation": "modelpool.protocol",
+    "PoolStats": "modelpool.stats",
+    "Attempt": "modelpool.errors",
+    "PoolError": "modelpool.errors",
+    "DeadlineExceeded": "modelpool.errors",
+    "WorkerCrashed": "modelpool.errors",
+    "BackendError": "modelpool.errors",
+    "PoolOverloaded": "modelpool.errors",
+    "PoolClosed": "modelpool.errors",
+    "ModelLoadFailed": "modelpool.errors",
+    "InvalidRequest": "modelpool.errors",
+}
+
+__all__ = [*sorted(_EXPORTS), "__version__"]
+
+if TYPE_CHECKING:
+    from modelpool.config import PoolConfig, RetryPolicy, ServerConfig
+    from modelpool.errors import (
+        Attempt,
+        BackendError,
+        DeadlineExceeded,
+        InvalidRequest,
+        ModelLoadFailed,
+        PoolClosed,
+        PoolError,
+        PoolOverloaded,
+        WorkerCrashed,
+    )
+    from modelpool.protocol import Generation
+    from modelpool.stats import PoolStats
+    from modelpool.supervisor import ModelPool, PoolFuture, Result
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'modelpool' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,139 @@
+"""The error hierarchy.
+
+Every error a pool raises for a request carries the ``request_id`` and one
+:class:`Attempt` record per attempt, so a caller (or a log line) can tell what
+happened to each try::
+
+    try:
+        pool.generate(prompt, deadline_s=5)
+    except DeadlineExceeded as exc:
+        print(exc.request_id, [a.outcome for a in exc.attempts], exc.partial_text)
+
+    PoolError
+    ├── DeadlineExceeded      (also TimeoutError)
+    ├── WorkerCrashed
+    ├── BackendError
+    ├── PoolOverloaded
+    ├── PoolClosed
+    ├── ModelLoadFailed
+    └── InvalidRequest        (also ValueError)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Outcome = Literal["ok", "timeout", "crash", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try of a request on one worker."""
+
+    worker_pid: int | None
+    outcome: Outcome
+    seconds: float
+
+
+class PoolError(Exception):
+    """Base class of every error modelpool raises."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: str | None = None,
+        attempts: Sequence[Attempt] = (),
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.request_id = request_id
+        self.attempts: list[Attempt] = list(attempts)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only arguments are lost by the default pickling of exceptions.
+        return (_rebuild, (type(self), self.message, self.__dict__))
+
+
+def _rebuild(cls: type[PoolError], message: str, state: dict[str, object]) -> PoolError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
+
+class DeadlineExceeded(PoolError, TimeoutError):
+    """The request's deadline passed (or its attempts ran out on timeouts).
+
+    ``partial_text`` holds what the last attempt produced before it was stopped.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: str | None = None,
+        attempts: Sequence[Attempt] = (),
+        partial_text: str = "",
+    ) -> None:
+        super().__init__(message, request_id=request_id, attempts=attempts)
+        self.partial_text = partial_text
+
+
+class WorkerCrashed(PoolError):
+    """The worker died on its own while running the request (exit code or signal in the message)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: str | None = None,
+        attempts: Sequence[Attempt] = (),
+        exit_code: int | None = None,
+    ) -> None:
+        super().__init__(message, request_id=request_id, attempts=attempts)
+        self.exit_code = exit_code
+
+
+class BackendError(PoolError):
+    """The backend raised while generating; ``remote_traceback`` is the worker's traceback."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: str | None = None,
+        attempts: Sequence[Attempt] = (),
+        remote_traceback: str = "",
+    ) -> None:
+        super().__init__(message, request_id=request_id, attempts=attempts)
+        self.remote_traceback = remote_traceback
+
+
+class PoolOverloaded(PoolError):
+    """The queue is full (``max_queue``); the request was not accepted."""
+
+
+class PoolClosed(PoolError):
+    """The pool is closed, or closed before the request could finish."""
+
+
+class ModelLoadFailed(PoolError):
+    """Workers cannot start; ``worker_traceback`` is the last start-up failure's traceback."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: str | None = None,
+        attempts: Sequence[Attempt] = (),
+        worker_traceback: str = "",
+    ) -> None:
+        super().__init__(message, request_id=request_id, attempts=attempts)
+        self.worker_traceback = worker_traceback
+
+
+class InvalidRequest(PoolError, ValueError):
+    """The request was rejected before anything was dispatched."""

@@ -1,0 +1,174 @@
+"""Messages between the supervisor and a worker, and the backend interface.
+
+The wire is a Unix socket pair carrying length-prefixed pickles of plain
+tuples whose first item is the message kind. Tuples keep the per-request
+cost to a few microseconds; the kinds below are the whole vocabulary, and
+``PROTOCOL_VERSION`` is checked once, in the ``ready`` handshake, so a worker
+from another modelpool version is refused instead of misread.
+
+supervisor -> worker::
+
+    ("init", WorkerSpec)                    first message, once
+    ("run", attempt_id, prompt, params)     start one attempt
+    ("stop",)                               finish and exit (close, recycling)
+
+worker -> supervisor::
+
+    ("ready", version, pid, rss_bytes)      backend loaded
+    ("load_failed", traceback_text)         backend could not load; the worker exits
+    ("chunk", attempt_id, text)             streamed text
+    ("done", attempt_id, Generation, rss_bytes)
+    ("error", attempt_id, kind, message, traceback_text, rss_bytes)
+                                            kind: "invalid" (handler.validate refused) or "backend"
+    ("log", levelno, logger_name, message)  a worker log record
+
+The cancel flag and the progress counter are not messages: they live in a
+small shared memory block (see ``ControlBlock``) so that the hot check in the
+backend's decoding loop costs a memory read, not a system call.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import struct
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, Union
+
+PROTOCOL_VERSION = 1
+
+FinishReason = Literal["stop", "length", "cancelled"]
+ChatMessage = Mapping[str, str]
+Prompt = Union[str, list[ChatMessage]]
+
+_FRAME_HEADER = struct.Struct("!I")
+
+
+@dataclass
+class Generation:
+    """What a backend returns for one request (a plain ``str`` means finish_reason "stop")."""
+
+    text: str
+    finish_reason: FinishReason = "stop"
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class Call(Protocol):
+    """The per-request object a backend's ``generate`` receives."""
+
+    prompt: Prompt
+    params: dict[str, Any]
+
+    def cancelled(self) -> bool:
+        """True once the supervisor asked this request to stop. Cheap: call it every token."""
+        ...
+
+    def emit(self, text: str) -> None:
+        """Send a chunk of generated text to the caller as soon as it exists."""
+        ...
+
+
+class Handler(Protocol):
+    """What a backend factory returns: one per worker, loaded once."""
+
+    def generate(self, call: Call) -> str | Generation: ...
+
+
+BackendFactory = Callable[..., Handler]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a fresh worker process needs to become ready."""
+
+    worker_id: int
+    model: str
+    backend: str
+    backend_options: dict[str, Any]
+    device: str
+    sys_path: list[str]
+    log_level: int
+    supervisor_pid: int
+
+
+def encode_frame(message: tuple[Any, ...]) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _FRAME_HEADER.pack(len(payload)) + payload
+
+
+class FrameDecoder:
+    """Accumulates bytes read from a non-blocking socket and yields complete messages."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[Any, ...]]:
+        self._buffer += data
+        messages: list[tuple[Any, ...]] = []
+        offset = 0
+        header_size = _FRAME_HEADER.size
+        while len(self._buffer) - offset >= header_size:
+            (length,) = _FRAME_HEADER.unpack_from(self._buffer, offset)
+            end = offset + header_size + length
+            if len(self._buffer) < end:
+                break
+            messages.append(pickle.loads(self._buffer[offset + header_size : end]))
+            offset = end
+        if offset:
+            del self._buffer[:offset]
+        return messages
+
+
+class ControlBlock:
+    """Shared memory between the supervisor and one worker.
+
+    Two unsigned 64-bit words: ``cancel_attempt`` (the attempt id the
+    supervisor wants stopped) and ``progress`` (bumped by the worker on every
+    cancel check and every emitted chunk). Naming the attempt, rather than
+    setting a boolean, means a late cancel can never stop the next request.
+    Aligned 8-byte loads and stores are atomic on the platforms torch runs on.
+    The block is an anonymous file (memfd where available) whose descriptor is
+    inherited by the worker, so nothing is left in /dev/shm if either side dies.
+    """
+
+    SIZE = 16
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._map = mmap.mmap(fd, self.SIZE)
+        self._words = memoryview(self._map).cast("Q")
+
+    @classmethod
+    def create(cls) -> ControlBlock:
+        if hasattr(os, "memfd_create"):
+            fd = os.memfd_create("modelpool-control", 0)
+        else:
+            handle = tempfile.TemporaryFile()
+            fd = os.dup(handle.fileno())
+            handle.close()
+        os.ftruncate(fd, cls.SIZE)
+        return cls(fd)
+
+    @property
+    def cancel_attempt(self) -> int:
+        return int(self._words[0])
+
+    @cancel_attempt.setter
+    def cancel_attempt(self, attempt_id: int) -> None:
+        self._words[0] = attempt_id
+
+    @property
+    def progress(self) -> int:
+        return int(self._words[1])
+
+    def bump_progress(self) -> None:
+        self._words[1] = (self._words[1] + 1) & 0xFFFFFFFFFFFFFFFF
+
+    def close(self) -> None:
+        self._words.release()
+        self._map.close()
+        os.close(self.fd)

@@ -1,0 +1,105 @@
+"""The pool's stats snapshot.
+
+``ModelPool.stats()`` returns a :class:`PoolStats` built by the dispatcher
+thread (the one owner of the state it describes), so a snapshot is always
+self-consistent and taking one never waits on a busy worker::
+
+    snapshot = pool.stats()
+    snapshot.counters["timeouts"], snapshot.to_dict()["workers"][0]["rss_mb"]
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+COUNTER_NAMES = (
+    "submitted",
+    "completed",
+    "failed",
+    "cancelled",
+    "timeouts",
+    "crashes",
+    "kills",
+    "retries",
+    "respawns",
+    "overloaded",
+    "stalls",
+    "cancel_escalations",
+    "recycled",
+)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    id: int
+    pid: int | None
+    state: str
+    role: str
+    device: str
+    requests: int
+    uptime_s: float
+    rss_mb: float | None
+    gpu_mb: float | None
+    gpu_mb_method: str | None = None
+
+
+@dataclass(frozen=True)
+class ReleaseStats:
+    checked: int = 0
+    ok: int = 0
+    failed: int = 0
+    last_ms: float | None = None
+    last_method: str | None = None
+    last_freed_mb: float | None = None
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    index: int
+    name: str
+    used_mb: float
+    total_mb: float
+
+
+@dataclass(frozen=True)
+class GpuStats:
+    available: bool
+    reason: str | None
+    devices: list[DeviceStats] = field(default_factory=list)
+    releases: ReleaseStats = field(default_factory=ReleaseStats)
+    blocked_devices: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    state: str
+    workers: list[WorkerStats]
+    queue_depth: int
+    counters: dict[str, int]
+    latency_s: dict[str, float | None]
+    gpu: GpuStats
+    uptime_s: float
+    last_load_error: str | None = None
+    kill_reasons: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with the keys DESIGN.md promises."""
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def percentiles(samples: list[float]) -> dict[str, float | None]:
+    """Nearest-rank p50/p95/p99 of ``samples`` (None when there are none)."""
+    if not samples:
+        return {"p50": None, "p95": None, "p99": None}
+    ordered = sorted(samples)
+    last = len(ordered) - 1
+
+    def rank(fraction: float) -> float:
+        return ordered[min(last, round(fraction * last))]
+
+    return {"p50": rank(0.50), "p95": rank(0.95), "p99": rank(0.99)}

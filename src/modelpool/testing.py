@@ -1,0 +1,146 @@
+"""A fault-injection backend: rehearse hangs, crashes and leaks without a model.
+
+Use it as ``backend="testing"``; the prompt says what the worker should do::
+
+    with ModelPool(PoolConfig(model="none", backend="testing", deadline_s=2)) as pool:
+        pool.generate("echo:hello").text          # "hello"
+        pool.generate("tokens:50:0.01")           # 50 tokens, 10 ms apart, honours cancel
+        pool.generate("hang")                     # ignores the cancel flag and SIGTERM
+        pool.generate("segfault")                 # dies with SIGSEGV
+
+Commands (``name[:arg[:arg]]``; anything else is echoed back):
+
+=====================  ======================================================
+``echo:TEXT``          returns TEXT
+``tokens:N[:DELAY]``   emits N tokens ``"t0 t1 ..."``, DELAY seconds apart,
+                       checking the cancel flag before each; honours
+                       ``max_new_tokens`` (finish_reason "length")
+``hang[:term]``        never returns, never checks the flag; ignores SIGTERM
+                       unless ``:term`` is given
+``stall:N``            emits N tokens, then hangs without progress
+``segfault``           dereferences NULL
+``exit:CODE``          ``os._exit(CODE)``
+``raise:MESSAGE``      raises ``RuntimeError(MESSAGE)``
+``hog:MB``             allocates and touches MB megabytes, then hangs
+``leak:MB``            allocates MB megabytes kept for the worker's life, returns "ok"
+``crash_once:PATH``    exits if PATH does not exist (creating it first), else "ok"
+``pid``                returns the worker's pid
+=====================  ======================================================
+
+Load-time options (``backend_options``): ``load_delay_s`` (sleep before ready),
+``fail_load`` (raise during load), ``exit_on_load`` (``os._exit`` during load).
+This module imports nothing heavy, so a worker is ready in a few tens of ms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from modelpool.errors import InvalidRequest
+from modelpool.protocol import Call, Generation
+from modelpool.validation import check_generation_params
+
+ACCEPTED_PARAMS = frozenset({"max_new_tokens", "temperature", "top_p", "seed", "stop"})
+
+
+def validate(params: dict[str, Any]) -> None:
+    """Light pre-dispatch check, called by the supervisor."""
+    check_generation_params(params)
+    unknown = sorted(set(params) - ACCEPTED_PARAMS)
+    if unknown:
+        raise InvalidRequest(f"unknown generation parameter {unknown[0]!r} for the testing backend")
+
+
+class FaultBackend:
+    """The handler; one per worker."""
+
+    def __init__(self) -> None:
+        self._leaked: list[bytearray] = []
+
+    def generate(self, call: Call) -> str | Generation:
+        prompt = call.prompt
+        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        command, _, argument = text.partition(":")
+        limit = call.params.get("max_new_tokens")
+        if command == "echo":
+            return argument
+        if command == "tokens":
+            return _emit_tokens(call, argument, limit)
+        if command == "hang":
+            if argument != "term":
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            _block_forever()
+        if command == "stall":
+            for index in range(int(argument or 1)):
+                call.emit(f"t{index} ")
+            _block_forever()
+        if command == "segfault":
+            ctypes.string_at(0)
+        if command == "exit":
+            os._exit(int(argument or 1))
+        if command == "raise":
+            raise RuntimeError(argument or "requested failure")
+        if command == "hog":
+            _touch(bytearray(int(float(argument) * 1024 * 1024)))
+            _block_forever()
+        if command == "leak":
+            block = bytearray(int(float(argument) * 1024 * 1024))
+            _touch(block)
+            self._leaked.append(block)
+            return "ok"
+        if command == "crash_once":
+            if not os.path.exists(argument):
+                with open(argument, "x"):
+                    pass
+                os._exit(1)
+            return "ok"
+        if command == "pid":
+            return str(os.getpid())
+        return text
+
+
+def _emit_tokens(call: Call, argument: str, limit: int | None) -> Generation:
+    count_text, _, delay_text = argument.partition(":")
+    count = int(count_text or 16)
+    delay = float(delay_text or 0)
+    pieces: list[str] = []
+    pause = threading.Event()
+    for index in range(count):
+        if call.cancelled():
+            return Generation("".join(pieces), "cancelled", None, len(pieces))
+        if limit is not None and index >= limit:
+            return Generation("".join(pieces), "length", None, len(pieces))
+        if delay:
+            pause.wait(delay)
+        piece = f"t{index} "
+        pieces.append(piece)
+        call.emit(piece)
+    return Generation("".join(pieces), "stop", None, len(pieces))
+
+
+def _touch(block: bytearray) -> None:
+    for offset in range(0, len(block), 4096):
+        block[offset] = 1
+
+
+def _block_forever() -> None:
+    threading.Event().wait()
+
+
+def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
+    """Factory: ``backend="testing"``. ``model`` and ``device`` are ignored."""
+    unknown = sorted(set(options) - {"load_delay_s", "fail_load", "exit_on_load"})
+    if unknown:
+        raise ValueError(f"unknown testing backend option {unknown[0]!r}")
+    if options.get("load_delay_s"):
+        time.sleep(float(options["load_delay_s"]))
+    if options.get("exit_on_load"):
+        os._exit(int(options["exit_on_load"]))
+    if options.get("fail_load"):
+        raise RuntimeError(f"testing backend asked to fail its load: {options['fail_load']}")
+    return FaultBackend()

@@ -1,0 +1,254 @@
+"""Worker process entry: load the backend once, then serve attempts until told to stop.
+
+A worker is started by the supervisor as ``python -m modelpool.worker`` with
+three inherited descriptors (see ``supervisor._ProcessLauncher``):
+
+- ``--channel``: its end of a Unix socket pair (framed pickles, see protocol.py);
+- ``--control``: the shared ``ControlBlock`` (cancel flag, progress counter);
+- ``--lifeline``: the read end of a pipe whose write end only the supervisor
+  holds. When the supervisor dies, by any means including SIGKILL, the kernel
+  closes that end and the read returns EOF at once; the lifeline thread then
+  kills the worker's whole process group.
+
+Starting the interpreter ourselves, rather than through
+``multiprocessing``'s spawn, is what keeps the caller's ``__main__`` out of the
+worker: spawn re-imports the parent's main module, so a script without an
+``if __name__ == "__main__"`` guard would start pools recursively, and a
+REPL or notebook main cannot be imported at all. This module imports no torch:
+``CUDA_VISIBLE_DEVICES`` and thread counts arrive in the environment and must
+be in place before the backend's first ``import torch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import importlib
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import threading
+import traceback
+from typing import Any
+
+from modelpool.gpu import process_rss_bytes
+from modelpool.protocol import (
+    PROTOCOL_VERSION,
+    BackendFactory,
+    ControlBlock,
+    Generation,
+    Handler,
+    Prompt,
+    WorkerSpec,
+    encode_frame,
+)
+
+logger = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("!I")
+EXIT_LOAD_FAILED = 3
+
+BUILTIN_BACKENDS = {
+    "hf": "modelpool.backends.hf:load",
+    "testing": "modelpool.testing:load",
+}
+
+
+def resolve_backend(name: str) -> str:
+    """``"hf"`` -> ``"modelpool.backends.hf:load"``; a ``module:factory`` string is kept."""
+    target = BUILTIN_BACKENDS.get(name, name)
+    return target if ":" in target else f"{target}:load"
+
+
+def import_backend(name: str) -> BackendFactory:
+    module_name, _, attribute = resolve_backend(name).partition(":")
+    factory: BackendFactory = getattr(importlib.import_module(module_name), attribute)
+    return factory
+
+
+class _Channel:
+    """The worker's end of the socket pair: blocking reads, locked writes."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._send_lock = threading.Lock()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        frame = encode_frame(message)
+        with self._send_lock:
+            self._sock.sendall(frame)
+
+    def recv(self) -> tuple[Any, ...] | None:
+        header = self._recv_exactly(_HEADER.size)
+        if header is None:
+            return None
+        (length,) = _HEADER.unpack(header)
+        payload = self._recv_exactly(length)
+        if payload is None:
+            return None
+        message: tuple[Any, ...] = pickle.loads(payload)
+        return message
+
+    def _recv_exactly(self, size: int) -> bytes | None:
+        chunks = bytearray()
+        while len(chunks) < size:
+            data = self._sock.recv(size - len(chunks))
+            if not data:
+                return None
+            chunks += data
+        return bytes(chunks)
+
+
+class _ForwardingHandler(logging.Handler):
+    """Sends log records to the supervisor, which logs them under the worker's id."""
+
+    def __init__(self, channel: _Channel) -> None:
+        super().__init__()
+        self._channel = channel
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._channel.send(("log", record.levelno, record.name, self.format(record)))
+        except OSError:
+            pass  # The supervisor is gone; the lifeline is about to end this process.
+
+
+class WorkerCall:
+    """The ``Call`` a backend receives: prompt, params, a cheap cancel check, ``emit``."""
+
+    __slots__ = ("_channel", "_control", "attempt_id", "params", "prompt")
+
+    def __init__(
+        self,
+        attempt_id: int,
+        prompt: Prompt,
+        params: dict[str, Any],
+        control: ControlBlock,
+        channel: _Channel,
+    ) -> None:
+        self.attempt_id = attempt_id
+        self.prompt = prompt
+        self.params = params
+        self._control = control
+        self._channel = channel
+
+    def cancelled(self) -> bool:
+        self._control.bump_progress()
+        return self._control.cancel_attempt == self.attempt_id
+
+    def emit(self, text: str) -> None:
+        if text:
+            self._control.bump_progress()
+            self._channel.send(("chunk", self.attempt_id, text))
+
+
+def _watch_lifeline(lifeline_fd: int) -> None:
+    try:
+        while os.read(lifeline_fd, 1):
+            pass
+    except OSError:
+        pass
+    # The supervisor is gone: take down everything this worker started, and itself.
+    try:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os._exit(1)
+
+
+def _run_attempt(
+    handler: Handler, message: tuple[Any, ...], control: ControlBlock, channel: _Channel
+) -> None:
+    _, attempt_id, prompt, params = message
+    call = WorkerCall(attempt_id, prompt, params, control, channel)
+    try:
+        if control.cancel_attempt == attempt_id:
+            # Cancelled while the request was in flight to us: do not start it at all. The flag
+            # is read directly, not through call.cancelled(), so that progress stays at zero
+            # until the backend itself reports some (the stall clock starts there).
+            generation = Generation("", "cancelled", None, 0)
+        else:
+            validate = getattr(handler, "validate", None)
+            if validate is not None:
+                try:
+                    validate(params)
+                except Exception as exc:
+                    channel.send(("error", attempt_id, "invalid", str(exc), "", process_rss_bytes()))
+                    return
+            output = handler.generate(call)
+            generation = output if isinstance(output, Generation) else Generation(str(output))
+    except Exception as exc:
+        channel.send(
+            (
+                "error",
+                attempt_id,
+                "backend",
+                f"{type(exc).__name__}: {exc}",
+                traceback.format_exc(),
+                process_rss_bytes(),
+            )
+        )
+        return
+    channel.send(("done", attempt_id, generation, process_rss_bytes()))
+
+
+def serve(channel: _Channel, control: ControlBlock) -> int:
+    """Handshake, load, serve; returns the process exit code."""
+    first = channel.recv()
+    if first is None or first[0] != "init":
+        return 2
+    spec: WorkerSpec = first[1]
+    for entry in spec.sys_path:
+        if entry not in sys.path:
+            sys.path.append(entry)
+
+    root = logging.getLogger()
+    root.handlers[:] = [_ForwardingHandler(channel)]
+    root.setLevel(spec.log_level)
+
+    try:
+        factory = import_backend(spec.backend)
+        handler = factory(model=spec.model, device=spec.device, **spec.backend_options)
+    except BaseException:
+        channel.send(("load_failed", traceback.format_exc()))
+        return EXIT_LOAD_FAILED
+    channel.send(("ready", PROTOCOL_VERSION, os.getpid(), process_rss_bytes()))
+
+    while True:
+        message = channel.recv()
+        if message is None or message[0] == "stop":
+            return 0
+        if message[0] == "run":
+            _run_attempt(handler, message, control, channel)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="modelpool worker (started by the supervisor)")
+    parser.add_argument("--channel", type=int, required=True)
+    parser.add_argument("--control", type=int, required=True)
+    parser.add_argument("--lifeline", type=int, required=True)
+    parser.add_argument("--supervisor-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+
+    # Ctrl-C in a terminal is the supervisor's to handle; it stops workers in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.enable()
+    threading.Thread(
+        target=_watch_lifeline, args=(args.lifeline,), name="modelpool-lifeline", daemon=True
+    ).start()
+    if os.getppid() != args.supervisor_pid:
+        os._exit(1)
+
+    channel = _Channel(socket.socket(fileno=args.channel))
+    control = ControlBlock(args.control)
+    code = serve(channel, control)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
