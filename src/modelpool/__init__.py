@@ -36,7 +36,26 @@ _EXPORTS = {
     "InvalidRequest": "modelpool.errors",
 }
 
-__all__ = [*sorted(_EXPORTS), "__version__"]
+__all__ = [
+    "Attempt",
+    "BackendError",
+    "DeadlineExceeded",
+    "Generation",
+    "InvalidRequest",
+    "ModelLoadFailed",
+    "ModelPool",
+    "PoolClosed",
+    "PoolConfig",
+    "PoolError",
+    "PoolFuture",
+    "PoolOverloaded",
+    "PoolStats",
+    "Result",
+    "RetryPolicy",
+    "ServerConfig",
+    "WorkerCrashed",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from modelpool.config import PoolConfig, RetryPolicy, ServerConfig

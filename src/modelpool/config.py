@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modelpool.validation import check_generation_params
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -55,9 +57,7 @@ def _reject_unknown(table: str, given: Mapping[str, Any], known: set[str]) -> No
     unknown = sorted(set(given) - known)
     if unknown:
         where = f" in [{table}]" if table else ""
-        raise ValueError(
-            f"unknown key {unknown[0]!r}{where} (known: {', '.join(sorted(known))})"
-        )
+        raise ValueError(f"unknown key {unknown[0]!r}{where} (known: {', '.join(sorted(known))})")
 
 
 @dataclass(frozen=True)
@@ -127,9 +127,7 @@ class PoolConfig:
             raise ValueError(f"devices must be a non-empty list, got {self.devices!r}")
         for device in devices:
             if not isinstance(device, str) or not _DEVICE_PATTERN.match(device):
-                raise ValueError(
-                    f"devices: {device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'"
-                )
+                raise ValueError(f"devices: {device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
         object.__setattr__(self, "devices", tuple(devices))
         _check_number("deadline_s", self.deadline_s, allow_zero=False)
         _check_number("attempt_timeout_s", self.attempt_timeout_s, allow_zero=False, optional=True)
@@ -138,11 +136,15 @@ class PoolConfig:
         _check_number("startup_timeout_s", self.startup_timeout_s, allow_zero=False)
         _check_number("stall_timeout_s", self.stall_timeout_s, allow_zero=False, optional=True)
         if isinstance(self.retry, Mapping):
-            object.__setattr__(self, "retry", RetryPolicy(**_known(self.retry, RetryPolicy, "retry")))
+            object.__setattr__(
+                self, "retry", RetryPolicy(**_known(self.retry, RetryPolicy, "retry"))
+            )
         if not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a RetryPolicy, got {self.retry!r}")
         _check_int("max_queue", self.max_queue, minimum=1)
-        _check_int("max_requests_per_worker", self.max_requests_per_worker, minimum=1, optional=True)
+        _check_int(
+            "max_requests_per_worker", self.max_requests_per_worker, minimum=1, optional=True
+        )
         _check_number("max_worker_rss_mb", self.max_worker_rss_mb, allow_zero=False, optional=True)
         _check_number("max_worker_gpu_mb", self.max_worker_gpu_mb, allow_zero=False, optional=True)
         _check_number("gpu_release_timeout_s", self.gpu_release_timeout_s, allow_zero=True)
@@ -155,9 +157,6 @@ class PoolConfig:
                 f"generation_defaults must be a table, got {self.generation_defaults!r}"
             )
         object.__setattr__(self, "generation_defaults", dict(self.generation_defaults))
-        # Imported here: validation imports config for nothing, but keep the cycle out of import time.
-        from modelpool.validation import check_generation_params
-
         check_generation_params(self.generation_defaults, where="generation_defaults")
 
     @classmethod
@@ -200,8 +199,10 @@ class ServerConfig:
         _check_int("server.max_body_bytes", self.max_body_bytes, minimum=1)
         _check_number("server.drain_timeout_s", self.drain_timeout_s, allow_zero=True)
         _check_number(
-            "server.max_request_timeout_s", self.max_request_timeout_s,
-            allow_zero=False, optional=True,
+            "server.max_request_timeout_s",
+            self.max_request_timeout_s,
+            allow_zero=False,
+            optional=True,
         )
         if self.model_name is not None and not isinstance(self.model_name, str):
             raise ValueError(f"server.model_name must be a string, got {self.model_name!r}")

@@ -36,13 +36,13 @@ import struct
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, Union
+from typing import Any, Literal, Protocol
 
 PROTOCOL_VERSION = 1
 
 FinishReason = Literal["stop", "length", "cancelled"]
 ChatMessage = Mapping[str, str]
-Prompt = Union[str, list[ChatMessage]]
+Prompt = str | list[ChatMessage]
 
 _FRAME_HEADER = struct.Struct("!I")
 
@@ -147,9 +147,8 @@ class ControlBlock:
         if hasattr(os, "memfd_create"):
             fd = os.memfd_create("modelpool-control", 0)
         else:
-            handle = tempfile.TemporaryFile()
-            fd = os.dup(handle.fileno())
-            handle.close()
+            with tempfile.TemporaryFile() as handle:
+                fd = os.dup(handle.fileno())
         os.ftruncate(fd, cls.SIZE)
         return cls(fd)
 

@@ -438,7 +438,9 @@ class Dispatcher:
             f"worker {worker.id} {describe_exit(worker.exit_code)} before it was ready"
         )
         self.last_load_error = error_text
-        logger.error("worker %d failed to start: %s", worker.id, error_text.strip().splitlines()[-1])
+        logger.error(
+            "worker %d failed to start: %s", worker.id, error_text.strip().splitlines()[-1]
+        )
         limit = self.config.startup_failures_before_giving_up
         if self.consecutive_startup_failures < limit:
             backoff = min(30.0, 0.25 * 2 ** (self.consecutive_startup_failures - 1))
@@ -449,8 +451,11 @@ class Dispatcher:
         if any(w.state not in ("starting", "dead") for w in self.workers.values()):
             # Others serve: keep them, give up on this slot, and say so in the state.
             self.abandoned_slots.add(worker.slot)
-            logger.error("giving up on worker slot %d after %d start-up failures in a row",
-                         worker.slot, self.consecutive_startup_failures)
+            logger.error(
+                "giving up on worker slot %d after %d start-up failures in a row",
+                worker.slot,
+                self.consecutive_startup_failures,
+            )
             return
         self.failure = ModelLoadFailed(
             f"workers failed to start {self.consecutive_startup_failures} times in a row; "
@@ -459,8 +464,7 @@ class Dispatcher:
         )
         self.state = "failed"
         for request in list(self.queue.values()):
-            self._fail(request, ModelLoadFailed(
-                self.failure.message, worker_traceback=error_text))
+            self._fail(request, ModelLoadFailed(self.failure.message, worker_traceback=error_text))
         for other in self.workers.values():
             if other.state == "starting":
                 self._signal(other, signal.SIGKILL, "startup_abandoned")
@@ -482,8 +486,12 @@ class Dispatcher:
             return
         self.live[request.request_id] = request
         if self.failure is not None:
-            self._fail(request, ModelLoadFailed(
-                self.failure.message, worker_traceback=self.failure.worker_traceback))
+            self._fail(
+                request,
+                ModelLoadFailed(
+                    self.failure.message, worker_traceback=self.failure.worker_traceback
+                ),
+            )
             return
         if self.closing:
             self._fail(request, PoolClosed("the pool is closing"))
@@ -569,7 +577,9 @@ class Dispatcher:
             self._on_error(worker, *message[1:])
         elif kind == "log":
             _, levelno, name, text = message
-            worker_logger.log(levelno, "[worker %d pid %s] %s: %s", worker.id, worker.pid, name, text)
+            worker_logger.log(
+                levelno, "[worker %d pid %s] %s: %s", worker.id, worker.pid, name, text
+            )
         elif kind == "ready":
             self._on_ready(worker, message[1], message[2], message[3])
         elif kind == "load_failed":
@@ -593,8 +603,13 @@ class Dispatcher:
         worker.ready_at = self.clock()
         worker.rss_bytes = rss_bytes
         self.consecutive_startup_failures = 0
-        logger.info("worker %d (pid %d) ready on %s in %.2fs", worker.id, pid, worker.device,
-                    worker.ready_at - worker.started_at)
+        logger.info(
+            "worker %d (pid %d) ready on %s in %.2fs",
+            worker.id,
+            pid,
+            worker.device,
+            worker.ready_at - worker.started_at,
+        )
         self._publish_gpu_workers()
 
     def _ready_count(self) -> int:
@@ -615,8 +630,9 @@ class Dispatcher:
             try:
                 request.on_chunk(text)
             except Exception:
-                logger.exception("request %s: the stream consumer's callback failed",
-                                 request.request_id)
+                logger.exception(
+                    "request %s: the stream consumer's callback failed", request.request_id
+                )
 
     def _on_done(
         self, worker: _Worker, attempt_id: int, generation: Generation, rss_bytes: int
@@ -688,10 +704,13 @@ class Dispatcher:
         if request.state in ("queued", "backoff"):
             self.queue.pop(request.request_id, None)
             self.counters["timeouts"] += 1
-            self._fail(request, DeadlineExceeded(
-                "deadline passed before a worker could finish the request",
-                partial_text=request.last_partial,
-            ))
+            self._fail(
+                request,
+                DeadlineExceeded(
+                    "deadline passed before a worker could finish the request",
+                    partial_text=request.last_partial,
+                ),
+            )
         elif request.state == "running" and request.run is not None:
             self._on_attempt_deadline(request.run)
 
@@ -711,8 +730,7 @@ class Dispatcher:
         self.counters["stalls" if reason == "stall" else "timeouts"] += 1
         self._soft_cancel(worker, run, reason)
         if reason == "stall":
-            message = (f"worker pid {worker.pid} made no progress for "
-                       f"{self.config.stall_timeout_s}s")
+            message = f"worker pid {worker.pid} made no progress for {self.config.stall_timeout_s}s"
         elif now >= request.deadline:
             message = f"deadline of the request passed after {now - request.submitted_at:.3f}s"
         else:
@@ -728,7 +746,10 @@ class Dispatcher:
             worker.state = "cancelling"
         self._cancel_timer(worker.ladder_timer)
         worker.ladder_timer = self.call_at(
-            self.clock() + self.config.cancel_grace_s, self._on_cancel_grace_over, worker, run,
+            self.clock() + self.config.cancel_grace_s,
+            self._on_cancel_grace_over,
+            worker,
+            run,
             reason,
         )
 
@@ -741,11 +762,15 @@ class Dispatcher:
             self.counters["cancel_escalations"] += 1
             run.request = None
             request.run = None
-            request.attempts.append(
-                Attempt(worker.pid, "cancelled", self.clock() - run.started_at))
+            request.attempts.append(Attempt(worker.pid, "cancelled", self.clock() - run.started_at))
             self._resolve_cancelled(request, run.partial_text(), worker.pid)
-        logger.warning("worker %d (pid %s) ignored the cancel flag for %.1fs (%s): terminating",
-                       worker.id, worker.pid, self.config.cancel_grace_s, reason)
+        logger.warning(
+            "worker %d (pid %s) ignored the cancel flag for %.1fs (%s): terminating",
+            worker.id,
+            worker.pid,
+            self.config.cancel_grace_s,
+            reason,
+        )
         self._signal(worker, signal.SIGTERM, reason)
 
     def _signal(self, worker: _Worker, signum: int, reason: str) -> None:
@@ -764,7 +789,10 @@ class Dispatcher:
         worker.ladder_timer = None
         if signum == signal.SIGTERM:
             worker.ladder_timer = self.call_at(
-                self.clock() + self.config.term_grace_s, self._signal, worker, signal.SIGKILL,
+                self.clock() + self.config.term_grace_s,
+                self._signal,
+                worker,
+                signal.SIGKILL,
                 reason,
             )
 
@@ -787,9 +815,15 @@ class Dispatcher:
             if progress != run.progress_seen:
                 run.progress_seen = progress
                 run.progress_at = now
-            elif run.progress_at is not None and now - run.progress_at >= self.config.stall_timeout_s:
-                logger.warning("worker %d (pid %s) stalled: no progress for %.2fs", worker.id,
-                               worker.pid, now - run.progress_at)
+            elif (
+                run.progress_at is not None and now - run.progress_at >= self.config.stall_timeout_s
+            ):
+                logger.warning(
+                    "worker %d (pid %s) stalled: no progress for %.2fs",
+                    worker.id,
+                    worker.pid,
+                    now - run.progress_at,
+                )
                 self._attempt_timed_out(run, "stall")
         if busy:
             self._arm_stall_check()
@@ -817,8 +851,13 @@ class Dispatcher:
             return
         self.counters["retries"] += 1
         request.last_failed_worker = worker.id
-        logger.info("request %s: attempt %d %s on worker pid %s; retrying", request.request_id,
-                    len(request.attempts), outcome, worker.pid)
+        logger.info(
+            "request %s: attempt %d %s on worker pid %s; retrying",
+            request.request_id,
+            len(request.attempts),
+            outcome,
+            worker.pid,
+        )
         if policy.backoff_s > 0:
             request.state = "backoff"
             self.call_at(now + policy.backoff_s, self._requeue, request)
@@ -924,8 +963,13 @@ class Dispatcher:
             if not self.closing:
                 self._startup_failed(worker)
         elif worker.signalled:
-            logger.info("worker %d (pid %s) stopped (%s, %s)", worker.id, worker.pid,
-                        worker.kill_reason, reason)
+            logger.info(
+                "worker %d (pid %s) stopped (%s, %s)",
+                worker.id,
+                worker.pid,
+                worker.kill_reason,
+                reason,
+            )
         elif worker.stopping and returncode == 0:
             logger.debug("worker %d (pid %s) exited cleanly", worker.id, worker.pid)
         else:
@@ -949,7 +993,12 @@ class Dispatcher:
         self._fill_slots()
 
     def on_release_checked(
-        self, worker_id: int, ok: bool, seconds: float, method: str, freed_bytes: int | None,
+        self,
+        worker_id: int,
+        ok: bool,
+        seconds: float,
+        method: str,
+        freed_bytes: int | None,
         held_bytes: int | None,
     ) -> None:
         self.pending_release_checks -= 1
@@ -969,9 +1018,14 @@ class Dispatcher:
         if ok or worker is None or not worker.device.startswith("cuda"):
             return
         needed = worker.gpu_bytes or held_bytes or 0
-        logger.error("GPU memory of worker %d (pid %s) on %s not released: %s bytes still held; "
-                     "no new worker goes there until it is free", worker.id, worker.pid,
-                     worker.device, held_bytes)
+        logger.error(
+            "GPU memory of worker %d (pid %s) on %s not released: %s bytes still held; "
+            "no new worker goes there until it is free",
+            worker.id,
+            worker.pid,
+            worker.device,
+            held_bytes,
+        )
         self.blocked_devices[worker.device] = needed
         self.io.watch_device_free(worker.device, needed)
 
@@ -998,13 +1052,22 @@ class Dispatcher:
 
     def _retire_reason(self, worker: _Worker) -> str | None:
         config = self.config
-        if config.max_requests_per_worker is not None and worker.requests >= config.max_requests_per_worker:
+        if (
+            config.max_requests_per_worker is not None
+            and worker.requests >= config.max_requests_per_worker
+        ):
             return f"served {worker.requests} requests"
-        if (config.max_worker_rss_mb is not None and worker.rss_bytes is not None
-                and worker.rss_bytes > config.max_worker_rss_mb * 2**20):
+        if (
+            config.max_worker_rss_mb is not None
+            and worker.rss_bytes is not None
+            and worker.rss_bytes > config.max_worker_rss_mb * 2**20
+        ):
             return f"RSS {worker.rss_bytes / 2**20:.0f} MB > {config.max_worker_rss_mb} MB"
-        if (config.max_worker_gpu_mb is not None and worker.gpu_bytes is not None
-                and worker.gpu_bytes > config.max_worker_gpu_mb * 2**20):
+        if (
+            config.max_worker_gpu_mb is not None
+            and worker.gpu_bytes is not None
+            and worker.gpu_bytes > config.max_worker_gpu_mb * 2**20
+        ):
             return f"GPU memory {worker.gpu_bytes / 2**20:.0f} MB > {config.max_worker_gpu_mb} MB"
         return None
 
@@ -1025,8 +1088,11 @@ class Dispatcher:
         worker.io.send(("stop",))
         self._cancel_timer(worker.ladder_timer)
         worker.ladder_timer = self.call_at(
-            self.clock() + max(self.config.term_grace_s, 1.0), self._signal, worker,
-            signal.SIGTERM, "stop_timeout",
+            self.clock() + max(self.config.term_grace_s, 1.0),
+            self._signal,
+            worker,
+            signal.SIGTERM,
+            "stop_timeout",
         )
 
     def _rebalance(self) -> None:
@@ -1094,8 +1160,11 @@ class Dispatcher:
     def _after_event(self) -> None:
         self._rebalance()
         self._pump()
-        if (not self._started_reported and self.failure is None
-                and self._ready_count() >= self.slot_count - len(self.abandoned_slots) > 0):
+        if (
+            not self._started_reported
+            and self.failure is None
+            and self._ready_count() >= self.slot_count - len(self.abandoned_slots) > 0
+        ):
             self._report_started(None)
         if self.closing:
             self._shutdown_workers()
@@ -1122,11 +1191,13 @@ class Dispatcher:
     def _publish_gpu_workers(self) -> None:
         if not self.gpu_available:
             return
-        self.io.gpu_workers_changed([
-            (w.id, w.pid, w.device, w.gpu_baseline)
-            for w in self.workers.values()
-            if w.pid is not None and w.state != "dead" and w.device.startswith("cuda")
-        ])
+        self.io.gpu_workers_changed(
+            [
+                (w.id, w.pid, w.device, w.gpu_baseline)
+                for w in self.workers.values()
+                if w.pid is not None and w.state != "dead" and w.device.startswith("cuda")
+            ]
+        )
 
     # ---- stats -------------------------------------------------------------------------------
 
@@ -1139,18 +1210,20 @@ class Dispatcher:
             shown = worker.state
             if worker.state == "idle" and worker.role == "spare":
                 shown = "spare"
-            workers.append(WorkerStats(
-                id=worker.id,
-                pid=worker.pid,
-                state=shown,
-                role=worker.role,
-                device=worker.device,
-                requests=worker.requests,
-                uptime_s=round(now - worker.started_at, 3),
-                rss_mb=None if worker.rss_bytes is None else round(worker.rss_bytes / 2**20, 1),
-                gpu_mb=None if worker.gpu_bytes is None else round(worker.gpu_bytes / 2**20, 1),
-                gpu_mb_method=worker.gpu_method,
-            ))
+            workers.append(
+                WorkerStats(
+                    id=worker.id,
+                    pid=worker.pid,
+                    state=shown,
+                    role=worker.role,
+                    device=worker.device,
+                    requests=worker.requests,
+                    uptime_s=round(now - worker.started_at, 3),
+                    rss_mb=None if worker.rss_bytes is None else round(worker.rss_bytes / 2**20, 1),
+                    gpu_mb=None if worker.gpu_bytes is None else round(worker.gpu_bytes / 2**20, 1),
+                    gpu_mb_method=worker.gpu_method,
+                )
+            )
         return PoolStats(
             state=self.state,
             workers=workers,
@@ -1245,13 +1318,15 @@ _PACKAGE_PARENT = str(Path(modelpool.__file__).resolve().parent.parent)
 class _EventLoop:
     """Runs the Dispatcher on its own thread and does its I/O."""
 
-    def __init__(self, pool: ModelPool, config: PoolConfig, devices: list[str],
-                 probe: gpu.GpuProbe) -> None:
+    def __init__(
+        self, pool: ModelPool, config: PoolConfig, devices: list[str], probe: gpu.GpuProbe
+    ) -> None:
         self.config = config
         self.probe = probe
         self.selector = selectors.DefaultSelector()
         self.commands: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = (
-            collections.deque())
+            collections.deque()
+        )
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -1271,8 +1346,9 @@ class _EventLoop:
             gpu_reason=probe.reason,
         )
         self.thread = threading.Thread(target=self._run, name="modelpool-dispatcher", daemon=True)
-        self._monitor = threading.Thread(target=self._sample_gpu, name="modelpool-gpu-sampler",
-                                         daemon=True)
+        self._monitor = threading.Thread(
+            target=self._sample_gpu, name="modelpool-gpu-sampler", daemon=True
+        )
         self._threads_per_worker = max(1, _usable_cpus() // config.workers)
 
     # ---- cross-thread entry points ---------------------------------------------------------
@@ -1300,7 +1376,8 @@ class _EventLoop:
         env = dict(os.environ)
         env.update(gpu_env)
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
+            p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p
+        )
         threads = str(self._threads_per_worker)
         env.setdefault("OMP_NUM_THREADS", threads)
         env.setdefault("MKL_NUM_THREADS", threads)
@@ -1310,11 +1387,17 @@ class _EventLoop:
         if index is not None:
             worker.gpu_baseline = self.probe.used_bytes(index)
         command = [
-            sys.executable, "-m", "modelpool.worker",
-            "--channel", str(child_sock.fileno()),
-            "--control", str(control.fd),
-            "--lifeline", str(self._lifeline_r),
-            "--supervisor-pid", str(os.getpid()),
+            sys.executable,
+            "-m",
+            "modelpool.worker",
+            "--channel",
+            str(child_sock.fileno()),
+            "--control",
+            str(control.fd),
+            "--lifeline",
+            str(self._lifeline_r),
+            "--supervisor-pid",
+            str(os.getpid()),
         ]
         try:
             popen = subprocess.Popen(
@@ -1342,50 +1425,87 @@ class _EventLoop:
         self.selector.register(parent_sock, selectors.EVENT_READ, ("sock", worker))
         if pidfd is not None:
             self.selector.register(pidfd, selectors.EVENT_READ, ("exit", worker))
-        io.send(("init", WorkerSpec(
-            worker_id=spec.worker_id, model=spec.model, backend=spec.backend,
-            backend_options=spec.backend_options, device=worker_device, sys_path=spec.sys_path,
-            log_level=spec.log_level, supervisor_pid=spec.supervisor_pid,
-        )))
+        io.send(
+            (
+                "init",
+                WorkerSpec(
+                    worker_id=spec.worker_id,
+                    model=spec.model,
+                    backend=spec.backend,
+                    backend_options=spec.backend_options,
+                    device=worker_device,
+                    sys_path=spec.sys_path,
+                    log_level=spec.log_level,
+                    supervisor_pid=spec.supervisor_pid,
+                ),
+            )
+        )
         return io
 
     def check_release(self, worker: _Worker) -> None:
         threading.Thread(
-            target=self._check_release, args=(worker.id, worker.pid, worker.device,
-                                               worker.gpu_baseline, worker.rss_bytes),
-            name=f"modelpool-release-{worker.id}", daemon=True,
+            target=self._check_release,
+            args=(worker.id, worker.pid, worker.device, worker.gpu_baseline, worker.rss_bytes),
+            name=f"modelpool-release-{worker.id}",
+            daemon=True,
         ).start()
 
     def watch_device_free(self, device: str, needed_bytes: int) -> None:
-        threading.Thread(target=self._wait_device_free, args=(device, needed_bytes),
-                         name=f"modelpool-watch-{device}", daemon=True).start()
+        threading.Thread(
+            target=self._wait_device_free,
+            args=(device, needed_bytes),
+            name=f"modelpool-watch-{device}",
+            daemon=True,
+        ).start()
 
     def gpu_workers_changed(self, workers: list[tuple[int, int, str, int | None]]) -> None:
         self._gpu_workers = workers
 
     # ---- background checks (their own threads; results come back as commands) -------------
 
-    def _check_release(self, worker_id: int, pid: int | None, device: str,
-                       baseline: int | None, rss_bytes: int | None) -> None:
+    def _check_release(
+        self,
+        worker_id: int,
+        pid: int | None,
+        device: str,
+        baseline: int | None,
+        rss_bytes: int | None,
+    ) -> None:
         started = time.monotonic()
         ok, method, held = True, "psutil", None
         if pid is not None:
-            report = gpu.wait_process_group_gone(pid, timeout_s=max(1.0, self.config.term_grace_s))
+            # Orphaned members of the group are reaped by init, which in some containers
+            # takes a couple of seconds; the pool does not make itself a subreaper because
+            # that would change how the host application's own orphans are reaped.
+            report = gpu.wait_process_group_gone(pid, timeout_s=max(3.0, self.config.term_grace_s))
             ok = report.ok
             if not ok:
                 logger.error("worker pid %s: processes left in its group: %s", pid, report.holders)
             index = gpu.nvml_index_for(device, self.probe)
             if index is not None and self.probe.available:
                 gpu_report = self.probe.wait_released(
-                    index, pid, baseline or 0, timeout_s=self.config.gpu_release_timeout_s)
+                    index, pid, baseline, timeout_s=self.config.gpu_release_timeout_s
+                )
                 ok = ok and gpu_report.ok
                 method, held = gpu_report.method, gpu_report.held_bytes
                 if not gpu_report.ok:
-                    logger.error("worker pid %s: %s bytes still held on %s after %.1fs; "
-                                 "holders: %s", pid, gpu_report.held_bytes, device,
-                                 gpu_report.seconds, gpu_report.holders)
-        self.post(self.dispatcher.on_release_checked, worker_id, ok,
-                  time.monotonic() - started, method, rss_bytes, held)
+                    logger.error(
+                        "worker pid %s: %s bytes still held on %s after %.1fs; holders: %s",
+                        pid,
+                        gpu_report.held_bytes,
+                        device,
+                        gpu_report.seconds,
+                        gpu_report.holders,
+                    )
+        self.post(
+            self.dispatcher.on_release_checked,
+            worker_id,
+            ok,
+            time.monotonic() - started,
+            method,
+            rss_bytes,
+            held,
+        )
 
     def _wait_device_free(self, device: str, needed_bytes: int) -> None:
         index = gpu.nvml_index_for(device, self.probe)
@@ -1403,18 +1523,21 @@ class _EventLoop:
                 index = gpu.nvml_index_for(device, self.probe)
                 if index is None:
                     continue
-                reading = self.probe.worker_memory(index, pid, baseline or 0)
+                reading = self.probe.worker_memory(index, pid, baseline)
                 per_worker[worker_id] = (reading.bytes, reading.method)
-            devices = [DeviceStats(d.index, d.name, d.used_mb, d.total_mb)
-                       for d in self.probe.devices()]
+            devices = [
+                DeviceStats(d.index, d.name, d.used_mb, d.total_mb)
+                for d in self.probe.devices(self.probe.visible_device_indices())
+            ]
             self.post(self.dispatcher.on_gpu_sample, per_worker, devices)
 
     # ---- the loop ----------------------------------------------------------------------------
 
     def _want_write(self, worker: _Worker, io: _ProcessWorkerIO) -> None:
         try:
-            self.selector.modify(io.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
-                                 ("sock", worker))
+            self.selector.modify(
+                io.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, ("sock", worker)
+            )
         except (KeyError, ValueError):
             pass
 
@@ -1575,8 +1698,7 @@ class ModelPool:
             config = config.replace(**overrides)
         self.config = config
         self._backend_validate = _backend_validator(config.backend)
-        self._futures: weakref.WeakValueDictionary[str, PoolFuture] = (
-            weakref.WeakValueDictionary())
+        self._futures: weakref.WeakValueDictionary[str, PoolFuture] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
         self._queued = 0
         self._closed = False
@@ -1629,8 +1751,13 @@ class ModelPool:
             return
         if loop.thread.is_alive():
             loop.post(loop.dispatcher.begin_close, drain, time.monotonic() + timeout)
-            bound = timeout + self.config.cancel_grace_s + 2 * self.config.term_grace_s + \
-                self.config.gpu_release_timeout_s + 10.0
+            bound = (
+                timeout
+                + self.config.cancel_grace_s
+                + 2 * self.config.term_grace_s
+                + self.config.gpu_release_timeout_s
+                + 10.0
+            )
             loop.thread.join(bound)
             if loop.thread.is_alive():
                 logger.error("the dispatcher did not stop within %.0fs; killing workers", bound)
@@ -1645,13 +1772,15 @@ class ModelPool:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def submit(self, prompt: Prompt, *, deadline_s: float | None = None,
-               **gen_kwargs: Any) -> PoolFuture:
+    def submit(
+        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+    ) -> PoolFuture:
         """Queue a request; returns a future with ``request_id``. Validation errors raise here."""
         return self._submit(prompt, deadline_s, gen_kwargs, None)
 
-    def generate(self, prompt: Prompt, *, deadline_s: float | None = None,
-                 **gen_kwargs: Any) -> Result:
+    def generate(
+        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+    ) -> Result:
         """Run one request and wait for it. Raises a ``PoolError`` subclass on failure."""
         future = self._submit(prompt, deadline_s, gen_kwargs, None)
         try:
@@ -1670,22 +1799,25 @@ class ModelPool:
         loop.post(loop.dispatcher.cancel, request_id, False)
         return True
 
-    def stream(self, prompt: Prompt, *, deadline_s: float | None = None,
-               **gen_kwargs: Any) -> Iterator[str]:
+    def stream(
+        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+    ) -> Iterator[str]:
         """Yield text chunks as the worker produces them; closing the iterator cancels."""
         chunks: queue.SimpleQueue[object] = queue.SimpleQueue()
         future = self._submit(prompt, deadline_s, gen_kwargs, chunks.put)
         future.add_done_callback(lambda _: chunks.put(_END))
         return _iterate_stream(future, chunks)
 
-    async def agenerate(self, prompt: Prompt, *, deadline_s: float | None = None,
-                        **gen_kwargs: Any) -> Result:
+    async def agenerate(
+        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+    ) -> Result:
         """asyncio version of :meth:`generate`; cancelling the task stops the worker."""
         future = self._submit(prompt, deadline_s, gen_kwargs, None)
         return await asyncio.wrap_future(future)
 
-    async def astream(self, prompt: Prompt, *, deadline_s: float | None = None,
-                      **gen_kwargs: Any) -> AsyncIterator[str]:
+    async def astream(
+        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+    ) -> AsyncIterator[str]:
         """asyncio version of :meth:`stream`."""
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[object] = asyncio.Queue()
@@ -1730,8 +1862,13 @@ class ModelPool:
 
     # ---- internals -----------------------------------------------------------------------------
 
-    def _submit(self, prompt: Prompt, deadline_s: float | None, gen_kwargs: dict[str, Any],
-                on_chunk: Callable[[Any], None] | None) -> PoolFuture:
+    def _submit(
+        self,
+        prompt: Prompt,
+        deadline_s: float | None,
+        gen_kwargs: dict[str, Any],
+        on_chunk: Callable[[Any], None] | None,
+    ) -> PoolFuture:
         check_prompt(prompt)
         if deadline_s is None:
             deadline_s = self.config.deadline_s
@@ -1751,7 +1888,9 @@ class ModelPool:
             if self._closed:
                 raise PoolClosed("the pool is closed")
             if loop is None:
-                raise PoolError("the pool is not started: call start() or use `with ModelPool(...)`")
+                raise PoolError(
+                    "the pool is not started: call start() or use `with ModelPool(...)`"
+                )
             failure = loop.dispatcher.failure
             if failure is not None:
                 raise ModelLoadFailed(failure.message, worker_traceback=failure.worker_traceback)
@@ -1763,8 +1902,13 @@ class ModelPool:
         request_id = f"req-{uuid.uuid4().hex[:20]}"
         future = PoolFuture(request_id, self._cancel_from_future)
         request = _Request(
-            request_id=request_id, prompt=prompt, params=params, future=future,
-            submitted_at=now, deadline=now + deadline_s, on_chunk=on_chunk,
+            request_id=request_id,
+            prompt=prompt,
+            params=params,
+            future=future,
+            submitted_at=now,
+            deadline=now + deadline_s,
+            on_chunk=on_chunk,
         )
         self._futures[request_id] = future
         loop.post(loop.dispatcher.submit, request)

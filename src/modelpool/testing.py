@@ -24,6 +24,8 @@ Commands (``name[:arg[:arg]]``; anything else is echoed back):
 ``hog:MB``             allocates and touches MB megabytes, then hangs
 ``leak:MB``            allocates MB megabytes kept for the worker's life, returns "ok"
 ``crash_once:PATH``    exits if PATH does not exist (creating it first), else "ok"
+``hang_once:PATH``     hangs like ``hang`` if PATH does not exist (creating it first),
+                       else "ok": a timeout that a retry recovers from
 ``pid``                returns the worker's pid
 =====================  ======================================================
 
@@ -93,11 +95,12 @@ class FaultBackend:
             _touch(block)
             self._leaked.append(block)
             return "ok"
-        if command == "crash_once":
-            if not os.path.exists(argument):
-                with open(argument, "x"):
-                    pass
-                os._exit(1)
+        if command in ("crash_once", "hang_once"):
+            if _first_time(argument):
+                if command == "crash_once":
+                    os._exit(1)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                _block_forever()
             return "ok"
         if command == "pid":
             return str(os.getpid())
@@ -121,6 +124,14 @@ def _emit_tokens(call: Call, argument: str, limit: int | None) -> Generation:
         pieces.append(piece)
         call.emit(piece)
     return Generation("".join(pieces), "stop", None, len(pieces))
+
+
+def _first_time(marker: str) -> bool:
+    try:
+        with open(marker, "x"):
+            return True
+    except FileExistsError:
+        return False
 
 
 def _touch(block: bytearray) -> None:

@@ -19,7 +19,9 @@ def check_generation_params(params: Mapping[str, Any], *, where: str = "") -> No
     if "max_new_tokens" in params:
         value = params["max_new_tokens"]
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise InvalidRequest(f"{prefix}max_new_tokens must be a positive integer, got {value!r}")
+            raise InvalidRequest(
+                f"{prefix}max_new_tokens must be a positive integer, got {value!r}"
+            )
     if "temperature" in params:
         value = params["temperature"]
         if not _is_number(value) or value < 0:
@@ -36,7 +38,8 @@ def check_prompt(prompt: object) -> None:
         return
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequest(
-            f"prompt must be a string or a non-empty list of chat messages, got {type(prompt).__name__}"
+            "prompt must be a string or a non-empty list of chat messages, "
+            f"got {type(prompt).__name__}"
         )
     for index, message in enumerate(prompt):
         if not isinstance(message, Mapping):

@@ -176,7 +176,9 @@ def _run_attempt(
                 try:
                     validate(params)
                 except Exception as exc:
-                    channel.send(("error", attempt_id, "invalid", str(exc), "", process_rss_bytes()))
+                    channel.send(
+                        ("error", attempt_id, "invalid", str(exc), "", process_rss_bytes())
+                    )
                     return
             output = handler.generate(call)
             generation = output if isinstance(output, Generation) else Generation(str(output))

@@ -1,0 +1,642 @@
+"""GpuProbe and device resolution against a scripted fake NVML; no GPU, no real sleeps."""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from modelpool.gpu import (
+    DeviceInfo,
+    GpuProbe,
+    MemoryReading,
+    ReleaseReport,
+    find_device_holders,
+    nvml_index_for,
+    process_rss_bytes,
+    resolve_devices,
+    worker_env_for,
+)
+
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+
+
+# ----------------------------------------------------------------------------- fake NVML
+
+
+class FakeNVMLError(Exception):
+    value = 999
+
+    def __str__(self) -> str:
+        return f"fake NVML error {self.value}"
+
+
+# Named like pynvml's generated classes: the probe recognises errors by class name.
+class NVMLError_LibraryNotFound(FakeNVMLError):
+    value = 12
+
+
+class NVMLError_DriverNotLoaded(FakeNVMLError):
+    value = 9
+
+
+class NVMLError_FunctionNotFound(FakeNVMLError):
+    value = 13
+
+
+class NVMLError_NoPermission(FakeNVMLError):
+    value = 4
+
+
+class NVMLLibraryMismatchError(Exception):
+    pass
+
+
+@dataclass
+class FakeGpu:
+    name: str | bytes = "NVIDIA Fake H100"
+    uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
+    total: int = 80 * GIB
+    used: int = 1 * GIB
+    reserved: int = 500 * MIB
+    compute: dict[int, int | None] = field(default_factory=dict)
+    graphics: dict[int, int | None] = field(default_factory=dict)
+
+
+class FakeNvml:
+    """Module-like stand-in for pynvml whose state a test changes between polls."""
+
+    NVMLError = FakeNVMLError
+    NVMLError_LibraryNotFound = NVMLError_LibraryNotFound
+    NVMLError_DriverNotLoaded = NVMLError_DriverNotLoaded
+    NVMLError_FunctionNotFound = NVMLError_FunctionNotFound
+    NVMLError_NoPermission = NVMLError_NoPermission
+    NVMLLibraryMismatchError = NVMLLibraryMismatchError
+    nvmlMemory_v2 = 0x02000028
+
+    def __init__(
+        self,
+        gpus: list[FakeGpu] | None = None,
+        *,
+        init_error: BaseException | None = None,
+        memory_v2: bool = True,
+        compute_v3: bool = True,
+    ) -> None:
+        self.gpus = gpus if gpus is not None else []
+        self.init_error = init_error
+        self.memory_v2 = memory_v2
+        self.compute_v3 = compute_v3
+        self.calls: dict[str, int] = {}
+        self.initialised = False
+
+    def _count_call(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def _gpu(self, handle: Any) -> FakeGpu:
+        assert self.initialised, "NVML call before nvmlInit"
+        index: int = handle.index
+        return self.gpus[index]
+
+    def nvmlInit(self) -> None:
+        self._count_call("nvmlInit")
+        if self.init_error is not None:
+            raise self.init_error
+        self.initialised = True
+
+    def nvmlShutdown(self) -> None:
+        self._count_call("nvmlShutdown")
+        self.initialised = False
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._count_call("nvmlDeviceGetCount")
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        self._count_call("nvmlDeviceGetHandleByIndex")
+        if not 0 <= index < len(self.gpus):
+            raise FakeNVMLError()
+        return SimpleNamespace(index=index)
+
+    def nvmlDeviceGetName(self, handle: Any) -> str | bytes:
+        return self._gpu(handle).name
+
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        return self._gpu(handle).uuid
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
+        self._count_call("nvmlDeviceGetMemoryInfo")
+        gpu = self._gpu(handle)
+        if version:
+            if not self.memory_v2:
+                raise NVMLError_FunctionNotFound()
+            assert version == self.nvmlMemory_v2
+            return SimpleNamespace(
+                version=version,
+                total=gpu.total,
+                reserved=gpu.reserved,
+                free=gpu.total - gpu.used,
+                used=gpu.used,
+            )
+        # v1 counts the reserved memory as used
+        used = gpu.used + gpu.reserved
+        return SimpleNamespace(total=gpu.total, free=gpu.total - used, used=used)
+
+    @staticmethod
+    def _procs(table: dict[int, int | None]) -> list[Any]:
+        return [SimpleNamespace(pid=pid, usedGpuMemory=mem) for pid, mem in table.items()]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        self._count_call("nvmlDeviceGetComputeRunningProcesses")
+        if not self.compute_v3:
+            raise NVMLLibraryMismatchError("use a versioned function")
+        return self._procs(self._gpu(handle).compute)
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: Any) -> list[Any]:
+        self._count_call("nvmlDeviceGetComputeRunningProcesses_v2")
+        return self._procs(self._gpu(handle).compute)
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[Any]:
+        return self._procs(self._gpu(handle).graphics)
+
+
+class FakeClock:
+    """A clock and a sleep that advances it; ``on_sleep`` scripts the world between polls."""
+
+    def __init__(self, on_sleep: Any = None) -> None:
+        self.now = 1000.0
+        self.sleeps = 0
+        self.on_sleep = on_sleep
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.now += seconds
+        self.sleeps += 1
+        if self.on_sleep is not None:
+            self.on_sleep(self.sleeps)
+
+
+def two_gpus() -> FakeNvml:
+    return FakeNvml(
+        [
+            FakeGpu(name="GPU Zero", uuid="GPU-aaaa1111-0000-0000-0000-000000000000"),
+            FakeGpu(name=b"GPU One", uuid="GPU-bbbb2222-0000-0000-0000-000000000000"),
+        ]
+    )
+
+
+NO_CVD: dict[str, str] = {}
+
+
+# ----------------------------------------------------------------------------- availability
+
+
+def test_available_probe_reads_devices() -> None:
+    nvml = two_gpus()
+    probe = GpuProbe(nvml)
+    assert probe.available
+    assert probe.device_count() == 2
+    devices = probe.devices()
+    assert devices == [
+        DeviceInfo(index=0, name="GPU Zero", used_mb=1024.0, total_mb=81920.0),
+        DeviceInfo(index=1, name="GPU One", used_mb=1024.0, total_mb=81920.0),  # bytes decoded
+    ]
+    assert devices[0].to_dict() == {
+        "index": 0,
+        "name": "GPU Zero",
+        "used_mb": 1024.0,
+        "total_mb": 81920.0,
+    }
+    assert probe.devices([1])[0].index == 1
+    assert probe.used_bytes(0) == 1 * GIB
+    assert probe.free_bytes(0) == 79 * GIB
+    assert probe.used_bytes(5) is None
+    assert nvml.calls["nvmlInit"] == 1
+
+
+def test_memory_info_falls_back_to_v1_and_stays_there() -> None:
+    nvml = FakeNvml([FakeGpu()], memory_v2=False)
+    probe = GpuProbe(nvml)
+    first = probe.used_bytes(0)
+    assert first == 1 * GIB + 500 * MIB  # v1: reserved counted as used
+    calls = nvml.calls["nvmlDeviceGetMemoryInfo"]
+    assert probe.used_bytes(0) == first
+    # v2 is not tried again once v1 was chosen, so baselines and later reads agree.
+    assert nvml.calls["nvmlDeviceGetMemoryInfo"] == calls + 1
+
+
+def test_close_shuts_down_once() -> None:
+    nvml = two_gpus()
+    with GpuProbe(nvml) as probe:
+        assert probe.available
+    assert not probe.available
+    assert nvml.calls["nvmlShutdown"] == 1
+    probe.close()
+    assert nvml.calls["nvmlShutdown"] == 1
+    assert probe.devices() == []
+
+
+def assert_unavailable_and_fast(probe: GpuProbe) -> None:
+    assert not probe.available
+    assert probe.reason
+    started = time.perf_counter()
+    assert probe.devices() == []
+    assert probe.device_count() == 0
+    assert probe.used_bytes(0) is None
+    assert probe.free_bytes(0) is None
+    assert probe.process_memory(0) == {}
+    assert probe.worker_memory(0, 123, 0) == MemoryReading(None, "unavailable")
+    assert probe.visible_device_indices(NO_CVD) == []
+    report = probe.wait_released(0, 123, 0, timeout_s=30.0, sleep=_no_sleep)
+    assert report.ok and report.method == "unavailable" and report.seconds < 0.1
+    assert resolve_devices(["auto"], probe, NO_CVD) == ["cpu"]
+    assert time.perf_counter() - started < 0.1
+
+
+def _no_sleep(seconds: float) -> None:
+    raise AssertionError("an unavailable probe must not sleep")
+
+
+def test_library_not_found() -> None:
+    nvml = FakeNvml([FakeGpu()], init_error=NVMLError_LibraryNotFound())
+    probe = GpuProbe(nvml)
+    assert probe.reason == "NVML library not found (no NVIDIA driver)"
+    assert_unavailable_and_fast(probe)
+    assert nvml.calls == {"nvmlInit": 1}  # no retries, nothing else called
+
+
+def test_driver_not_loaded() -> None:
+    probe = GpuProbe(FakeNvml([FakeGpu()], init_error=NVMLError_DriverNotLoaded()))
+    assert probe.reason == "NVIDIA driver not loaded"
+    assert_unavailable_and_fast(probe)
+
+
+def test_other_nvml_error() -> None:
+    probe = GpuProbe(FakeNvml([FakeGpu()], init_error=FakeNVMLError()))
+    assert "NVML initialisation failed" in probe.reason
+    assert "fake NVML error" in probe.reason
+    assert_unavailable_and_fast(probe)
+
+
+def test_count_failure_after_init_shuts_down() -> None:
+    nvml = two_gpus()
+
+    def broken_count() -> int:
+        raise NVMLError_NoPermission()
+
+    nvml.nvmlDeviceGetCount = broken_count  # type: ignore[method-assign]
+    probe = GpuProbe(nvml)
+    assert "no permission" in probe.reason
+    assert nvml.calls["nvmlShutdown"] == 1
+    assert_unavailable_and_fast(probe)
+
+
+def test_import_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` raise ImportError
+    probe = GpuProbe()
+    assert "not installed" in probe.reason
+    assert_unavailable_and_fast(probe)
+
+
+def test_real_pynvml_on_this_machine_is_fast() -> None:
+    started = time.perf_counter()
+    probe = GpuProbe()
+    elapsed = time.perf_counter() - started
+    assert elapsed < 0.5, elapsed
+    if ctypes.util.find_library("nvidia-ml") is None and not Path("/dev/nvidiactl").exists():
+        assert not probe.available
+        assert probe.reason == "NVML library not found (no NVIDIA driver)"
+        assert_unavailable_and_fast(probe)
+    probe.close()
+
+
+# ----------------------------------------------------------------------------- attribution
+
+
+def test_process_memory_merges_compute_and_graphics() -> None:
+    gpu = FakeGpu(compute={10: 2 * GIB, 11: None}, graphics={10: 1 * GIB, 12: 300 * MIB})
+    probe = GpuProbe(FakeNvml([gpu]))
+    assert probe.process_memory(0) == {10: 2 * GIB, 11: None, 12: 300 * MIB}
+    assert probe.process_memory(3) == {}
+
+
+def test_process_list_falls_back_to_v2_on_old_driver() -> None:
+    nvml = FakeNvml([FakeGpu(compute={10: GIB})], compute_v3=False)
+    probe = GpuProbe(nvml)
+    assert probe.process_memory(0) == {10: GIB}
+    assert nvml.calls["nvmlDeviceGetComputeRunningProcesses_v2"] == 1
+
+
+def test_worker_memory_by_pid() -> None:
+    gpu = FakeGpu(used=5 * GIB, compute={4242: 3 * GIB, 7: GIB})
+    probe = GpuProbe(FakeNvml([gpu]))
+    assert probe.worker_memory(0, 4242, baseline_used_bytes=GIB) == MemoryReading(3 * GIB, "pid")
+
+
+def test_worker_memory_by_delta_when_pid_hidden() -> None:
+    # In a container NVML lists host PIDs: our worker's PID is not in the list.
+    gpu = FakeGpu(used=1 * GIB)
+    probe = GpuProbe(FakeNvml([gpu]))
+    baseline = probe.used_bytes(0)
+    assert baseline == GIB
+    gpu.used = 4 * GIB
+    gpu.compute = {987654: 3 * GIB}  # host PID of our worker
+    assert probe.worker_memory(0, 4242, baseline) == MemoryReading(3 * GIB, "delta")
+    gpu.used = GIB // 2  # below the baseline: never negative
+    assert probe.worker_memory(0, 4242, baseline) == MemoryReading(0, "delta")
+
+
+def test_worker_memory_pid_visible_but_usage_not_available() -> None:
+    gpu = FakeGpu(used=3 * GIB, compute={4242: None})
+    probe = GpuProbe(FakeNvml([gpu]))
+    assert probe.worker_memory(0, 4242, GIB) == MemoryReading(2 * GIB, "delta")
+    assert probe.worker_memory(0, 4242, None) == MemoryReading(None, "unavailable")
+
+
+# ----------------------------------------------------------------------------- release
+
+
+def test_release_by_pid_after_some_polls() -> None:
+    gpu = FakeGpu(used=5 * GIB, compute={4242: 4 * GIB})
+
+    def world(polls: int) -> None:
+        if polls == 3:
+            gpu.compute.pop(4242)
+            gpu.used = GIB
+
+    clock = FakeClock(world)
+    probe = GpuProbe(FakeNvml([gpu]))
+    report = probe.wait_released(
+        0, 4242, GIB, timeout_s=5.0, poll_s=0.05, clock=clock, sleep=clock.sleep
+    )
+    assert report == ReleaseReport(ok=True, seconds=report.seconds, held_bytes=0, method="pid")
+    assert report.seconds == pytest.approx(0.15)
+    assert clock.sleeps == 3
+
+
+def test_release_by_pid_ignores_memory_owned_by_others() -> None:
+    # The PID was visible and is gone: other processes' growth is not ours.
+    gpu = FakeGpu(used=5 * GIB, compute={4242: 4 * GIB, 99: GIB})
+
+    def world(polls: int) -> None:
+        if polls == 2:
+            gpu.compute.pop(4242)
+            gpu.used = 3 * GIB  # someone else grew meanwhile
+
+    clock = FakeClock(world)
+    probe = GpuProbe(FakeNvml([gpu]))
+    report = probe.wait_released(0, 4242, GIB, timeout_s=5.0, clock=clock, sleep=clock.sleep)
+    assert report.ok and report.method == "pid"
+    assert report.seconds == pytest.approx(0.10)
+
+
+def test_release_by_delta_when_pid_hidden() -> None:
+    gpu = FakeGpu(used=GIB)
+    probe = GpuProbe(FakeNvml([gpu]))
+    baseline = probe.used_bytes(0)
+    assert baseline is not None
+    gpu.used = 9 * GIB
+    gpu.compute = {555555: 8 * GIB}  # host PID, not ours
+
+    def world(polls: int) -> None:
+        if polls == 2:
+            gpu.used = 4 * GIB  # the driver frees in steps
+        if polls == 5:
+            gpu.used = GIB + 10 * MIB  # within tolerance
+            gpu.compute = {}
+
+    clock = FakeClock(world)
+    report = probe.wait_released(
+        0, 4242, baseline, timeout_s=5.0, poll_s=0.1, clock=clock, sleep=clock.sleep
+    )
+    assert report.ok
+    assert report.method == "delta"
+    assert report.seconds == pytest.approx(0.5)
+    assert report.held_bytes == 10 * MIB
+
+
+def test_release_with_pid_hidden_and_no_baseline_is_unverified() -> None:
+    gpu = FakeGpu(used=9 * GIB, compute={555555: 8 * GIB})
+    probe = GpuProbe(FakeNvml([gpu]))
+    clock = FakeClock()
+    report = probe.wait_released(0, 4242, None, timeout_s=5.0, clock=clock, sleep=clock.sleep)
+    assert report.ok and report.method == "unavailable" and report.held_bytes is None
+
+
+def write_fake_proc(root: Path) -> None:
+    """A /proc with: 4242 holding /dev/nvidia0, 4243 in state D, 4244 unrelated, 4245 unreadable."""
+
+    def proc(pid: int, comm: str, state: str, fds: dict[str, str]) -> None:
+        proc_dir = root / str(pid)
+        (proc_dir / "fd").mkdir(parents=True)
+        (proc_dir / "stat").write_text(f"{pid} ({comm}) {state} 1 {pid} {pid} 0 -1 4194560 0 0\n")
+        for fd, target in fds.items():
+            os.symlink(target, proc_dir / "fd" / fd)
+
+    proc(4242, "python worker", "S", {"0": "/dev/null", "7": "/dev/nvidia0", "8": "/dev/nvidiactl"})
+    proc(4243, "nvidia-smi", "D", {"0": "/dev/null"})
+    proc(4244, "bash", "S", {"0": "/dev/pts/0", "1": "socket:[1234]"})
+    (root / "4245").mkdir()  # vanished / unreadable: no stat, no fd
+    (root / "self").mkdir()
+    (root / "meminfo").write_text("")
+
+
+def test_release_never_happens_names_holders(tmp_path: Path) -> None:
+    write_fake_proc(tmp_path)
+    gpu = FakeGpu(used=5 * GIB, compute={4242: 4 * GIB})
+    clock = FakeClock()
+    probe = GpuProbe(FakeNvml([gpu]), proc_root=tmp_path)
+    report = probe.wait_released(
+        0, 4242, GIB, timeout_s=2.0, poll_s=0.05, clock=clock, sleep=clock.sleep
+    )
+    assert not report.ok
+    assert report.method == "pid"
+    assert report.held_bytes == 4 * GIB
+    assert report.seconds == pytest.approx(2.0)
+    assert clock.sleeps in (40, 41)  # float steps may need one short last sleep
+    assert report.holders == [
+        "pid 4242 (python worker): holds /dev/nvidia0, /dev/nvidiactl",
+        "pid 4243 (nvidia-smi): in state D (uninterruptible sleep)",
+    ]
+    assert "NOT released" in report.describe()
+
+
+def test_release_never_happens_by_delta(tmp_path: Path) -> None:
+    write_fake_proc(tmp_path)
+    gpu = FakeGpu(used=3 * GIB, compute={777: None})
+    clock = FakeClock()
+    probe = GpuProbe(FakeNvml([gpu]), proc_root=tmp_path)
+    report = probe.wait_released(0, 4242, GIB, timeout_s=1.0, clock=clock, sleep=clock.sleep)
+    assert not report.ok
+    assert report.method == "delta"
+    assert report.held_bytes == 2 * GIB
+    assert len(report.holders) == 2
+
+
+def test_release_watch_is_non_blocking_and_final() -> None:
+    gpu = FakeGpu(used=5 * GIB, compute={4242: 4 * GIB})
+    clock = FakeClock()
+    probe = GpuProbe(FakeNvml([gpu]))
+    watch = probe.release_watch(0, 4242, GIB, timeout_s=1.0, clock=clock)
+    assert watch.poll() is None
+    clock.now += 0.3
+    gpu.compute.clear()
+    report = watch.poll()
+    assert report is not None and report.ok and report.seconds == pytest.approx(0.3)
+    assert watch.poll() is report
+
+
+def test_holders_tolerates_missing_root(tmp_path: Path) -> None:
+    lines = find_device_holders(tmp_path / "nope")
+    assert len(lines) == 1 and "cannot list" in lines[0]
+
+
+def test_holders_are_capped(tmp_path: Path) -> None:
+    for pid in range(100, 140):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (x) D 1\n")
+    lines = find_device_holders(tmp_path, limit=5, exclude_pids={100})
+    assert lines[0].startswith("pid 101 (x)")
+    assert lines[-1] == "... and 34 more"
+    assert len(lines) == 6
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+def test_resolve_auto_without_driver() -> None:
+    probe = GpuProbe(FakeNvml(init_error=NVMLError_LibraryNotFound()))
+    assert resolve_devices(["auto"], probe, NO_CVD) == ["cpu"]
+    # Explicit devices are kept (not validated) when NVML cannot tell.
+    assert resolve_devices(["cuda", "cuda:3", "cpu"], probe, NO_CVD) == ["cuda:0", "cuda:3", "cpu"]
+
+
+def test_resolve_auto_with_two_gpus() -> None:
+    probe = GpuProbe(two_gpus())
+    assert resolve_devices(["auto"], probe, NO_CVD) == ["cuda:0", "cuda:1"]
+    assert resolve_devices(["cpu", "auto"], probe, NO_CVD) == ["cpu", "cuda:0", "cuda:1"]
+    assert resolve_devices(["CUDA:1", " cuda "], probe, NO_CVD) == ["cuda:1", "cuda:0"]
+
+
+def test_resolve_auto_with_zero_gpus() -> None:
+    assert resolve_devices(["auto"], GpuProbe(FakeNvml([])), NO_CVD) == ["cpu"]
+
+
+def test_resolve_rejects_missing_and_malformed_devices() -> None:
+    probe = GpuProbe(two_gpus())
+    with pytest.raises(ValueError, match="'cuda:2'"):
+        resolve_devices(["cuda:2"], probe, NO_CVD)
+    with pytest.raises(ValueError, match="'cuda:1'"):
+        resolve_devices(["cuda:1"], probe, {"CUDA_VISIBLE_DEVICES": "0"})
+    with pytest.raises(ValueError, match="'mps'"):
+        resolve_devices(["mps"], probe, NO_CVD)
+    with pytest.raises(ValueError, match="empty"):
+        resolve_devices([], probe, NO_CVD)
+
+
+@pytest.mark.parametrize(
+    ("cvd", "indices"),
+    [
+        (None, [0, 1]),
+        ("", []),
+        ("  ", []),
+        ("1", [1]),
+        ("1,0", [1, 0]),
+        ("GPU-bbbb2222-0000-0000-0000-000000000000", [1]),
+        ("GPU-bbbb", [1]),  # a unique prefix is enough for CUDA
+        ("GPU-aaaa1111-0000-0000-0000-000000000000,1", [0, 1]),
+        ("0,7,1", [0]),  # CUDA stops at the first invalid entry
+        ("-1", []),
+        ("1,1", [1]),
+        ("GPU-", []),  # ambiguous prefix
+        ("garbage", []),
+    ],
+)
+def test_visible_device_indices(cvd: str | None, indices: list[int]) -> None:
+    env = {} if cvd is None else {"CUDA_VISIBLE_DEVICES": cvd}
+    probe = GpuProbe(two_gpus())
+    assert probe.visible_device_indices(env) == indices
+    expected_auto = [f"cuda:{n}" for n in range(len(indices))] or ["cpu"]
+    assert resolve_devices(["auto"], probe, env) == expected_auto
+
+
+def test_visible_device_indices_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    probe = GpuProbe(two_gpus())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert probe.visible_device_indices() == [1]
+    assert resolve_devices(["auto"], probe) == ["cuda:0"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert resolve_devices(["auto"], probe) == ["cpu"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert resolve_devices(["auto"], probe) == ["cuda:0", "cuda:1"]
+
+
+def test_nvml_index_for() -> None:
+    probe = GpuProbe(two_gpus())
+    assert nvml_index_for("cpu", probe, NO_CVD) is None
+    assert nvml_index_for("cuda", probe, NO_CVD) == 0
+    assert nvml_index_for("cuda:1", probe, NO_CVD) == 1
+    assert nvml_index_for("cuda:0", probe, {"CUDA_VISIBLE_DEVICES": "1"}) == 1
+    uuid_env = {"CUDA_VISIBLE_DEVICES": "GPU-bbbb2222-0000-0000-0000-000000000000"}
+    assert nvml_index_for("cuda:0", probe, uuid_env) == 1
+    assert nvml_index_for("cuda:1", probe, uuid_env) is None
+    unavailable = GpuProbe(FakeNvml(init_error=NVMLError_LibraryNotFound()))
+    assert nvml_index_for("cuda:0", unavailable, NO_CVD) is None
+
+
+def test_worker_env_for() -> None:
+    probe = GpuProbe(two_gpus())
+    assert worker_env_for("cpu", probe, NO_CVD) == ({"CUDA_VISIBLE_DEVICES": ""}, "cpu")
+    assert worker_env_for("cuda:1", probe, NO_CVD) == (
+        {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+        "cuda:0",
+    )
+    # The parent's own entries, as written; an explicit CUDA_DEVICE_ORDER is inherited as is.
+    env = {"CUDA_VISIBLE_DEVICES": "1,0", "CUDA_DEVICE_ORDER": "FASTEST_FIRST"}
+    assert worker_env_for("cuda:0", probe, env) == ({"CUDA_VISIBLE_DEVICES": "1"}, "cuda:0")
+    assert worker_env_for("cuda:1", probe, env) == ({"CUDA_VISIBLE_DEVICES": "0"}, "cuda:0")
+    uuid_env = {"CUDA_VISIBLE_DEVICES": "GPU-bbbb2222-0000-0000-0000-000000000000"}
+    assert worker_env_for("cuda", probe, uuid_env) == (uuid_env, "cuda:0")
+    with pytest.raises(ValueError, match="'cuda:1'"):
+        worker_env_for("cuda:1", probe, uuid_env)
+    with pytest.raises(ValueError, match="'cuda:0'"):
+        worker_env_for("cuda:0", probe, {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_worker_env_for_without_nvml() -> None:
+    probe = GpuProbe(FakeNvml(init_error=NVMLError_LibraryNotFound()))
+    assert worker_env_for("cuda:2", probe, NO_CVD) == (
+        {"CUDA_VISIBLE_DEVICES": "2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+        "cuda:0",
+    )
+    env = {"CUDA_VISIBLE_DEVICES": "GPU-x,GPU-y"}
+    assert worker_env_for("cuda:1", probe, env) == ({"CUDA_VISIBLE_DEVICES": "GPU-y"}, "cuda:0")
+    with pytest.raises(ValueError, match="'cuda:2'"):
+        worker_env_for("cuda:2", probe, env)
+    assert worker_env_for("cpu", probe, env) == ({"CUDA_VISIBLE_DEVICES": ""}, "cpu")
+
+
+# ----------------------------------------------------------------------------- rss
+
+
+def test_process_rss_bytes_is_plausible_and_cheap() -> None:
+    import psutil
+
+    rss = process_rss_bytes()
+    real = psutil.Process().memory_info().rss
+    assert rss > 0
+    assert abs(rss - real) < max(16 * MIB, real // 4)
+    started = time.perf_counter()
+    for _ in range(1000):
+        process_rss_bytes()
+    assert time.perf_counter() - started < 0.5
