@@ -311,6 +311,8 @@ class Dispatcher:
         self.blocked_devices: dict[str, int] = {}
         self.abandoned_slots: set[int] = set()
         self.slot_not_before: dict[int, float] = {}
+        self.slots_awaiting_release: set[int] = set()
+        self.retire_waiting: set[int] = set()
         self.state = "starting"
         self.failure: ModelLoadFailed | None = None
         self.last_load_error: str | None = None
@@ -411,7 +413,11 @@ class Dispatcher:
             return
         now = self.clock()
         for slot in range(self.slot_count):
-            if slot in self.abandoned_slots or self._slot_filled(slot):
+            if (
+                slot in self.abandoned_slots
+                or slot in self.slots_awaiting_release
+                or self._slot_filled(slot)
+            ):
                 continue
             device = self.devices[slot % len(self.devices)]
             if device in self.blocked_devices:
@@ -988,6 +994,10 @@ class Dispatcher:
             self._attempt_failed(request, worker, outcome, error)
         if previous_state != "starting" or worker.pid is not None:
             self.pending_release_checks += 1
+            if self.gpu_available and worker.device.startswith("cuda"):
+                # A GPU slot is refilled only once the old worker's memory is known to be back:
+                # a replacement loading beside memory that is still held can run out of it.
+                self.slots_awaiting_release.add(worker.slot)
             self.io.check_release(worker)
         self._publish_gpu_workers()
         self._fill_slots()
@@ -1012,10 +1022,14 @@ class Dispatcher:
             last_freed_mb=None if freed_bytes is None else freed_bytes / 2**20,
         )
         worker = self.workers.get(worker_id)
-        if worker is not None and not self.closing:
+        if worker is None:
+            return
+        if not self.closing:
             # Keep the dead worker's record only until its release is known.
             del self.workers[worker_id]
-        if ok or worker is None or not worker.device.startswith("cuda"):
+        self.slots_awaiting_release.discard(worker.slot)
+        if ok or not worker.device.startswith("cuda"):
+            self._fill_slots()
             return
         needed = worker.gpu_bytes or held_bytes or 0
         logger.error(
@@ -1072,11 +1086,21 @@ class Dispatcher:
         return None
 
     def _maybe_retire(self, worker: _Worker) -> None:
+        """Retire an idle worker that crossed a recycling limit.
+
+        With spares configured, a serving worker is retired only once an idle spare
+        can take its place, so serving capacity never dips; until then it keeps serving.
+        """
         if worker.state != "idle" or self.closing:
             return
         reason = self._retire_reason(worker)
         if reason is None:
             return
+        if self.config.spares and worker.role == "serving":
+            if not any(w.state == "idle" and w.role == "spare" for w in self.workers.values()):
+                self.retire_waiting.add(worker.id)
+                return
+        self.retire_waiting.discard(worker.id)
         logger.info("recycling worker %d (pid %s): %s", worker.id, worker.pid, reason)
         self.counters["recycled"] += 1
         self._stop_worker(worker)
@@ -1158,6 +1182,12 @@ class Dispatcher:
     # ---- after every event --------------------------------------------------------------------
 
     def _after_event(self) -> None:
+        for worker_id in list(self.retire_waiting):
+            waiting = self.workers.get(worker_id)
+            if waiting is None or waiting.state == "dead":
+                self.retire_waiting.discard(worker_id)
+            else:
+                self._maybe_retire(waiting)
         self._rebalance()
         self._pump()
         if (
@@ -1691,7 +1721,15 @@ class ModelPool:
     :class:`~modelpool.errors.PoolError`.
     """
 
-    def __init__(self, config: PoolConfig | None = None, /, **overrides: Any) -> None:
+    def __init__(
+        self,
+        config: PoolConfig | None = None,
+        /,
+        *,
+        gpu_probe: gpu.GpuProbe | None = None,
+        **overrides: Any,
+    ) -> None:
+        """``overrides`` are PoolConfig fields; ``gpu_probe`` replaces the NVML probe (tests)."""
         if config is None:
             config = PoolConfig(**overrides)
         elif overrides:
@@ -1706,6 +1744,7 @@ class ModelPool:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._last_snapshot: PoolStats | None = None
+        self._gpu_probe = gpu_probe
 
     # ---- life cycle ------------------------------------------------------------------------
 
@@ -1720,7 +1759,7 @@ class ModelPool:
                 if model != config.model:
                     config = config.replace(model=model)
                     self.config = config
-                probe = gpu.GpuProbe()
+                probe = self._gpu_probe or gpu.GpuProbe()
                 devices = gpu.resolve_devices(config.devices, probe)
                 self._loop = _EventLoop(self, config, devices, probe)
                 _live_pools.add(self)

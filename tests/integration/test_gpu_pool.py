@@ -1,0 +1,123 @@
+"""The pool's GPU paths, driven by real worker processes and a scripted fake NVML.
+
+No GPU here: ``ModelPool(gpu_probe=GpuProbe(nvml=fake))`` makes the pool place
+workers on "cuda:0", sample their memory and verify its release through the
+fake, whose process list the test controls.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+from fake_nvml import GIB, MIB, FakeGpu, FakeNvml
+from helpers import make_config, wait_until
+
+from modelpool import ModelPool
+from modelpool.gpu import GpuProbe
+
+
+class HoldingNvml(FakeNvml):
+    """Reports each registered pid as holding memory on GPU 0, and used memory to match."""
+
+    def __init__(self) -> None:
+        super().__init__([FakeGpu(total=8 * GIB, used=1 * GIB)])
+        self._lock = threading.Lock()
+        self.base_used = 1 * GIB
+
+    def hold(self, pid: int, nbytes: int) -> None:
+        with self._lock:
+            self.gpus[0].compute[pid] = nbytes
+            self.gpus[0].used = self.base_used + sum(v or 0 for v in self.gpus[0].compute.values())
+
+    def release(self, pid: int) -> None:
+        with self._lock:
+            self.gpus[0].compute.pop(pid, None)
+            self.gpus[0].used = self.base_used + sum(v or 0 for v in self.gpus[0].compute.values())
+
+
+def gpu_pool(nvml: FakeNvml, **overrides: Any) -> ModelPool:
+    config = make_config(
+        devices=["cuda:0"],
+        gpu_sample_interval_s=0.05,
+        gpu_release_timeout_s=0.3,
+        **overrides,
+    )
+    return ModelPool(config, gpu_probe=GpuProbe(nvml=nvml))
+
+
+def test_workers_are_placed_on_the_gpu_and_their_memory_is_sampled() -> None:
+    nvml = HoldingNvml()
+    with gpu_pool(nvml, workers=1) as pool:
+        worker = pool.stats().workers[0]
+        assert worker.device == "cuda:0"
+        assert pool.stats().gpu.available
+        nvml.hold(worker.pid, 300 * MIB)
+        sampled = wait_until(
+            lambda: pool.stats().workers[0].gpu_mb, timeout=5, message="a gpu_mb sample"
+        )
+        assert sampled == 300.0
+        assert pool.stats().workers[0].gpu_mb_method == "pid"
+        assert pool.generate("pid").text == str(worker.pid)
+
+
+def test_a_kill_whose_memory_comes_back_is_a_verified_release() -> None:
+    nvml = HoldingNvml()
+    with gpu_pool(nvml, workers=1) as pool:
+        pid = pool.stats().workers[0].pid
+        nvml.hold(pid, 200 * MIB)
+        wait_until(lambda: pool.stats().workers[0].gpu_mb, timeout=5)
+        os.kill(pid, signal.SIGKILL)
+        nvml.release(pid)
+        releases = wait_until(
+            lambda: (r := pool.stats().gpu.releases).checked and r,
+            timeout=5,
+            message="the release check",
+        )
+        assert releases.ok == 1 and releases.failed == 0
+        # Gone from the process list before the first poll: verified against the baseline.
+        assert releases.last_method in ("pid", "delta")
+        wait_until(lambda: pool.stats().workers and pool.stats().workers[0].state == "idle")
+        assert pool.stats().state == "ready"
+
+
+def test_memory_not_released_degrades_the_pool_until_the_device_frees() -> None:
+    nvml = HoldingNvml()
+    with gpu_pool(nvml, workers=1) as pool:
+        pid = pool.stats().workers[0].pid
+        nvml.hold(pid, 6 * GIB)
+        wait_until(lambda: pool.stats().workers[0].gpu_mb, timeout=5)
+        os.kill(pid, signal.SIGKILL)  # NVML keeps listing it: its memory is "stuck"
+
+        wait_until(lambda: pool.stats().state == "degraded", timeout=5, message="degraded")
+        snapshot = pool.stats()
+        assert snapshot.gpu.releases.failed == 1
+        assert snapshot.gpu.blocked_devices == ["cuda:0"]
+        assert snapshot.workers == []  # no replacement piled onto a GPU that is still full
+        assert snapshot.counters["respawns"] == 0
+
+        nvml.release(pid)
+        wait_until(lambda: pool.stats().state == "ready", timeout=5, message="ready again")
+        replacement = wait_until(
+            lambda: [w for w in pool.stats().workers if w.state == "idle"], timeout=5
+        )
+        assert replacement[0].pid != pid
+        assert pool.stats().counters["respawns"] == 1
+        assert pool.generate("echo:back").text == "back"
+
+
+def test_auto_devices_resolve_to_cpu_without_a_driver() -> None:
+    with ModelPool(make_config(devices=["auto"], workers=2)) as pool:
+        assert [w.device for w in pool.stats().workers] == ["cpu", "cpu"]
+        assert pool.stats().gpu.available is False
+        assert pool.stats().gpu.reason
+
+
+def test_auto_devices_spread_workers_round_robin_over_visible_gpus() -> None:
+    nvml = FakeNvml([FakeGpu(uuid="GPU-a"), FakeGpu(uuid="GPU-b")])
+    config = make_config(devices=["auto"], workers=4, gpu_sample_interval_s=0.05)
+    with ModelPool(config, gpu_probe=GpuProbe(nvml=nvml)) as pool:
+        devices = sorted(w.device for w in pool.stats().workers)
+        assert devices == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
