@@ -14,7 +14,6 @@ from typing import Any
 
 from fake_nvml import GIB, MIB, FakeGpu, FakeNvml
 from helpers import make_config, wait_until
-
 from modelpool import ModelPool
 from modelpool.gpu import GpuProbe
 

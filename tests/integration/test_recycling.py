@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from helpers import make_config, wait_until
-
 from modelpool import ModelPool
 
 
