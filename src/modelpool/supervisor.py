@@ -1096,10 +1096,10 @@ class Dispatcher:
         reason = self._retire_reason(worker)
         if reason is None:
             return
-        if self.config.spares and worker.role == "serving":
-            if not any(w.state == "idle" and w.role == "spare" for w in self.workers.values()):
-                self.retire_waiting.add(worker.id)
-                return
+        spare_ready = any(w.state == "idle" and w.role == "spare" for w in self.workers.values())
+        if self.config.spares and worker.role == "serving" and not spare_ready:
+            self.retire_waiting.add(worker.id)
+            return
         self.retire_waiting.discard(worker.id)
         logger.info("recycling worker %d (pid %s): %s", worker.id, worker.pid, reason)
         self.counters["recycled"] += 1
