@@ -144,6 +144,9 @@ class PoolFuture(concurrent.futures.Future[Result]):
             return self.cancelled()
         cancelled = super().cancel()
         if cancelled:
+            # CANCELLED_AND_NOTIFIED is what concurrent.futures.wait()/as_completed() count
+            # as done; plain CANCELLED is only reached by executors that later notify.
+            self.set_running_or_notify_cancel()
             self._on_cancel(self.request_id)
         return cancelled
 
@@ -172,6 +175,7 @@ class _Request:
     counted_as_queued: bool = True
     last_partial: str = ""
     deadline_timer: _Timer | None = None
+    last_error: PoolError | None = None
 
 
 @dataclass(eq=False)
@@ -630,15 +634,19 @@ class Dispatcher:
         if run is None:
             return
         run.chunks.append(text)
-        request = run.request
-        if request is not None and request.on_chunk is not None and not request.caller_gone:
-            request.streamed = True
-            try:
-                request.on_chunk(text)
-            except Exception:
-                logger.exception(
-                    "request %s: the stream consumer's callback failed", request.request_id
-                )
+        if run.request is not None:
+            self._deliver_chunk(run.request, text)
+
+    def _deliver_chunk(self, request: _Request, text: str) -> None:
+        if request.on_chunk is None or request.caller_gone:
+            return
+        request.streamed = True
+        try:
+            request.on_chunk(text)
+        except Exception:
+            logger.exception(
+                "request %s: the stream consumer's callback failed", request.request_id
+            )
 
     def _on_done(
         self, worker: _Worker, attempt_id: int, generation: Generation, rss_bytes: int
@@ -661,6 +669,11 @@ class Dispatcher:
         if cancelled:
             self._resolve_cancelled(request, generation.text, worker.pid, generation)
             return
+        if request.on_chunk is not None:
+            # A backend may return text it never emitted; a stream still gets all of it.
+            sent = run.partial_text()
+            if len(generation.text) > len(sent) and generation.text.startswith(sent):
+                self._deliver_chunk(request, generation.text[len(sent) :])
         self._succeed(request, generation, worker.pid)
 
     def _on_error(
@@ -702,6 +715,8 @@ class Dispatcher:
             self._cancel_timer(worker.ladder_timer)
             worker.ladder_timer = None
             worker.state = "idle"
+            if self.slot_count == 1:
+                self._fail_pinned_retries(worker)
             self._maybe_retire(worker)
 
     # ---- deadlines, stalls, the kill ladder ------------------------------------------------
@@ -857,6 +872,7 @@ class Dispatcher:
             return
         self.counters["retries"] += 1
         request.last_failed_worker = worker.id
+        request.last_error = error
         logger.info(
             "request %s: attempt %d %s on worker pid %s; retrying",
             request.request_id,
@@ -870,6 +886,12 @@ class Dispatcher:
         else:
             self._requeue(request)
 
+    def _fail_pinned_retries(self, worker: _Worker) -> None:
+        """The only worker came back warm: a retry waiting for another worker has none."""
+        for request in list(self.queue.values()):
+            if request.last_failed_worker == worker.id and request.last_error is not None:
+                self._fail(request, request.last_error)
+
     def _requeue(self, request: _Request) -> None:
         if request.state == "done":
             return
@@ -878,11 +900,12 @@ class Dispatcher:
         self.queue.move_to_end(request.request_id, last=False)
 
     def _another_worker_exists(self, failed: _Worker) -> bool:
-        if self.config.workers + self.config.spares > 1:
+        if self.slot_count > 1:
             return True
-        # With one slot, a worker that dies is replaced by a new one; one that stayed warm
-        # after a timeout would be the only candidate, and a retry never goes back to it.
-        return failed.state in ("killing", "dead")
+        # With one slot, a worker that dies is replaced by a new one, and one still being
+        # stopped may be; one that already answered and stays warm would be the only
+        # candidate, and a retry never goes back to the worker that just failed it.
+        return failed.state in ("cancelling", "killing", "dead")
 
     # ---- resolution ------------------------------------------------------------------------
 

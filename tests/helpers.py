@@ -1,0 +1,239 @@
+"""Shared helpers for the pool tests: polling, process inspection, pool fixtures.
+
+Import from a test file with ``from helpers import ...`` (pyproject.toml puts
+tests/ on pytest's pythonpath).
+
+Rule of these tests: never sleep to *let something happen*; poll a condition with
+a timeout (``wait_until``) instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import psutil
+
+from modelpool import ModelPool, PoolConfig, PoolFuture, RetryPolicy
+from modelpool.stats import PoolStats, WorkerStats
+
+T = TypeVar("T")
+
+VENV_PYTHON = sys.executable
+
+
+class WaitTimeout(AssertionError):
+    pass
+
+
+def wait_until(
+    predicate: Callable[[], T],
+    timeout: float = 5.0,
+    interval: float = 0.005,
+    message: str | Callable[[], str] = "condition",
+) -> T:
+    """Poll ``predicate`` until it returns a truthy value; return that value.
+
+    Raises ``WaitTimeout`` (an AssertionError) with ``message`` after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            text = message() if callable(message) else message
+            raise WaitTimeout(f"timed out after {timeout}s waiting for {text}")
+        pause.wait(interval)
+
+
+# ---- processes ----------------------------------------------------------------------------
+
+
+def children(include_zombies: bool = True) -> list[psutil.Process]:
+    """Every descendant of the current process (recursive)."""
+    result = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if not include_zombies and child.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        result.append(child)
+    return result
+
+
+def zombies() -> list[psutil.Process]:
+    """Descendants of the current process that exited but were not reaped."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def describe(processes: Iterable[psutil.Process]) -> str:
+    parts = []
+    for proc in processes:
+        try:
+            parts.append(f"{proc.pid}:{proc.status()}:{' '.join(proc.cmdline())[:80]}")
+        except psutil.Error:
+            parts.append(f"{proc.pid}:gone")
+    return ", ".join(parts) or "none"
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` is a running process (a zombie counts as gone: it runs nothing)."""
+    if not psutil.pid_exists(pid):
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_pids_gone(pids: Iterable[int], timeout: float) -> float:
+    """Wait until none of ``pids`` runs; return the seconds it took."""
+    pids = list(pids)
+    started = time.monotonic()
+    wait_until(
+        lambda: not any(pid_alive(pid) for pid in pids),
+        timeout,
+        message=lambda: f"pids {[p for p in pids if pid_alive(p)]} to be gone",
+    )
+    return time.monotonic() - started
+
+
+def assert_no_children(timeout: float = 5.0) -> None:
+    """No descendant process (running or zombie) is left, within ``timeout``."""
+    wait_until(
+        lambda: not children(),
+        timeout,
+        message=lambda: f"no child processes (left: {describe(children())})",
+    )
+
+
+# ---- pools --------------------------------------------------------------------------------
+
+
+def make_config(**overrides: Any) -> PoolConfig:
+    """A small, fast testing-backend pool config; ``overrides`` replace any field."""
+    values: dict[str, Any] = {
+        "model": "none",
+        "backend": "testing",
+        "workers": 2,
+        "deadline_s": 10.0,
+        "cancel_grace_s": 0.3,
+        "term_grace_s": 0.3,
+        "startup_timeout_s": 30.0,
+        "retry": RetryPolicy(max_retries=2),
+    }
+    values.update(overrides)
+    return PoolConfig(**values)
+
+
+@contextlib.contextmanager
+def open_pool(**overrides: Any) -> Iterator[ModelPool]:
+    """A started testing pool that is always closed (without draining) afterwards."""
+    pool = ModelPool(make_config(**overrides))
+    pool.start()
+    try:
+        yield pool
+    finally:
+        pool.close(drain=False, timeout=5.0)
+
+
+def workers(pool: ModelPool) -> list[WorkerStats]:
+    return pool.stats().workers
+
+
+def idle_workers(pool: ModelPool) -> list[WorkerStats]:
+    return [w for w in workers(pool) if w.state == "idle"]
+
+
+def wait_idle(pool: ModelPool, count: int, timeout: float = 5.0) -> list[WorkerStats]:
+    """Wait until exactly ``count`` workers are idle and nothing else (starting, killing) is
+    left; return them."""
+
+    def check() -> list[WorkerStats] | None:
+        snapshot = workers(pool)
+        idle = [w for w in snapshot if w.state == "idle"]
+        others = [w for w in snapshot if w.state not in ("idle", "spare")]
+        return idle if len(idle) == count and not others else None
+
+    return wait_until(
+        check, timeout, message=lambda: f"{count} idle workers (now: {_states(pool)})"
+    )
+
+
+def wait_busy(pool: ModelPool, count: int = 1, timeout: float = 5.0) -> list[WorkerStats]:
+    def check() -> list[WorkerStats] | None:
+        busy = [w for w in workers(pool) if w.state == "busy"]
+        return busy if len(busy) >= count else None
+
+    return wait_until(
+        check, timeout, message=lambda: f"{count} busy workers (now: {_states(pool)})"
+    )
+
+
+def worker_by_pid(pool: ModelPool, pid: int | None) -> WorkerStats | None:
+    return next((w for w in workers(pool) if w.pid == pid), None)
+
+
+def counters(pool: ModelPool) -> dict[str, int]:
+    return dict(pool.stats().counters)
+
+
+def wait_counters(pool: ModelPool, timeout: float = 5.0, **expected: int) -> dict[str, int]:
+    """Wait until every named counter has the expected value."""
+
+    def check() -> dict[str, int] | None:
+        now = counters(pool)
+        return now if all(now.get(k) == v for k, v in expected.items()) else None
+
+    return wait_until(
+        check, timeout, message=lambda: f"counters {expected} (now: {counters(pool)})"
+    )
+
+
+def settled(snapshot: PoolStats) -> bool:
+    c = snapshot.counters
+    return c["completed"] + c["failed"] + c["cancelled"] == c["submitted"]
+
+
+def _states(pool: ModelPool) -> str:
+    return ", ".join(f"{w.id}/{w.pid}:{w.state}" for w in workers(pool))
+
+
+def submit_with_chunks(
+    pool: ModelPool, prompt: Any, **kwargs: Any
+) -> tuple[PoolFuture, threading.Event, list[str]]:
+    """Submit with a chunk callback, so a test can tell when generation has begun and still
+    hold the request id (``stream()`` hides it). Uses the pool's internal ``_submit`` hook:
+    the public API has no "submit with chunk callback"."""
+    first = threading.Event()
+    received: list[str] = []
+
+    def on_chunk(text: str) -> None:
+        received.append(text)
+        first.set()
+
+    deadline = kwargs.pop("deadline_s", None)
+    future = pool._submit(prompt, deadline, kwargs, on_chunk)
+    return future, first, received
+
+
+def write_module(directory: os.PathLike[str] | str, name: str, source: str) -> None:
+    """Write ``name.py`` into ``directory`` (a test puts it on sys.path; workers get sys.path)."""
+    path = os.path.join(os.fspath(directory), f"{name}.py")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(source)

@@ -1,0 +1,384 @@
+"""Pool life cycle: scripts without a main guard, supervisor death, close, logs, backends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import (
+    VENV_PYTHON,
+    children,
+    counters,
+    describe,
+    make_config,
+    open_pool,
+    pid_alive,
+    submit_with_chunks,
+    wait_busy,
+    wait_counters,
+    wait_idle,
+    wait_pids_gone,
+    workers,
+    write_module,
+    zombies,
+)
+from modelpool import (
+    BackendError,
+    DeadlineExceeded,
+    InvalidRequest,
+    ModelPool,
+    PoolClosed,
+    RetryPolicy,
+    WorkerCrashed,
+)
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
+
+LONG = "tokens:1000:0.01"
+
+NO_GUARD_SCRIPT = """\
+from modelpool import ModelPool, PoolConfig
+
+print("SCRIPT-START", flush=True)
+with ModelPool(PoolConfig(model="none", backend="testing", workers=2, deadline_s=20)) as pool:
+    result = pool.generate("echo:hello")
+    print("RESULT", result.text, flush=True)
+print("SCRIPT-END", flush=True)
+"""
+
+
+def run_python(
+    args: list[str], cwd: Path, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the venv's editable install must be enough
+    return subprocess.run(
+        [VENV_PYTHON, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def check_no_guard_output(proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("SCRIPT-START") == 1, proc.stdout
+    assert proc.stdout.count("RESULT hello") == 1, proc.stdout
+    assert proc.stdout.count("SCRIPT-END") == 1, proc.stdout
+
+
+# ---- no __main__ guard -----------------------------------------------------------------------
+
+
+def test_script_without_main_guard(tmp_path: Path) -> None:
+    script = tmp_path / "no_guard.py"
+    script.write_text(NO_GUARD_SCRIPT)
+    check_no_guard_output(run_python([str(script)], cwd=tmp_path))
+
+
+def test_python_dash_c(tmp_path: Path) -> None:
+    check_no_guard_output(run_python(["-c", NO_GUARD_SCRIPT], cwd=tmp_path))
+
+
+def test_script_on_stdin(tmp_path: Path) -> None:
+    check_no_guard_output(run_python(["-"], cwd=tmp_path, stdin=NO_GUARD_SCRIPT))
+
+
+# ---- the supervisor dies ---------------------------------------------------------------------
+
+SUPERVISOR_SCRIPT = """\
+import json, sys
+from modelpool import ModelPool, PoolConfig
+
+pool = ModelPool(PoolConfig(model="none", backend="testing", workers=2, deadline_s=60)).start()
+busy = pool.submit("hang")  # one worker busy in a backend that ignores SIGTERM
+while not any(w.state == "busy" for w in pool.stats().workers):
+    pass
+print(json.dumps([w.pid for w in pool.stats().workers]), flush=True)
+sys.stdin.read()
+"""
+
+
+def read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout_s):
+            raise AssertionError(f"no line from pid {proc.pid} within {timeout_s}s")
+    return proc.stdout.readline()
+
+
+def test_workers_die_with_a_sigkilled_supervisor(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [VENV_PYTHON, "-c", SUPERVISOR_SCRIPT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        line = read_line(proc, 30)
+        pids = json.loads(line)
+        assert len(pids) == 2
+        assert all(pid_alive(pid) for pid in pids)
+        os.kill(proc.pid, signal.SIGKILL)
+        started = time.monotonic()
+        proc.wait(10)
+        wait_pids_gone(pids, timeout=3.0)
+        seconds = time.monotonic() - started
+        print(f"workers gone {seconds * 1000:.0f} ms after the supervisor's SIGKILL")
+        assert seconds < 3.0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+ATEXIT_SCRIPT = """\
+import json
+from modelpool import ModelPool, PoolConfig
+
+pool = ModelPool(PoolConfig(model="none", backend="testing", workers=2)).start()
+assert pool.generate("echo:x").text == "x"
+print(json.dumps([w.pid for w in pool.stats().workers]), flush=True)
+# no close(): the pool closes itself at interpreter exit
+"""
+
+
+def test_pool_closes_at_interpreter_exit(tmp_path: Path) -> None:
+    proc = run_python(["-c", ATEXIT_SCRIPT], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    pids = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(pids) == 2
+    # close() at exit returns once the workers are reaped, so they are gone already.
+    assert not any(pid_alive(pid) for pid in pids)
+
+
+# ---- close ------------------------------------------------------------------------------------
+
+
+def assert_clean() -> None:
+    """Right after close(): no child process, running or zombie (close reaps before it returns)."""
+    assert zombies() == [], describe(zombies())
+    assert children() == [], describe(children())
+
+
+def test_close_after_normal_use_leaves_no_child_and_no_zombie() -> None:
+    with open_pool(workers=2) as pool:
+        for i in range(20):
+            assert pool.generate(f"echo:{i}").text == str(i)
+        assert len(children()) == 2
+    assert_clean()
+
+
+def test_close_after_faults_leaves_no_child_and_no_zombie() -> None:
+    with open_pool(
+        workers=2, retry=RetryPolicy(max_retries=1), cancel_grace_s=0.2, term_grace_s=0.2
+    ) as pool:
+        with pytest.raises(DeadlineExceeded):
+            pool.generate("hang", deadline_s=0.3)
+        with pytest.raises(WorkerCrashed):
+            pool.generate("segfault")
+        with pytest.raises(WorkerCrashed):
+            pool.generate("exit:1")
+        with pytest.raises(BackendError):
+            pool.generate("raise:boom")
+        pool.submit("hang")  # still running at close
+        wait_busy(pool, 1)
+    assert_clean()
+
+
+def test_close_is_idempotent_and_calls_after_close_raise_pool_closed() -> None:
+    pool = ModelPool(make_config(workers=1))
+    pool.start()
+    pool.close()
+    pool.close()
+    pool.close(drain=False)
+    assert pool.stats().state == "closed"
+    with pytest.raises(PoolClosed):
+        pool.submit("echo:x")
+    with pytest.raises(PoolClosed):
+        pool.generate("echo:x")
+    with pytest.raises(PoolClosed):
+        pool.stream("echo:x")
+    with pytest.raises(PoolClosed):
+        asyncio.run(pool.agenerate("echo:x"))
+    with pytest.raises(PoolClosed):
+        pool.start()
+    assert_clean()
+
+
+def test_close_drain_lets_in_flight_requests_finish() -> None:
+    with open_pool(workers=1) as pool:
+        running = pool.submit("tokens:20:0.02")
+        wait_busy(pool, 1)
+        queued = pool.submit("echo:queued")
+        started = time.monotonic()
+        pool.close(drain=True, timeout=10)
+        print(f"close(drain=True) took {time.monotonic() - started:.2f}s")
+        assert running.done() and queued.done()
+        result = running.result()
+        assert result.finish_reason == "stop"
+        assert result.text == "".join(f"t{i} " for i in range(20))
+        assert queued.result().text == "queued"
+        assert pool.stats().counters["completed"] == 2
+    assert_clean()
+
+
+def test_close_without_drain_fails_in_flight_requests_promptly() -> None:
+    with open_pool(workers=1, cancel_grace_s=0.3, term_grace_s=0.3) as pool:
+        running, first_chunk, _ = submit_with_chunks(pool, LONG)
+        assert first_chunk.wait(5)
+        queued = pool.submit("echo:queued")
+        started = time.monotonic()
+        pool.close(drain=False)
+        elapsed = time.monotonic() - started
+        print(f"close(drain=False) took {elapsed:.2f}s")
+        assert elapsed < 2.0, elapsed
+        assert isinstance(running.exception(timeout=0), PoolClosed)
+        assert isinstance(queued.exception(timeout=0), PoolClosed)
+        snapshot = pool.stats()
+        assert snapshot.counters["failed"] == 2
+        assert snapshot.counters["completed"] == 0
+    assert_clean()
+
+
+def test_close_drain_timeout_fails_what_is_left() -> None:
+    with open_pool(workers=1, cancel_grace_s=0.3, term_grace_s=0.3) as pool:
+        running = pool.submit(LONG)
+        wait_busy(pool, 1)
+        started = time.monotonic()
+        pool.close(drain=True, timeout=0.3)
+        elapsed = time.monotonic() - started
+        assert 0.25 <= elapsed < 3.0, elapsed
+        assert isinstance(running.exception(timeout=0), PoolClosed)
+    assert_clean()
+
+
+# ---- back to N idle workers after each fault ---------------------------------------------------
+
+FAULTS = [
+    pytest.param("hang", DeadlineExceeded, id="hang"),
+    pytest.param("segfault", WorkerCrashed, id="segfault"),
+    pytest.param("exit:5", WorkerCrashed, id="exit"),
+    pytest.param("raise:boom", BackendError, id="raise"),
+]
+
+
+@pytest.mark.parametrize(("prompt", "error"), FAULTS)
+def test_pool_returns_to_n_idle_workers_after_a_fault(prompt: str, error: type) -> None:
+    n = 2
+    with open_pool(
+        workers=n, retry=RetryPolicy(max_retries=0), cancel_grace_s=0.2, term_grace_s=0.2
+    ) as pool:
+        before = {w.pid for w in workers(pool)}
+        with pytest.raises(error) as info:
+            pool.generate(prompt, deadline_s=0.5)
+        assert len(info.value.attempts) == 1
+        failed_pid = info.value.attempts[0].worker_pid
+        assert failed_pid in before
+        idle = wait_idle(pool, n, timeout=5)
+        assert all(pid_alive(w.pid) for w in idle)
+        now = {w.pid for w in idle}
+        if error is BackendError:
+            assert now == before, "a backend exception keeps the worker"
+            snapshot = counters(pool)
+            assert snapshot["kills"] == snapshot["crashes"] == snapshot["respawns"] == 0
+        else:
+            assert failed_pid not in now
+            wait_pids_gone([failed_pid], timeout=3)
+            wait_counters(pool, respawns=1)
+        assert pool.stats().state == "ready"
+        results = [pool.submit(f"echo:{i}") for i in range(n * 4)]
+        assert [f.result(timeout=10).text for f in results] == [str(i) for i in range(n * 4)]
+
+
+# ---- worker logs, custom backends --------------------------------------------------------------
+
+LOGGING_BACKEND = """
+import logging
+
+log = logging.getLogger("mp_logging_backend")
+
+
+class Handler:
+    def generate(self, call):
+        log.warning("generating marker-GEN-%s", call.prompt)
+        return "ok"
+
+
+def factory(model="", device="cpu", **options):
+    log.warning("factory loaded marker-LOAD")
+    return Handler()
+"""
+
+VALIDATING_BACKEND = """
+def validate(params):
+    if "banana" in params:
+        raise ValueError("banana is not a generation parameter")
+
+
+class Handler:
+    def generate(self, call):
+        return "served:" + call.prompt
+
+
+def factory(model="", device="cpu", **options):
+    return Handler()
+"""
+
+
+def test_worker_log_lines_reach_the_supervisor_logger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_module(tmp_path, "mp_logging_backend", LOGGING_BACKEND)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    caplog.set_level(logging.INFO, logger="modelpool.worker")
+    with open_pool(workers=1, backend="mp_logging_backend:factory") as pool:
+        pid = workers(pool)[0].pid
+        assert pool.generate("hello").text == "ok"
+        # Log records travel on the same ordered channel as the result, so they are in.
+        records = [r for r in caplog.records if r.name == "modelpool.worker"]
+        messages = [r.getMessage() for r in records]
+        load = [m for m in messages if "marker-LOAD" in m]
+        gen = [m for m in messages if "marker-GEN-hello" in m]
+        assert len(load) == 1, messages
+        assert len(gen) == 1, messages
+        assert "worker 0" in load[0]
+        assert str(pid) in gen[0]
+        assert all(r.levelno == logging.WARNING for r in records if "marker" in r.getMessage())
+
+
+def test_custom_backend_validate_rejects_before_dispatch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_module(tmp_path, "mp_validating_backend", VALIDATING_BACKEND)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with open_pool(workers=1, backend="mp_validating_backend:factory") as pool:
+        with pytest.raises(InvalidRequest) as info:
+            pool.submit("x", banana=1)
+        assert "banana" in str(info.value)
+        assert isinstance(info.value, ValueError)
+        # The pool's own checks apply to a custom backend too.
+        with pytest.raises(InvalidRequest):
+            pool.submit("x", max_new_tokens=0)
+        assert pool.generate("x", max_new_tokens=4).text == "served:x"
+        snapshot = pool.stats()
+        assert snapshot.counters["submitted"] == 1
+        assert sum(w.requests for w in snapshot.workers) == 1
