@@ -34,7 +34,7 @@ import os
 import pickle
 import struct
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -42,7 +42,7 @@ PROTOCOL_VERSION = 1
 
 FinishReason = Literal["stop", "length", "cancelled"]
 ChatMessage = Mapping[str, str]
-Prompt = str | list[ChatMessage]
+Prompt = str | Sequence[ChatMessage]
 
 _FRAME_HEADER = struct.Struct("!I")
 

@@ -36,7 +36,7 @@ def check_prompt(prompt: object) -> None:
     """A prompt is a string or a non-empty list of ``{"role", "content"}`` string messages."""
     if isinstance(prompt, str):
         return
-    if not isinstance(prompt, list) or not prompt:
+    if not isinstance(prompt, (list, tuple)) or not prompt:
         raise InvalidRequest(
             "prompt must be a string or a non-empty list of chat messages, "
             f"got {type(prompt).__name__}"

@@ -35,6 +35,7 @@ import threading
 import traceback
 from typing import Any
 
+from modelpool.errors import InvalidRequest
 from modelpool.gpu import process_rss_bytes
 from modelpool.protocol import (
     PROTOCOL_VERSION,
@@ -182,6 +183,9 @@ def _run_attempt(
                     return
             output = handler.generate(call)
             generation = output if isinstance(output, Generation) else Generation(str(output))
+    except InvalidRequest as exc:
+        channel.send(("error", attempt_id, "invalid", str(exc), "", process_rss_bytes()))
+        return
     except Exception as exc:
         channel.send(
             (

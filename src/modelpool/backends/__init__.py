@@ -1,0 +1,1 @@
+"""Built-in backends: ``"hf"`` is :func:`modelpool.backends.hf.load`."""

@@ -1,0 +1,509 @@
+"""The transformers backend: one causal language model per worker, streamed and stoppable.
+
+The pool runs it as ``backend="hf"``; it can also be used directly::
+
+    from modelpool.backends.hf import load
+
+    handler = load("path/to/model", device="cpu", dtype="bfloat16", torch_threads=2)
+    generation = handler.generate(call)   # call.prompt, call.params, call.cancelled(), call.emit()
+    generation.text, generation.finish_reason
+
+Decoding is greedy unless the request samples (``do_sample=True`` or a
+``temperature`` above 0). Every step checks ``call.cancelled()`` and ends
+generation cleanly when it turns true; text is handed to ``call.emit`` as soon
+as it is stable (never half a character, never the start of a stop string),
+and the chunks joined are exactly the returned text.
+
+Importing this module costs nothing heavy: the supervisor imports it for
+:func:`validate`, and torch and transformers are imported by :func:`load`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from modelpool.errors import InvalidRequest
+from modelpool.protocol import Call, FinishReason, Generation, Prompt
+from modelpool.validation import check_generation_params
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+THREADS_ENV = "MODELPOOL_TORCH_THREADS"
+"""Torch intra-op threads for a worker when the ``torch_threads`` option is not given."""
+
+DEFAULT_MAX_NEW_TOKENS = 128
+MAX_STOP_STRINGS = 16
+
+GENERATION_PARAMS = frozenset(
+    {
+        "max_new_tokens",
+        "min_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "do_sample",
+        "repetition_penalty",
+        "no_repeat_ngram_size",
+        "stop",
+        "seed",
+    }
+)
+LOAD_OPTIONS = frozenset(
+    {"dtype", "device_map", "gguf_file", "trust_remote_code", "torch_threads", "chat_template"}
+)
+
+# Set in greedy mode they change nothing but make transformers warn on every request.
+_SAMPLING_ONLY = ("temperature", "top_p", "top_k")
+_MAX_SEED = 2**63 - 1
+_INCOMPLETE_CHAR = "\ufffd"
+
+
+def validate(params: Mapping[str, Any]) -> None:
+    """Reject generation parameters this backend does not take, or takes with other types.
+
+    Cheap and import-free, so the supervisor calls it before dispatch::
+
+        validate({"max_new_tokens": 32, "stop": ["\\n\\n"]})   # fine
+        validate({"max_tokens": 32})                           # InvalidRequest naming max_tokens
+    """
+    unknown = sorted(set(params) - GENERATION_PARAMS)
+    if unknown:
+        raise InvalidRequest(
+            f"unknown generation parameter(s) for the hf backend: {', '.join(unknown)}; "
+            f"allowed: {', '.join(sorted(GENERATION_PARAMS))}"
+        )
+    check_generation_params(params)
+    for key in ("min_new_tokens", "top_k", "no_repeat_ngram_size"):
+        if key in params:
+            _check_int(key, params[key], minimum=0)
+    if "seed" in params:
+        _check_int("seed", params["seed"], minimum=0, maximum=_MAX_SEED)
+    if "do_sample" in params and not isinstance(params["do_sample"], bool):
+        raise InvalidRequest(f"do_sample must be true or false, got {params['do_sample']!r}")
+    if "repetition_penalty" in params:
+        value = params["repetition_penalty"]
+        if not _is_number(value) or value <= 0:
+            raise InvalidRequest(f"repetition_penalty must be a number > 0, got {value!r}")
+    if params.get("min_new_tokens", 0) > params.get("max_new_tokens", math.inf):
+        raise InvalidRequest("min_new_tokens must not exceed max_new_tokens")
+    if params.get("do_sample") is True and params.get("temperature") == 0:
+        raise InvalidRequest("do_sample=true needs a temperature > 0 (temperature 0 means greedy)")
+    if "stop" in params:
+        _stop_strings(params["stop"])
+
+
+def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
+    """Load ``model`` (a hub id or a local directory) once per worker and return its handler.
+
+    Options (the pool's ``backend_options``): ``dtype`` ("auto", "float32",
+    "bfloat16", ...; default: the checkpoint's), ``device_map`` (accelerate
+    placement; then ``device`` is not applied), ``gguf_file`` (a file inside
+    ``model``), ``trust_remote_code`` (default False), ``torch_threads``
+    (default: ``$MODELPOOL_TORCH_THREADS``, else torch's own choice) and
+    ``chat_template`` (a Jinja template replacing the tokenizer's)::
+
+        handler = load("/models/smollm2", device="cuda:0", dtype="bfloat16")
+    """
+    unknown = sorted(set(options) - LOAD_OPTIONS)
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) for the hf backend: {', '.join(unknown)}; "
+            f"allowed: {', '.join(sorted(LOAD_OPTIONS))}"
+        )
+    dtype = options.get("dtype")
+    device_map = options.get("device_map")
+    gguf_file = options.get("gguf_file")
+    trust_remote_code = options.get("trust_remote_code", False)
+    chat_template = options.get("chat_template")
+    if dtype is not None and not isinstance(dtype, str):
+        raise ValueError(f"dtype must be a string such as 'bfloat16', got {dtype!r}")
+    if device_map is not None and not isinstance(device_map, (str, dict)):
+        raise ValueError(f"device_map must be a string or a mapping, got {device_map!r}")
+    if gguf_file is not None and not isinstance(gguf_file, str):
+        raise ValueError(f"gguf_file must be a file name, got {gguf_file!r}")
+    if not isinstance(trust_remote_code, bool):
+        raise ValueError(f"trust_remote_code must be true or false, got {trust_remote_code!r}")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise ValueError("chat_template must be a Jinja template string")
+    threads = _thread_count(options.get("torch_threads"))
+    if _looks_like_a_path(model) and not os.path.exists(os.path.expanduser(model)):
+        # Said before importing torch (seconds) and in words, rather than as the hub
+        # client's "Repo id must be in the form ..." for a path that is simply missing.
+        raise FileNotFoundError(f"model directory {model!r} does not exist")
+
+    started = time.monotonic()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:
+            # Only settable before the first inter-op parallel work in the process.
+            logger.debug("torch inter-op threads already fixed; leaving them")
+
+    shared: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if gguf_file is not None:
+        shared["gguf_file"] = gguf_file
+    model_kwargs = dict(shared)
+    if dtype is not None:
+        model_kwargs["dtype"] = _torch_dtype(dtype)
+    if device_map is not None:
+        model_kwargs["device_map"] = device_map
+    tokenizer = AutoTokenizer.from_pretrained(model, **shared)
+    language_model: Any = AutoModelForCausalLM.from_pretrained(model, **model_kwargs)
+    if device_map is None:
+        language_model.to(_torch_device(device))
+    language_model.eval()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+
+    handler = HFHandler(language_model, tokenizer)
+    handler.warm_up()
+    logger.info(
+        "loaded %s on %s (%s, %d torch threads) in %.2f s",
+        model,
+        language_model.device,
+        language_model.dtype,
+        torch.get_num_threads(),
+        time.monotonic() - started,
+    )
+    return handler
+
+
+class HFHandler:
+    """A loaded model and tokenizer answering one request at a time; made by :func:`load`."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        # Held as Any: transformers' annotations are partial (untyped methods,
+        # decorated ones mypy cannot bind), and every use here is plain.
+        self.model: Any = model
+        self.tokenizer: Any = tokenizer
+        if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if model.generation_config.pad_token_id is None:
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+        self._eos_ids = _token_ids(model.generation_config.eos_token_id) | _token_ids(
+            tokenizer.eos_token_id
+        )
+
+    def validate(self, params: Mapping[str, Any]) -> None:
+        """The module's :func:`validate`, for callers that hold only the handler."""
+        validate(params)
+
+    def warm_up(self) -> None:
+        """Generate one token so that the first real request does not pay for lazy set-up."""
+        self.generate(_WarmUpCall())
+
+    def generate(self, call: Call) -> Generation:
+        """Answer one request; see the module docstring for what the parameters mean."""
+        import torch
+
+        validate(call.params)
+        params = dict(call.params)
+        stops = _stop_strings(params.pop("stop", ()))
+        seed = params.pop("seed", None)
+        input_ids = self._encode(call.prompt)
+        prompt_tokens = int(input_ids.shape[1])
+        # The prefill cannot be interrupted, so a request cancelled while it
+        # waited must not start one.
+        if call.cancelled():
+            return Generation("", "cancelled", prompt_tokens, 0)
+
+        progress = _Progress(self.tokenizer, call, prompt_tokens, stops)
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.inference_mode():
+            output = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                **_generation_kwargs(params),
+                **_hooks(progress),
+            )
+        # Idempotent after the streamer's end(); keeps the returned text whole
+        # should a generation path ever skip end().
+        progress.flush()
+        if progress.error is not None:
+            raise progress.error
+
+        finish_reason: FinishReason
+        if progress.cancelled:
+            finish_reason = "cancelled"
+        elif progress.stopped or int(output[0, -1]) in self._eos_ids:
+            finish_reason = "stop"
+        else:
+            finish_reason = "length"
+        return Generation(progress.text, finish_reason, prompt_tokens, len(progress.token_ids))
+
+    def _encode(self, prompt: Prompt) -> torch.Tensor:
+        import torch
+
+        tokenizer = self.tokenizer
+        input_ids: torch.Tensor
+        if isinstance(prompt, str):
+            input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        else:
+            if tokenizer.chat_template is None:
+                raise InvalidRequest(
+                    "this model's tokenizer has no chat template: send a string prompt, "
+                    "or give the hf backend a chat_template option"
+                )
+            text = tokenizer.apply_chat_template(
+                [dict(message) for message in prompt], add_generation_prompt=True, tokenize=False
+            )
+            # The template writes its own special tokens (BOS included).
+            input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        if input_ids.shape[1] == 0:
+            if tokenizer.bos_token_id is None:
+                raise InvalidRequest("the prompt is empty and the tokenizer has no BOS token")
+            input_ids = torch.tensor([[tokenizer.bos_token_id]])
+        return input_ids.to(self.model.device)
+
+
+class _Progress:
+    """One request's decoding state, driven by generate()'s stopping criterion and streamer.
+
+    Within a decoding step transformers calls the stopping criteria, with the
+    new token already appended, and then the streamer. Decoding in the
+    criterion lets a stop string end generation on the very step that
+    completes it; the streamer then emits whatever became stable.
+
+    The whole generated sequence is decoded each step rather than token by
+    token, because one token may hold half a character (byte-level
+    tokenizers) and a token's leading space can depend on its predecessor.
+    Nothing here raises into transformers (an exception there would skip the
+    streamer's end()): failures are kept in ``error``, generation is stopped,
+    and the handler raises them afterwards.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        call: Call,
+        prompt_tokens: int,
+        stops: tuple[str, ...],
+    ) -> None:
+        self._tokenizer: Any = tokenizer
+        self._call = call
+        self._prompt_tokens = prompt_tokens
+        self._stops = stops
+        self._decoded = ""
+        self.token_ids: list[int] = []
+        # Everything emitted so far. It is the returned text, so that the text
+        # always equals the chunks joined.
+        self.text = ""
+        self.cancelled = False
+        self.stopped = False
+        self.error: Exception | None = None
+
+    def on_step(self, input_ids: torch.Tensor) -> bool:
+        """Stopping-criterion hook: take this step's token; True ends generation."""
+        if self.error is not None or self.cancelled or self.stopped:
+            return True
+        try:
+            if self._call.cancelled():
+                # The token of this step is dropped: nothing is emitted after a cancel.
+                self.cancelled = True
+                return True
+            start = self._prompt_tokens + len(self.token_ids)
+            self.token_ids.extend(input_ids[0, start:].tolist())
+            decoded = self._tokenizer.decode(
+                self.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
+            cut = self._first_stop(decoded)
+            if cut is not None:
+                decoded = decoded[:cut]
+                self.stopped = True
+            self._decoded = decoded
+        except Exception as exc:
+            self.error = exc
+            return True
+        return self.stopped
+
+    def on_token(self) -> None:
+        """Streamer hook: emit the text that no later token can change."""
+        if self.stopped:
+            self._emit_until(len(self._decoded))
+            return
+        stable = self._decoded.rstrip(_INCOMPLETE_CHAR)
+        self._emit_until(len(stable) - self._stop_prefix_length(stable))
+
+    def flush(self) -> None:
+        """Streamer end hook: emit what was held back, unless the request was cancelled."""
+        if not self.cancelled:
+            self._emit_until(len(self._decoded))
+
+    def _emit_until(self, end: int) -> None:
+        if self.error is not None or end <= len(self.text):
+            return
+        chunk = self._decoded[len(self.text) : end]
+        self.text += chunk
+        try:
+            self._call.emit(chunk)
+        except Exception as exc:
+            self.error = exc
+
+    def _first_stop(self, decoded: str) -> int | None:
+        # Emitted text never holds the start of a stop string (see
+        # _stop_prefix_length), so the search can begin where it ends.
+        start = len(self.text)
+        found = [index for stop in self._stops if (index := decoded.find(stop, start)) >= 0]
+        return min(found) if found else None
+
+    def _stop_prefix_length(self, text: str) -> int:
+        """Length of the longest end of ``text`` that could still grow into a stop string."""
+        longest = 0
+        for stop in self._stops:
+            for length in range(min(len(stop) - 1, len(text) - len(self.text)), longest, -1):
+                if text.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest
+
+
+def _hooks(progress: _Progress) -> dict[str, Any]:
+    """generate() keyword arguments that connect it to ``progress``."""
+    criteria_type, streamer_type, criteria_list_type = _hook_types()
+    return {
+        "stopping_criteria": criteria_list_type([criteria_type(progress)]),
+        "streamer": streamer_type(progress),
+    }
+
+
+@functools.cache
+def _hook_types() -> tuple[type[Any], type[Any], type[Any]]:
+    """The transformers subclasses, defined on first use to keep importing this module light."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+    from transformers.generation.streamers import BaseStreamer
+
+    class ProgressCriteria(StoppingCriteria):
+        def __init__(self, progress: _Progress) -> None:
+            self.progress = progress
+
+        def __call__(
+            self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs: Any
+        ) -> torch.Tensor:
+            done = self.progress.on_step(input_ids)
+            batch = input_ids.shape[0]
+            return torch.full((batch,), done, dtype=torch.bool, device=input_ids.device)
+
+    class ProgressStreamer(BaseStreamer):
+        def __init__(self, progress: _Progress) -> None:
+            self.progress = progress
+            self.prompt_skipped = False
+
+        def put(self, value: torch.Tensor) -> None:
+            # generate() hands over the prompt first; the token itself is read
+            # by the criterion, which sees it earlier in the same step.
+            if self.prompt_skipped:
+                self.progress.on_token()
+            self.prompt_skipped = True
+
+        def end(self) -> None:
+            self.progress.flush()
+
+    return ProgressCriteria, ProgressStreamer, StoppingCriteriaList
+
+
+def _generation_kwargs(params: dict[str, Any]) -> dict[str, Any]:
+    kwargs = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **params}
+    if "do_sample" not in kwargs:
+        kwargs["do_sample"] = kwargs.get("temperature", 0) > 0
+    if not kwargs["do_sample"]:
+        for key in _SAMPLING_ONLY:
+            kwargs.pop(key, None)
+    return kwargs
+
+
+class _WarmUpCall:
+    prompt: Prompt = "Hello"
+    params: dict[str, Any] = {"max_new_tokens": 1}
+
+    def cancelled(self) -> bool:
+        return False
+
+    def emit(self, text: str) -> None:
+        pass
+
+
+def _stop_strings(value: object) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        raise InvalidRequest(f"stop must be a non-empty string or a list of them, got {value!r}")
+    if len(items) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(items)}")
+    return tuple(items)
+
+
+def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise InvalidRequest(f"{key} must be an integer {bound}, got {value!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _token_ids(value: int | list[int] | None) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    return frozenset([value] if isinstance(value, int) else value)
+
+
+def _looks_like_a_path(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~"))
+
+
+def _thread_count(option: object) -> int | None:
+    if option is not None:
+        if not isinstance(option, int) or isinstance(option, bool) or option < 1:
+            raise ValueError(f"torch_threads must be a positive integer, got {option!r}")
+        return option
+    from_env = os.environ.get(THREADS_ENV, "").strip()
+    if not from_env:
+        return None
+    if not from_env.isdigit() or int(from_env) < 1:
+        raise ValueError(f"{THREADS_ENV} must be a positive integer, got {from_env!r}")
+    return int(from_env)
+
+
+def _torch_dtype(name: str) -> Any:
+    if name == "auto":
+        return name
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(
+            f"dtype must be 'auto' or a torch dtype name (bfloat16, ...), not {name!r}"
+        )
+    return dtype
+
+
+def _torch_device(device: str) -> torch.device:
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {device!r}") from exc

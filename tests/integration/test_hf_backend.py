@@ -1,0 +1,297 @@
+"""The transformers backend, in process, on the tiny random model.
+
+The tiny model's output is gibberish but deterministic, and its byte-level
+tokenizer makes it emit characters split across tokens as well as bytes that
+never become a character, which is what the streaming checks need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelpool.backends.hf import HFHandler, load
+from modelpool.errors import InvalidRequest
+from modelpool.protocol import Prompt
+from modelpool.tinymodel import build_tiny_model
+
+# Greedy output of the tiny model for this prompt holds hiragana assembled
+# from two tokens each (checked in test_multibyte_characters_are_never_split).
+MULTIBYTE_PROMPT = "What is the capital"
+PROMPTS = ["Hello", "Le café", "東京", MULTIBYTE_PROMPT, "😀", "x y z"]
+
+
+@dataclass
+class FakeCall:
+    """A Call whose cancel flag the test controls, recording what the backend did."""
+
+    prompt: Prompt
+    params: dict[str, Any] = field(default_factory=dict)
+    cancel_after_chunks: int | None = None
+    flag: bool = False
+    chunks: list[str] = field(default_factory=list)
+    checks_after_cancel: int = 0
+
+    def cancelled(self) -> bool:
+        if self.flag:
+            self.checks_after_cancel += 1
+        return self.flag
+
+    def emit(self, text: str) -> None:
+        assert isinstance(text, str) and text, "chunks are non-empty strings"
+        assert not self.flag, "nothing may be emitted once cancelled() returned True"
+        self.chunks.append(text)
+        if self.cancel_after_chunks is not None and len(self.chunks) >= self.cancel_after_chunks:
+            self.flag = True
+
+
+@pytest.fixture(scope="module")
+def handler(tiny_model_dir: Path) -> HFHandler:
+    return load(str(tiny_model_dir))
+
+
+def run(handler: HFHandler, prompt: Prompt, **params: Any) -> tuple[Any, FakeCall]:
+    call = FakeCall(prompt, params)
+    return handler.generate(call), call
+
+
+def test_string_prompt_is_deterministic(handler: HFHandler) -> None:
+    first, _ = run(handler, "Hello", max_new_tokens=12)
+    second, _ = run(handler, "Hello", max_new_tokens=12)
+    assert first.text and first.text == second.text
+    assert first.prompt_tokens == len(handler.tokenizer("Hello")["input_ids"])
+    assert first.completion_tokens == 12
+
+
+def test_chat_messages_use_the_template(handler: HFHandler) -> None:
+    messages: Prompt = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+    generation, call = run(handler, messages, max_new_tokens=8)
+    templated = handler.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert templated.endswith("<|assistant|>\n")
+    expected = handler.tokenizer(templated, add_special_tokens=False)["input_ids"]
+    assert generation.prompt_tokens == len(expected)
+    assert "".join(call.chunks) == generation.text
+
+
+def test_max_new_tokens_ends_with_length(handler: HFHandler) -> None:
+    generation, _ = run(handler, "Hello", max_new_tokens=5)
+    assert generation.finish_reason == "length"
+    assert generation.completion_tokens == 5
+    longer, _ = run(handler, "Hello", max_new_tokens=20)
+    assert longer.text.startswith(generation.text.rstrip("\ufffd"))
+
+
+def test_eos_ends_with_stop(handler: HFHandler) -> None:
+    # The tiny model happens to emit its EOS token a few tokens after this prompt.
+    generation, _ = run(handler, "東京", max_new_tokens=40)
+    assert generation.finish_reason == "stop"
+    assert generation.completion_tokens is not None and generation.completion_tokens < 40
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_streamed_chunks_join_to_the_text(handler: HFHandler, prompt: str) -> None:
+    generation, call = run(handler, prompt, max_new_tokens=32)
+    assert "".join(call.chunks) == generation.text
+    # An incomplete character is held back until the next token settles it;
+    # only the final flush may end in one that never completed.
+    assert not any(chunk.endswith("\ufffd") for chunk in call.chunks[:-1])
+
+
+def test_multibyte_characters_are_never_split(handler: HFHandler) -> None:
+    generation, call = run(handler, MULTIBYTE_PROMPT, max_new_tokens=24)
+    tokenizer = handler.tokenizer
+    input_ids = tokenizer(MULTIBYTE_PROMPT, return_tensors="pt")["input_ids"]
+    generated = handler.model.generate(input_ids, max_new_tokens=24, do_sample=False)
+    pieces = [tokenizer.decode([token]) for token in generated[0, input_ids.shape[1] :].tolist()]
+    assembled = [
+        char
+        for char in generation.text
+        if ord(char) > 127 and char != "\ufffd" and not any(char in piece for piece in pieces)
+    ]
+    assert assembled, "the prompt no longer yields a character split across tokens"
+    assert "".join(call.chunks) == generation.text
+    for char in assembled:
+        assert any(char in chunk for chunk in call.chunks), f"{char!r} was split between chunks"
+
+
+def test_streaming_matches_sampling_too(handler: HFHandler) -> None:
+    first, call = run(handler, "Hello", max_new_tokens=24, temperature=1.0, seed=7)
+    second, _ = run(handler, "Hello", max_new_tokens=24, temperature=1.0, seed=7)
+    greedy, _ = run(handler, "Hello", max_new_tokens=24)
+    assert first.text == second.text != greedy.text
+    assert "".join(call.chunks) == first.text
+
+
+def test_temperature_zero_is_greedy(handler: HFHandler) -> None:
+    greedy, _ = run(handler, "Hello", max_new_tokens=16)
+    zero, _ = run(handler, "Hello", max_new_tokens=16, temperature=0, top_p=0.5, seed=3)
+    assert zero.text == greedy.text
+
+
+@pytest.mark.parametrize("after", [1, 3])
+def test_cancel_stops_within_one_step(handler: HFHandler, after: int) -> None:
+    call = FakeCall("Hello", {"max_new_tokens": 60}, cancel_after_chunks=after)
+    generation = handler.generate(call)
+    assert generation.finish_reason == "cancelled"
+    assert len(call.chunks) == after
+    assert call.checks_after_cancel == 1
+    assert generation.text == "".join(call.chunks)
+    assert generation.completion_tokens is not None and generation.completion_tokens < 60
+
+
+def test_cancelled_before_start_generates_nothing(handler: HFHandler) -> None:
+    call = FakeCall("Hello", {"max_new_tokens": 8}, flag=True)
+    generation = handler.generate(call)
+    assert (generation.text, generation.finish_reason, generation.completion_tokens) == (
+        "",
+        "cancelled",
+        0,
+    )
+    assert call.chunks == []
+
+
+def test_handler_stays_usable_after_a_cancel(handler: HFHandler) -> None:
+    handler.generate(FakeCall("Hello", {"max_new_tokens": 30}, cancel_after_chunks=2))
+    generation, _ = run(handler, "Hello", max_new_tokens=12)
+    expected, _ = run(handler, "Hello", max_new_tokens=12)
+    assert generation.text == expected.text and generation.finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def baseline(handler: HFHandler) -> tuple[str, list[str]]:
+    generation, call = run(handler, "Hello", max_new_tokens=40)
+    assert generation.finish_reason == "length"
+    return generation.text, call.chunks
+
+
+def test_stop_string_cuts_the_text(handler: HFHandler, baseline: tuple[str, list[str]]) -> None:
+    text, _ = baseline
+    stop = " es"
+    assert stop in text
+    generation, call = run(handler, "Hello", max_new_tokens=40, stop=stop)
+    assert generation.finish_reason == "stop"
+    assert generation.text == text[: text.index(stop)]
+    assert "".join(call.chunks) == generation.text
+    assert generation.completion_tokens is not None and generation.completion_tokens < 40
+
+
+def test_stop_string_across_chunks(handler: HFHandler, baseline: tuple[str, list[str]]) -> None:
+    text, chunks = baseline
+    # The last character of one chunk and the first of the next: the stop
+    # string is only complete one token after it starts.
+    stop = chunks[2][-1] + chunks[3][0]
+    generation, call = run(handler, "Hello", max_new_tokens=40, stop=[stop])
+    assert generation.text == text[: text.index(stop)]
+    assert generation.finish_reason == "stop"
+    assert "".join(call.chunks) == generation.text
+
+
+def test_earliest_of_several_stops_wins(
+    handler: HFHandler, baseline: tuple[str, list[str]]
+) -> None:
+    text, _ = baseline
+    late, early = "8Üön", "pit"
+    assert text.index(early) < text.index(late)
+    generation, _ = run(handler, "Hello", max_new_tokens=40, stop=[late, early])
+    assert generation.text == text[: text.index(early)]
+
+
+def test_held_back_stop_prefix_is_released(
+    handler: HFHandler, baseline: tuple[str, list[str]]
+) -> None:
+    text, _ = baseline
+    # Every "pit" in the text could start this stop string, so it is held back
+    # from streaming; the string never completes, so all of it must come out.
+    generation, call = run(handler, "Hello", max_new_tokens=40, stop="pitXYZ")
+    assert generation.text == text
+    assert generation.finish_reason == "length"
+    assert "".join(call.chunks) == text
+
+
+def test_invalid_params_are_refused(handler: HFHandler) -> None:
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        handler.generate(FakeCall("Hello", {"max_tokens": 3}))
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        handler.validate({"max_tokens": 3})
+
+
+def test_chat_prompt_without_template_is_refused(handler: HFHandler) -> None:
+    template = handler.tokenizer.chat_template
+    handler.tokenizer.chat_template = None
+    try:
+        with pytest.raises(InvalidRequest, match="chat template"):
+            handler.generate(FakeCall([{"role": "user", "content": "hi"}]))
+    finally:
+        handler.tokenizer.chat_template = template
+
+
+def test_chat_template_option_replaces_the_tokenizers(tiny_model_dir: Path) -> None:
+    plain = load(
+        str(tiny_model_dir), chat_template="{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    generation = plain.generate(
+        FakeCall([{"role": "user", "content": "Hello"}], {"max_new_tokens": 4})
+    )
+    assert generation.prompt_tokens == len(
+        plain.tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    )
+
+
+def test_empty_prompt_starts_from_bos(handler: HFHandler) -> None:
+    generation, _ = run(handler, "", max_new_tokens=3)
+    assert generation.prompt_tokens == 1 and generation.completion_tokens == 3
+
+
+def test_gpt2_architecture(tmp_path: Path) -> None:
+    gpt2 = load(str(build_tiny_model(tmp_path / "tiny-gpt2", arch="gpt2")))
+    generation, call = run(gpt2, "Le café", max_new_tokens=10)
+    assert generation.completion_tokens == 10
+    assert "".join(call.chunks) == generation.text
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"torch_dtype": "float32"}, "torch_dtype"),
+        ({"dtype": "float33"}, "dtype"),
+        ({"torch_threads": 0}, "torch_threads"),
+        ({"trust_remote_code": "yes"}, "trust_remote_code"),
+    ],
+)
+def test_bad_options_raise_value_error(
+    tiny_model_dir: Path, options: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ValueError, match=named):
+        load(str(tiny_model_dir), **options)
+
+
+@pytest.fixture
+def threads_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    import torch
+
+    before = torch.get_num_threads()
+    yield monkeypatch
+    torch.set_num_threads(before)
+
+
+def test_threads_come_from_the_environment(
+    tiny_model_dir: Path, threads_env: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    threads_env.setenv("MODELPOOL_TORCH_THREADS", "1")
+    load(str(tiny_model_dir), dtype="float32")
+    assert torch.get_num_threads() == 1
+    threads_env.setenv("MODELPOOL_TORCH_THREADS", "many")
+    with pytest.raises(ValueError, match="MODELPOOL_TORCH_THREADS"):
+        load(str(tiny_model_dir))
