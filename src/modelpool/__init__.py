@@ -19,6 +19,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ModelPool": "modelpool.supervisor",
     "PoolFuture": "modelpool.supervisor",
+    "PoolStream": "modelpool.supervisor",
+    "AsyncPoolStream": "modelpool.supervisor",
     "Result": "modelpool.supervisor",
     "PoolConfig": "modelpool.config",
     "RetryPolicy": "modelpool.config",
@@ -37,6 +39,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AsyncPoolStream",
     "Attempt",
     "BackendError",
     "DeadlineExceeded",
@@ -50,6 +53,7 @@ __all__ = [
     "PoolFuture",
     "PoolOverloaded",
     "PoolStats",
+    "PoolStream",
     "Result",
     "RetryPolicy",
     "ServerConfig",
@@ -72,7 +76,7 @@ if TYPE_CHECKING:
     )
     from modelpool.protocol import Generation
     from modelpool.stats import PoolStats
-    from modelpool.supervisor import ModelPool, PoolFuture, Result
+    from modelpool.supervisor import AsyncPoolStream, ModelPool, PoolFuture, PoolStream, Result
 
 
 def __getattr__(name: str) -> Any:

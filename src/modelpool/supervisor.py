@@ -258,8 +258,8 @@ class DispatcherIO(Protocol):
     def gpu_workers_changed(self, workers: list[tuple[int, int, str, int | None]]) -> None: ...
 
 
-def describe_exit(returncode: int | None) -> str:
-    """A readable reason for a worker's exit status (``-9`` may be the OOM killer)."""
+def describe_exit(returncode: int | None, *, signalled_by_pool: bool = False) -> str:
+    """A readable reason for an exit status (an unexplained ``-9`` may be the OOM killer)."""
     if returncode is None:
         return "exit status unknown"
     if returncode < 0:
@@ -269,8 +269,8 @@ def describe_exit(returncode: int | None) -> str:
         except ValueError:
             name = f"signal {signum}"
         text = f"killed by {name} ({signum})"
-        if signum == signal.SIGKILL:
-            text += "; if the pool did not send it, possibly the kernel OOM killer"
+        if signum == signal.SIGKILL and not signalled_by_pool:
+            text += " (not sent by the pool: possibly the kernel OOM killer)"
         return text
     return f"exited with code {returncode}"
 
@@ -509,6 +509,9 @@ class Dispatcher:
         request.state = "queued"
         self.queue[request.request_id] = request
         request.deadline_timer = self.call_at(request.deadline, self._on_request_deadline, request)
+
+    def count_overloaded(self) -> None:
+        self.counters["overloaded"] += 1
 
     def cancel(self, request_id: str, caller_gone: bool) -> None:
         request = self.live.get(request_id)
@@ -987,7 +990,7 @@ class Dispatcher:
         self._cancel_timer(worker.ladder_timer)
         self._cancel_timer(worker.startup_timer)
         run, worker.run = worker.run, None
-        reason = describe_exit(returncode)
+        reason = describe_exit(returncode, signalled_by_pool=worker.signalled)
         if previous_state == "starting":
             if not self.closing:
                 self._startup_failed(worker)
@@ -1863,12 +1866,18 @@ class ModelPool:
 
     def stream(
         self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
-    ) -> Iterator[str]:
-        """Yield text chunks as the worker produces them; closing the iterator cancels."""
+    ) -> PoolStream:
+        """Text chunks as the worker produces them; leaving the loop early cancels.
+
+        stream = pool.stream("Hello", max_new_tokens=32)
+        for chunk in stream:
+            print(chunk, end="")
+        stream.result.finish_reason, stream.request_id
+        """
         chunks: queue.SimpleQueue[object] = queue.SimpleQueue()
         future = self._submit(prompt, deadline_s, gen_kwargs, chunks.put)
         future.add_done_callback(lambda _: chunks.put(_END))
-        return _iterate_stream(future, chunks)
+        return PoolStream(future, chunks.get)
 
     async def agenerate(
         self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
@@ -1877,10 +1886,14 @@ class ModelPool:
         future = self._submit(prompt, deadline_s, gen_kwargs, None)
         return await asyncio.wrap_future(future)
 
-    async def astream(
+    def astream(
         self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
-    ) -> AsyncIterator[str]:
-        """asyncio version of :meth:`stream`."""
+    ) -> AsyncPoolStream:
+        """asyncio version of :meth:`stream`: ``async for chunk in pool.astream(...)``.
+
+        No thread per stream: chunks reach the event loop through
+        ``call_soon_threadsafe``. Cancelling the consuming task cancels the request.
+        """
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[object] = asyncio.Queue()
 
@@ -1892,16 +1905,28 @@ class ModelPool:
 
         future = self._submit(prompt, deadline_s, gen_kwargs, deliver)
         future.add_done_callback(lambda _: deliver(_END))
+        return AsyncPoolStream(future, chunks)
+
+    async def astats(self) -> PoolStats:
+        """:meth:`stats` for asyncio code: awaits the dispatcher's snapshot without a thread."""
+        loop = self._loop
+        if loop is None or not loop.thread.is_alive():
+            return self.stats()
+        running = asyncio.get_running_loop()
+        snapshot: asyncio.Future[PoolStats] = running.create_future()
+
+        def build() -> None:
+            stats = loop.dispatcher.snapshot()
+            try:
+                running.call_soon_threadsafe(_set_if_pending, snapshot, stats)
+            except RuntimeError:
+                pass  # The caller's event loop is gone.
+
+        loop.post(build)
         try:
-            while True:
-                item = await chunks.get()
-                if item is _END:
-                    break
-                yield item  # type: ignore[misc]
-            future.result()
-        finally:
-            if not future.done():
-                future.cancel()
+            return await asyncio.wait_for(asyncio.shield(snapshot), 5.0)
+        except asyncio.TimeoutError:
+            return self._last_snapshot or loop.dispatcher.snapshot()
 
     def stats(self) -> PoolStats:
         """A consistent snapshot, built by the dispatcher thread; never waits on a worker."""
@@ -1957,7 +1982,7 @@ class ModelPool:
             if failure is not None:
                 raise ModelLoadFailed(failure.message, worker_traceback=failure.worker_traceback)
             if self._queued >= self.config.max_queue:
-                loop.dispatcher.counters["overloaded"] += 1
+                loop.post(loop.dispatcher.count_overloaded)
                 raise PoolOverloaded(f"the queue is full ({self.config.max_queue} waiting)")
             self._queued += 1
         now = time.monotonic()
@@ -1986,18 +2011,104 @@ class ModelPool:
             loop.post(loop.dispatcher.cancel, request_id, True)
 
 
-def _iterate_stream(future: PoolFuture, chunks: queue.SimpleQueue[object]) -> Iterator[str]:
-    try:
-        while True:
-            item = chunks.get()
-            if item is _END:
-                break
-            assert isinstance(item, str)
-            yield item
-        future.result()
-    finally:
-        if not future.done():
-            future.cancel()
+class PoolStream(Iterator[str]):
+    """The chunks of one request (``ModelPool.stream``).
+
+    ``request_id`` is known at once; ``result`` is the final :class:`Result` once
+    the iterator is exhausted (a failed request raises its typed error instead).
+    ``close()``, leaving a ``with`` block, or dropping the stream unfinished
+    cancels the request in its worker.
+    """
+
+    def __init__(self, future: PoolFuture, next_item: Callable[[], object]) -> None:
+        self.future = future
+        self.request_id = future.request_id
+        self.result: Result | None = None
+        self._next_item = next_item
+        self._finished = False
+
+    def __iter__(self) -> PoolStream:
+        return self
+
+    def __next__(self) -> str:
+        if self._finished:
+            raise StopIteration
+        try:
+            item = self._next_item()
+        except BaseException:
+            self.close()  # KeyboardInterrupt while waiting: the worker should stop too.
+            raise
+        if item is _END:
+            self._finished = True
+            self.result = self.future.result()
+            raise StopIteration
+        assert isinstance(item, str)
+        return item
+
+    def close(self) -> None:
+        self._finished = True
+        if not self.future.done():
+            self.future.cancel()
+
+    def __enter__(self) -> PoolStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class AsyncPoolStream(AsyncIterator[str]):
+    """The chunks of one request (``ModelPool.astream``); see :class:`PoolStream`."""
+
+    def __init__(self, future: PoolFuture, chunks: asyncio.Queue[object]) -> None:
+        self.future = future
+        self.request_id = future.request_id
+        self.result: Result | None = None
+        self._chunks = chunks
+        self._finished = False
+
+    def __aiter__(self) -> AsyncPoolStream:
+        return self
+
+    async def __anext__(self) -> str:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._chunks.get()
+        except BaseException:
+            self.close()  # The consuming task was cancelled: so is the request.
+            raise
+        if item is _END:
+            self._finished = True
+            self.result = self.future.result()
+            raise StopAsyncIteration
+        assert isinstance(item, str)
+        return item
+
+    def close(self) -> None:
+        self._finished = True
+        if not self.future.done():
+            self.future.cancel()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> AsyncPoolStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _set_if_pending(future: asyncio.Future[PoolStats], stats: PoolStats) -> None:
+    if not future.done():
+        future.set_result(stats)
 
 
 def _resolve_model(model: str) -> str:

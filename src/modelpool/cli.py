@@ -1,0 +1,635 @@
+"""The ``modelpool`` command: serve, generate, stats, prepare-model, bench.
+
+    modelpool serve --config configs/default.toml [--host H --port P --workers N ...]
+    modelpool generate "What is the capital of France?" [--url http://127.0.0.1:8000]
+    modelpool stats [--url URL] [--json]
+    modelpool prepare-model
+    modelpool bench ...                    # modelpool.bench:main(argv)
+
+Only ``serve`` and the ``--url`` modes need the ``server`` extra (fastapi,
+uvicorn, httpx); ``generate`` without ``--url`` runs on the core install, and
+uses rich for its table only when it is installed. Those imports are therefore
+made inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import ipaddress
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from modelpool.config import PoolConfig, ServerConfig
+
+if TYPE_CHECKING:
+    from modelpool.server import DrainingServer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = "configs/default.toml"
+DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_KEY_ENV = "MODELPOOL_API_KEY"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one line, exit status 1 (2 for usage)."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _StopRequested(BaseException):
+    """SIGTERM/SIGINT while the pool starts: unwind, close the pool, exit 0.
+
+    A BaseException so that no ``except Exception`` on the way swallows it."""
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+
+
+def _load_configs(args: argparse.Namespace) -> tuple[PoolConfig, ServerConfig]:
+    path = Path(args.config)
+    if not path.is_file():
+        raise CliError(f"config file not found: {path} (pass --config PATH)")
+    try:
+        pool_config = PoolConfig.from_toml(path)
+        server_config = ServerConfig.from_toml(path)
+        pool_changes = {
+            name: getattr(args, name, None) for name in ("workers", "spares", "model", "backend")
+        }
+        pool_config = pool_config.replace(
+            **{key: value for key, value in pool_changes.items() if value is not None}
+        )
+        server_changes = {name: getattr(args, name, None) for name in ("host", "port")}
+        server_config = dataclasses.replace(
+            server_config,
+            **{key: value for key, value in server_changes.items() if value is not None},
+        )
+    except ValueError as exc:
+        raise CliError(f"{path}: {exc}") from None
+    return pool_config, server_config
+
+
+def served_model_name(pool_config: PoolConfig, server_config: ServerConfig) -> str:
+    """What ``/v1/models`` lists: the configured name, else a readable form of ``model``."""
+    if server_config.model_name:
+        return server_config.model_name
+    model = pool_config.model
+    if model.startswith("embedded:"):
+        return model[len("embedded:") :]
+    if os.path.isdir(model):
+        return Path(model).resolve().name
+    return model
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# serve
+
+
+def _serve(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    pool_config, server_config = _load_configs(args)
+    try:
+        import uvicorn
+
+        from modelpool.server import DrainingServer, api_key_from_env, create_app
+        from modelpool.supervisor import ModelPool
+    except ImportError as exc:
+        raise CliError(
+            f"serve needs the server extra: pip install 'modelpool[server]' ({exc})"
+        ) from None
+    from modelpool.embedded import EmbeddedModelError
+    from modelpool.errors import PoolError
+
+    if api_key_from_env(server_config) is None and not _is_loopback(server_config.host):
+        env = server_config.api_key_env
+        hint = f"set {env}" if env else "set [server] api_key_env and that variable"
+        print(
+            f"modelpool: WARNING: listening on {server_config.host} without an API key: "
+            f"anyone who can reach it can use it ({hint})",
+            file=sys.stderr,
+        )
+
+    pool = ModelPool(pool_config)
+    previous = _on_signals(_raise_stop)
+    server: DrainingServer | None = None
+    try:
+        try:
+            # The port opens only after every worker is ready, so a load balancer or a
+            # client never reaches a daemon that cannot answer yet.
+            pool.start()
+        except (PoolError, EmbeddedModelError) as exc:
+            logger.error("the pool did not start: %s", exc)
+            return 1
+        model_name = served_model_name(pool.config, server_config)
+        app = create_app(pool, server_config, model_name)
+        logger.info(
+            "pool ready (%d workers, model %s); opening http://%s:%d",
+            pool.config.workers,
+            model_name,
+            server_config.host,
+            server_config.port,
+        )
+        server = DrainingServer(
+            uvicorn.Config(
+                app,
+                host=server_config.host,
+                port=server_config.port,
+                log_config=None,  # keep our logging setup; uvicorn's loggers propagate to it
+                access_log=False,  # modelpool.access writes one richer line per request
+                lifespan="off",
+                # uvicorn takes whole seconds here; round up so a drain is never cut short.
+                timeout_graceful_shutdown=math.ceil(server_config.drain_timeout_s),
+            ),
+            app.state.modelpool,
+        )
+        server.run()
+    except _StopRequested:
+        logger.info("stopped while starting")
+    finally:
+        _on_signals(_ignore_during_close)
+        drain = server is not None and not server.forced
+        # Drained already when uvicorn waited for its connections; a forced stop
+        # fails whatever is left at once.
+        pool.close(drain=drain, timeout=5.0 if drain else 0.0)
+        _restore_signals(previous)
+        logger.info("stopped")
+    return 0
+
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _StopRequested
+
+
+def _ignore_during_close(signum: int, frame: FrameType | None) -> None:
+    # pool.close() is bounded (grace periods, then SIGKILL) and the workers also die
+    # with this process, so a further signal has nothing faster to offer.
+    os.write(2, b"modelpool: already stopping the workers\n")
+
+
+def _on_signals(handler: Any) -> dict[int, Any]:
+    return {sig: signal.signal(sig, handler) for sig in _SIGNALS}
+
+
+def _restore_signals(previous: Mapping[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+# --------------------------------------------------------------------------------------------
+# generate
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if args.url:
+        return _generate_remote(args)
+    _setup_logging(args.log_level)
+    pool_config, _ = _load_configs(args)
+    from modelpool.errors import PoolError
+    from modelpool.supervisor import ModelPool
+
+    prompt: Any = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
+    params: dict[str, Any] = {}
+    if args.max_tokens is not None:
+        params["max_new_tokens"] = args.max_tokens
+    pool = ModelPool(pool_config)
+    try:
+        started = time.monotonic()
+        pool.start()
+        startup_s = time.monotonic() - started
+        if args.stream:
+            sent = time.monotonic()
+            chunks = []
+            for chunk in pool.stream(prompt, **params):
+                chunks.append(chunk)
+                if not args.json:
+                    print(chunk, end="", flush=True)
+            # stream() yields text only: the attempts and worker are not known here.
+            timing: dict[str, Any] = {"latency_s": time.monotonic() - sent}
+            answer = "".join(chunks)
+        else:
+            result = pool.generate(prompt, **params)
+            answer = result.text
+            timing = {
+                key: getattr(result, key)
+                for key in (
+                    "latency_s",
+                    "queue_s",
+                    "attempts",
+                    "worker_pid",
+                    "finish_reason",
+                    "request_id",
+                    "prompt_tokens",
+                    "completion_tokens",
+                )
+            }
+        stats = pool.stats().to_dict()
+    except PoolError as exc:
+        print(f"modelpool: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        pool.close()
+    if args.json:
+        print(
+            json.dumps({"text": answer, **timing, "startup_s": startup_s, "stats": stats}, indent=2)
+        )
+        return 0
+    print("" if args.stream else answer)  # a streamed answer is already out, unterminated
+    print(_timing_line({**timing, "startup_s": startup_s}))
+    _print_stats(stats)
+    return 0
+
+
+def _timing_line(timing: Mapping[str, Any]) -> str:
+    parts = []
+    for key, label in (("startup_s", "startup"), ("latency_s", "latency"), ("queue_s", "queue")):
+        if timing.get(key) is not None:
+            parts.append(f"{label} {timing[key] * 1000:.1f} ms")
+    for key, label in (
+        ("attempts", "attempts"),
+        ("worker_pid", "worker pid"),
+        ("finish_reason", "finish"),
+        ("completion_tokens", "tokens"),
+    ):
+        if timing.get(key) is not None:
+            parts.append(f"{label} {timing[key]}")
+    return " | ".join(parts)
+
+
+def _httpx() -> Any:
+    try:
+        import httpx
+    except ImportError:
+        raise CliError("talking to a daemon needs httpx: pip install 'modelpool[server]'") from None
+    return httpx
+
+
+def _http_client(args: argparse.Namespace, timeout: float) -> Any:
+    httpx = _httpx()
+    headers = {}
+    key = os.environ.get(args.api_key_env)
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=timeout)
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    httpx = _httpx()
+    body: dict[str, Any] = {"model": "default"}
+    if args.raw:
+        path, body["prompt"] = "/v1/completions", args.prompt
+    else:
+        path = "/v1/chat/completions"
+        body["messages"] = [{"role": "user", "content": args.prompt}]
+    if args.max_tokens is not None:
+        body["max_tokens"] = args.max_tokens
+    if args.timeout is not None:
+        body["timeout"] = args.timeout
+    started = time.monotonic()
+    with _http_client(args, timeout=(args.timeout or 600.0) + 30.0) as client:
+        try:
+            if args.stream:
+                body["stream"] = True
+                return _stream_remote(client, path, body, args, started)
+            response = client.post(path, json=body)
+        except httpx.HTTPError as exc:
+            raise CliError(f"{args.url}: {exc}") from None
+    data = _json_or_error(response)
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    choice = data["choices"][0]
+    print(choice["text"] if args.raw else choice["message"]["content"])
+    usage = data.get("usage") or {}
+    print(
+        _timing_line(
+            {
+                "latency_s": time.monotonic() - started,
+                "finish_reason": choice.get("finish_reason"),
+                "completion_tokens": usage.get("completion_tokens"),
+            }
+        )
+        + f" | request {response.headers.get('x-request-id', '-')}"
+    )
+    return 0
+
+
+def _stream_remote(
+    client: Any, path: str, body: dict[str, Any], args: argparse.Namespace, started: float
+) -> int:
+    events = []
+    with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            _json_or_error(response)
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: ") :]
+            if payload == "[DONE]":
+                break
+            event = json.loads(payload)
+            if "error" in event:
+                raise CliError(f"error while streaming: {event['error'].get('message')}")
+            events.append(event)
+            choice = event["choices"][0]
+            text = choice.get("text") if args.raw else choice["delta"].get("content")
+            if text and not args.json:
+                print(text, end="", flush=True)
+    if args.json:
+        print(json.dumps(events, indent=2))
+    else:
+        print()
+        print(_timing_line({"latency_s": time.monotonic() - started}))
+    return 0
+
+
+def _json_or_error(response: Any) -> dict[str, Any]:
+    try:
+        data: dict[str, Any] = response.json()
+    except ValueError:
+        raise CliError(f"HTTP {response.status_code}: {response.text[:200]}") from None
+    if response.status_code != 200:
+        error = data.get("error", {}) if isinstance(data, dict) else {}
+        raise CliError(f"HTTP {response.status_code}: {error.get('message', data)}")
+    return data
+
+
+# --------------------------------------------------------------------------------------------
+# stats
+
+
+def _stats(args: argparse.Namespace) -> int:
+    httpx = _httpx()
+    with _http_client(args, timeout=10.0) as client:
+        try:
+            response = client.get("/stats")
+        except httpx.HTTPError as exc:
+            raise CliError(f"{args.url}: {exc}") from None
+    data = _json_or_error(response)
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        _print_stats(data)
+    return 0
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}{unit}"
+    return f"{value}{unit}"
+
+
+def _stats_tables(stats: Mapping[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, columns, rows) for the workers and the counters: shared by rich and plain."""
+    latency = stats.get("latency_s", {})
+    gpu = stats.get("gpu", {})
+    releases = gpu.get("releases", {})
+    summary = [
+        ["state", str(stats.get("state"))],
+        ["queue depth", _fmt(stats.get("queue_depth"))],
+        ["uptime", _fmt(stats.get("uptime_s"), " s")],
+        [
+            "latency p50/p95/p99",
+            " / ".join(
+                "-" if latency.get(p) is None else f"{latency[p] * 1000:.1f} ms"
+                for p in ("p50", "p95", "p99")
+            ),
+        ],
+        ["gpu", "available" if gpu.get("available") else f"unavailable ({gpu.get('reason')})"],
+        [
+            "memory releases ok/failed",
+            f"{releases.get('ok', 0)} / {releases.get('failed', 0)}"
+            + ("" if releases.get("last_ms") is None else f" (last {releases['last_ms']:.0f} ms)"),
+        ],
+    ]
+    if stats.get("kill_reasons"):
+        summary.append(
+            [
+                "kills by reason",
+                ", ".join(
+                    f"{reason} {count}" for reason, count in sorted(stats["kill_reasons"].items())
+                ),
+            ]
+        )
+    workers = [
+        [
+            _fmt(w.get("id")),
+            _fmt(w.get("pid")),
+            str(w.get("state")),
+            str(w.get("role", "-")),
+            str(w.get("device")),
+            _fmt(w.get("requests")),
+            _fmt(w.get("uptime_s"), " s"),
+            _fmt(w.get("rss_mb"), " MB"),
+            _fmt(w.get("gpu_mb"), " MB"),
+        ]
+        for w in stats.get("workers", [])
+    ]
+    counters = [[name, str(value)] for name, value in stats.get("counters", {}).items()]
+    return [
+        ("pool", ["", ""], summary),
+        (
+            "workers",
+            ["id", "pid", "state", "role", "device", "requests", "uptime", "rss", "gpu"],
+            workers,
+        ),
+        ("counters", ["counter", "value"], counters),
+    ]
+
+
+def _print_stats(stats: Mapping[str, Any]) -> None:
+    tables = _stats_tables(stats)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        for title, columns, rows in tables:
+            print(_plain_table(title, columns, rows))
+        return
+    console = Console()
+    for title, columns, rows in tables:
+        table = Table(title=title, title_justify="left", show_header=any(columns))
+        for column in columns:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+
+
+def _plain_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    shown = [list(columns)] if any(columns) else []
+    shown += [list(row) for row in rows]
+    widths = [max((len(row[i]) for row in shown), default=0) for i in range(len(columns))]
+    lines = [title]
+    lines += [
+        "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        for row in shown
+    ]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+# --------------------------------------------------------------------------------------------
+# prepare-model, bench
+
+
+def _prepare_model(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    from modelpool.embedded import EMBEDDED_SCHEME, EmbeddedModelError, prepare_model
+
+    name = args.name.removeprefix(EMBEDDED_SCHEME)
+    try:
+        path = prepare_model(name)
+    except (EmbeddedModelError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    print(path)
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    try:
+        bench = importlib.import_module("modelpool.bench")
+    except ModuleNotFoundError as exc:
+        if exc.name != "modelpool.bench":
+            raise CliError(
+                f"modelpool bench needs {exc.name}: pip install 'modelpool[bench]'"
+            ) from None
+        raise CliError(
+            "modelpool bench is not available: modelpool.bench is missing from this install"
+        ) from None
+    status: int | None = bench.main(argv)
+    return status or 0
+
+
+# --------------------------------------------------------------------------------------------
+# argument parsing
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="modelpool",
+        description="Serve a local model from a supervised pool of pre-warmed workers.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_logging(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP daemon")
+    serve.add_argument(
+        "--config", default=DEFAULT_CONFIG, help="TOML config (default: %(default)s)"
+    )
+    serve.add_argument("--host", help="bind address (default: [server] host, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default: [server] port, 8000)")
+    _pool_overrides(serve)
+    with_logging(serve)
+    serve.set_defaults(func=_serve)
+
+    generate = commands.add_parser(
+        "generate", help="answer one prompt (a local pool, or a daemon with --url)"
+    )
+    generate.add_argument("prompt")
+    generate.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        help="TOML config for the local pool (default: %(default)s)",
+    )
+    generate.add_argument("--url", help="send to the daemon at URL instead of starting a pool")
+    generate.add_argument("--max-tokens", type=int, help="at most this many new tokens")
+    generate.add_argument("--timeout", type=float, help="the request's deadline in seconds (--url)")
+    generate.add_argument("--stream", action="store_true", help="print text as it is generated")
+    generate.add_argument(
+        "--raw", action="store_true", help="send the prompt as plain text, not as a chat message"
+    )
+    generate.add_argument("--json", action="store_true", help="print JSON")
+    generate.add_argument(
+        "--api-key-env",
+        default=DEFAULT_KEY_ENV,
+        help="environment variable holding the daemon's key (--url)",
+    )
+    _pool_overrides(generate)
+    with_logging(generate)
+    generate.set_defaults(func=_generate, log_level="warning")
+
+    stats = commands.add_parser("stats", help="show a daemon's workers and counters")
+    stats.add_argument("--url", default=DEFAULT_URL, help="daemon URL (default: %(default)s)")
+    stats.add_argument("--json", action="store_true", help="print the raw /stats JSON")
+    stats.add_argument(
+        "--api-key-env",
+        default=DEFAULT_KEY_ENV,
+        help="environment variable holding the daemon's key",
+    )
+    stats.set_defaults(func=_stats)
+
+    prepare = commands.add_parser(
+        "prepare-model", help="prepare the embedded model; prints its directory last"
+    )
+    prepare.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    with_logging(prepare)
+    prepare.set_defaults(func=_prepare_model)
+
+    commands.add_parser("bench", help="benchmarks (modelpool bench --help)", add_help=False)
+    return parser
+
+
+def _pool_overrides(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--workers", type=int, help="serving workers (overrides the config)")
+    sub.add_argument("--spares", type=int, help="pre-warmed spare workers")
+    sub.add_argument("--model", help="model: a local dir, a hub id or embedded:NAME")
+    sub.add_argument("--backend", help="'hf', 'testing' or 'pkg.module:factory'")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if arguments[:1] == ["bench"]:
+            # Everything after "bench" belongs to the bench program, --help included.
+            return _bench(arguments[1:])
+        args = build_parser().parse_args(arguments)
+        status: int = args.func(args)
+        return status
+    except CliError as exc:
+        print(f"modelpool: {exc}", file=sys.stderr)
+        return exc.status
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

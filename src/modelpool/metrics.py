@@ -1,0 +1,239 @@
+"""Prometheus metrics for the daemon, rendered from a :class:`~modelpool.stats.PoolStats`.
+
+The pool's counters live in the dispatcher; copying them into prometheus-client
+counters would mean two sources of truth that drift. Instead a custom collector
+reads one fresh ``PoolStats`` per scrape and renders it, so ``/metrics`` and
+``/stats`` always agree. Only the request-duration histogram is observed here,
+by the HTTP server, because the pool keeps percentiles, not buckets::
+
+    metrics = PoolMetrics(pool.stats)
+    metrics.observe_request(0.012)
+    body = metrics.render()                     # text/plain; version=0.0.4
+    render_stats(pool.stats())                  # one snapshot, no histogram
+
+This module is the only one that imports ``prometheus_client`` (the
+``server`` extra), so the core package installs without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from modelpool.stats import PoolStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# DESIGN.md's worker states; each is exported (as 0 when empty) so that a
+# dashboard query never sees a series appear and disappear.
+WORKER_STATES = ("starting", "idle", "busy", "cancelling", "killing", "spare")
+POOL_STATES = ("starting", "ready", "degraded", "failed", "closed")
+REQUEST_OUTCOMES = ("completed", "failed", "cancelled", "overloaded")
+
+# Generation requests on CPU range from a millisecond (echo) to minutes (a long
+# completion on a big model); the default buckets stop at 10 s.
+DURATION_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+
+_MIB = 2**20
+
+
+class PoolCollector(Collector):
+    """Renders the snapshot ``stats_source()`` returns, once per scrape."""
+
+    def __init__(self, stats_source: Callable[[], PoolStats]) -> None:
+        self._stats_source = stats_source
+
+    def collect(self) -> Iterator[Metric]:
+        yield from stats_families(self._stats_source())
+
+
+def stats_families(stats: PoolStats) -> Iterator[Metric]:
+    """The metric families for one snapshot (everything but the request histogram)."""
+    counters = stats.counters
+
+    requests = CounterMetricFamily(
+        "modelpool_requests",
+        "Requests the pool finished or turned away, by outcome.",
+        labels=["outcome"],
+    )
+    for outcome in REQUEST_OUTCOMES:
+        requests.add_metric([outcome], counters.get(outcome, 0))
+    yield requests
+
+    yield _counter(
+        "modelpool_requests_submitted", "Requests the pool accepted.", counters.get("submitted", 0)
+    )
+    yield _counter(
+        "modelpool_request_timeouts",
+        "Attempts that ran past their deadline.",
+        counters.get("timeouts", 0),
+    )
+    yield _counter(
+        "modelpool_request_retries",
+        "Attempts retried on another worker.",
+        counters.get("retries", 0),
+    )
+
+    yield _gauge("modelpool_queue_depth", "Requests waiting for a worker.", stats.queue_depth)
+
+    state = GaugeMetricFamily(
+        "modelpool_pool_state",
+        "1 for the pool's current state, 0 for the others.",
+        labels=["state"],
+    )
+    for name in _with_extra(POOL_STATES, [stats.state]):
+        state.add_metric([name], 1.0 if name == stats.state else 0.0)
+    yield state
+
+    by_state: dict[str, int] = dict.fromkeys(WORKER_STATES, 0)
+    for worker in stats.workers:
+        by_state[worker.state] = by_state.get(worker.state, 0) + 1
+    workers = GaugeMetricFamily(
+        "modelpool_workers", "Worker processes, by state.", labels=["state"]
+    )
+    for name, count in by_state.items():
+        workers.add_metric([name], count)
+    yield workers
+
+    rss = GaugeMetricFamily(
+        "modelpool_worker_resident_memory_bytes",
+        "Resident memory of each worker, as it last reported it.",
+        labels=["worker", "device"],
+    )
+    for worker in stats.workers:
+        if worker.rss_mb is not None:
+            rss.add_metric([str(worker.id), worker.device], worker.rss_mb * _MIB)
+    yield rss
+
+    kills = CounterMetricFamily(
+        "modelpool_worker_kills",
+        "Workers the pool signalled to stop, by reason.",
+        labels=["reason"],
+    )
+    for reason, count in sorted(stats.kill_reasons.items()):
+        kills.add_metric([reason], count)
+    yield kills
+
+    yield _counter(
+        "modelpool_worker_crashes", "Workers that died on their own.", counters.get("crashes", 0)
+    )
+    yield _counter(
+        "modelpool_worker_respawns",
+        "Workers started to replace one that left (kill, crash or recycling).",
+        counters.get("respawns", 0),
+    )
+    yield _counter(
+        "modelpool_worker_stalls",
+        "Busy workers caught making no progress before their deadline.",
+        counters.get("stalls", 0),
+    )
+    yield _counter(
+        "modelpool_worker_recycles",
+        "Workers retired by max_requests_per_worker or a memory limit.",
+        counters.get("recycled", 0),
+    )
+
+    gpu = stats.gpu
+    yield _gauge(
+        "modelpool_gpu_available", "1 when NVML answers, else 0.", 1.0 if gpu.available else 0.0
+    )
+    used = GaugeMetricFamily(
+        "modelpool_gpu_memory_bytes",
+        "Memory in use on each GPU (all processes).",
+        labels=["device"],
+    )
+    total = GaugeMetricFamily(
+        "modelpool_gpu_memory_total_bytes", "Memory of each GPU.", labels=["device"]
+    )
+    for device in gpu.devices:
+        label = f"cuda:{device.index}"
+        used.add_metric([label], device.used_mb * _MIB)
+        total.add_metric([label], device.total_mb * _MIB)
+    yield used
+    yield total
+
+    releases = gpu.releases
+    last = GaugeMetricFamily(
+        "modelpool_gpu_release_seconds",
+        "How long the last check that a stopped worker's memory was released took.",
+    )
+    # No sample before the first check: a made-up 0 would read as "instant".
+    if releases.last_ms is not None:
+        last.add_metric([], releases.last_ms / 1000.0)
+    yield last
+    results = CounterMetricFamily(
+        "modelpool_gpu_releases",
+        "Checks that a stopped worker's memory was released, by result.",
+        labels=["result"],
+    )
+    results.add_metric(["ok"], releases.ok)
+    results.add_metric(["failed"], releases.failed)
+    yield results
+
+    yield _gauge("modelpool_uptime_seconds", "Seconds since the pool was created.", stats.uptime_s)
+
+
+class PoolMetrics:
+    """A private registry: the pool collector plus the request-duration histogram.
+
+    Private rather than the global default registry so that two apps in one
+    process (tests) do not collide, and so that no process metrics are mixed in
+    by accident.
+    """
+
+    def __init__(self, stats_source: Callable[[], PoolStats]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.request_duration = Histogram(
+            "modelpool_request_duration_seconds",
+            "Wall-clock time of completion requests as the HTTP server saw them, any status.",
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(PoolCollector(stats_source))
+
+    def observe_request(self, seconds: float) -> None:
+        self.request_duration.observe(seconds)
+
+    def render(self) -> bytes:
+        """The exposition text. Calls ``stats_source`` once, which may block briefly."""
+        return generate_latest(self.registry)
+
+
+def render_stats(stats: PoolStats) -> str:
+    """The exposition text for one snapshot alone."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(PoolCollector(lambda: stats))
+    return generate_latest(registry).decode("utf-8")
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _with_extra(known: tuple[str, ...], seen: list[str]) -> list[str]:
+    return [*known, *(name for name in seen if name not in known)]

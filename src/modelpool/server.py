@@ -1,0 +1,1116 @@
+"""The HTTP daemon: OpenAI-compatible completions, health, stats and metrics.
+
+``create_app(pool, server_config, model_name)`` builds a FastAPI app that talks
+to a started :class:`~modelpool.ModelPool` only through its public API
+(``agenerate``, ``astream``, ``stats``). ``modelpool serve`` (``cli.py``) runs it
+on uvicorn::
+
+    app = create_app(pool, ServerConfig(), "smollm2-135m-instruct")
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
+sends server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
+``GET /healthz``, ``GET /readyz``, ``GET /stats``, ``GET /metrics``.
+
+Request bodies are parsed and checked here, field by field, rather than by
+pydantic models: every rejection names the OpenAI field the client sent (the
+pool's own messages name its kwargs, e.g. ``max_new_tokens``), and a field we
+cannot honour (``n`` > 1, ``logprobs``, ``tools``...) is a 400, never ignored.
+
+Status codes: 400 invalid, 401 missing/bad key, 404/405 unknown route or
+method, 413 body too large, 429 ``PoolOverloaded``, 503 ``PoolClosed`` /
+``ModelLoadFailed`` / draining, 504 ``DeadlineExceeded``, 502 ``WorkerCrashed``,
+500 only for ``BackendError`` (the model code raised) or a bug here.
+
+A client that disconnects cancels its request in the worker: a task waits on
+the ASGI ``receive`` channel for ``http.disconnect`` (no polling) and cancels
+the generation, whose cancellation the pool forwards to the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from modelpool.config import ServerConfig
+from modelpool.errors import (
+    BackendError,
+    DeadlineExceeded,
+    InvalidRequest,
+    ModelLoadFailed,
+    PoolClosed,
+    PoolError,
+    PoolOverloaded,
+    WorkerCrashed,
+)
+from modelpool.metrics import CONTENT_TYPE, PoolMetrics
+
+if TYPE_CHECKING:
+    from modelpool.protocol import Prompt
+    from modelpool.supervisor import AsyncPoolStream, ModelPool, Result
+
+logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("modelpool.access")
+
+T = TypeVar("T")
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+TIMEOUT_HEADER = "x-request-timeout"
+# Seconds a client should wait before trying again: an overloaded queue drains
+# quickly; a pool that is not ready is starting or respawning workers.
+RETRY_AFTER_OVERLOADED = 1
+RETRY_AFTER_UNAVAILABLE = 5
+# nginx's convention for "client closed the request": logged, never sent.
+STATUS_CLIENT_GONE = 499
+READY_WORKER_STATES = frozenset({"idle", "busy", "spare"})
+
+# Fields accepted without effect: they do not change what is generated.
+_IGNORED_FIELDS = frozenset(
+    {
+        "model",
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "parallel_tool_calls",
+    }
+)
+_COMMON_FIELDS = frozenset(
+    {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "seed",
+        "stream",
+        "stream_options",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "timeout",
+    }
+)
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of"}
+_CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+}
+# Chat roles a plain chat template understands; "developer" is OpenAI's newer
+# name for "system" and is passed on as such.
+_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+        self.extra = dict(extra or {})
+
+    def body(self) -> dict[str, Any]:
+        error = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
+            **self.extra,
+        }
+        return {"error": error}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def pool_error_to_api(error: PoolError) -> ApiError:
+    """The HTTP status for each of the pool's typed errors (DESIGN: Daemon)."""
+    extra: dict[str, Any] = {
+        "request_id": error.request_id,
+        "attempts": [
+            {"worker_pid": a.worker_pid, "outcome": a.outcome, "seconds": round(a.seconds, 4)}
+            for a in error.attempts
+        ],
+    }
+    if isinstance(error, InvalidRequest):
+        return ApiError(400, error.message, code="invalid_value", extra=extra)
+    if isinstance(error, PoolOverloaded):
+        return ApiError(
+            429,
+            error.message,
+            type="overloaded_error",
+            code="pool_overloaded",
+            headers={"Retry-After": str(RETRY_AFTER_OVERLOADED)},
+            extra=extra,
+        )
+    if isinstance(error, DeadlineExceeded):
+        extra["partial_text"] = error.partial_text
+        return ApiError(
+            504, error.message, type="timeout_error", code="deadline_exceeded", extra=extra
+        )
+    if isinstance(error, WorkerCrashed):
+        return ApiError(502, error.message, type="worker_error", code="worker_crashed", extra=extra)
+    if isinstance(error, (PoolClosed, ModelLoadFailed)):
+        code = "pool_closed" if isinstance(error, PoolClosed) else "model_load_failed"
+        return ApiError(
+            503,
+            error.message,
+            type="unavailable_error",
+            code=code,
+            headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE)},
+            extra=extra,
+        )
+    if isinstance(error, BackendError):
+        # The model code raised inside the worker: a server-side failure, kept as 500.
+        return ApiError(500, error.message, type="backend_error", code="backend_error", extra=extra)
+    # A bare PoolError (e.g. "not started"): the pool cannot take requests now.
+    return ApiError(
+        503,
+        error.message,
+        type="unavailable_error",
+        code="pool_error",
+        headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE)},
+        extra=extra,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Request parsing
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise invalid("request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors.
+        raise invalid(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid(
+            f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json"
+        )
+    return data
+
+
+def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    for name in body:
+        if name not in allowed and name not in _IGNORED_FIELDS:
+            raise invalid(f"unsupported field {name!r}", param=name, code="unsupported_field")
+    if "model" in body and body["model"] is not None and not isinstance(body["model"], str):
+        raise invalid("model must be a string", param="model")
+
+
+def _opt_int(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise invalid(f"{name} must be an integer, got {value!r}", param=name)
+    if value < minimum:
+        raise invalid(f"{name} must be >= {minimum}, got {value!r}", param=name)
+    return value
+
+
+def _opt_number(body: Mapping[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_number(value):
+        raise invalid(f"{name} must be a number, got {value!r}", param=name)
+    return float(value)
+
+
+def _opt_bool(body: Mapping[str, Any], name: str) -> bool | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise invalid(f"{name} must be true or false, got {value!r}", param=name)
+    return value
+
+
+def _unsupported_unless(condition: bool, name: str, why: str) -> None:
+    if not condition:
+        raise invalid(f"{name}: {why}", param=name, code="unsupported_value")
+
+
+def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    n = _opt_int(body, "n", 1)
+    _unsupported_unless(n in (None, 1), "n", "only one choice per request is supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _opt_number(body, name)
+        _unsupported_unless(value in (None, 0), name, "penalties are not supported (use 0)")
+    logit_bias = body.get("logit_bias")
+    _unsupported_unless(
+        logit_bias is None or logit_bias == {}, "logit_bias", "logit_bias is not supported"
+    )
+
+    params: dict[str, Any] = {}
+    if max_tokens is not None:
+        params["max_new_tokens"] = max_tokens
+    temperature = _opt_number(body, "temperature")
+    if temperature is not None:
+        if temperature < 0:
+            raise invalid(f"temperature must be >= 0, got {temperature!r}", param="temperature")
+        params["temperature"] = temperature
+    top_p = _opt_number(body, "top_p")
+    if top_p is not None:
+        if not 0 < top_p <= 1:
+            raise invalid(f"top_p must be in (0, 1], got {top_p!r}", param="top_p")
+        params["top_p"] = top_p
+    seed = _opt_int(body, "seed", 0)
+    if seed is not None:
+        params["seed"] = seed
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        if not stop:
+            raise invalid("stop must not be an empty string", param="stop")
+        params["stop"] = [stop]
+    elif isinstance(stop, list):
+        for index, item in enumerate(stop):
+            if not isinstance(item, str) or not item:
+                raise invalid(f"stop[{index}] must be a non-empty string", param="stop")
+        if stop:
+            params["stop"] = list(stop)
+    elif stop is not None:
+        raise invalid("stop must be a string or a list of strings", param="stop")
+    return params
+
+
+def _stream_flag(body: Mapping[str, Any]) -> bool:
+    stream = bool(_opt_bool(body, "stream"))
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise invalid(
+                "stream_options is only allowed with stream: true", param="stream_options"
+            )
+        if not isinstance(options, dict):
+            raise invalid("stream_options must be an object", param="stream_options")
+        for key, value in options.items():
+            _unsupported_unless(
+                key == "include_usage" and isinstance(value, bool),
+                f"stream_options.{key}",
+                "not supported when streaming",
+            )
+    return stream
+
+
+def _include_usage(body: Mapping[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def deadline_from(
+    body: Mapping[str, Any], headers: Mapping[str, str], default_s: float, cap_s: float | None
+) -> float:
+    """Body ``timeout`` wins over the header; both are capped by the server's maximum."""
+    value: object = body.get("timeout")
+    name = "timeout"
+    if value is None and TIMEOUT_HEADER in headers:
+        name = "X-Request-Timeout"
+        try:
+            value = float(headers[TIMEOUT_HEADER])
+        except ValueError:
+            raise invalid(f"{name} must be a number of seconds", param=name) from None
+    if value is None:
+        value = default_s
+    if not _is_number(value) or value <= 0:  # type: ignore[operator]
+        raise invalid(f"{name} must be a number of seconds > 0, got {value!r}", param=name)
+    seconds = float(value)  # type: ignore[arg-type]
+    return min(seconds, cap_s) if cap_s is not None else seconds
+
+
+def parse_completion(body: Mapping[str, Any]) -> tuple[Prompt, dict[str, Any], bool]:
+    _check_fields(body, _COMPLETION_FIELDS)
+    if "prompt" not in body:
+        raise invalid("missing field 'prompt'", param="prompt", code="missing_field")
+    prompt = body["prompt"]
+    if isinstance(prompt, list):
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        elif all(isinstance(item, str) for item in prompt):
+            raise invalid(
+                f"prompt: a batch of {len(prompt)} prompts is not supported; "
+                "send one request per prompt",
+                param="prompt",
+                code="unsupported_value",
+            )
+        else:
+            raise invalid(
+                "prompt: token ids are not supported; send text",
+                param="prompt",
+                code="unsupported_value",
+            )
+    if not isinstance(prompt, str):
+        raise invalid("prompt must be a string", param="prompt")
+    suffix = body.get("suffix")
+    _unsupported_unless(suffix in (None, ""), "suffix", "insertion is not supported")
+    _unsupported_unless(not _opt_bool(body, "echo"), "echo", "echoing the prompt is not supported")
+    best_of = _opt_int(body, "best_of", 1)
+    _unsupported_unless(best_of in (None, 1), "best_of", "only best_of 1 is supported")
+    logprobs = _opt_int(body, "logprobs", 0)
+    _unsupported_unless(logprobs is None, "logprobs", "log probabilities are not supported")
+    params = _common_params(body, _opt_int(body, "max_tokens", 1))
+    return prompt, params, _stream_flag(body)
+
+
+def _message_content(content: object, index: int) -> str:
+    where = f"messages[{index}].content"
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part_index, part in enumerate(content):
+            part_where = f"{where}[{part_index}]"
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise invalid(f"{part_where} must be an object with a 'type'", param=part_where)
+            if part["type"] != "text":
+                raise invalid(
+                    f"{part_where}: content of type {part['type']!r} is not supported",
+                    param=part_where,
+                    code="unsupported_value",
+                )
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"{part_where}.text must be a string", param=part_where)
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise invalid(f"{where} must be a string or a list of text parts", param=where)
+
+
+def parse_chat(body: Mapping[str, Any]) -> tuple[Prompt, dict[str, Any], bool]:
+    _check_fields(body, _CHAT_FIELDS)
+    messages = body.get("messages")
+    if "messages" not in body:
+        raise invalid("missing field 'messages'", param="messages", code="missing_field")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list", param="messages")
+    prompt: list[Mapping[str, str]] = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise invalid(f"{where} must be an object", param=where)
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise invalid(f"{where}.role must be a string", param=f"{where}.role")
+        if role not in _CHAT_ROLES:
+            raise invalid(
+                f"{where}.role {role!r} is not supported "
+                f"(supported: {', '.join(sorted(_CHAT_ROLES))})",
+                param=f"{where}.role",
+                code="unsupported_value",
+            )
+        for key in message:
+            if key not in ("role", "content", "name"):
+                raise invalid(
+                    f"{where}.{key} is not supported",
+                    param=f"{where}.{key}",
+                    code="unsupported_field",
+                )
+        content = _message_content(message.get("content"), index)
+        prompt.append({"role": "system" if role == "developer" else role, "content": content})
+
+    for name in ("tools", "functions"):
+        _unsupported_unless(not body.get(name), name, "tool calling is not supported")
+    for name in ("tool_choice", "function_call"):
+        _unsupported_unless(body.get(name) in (None, "none"), name, "tool calling is not supported")
+    response_format = body.get("response_format")
+    _unsupported_unless(
+        response_format is None or response_format == {"type": "text"},
+        "response_format",
+        "only {'type': 'text'} is supported",
+    )
+    modalities = body.get("modalities")
+    _unsupported_unless(
+        modalities is None or modalities == ["text"], "modalities", "only text output is supported"
+    )
+    for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
+        _unsupported_unless(body.get(name) is None, name, "not supported by this server")
+    _unsupported_unless(
+        not _opt_bool(body, "logprobs"), "logprobs", "log probabilities are not supported"
+    )
+    _unsupported_unless(
+        body.get("top_logprobs") is None, "top_logprobs", "log probabilities are not supported"
+    )
+
+    max_tokens = _opt_int(body, "max_tokens", 1)
+    max_completion = _opt_int(body, "max_completion_tokens", 1)
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise invalid(
+            "max_tokens and max_completion_tokens disagree", param="max_completion_tokens"
+        )
+    params = _common_params(body, max_completion if max_tokens is None else max_tokens)
+    return prompt, params, _stream_flag(body)
+
+
+# --------------------------------------------------------------------------------------------
+# Disconnect-aware execution
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    """Return once the client is gone. Only called after the body has been read, so the
+    next ASGI message is ``http.disconnect`` (uvicorn also sends it once the response is
+    complete, by which time this task has been cancelled)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_unless_disconnected(receive: Receive, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """Run ``work``; if the client disconnects first, cancel it (which cancels the pool
+    request) and return ``(False, None)``. Errors of ``work`` propagate, and so does a
+    cancellation that did not come from the client."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        # Also reached when this coroutine itself is cancelled (uvicorn's drain timeout,
+        # a forced shutdown): the work is cancelled and finished before anything else
+        # may write to the connection. wait() never raises the task's own error.
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if not task.cancelled():
+        return True, task.result()
+    if watcher.done() and not watcher.cancelled():
+        return False, None
+    # Someone else cancelled the work: the server's shutdown cancels every task.
+    raise asyncio.CancelledError
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refusing more than ``limit`` bytes even without a Content-Length."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(
+                413, f"request body is larger than {limit} bytes", code="request_too_large"
+            )
+    return bytes(body)
+
+
+# --------------------------------------------------------------------------------------------
+# Responses
+
+
+def _usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str, int | None]:
+    # A backend that cannot count says None; the client sees null rather than a made-up 0.
+    total = (
+        None
+        if prompt_tokens is None or completion_tokens is None
+        else prompt_tokens + completion_tokens
+    )
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": total,
+    }
+
+
+def completion_body(result: Result, model: str, chat: bool, created: int) -> dict[str, Any]:
+    usage = _usage(result.prompt_tokens, result.completion_tokens)
+    if chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text},
+            "finish_reason": result.finish_reason,
+            "logprobs": None,
+        }
+        return {
+            "id": f"chatcmpl-{result.request_id}",
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage,
+        }
+    choice = {
+        "index": 0,
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "logprobs": None,
+    }
+    return {
+        "id": f"cmpl-{result.request_id}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
+
+
+class _ClientGone(Response):
+    """Sends nothing: the client disconnected, so there is nobody to answer."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope.setdefault("state", {})["status"] = STATUS_CLIENT_GONE
+
+
+def _sse(payload: Mapping[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class EventStream(Response):
+    """A completion streamed as server-sent events.
+
+    The first chunk is awaited before the status line goes out, so that an error
+    before any text (overloaded, deadline, crash) still gets its own status code.
+    After that, an error is sent as a ``data: {"error": ...}`` event (what the
+    OpenAI clients raise on) and the stream ends without ``[DONE]``.
+    """
+
+    def __init__(
+        self,
+        source: AsyncPoolStream,
+        *,
+        chat: bool,
+        model: str,
+        on_error: Callable[[PoolError], None],
+        include_usage: bool = False,
+    ) -> None:
+        super().__init__(status_code=200)
+        self._source = source
+        self._chat = chat
+        self._model = model
+        self._on_error = on_error
+        self._include_usage = include_usage
+        self._id = f"{'chatcmpl' if chat else 'cmpl'}-{source.request_id}"
+        self._created = int(time.time())
+        self._complete = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = scope.setdefault("state", {})
+        try:
+            finished, _ = await run_unless_disconnected(receive, self._pump(scope, send, state))
+        except asyncio.CancelledError:
+            # The server is stopping (see _generate): end the response with a reason.
+            error = _shutting_down()
+            if self._complete:
+                return
+            if "status" in state:
+                await self._send(send, _sse(error.body()), more=False)
+            else:
+                state["status"] = error.status
+                await error.response()(scope, _no_receive, send)
+            return
+        finally:
+            # Closing the generator cancels the pool request if it is still running; it
+            # is a no-op when the stream ran to its end.
+            await self._source.aclose()
+        if not finished:
+            state["status"] = STATUS_CLIENT_GONE
+
+    def _chunk(
+        self, text: str | None, finish_reason: str | None, role: bool = False
+    ) -> dict[str, Any]:
+        if self._chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+            kind = "chat.completion.chunk"
+        else:
+            choice = {
+                "index": 0,
+                "text": text or "",
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+            kind = "text_completion"
+        return {
+            "id": self._id,
+            "object": kind,
+            "created": self._created,
+            "model": self._model,
+            "choices": [choice],
+        }
+
+    async def _pump(self, scope: Scope, send: Send, state: dict[str, Any]) -> None:
+        try:
+            first: str | None = await self._source.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except PoolError as exc:
+            self._on_error(exc)
+            error = pool_error_to_api(exc)
+            state["status"] = error.status
+            await error.response()(scope, _no_receive, send)
+            self._complete = True
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    # Proxies such as nginx would otherwise buffer the whole stream.
+                    (b"x-accel-buffering", b"no"),
+                    (b"x-request-id", self._source.request_id.encode()),
+                ],
+            }
+        )
+        state["status"] = 200
+        if self._chat:
+            await self._send(send, _sse(self._chunk("", None, role=True)))
+        try:
+            if first:
+                await self._send(send, _sse(self._chunk(first, None)))
+            if first is not None:
+                async for text in self._source:
+                    if text:
+                        await self._send(send, _sse(self._chunk(text, None)))
+        except PoolError as exc:
+            self._on_error(exc)
+            await self._send(send, _sse(pool_error_to_api(exc).body()), more=False)
+            return
+        result = self._source.result
+        if result is not None:
+            state.update(
+                request_id=result.request_id,
+                attempts=result.attempts,
+                worker_pid=result.worker_pid,
+            )
+        finish_reason = result.finish_reason if result is not None else None
+        await self._send(send, _sse(self._chunk(None if self._chat else "", finish_reason)))
+        if self._include_usage and result is not None:
+            usage_chunk = self._chunk(None, None)
+            usage_chunk["choices"] = []
+            usage_chunk["usage"] = _usage(result.prompt_tokens, result.completion_tokens)
+            await self._send(send, _sse(usage_chunk))
+        await self._send(send, _sse("[DONE]"), more=False)
+
+    async def _send(self, send: Send, data: bytes, more: bool = True) -> None:
+        await send({"type": "http.response.body", "body": data, "more_body": more})
+        self._complete = not more
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+# --------------------------------------------------------------------------------------------
+# Middleware: auth, body size, access log, request-duration histogram
+
+
+class Gate:
+    """Pure ASGI middleware (not ``BaseHTTPMiddleware``, which buffers streams and breaks
+    disconnect detection). Checks the key and the declared body size before routing, and
+    writes one access-log line per request when the response is done."""
+
+    def __init__(
+        self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: PoolMetrics
+    ) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        state: dict[str, Any] = scope.setdefault("state", {})
+        sent_status: list[int] = []
+
+        async def send_and_note(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                sent_status.append(message["status"])
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal.response()(scope, receive, send_and_note)
+            else:
+                await self.app(scope, receive, send_and_note)
+        finally:
+            seconds = time.perf_counter() - started
+            status = state.get("status") or (sent_status[0] if sent_status else 500)
+            path = scope["path"]
+            if path in GENERATION_PATHS:
+                self.metrics.observe_request(seconds)
+            access_logger.info(
+                "%s %s %s request_id=%s attempts=%s worker_pid=%s seconds=%.4f",
+                scope["method"],
+                path,
+                status,
+                state.get("request_id") or "-",
+                state.get("attempts") or "-",
+                state.get("worker_pid") or "-",
+                seconds,
+            )
+
+    def _refusal(self, scope: Scope) -> ApiError | None:
+        headers = dict(scope["headers"])  # ASGI header names are lower-case already
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            # compare_digest on bytes: constant time in the key's content.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                return ApiError(
+                    401,
+                    "missing or invalid API key (Authorization: Bearer KEY)",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                return invalid("Content-Length is not a number", code="invalid_header")
+            if declared > self.max_body_bytes:
+                return ApiError(
+                    413,
+                    f"request body is larger than {self.max_body_bytes} bytes",
+                    code="request_too_large",
+                )
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# The app
+
+
+@dataclass
+class ServerState:
+    """Mutable state shared by the routes and the CLI's signal handler."""
+
+    pool: ModelPool
+    config: ServerConfig
+    model_name: str
+    metrics: PoolMetrics
+    started: int
+    draining: bool = False
+
+
+def api_key_from_env(server_config: ServerConfig) -> str | None:
+    """The bearer key, or None when no key is configured (an empty variable counts as none)."""
+    if not server_config.api_key_env:
+        return None
+    return os.environ.get(server_config.api_key_env) or None
+
+
+def create_app(pool: ModelPool, server_config: ServerConfig, model_name: str) -> FastAPI:
+    """The daemon's ASGI app for a started ``pool``."""
+    metrics = PoolMetrics(pool.stats)
+    state = ServerState(
+        pool=pool,
+        config=server_config,
+        model_name=model_name,
+        metrics=metrics,
+        started=int(time.time()),
+    )
+    app = FastAPI(title="modelpool", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.modelpool = state
+    app.add_middleware(
+        Gate,
+        api_key=api_key_from_env(server_config),
+        max_body_bytes=server_config.max_body_bytes,
+        metrics=metrics,
+    )
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(PoolError)
+    async def on_pool_error(request: Request, exc: PoolError) -> Response:
+        _note_attempts(request.scope, exc.request_id, exc.attempts)
+        return pool_error_to_api(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            error = ApiError(
+                404,
+                f"no route {request.method} {request.url.path}",
+                type="not_found_error",
+                code="not_found",
+            )
+        elif exc.status_code == 405:
+            error = ApiError(
+                405,
+                f"method {request.method} not allowed on {request.url.path}",
+                code="method_not_allowed",
+                headers=exc.headers,
+            )
+        else:
+            error = ApiError(
+                exc.status_code, str(exc.detail), code="http_error", headers=exc.headers
+            )
+        return error.response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        # Starlette re-raises after sending this, so uvicorn logs the traceback once.
+        return ApiError(
+            500,
+            f"internal server error: {type(exc).__name__}",
+            type="server_error",
+            code="internal_error",
+        ).response()
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        stats = await run_in_threadpool(pool.stats)
+        ready_workers = sum(1 for w in stats.workers if w.state in READY_WORKER_STATES)
+        ready = not state.draining and stats.state in ("ready", "degraded") and ready_workers > 0
+        body = {
+            "status": "ready" if ready else "not ready",
+            "pool": stats.state,
+            "ready_workers": ready_workers,
+            "draining": state.draining,
+        }
+        headers = {} if ready else {"Retry-After": str(RETRY_AFTER_UNAVAILABLE)}
+        return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
+
+    @app.get("/stats")
+    async def stats() -> Response:
+        snapshot = await pool.astats()
+        return JSONResponse(snapshot.to_dict())
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body = await run_in_threadpool(metrics.render)
+        return Response(body, media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise ApiError(
+                404,
+                f"model {model_id!r} is not served here (serving {model_name!r})",
+                type="not_found_error",
+                code="model_not_found",
+                param="model",
+            )
+        return _model_card(state)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, state, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, state, chat=True)
+
+    return app
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "modelpool",
+    }
+
+
+def _note_attempts(scope: Scope, request_id: str | None, attempts: list[Any]) -> None:
+    note = scope.setdefault("state", {})
+    note["request_id"] = request_id
+    if attempts:
+        note["attempts"] = len(attempts)
+        note["worker_pid"] = attempts[-1].worker_pid
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(
+        503,
+        "the server is shutting down; the request was cancelled",
+        type="unavailable_error",
+        code="shutting_down",
+        headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE), "Connection": "close"},
+    )
+
+
+async def _generate(request: Request, state: ServerState, *, chat: bool) -> Response:
+    if state.draining:
+        raise ApiError(
+            503,
+            "the server is shutting down",
+            type="unavailable_error",
+            code="draining",
+            headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE), "Connection": "close"},
+        )
+    try:
+        raw = await read_body(request, state.config.max_body_bytes)
+    except ClientDisconnect:
+        return _ClientGone()
+    body = parse_json_object(raw)
+    prompt, params, stream = parse_chat(body) if chat else parse_completion(body)
+    pool = state.pool
+    deadline = deadline_from(
+        body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
+    )
+
+    if stream:
+
+        def note_error(exc: PoolError) -> None:
+            _note_attempts(request.scope, exc.request_id, exc.attempts)
+
+        source = pool.astream(prompt, deadline_s=deadline, **params)
+        return EventStream(
+            source,
+            chat=chat,
+            model=state.model_name,
+            on_error=note_error,
+            include_usage=_include_usage(body),
+        )
+
+    try:
+        finished, result = await run_unless_disconnected(
+            request.receive, pool.agenerate(prompt, deadline_s=deadline, **params)
+        )
+    except asyncio.CancelledError:
+        # Only the server cancels a handler: the drain timeout passed or a second signal
+        # forced the exit. The pool request is cancelled already; answering says why
+        # (uvicorn would send a bare 500). Not re-raised, so that the answer goes out.
+        raise _shutting_down() from None
+    if not finished or result is None:
+        return _ClientGone()
+    note = request.scope.setdefault("state", {})
+    note.update(
+        request_id=result.request_id, attempts=result.attempts, worker_pid=result.worker_pid
+    )
+    body_out = completion_body(result, state.model_name, chat, int(time.time()))
+    return JSONResponse(body_out, headers={"X-Request-Id": result.request_id})
+
+
+# --------------------------------------------------------------------------------------------
+# Running it
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server with the daemon's signal handling.
+
+    uvicorn's own handler re-raises the captured signal after shutdown (so the
+    process would die of SIGTERM instead of exiting 0) and escalates only on a
+    second SIGINT. Here the first SIGTERM or SIGINT marks the app as draining and
+    stops accepting; uvicorn then waits up to ``timeout_graceful_shutdown`` for the
+    requests in flight. A second signal stops at once (``forced``).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.app_state = state
+        self.signals = 0
+        self.forced = False
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in self.SIGNALS:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in self.SIGNALS:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        self.signals += 1
+        name = signal.Signals(sig).name
+        if self.signals == 1:
+            logger.info(
+                "%s: draining requests in flight (up to %.0f s), then stopping",
+                name,
+                self.config.timeout_graceful_shutdown or 0,
+            )
+            self.app_state.draining = True
+            self.should_exit = True
+        else:
+            logger.warning("%s again: stopping now; requests in flight fail", name)
+            self.forced = True
+            self.force_exit = True

@@ -1,0 +1,33 @@
+"""Fixtures for the end-to-end tests (helpers in ``e2e_support``)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e_support import Daemon, daemon_config, free_port, start_daemon
+
+# Real processes, POSIX signals and /proc: Linux only.
+if not sys.platform.startswith("linux"):
+    collect_ignore_glob = ["test_*.py"]
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """The shared daemon: 2 testing workers, no retries, 64 KiB body limit."""
+    port = free_port()
+    server = start_daemon(tmp_path_factory.mktemp("daemon"), daemon_config(port), port)
+    yield server
+    assert server.stop() == 0, server.log()[-4000:]
+
+
+@pytest.fixture()
+def http(daemon: Daemon) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=daemon.url, timeout=30.0) as client:
+        yield client

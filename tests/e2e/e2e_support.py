@@ -1,0 +1,227 @@
+"""End-to-end helpers: a real ``modelpool serve`` process on a free loopback port.
+
+Every daemon here runs the fault-injection backend (``backend = "testing"``)
+unless a test says otherwise, so it starts in about a second and its prompts
+say what the worker does ("echo:x", "tokens:N:DELAY", "hang", "segfault").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 60.0
+
+
+def modelpool_command() -> list[str]:
+    """The installed console script next to this interpreter (what a user runs)."""
+    script = Path(sys.executable).parent / "modelpool"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "modelpool.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def daemon_config(
+    port: int,
+    *,
+    server: Mapping[str, Any] | None = None,
+    retry: Mapping[str, Any] | None = None,
+    **pool: Any,
+) -> str:
+    """A TOML config for the testing backend; keyword arguments override the defaults."""
+    top: dict[str, Any] = {
+        "model": "none",
+        "backend": "testing",
+        "workers": 2,
+        "devices": ["cpu"],
+        "deadline_s": 10.0,
+        "cancel_grace_s": 0.2,
+        "term_grace_s": 0.2,
+        **pool,
+    }
+    tables: dict[str, dict[str, Any]] = {
+        "generation_defaults": {"max_new_tokens": 64},
+        "retry": {"max_retries": 0, **(retry or {})},
+        "server": {
+            "host": "127.0.0.1",
+            "port": port,
+            "max_body_bytes": 65536,
+            "drain_timeout_s": 10.0,
+            **(server or {}),
+        },
+    }
+    lines = [f"{key} = {_toml_value(value)}" for key, value in top.items()]
+    for name, table in tables.items():
+        lines.append(f"\n[{name}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+class Daemon:
+    """One ``modelpool serve`` process; its stderr goes to ``log_path``."""
+
+    def __init__(self, process: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
+        self.process = process
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=10.0, **kwargs)
+
+    def stats(self) -> dict[str, Any]:
+        response = self.get("/stats")
+        response.raise_for_status()
+        data: dict[str, Any] = response.json()
+        return data
+
+    def worker_pids(self) -> set[int]:
+        return {w["pid"] for w in self.stats()["workers"] if w["pid"] is not None}
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"daemon exited with {self.process.returncode}:\n{self.log()[-4000:]}"
+                )
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # The port is not open yet: the pool starts first.
+            time.sleep(0.05)
+        raise AssertionError(f"daemon not ready after {timeout:.0f}s:\n{self.log()[-4000:]}")
+
+    def wait_settled(self, workers: int, timeout: float = 15.0) -> dict[str, Any]:
+        """Every worker idle (no kill or respawn under way) and none missing."""
+        stats: dict[str, Any] = wait_for(
+            self.stats,
+            lambda s: (
+                len(s["workers"]) == workers
+                and all(w["state"] in ("idle", "spare") for w in s["workers"])
+                and s["queue_depth"] == 0
+            ),
+            timeout,
+            "workers to settle",
+        )
+        return stats
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+                raise AssertionError(
+                    f"daemon did not exit within {timeout}s of {signal.Signals(sig).name}:\n"
+                    f"{self.log()[-4000:]}"
+                ) from None
+        return self.process.returncode
+
+
+def start_daemon(
+    workdir: Path,
+    config_text: str | None,
+    port: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    args: tuple[str, ...] = (),
+    config_path: Path | None = None,
+    cwd: Path | None = None,
+    ready_timeout: float = READY_TIMEOUT_S,
+) -> Daemon:
+    workdir.mkdir(parents=True, exist_ok=True)
+    if config_path is None:
+        config_path = workdir / "modelpool.toml"
+        assert config_text is not None
+        config_path.write_text(config_text)
+    log_path = workdir / "daemon.log"
+    command = [
+        *modelpool_command(),
+        "serve",
+        "--config",
+        str(config_path),
+        "--port",
+        str(port),
+        *args,
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd or REPO,
+            env={**os.environ, **(env or {})},
+        )
+    daemon = Daemon(process, port, log_path)
+    try:
+        daemon.wait_ready(ready_timeout)
+    except BaseException:
+        daemon.stop(signal.SIGKILL, timeout=10)
+        raise
+    return daemon
+
+
+def wait_for(
+    fetch: Callable[[], Any], done: Callable[[Any], bool], timeout: float, what: str
+) -> Any:
+    """Poll ``fetch()`` until ``done(value)``; a bounded wait for state a test caused."""
+    deadline = time.monotonic() + timeout
+    value = fetch()
+    while not done(value):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; last: {value!r}")
+        time.sleep(0.05)
+        value = fetch()
+    return value
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        # A zombie is dead: it only waits for its new parent to reap it.
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

@@ -1,0 +1,206 @@
+"""Daemons with their own settings: overload, API key, SIGTERM drain and exit."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2e_support import (
+    Daemon,
+    daemon_config,
+    free_port,
+    modelpool_command,
+    pid_alive,
+    start_daemon,
+    wait_for,
+)
+
+KEY_ENV = "MODELPOOL_E2E_KEY"
+KEY = "s3cret-key-for-tests"
+
+
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One worker and a queue of one."""
+    port = free_port()
+    daemon = start_daemon(
+        tmp_path_factory.mktemp("one-slot"), daemon_config(port, workers=1, max_queue=1), port
+    )
+    yield daemon
+    assert daemon.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    port = free_port()
+    daemon = start_daemon(
+        tmp_path_factory.mktemp("keyed"),
+        daemon_config(port, workers=1, server={"api_key_env": KEY_ENV}),
+        port,
+        env={KEY_ENV: KEY},
+    )
+    yield daemon
+    assert daemon.stop() == 0
+
+
+def test_overload_is_429_with_retry_after(one_slot: Daemon) -> None:
+    url = one_slot.url + "/v1/completions"
+    with concurrent.futures.ThreadPoolExecutor(2) as executor:
+        running = executor.submit(httpx.post, url, json={"prompt": "tokens:20:0.05"}, timeout=30)
+        wait_for(one_slot.stats, lambda s: s["workers"][0]["state"] == "busy", 5.0, "busy")
+        queued = executor.submit(httpx.post, url, json={"prompt": "echo:queued"}, timeout=30)
+        wait_for(one_slot.stats, lambda s: s["queue_depth"] == 1, 5.0, "one queued")
+        rejected = httpx.post(url, json={"prompt": "echo:third"}, timeout=30)
+        assert rejected.status_code in (429, 503), rejected.text
+        assert int(rejected.headers["retry-after"]) >= 1
+        assert rejected.json()["error"]["code"] == "pool_overloaded"
+        assert running.result().status_code == 200
+        assert queued.result().json()["choices"][0]["text"] == "queued"
+    assert one_slot.stats()["counters"]["overloaded"] == 1
+
+
+def test_api_key_is_required_except_for_probes(keyed: Daemon) -> None:
+    body = {"messages": [{"role": "user", "content": "echo:hi"}]}
+    url = keyed.url + "/v1/chat/completions"
+    missing = httpx.post(url, json=body)
+    assert missing.status_code == 401
+    assert missing.json()["error"]["code"] == "invalid_api_key"
+    assert missing.headers["www-authenticate"] == "Bearer"
+    for header in (f"Bearer {KEY}x", "Bearer x", f"Basic {KEY}", KEY, f"Bearer {KEY[:-1]}"):
+        assert httpx.post(url, json=body, headers={"Authorization": header}).status_code == 401
+    ok = httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200
+    assert ok.json()["choices"][0]["message"]["content"] == "hi"
+    assert httpx.get(keyed.url + "/healthz").status_code == 200
+    assert httpx.get(keyed.url + "/readyz").status_code == 200
+    assert httpx.get(keyed.url + "/stats").status_code == 401
+    assert httpx.get(keyed.url + "/metrics").status_code == 401
+    assert (
+        httpx.get(keyed.url + "/stats", headers={"Authorization": f"Bearer {KEY}"}).status_code
+        == 200
+    )
+
+
+def _stream_text(url: str, prompt: str) -> str:
+    text: list[str] = []
+    body = {"prompt": prompt, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                return "".join(text)
+            if line.startswith("data: "):
+                text.append(json.loads(line[len("data: ") :])["choices"][0]["text"])
+    raise AssertionError(f"the stream ended without [DONE] after {''.join(text)!r}")
+
+
+def test_sigterm_drains_a_long_request_then_exits_0(tmp_path: Path) -> None:
+    port = free_port()
+    daemon = start_daemon(tmp_path, daemon_config(port), port)
+    try:
+        pids = daemon.worker_pids()
+        assert len(pids) == 2
+        expected = "".join(f"t{i} " for i in range(40))
+        with concurrent.futures.ThreadPoolExecutor(2) as executor:
+            pending = executor.submit(
+                httpx.post,
+                daemon.url + "/v1/completions",
+                json={"prompt": "tokens:40:0.05"},
+                timeout=30,
+            )
+            streaming = executor.submit(_stream_text, daemon.url, "tokens:40:0.05")
+            wait_for(
+                daemon.stats,
+                lambda s: all(w["state"] == "busy" for w in s["workers"]),
+                5.0,
+                "both requests to run",
+            )
+            daemon.process.send_signal(signal.SIGTERM)
+            response = pending.result()
+            assert streaming.result() == expected
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected
+        assert daemon.process.wait(20) == 0, daemon.log()[-4000:]
+    finally:
+        daemon.stop(signal.SIGKILL)
+    assert not [pid for pid in pids if pid_alive(pid)]
+    log = daemon.log()
+    assert "draining" in log
+    assert "POST /v1/completions 200" in log
+
+
+def test_sigterm_when_idle_exits_quickly_with_no_worker_left(tmp_path: Path) -> None:
+    port = free_port()
+    daemon = start_daemon(tmp_path, daemon_config(port), port)
+    try:
+        pids = daemon.worker_pids()
+        started = time.monotonic()
+        daemon.process.send_signal(signal.SIGTERM)
+        assert daemon.process.wait(20) == 0, daemon.log()[-4000:]
+        elapsed = time.monotonic() - started
+    finally:
+        daemon.stop(signal.SIGKILL)
+    assert not [pid for pid in pids if pid_alive(pid)]
+    assert elapsed < 3.0, elapsed
+    print(f"SIGTERM to exit with nothing in flight: {elapsed * 1000:.0f} ms")
+
+
+def test_second_signal_stops_at_once(tmp_path: Path) -> None:
+    port = free_port()
+    daemon = start_daemon(tmp_path, daemon_config(port, server={"drain_timeout_s": 60.0}), port)
+    try:
+        pids = daemon.worker_pids()
+        with concurrent.futures.ThreadPoolExecutor(1) as executor:
+            pending = executor.submit(
+                httpx.post,
+                daemon.url + "/v1/completions",
+                json={"prompt": "tokens:60:0.2"},
+                timeout=30,
+            )
+            wait_for(
+                daemon.stats,
+                lambda s: any(w["state"] == "busy" for w in s["workers"]),
+                5.0,
+                "the request to run",
+            )
+            daemon.process.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            started = time.monotonic()
+            daemon.process.send_signal(signal.SIGINT)
+            assert daemon.process.wait(20) == 0, daemon.log()[-4000:]
+            assert time.monotonic() - started < 5.0
+            response = pending.result()
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "shutting_down"
+    finally:
+        daemon.stop(signal.SIGKILL)
+    assert not [pid for pid in pids if pid_alive(pid)]
+
+
+def test_public_host_without_key_warns_and_a_failed_load_exits_1(tmp_path: Path) -> None:
+    # The model never loads, so the daemon exits before it binds 0.0.0.0.
+    config = tmp_path / "broken.toml"
+    config.write_text(
+        daemon_config(free_port(), startup_failures_before_giving_up=1)
+        + '\n[backend_options]\nfail_load = "on purpose"\n'
+    )
+    result = subprocess.run(
+        [*modelpool_command(), "serve", "--config", str(config), "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={k: v for k, v in os.environ.items() if k != "MODELPOOL_API_KEY"},
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "WARNING: listening on 0.0.0.0 without an API key" in result.stderr
+    assert "the pool did not start" in result.stderr
+    assert "on purpose" in result.stderr

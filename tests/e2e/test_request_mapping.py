@@ -1,0 +1,126 @@
+"""OpenAI request fields to pool calls, without a daemon (the parsing in modelpool.server)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from modelpool.cli import _is_loopback, served_model_name
+from modelpool.config import PoolConfig, ServerConfig
+from modelpool.errors import DeadlineExceeded, InvalidRequest, PoolOverloaded, WorkerCrashed
+from modelpool.server import (
+    ApiError,
+    deadline_from,
+    parse_chat,
+    parse_completion,
+    pool_error_to_api,
+)
+
+
+def test_completion_fields_map_to_generation_kwargs() -> None:
+    prompt, params, stream = parse_completion(
+        {
+            "model": "x",
+            "prompt": ["hello"],
+            "max_tokens": 7,
+            "temperature": 0,
+            "top_p": 0.5,
+            "stop": "END",
+            "seed": 3,
+            "n": 1,
+            "presence_penalty": 0,
+            "user": "u",
+            "stream": True,
+        }
+    )
+    assert prompt == "hello"
+    assert params == {
+        "max_new_tokens": 7,
+        "temperature": 0.0,
+        "top_p": 0.5,
+        "stop": ["END"],
+        "seed": 3,
+    }
+    assert stream is True
+
+
+def test_chat_messages_and_parts() -> None:
+    prompt, params, stream = parse_chat(
+        {
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "name": "ann",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+            ],
+            "max_completion_tokens": 5,
+            "stop": [],
+            "stream_options": None,
+        }
+    )
+    assert prompt == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb"},
+    ]
+    assert params == {"max_new_tokens": 5}
+    assert stream is False
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": True},
+        {"messages": [{"role": "user", "content": "x"}], "temperature": -1},
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 3,
+            "max_completion_tokens": 4,
+        },
+        {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "stream_options": {"include_usage": False},
+        },
+    ],
+)
+def test_chat_rejections(body: dict[str, Any]) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_chat(body)
+    assert info.value.status == 400
+
+
+def test_deadline_sources_and_cap() -> None:
+    assert deadline_from({}, {}, 60.0, None) == 60.0
+    assert deadline_from({}, {}, 60.0, 30.0) == 30.0
+    assert deadline_from({"timeout": 5}, {"x-request-timeout": "9"}, 60.0, None) == 5.0
+    assert deadline_from({}, {"x-request-timeout": "9"}, 60.0, None) == 9.0
+    assert deadline_from({"timeout": 500}, {}, 60.0, 120.0) == 120.0
+    for body, headers in (
+        ({"timeout": "5"}, {}),
+        ({"timeout": 0}, {}),
+        ({}, {"x-request-timeout": "soon"}),
+        ({}, {"x-request-timeout": "inf"}),
+    ):
+        with pytest.raises(ApiError):
+            deadline_from(body, headers, 60.0, None)
+
+
+def test_pool_errors_map_to_status_codes() -> None:
+    assert pool_error_to_api(InvalidRequest("bad")).status == 400
+    overloaded = pool_error_to_api(PoolOverloaded("full"))
+    assert overloaded.status == 429 and overloaded.headers["Retry-After"] == "1"
+    assert (
+        pool_error_to_api(DeadlineExceeded("late", partial_text="t0")).extra["partial_text"] == "t0"
+    )
+    assert pool_error_to_api(WorkerCrashed("died")).status == 502
+
+
+def test_cli_helpers() -> None:
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("localhost")
+    assert not _is_loopback("0.0.0.0") and not _is_loopback("example.org")
+    pool = PoolConfig(model="embedded:smollm2-135m-instruct", backend="testing")
+    assert served_model_name(pool, ServerConfig()) == "smollm2-135m-instruct"
+    assert served_model_name(pool, ServerConfig(model_name="named")) == "named"
