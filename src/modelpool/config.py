@@ -34,10 +34,17 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _finite(value: object) -> bool:
+    try:
+        return math.isfinite(float(value))  # type: ignore[arg-type]
+    except OverflowError:
+        return False
+
+
 def _check_number(name: str, value: object, *, allow_zero: bool, optional: bool = False) -> None:
     if value is None and optional:
         return
-    if not _is_number(value) or not math.isfinite(float(value)):  # type: ignore[arg-type]
+    if not _is_number(value) or not _finite(value):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):  # type: ignore[operator]
         bound = ">= 0" if allow_zero else "> 0"

@@ -9,7 +9,9 @@ from another modelpool version is refused instead of misread.
 supervisor -> worker::
 
     ("init", WorkerSpec)                    first message, once
-    ("run", attempt_id, prompt, params)     start one attempt
+    ("run", attempt_id, payload)            start one attempt; payload is
+                                            pickle.dumps((prompt, params)), made once by
+                                            the caller's thread (see encode_request)
     ("stop",)                               finish and exit (close, recycling)
 
 worker -> supervisor::
@@ -32,6 +34,7 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import socket
 import struct
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -95,13 +98,55 @@ class WorkerSpec:
     supervisor_pid: int
 
 
+MAX_FRAME_BYTES = 1 << 30
+
+
+class ProtocolError(Exception):
+    """A peer sent something that is not a well-formed modelpool message."""
+
+
 def encode_frame(message: tuple[Any, ...]) -> bytes:
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return _FRAME_HEADER.pack(len(payload)) + payload
 
 
+def encode_request(prompt: Prompt, params: dict[str, Any]) -> bytes:
+    """The run payload. Pickled on the caller's thread so that an argument that cannot be
+    pickled is the caller's error, and the dispatcher and every retry reuse the bytes."""
+    return pickle.dumps((prompt, params), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def recv_frame(sock: socket.socket) -> tuple[Any, ...] | None:
+    """Blocking read of one message (the worker's side); None at end of stream."""
+    header = _recv_exactly(sock, _FRAME_HEADER.size)
+    if header is None:
+        return None
+    (length,) = _FRAME_HEADER.unpack(header)
+    payload = _recv_exactly(sock, length)
+    if payload is None:
+        return None
+    message: tuple[Any, ...] = pickle.loads(payload)
+    return message
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytearray | None:
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    received = 0
+    while received < size:
+        count = sock.recv_into(view[received:])
+        if not count:
+            return None
+        received += count
+    return buffer
+
+
 class FrameDecoder:
-    """Accumulates bytes read from a non-blocking socket and yields complete messages."""
+    """Accumulates bytes read from a non-blocking socket and yields complete messages.
+
+    Raises ProtocolError for a frame that cannot be a message (oversized, not a
+    tuple, not unpicklable here); the caller treats that worker as broken.
+    """
 
     def __init__(self) -> None:
         self._buffer = bytearray()
@@ -113,10 +158,18 @@ class FrameDecoder:
         header_size = _FRAME_HEADER.size
         while len(self._buffer) - offset >= header_size:
             (length,) = _FRAME_HEADER.unpack_from(self._buffer, offset)
+            if length > MAX_FRAME_BYTES:
+                raise ProtocolError(f"a frame of {length} bytes")
             end = offset + header_size + length
             if len(self._buffer) < end:
                 break
-            messages.append(pickle.loads(self._buffer[offset + header_size : end]))
+            try:
+                message = pickle.loads(self._buffer[offset + header_size : end])
+            except Exception as exc:
+                raise ProtocolError(f"a message that cannot be unpickled: {exc!r}") from exc
+            if not isinstance(message, tuple) or not message:
+                raise ProtocolError(f"a message that is not a tuple: {type(message).__name__}")
+            messages.append(message)
             offset = end
         if offset:
             del self._buffer[:offset]
@@ -145,7 +198,8 @@ class ControlBlock:
     @classmethod
     def create(cls) -> ControlBlock:
         if hasattr(os, "memfd_create"):
-            fd = os.memfd_create("modelpool-control", 0)
+            # Close-on-exec: only the worker it is passed to (pass_fds) inherits it.
+            fd = os.memfd_create("modelpool-control")
         else:
             with tempfile.TemporaryFile() as handle:
                 fd = os.dup(handle.fileno())

@@ -26,7 +26,12 @@ Data flow::
 runs on the dispatcher thread and so needs no locks. It is pure bookkeeping:
 it never touches a socket or a process itself but asks its ``io`` (the
 ``_EventLoop`` in production, a recording fake in the property tests) to
-spawn, send, flag, signal and check. Every handler reads the clock once.
+spawn, send, flag, signal and check, and its clock is injected, so tests
+drive the very same code with a fake world.
+
+Future callbacks (``add_done_callback``, ``on_chunk``) run on the dispatcher
+thread, as in ``concurrent.futures``: they must be quick and must not wait on
+the pool (``generate()`` refuses to run there).
 
 A worker that dies is a normal, named event (``Dispatcher.on_exit``), never an
 exception: its attempt is recorded as a crash (or a kill, if the pool had
@@ -46,6 +51,7 @@ import asyncio
 import atexit
 import collections
 import concurrent.futures
+import dataclasses
 import heapq
 import importlib
 import itertools
@@ -90,6 +96,7 @@ from modelpool.protocol import (
     Prompt,
     WorkerSpec,
     encode_frame,
+    encode_request,
 )
 from modelpool.stats import (
     COUNTER_NAMES,
@@ -108,6 +115,9 @@ worker_logger = logging.getLogger("modelpool.worker")
 
 _END = object()
 _LATENCY_WINDOW = 2048
+# epoll takes its timeout as a C int of milliseconds (about 24.8 days): wake up at
+# least this often so that a far deadline ("never", in practice) cannot overflow it.
+_LONGEST_WAIT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -158,13 +168,12 @@ class PoolFuture(concurrent.futures.Future[Result]):
 @dataclass(eq=False)
 class _Request:
     request_id: str
-    prompt: Prompt
-    params: dict[str, Any]
+    payload: bytes  # pickle of (prompt, params): see protocol.encode_request
     future: PoolFuture
     submitted_at: float
     deadline: float
     on_chunk: Callable[[str], None] | None = None
-    state: str = "new"  # queued | backoff | running | done
+    state: str = "new"  # new | queued | backoff | running | done
     attempts: list[Attempt] = field(default_factory=list)
     run: _Run | None = None
     last_failed_worker: int | None = None
@@ -256,6 +265,10 @@ class DispatcherIO(Protocol):
     def watch_device_free(self, device: str, needed_bytes: int) -> None: ...
 
     def gpu_workers_changed(self, workers: list[tuple[int, int, str, int | None]]) -> None: ...
+
+
+def _do_nothing(*args: Any) -> None:
+    return None
 
 
 def describe_exit(returncode: int | None, *, signalled_by_pool: bool = False) -> str:
@@ -352,14 +365,18 @@ class Dispatcher:
         while self._timers and self._timers[0][0] <= now:
             _, _, timer = heapq.heappop(self._timers)
             if not timer.cancelled:
-                timer.cancelled = True
-                timer.action(*timer.args)
-        self._after_event()
+                action, args = timer.action, timer.args
+                self._cancel_timer(timer)
+                action(*args)
 
     def _cancel_timer(self, timer: _Timer | None) -> None:
         if timer is None or timer.cancelled:
             return
         timer.cancelled = True
+        # A cancelled entry waits in the heap until its time; it must not keep a finished
+        # request (its prompt, its text) alive that long.
+        timer.action = _do_nothing
+        timer.args = ()
         self._cancelled_timers += 1
         # Finished requests leave their deadline entries behind; drop them in bulk so the
         # heap stays proportional to what is in flight, not to the request rate.
@@ -473,8 +490,11 @@ class Dispatcher:
             worker_traceback=error_text,
         )
         self.state = "failed"
-        for request in list(self.queue.values()):
-            self._fail(request, ModelLoadFailed(self.failure.message, worker_traceback=error_text))
+        for request in list(self.live.values()):
+            if request.state in ("queued", "backoff"):
+                self._fail(
+                    request, ModelLoadFailed(self.failure.message, worker_traceback=error_text)
+                )
         for other in self.workers.values():
             if other.state == "starting":
                 self._signal(other, signal.SIGKILL, "startup_abandoned")
@@ -537,15 +557,20 @@ class Dispatcher:
         idle = [w for w in self.workers.values() if w.state == "idle" and w.role == "serving"]
         if not idle:
             return
-        for request in list(self.queue.values()):
-            if not idle:
-                break
+        assignments = []
+        # In queue order, stopping as soon as the idle workers are spoken for: the cost is
+        # the number of idle workers, not the length of the queue.
+        for request in self.queue.values():
             choice = next((w for w in idle if w.id != request.last_failed_worker), None)
             if choice is None:
                 continue
             idle.remove(choice)
+            assignments.append((request, choice))
+            if not idle:
+                break
+        for request, worker in assignments:
             del self.queue[request.request_id]
-            self._dispatch(request, choice)
+            self._dispatch(request, worker)
 
     def _dispatch(self, request: _Request, worker: _Worker) -> None:
         now = self.clock()
@@ -568,8 +593,8 @@ class Dispatcher:
         request.run = run
         worker.state = "busy"
         worker.run = run
-        worker.io.send(("run", run.attempt_id, request.prompt, request.params))
-        run.deadline_timer = self.call_at(attempt_deadline, self._on_attempt_deadline, run)
+        worker.io.send(("run", run.attempt_id, request.payload))
+        run.deadline_timer = self.call_at(attempt_deadline, self._attempt_timed_out, run, "timeout")
         if self.config.stall_timeout_s is not None and self._stall_timer is None:
             self._arm_stall_check()
 
@@ -722,6 +747,24 @@ class Dispatcher:
                 self._fail_pinned_retries(worker)
             self._maybe_retire(worker)
 
+    def channel_closed(self, worker: _Worker) -> None:
+        """The worker's socket reached end of file. Its exit normally follows within
+        milliseconds (and is then a crash or a kill as usual); one that stays alive
+        without a channel can never answer again and is killed."""
+        if worker.state == "dead":
+            return
+        if worker.state == "idle":
+            worker.state = "killing"  # nothing more is sent to it
+        self.call_at(self.clock() + 1.0, self._kill_if_alive, worker, "channel_closed")
+
+    def protocol_error(self, worker: _Worker) -> None:
+        """The worker sent what the pool cannot use: it is no longer trusted."""
+        self._signal(worker, signal.SIGKILL, "protocol")
+
+    def _kill_if_alive(self, worker: _Worker, reason: str) -> None:
+        if worker.state != "dead":
+            self._signal(worker, signal.SIGKILL, reason)
+
     # ---- deadlines, stalls, the kill ladder ------------------------------------------------
 
     def _on_request_deadline(self, request: _Request) -> None:
@@ -736,10 +779,7 @@ class Dispatcher:
                 ),
             )
         elif request.state == "running" and request.run is not None:
-            self._on_attempt_deadline(request.run)
-
-    def _on_attempt_deadline(self, run: _Run) -> None:
-        self._attempt_timed_out(run, "timeout")
+            self._attempt_timed_out(request.run, "timeout")
 
     def _attempt_timed_out(self, run: _Run, reason: str) -> None:
         request = run.request
@@ -803,9 +843,8 @@ class Dispatcher:
         if not worker.signalled:
             worker.signalled = True
             worker.kill_reason = reason
-            if worker.state != "starting":
-                self.counters["kills"] += 1
-                self.kill_reasons[reason] += 1
+            self.counters["kills"] += 1
+            self.kill_reasons[reason] += 1
         if worker.state != "starting":
             worker.state = "killing"
         worker.io.signal_group(signum)
@@ -903,12 +942,23 @@ class Dispatcher:
         self.queue.move_to_end(request.request_id, last=False)
 
     def _another_worker_exists(self, failed: _Worker) -> bool:
-        if self.slot_count > 1:
+        """Can some worker other than ``failed`` ever take a retry?
+
+        A retry never goes back to the worker that just failed it. Other live workers
+        can take it; so can a replacement, in any slot that may still be filled, and
+        in the failed worker's own slot if that worker is on its way out.
+        """
+        if any(w is not failed and w.state != "dead" for w in self.workers.values()):
             return True
-        # With one slot, a worker that dies is replaced by a new one, and one still being
-        # stopped may be; one that already answered and stays warm would be the only
-        # candidate, and a retry never goes back to the worker that just failed it.
-        return failed.state in ("cancelling", "killing", "dead")
+        leaving = failed.state in ("cancelling", "killing", "dead")
+        for slot in range(self.slot_count):
+            if slot in self.abandoned_slots:
+                continue
+            if self.devices[slot % len(self.devices)] in self.blocked_devices:
+                continue
+            if slot != failed.slot or leaving:
+                return True
+        return False
 
     # ---- resolution ------------------------------------------------------------------------
 
@@ -927,21 +977,9 @@ class Dispatcher:
     def _succeed(self, request: _Request, generation: Generation, worker_pid: int | None) -> None:
         if not self._finish(request):
             return
-        now = self.clock()
-        latency = now - request.submitted_at
-        self.latencies.append(latency)
         self.counters["completed"] += 1
-        result = Result(
-            text=generation.text,
-            finish_reason=generation.finish_reason,
-            request_id=request.request_id,
-            attempts=len(request.attempts),
-            worker_pid=worker_pid,
-            latency_s=latency,
-            queue_s=(request.first_dispatch_at or now) - request.submitted_at,
-            prompt_tokens=generation.prompt_tokens,
-            completion_tokens=generation.completion_tokens,
-        )
+        result = self._result(request, generation, worker_pid)
+        self.latencies.append(result.latency_s)
         _set_future(request.future, result)
 
     def _resolve_cancelled(
@@ -953,20 +991,26 @@ class Dispatcher:
     ) -> None:
         if not self._finish(request):
             return
-        now = self.clock()
         self.counters["cancelled"] += 1
-        result = Result(
-            text=text,
-            finish_reason="cancelled",
+        if generation is None:
+            generation = Generation(text, "cancelled")
+        else:
+            generation = dataclasses.replace(generation, text=text, finish_reason="cancelled")
+        _set_future(request.future, self._result(request, generation, worker_pid))
+
+    def _result(self, request: _Request, generation: Generation, worker_pid: int | None) -> Result:
+        now = self.clock()
+        return Result(
+            text=generation.text,
+            finish_reason=generation.finish_reason,
             request_id=request.request_id,
             attempts=len(request.attempts),
             worker_pid=worker_pid,
             latency_s=now - request.submitted_at,
             queue_s=(request.first_dispatch_at or now) - request.submitted_at,
-            prompt_tokens=generation.prompt_tokens if generation else None,
-            completion_tokens=generation.completion_tokens if generation else None,
+            prompt_tokens=generation.prompt_tokens,
+            completion_tokens=generation.completion_tokens,
         )
-        _set_future(request.future, result)
 
     def _fail(self, request: _Request, error: PoolError) -> None:
         if not self._finish(request):
@@ -1009,7 +1053,7 @@ class Dispatcher:
             logger.warning("worker %d (pid %s) died: %s", worker.id, worker.pid, reason)
         if run is not None and run.request is not None:
             request = run.request
-            outcome: Outcome = "timeout" if worker.signalled else "crash"
+            outcome: Outcome = "timeout" if worker.kill_reason in ("timeout", "stall") else "crash"
             request.attempts.append(Attempt(worker.pid, outcome, self.clock() - run.started_at))
             request.run = None
             request.last_partial = run.partial_text()
@@ -1195,7 +1239,10 @@ class Dispatcher:
                 self._signal(worker, signal.SIGKILL, "close")
 
     def crash(self, error: BaseException) -> None:
-        """The dispatcher itself failed: fail everything and take the workers down."""
+        """The dispatcher itself failed: fail everything and take the workers down.
+
+        The event loop stops taking commands right after, so nothing new waits on it.
+        """
         for request in list(self.live.values()):
             self._fail(request, PoolError(f"the pool's dispatcher failed: {error!r}"))
         for worker in self.workers.values():
@@ -1207,7 +1254,8 @@ class Dispatcher:
 
     # ---- after every event --------------------------------------------------------------------
 
-    def _after_event(self) -> None:
+    def after_event(self) -> None:
+        """Bookkeeping after a batch of events: retirements, roles, dispatch, pool state."""
         for worker_id in list(self.retire_waiting):
             waiting = self.workers.get(worker_id)
             if waiting is None or waiting.state == "dead":
@@ -1241,9 +1289,6 @@ class Dispatcher:
             return "degraded"
         return "ready"
 
-    def after_commands(self) -> None:
-        self._after_event()
-
     def _publish_gpu_workers(self) -> None:
         if not self.gpu_available:
             return
@@ -1260,7 +1305,9 @@ class Dispatcher:
     def snapshot(self) -> PoolStats:
         now = self.clock()
         workers = []
-        for worker in self.workers.values():
+        # Copies first: ModelPool.stats() builds a snapshot off the dispatcher thread when
+        # that thread does not answer, and a dict must not change size under iteration.
+        for worker in list(self.workers.values()):
             if worker.state == "dead":
                 continue
             shown = worker.state
@@ -1284,7 +1331,7 @@ class Dispatcher:
             state=self.state,
             workers=workers,
             queue_depth=len(self.queue),
-            counters=dict(self.counters),
+            counters=self.counters.copy(),
             latency_s=percentiles(list(self.latencies)),
             gpu=GpuStats(
                 available=self.gpu_available,
@@ -1322,6 +1369,7 @@ class _ProcessWorkerIO:
         sock: socket.socket,
         control: ControlBlock,
         pidfd: int | None,
+        on_backlog: Callable[[_ProcessWorkerIO], None],
     ) -> None:
         self.popen = popen
         self.pid: int | None = popen.pid
@@ -1331,7 +1379,8 @@ class _ProcessWorkerIO:
         self.decoder = FrameDecoder()
         self.outbox = bytearray()
         self.eof = False
-        self.on_backlog: Callable[[], None] = lambda: None
+        self.closed = False
+        self._on_backlog = on_backlog
 
     def send(self, message: tuple[Any, ...]) -> None:
         self.outbox += encode_frame(message)
@@ -1342,7 +1391,7 @@ class _ProcessWorkerIO:
             try:
                 sent = self.sock.send(self.outbox)
             except BlockingIOError:
-                self.on_backlog()
+                self._on_backlog(self)
                 return
             except OSError:
                 self.outbox.clear()  # The worker is gone; its exit event will follow.
@@ -1362,6 +1411,9 @@ class _ProcessWorkerIO:
             pass
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self.sock.close()
         self.control.close()
         if self.pidfd is not None:
@@ -1387,6 +1439,8 @@ class _EventLoop:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._wake_pending = False
+        self._post_lock = threading.Lock()
+        self.stopped = False
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         self._lifeline_r, self._lifeline_w = os.pipe()
         self._eof_without_exit: list[_Worker] = []
@@ -1409,14 +1463,21 @@ class _EventLoop:
 
     # ---- cross-thread entry points ---------------------------------------------------------
 
-    def post(self, action: Callable[..., None], *args: Any) -> None:
-        self.commands.append((action, args))
-        if not self._wake_pending:
-            self._wake_pending = True
-            try:
-                os.write(self._wake_w, b"\0")
-            except (BlockingIOError, OSError):
-                pass  # A wake-up is already pending, or the loop is gone.
+    def post(self, action: Callable[..., None], *args: Any) -> bool:
+        """Queue work for the dispatcher thread; False once the loop has stopped."""
+        with self._post_lock:
+            # Under the lock so that the wake-up descriptor cannot be closed, and its
+            # number reused by someone else's file, between the check and the write.
+            if self.stopped:
+                return False
+            self.commands.append((action, args))
+            if not self._wake_pending:
+                self._wake_pending = True
+                try:
+                    os.write(self._wake_w, b"\0")
+                except BlockingIOError:
+                    pass  # The pipe is full of wake-ups already.
+        return True
 
     def start(self) -> None:
         self.thread.start()
@@ -1426,13 +1487,13 @@ class _EventLoop:
     # ---- DispatcherIO ----------------------------------------------------------------------
 
     def spawn(self, worker: _Worker, spec: WorkerSpec) -> WorkerIO:
-        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        control = ControlBlock.create()
         gpu_env, worker_device = gpu.worker_env_for(worker.device, self.probe)
         env = dict(os.environ)
         env.update(gpu_env)
+        # Appended, so that the user's own PYTHONPATH entries keep precedence in workers
+        # as they have in the supervisor; ours only makes sure modelpool itself imports.
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p
+            p for p in (env.get("PYTHONPATH", ""), _PACKAGE_PARENT) if p
         )
         threads = str(self._threads_per_worker)
         env.setdefault("OMP_NUM_THREADS", threads)
@@ -1442,6 +1503,13 @@ class _EventLoop:
         index = gpu.nvml_index_for(worker.device, self.probe)
         if index is not None:
             worker.gpu_baseline = self.probe.used_bytes(index)
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            control = ControlBlock.create()
+        except BaseException:
+            parent_sock.close()
+            child_sock.close()
+            raise
         command = [
             sys.executable,
             "-m",
@@ -1476,26 +1544,25 @@ class _EventLoop:
                 pidfd = os.pidfd_open(popen.pid)
             except OSError:
                 pidfd = None
-        io = _ProcessWorkerIO(popen, parent_sock, control, pidfd)
-        io.on_backlog = lambda: self._want_write(worker, io)
-        self.selector.register(parent_sock, selectors.EVENT_READ, ("sock", worker))
-        if pidfd is not None:
-            self.selector.register(pidfd, selectors.EVENT_READ, ("exit", worker))
-        io.send(
-            (
-                "init",
-                WorkerSpec(
-                    worker_id=spec.worker_id,
-                    model=spec.model,
-                    backend=spec.backend,
-                    backend_options=spec.backend_options,
-                    device=worker_device,
-                    sys_path=spec.sys_path,
-                    log_level=spec.log_level,
-                    supervisor_pid=spec.supervisor_pid,
-                ),
-            )
+        io = _ProcessWorkerIO(
+            popen, parent_sock, control, pidfd, lambda io: self._want_write(worker, io)
         )
+        try:
+            self.selector.register(parent_sock, selectors.EVENT_READ, ("sock", worker))
+            if pidfd is not None:
+                self.selector.register(pidfd, selectors.EVENT_READ, ("exit", worker))
+            io.send(("init", dataclasses.replace(spec, device=worker_device)))
+        except BaseException:
+            io.signal_group(signal.SIGKILL)
+            popen.wait()
+            for fd in (parent_sock, pidfd):
+                if fd is not None:
+                    try:
+                        self.selector.unregister(fd)
+                    except (KeyError, ValueError):
+                        pass
+            io.close()
+            raise
         return io
 
     def check_release(self, worker: _Worker) -> None:
@@ -1590,6 +1657,7 @@ class _EventLoop:
     # ---- the loop ----------------------------------------------------------------------------
 
     def _want_write(self, worker: _Worker, io: _ProcessWorkerIO) -> None:
+        """The worker's socket buffer is full: finish sending when it can take more."""
         try:
             self.selector.modify(
                 io.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, ("sock", worker)
@@ -1601,10 +1669,16 @@ class _EventLoop:
         dispatcher = self.dispatcher
         try:
             dispatcher.start()
-            self._run_commands()
-            while not dispatcher.finished:
+            while True:
+                self._run_commands()
+                dispatcher.run_due_timers()
+                dispatcher.after_event()
+                if dispatcher.finished:
+                    break
                 next_at = dispatcher.next_timer_at()
-                timeout = None if next_at is None else max(0.0, next_at - time.monotonic())
+                timeout = None
+                if next_at is not None:
+                    timeout = min(max(0.0, next_at - time.monotonic()), _LONGEST_WAIT_S)
                 if self._eof_without_exit:
                     timeout = 0.005 if timeout is None else min(timeout, 0.005)
                 for key, mask in self.selector.select(timeout):
@@ -1619,12 +1693,11 @@ class _EventLoop:
                     else:
                         self._reap(worker)
                 self._poll_eof_workers()
-                self._run_commands()
-                dispatcher.run_due_timers()
         except BaseException as exc:
             logger.critical("the modelpool dispatcher failed; failing every request", exc_info=True)
             dispatcher.crash(exc)
         finally:
+            self._stop_accepting()
             self._stop_monitor.set()
             self._teardown()
 
@@ -1634,12 +1707,20 @@ class _EventLoop:
         while commands:
             action, args = commands.popleft()
             action(*args)
-        self.dispatcher.after_commands()
+
+    def _stop_accepting(self) -> None:
+        """No command is taken after this; submissions already queued fail instead of hanging."""
+        with self._post_lock:
+            self.stopped = True
+        while self.commands:
+            action, args = self.commands.popleft()
+            if action == self.dispatcher.submit:
+                _set_future(args[0].future, PoolClosed("the pool stopped before the request ran"))
 
     def _drain_wake(self) -> None:
+        # One read suffices: a writer only writes while no wake-up is pending.
         try:
-            while os.read(self._wake_r, 4096):
-                pass
+            os.read(self._wake_r, 4096)
         except BlockingIOError:
             pass
 
@@ -1666,15 +1747,31 @@ class _EventLoop:
             except OSError:
                 data = b""
             if not data:
-                io.eof = True
-                self.selector.unregister(io.sock)
-                if io.pidfd is None:
-                    self._eof_without_exit.append(worker)
+                self._stop_reading(worker, io)
+                self.dispatcher.channel_closed(worker)
                 return
-            for message in io.decoder.feed(data):
-                self.dispatcher.on_message(worker, message)
+            try:
+                for message in io.decoder.feed(data):
+                    self.dispatcher.on_message(worker, message)
+            except Exception:
+                # One broken worker (or a backend that sent what the pool cannot read)
+                # must not take the dispatcher, and with it every other request, down.
+                logger.exception(
+                    "worker %d (pid %s) sent a message the pool cannot use; killing it",
+                    worker.id,
+                    worker.pid,
+                )
+                self._stop_reading(worker, io)
+                self.dispatcher.protocol_error(worker)
+                return
             if len(data) < (1 << 18) and not until_eof:
                 return
+
+    def _stop_reading(self, worker: _Worker, io: _ProcessWorkerIO) -> None:
+        io.eof = True
+        self.selector.unregister(io.sock)
+        if io.pidfd is None:
+            self._eof_without_exit.append(worker)
 
     def _poll_eof_workers(self) -> None:
         for worker in list(self._eof_without_exit):
@@ -1689,9 +1786,10 @@ class _EventLoop:
             return
         # A last result or traceback may be waiting behind the exit.
         self._read(worker, until_eof=True)
-        returncode = io.popen.wait()
-        # Whatever the worker started dies with it.
+        # Whatever the worker started dies with it. Sent before the leader is reaped: its
+        # zombie keeps the group id from being reused by a new process group meanwhile.
         io.signal_group(signal.SIGKILL)
+        returncode = io.popen.wait()
         if not io.eof:
             self.selector.unregister(io.sock)
         if io.pidfd is not None:
@@ -1699,20 +1797,30 @@ class _EventLoop:
         io.close()
         self.dispatcher.on_exit(worker, returncode)
 
-    def _teardown(self) -> None:
-        for worker in self.dispatcher.workers.values():
+    def kill_all_workers(self) -> None:
+        """Last resort when the dispatcher is wedged: take every worker down without it."""
+        for worker in list(self.dispatcher.workers.values()):
             io = worker.io
-            if isinstance(io, _ProcessWorkerIO) and worker.state != "dead":
+            if isinstance(io, _ProcessWorkerIO) and not io.closed:
                 io.signal_group(signal.SIGKILL)
-                io.popen.wait()
-                io.close()
-                worker.state = "dead"
+
+    def _teardown(self) -> None:
+        for worker in list(self.dispatcher.workers.values()):
+            io = worker.io
+            if isinstance(io, _ProcessWorkerIO) and not io.closed:
+                try:
+                    io.signal_group(signal.SIGKILL)
+                    io.popen.wait()
+                finally:
+                    io.close()
+                    worker.state = "dead"
         self.selector.close()
-        for fd in (self._wake_r, self._wake_w, self._lifeline_r, self._lifeline_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        with self._post_lock:
+            for fd in (self._wake_r, self._wake_w, self._lifeline_r, self._lifeline_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 def _usable_cpus() -> int:
@@ -1776,21 +1884,30 @@ class ModelPool:
 
     def start(self) -> ModelPool:
         """Start every worker and wait until all are ready; raise ``ModelLoadFailed`` if not."""
-        with self._lock:
-            if self._closed:
-                raise PoolClosed("the pool is closed")
-            if self._loop is None:
-                config = self.config
-                model = _resolve_model(config.model)
-                if model != config.model:
-                    config = config.replace(model=model)
+        if self._closed:
+            raise PoolClosed("the pool is closed")
+        if self._loop is None:
+            # Slow work (preparing an embedded model, probing NVML) outside the lock, so
+            # that a close() from another thread is not stuck behind it.
+            config = self.config
+            model = _resolve_model(config.model)
+            if model != config.model:
+                config = config.replace(model=model)
+            probe = self._gpu_probe or gpu.GpuProbe()
+            devices = gpu.resolve_devices(config.devices, probe)
+            with self._lock:
+                if self._closed:
+                    raise PoolClosed("the pool is closed")
+                if self._loop is None:
                     self.config = config
-                probe = self._gpu_probe or gpu.GpuProbe()
-                devices = gpu.resolve_devices(config.devices, probe)
-                self._loop = _EventLoop(self, config, devices, probe)
-                _live_pools.add(self)
-                self._loop.start()
-        self._started.wait()
+                    self._loop = _EventLoop(self, config, devices, probe)
+                    _live_pools.add(self)
+                    self._loop.start()
+        try:
+            self._started.wait()
+        except BaseException:
+            self.close(drain=False, timeout=5.0)  # Ctrl-C while the model loads
+            raise
         if self._start_error is not None:
             error = self._start_error
             self.close(drain=False, timeout=5.0)
@@ -1811,11 +1928,10 @@ class ModelPool:
             loop = self._loop
         if loop is None:
             return
+        loop.post(loop.dispatcher.begin_close, drain, time.monotonic() + timeout)
         if threading.current_thread() is loop.thread:
-            loop.post(loop.dispatcher.begin_close, drain, time.monotonic() + timeout)
-            return
+            return  # Called from a callback: the dispatcher finishes the close after it.
         if loop.thread.is_alive():
-            loop.post(loop.dispatcher.begin_close, drain, time.monotonic() + timeout)
             bound = (
                 timeout
                 + self.config.cancel_grace_s
@@ -1826,6 +1942,7 @@ class ModelPool:
             loop.thread.join(bound)
             if loop.thread.is_alive():
                 logger.error("the dispatcher did not stop within %.0fs; killing workers", bound)
+                loop.kill_all_workers()
         self._last_snapshot = loop.dispatcher.snapshot() if not loop.thread.is_alive() else None
         _live_pools.discard(self)
 
@@ -1847,6 +1964,10 @@ class ModelPool:
         self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
     ) -> Result:
         """Run one request and wait for it. Raises a ``PoolError`` subclass on failure."""
+        loop = self._loop
+        if loop is not None and threading.current_thread() is loop.thread:
+            # Future callbacks run on the dispatcher thread; waiting there would stop it.
+            raise PoolError("generate() called from a future callback; use submit() there")
         future = self._submit(prompt, deadline_s, gen_kwargs, None)
         try:
             return future.result()
@@ -1922,7 +2043,8 @@ class ModelPool:
             except RuntimeError:
                 pass  # The caller's event loop is gone.
 
-        loop.post(build)
+        if not loop.post(build):
+            return self.stats()
         try:
             return await asyncio.wait_for(asyncio.shield(snapshot), 5.0)
         except asyncio.TimeoutError:
@@ -1942,8 +2064,7 @@ class ModelPool:
             holder.append(loop.dispatcher.snapshot())
             ready.set()
 
-        loop.post(build)
-        if ready.wait(5.0):
+        if loop.post(build) and ready.wait(5.0):
             return holder[0]
         return self._last_snapshot or loop.dispatcher.snapshot()
 
@@ -1956,7 +2077,7 @@ class ModelPool:
         gen_kwargs: dict[str, Any],
         on_chunk: Callable[[Any], None] | None,
     ) -> PoolFuture:
-        check_prompt(prompt)
+        prompt = check_prompt(prompt)
         if deadline_s is None:
             deadline_s = self.config.deadline_s
         else:
@@ -1970,6 +2091,10 @@ class ModelPool:
                 raise
             except (ValueError, TypeError) as exc:
                 raise InvalidRequest(str(exc)) from exc
+        try:
+            payload = encode_request(prompt, params)
+        except Exception as exc:
+            raise InvalidRequest(f"the request cannot be sent to a worker: {exc!r}") from exc
         loop = self._loop
         with self._lock:
             if self._closed:
@@ -1981,6 +2106,8 @@ class ModelPool:
             failure = loop.dispatcher.failure
             if failure is not None:
                 raise ModelLoadFailed(failure.message, worker_traceback=failure.worker_traceback)
+            if loop.dispatcher.crashed:
+                raise PoolError("the pool's dispatcher failed; see the log")
             if self._queued >= self.config.max_queue:
                 loop.post(loop.dispatcher.count_overloaded)
                 raise PoolOverloaded(f"the queue is full ({self.config.max_queue} waiting)")
@@ -1990,15 +2117,16 @@ class ModelPool:
         future = PoolFuture(request_id, self._cancel_from_future)
         request = _Request(
             request_id=request_id,
-            prompt=prompt,
-            params=params,
+            payload=payload,
             future=future,
             submitted_at=now,
             deadline=now + deadline_s,
             on_chunk=on_chunk,
         )
         self._futures[request_id] = future
-        loop.post(loop.dispatcher.submit, request)
+        if not loop.post(loop.dispatcher.submit, request):
+            self._on_dequeued()
+            raise PoolClosed("the pool has stopped")
         return future
 
     def _on_dequeued(self) -> None:

@@ -7,10 +7,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from modelpool.errors import InvalidRequest
+from modelpool.protocol import Prompt
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def check_generation_params(params: Mapping[str, Any], *, where: str = "") -> None:
@@ -32,15 +38,21 @@ def check_generation_params(params: Mapping[str, Any], *, where: str = "") -> No
             raise InvalidRequest(f"{prefix}top_p must be in (0, 1], got {value!r}")
 
 
-def check_prompt(prompt: object) -> None:
-    """A prompt is a string or a non-empty list of ``{"role", "content"}`` string messages."""
+def check_prompt(prompt: object) -> Prompt:
+    """A prompt is a string or a non-empty list of ``{"role", "content"}`` string messages.
+
+    Returns what is sent: the string, or a copy of the messages as plain dicts, so that
+    a caller's later change to its list, or a mapping type only its own process can
+    rebuild, cannot reach a worker.
+    """
     if isinstance(prompt, str):
-        return
+        return prompt
     if not isinstance(prompt, (list, tuple)) or not prompt:
         raise InvalidRequest(
             "prompt must be a string or a non-empty list of chat messages, "
             f"got {type(prompt).__name__}"
         )
+    messages: list[dict[str, str]] = []
     for index, message in enumerate(prompt):
         if not isinstance(message, Mapping):
             raise InvalidRequest(f"prompt[{index}] must be a mapping with 'role' and 'content'")
@@ -49,6 +61,8 @@ def check_prompt(prompt: object) -> None:
             raise InvalidRequest(f"prompt[{index}].role must be a non-empty string")
         if not isinstance(content, str):
             raise InvalidRequest(f"prompt[{index}].content must be a string")
+        messages.append({"role": str(role), "content": str(content)})
+    return messages
 
 
 def check_deadline(deadline_s: object) -> None:

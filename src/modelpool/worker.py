@@ -29,7 +29,6 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import sys
 import threading
 import traceback
@@ -46,11 +45,11 @@ from modelpool.protocol import (
     Prompt,
     WorkerSpec,
     encode_frame,
+    recv_frame,
 )
 
 logger = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("!I")
 EXIT_LOAD_FAILED = 3
 
 BUILTIN_BACKENDS = {
@@ -84,24 +83,7 @@ class _Channel:
             self._sock.sendall(frame)
 
     def recv(self) -> tuple[Any, ...] | None:
-        header = self._recv_exactly(_HEADER.size)
-        if header is None:
-            return None
-        (length,) = _HEADER.unpack(header)
-        payload = self._recv_exactly(length)
-        if payload is None:
-            return None
-        message: tuple[Any, ...] = pickle.loads(payload)
-        return message
-
-    def _recv_exactly(self, size: int) -> bytes | None:
-        chunks = bytearray()
-        while len(chunks) < size:
-            data = self._sock.recv(size - len(chunks))
-            if not data:
-                return None
-            chunks += data
-        return bytes(chunks)
+        return recv_frame(self._sock)
 
 
 class _ForwardingHandler(logging.Handler):
@@ -142,6 +124,8 @@ class WorkerCall:
         return self._control.cancel_attempt == self.attempt_id
 
     def emit(self, text: str) -> None:
+        if not isinstance(text, str):
+            raise TypeError(f"call.emit() takes str, not {type(text).__name__}")
         if text:
             self._control.bump_progress()
             self._channel.send(("chunk", self.attempt_id, text))
@@ -163,7 +147,14 @@ def _watch_lifeline(lifeline_fd: int) -> None:
 def _run_attempt(
     handler: Handler, message: tuple[Any, ...], control: ControlBlock, channel: _Channel
 ) -> None:
-    _, attempt_id, prompt, params = message
+    _, attempt_id, payload = message
+    try:
+        prompt, params = pickle.loads(payload)
+    except Exception as exc:
+        # A class the caller defined in its own __main__, say: the request's fault, not ours.
+        text = f"the request cannot be read in a worker: {exc!r}"
+        channel.send(("error", attempt_id, "invalid", text, "", process_rss_bytes()))
+        return
     call = WorkerCall(attempt_id, prompt, params, control, channel)
     try:
         if control.cancel_attempt == attempt_id:
@@ -181,8 +172,7 @@ def _run_attempt(
                         ("error", attempt_id, "invalid", str(exc), "", process_rss_bytes())
                     )
                     return
-            output = handler.generate(call)
-            generation = output if isinstance(output, Generation) else Generation(str(output))
+            generation = _normalise(handler.generate(call))
     except InvalidRequest as exc:
         channel.send(("error", attempt_id, "invalid", str(exc), "", process_rss_bytes()))
         return
@@ -199,6 +189,28 @@ def _run_attempt(
         )
         return
     channel.send(("done", attempt_id, generation, process_rss_bytes()))
+
+
+def _normalise(output: object) -> Generation:
+    """Plain types only cross the pipe: the supervisor never imports what a backend used
+    (a torch tensor as a token count would drag torch into it) and never sees a bad field."""
+    if not isinstance(output, Generation):
+        if not isinstance(output, str):
+            raise TypeError(f"generate() returned {type(output).__name__}, not str or Generation")
+        return Generation(output)
+    if not isinstance(output.text, str):
+        raise TypeError(f"Generation.text is {type(output.text).__name__}, not str")
+    if output.finish_reason not in ("stop", "length", "cancelled"):
+        raise ValueError(
+            f"Generation.finish_reason {output.finish_reason!r} is not one of "
+            "'stop', 'length', 'cancelled'"
+        )
+    return Generation(
+        output.text,
+        output.finish_reason,
+        None if output.prompt_tokens is None else int(output.prompt_tokens),
+        None if output.completion_tokens is None else int(output.completion_tokens),
+    )
 
 
 def serve(channel: _Channel, control: ControlBlock) -> int:

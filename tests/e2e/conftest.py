@@ -18,9 +18,10 @@ if not sys.platform.startswith("linux"):
     collect_ignore_glob = ["test_*.py"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """The shared daemon: 2 testing workers, no retries, 64 KiB body limit."""
+    """A daemon per test module (2 testing workers, no retries, 64 KiB body limit), so that
+    none outlives its module into suites that check for leftover processes."""
     port = free_port()
     server = start_daemon(tmp_path_factory.mktemp("daemon"), daemon_config(port), port)
     yield server
