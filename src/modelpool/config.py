@@ -74,6 +74,10 @@ class RetryPolicy:
     ``on`` lists the attempt outcomes that are retried: "timeout" (deadline or
     stall of one attempt), "crash" (the worker died), "error" (the backend raised;
     off by default because a deterministic exception would just repeat).
+
+    A "timeout" retry needs time left after the attempt: set ``attempt_timeout_s``
+    below ``deadline_s`` (or a ``stall_timeout_s``), else the first attempt's
+    deadline is the request's and there is nothing left to retry in.
     """
 
     max_retries: int = 2

@@ -1443,6 +1443,7 @@ class _EventLoop:
         self.stopped = False
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         self._lifeline_r, self._lifeline_w = os.pipe()
+        _lifeline_writers.add(self._lifeline_w)
         self._eof_without_exit: list[_Worker] = []
         self._gpu_workers: list[tuple[int, int, str, int | None]] = []
         self._stop_monitor = threading.Event()
@@ -1815,12 +1816,32 @@ class _EventLoop:
                     io.close()
                     worker.state = "dead"
         self.selector.close()
+        _lifeline_writers.discard(self._lifeline_w)
         with self._post_lock:
             for fd in (self._wake_r, self._wake_w, self._lifeline_r, self._lifeline_w):
                 try:
                     os.close(fd)
                 except OSError:
                     pass
+
+
+# The write ends of every live pool's lifeline. A child forked without exec (the
+# multiprocessing "fork" context, say) would otherwise hold them open and keep the
+# workers alive after the supervisor died, for as long as that child lives.
+_lifeline_writers: set[int] = set()
+
+
+def _close_lifelines_in_child() -> None:
+    for fd in _lifeline_writers:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _lifeline_writers.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_lifelines_in_child)
 
 
 def _usable_cpus() -> int:
