@@ -87,7 +87,7 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         _check_int("retry.max_retries", self.max_retries, minimum=0)
         _check_number("retry.backoff_s", self.backoff_s, allow_zero=True)
-        if isinstance(self.on, str) or not all(isinstance(r, str) for r in self.on):
+        if not isinstance(self.on, (list, tuple)) or not all(isinstance(r, str) for r in self.on):
             raise ValueError(f"retry.on must be a list of strings, got {self.on!r}")
         object.__setattr__(self, "on", tuple(self.on))
         for reason in self.on:

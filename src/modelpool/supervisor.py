@@ -626,8 +626,8 @@ class Dispatcher:
             logger.warning("worker %d sent an unknown message kind %r", worker.id, kind)
 
     def _on_ready(self, worker: _Worker, version: int, pid: int, rss_bytes: int) -> None:
-        if worker.state != "starting":
-            return
+        if worker.state != "starting" or worker.signalled:
+            return  # A "ready" that crossed the start-up timeout's SIGKILL: it is dying.
         self._cancel_timer(worker.startup_timer)
         if version != PROTOCOL_VERSION:
             worker.load_error = (
@@ -1414,6 +1414,7 @@ class _ProcessWorkerIO:
         if self.closed:
             return
         self.closed = True
+        self._on_backlog = _do_nothing  # it holds the worker: break the cycle at once
         self.sock.close()
         self.control.close()
         if self.pidfd is not None:

@@ -1,0 +1,212 @@
+"""Workers die with their supervisor.
+
+A child process owns a pool and is SIGKILLed: mid-load (workers still in the
+backend's ``load_delay_s``), once idle, and while busy on a request that ignores
+SIGTERM. Every worker, found beforehand as the child's children with psutil,
+must be gone within 1 s of the kill (the lifeline pipe reads EOF the moment the
+kernel closes the dead supervisor's end).
+
+And when the dispatcher *thread* dies inside a living supervisor, its workers
+are killed too and no request hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from helpers import assert_no_children, open_pool, pid_alive, wait_until
+from modelpool import PoolError
+from modelpool.gpu import set_child_subreaper
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
+
+WORKERS, SPARES = 2, 1
+GONE_WITHIN_S = 1.0
+
+OWNER = textwrap.dedent(f"""
+    import sys, threading, time
+    from modelpool import ModelPool, PoolConfig
+
+    mode, load_delay = sys.argv[1], float(sys.argv[2])
+    pool = ModelPool(PoolConfig(
+        model="none", backend="testing", workers={WORKERS}, spares={SPARES}, devices=["cpu"],
+        backend_options={{"load_delay_s": load_delay}}, startup_timeout_s=120.0,
+        deadline_s=600.0,
+    ))
+    if mode == "loading":
+        threading.Thread(target=pool.start, daemon=True).start()
+        print("spawning", flush=True)
+    else:
+        pool.start()
+        if mode == "busy":
+            futures = [pool.submit("hang", deadline_s=600.0) for _ in range({WORKERS})]
+            while sum(w.state == "busy" for w in pool.stats().workers) < {WORKERS}:
+                time.sleep(0.01)
+        print("ready", flush=True)
+    threading.Event().wait()
+""")
+
+
+def read_line(proc: subprocess.Popen[str], timeout_s: float = 30.0) -> str:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout_s):
+            raise AssertionError(f"no line from the pool owner (pid {proc.pid}) in {timeout_s}s")
+    return proc.stdout.readline().strip()
+
+
+def worker_children(owner_pid: int) -> list[psutil.Process]:
+    try:
+        children = psutil.Process(owner_pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for child in children:
+        try:
+            if "modelpool.worker" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            continue
+    return found
+
+
+def in_load(proc: psutil.Process) -> bool:
+    """The worker runs its lifeline thread (so it is past start-up checks) and has not said
+    ready (its parent has not printed "ready")."""
+    try:
+        return proc.num_threads() >= 2
+    except psutil.Error:
+        return False
+
+
+@pytest.fixture
+def reaper() -> Iterator[None]:
+    """Orphaned workers are reparented to us (not to an init that may never reap), so we can
+    reap them and tell "gone" from "zombie" without help."""
+    if not set_child_subreaper(True):
+        pytest.skip("cannot become a child subreaper")
+    try:
+        yield
+    finally:
+        set_child_subreaper(False)
+
+
+def reap(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+def kill_owner_and_time_workers(mode: str, load_delay_s: float) -> float:
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, mode, str(load_delay_s)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pids: list[int] = []
+    try:
+        line = read_line(owner)
+        assert line == ("spawning" if mode == "loading" else "ready"), line
+        workers = wait_until(
+            lambda: (
+                found
+                if len(found := worker_children(owner.pid)) == WORKERS + SPARES
+                and all(in_load(w) for w in found)
+                else None
+            ),
+            timeout=30.0,
+            message=lambda: f"{WORKERS + SPARES} workers of pid {owner.pid}",
+        )
+        pids = [w.pid for w in workers]
+        if mode == "loading":
+            # still loading: the owner has not reported them ready (it cannot while they sleep)
+            assert all(w.is_running() for w in workers)
+        started = time.monotonic()
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=10)
+
+        def all_gone() -> bool:
+            reap(pids)
+            return not any(pid_alive(pid) for pid in pids)
+
+        wait_until(
+            all_gone,
+            timeout=10.0,
+            interval=0.002,
+            message=lambda: f"workers {[p for p in pids if pid_alive(p)]} gone",
+        )
+        return time.monotonic() - started
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(timeout=10)
+        for pid in pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        reap(pids)
+        if owner.stdout is not None:
+            owner.stdout.close()
+
+
+@pytest.mark.parametrize(
+    ("mode", "load_delay_s"),
+    [("loading", 60.0), ("idle", 0.0), ("busy", 0.0)],
+    ids=["mid-load", "idle", "busy-ignoring-SIGTERM"],
+)
+def test_workers_die_with_a_sigkilled_supervisor(
+    reaper: None, mode: str, load_delay_s: float
+) -> None:
+    elapsed = kill_owner_and_time_workers(mode, load_delay_s)
+    assert elapsed < GONE_WITHIN_S, f"workers outlived their supervisor by {elapsed:.3f}s"
+
+
+# ---- the dispatcher thread dies, the process lives --------------------------------------------
+
+
+def _crash_dispatcher(pool: object) -> None:
+    def boom() -> None:
+        raise RuntimeError("injected dispatcher failure")
+
+    loop = pool._loop  # type: ignore[attr-defined]
+    loop.post(boom)
+    loop.thread.join(10)
+    assert not loop.thread.is_alive()
+
+
+def test_dispatcher_crash_fails_requests_and_kills_workers() -> None:
+    with open_pool(workers=2, deadline_s=30.0) as pool:
+        pids = [w.pid for w in pool.stats().workers]
+        running = pool.submit("hang", deadline_s=30.0)
+        _crash_dispatcher(pool)
+        error = running.exception(timeout=5)
+        assert isinstance(error, PoolError) and "dispatcher failed" in str(error)
+        assert pool.stats().state == "failed"
+        assert not any(pid is not None and pid_alive(pid) for pid in pids)
+    assert_no_children(timeout=5.0)
+
+
+def test_submit_after_a_dispatcher_crash_does_not_hang() -> None:
+    """Regression: submit() used to accept requests after the dispatcher crashed, posting
+    them to a dead loop where they never resolved (generate() blocked forever)."""
+    with open_pool(workers=1, deadline_s=30.0) as pool:
+        _crash_dispatcher(pool)
+        try:
+            future = pool.submit("echo:x", deadline_s=1.0)
+        except PoolError:
+            return  # the fix: refuse at once
+        error = future.exception(timeout=5)  # concurrent.futures.TimeoutError: never resolved
+        assert isinstance(error, PoolError)
