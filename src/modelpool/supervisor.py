@@ -58,6 +58,7 @@ import itertools
 import logging
 import os
 import queue
+import secrets
 import selectors
 import signal
 import socket
@@ -65,7 +66,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -637,6 +637,8 @@ class Dispatcher:
             self._signal(worker, signal.SIGKILL, "protocol")
             return
         worker.state = "idle"
+        # Without spares every worker serves; with them, _rebalance decides.
+        worker.role = "spare" if self.config.spares else "serving"
         worker.pid = pid
         worker.ready_at = self.clock()
         worker.rss_bytes = rss_bytes
@@ -1191,6 +1193,8 @@ class Dispatcher:
 
     def _rebalance(self) -> None:
         """Keep ``workers`` serving: promote idle spares into gaps, demote extras back."""
+        if not self.config.spares:
+            return
         alive = [w for w in self.workers.values() if w.state in ("idle", "busy")]
         serving = [w for w in alive if w.role == "serving"]
         spares = [w for w in alive if w.role == "spare" and w.state == "idle"]
@@ -1901,6 +1905,9 @@ class ModelPool:
         self._start_error: BaseException | None = None
         self._last_snapshot: PoolStats | None = None
         self._gpu_probe = gpu_probe
+        # Ids unique across pools and restarts without a uuid (a system call) per request.
+        self._id_prefix = f"{secrets.token_hex(5)}-"
+        self._request_numbers = itertools.count(1)
 
     # ---- life cycle ------------------------------------------------------------------------
 
@@ -2135,7 +2142,7 @@ class ModelPool:
                 raise PoolOverloaded(f"the queue is full ({self.config.max_queue} waiting)")
             self._queued += 1
         now = time.monotonic()
-        request_id = f"req-{uuid.uuid4().hex[:20]}"
+        request_id = f"req-{self._id_prefix}{next(self._request_numbers):x}"
         future = PoolFuture(request_id, self._cancel_from_future)
         request = _Request(
             request_id=request_id,
@@ -2161,7 +2168,35 @@ class ModelPool:
             loop.post(loop.dispatcher.cancel, request_id, True)
 
 
-class PoolStream(Iterator[str]):
+class _Stream:
+    """What :class:`PoolStream` and :class:`AsyncPoolStream` share: the request's id, its
+    final result, and cancelling it when the consumer stops early."""
+
+    def __init__(self, future: PoolFuture) -> None:
+        self.future = future
+        self.request_id = future.request_id
+        self.result: Result | None = None
+        self._finished = False
+
+    def _accept(self, item: object) -> str | None:
+        """The chunk; None at the end, where ``result`` is set or the typed error raised."""
+        if item is _END:
+            self._finished = True
+            self.result = self.future.result()
+            return None
+        assert isinstance(item, str)
+        return item
+
+    def close(self) -> None:
+        self._finished = True
+        if not self.future.done():
+            self.future.cancel()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class PoolStream(_Stream, Iterator[str]):
     """The chunks of one request (``ModelPool.stream``).
 
     ``request_id`` is known at once; ``result`` is the final :class:`Result` once
@@ -2171,11 +2206,8 @@ class PoolStream(Iterator[str]):
     """
 
     def __init__(self, future: PoolFuture, next_item: Callable[[], object]) -> None:
-        self.future = future
-        self.request_id = future.request_id
-        self.result: Result | None = None
+        super().__init__(future)
         self._next_item = next_item
-        self._finished = False
 
     def __iter__(self) -> PoolStream:
         return self
@@ -2188,17 +2220,10 @@ class PoolStream(Iterator[str]):
         except BaseException:
             self.close()  # KeyboardInterrupt while waiting: the worker should stop too.
             raise
-        if item is _END:
-            self._finished = True
-            self.result = self.future.result()
+        chunk = self._accept(item)
+        if chunk is None:
             raise StopIteration
-        assert isinstance(item, str)
-        return item
-
-    def close(self) -> None:
-        self._finished = True
-        if not self.future.done():
-            self.future.cancel()
+        return chunk
 
     def __enter__(self) -> PoolStream:
         return self
@@ -2206,19 +2231,13 @@ class PoolStream(Iterator[str]):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        self.close()
 
-
-class AsyncPoolStream(AsyncIterator[str]):
+class AsyncPoolStream(_Stream, AsyncIterator[str]):
     """The chunks of one request (``ModelPool.astream``); see :class:`PoolStream`."""
 
     def __init__(self, future: PoolFuture, chunks: asyncio.Queue[object]) -> None:
-        self.future = future
-        self.request_id = future.request_id
-        self.result: Result | None = None
+        super().__init__(future)
         self._chunks = chunks
-        self._finished = False
 
     def __aiter__(self) -> AsyncPoolStream:
         return self
@@ -2231,17 +2250,10 @@ class AsyncPoolStream(AsyncIterator[str]):
         except BaseException:
             self.close()  # The consuming task was cancelled: so is the request.
             raise
-        if item is _END:
-            self._finished = True
-            self.result = self.future.result()
+        chunk = self._accept(item)
+        if chunk is None:
             raise StopAsyncIteration
-        assert isinstance(item, str)
-        return item
-
-    def close(self) -> None:
-        self._finished = True
-        if not self.future.done():
-            self.future.cancel()
+        return chunk
 
     async def aclose(self) -> None:
         self.close()
@@ -2250,9 +2262,6 @@ class AsyncPoolStream(AsyncIterator[str]):
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
         self.close()
 
 
