@@ -102,12 +102,18 @@ def reaper() -> Iterator[None]:
         set_child_subreaper(False)
 
 
-def reap(pids: list[int]) -> None:
+def reap(pids: list[int]) -> list[int]:
+    """Collect the exit of each of ``pids`` that is our child (we are their subreaper);
+    returns those still running, which may become our zombies later."""
+    running = []
     for pid in pids:
         try:
-            os.waitpid(pid, os.WNOHANG)
+            reaped, _ = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            pass
+            continue  # not ours, or already collected
+        if reaped == 0:
+            running.append(pid)
+    return running
 
 
 def kill_owner_and_time_workers(mode: str, load_delay_s: float) -> float:
@@ -157,7 +163,9 @@ def kill_owner_and_time_workers(mode: str, load_delay_s: float) -> float:
         for pid in pids:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        reap(pids)
+        # Until each is collected: one that died after an earlier reap() would otherwise stay
+        # our zombie and be counted as a leftover by the next test.
+        wait_until(lambda: not reap(pids), timeout=5.0, message="the orphaned workers reaped")
         if owner.stdout is not None:
             owner.stdout.close()
 
