@@ -216,10 +216,10 @@ class HFHandler:
         seed = params.pop("seed", None)
         input_ids = self._encode(call.prompt)
         prompt_tokens = int(input_ids.shape[1])
-        # The prefill cannot be interrupted, so a request cancelled while it
-        # waited must not start one.
-        if call.cancelled():
-            return Generation("", "cancelled", prompt_tokens, 0)
+        # No cancelled() check before the prefill: the worker has just read the flag
+        # before calling us, and every cancelled() call counts as progress, which would
+        # start the stall clock before the one step that cannot be interrupted. A cancel
+        # that lands during the prefill stops generation at the first decoding step.
 
         progress = _Progress(self.tokenizer, call, prompt_tokens, stops)
         if seed is not None:
