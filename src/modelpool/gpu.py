@@ -394,27 +394,6 @@ class GpuProbe:
 
     # -- release -----------------------------------------------------------------------
 
-    def release_watch(
-        self,
-        index: int,
-        pid: int,
-        baseline_used_bytes: int | None,
-        *,
-        timeout_s: float,
-        tolerance_bytes: int = DEFAULT_TOLERANCE_BYTES,
-        clock: Clock = time.monotonic,
-    ) -> ReleaseWatch:
-        """A non-blocking release check: call ``poll()`` until it returns a report."""
-        return ReleaseWatch(
-            self,
-            index,
-            pid,
-            baseline_used_bytes,
-            timeout_s=timeout_s,
-            tolerance_bytes=tolerance_bytes,
-            clock=clock,
-        )
-
     def wait_released(
         self,
         index: int,
@@ -433,9 +412,10 @@ class GpuProbe:
         PID was never seen there (container), used memory is back within
         ``tolerance_bytes`` of ``baseline_used_bytes``. Blocks for up to
         ``timeout_s``: call it off the dispatcher thread, or use
-        :meth:`release_watch` from an event loop.
+        :class:`ReleaseWatch` from an event loop.
         """
-        watch = self.release_watch(
+        watch = ReleaseWatch(
+            self,
             index,
             pid,
             baseline_used_bytes,

@@ -17,7 +17,7 @@ This module is the only one that imports ``prometheus_client`` (the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -81,19 +81,7 @@ def stats_families(stats: PoolStats) -> Iterator[Metric]:
         requests.add_metric([outcome], counters.get(outcome, 0))
     yield requests
 
-    yield _counter(
-        "modelpool_requests_submitted", "Requests the pool accepted.", counters.get("submitted", 0)
-    )
-    yield _counter(
-        "modelpool_request_timeouts",
-        "Attempts that ran past their deadline.",
-        counters.get("timeouts", 0),
-    )
-    yield _counter(
-        "modelpool_request_retries",
-        "Attempts retried on another worker.",
-        counters.get("retries", 0),
-    )
+    yield from _counters(counters, REQUEST_COUNTERS)
 
     yield _gauge("modelpool_queue_depth", "Requests waiting for a worker.", stats.queue_depth)
 
@@ -135,24 +123,7 @@ def stats_families(stats: PoolStats) -> Iterator[Metric]:
         kills.add_metric([reason], count)
     yield kills
 
-    yield _counter(
-        "modelpool_worker_crashes", "Workers that died on their own.", counters.get("crashes", 0)
-    )
-    yield _counter(
-        "modelpool_worker_respawns",
-        "Workers started to replace one that left (kill, crash or recycling).",
-        counters.get("respawns", 0),
-    )
-    yield _counter(
-        "modelpool_worker_stalls",
-        "Busy workers caught making no progress before their deadline.",
-        counters.get("stalls", 0),
-    )
-    yield _counter(
-        "modelpool_worker_recycles",
-        "Workers retired by max_requests_per_worker or a memory limit.",
-        counters.get("recycled", 0),
-    )
+    yield from _counters(counters, WORKER_COUNTERS)
 
     gpu = stats.gpu
     yield _gauge(
@@ -227,8 +198,37 @@ def render_stats(stats: PoolStats) -> str:
     return generate_latest(registry).decode("utf-8")
 
 
-def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name, documentation, value=value)
+# (metric name, help, PoolStats counter): plain counters rendered one to one.
+REQUEST_COUNTERS = (
+    ("modelpool_requests_submitted", "Requests the pool accepted.", "submitted"),
+    ("modelpool_request_timeouts", "Attempts that ran past their deadline.", "timeouts"),
+    ("modelpool_request_retries", "Attempts retried on another worker.", "retries"),
+)
+WORKER_COUNTERS = (
+    ("modelpool_worker_crashes", "Workers that died on their own.", "crashes"),
+    (
+        "modelpool_worker_respawns",
+        "Workers started to replace one that left (kill, crash or recycling).",
+        "respawns",
+    ),
+    (
+        "modelpool_worker_stalls",
+        "Busy workers caught making no progress before their deadline.",
+        "stalls",
+    ),
+    (
+        "modelpool_worker_recycles",
+        "Workers retired by max_requests_per_worker or a memory limit.",
+        "recycled",
+    ),
+)
+
+
+def _counters(
+    counters: Mapping[str, int], table: tuple[tuple[str, str, str], ...]
+) -> Iterator[CounterMetricFamily]:
+    for name, documentation, key in table:
+        yield CounterMetricFamily(name, documentation, value=counters.get(key, 0))
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

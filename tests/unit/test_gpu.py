@@ -26,6 +26,7 @@ from modelpool.gpu import (
     GpuProbe,
     MemoryReading,
     ReleaseReport,
+    ReleaseWatch,
     find_device_holders,
     nvml_index_for,
     process_rss_bytes,
@@ -354,7 +355,7 @@ def test_release_watch_is_non_blocking_and_final() -> None:
     gpu = FakeGpu(used=5 * GIB, compute={4242: 4 * GIB})
     clock = FakeClock()
     probe = GpuProbe(FakeNvml([gpu]))
-    watch = probe.release_watch(0, 4242, GIB, timeout_s=1.0, clock=clock)
+    watch = ReleaseWatch(probe, 0, 4242, GIB, timeout_s=1.0, clock=clock)
     assert watch.poll() is None
     clock.now += 0.3
     gpu.compute.clear()
