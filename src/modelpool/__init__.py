@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ModelPool": "modelpool.supervisor",
-    "PoolFuture": "modelpool.supervisor",
-    "PoolStream": "modelpool.supervisor",
-    "AsyncPoolStream": "modelpool.supervisor",
-    "Result": "modelpool.supervisor",
+    "ModelPool": "modelpool.pool",
+    "PoolFuture": "modelpool.pool",
+    "PoolStream": "modelpool.pool",
+    "AsyncPoolStream": "modelpool.pool",
+    "Result": "modelpool.pool",
     "PoolConfig": "modelpool.config",
     "RetryPolicy": "modelpool.config",
     "ServerConfig": "modelpool.config",
@@ -74,9 +74,9 @@ if TYPE_CHECKING:
         PoolOverloaded,
         WorkerCrashed,
     )
+    from modelpool.pool import AsyncPoolStream, ModelPool, PoolFuture, PoolStream, Result
     from modelpool.protocol import Generation
     from modelpool.stats import PoolStats
-    from modelpool.supervisor import AsyncPoolStream, ModelPool, PoolFuture, PoolStream, Result
 
 
 def __getattr__(name: str) -> Any:

@@ -4,7 +4,7 @@
     modelpool generate "What is the capital of France?" [--url http://127.0.0.1:8000]
     modelpool stats [--url URL] [--json]
     modelpool prepare-model
-    modelpool bench ...                    # modelpool.bench:main(argv)
+    modelpool bench                        # says where the benchmarks are (scripts/bench)
 
 Only ``serve`` and the ``--url`` modes need the ``server`` extra (fastapi,
 uvicorn, httpx); ``generate`` without ``--url`` runs on the core install, and
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import ipaddress
 import json
 import logging
@@ -123,8 +122,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        from modelpool.pool import ModelPool
         from modelpool.server import DrainingServer, api_key_from_env, create_app
-        from modelpool.supervisor import ModelPool
     except ImportError as exc:
         raise CliError(
             f"serve needs the server extra: pip install 'modelpool[server]' ({exc})"
@@ -220,7 +219,7 @@ def _generate(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     pool_config, _ = _load_configs(args)
     from modelpool.errors import PoolError
-    from modelpool.supervisor import ModelPool
+    from modelpool.pool import ModelPool
 
     prompt: Any = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     params: dict[str, Any] = {}
@@ -523,18 +522,10 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    try:
-        bench = importlib.import_module("modelpool.bench")
-    except ModuleNotFoundError as exc:
-        if exc.name != "modelpool.bench":
-            raise CliError(
-                f"modelpool bench needs {exc.name}: pip install 'modelpool[bench]'"
-            ) from None
-        raise CliError(
-            "modelpool bench is not available: modelpool.bench is missing from this install"
-        ) from None
-    status: int | None = bench.main(argv)
-    return status or 0
+    raise CliError(
+        "the benchmarks are repository tooling, not part of the installed package: "
+        "run scripts/bench (or scripts/chaos, scripts/measure-core) from a checkout"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -604,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     with_logging(prepare)
     prepare.set_defaults(func=_prepare_model)
 
-    commands.add_parser("bench", help="benchmarks (modelpool bench --help)", add_help=False)
+    commands.add_parser("bench", help="where the benchmarks are", add_help=False)
     return parser
 
 

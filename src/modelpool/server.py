@@ -64,8 +64,8 @@ from modelpool.errors import (
 from modelpool.metrics import CONTENT_TYPE, PoolMetrics
 
 if TYPE_CHECKING:
+    from modelpool.pool import AsyncPoolStream, ModelPool, Result
     from modelpool.protocol import Prompt
-    from modelpool.supervisor import AsyncPoolStream, ModelPool, Result
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("modelpool.access")

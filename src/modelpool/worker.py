@@ -1,7 +1,7 @@
 """Worker process entry: load the backend once, then serve attempts until told to stop.
 
 A worker is started by the supervisor as ``python -m modelpool.worker`` with
-three inherited descriptors (see ``supervisor._ProcessLauncher``):
+three inherited descriptors (see ``spawn.start_worker_process``):
 
 - ``--channel``: its end of a Unix socket pair (framed pickles, see protocol.py);
 - ``--control``: the shared ``ControlBlock`` (cancel flag, progress counter);
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import importlib
 import logging
 import os
 import pickle
@@ -34,11 +33,11 @@ import threading
 import traceback
 from typing import Any
 
+from modelpool.backends import import_backend
 from modelpool.errors import InvalidRequest
 from modelpool.gpu import process_rss_bytes
 from modelpool.protocol import (
     PROTOCOL_VERSION,
-    BackendFactory,
     ControlBlock,
     Generation,
     Handler,
@@ -51,24 +50,6 @@ from modelpool.protocol import (
 logger = logging.getLogger(__name__)
 
 EXIT_LOAD_FAILED = 3
-
-BUILTIN_BACKENDS = {
-    "hf": "modelpool.backends.hf:load",
-    "testing": "modelpool.testing:load",
-}
-
-
-def resolve_backend(name: str) -> str:
-    """``"hf"`` -> ``"modelpool.backends.hf:load"``; a ``module:factory`` string is kept."""
-    target = BUILTIN_BACKENDS.get(name, name)
-    return target if ":" in target else f"{target}:load"
-
-
-def import_backend(name: str) -> BackendFactory:
-    module_name, _, attribute = resolve_backend(name).partition(":")
-    factory: BackendFactory = getattr(importlib.import_module(module_name), attribute)
-    return factory
-
 
 class _Channel:
     """The worker's end of the socket pair: blocking reads, locked writes."""

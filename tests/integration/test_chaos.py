@@ -1,6 +1,6 @@
 """The chaos harness in CI: a short seeded run must end with zero violations.
 
-The run is a subprocess (``python -m modelpool.chaos``), as ``scripts/chaos``
+The run is a subprocess (``python -m benchmarks.chaos``), as ``scripts/chaos``
 runs it: the harness checks that its own process has no child left after
 ``close()``, which only means something in a process of its own. The checker
 itself is tested on hand-made records, so a harness that stopped checking would
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from modelpool.chaos import (
+from benchmarks.chaos import (
     Record,
     check_request,
     digest,
@@ -39,7 +39,7 @@ def test_short_seeded_chaos_run_has_no_violation(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "modelpool.chaos",
+            "benchmarks.chaos",
             "--requests",
             str(REQUESTS),
             "--seed",
@@ -52,6 +52,7 @@ def test_short_seeded_chaos_run_has_no_violation(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=240,
+        cwd=Path(__file__).resolve().parents[2],
     )
     wall = time.monotonic() - started
     tail = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"

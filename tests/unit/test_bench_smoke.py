@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from modelpool import bench
+from benchmarks import bench
 
 
 def test_percentile_interpolates_between_ranks() -> None:
@@ -250,7 +250,7 @@ def test_quick_dispatch_run_end_to_end(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get(
         "PYTHONPATH")]))}
     done = subprocess.run(
-        [sys.executable, "-m", "modelpool.bench", "--quick", "--scenarios", "b",
+        [sys.executable, "-m", "benchmarks.bench", "--quick", "--scenarios", "b",
          "--dispatch-calls", str(calls), "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=240, env=env, check=False,
     )

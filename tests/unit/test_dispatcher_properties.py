@@ -1,6 +1,6 @@
 """Property-based tests of the dispatcher's bookkeeping: the REAL ``Dispatcher``.
 
-A hypothesis state machine drives ``modelpool.supervisor.Dispatcher`` through
+A hypothesis state machine drives ``modelpool.dispatcher.Dispatcher`` through
 random interleavings of what the event loop feeds it: submits and cancels
 (``pool.cancel`` and ``future.cancel``, posted as commands the way
 ``ModelPool`` posts them), worker ready / chunk / done / error messages for the
@@ -39,8 +39,10 @@ from hypothesis.stateful import (
 )
 
 from modelpool.config import PoolConfig, RetryPolicy
+from modelpool.dispatcher import Dispatcher
 from modelpool.protocol import PROTOCOL_VERSION, Generation, WorkerSpec, encode_request
-from modelpool.supervisor import Dispatcher, PoolFuture, _Request, _Worker
+from modelpool.records import Request, Worker
+from modelpool.results import PoolFuture
 
 MB = 2**20
 FAR = 1000.0  # seconds: beyond every deadline, grace, backoff and start-up timeout below
@@ -78,7 +80,7 @@ class CountingFuture(PoolFuture):
 class FakeProc:
     """One worker process as the dispatcher's ``WorkerIO`` sees it; records everything."""
 
-    def __init__(self, machine: DispatcherMachine, worker: _Worker, pid: int) -> None:
+    def __init__(self, machine: DispatcherMachine, worker: Worker, pid: int) -> None:
         self.machine = machine
         self.worker = worker
         self.pid: int | None = pid
@@ -109,10 +111,10 @@ class FakeIO:
     def __init__(self, machine: DispatcherMachine) -> None:
         self.machine = machine
 
-    def spawn(self, worker: _Worker, spec: WorkerSpec) -> FakeProc:
+    def spawn(self, worker: Worker, spec: WorkerSpec) -> FakeProc:
         return self.machine.on_spawn(worker, spec)
 
-    def check_release(self, worker: _Worker) -> None:
+    def check_release(self, worker: Worker) -> None:
         self.machine.on_check_release(worker)
 
     def watch_device_free(self, device: str, needed_bytes: int) -> None:
@@ -126,7 +128,7 @@ class CheckedDispatcher(Dispatcher):
     """The real Dispatcher; on its way into ``_dispatch`` it must believe the worker idle,
     serving and free, and the request queued."""
 
-    def _dispatch(self, request: _Request, worker: _Worker) -> None:
+    def _dispatch(self, request: Request, worker: Worker) -> None:
         assert worker.state == "idle", f"dispatch to a {worker.state} worker"
         assert worker.role == "serving", "dispatch to a spare"
         assert worker.run is None, "dispatch to a worker with a current attempt"
@@ -136,7 +138,7 @@ class CheckedDispatcher(Dispatcher):
         super()._dispatch(request, worker)
 
 
-def proc_eof(worker: _Worker) -> bool:
+def proc_eof(worker: Worker) -> bool:
     return isinstance(worker.io, FakeProc) and worker.io.eof
 
 
@@ -149,7 +151,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.pending_releases: list[int] = []
         self.released: set[int] = set()
         self.commands: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
-        self.requests: list[tuple[_Request, CountingFuture]] = []
+        self.requests: list[tuple[Request, CountingFuture]] = []
         self.delivered: set[str] = set()
         self.cancelled_before_delivery: set[str] = set()
         self.dequeued = 0
@@ -160,7 +162,7 @@ class DispatcherMachine(RuleBasedStateMachine):
 
     # ---- the fake world ---------------------------------------------------------------------
 
-    def on_spawn(self, worker: _Worker, spec: WorkerSpec) -> FakeProc:
+    def on_spawn(self, worker: Worker, spec: WorkerSpec) -> FakeProc:
         assert self.dispatcher is not None
         assert not self.dispatcher.closing, "spawned a worker while closing"
         assert spec.worker_id == worker.id
@@ -169,7 +171,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.procs.append(proc)
         return proc
 
-    def on_check_release(self, worker: _Worker) -> None:
+    def on_check_release(self, worker: Worker) -> None:
         assert worker.state == "dead", f"release check of a live worker ({worker.state})"
         assert worker.id not in self.released and worker.id not in self.pending_releases, (
             f"worker {worker.id}: release checked twice"
@@ -300,7 +302,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         request_id = f"req-{len(self.requests)}"
         future = CountingFuture(request_id, self.on_cancel_from_future)
         chunks: list[str] = []
-        request = _Request(
+        request = Request(
             request_id=request_id,
             payload=encode_request(request_id, {"max_new_tokens": 8}),
             future=future,
@@ -315,7 +317,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         if deliver:
             self.run_commands()
 
-    def _deliver_submit(self, request: _Request) -> None:
+    def _deliver_submit(self, request: Request) -> None:
         self.delivered.add(request.request_id)
         if request.future.done():
             self.cancelled_before_delivery.add(request.request_id)

@@ -1,1 +1,29 @@
-"""Built-in backends: ``"hf"`` is :func:`modelpool.backends.hf.load`."""
+"""Backends, by name: ``"hf"`` is :func:`modelpool.backends.hf.load`, ``"testing"`` the
+fault-injection backend in :mod:`modelpool.testing`; any other name is a
+``"module:factory"`` string (``"module"`` alone means ``"module:load"``).
+
+Resolving a name imports nothing; :func:`import_backend` runs in the worker.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from modelpool.protocol import BackendFactory
+
+BUILTIN_BACKENDS = {
+    "hf": "modelpool.backends.hf:load",
+    "testing": "modelpool.testing:load",
+}
+
+
+def resolve_backend(name: str) -> str:
+    """``"hf"`` -> ``"modelpool.backends.hf:load"``; a ``module:factory`` string is kept."""
+    target = BUILTIN_BACKENDS.get(name, name)
+    return target if ":" in target else f"{target}:load"
+
+
+def import_backend(name: str) -> BackendFactory:
+    module_name, _, attribute = resolve_backend(name).partition(":")
+    factory: BackendFactory = getattr(importlib.import_module(module_name), attribute)
+    return factory

@@ -68,7 +68,7 @@ from modelpool.errors import (
     WorkerCrashed,
 )
 from modelpool.gpu import process_group_exists
-from modelpool.supervisor import ModelPool, PoolFuture, Result
+from modelpool.pool import ModelPool, PoolFuture, Result
 
 logger = logging.getLogger("modelpool.chaos")
 

@@ -2,8 +2,7 @@
 
 ::
 
-    scripts/bench [--quick] [--out DIR] [--scenarios abcdef]
-    modelpool bench [...]                       # the same, through the cli
+    scripts/bench [--quick] [--out DIR] [--scenarios abcdef]   # from a checkout
 
 Contenders, all serving the same model (the embedded default, through its chat
 template, greedy, the same ``max_new_tokens``, every worker loading it with
@@ -21,8 +20,11 @@ The machine is shared and noisy, so contenders run interleaved (A B A B ...)
 and every figure is also given as a ratio against modelpool; ``DIR/bench.json``
 keeps every raw sample, ``DIR/bench.md`` the tables, ``DIR/bench.png`` the plots.
 
-Importing this module is light (no torch, no pool): pool workers import it for
-:func:`hang_backend` and spawned contender processes for the task functions.
+This is repository tooling, not part of the installed package (as gunicorn keeps its
+benchmarks): ``scripts/bench`` runs it as ``python -m benchmarks.bench`` from the
+checkout's root. Importing it is light (no torch, no pool): pool workers import it for
+:func:`hang_backend` (they get the caller's ``sys.path``) and spawned contender
+processes for the task functions.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ if TYPE_CHECKING:
 
     import pebble
 
+    from modelpool.pool import ModelPool
     from modelpool.protocol import Call, Generation, Prompt
-    from modelpool.supervisor import ModelPool
 
 Json = dict[str, Any]
 Params = dict[str, Any]
@@ -201,7 +203,7 @@ class HangingHandler:
 
 
 def hang_backend(model: str, device: str = "cpu", **options: Any) -> HangingHandler:
-    """Pool backend ``modelpool.bench:hang_backend``: the real model, plus a hang on demand.
+    """Pool backend ``benchmarks.bench:hang_backend``: the real model, plus a hang on demand.
 
     The hung-request scenario needs the real model in the pool's workers, so
     that a replacement worker pays the real load time.
@@ -1490,7 +1492,7 @@ def hung_modelpool(harness: Harness, key: str, spares: int, graces: float | None
     timeout_s = harness.settings.hang_timeout_s
     overrides: Json = {} if graces is None else {"cancel_grace_s": graces, "term_grace_s": graces}
     pool = harness.start_pool(harness.pool_config(
-        1, spares=spares, backend="modelpool.bench:hang_backend", **overrides))
+        1, spares=spares, backend="benchmarks.bench:hang_backend", **overrides))
     served: list[Result] = []
 
     def next_request() -> Reply:
@@ -1703,7 +1705,7 @@ def _timed(call: Callable[[], Any]) -> float:
 # (f) memory: each contender in a process of its own, so its supervisor is measured alone.
 
 _PROBE_CODE = (
-    "import json, sys; from modelpool.bench import memory_probe; "
+    "import json, sys; from benchmarks.bench import memory_probe; "
     "print(json.dumps(memory_probe(sys.argv[1], sys.argv[2], sys.argv[3])))"
 )
 PROBES = ("inprocess", "naive", "pebble", "loky", "ppe", "modelpool", "modelpool+spare")
@@ -2162,7 +2164,7 @@ def _has_error(data: object) -> bool:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="modelpool bench",
+        prog="scripts/bench",
         description="Benchmark modelpool against in-process, naive spawn, asyncio, pebble, "
                     "loky and ProcessPoolExecutor; writes bench.json, bench.md, bench.png.")
     parser.add_argument("--quick", action="store_true", help="fewer samples; under 5 minutes")
@@ -2218,9 +2220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Every process here, in-process contenders included, inherits this before torch loads.
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     settings.out.mkdir(parents=True, exist_ok=True)
-    # Run as a module by scripts/bench; given argv by the cli's `modelpool bench`.
-    command = " ".join(["scripts/bench", *sys.argv[1:]] if argv is None
-                       else ["modelpool bench", *argv])
+    command = " ".join(["scripts/bench", *(sys.argv[1:] if argv is None else argv)])
     report: Json = {
         "version": 1, "command": command,
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -2286,7 +2286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run through the package's name, so that the functions handed to other processes
-    # pickle as modelpool.bench.* rather than __main__.*.
-    from modelpool import bench as _bench
+    # pickle as benchmarks.bench.* rather than __main__.*.
+    from benchmarks import bench as _bench
 
     raise SystemExit(_bench.main())

@@ -1,0 +1,497 @@
+"""The public face: :class:`ModelPool`, its streams, and what they return.
+
+    with ModelPool(PoolConfig(model="./tiny", workers=2)) as pool:
+        result = pool.generate("Hello", max_new_tokens=16)
+
+Every method here runs on the caller's thread (or asyncio task) and only hands work
+to the dispatcher thread (``supervisor.EventLoop.post``); the supervisor's docstring
+follows one request from :meth:`ModelPool.submit` to its resolved future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import importlib
+import itertools
+import logging
+import queue
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from modelpool import gpu
+from modelpool.backends import resolve_backend
+from modelpool.config import PoolConfig
+from modelpool.dispatcher import Dispatcher
+from modelpool.errors import InvalidRequest, ModelLoadFailed, PoolClosed, PoolError, PoolOverloaded
+from modelpool.protocol import Prompt, WorkerSpec, encode_request
+from modelpool.records import Request, Worker, WorkerIO
+from modelpool.results import PoolFuture, Result
+from modelpool.stats import PoolStats
+from modelpool.supervisor import EventLoop
+from modelpool.validation import check_deadline, check_generation_params, check_prompt
+
+__all__ = ["AsyncPoolStream", "ModelPool", "PoolFuture", "PoolStream", "Result"]
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+
+_live_pools: weakref.WeakSet[ModelPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pools() -> None:
+    for pool in list(_live_pools):
+        pool.close(drain=False, timeout=5.0)
+
+
+class ModelPool:
+    """A supervised pool of pre-warmed worker processes serving one model.
+
+        with ModelPool(PoolConfig(model="./tiny", workers=2)) as pool:
+            result = pool.generate("Hello", max_new_tokens=16)
+            future = pool.submit("Hello")          # concurrent.futures.Future
+            for chunk in pool.stream("Hello"):     # text as it is generated
+                print(chunk, end="")
+
+    ``start()`` returns once every worker has loaded the model and said ready.
+    Every call resolves within its deadline with a :class:`Result` or a
+    :class:`~modelpool.errors.PoolError`.
+    """
+
+    def __init__(
+        self,
+        config: PoolConfig | None = None,
+        /,
+        *,
+        gpu_probe: gpu.GpuProbe | None = None,
+        **overrides: Any,
+    ) -> None:
+        """``overrides`` are PoolConfig fields; ``gpu_probe`` replaces the NVML probe (tests)."""
+        if config is None:
+            config = PoolConfig(**overrides)
+        elif overrides:
+            config = config.replace(**overrides)
+        self.config = config
+        self._backend_validate = _backend_validator(config.backend)
+        self._futures: weakref.WeakValueDictionary[str, PoolFuture] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+        self._queued = 0
+        self._closed = False
+        self._loop: EventLoop | None = None
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._last_snapshot: PoolStats | None = None
+        self._gpu_probe = gpu_probe
+        # Ids unique across pools and restarts without a uuid (a system call) per request.
+        self._id_prefix = f"{secrets.token_hex(5)}-"
+        self._request_numbers = itertools.count(1)
+
+    # ---- life cycle ------------------------------------------------------------------------
+
+    def start(self) -> ModelPool:
+        """Start every worker and wait until all are ready; raise ``ModelLoadFailed`` if not."""
+        if self._closed:
+            raise PoolClosed("the pool is closed")
+        if self._loop is None:
+            # Slow work (preparing an embedded model, probing NVML) outside the lock, so
+            # that a close() from another thread is not stuck behind it.
+            config = self.config
+            model = _resolve_model(config.model)
+            if model != config.model:
+                config = config.replace(model=model)
+            probe = self._gpu_probe or gpu.GpuProbe()
+            devices = gpu.resolve_devices(config.devices, probe)
+            with self._lock:
+                if self._closed:
+                    raise PoolClosed("the pool is closed")
+                if self._loop is None:
+                    self.config = config
+                    self._loop = EventLoop(
+                        config,
+                        devices,
+                        probe,
+                        on_started=self._on_started,
+                        on_dequeued=self._on_dequeued,
+                    )
+                    _live_pools.add(self)
+                    self._loop.start()
+        try:
+            self._started.wait()
+        except BaseException:
+            self.close(drain=False, timeout=5.0)  # Ctrl-C while the model loads
+            raise
+        if self._start_error is not None:
+            error = self._start_error
+            self.close(drain=False, timeout=5.0)
+            raise error
+        return self
+
+    def _on_started(self, error: BaseException | None) -> None:
+        self._start_error = error
+        self._started.set()
+
+    def close(self, drain: bool = True, timeout: float = 30.0) -> None:
+        """Stop accepting requests, finish (``drain``) or fail in-flight ones, stop every worker.
+
+        Idempotent. Returns when every worker process is gone and reaped.
+        """
+        with self._lock:
+            self._closed = True
+            loop = self._loop
+        if loop is None:
+            return
+        loop.post(loop.dispatcher.begin_close, drain, time.monotonic() + timeout)
+        if threading.current_thread() is loop.thread:
+            return  # Called from a callback: the dispatcher finishes the close after it.
+        if loop.thread.is_alive():
+            bound = (
+                timeout
+                + self.config.cancel_grace_s
+                + 2 * self.config.term_grace_s
+                + self.config.gpu_release_timeout_s
+                + 10.0
+            )
+            loop.thread.join(bound)
+            if loop.thread.is_alive():
+                logger.error("the dispatcher did not stop within %.0fs; killing workers", bound)
+                loop.kill_all_workers()
+        self._last_snapshot = loop.dispatcher.snapshot() if not loop.thread.is_alive() else None
+        _live_pools.discard(self)
+
+    def __enter__(self) -> ModelPool:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(
+        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+    ) -> PoolFuture:
+        """Queue a request; returns a future with ``request_id``. Validation errors raise here."""
+        return self._submit(prompt, deadline_s, gen_kwargs, None)
+
+    def generate(
+        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+    ) -> Result:
+        """Run one request and wait for it. Raises a ``PoolError`` subclass on failure."""
+        loop = self._loop
+        if loop is not None and threading.current_thread() is loop.thread:
+            # Future callbacks run on the dispatcher thread; waiting there would stop it.
+            raise PoolError("generate() called from a future callback; use submit() there")
+        future = self._submit(prompt, deadline_s, gen_kwargs, None)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request; its future resolves with ``finish_reason="cancelled"`` and the text
+        so far. False if the request is unknown or already finished."""
+        loop = self._loop
+        future = self._futures.get(request_id)
+        if loop is None or future is None or future.done():
+            return False
+        loop.post(loop.dispatcher.cancel, request_id, False)
+        return True
+
+    def stream(
+        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+    ) -> PoolStream:
+        """Text chunks as the worker produces them; leaving the loop early cancels.
+
+        stream = pool.stream("Hello", max_new_tokens=32)
+        for chunk in stream:
+            print(chunk, end="")
+        stream.result.finish_reason, stream.request_id
+        """
+        chunks: queue.SimpleQueue[object] = queue.SimpleQueue()
+        future = self._submit(prompt, deadline_s, gen_kwargs, chunks.put)
+        future.add_done_callback(lambda _: chunks.put(_END))
+        return PoolStream(future, chunks.get)
+
+    async def agenerate(
+        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+    ) -> Result:
+        """asyncio version of :meth:`generate`; cancelling the task stops the worker."""
+        future = self._submit(prompt, deadline_s, gen_kwargs, None)
+        return await asyncio.wrap_future(future)
+
+    def astream(
+        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+    ) -> AsyncPoolStream:
+        """asyncio version of :meth:`stream`: ``async for chunk in pool.astream(...)``.
+
+        No thread per stream: chunks reach the event loop through
+        ``call_soon_threadsafe``. Cancelling the consuming task cancels the request.
+        """
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[object] = asyncio.Queue()
+
+        def deliver(item: object) -> None:
+            try:
+                loop.call_soon_threadsafe(chunks.put_nowait, item)
+            except RuntimeError:
+                pass  # The event loop is closed; nobody is listening any more.
+
+        future = self._submit(prompt, deadline_s, gen_kwargs, deliver)
+        future.add_done_callback(lambda _: deliver(_END))
+        return AsyncPoolStream(future, chunks)
+
+    async def astats(self) -> PoolStats:
+        """:meth:`stats` for asyncio code: awaits the dispatcher's snapshot without a thread."""
+        loop = self._loop
+        if loop is None or not loop.thread.is_alive():
+            return self.stats()
+        running = asyncio.get_running_loop()
+        snapshot: asyncio.Future[PoolStats] = running.create_future()
+
+        def build() -> None:
+            stats = loop.dispatcher.snapshot()
+            try:
+                running.call_soon_threadsafe(_set_if_pending, snapshot, stats)
+            except RuntimeError:
+                pass  # The caller's event loop is gone.
+
+        if not loop.post(build):
+            return self.stats()
+        try:
+            return await asyncio.wait_for(asyncio.shield(snapshot), 5.0)
+        except asyncio.TimeoutError:
+            return self._last_snapshot or loop.dispatcher.snapshot()
+
+    def stats(self) -> PoolStats:
+        """A consistent snapshot, built by the dispatcher thread; never waits on a worker."""
+        loop = self._loop
+        if loop is None:
+            return Dispatcher(self.config, _NoIO(), devices=[]).snapshot()
+        if not loop.thread.is_alive() or threading.current_thread() is loop.thread:
+            return self._last_snapshot or loop.dispatcher.snapshot()
+        holder: list[PoolStats] = []
+        ready = threading.Event()
+
+        def build() -> None:
+            holder.append(loop.dispatcher.snapshot())
+            ready.set()
+
+        if loop.post(build) and ready.wait(5.0):
+            return holder[0]
+        return self._last_snapshot or loop.dispatcher.snapshot()
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _submit(
+        self,
+        prompt: Prompt,
+        deadline_s: float | None,
+        gen_kwargs: dict[str, Any],
+        on_chunk: Callable[[Any], None] | None,
+    ) -> PoolFuture:
+        prompt = check_prompt(prompt)
+        if deadline_s is None:
+            deadline_s = self.config.deadline_s
+        else:
+            check_deadline(deadline_s)
+        params = {**self.config.generation_defaults, **gen_kwargs}
+        check_generation_params(params)
+        if self._backend_validate is not None:
+            try:
+                self._backend_validate(params)
+            except InvalidRequest:
+                raise
+            except (ValueError, TypeError) as exc:
+                raise InvalidRequest(str(exc)) from exc
+        try:
+            payload = encode_request(prompt, params)
+        except Exception as exc:
+            raise InvalidRequest(f"the request cannot be sent to a worker: {exc!r}") from exc
+        loop = self._loop
+        with self._lock:
+            if self._closed:
+                raise PoolClosed("the pool is closed")
+            if loop is None:
+                raise PoolError(
+                    "the pool is not started: call start() or use `with ModelPool(...)`"
+                )
+            failure = loop.dispatcher.failure
+            if failure is not None:
+                raise ModelLoadFailed(failure.message, worker_traceback=failure.worker_traceback)
+            if loop.dispatcher.crashed:
+                raise PoolError("the pool's dispatcher failed; see the log")
+            if self._queued >= self.config.max_queue:
+                loop.post(loop.dispatcher.count_overloaded)
+                raise PoolOverloaded(f"the queue is full ({self.config.max_queue} waiting)")
+            self._queued += 1
+        now = time.monotonic()
+        request_id = f"req-{self._id_prefix}{next(self._request_numbers):x}"
+        future = PoolFuture(request_id, self._cancel_from_future)
+        request = Request(
+            request_id=request_id,
+            payload=payload,
+            future=future,
+            submitted_at=now,
+            deadline=now + deadline_s,
+            on_chunk=on_chunk,
+        )
+        self._futures[request_id] = future
+        if not loop.post(loop.dispatcher.submit, request):
+            self._on_dequeued()
+            raise PoolClosed("the pool has stopped")
+        return future
+
+    def _on_dequeued(self) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def _cancel_from_future(self, request_id: str) -> None:
+        loop = self._loop
+        if loop is not None:
+            loop.post(loop.dispatcher.cancel, request_id, True)
+
+
+class _Stream:
+    """What :class:`PoolStream` and :class:`AsyncPoolStream` share: the request's id, its
+    final result, and cancelling it when the consumer stops early."""
+
+    def __init__(self, future: PoolFuture) -> None:
+        self.future = future
+        self.request_id = future.request_id
+        self.result: Result | None = None
+        self._finished = False
+
+    def _accept(self, item: object) -> str | None:
+        """The chunk; None at the end, where ``result`` is set or the typed error raised."""
+        if item is _END:
+            self._finished = True
+            self.result = self.future.result()
+            return None
+        assert isinstance(item, str)
+        return item
+
+    def close(self) -> None:
+        self._finished = True
+        if not self.future.done():
+            self.future.cancel()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class PoolStream(_Stream, Iterator[str]):
+    """The chunks of one request (``ModelPool.stream``).
+
+    ``request_id`` is known at once; ``result`` is the final :class:`Result` once
+    the iterator is exhausted (a failed request raises its typed error instead).
+    ``close()``, leaving a ``with`` block, or dropping the stream unfinished
+    cancels the request in its worker.
+    """
+
+    def __init__(self, future: PoolFuture, next_item: Callable[[], object]) -> None:
+        super().__init__(future)
+        self._next_item = next_item
+
+    def __iter__(self) -> PoolStream:
+        return self
+
+    def __next__(self) -> str:
+        if self._finished:
+            raise StopIteration
+        try:
+            item = self._next_item()
+        except BaseException:
+            self.close()  # KeyboardInterrupt while waiting: the worker should stop too.
+            raise
+        chunk = self._accept(item)
+        if chunk is None:
+            raise StopIteration
+        return chunk
+
+    def __enter__(self) -> PoolStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncPoolStream(_Stream, AsyncIterator[str]):
+    """The chunks of one request (``ModelPool.astream``); see :class:`PoolStream`."""
+
+    def __init__(self, future: PoolFuture, chunks: asyncio.Queue[object]) -> None:
+        super().__init__(future)
+        self._chunks = chunks
+
+    def __aiter__(self) -> AsyncPoolStream:
+        return self
+
+    async def __anext__(self) -> str:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._chunks.get()
+        except BaseException:
+            self.close()  # The consuming task was cancelled: so is the request.
+            raise
+        chunk = self._accept(item)
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> AsyncPoolStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _set_if_pending(future: asyncio.Future[PoolStats], stats: PoolStats) -> None:
+    if not future.done():
+        future.set_result(stats)
+
+
+def _resolve_model(model: str) -> str:
+    """``embedded:NAME`` is prepared (once) and becomes its local directory."""
+    if not model.startswith("embedded:"):
+        return model
+    from modelpool.embedded import resolve_model
+
+    return resolve_model(model)
+
+
+def _backend_validator(backend: str) -> Callable[[dict[str, Any]], None] | None:
+    """The backend module's light ``validate(params)``, if it has one (DESIGN: Backends)."""
+    module_name = resolve_backend(backend).partition(":")[0]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        if backend in ("hf", "testing"):
+            raise
+        return None  # A custom backend may only be importable inside a worker.
+    validate: Callable[[dict[str, Any]], None] | None = getattr(module, "validate", None)
+    return validate
+
+
+class _NoIO:
+    """A DispatcherIO for a pool that has not started: it has nothing to do."""
+
+    def spawn(self, worker: Worker, spec: WorkerSpec) -> WorkerIO:
+        raise PoolError("the pool is not started")
+
+    def check_release(self, worker: Worker) -> None:
+        return None
+
+    def watch_device_free(self, device: str, needed_bytes: int) -> None:
+        return None
+
+    def gpu_workers_changed(self, workers: list[tuple[int, int, str, int | None]]) -> None:
+        return None

@@ -1,0 +1,65 @@
+"""What a caller gets back: a :class:`Result`, through a :class:`PoolFuture`.
+
+The dispatcher thread resolves each future exactly once (:func:`set_future`); the
+caller's thread only waits on it or cancels it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from modelpool.errors import PoolError
+from modelpool.protocol import FinishReason
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished request. ``attempts`` counts the tries it took."""
+
+    text: str
+    finish_reason: FinishReason
+    request_id: str
+    attempts: int
+    worker_pid: int | None
+    latency_s: float
+    queue_s: float
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class PoolFuture(concurrent.futures.Future[Result]):
+    """A ``concurrent.futures.Future`` for one request, with its ``request_id``.
+
+    Unlike a plain executor future, ``cancel()`` succeeds while the request runs:
+    the worker is told to stop at its next token and the caller gets
+    ``CancelledError``. ``running()`` is always False; the pool does not report
+    the moment a worker picks a request up through the future.
+    """
+
+    def __init__(self, request_id: str, on_cancel: Callable[[str], None]) -> None:
+        super().__init__()
+        self.request_id = request_id
+        self._on_cancel = on_cancel
+
+    def cancel(self) -> bool:
+        if self.done():
+            return self.cancelled()
+        cancelled = super().cancel()
+        if cancelled:
+            # CANCELLED_AND_NOTIFIED is what concurrent.futures.wait()/as_completed() count
+            # as done; plain CANCELLED is only reached by executors that later notify.
+            self.set_running_or_notify_cancel()
+            self._on_cancel(self.request_id)
+        return cancelled
+
+
+def set_future(future: PoolFuture, outcome: Result | PoolError) -> None:
+    try:
+        if isinstance(outcome, Result):
+            future.set_result(outcome)
+        else:
+            future.set_exception(outcome)
+    except concurrent.futures.InvalidStateError:
+        pass  # The caller cancelled the future in the meantime; the request is still counted.

@@ -1,0 +1,162 @@
+"""Starting one worker process, and the handle the event loop keeps for it.
+
+:func:`start_worker_process` runs ``python -m modelpool.worker`` (never
+``multiprocessing``: see ``worker.py``) in its own session and process group, with
+three inherited descriptors: its end of a socket pair (the framed channel), the memfd
+``ControlBlock`` (cancel flag, progress counter) and the read end of the pool's
+lifeline pipe. It is three steps: :func:`build_env`, :func:`build_command`, then the
+``Popen`` and a pidfd for the exit. The event loop registers the result with its
+selector and sends ``("init", spec)``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import modelpool
+from modelpool.protocol import ControlBlock, FrameDecoder, encode_frame
+from modelpool.records import do_nothing
+
+PACKAGE_PARENT = str(Path(modelpool.__file__).resolve().parent.parent)
+
+
+def usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def build_env(device_env: Mapping[str, str], threads_per_worker: int) -> dict[str, str]:
+    """The worker's environment: ours, its devices, and one share of the CPUs."""
+    env = dict(os.environ)
+    env.update(device_env)
+    # Appended, so that the user's own PYTHONPATH entries keep precedence in workers
+    # as they have in the supervisor; ours only makes sure modelpool itself imports.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), PACKAGE_PARENT) if p)
+    threads = str(threads_per_worker)
+    env.setdefault("OMP_NUM_THREADS", threads)
+    env.setdefault("MKL_NUM_THREADS", threads)
+    env.setdefault("MODELPOOL_TORCH_THREADS", threads)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def build_command(channel_fd: int, control_fd: int, lifeline_fd: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "modelpool.worker",
+        "--channel",
+        str(channel_fd),
+        "--control",
+        str(control_fd),
+        "--lifeline",
+        str(lifeline_fd),
+        "--supervisor-pid",
+        str(os.getpid()),
+    ]
+
+
+def start_worker_process(
+    env: Mapping[str, str],
+    lifeline_fd: int,
+    on_backlog: Callable[[ProcessWorkerIO], None],
+) -> ProcessWorkerIO:
+    """Popen the worker with its three descriptors; the parent's ends are closed on failure."""
+    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        control = ControlBlock.create()
+    except BaseException:
+        parent_sock.close()
+        child_sock.close()
+        raise
+    command = build_command(child_sock.fileno(), control.fd, lifeline_fd)
+    try:
+        popen = subprocess.Popen(
+            command,
+            pass_fds=(child_sock.fileno(), control.fd, lifeline_fd),
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            env=dict(env),
+        )
+    except BaseException:
+        parent_sock.close()
+        control.close()
+        raise
+    finally:
+        child_sock.close()
+    parent_sock.setblocking(False)
+    pidfd: int | None = None
+    if hasattr(os, "pidfd_open"):
+        try:
+            pidfd = os.pidfd_open(popen.pid)
+        except OSError:
+            pidfd = None
+    return ProcessWorkerIO(popen, parent_sock, control, pidfd, on_backlog)
+
+
+class ProcessWorkerIO:
+    """One worker process as the event loop sees it."""
+
+    def __init__(
+        self,
+        popen: subprocess.Popen[bytes],
+        sock: socket.socket,
+        control: ControlBlock,
+        pidfd: int | None,
+        on_backlog: Callable[[ProcessWorkerIO], None],
+    ) -> None:
+        self.popen = popen
+        self.pid: int | None = popen.pid
+        self.sock = sock
+        self.control = control
+        self.pidfd = pidfd
+        self.decoder = FrameDecoder()
+        self.outbox = bytearray()
+        self.eof = False
+        self.closed = False
+        self._on_backlog = on_backlog
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        self.outbox += encode_frame(message)
+        self.flush()
+
+    def flush(self) -> None:
+        while self.outbox:
+            try:
+                sent = self.sock.send(self.outbox)
+            except BlockingIOError:
+                self._on_backlog(self)
+                return
+            except OSError:
+                self.outbox.clear()  # The worker is gone; its exit event will follow.
+                return
+            del self.outbox[:sent]
+
+    def request_cancel(self, attempt_id: int) -> None:
+        self.control.cancel_attempt = attempt_id
+
+    def progress(self) -> int:
+        return self.control.progress
+
+    def signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.popen.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._on_backlog = do_nothing  # it holds the worker: break the cycle at once
+        self.sock.close()
+        self.control.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
