@@ -10,7 +10,6 @@ Every check names the offending key, so a typo in a TOML file reads as
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import sys
 from collections.abc import Mapping
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modelpool.validation import check_generation_params
+from modelpool.validation import check_generation_params, is_number
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,21 +29,10 @@ _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _BACKEND_PATTERN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _finite(value: object) -> bool:
-    try:
-        return math.isfinite(float(value))  # type: ignore[arg-type]
-    except OverflowError:
-        return False
-
-
 def _check_number(name: str, value: object, *, allow_zero: bool, optional: bool = False) -> None:
     if value is None and optional:
         return
-    if not _is_number(value) or not _finite(value):
+    if not is_number(value):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):  # type: ignore[operator]
         bound = ">= 0" if allow_zero else "> 0"
@@ -97,7 +85,8 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """How a :class:`~modelpool.ModelPool` is built. See DESIGN.md for each field."""
+    """How a :class:`~modelpool.ModelPool` is built; the README's Configuration section
+    says what each field does."""
 
     model: str
     backend: str = "hf"

@@ -34,7 +34,6 @@ import contextlib
 import hmac
 import json
 import logging
-import math
 import os
 import signal
 import time
@@ -62,6 +61,7 @@ from modelpool.errors import (
     WorkerCrashed,
 )
 from modelpool.metrics import CONTENT_TYPE, PoolMetrics
+from modelpool.validation import MAX_INT, is_int, is_number
 
 if TYPE_CHECKING:
     from modelpool.pool import AsyncPoolStream, ModelPool, Result
@@ -180,7 +180,7 @@ def invalid(message: str, param: str | None = None, code: str = "invalid_value")
 
 
 def pool_error_to_api(error: PoolError) -> ApiError:
-    """The HTTP status for each of the pool's typed errors (DESIGN: Daemon)."""
+    """The HTTP status for each of the pool's typed errors (the README's error table)."""
     extra: dict[str, Any] = {
         "request_id": error.request_id,
         "attempts": [
@@ -234,10 +234,6 @@ def pool_error_to_api(error: PoolError) -> ApiError:
 # Request parsing
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -268,10 +264,11 @@ def _opt_int(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise invalid(f"{name} must be an integer, got {value!r}", param=name)
-    if value < minimum:
-        raise invalid(f"{name} must be >= {minimum}, got {value!r}", param=name)
+    if not is_int(value, minimum=minimum):
+        raise invalid(
+            f"{name} must be an integer in [{minimum}, {MAX_INT}], got {value!r}", param=name
+        )
+    assert isinstance(value, int)
     return value
 
 
@@ -279,7 +276,7 @@ def _opt_number(body: Mapping[str, Any], name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if not _is_number(value):
+    if not is_number(value):
         raise invalid(f"{name} must be a number, got {value!r}", param=name)
     return float(value)
 
@@ -379,7 +376,7 @@ def deadline_from(
             raise invalid(f"{name} must be a number of seconds", param=name) from None
     if value is None:
         value = default_s
-    if not _is_number(value) or value <= 0:  # type: ignore[operator]
+    if not is_number(value) or value <= 0:  # type: ignore[operator]
         raise invalid(f"{name} must be a number of seconds > 0, got {value!r}", param=name)
     seconds = float(value)  # type: ignore[arg-type]
     return min(seconds, cap_s) if cap_s is not None else seconds

@@ -9,32 +9,50 @@ from typing import Any
 from modelpool.errors import InvalidRequest
 from modelpool.protocol import Prompt
 
+# The widest integer any backend is asked to take (a C int64: torch, numpy, CUDA); a
+# larger one would fail inside a worker, or with OverflowError, instead of here.
+MAX_INT = 2**63 - 1
 
-def _is_number(value: object) -> bool:
+
+def is_number(value: object) -> bool:
+    """A finite int or float, not a bool: what every numeric field accepts.
+
+    An int too large for a float (``10**400``, valid JSON) is not a number here, where
+    ``math.isfinite`` would raise ``OverflowError`` instead of answering.
+    """
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return False
     try:
         return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
+    except OverflowError:
         return False
 
 
+def is_int(value: object, *, minimum: int, maximum: int = MAX_INT) -> bool:
+    """An int (not a bool) in ``[minimum, maximum]``."""
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= maximum
+
+
 def check_generation_params(params: Mapping[str, Any], *, where: str = "") -> None:
-    """The backend-independent checks of DESIGN.md; raises :class:`InvalidRequest`."""
+    """The backend-independent checks; raises :class:`InvalidRequest`."""
     prefix = f"{where}." if where else ""
     if "max_new_tokens" in params:
         value = params["max_new_tokens"]
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        if not is_int(value, minimum=1):
             raise InvalidRequest(
-                f"{prefix}max_new_tokens must be a positive integer, got {value!r}"
+                f"{prefix}max_new_tokens must be an integer in [1, {MAX_INT}], got {value!r}"
             )
+    if "seed" in params:
+        value = params["seed"]
+        if value is not None and not is_int(value, minimum=-MAX_INT - 1):
+            raise InvalidRequest(f"{prefix}seed must be a 64-bit integer, got {value!r}")
     if "temperature" in params:
         value = params["temperature"]
-        if not _is_number(value) or value < 0:
+        if not is_number(value) or value < 0:
             raise InvalidRequest(f"{prefix}temperature must be a number >= 0, got {value!r}")
     if "top_p" in params:
         value = params["top_p"]
-        if not _is_number(value) or not 0 < value <= 1:
+        if not is_number(value) or not 0 < value <= 1:
             raise InvalidRequest(f"{prefix}top_p must be in (0, 1], got {value!r}")
 
 
@@ -66,5 +84,5 @@ def check_prompt(prompt: object) -> Prompt:
 
 
 def check_deadline(deadline_s: object) -> None:
-    if not _is_number(deadline_s) or deadline_s <= 0:  # type: ignore[operator]
+    if not is_number(deadline_s) or deadline_s <= 0:  # type: ignore[operator]
         raise InvalidRequest(f"deadline_s must be a number > 0, got {deadline_s!r}")

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelpool.errors import InvalidRequest
 from modelpool.protocol import Call, FinishReason, Generation, Prompt
-from modelpool.validation import check_generation_params
+from modelpool.validation import MAX_INT, check_generation_params, is_int, is_number
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +64,6 @@ LOAD_OPTIONS = frozenset(
 
 # Set in greedy mode they change nothing but make transformers warn on every request.
 _SAMPLING_ONLY = ("temperature", "top_p", "top_k")
-_MAX_SEED = 2**63 - 1
 _INCOMPLETE_CHAR = "\ufffd"
 
 
@@ -87,12 +86,12 @@ def validate(params: Mapping[str, Any]) -> None:
         if key in params:
             _check_int(key, params[key], minimum=0)
     if "seed" in params:
-        _check_int("seed", params["seed"], minimum=0, maximum=_MAX_SEED)
+        _check_int("seed", params["seed"], minimum=0)
     if "do_sample" in params and not isinstance(params["do_sample"], bool):
         raise InvalidRequest(f"do_sample must be true or false, got {params['do_sample']!r}")
     if "repetition_penalty" in params:
         value = params["repetition_penalty"]
-        if not _is_number(value) or value <= 0:
+        if not is_number(value) or value <= 0:
             raise InvalidRequest(f"repetition_penalty must be a number > 0, got {value!r}")
     if params.get("min_new_tokens", 0) > params.get("max_new_tokens", math.inf):
         raise InvalidRequest("min_new_tokens must not exceed max_new_tokens")
@@ -447,19 +446,9 @@ def _stop_strings(value: object) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
-    if (
-        not isinstance(value, int)
-        or isinstance(value, bool)
-        or value < minimum
-        or (maximum is not None and value > maximum)
-    ):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise InvalidRequest(f"{key} must be an integer {bound}, got {value!r}")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _check_int(key: str, value: object, *, minimum: int, maximum: int = MAX_INT) -> None:
+    if not is_int(value, minimum=minimum, maximum=maximum):
+        raise InvalidRequest(f"{key} must be an integer in [{minimum}, {maximum}], got {value!r}")
 
 
 def _token_ids(value: int | list[int] | None) -> frozenset[int]:
