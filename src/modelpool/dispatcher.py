@@ -20,7 +20,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import os
 import signal
 import sys
 import time
@@ -132,13 +131,9 @@ class Dispatcher:
             self._dequeued(request)
             return
         self.live[request.request_id] = request
-        if self.failure is not None:
-            self._fail(
-                request,
-                ModelLoadFailed(
-                    self.failure.message, worker_traceback=self.failure.worker_traceback
-                ),
-            )
+        failure = self.load_failure()
+        if failure is not None:
+            self._fail(request, failure)
             return
         if self.closing:
             self._fail(request, PoolClosed("the pool is closing"))
@@ -229,11 +224,8 @@ class Dispatcher:
             self.counters["crashes"] += 1
             logger.warning("worker %d (pid %s) died: %s", worker.id, worker.pid, reason)
         if run is not None and run.request is not None:
-            request = run.request
             outcome: Outcome = "timeout" if worker.kill_reason in ("timeout", "stall") else "crash"
-            request.attempts.append(Attempt(worker.pid, outcome, self.clock() - run.started_at))
-            request.run = None
-            request.last_partial = run.partial_text()
+            request = self._end_attempt(run, outcome)
             error = WorkerCrashed(
                 f"worker pid {worker.pid} {reason} while running the request",
                 exit_code=returncode,
@@ -333,6 +325,10 @@ class Dispatcher:
         self.crashed = True
         self.state = "failed"
         self._report_started(PoolError(f"the pool's dispatcher failed: {error!r}"))
+
+    def load_failure(self) -> ModelLoadFailed | None:
+        """The pool's start-up failure, as a fresh error for one more request, if it failed."""
+        return None if self.failure is None else self.failure.copy()
 
     def next_timer_at(self) -> float | None:
         return self.timers.next_at()
@@ -530,12 +526,8 @@ class Dispatcher:
         request = run.request
         if request is None:
             return
-        now = self.clock()
         cancelled = request.cancel_requested or generation.finish_reason == "cancelled"
-        request.attempts.append(
-            Attempt(worker.pid, "cancelled" if cancelled else "ok", now - run.started_at)
-        )
-        request.run = None
+        self._end_attempt(run, "cancelled" if cancelled else "ok")
         if cancelled:
             self._resolve_cancelled(request, generation.text, worker.pid, generation)
             return
@@ -564,9 +556,7 @@ class Dispatcher:
         request = run.request
         if request is None:
             return
-        request.attempts.append(Attempt(worker.pid, "error", self.clock() - run.started_at))
-        request.run = None
-        request.last_partial = run.partial_text()
+        self._end_attempt(run, "error")
         if kind == "invalid":
             self._fail(request, InvalidRequest(text))
             return
@@ -615,10 +605,7 @@ class Dispatcher:
         if request is None or worker.run is not run:
             return
         now = self.clock()
-        run.request = None
-        request.run = None
-        request.attempts.append(Attempt(worker.pid, "timeout", now - run.started_at))
-        request.last_partial = run.partial_text()
+        self._end_attempt(run, "timeout")
         self.counters["stalls" if reason == "stall" else "timeouts"] += 1
         self._soft_cancel(worker, run, reason)
         if reason == "stall":
@@ -636,13 +623,8 @@ class Dispatcher:
         worker.io.request_cancel(run.attempt_id)
         if worker.state == "busy":
             worker.state = "cancelling"
-        self.timers.cancel(worker.ladder_timer)
-        worker.ladder_timer = self.timers.call_at(
-            self.clock() + self.config.cancel_grace_s,
-            self._on_cancel_grace_over,
-            worker,
-            run,
-            reason,
+        self._rearm_ladder(
+            worker, self.config.cancel_grace_s, self._on_cancel_grace_over, run, reason
         )
 
     def _on_cancel_grace_over(self, worker: Worker, run: Run, reason: str) -> None:
@@ -652,9 +634,7 @@ class Dispatcher:
         if request is not None:
             # A user's cancel the backend did not honour: the caller gets what exists now.
             self.counters["cancel_escalations"] += 1
-            run.request = None
-            request.run = None
-            request.attempts.append(Attempt(worker.pid, "cancelled", self.clock() - run.started_at))
+            self._end_attempt(run, "cancelled")
             self._resolve_cancelled(request, run.partial_text(), worker.pid)
         logger.warning(
             "worker %d (pid %s) ignored the cancel flag for %.1fs (%s): terminating",
@@ -676,16 +656,20 @@ class Dispatcher:
         if worker.state != "starting":
             worker.state = "killing"
         worker.io.signal_group(signum)
-        self.timers.cancel(worker.ladder_timer)
-        worker.ladder_timer = None
         if signum == signal.SIGTERM:
-            worker.ladder_timer = self.timers.call_at(
-                self.clock() + self.config.term_grace_s,
-                self._signal,
-                worker,
-                signal.SIGKILL,
-                reason,
+            self._rearm_ladder(
+                worker, self.config.term_grace_s, self._signal, signal.SIGKILL, reason
             )
+        else:
+            self.timers.cancel(worker.ladder_timer)
+            worker.ladder_timer = None
+
+    def _rearm_ladder(
+        self, worker: Worker, delay: float, step: Callable[..., None], *args: Any
+    ) -> None:
+        """The worker's next ladder step, in ``delay`` seconds, replaces the one pending."""
+        self.timers.cancel(worker.ladder_timer)
+        worker.ladder_timer = self.timers.call_at(self.clock() + delay, step, worker, *args)
 
     def _arm_stall_check(self) -> None:
         assert self.config.stall_timeout_s is not None
@@ -720,6 +704,21 @@ class Dispatcher:
             self._arm_stall_check()
 
     # ---- retry or fail -------------------------------------------------------------------
+
+    def _end_attempt(self, run: Run, outcome: Outcome) -> Request:
+        """Close ``run``'s attempt: record it on its request, detach the two, keep its text.
+
+        The attempt's deadline timer goes with it: a timer must not keep a request that
+        already moved on (to a retry, or to its caller) alive until the old deadline.
+        """
+        request = run.request
+        assert request is not None
+        run.request = None
+        request.run = None
+        self.timers.cancel(run.deadline_timer)
+        request.attempts.append(Attempt(run.worker.pid, outcome, self.clock() - run.started_at))
+        request.last_partial = run.partial_text()
+        return request
 
     def _attempt_failed(
         self, request: Request, worker: Worker, outcome: Outcome, error: PoolError
@@ -863,14 +862,12 @@ class Dispatcher:
         worker = Worker(id=next(self._worker_ids), slot=slot, device=device, started_at=now)
         self.workers[worker.id] = worker
         spec = WorkerSpec(
-            worker_id=worker.id,
             model=self.config.model,
             backend=self.config.backend,
             backend_options=self.config.backend_options,
             device=device,
             sys_path=list(sys.path),
             log_level=logging.getLogger("modelpool").getEffectiveLevel(),
-            supervisor_pid=os.getpid(),
         )
         if replacement:
             self.counters["respawns"] += 1
@@ -954,9 +951,7 @@ class Dispatcher:
         self.state = "failed"
         for request in list(self.live.values()):
             if request.state in ("queued", "backoff"):
-                self._fail(
-                    request, ModelLoadFailed(self.failure.message, worker_traceback=error_text)
-                )
+                self._fail(request, self.failure.copy())
         for other in self.workers.values():
             if other.state == "starting":
                 self._signal(other, signal.SIGKILL, "startup_abandoned")
@@ -1015,13 +1010,8 @@ class Dispatcher:
         worker.stopping = True
         worker.state = "stopping"
         worker.io.send(("stop",))
-        self.timers.cancel(worker.ladder_timer)
-        worker.ladder_timer = self.timers.call_at(
-            self.clock() + max(self.config.term_grace_s, 1.0),
-            self._signal,
-            worker,
-            signal.SIGTERM,
-            "stop_timeout",
+        self._rearm_ladder(
+            worker, max(self.config.term_grace_s, 1.0), self._signal, signal.SIGTERM, "stop_timeout"
         )
 
     def _rebalance(self) -> None:

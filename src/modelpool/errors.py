@@ -134,6 +134,10 @@ class ModelLoadFailed(PoolError):
         super().__init__(message, request_id=request_id, attempts=attempts)
         self.worker_traceback = worker_traceback
 
+    def copy(self) -> ModelLoadFailed:
+        """The same failure for another caller: each error carries its own ``request_id``."""
+        return ModelLoadFailed(self.message, worker_traceback=self.worker_traceback)
+
 
 class InvalidRequest(PoolError, ValueError):
     """The request was rejected before anything was dispatched."""

@@ -9,7 +9,6 @@ by the HTTP server, because the pool keeps percentiles, not buckets::
     metrics = PoolMetrics(pool.stats)
     metrics.observe_request(0.012)
     body = metrics.render()                     # text/plain; version=0.0.4
-    render_stats(pool.stats())                  # one snapshot, no histogram
 
 This module is the only one that imports ``prometheus_client`` (the
 ``server`` extra), so the core package installs without it.
@@ -27,9 +26,9 @@ from modelpool.stats import PoolStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# DESIGN.md's worker states; each is exported (as 0 when empty) so that a
+# Every state a worker can show in stats(); each is exported (as 0 when empty) so that a
 # dashboard query never sees a series appear and disappear.
-WORKER_STATES = ("starting", "idle", "busy", "cancelling", "killing", "spare")
+WORKER_STATES = ("starting", "idle", "busy", "cancelling", "killing", "stopping", "spare")
 POOL_STATES = ("starting", "ready", "degraded", "failed", "closed")
 REQUEST_OUTCOMES = ("completed", "failed", "cancelled", "overloaded")
 
@@ -189,13 +188,6 @@ class PoolMetrics:
     def render(self) -> bytes:
         """The exposition text. Calls ``stats_source`` once, which may block briefly."""
         return generate_latest(self.registry)
-
-
-def render_stats(stats: PoolStats) -> str:
-    """The exposition text for one snapshot alone."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(PoolCollector(lambda: stats))
-    return generate_latest(registry).decode("utf-8")
 
 
 # (metric name, help, PoolStats counter): plain counters rendered one to one.

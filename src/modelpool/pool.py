@@ -27,7 +27,7 @@ from modelpool import gpu
 from modelpool.backends import resolve_backend
 from modelpool.config import PoolConfig
 from modelpool.dispatcher import Dispatcher
-from modelpool.errors import InvalidRequest, ModelLoadFailed, PoolClosed, PoolError, PoolOverloaded
+from modelpool.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded
 from modelpool.protocol import Prompt, WorkerSpec, encode_request
 from modelpool.records import Request, Worker, WorkerIO
 from modelpool.results import PoolFuture, Result
@@ -321,9 +321,9 @@ class ModelPool:
                 raise PoolError(
                     "the pool is not started: call start() or use `with ModelPool(...)`"
                 )
-            failure = loop.dispatcher.failure
+            failure = loop.dispatcher.load_failure()
             if failure is not None:
-                raise ModelLoadFailed(failure.message, worker_traceback=failure.worker_traceback)
+                raise failure
             if loop.dispatcher.crashed:
                 raise PoolError("the pool's dispatcher failed; see the log")
             if self._queued >= self.config.max_queue:
@@ -469,7 +469,7 @@ def _resolve_model(model: str) -> str:
 
 
 def _backend_validator(backend: str) -> Callable[[dict[str, Any]], None] | None:
-    """The backend module's light ``validate(params)``, if it has one (DESIGN: Backends)."""
+    """The backend module's light ``validate(params)``, if it has one (see the README: Backends)."""
     module_name = resolve_backend(backend).partition(":")[0]
     try:
         module = importlib.import_module(module_name)

@@ -88,14 +88,12 @@ BackendFactory = Callable[..., Handler]
 class WorkerSpec:
     """Everything a fresh worker process needs to become ready."""
 
-    worker_id: int
     model: str
     backend: str
     backend_options: dict[str, Any]
     device: str
     sys_path: list[str]
     log_level: int
-    supervisor_pid: int
 
 
 MAX_FRAME_BYTES = 1 << 30

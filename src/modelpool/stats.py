@@ -85,7 +85,7 @@ class PoolStats:
     kill_reasons: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict with the keys DESIGN.md promises."""
+        """A JSON-ready dict: the keys the README's Stats section lists."""
         return asdict(self)
 
     def to_json(self) -> str:

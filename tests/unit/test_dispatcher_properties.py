@@ -165,7 +165,7 @@ class DispatcherMachine(RuleBasedStateMachine):
     def on_spawn(self, worker: Worker, spec: WorkerSpec) -> FakeProc:
         assert self.dispatcher is not None
         assert not self.dispatcher.closing, "spawned a worker while closing"
-        assert spec.worker_id == worker.id
+        assert spec.device == worker.device
         self.next_pid += 1
         proc = FakeProc(self, worker, self.next_pid)
         self.procs.append(proc)
