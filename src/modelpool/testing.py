@@ -27,7 +27,18 @@ Commands (``name[:arg[:arg]]``; anything else is echoed back):
 ``hang_once:PATH``     hangs like ``hang`` if PATH does not exist (creating it first),
                        else "ok": a timeout that a retry recovers from
 ``pid``                returns the worker's pid
+``spin``               never finishes and never produces a token, but (batched)
+                       keeps its decoding loop turning: a livelock
 =====================  ======================================================
+
+With ``max_batch_size`` above 1 the backend batches (``protocol.BatchedHandler``):
+every admitted request advances one token per ``step()``, a step lasts as long
+as the slowest ``DELAY`` among the requests in it (one shared decoding step),
+and each fault happens inside the batch the way it would on a real model:
+``hang``, ``hog`` and ``stall`` freeze the whole step (every request in the
+batch stops getting tokens), ``segfault`` and ``exit`` take the worker and its
+batch down, ``raise`` fails only its own request, ``spin`` keeps the loop
+iterating without delivering tokens.
 
 Load-time options (``backend_options``): ``load_delay_s`` (sleep before ready),
 ``fail_load`` (raise during load), ``exit_on_load`` (``os._exit`` during load).
@@ -41,10 +52,11 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from modelpool.errors import InvalidRequest
-from modelpool.protocol import Call, Generation
+from modelpool.protocol import BatchCall, Call, Finished, Generation
 from modelpool.validation import check_generation_params
 
 ACCEPTED_PARAMS = frozenset({"max_new_tokens", "temperature", "top_p", "seed", "stop"})
@@ -58,11 +70,99 @@ def validate(params: dict[str, Any]) -> None:
         raise InvalidRequest(f"unknown generation parameter {unknown[0]!r} for the testing backend")
 
 
+@dataclass(eq=False)
+class _Job:
+    """One admitted request in the batched form."""
+
+    call: BatchCall
+    command: str
+    argument: str
+    limit: int | None
+    count: int = 0
+    delay: float = 0.0
+    pieces: list[str] = field(default_factory=list)
+
+    def partial(self, finish_reason: Any) -> Generation:
+        return Generation("".join(self.pieces), finish_reason, None, len(self.pieces))
+
+
+_STEPPED = frozenset({"tokens", "stall", "spin"})
+_SPIN_STEP_S = 0.005
+
+
 class FaultBackend:
-    """The handler; one per worker."""
+    """The handler; one per worker. Implements both backend forms."""
 
     def __init__(self) -> None:
         self._leaked: list[bytearray] = []
+        self._jobs: list[_Job] = []
+        self._pause = threading.Event()
+
+    # ---- batched form ------------------------------------------------------------------
+
+    def admit(self, call: BatchCall) -> None:
+        prompt = call.prompt
+        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        command, _, argument = text.partition(":")
+        job = _Job(call, command, argument, call.params.get("max_new_tokens"))
+        if command == "tokens":
+            count_text, _, delay_text = argument.partition(":")
+            job.count = int(count_text or 16)
+            job.delay = float(delay_text or 0)
+        elif command == "stall":
+            job.count = int(argument or 1)
+        self._jobs.append(job)
+
+    def step(self) -> list[Finished]:
+        delay = max((job.delay for job in self._jobs if job.command == "tokens"), default=0.0)
+        if any(job.command == "spin" for job in self._jobs):
+            delay = max(delay, _SPIN_STEP_S)
+        if delay:
+            self._pause.wait(delay)
+        finished: list[Finished] = []
+        for job in list(self._jobs):
+            outcome: Generation | str | Exception | None
+            try:
+                outcome = self._advance(job)
+            except Exception as exc:
+                outcome = exc
+            if outcome is not None:
+                self._jobs.remove(job)
+                finished.append(
+                    (job.call, Generation(outcome) if isinstance(outcome, str) else outcome)
+                )
+        return finished
+
+    def retire(self, call: BatchCall) -> Generation:
+        for job in self._jobs:
+            if job.call is call:
+                self._jobs.remove(job)
+                return job.partial("cancelled")
+        return Generation("", "cancelled", None, 0)
+
+    def abort(self) -> None:
+        self._jobs.clear()
+
+    def _advance(self, job: _Job) -> Generation | str | None:
+        """One step of one request: its result once it ends, else None."""
+        if job.command not in _STEPPED:
+            return self.generate(job.call)
+        if job.command == "spin":
+            return None
+        index = len(job.pieces)
+        if job.command == "stall" and index >= job.count:
+            _block_forever()
+        if job.command == "tokens" and job.limit is not None and index >= job.limit:
+            return job.partial("length")
+        piece = f"t{index} "
+        job.pieces.append(piece)
+        job.call.emit(piece)
+        job.call.delivered()
+        if job.command == "tokens" and len(job.pieces) >= job.count:
+            return job.partial("stop")
+        return None
+
+    # ---- one-call form -----------------------------------------------------------------
 
     def generate(self, call: Call) -> str | Generation:
         prompt = call.prompt
@@ -104,6 +204,9 @@ class FaultBackend:
             return "ok"
         if command == "pid":
             return str(os.getpid())
+        if command == "spin":
+            while True:
+                time.sleep(_SPIN_STEP_S)
         return text
 
 

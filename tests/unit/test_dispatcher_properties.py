@@ -185,7 +185,7 @@ class DispatcherMachine(RuleBasedStateMachine):
             proc.stop_received = True
             return
         assert message[0] == "run", message
-        _, attempt_id, payload = message
+        _, attempt_id, _slot, payload = message
         prompt, _params = pickle.loads(payload)
         worker = proc.worker
         assert not proc.eof, "run sent to a worker whose channel is closed"

@@ -28,8 +28,9 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from modelpool.backends.hf_batch import DEFAULT_KV_CACHE_TOKENS, BatchEngine
 from modelpool.errors import InvalidRequest
-from modelpool.protocol import Call, FinishReason, Generation, Prompt
+from modelpool.protocol import BatchCall, Call, Finished, FinishReason, Generation, Prompt
 from modelpool.validation import MAX_INT, check_generation_params, is_int, is_number
 
 if TYPE_CHECKING:
@@ -59,7 +60,15 @@ GENERATION_PARAMS = frozenset(
     }
 )
 LOAD_OPTIONS = frozenset(
-    {"dtype", "device_map", "gguf_file", "trust_remote_code", "torch_threads", "chat_template"}
+    {
+        "dtype",
+        "device_map",
+        "gguf_file",
+        "trust_remote_code",
+        "torch_threads",
+        "chat_template",
+        "kv_cache_tokens",
+    }
 )
 
 # Set in greedy mode they change nothing but make transformers warn on every request.
@@ -108,8 +117,10 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
     "bfloat16", ...; default: the checkpoint's), ``device_map`` (accelerate
     placement; then ``device`` is not applied), ``gguf_file`` (a file inside
     ``model``), ``trust_remote_code`` (default False), ``torch_threads``
-    (default: ``$MODELPOOL_TORCH_THREADS``, else torch's own choice) and
-    ``chat_template`` (a Jinja template replacing the tokenizer's)::
+    (default: ``$MODELPOOL_TORCH_THREADS``, else torch's own choice),
+    ``chat_template`` (a Jinja template replacing the tokenizer's) and
+    ``kv_cache_tokens`` (the batched form's KV-cache bound, rows x columns of
+    the padded cache; see ``hf_batch``)::
 
         handler = load("/models/smollm2", device="cuda:0", dtype="bfloat16")
     """
@@ -135,6 +146,13 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
     if chat_template is not None and not isinstance(chat_template, str):
         raise ValueError("chat_template must be a Jinja template string")
     threads = _thread_count(options.get("torch_threads"))
+    kv_cache_tokens = options.get("kv_cache_tokens", DEFAULT_KV_CACHE_TOKENS)
+    if (
+        not isinstance(kv_cache_tokens, int)
+        or isinstance(kv_cache_tokens, bool)
+        or (kv_cache_tokens < 1)
+    ):
+        raise ValueError(f"kv_cache_tokens must be a positive integer, got {kv_cache_tokens!r}")
     if _looks_like_a_path(model) and not os.path.exists(os.path.expanduser(model)):
         # Said before importing torch (seconds) and in words, rather than as the hub
         # client's "Repo id must be in the form ..." for a path that is simply missing.
@@ -168,7 +186,7 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
     if chat_template is not None:
         tokenizer.chat_template = chat_template
 
-    handler = HFHandler(language_model, tokenizer)
+    handler = HFHandler(language_model, tokenizer, kv_cache_tokens=kv_cache_tokens)
     handler.warm_up()
     logger.info(
         "loaded %s on %s (%s, %d torch threads) in %.2f s",
@@ -182,9 +200,20 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
 
 
 class HFHandler:
-    """A loaded model and tokenizer answering one request at a time; made by :func:`load`."""
+    """A loaded model and tokenizer; made by :func:`load`.
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    Both backend forms: ``generate(call)`` answers one request through
+    transformers' ``generate()``; ``admit``/``step``/``retire``/``abort`` run
+    many at once through :class:`~modelpool.backends.hf_batch.BatchEngine`.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+    ) -> None:
         # Held as Any: transformers' annotations are partial (untyped methods,
         # decorated ones mypy cannot bind), and every use here is plain.
         self.model: Any = model
@@ -196,6 +225,23 @@ class HFHandler:
         self._eos_ids = _token_ids(model.generation_config.eos_token_id) | _token_ids(
             tokenizer.eos_token_id
         )
+        self._batch = BatchEngine(self, kv_cache_tokens)
+
+    def admit(self, call: BatchCall) -> None:
+        """Batched form: queue ``call``; it is prefilled at the next :meth:`step`."""
+        self._batch.admit(call)
+
+    def step(self) -> list[Finished]:
+        """Batched form: prefill what was admitted, one decoding step for every request."""
+        return self._batch.step()
+
+    def retire(self, call: BatchCall) -> Generation:
+        """Batched form: drop ``call`` now; returns its text so far."""
+        return self._batch.retire(call)
+
+    def abort(self) -> None:
+        """Batched form: forget every request."""
+        self._batch.abort()
 
     def validate(self, params: Mapping[str, Any]) -> None:
         """The module's :func:`validate`, for callers that hold only the handler."""
@@ -315,8 +361,16 @@ class _Progress:
                 # The token of this step is dropped: nothing is emitted after a cancel.
                 self.cancelled = True
                 return True
-            start = self._prompt_tokens + len(self.token_ids)
-            self.token_ids.extend(input_ids[0, start:].tolist())
+        except Exception as exc:
+            self.error = exc
+            return True
+        start = self._prompt_tokens + len(self.token_ids)
+        return self.take(input_ids[0, start:].tolist())
+
+    def take(self, new_token_ids: list[int]) -> bool:
+        """Add generated tokens and decode; True once a stop string ended the text."""
+        try:
+            self.token_ids.extend(new_token_ids)
             decoded = self._tokenizer.decode(
                 self.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
             )
