@@ -28,6 +28,8 @@ COUNTER_NAMES = (
     "stalls",
     "cancel_escalations",
     "recycled",
+    "collateral_retries",
+    "poison_requests",
 )
 
 
@@ -43,6 +45,8 @@ class WorkerStats:
     rss_mb: float | None
     gpu_mb: float | None
     gpu_mb_method: str | None = None
+    slots: int = 1
+    running: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,13 @@ class PoolStats:
     uptime_s: float
     last_load_error: str | None = None
     kill_reasons: dict[str, int] = field(default_factory=dict)
+    capacity: int = 0
+    running: int = 0
+
+    @property
+    def batch_occupancy(self) -> float:
+        """Requests running in workers over the serving capacity (workers x batch slots)."""
+        return self.running / self.capacity if self.capacity else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict: the keys the README's Stats section lists."""
