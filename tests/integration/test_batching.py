@@ -79,7 +79,7 @@ def test_short_request_admitted_between_steps_finishes_first() -> None:
 def test_cancel_in_a_full_batch_stops_it_and_the_others_finish_unchanged() -> None:
     with open_pool(workers=1, max_batch_size=4) as pool:
         others = [pool.submit("tokens:60:0.01") for _ in range(3)]
-        victim, started, received = submit_with_chunks(pool, "tokens:60:0.01")
+        victim, started, _received = submit_with_chunks(pool, "tokens:60:0.01")
         wait_running(pool, 4)
         assert started.wait(10)
         pid = workers(pool)[0].pid
