@@ -114,6 +114,8 @@ _COMMON_FIELDS = frozenset(
     }
 )
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of"}
+MAX_PROMPTS = 256
+"""Prompts in one /v1/completions request; each becomes its own pool request."""
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages",
     "max_completion_tokens",
@@ -382,7 +384,11 @@ def deadline_from(
     return min(seconds, cap_s) if cap_s is not None else seconds
 
 
-def parse_completion(body: Mapping[str, Any]) -> tuple[Prompt, dict[str, Any], bool]:
+def parse_completion(
+    body: Mapping[str, Any],
+) -> tuple[Prompt | list[str], dict[str, Any], bool]:
+    """A completion's prompt (a list of two or more strings: one choice each), params,
+    and whether it streams."""
     _check_fields(body, _COMPLETION_FIELDS)
     if "prompt" not in body:
         raise invalid("missing field 'prompt'", param="prompt", code="missing_field")
@@ -390,13 +396,23 @@ def parse_completion(body: Mapping[str, Any]) -> tuple[Prompt, dict[str, Any], b
     if isinstance(prompt, list):
         if len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
-        elif all(isinstance(item, str) for item in prompt):
-            raise invalid(
-                f"prompt: a batch of {len(prompt)} prompts is not supported; "
-                "send one request per prompt",
-                param="prompt",
-                code="unsupported_value",
-            )
+        elif prompt and all(isinstance(item, str) for item in prompt):
+            if len(prompt) > MAX_PROMPTS:
+                raise invalid(
+                    f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}",
+                    param="prompt",
+                )
+            if _stream_flag(body):
+                raise invalid(
+                    "stream with a list of prompts is not supported; stream one request per prompt",
+                    param="stream",
+                    code="unsupported_value",
+                )
+            prompts: list[str] = prompt
+            params = _completion_params(body)
+            return prompts, params, False
+        elif not prompt:
+            raise invalid("prompt: the list of prompts is empty", param="prompt")
         else:
             raise invalid(
                 "prompt: token ids are not supported; send text",
@@ -405,6 +421,10 @@ def parse_completion(body: Mapping[str, Any]) -> tuple[Prompt, dict[str, Any], b
             )
     if not isinstance(prompt, str):
         raise invalid("prompt must be a string", param="prompt")
+    return prompt, _completion_params(body), _stream_flag(body)
+
+
+def _completion_params(body: Mapping[str, Any]) -> dict[str, Any]:
     suffix = body.get("suffix")
     _unsupported_unless(suffix in (None, ""), "suffix", "insertion is not supported")
     _unsupported_unless(not _opt_bool(body, "echo"), "echo", "echoing the prompt is not supported")
@@ -412,8 +432,7 @@ def parse_completion(body: Mapping[str, Any]) -> tuple[Prompt, dict[str, Any], b
     _unsupported_unless(best_of in (None, 1), "best_of", "only best_of 1 is supported")
     logprobs = _opt_int(body, "logprobs", 0)
     _unsupported_unless(logprobs is None, "logprobs", "log probabilities are not supported")
-    params = _common_params(body, _opt_int(body, "max_tokens", 1))
-    return prompt, params, _stream_flag(body)
+    return _common_params(body, _opt_int(body, "max_tokens", 1))
 
 
 def _message_content(content: object, index: int) -> str:
@@ -1024,11 +1043,14 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
     except ClientDisconnect:
         return _ClientGone()
     body = parse_json_object(raw)
-    prompt, params, stream = parse_chat(body) if chat else parse_completion(body)
+    parsed, params, stream = parse_chat(body) if chat else parse_completion(body)
     pool = state.pool
     deadline = deadline_from(
         body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
     )
+    if not chat and isinstance(parsed, list):
+        return await _generate_many(request, state, parsed, params, deadline)
+    prompt: Prompt = parsed  # type: ignore[assignment]
 
     if stream:
 
@@ -1061,6 +1083,68 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
     )
     body_out = completion_body(result, state.model_name, chat, int(time.time()))
     return JSONResponse(body_out, headers={"X-Request-Id": result.request_id})
+
+
+async def _generate_many(
+    request: Request,
+    state: ServerState,
+    prompts: list[str],
+    params: dict[str, Any],
+    deadline: float,
+) -> Response:
+    """``/v1/completions`` with a list of prompts: each is its own pool request (so they
+    batch, retry and fail on their own), answered together as one choice per prompt in
+    order. The first failure fails the whole answer and cancels the rest."""
+    pool = state.pool
+
+    async def every_prompt() -> list[Result]:
+        tasks = [
+            asyncio.ensure_future(pool.agenerate(text, deadline_s=deadline, **params))
+            for text in prompts
+        ]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    try:
+        finished, results = await run_unless_disconnected(request.receive, every_prompt())
+    except asyncio.CancelledError:
+        raise _shutting_down() from None
+    except PoolError as exc:
+        _note_attempts(request.scope, exc.request_id, exc.attempts)
+        raise
+    if not finished or results is None:
+        return _ClientGone()
+    first = results[0]
+    request.scope.setdefault("state", {}).update(
+        request_id=first.request_id,
+        attempts=sum(result.attempts for result in results),
+        worker_pid=first.worker_pid,
+    )
+    prompt_tokens = [result.prompt_tokens for result in results]
+    completion_tokens = [result.completion_tokens for result in results]
+    body_out = {
+        "id": f"cmpl-{first.request_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": [
+            {
+                "index": index,
+                "text": result.text,
+                "finish_reason": result.finish_reason,
+                "logprobs": None,
+            }
+            for index, result in enumerate(results)
+        ],
+        "usage": _usage(
+            None if None in prompt_tokens else sum(t or 0 for t in prompt_tokens),
+            None if None in completion_tokens else sum(t or 0 for t in completion_tokens),
+        ),
+    }
+    return JSONResponse(body_out, headers={"X-Request-Id": first.request_id})
 
 
 # --------------------------------------------------------------------------------------------

@@ -45,6 +45,13 @@ def test_completion_fields_map_to_generation_kwargs() -> None:
     assert stream is True
 
 
+def test_a_list_of_prompts_is_kept_whole_for_one_choice_each() -> None:
+    prompts, params, stream = parse_completion({"prompt": ["a", "b"], "max_tokens": 2})
+    assert prompts == ["a", "b"]
+    assert params == {"max_new_tokens": 2}
+    assert stream is False
+
+
 def test_chat_messages_and_parts() -> None:
     prompt, params, stream = parse_chat(
         {
