@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_LOAD_FAILED = 3
 
+
 class _Channel:
     """The worker's end of the socket pair: blocking reads, locked writes."""
 
