@@ -452,7 +452,8 @@ class Dispatcher:
                     if reserved is not None:
                         free[reserved.id] = 0
                 continue
-            free[choice.id] -= 1
+            # An isolated request runs alone: nothing else goes to its worker meanwhile.
+            free[choice.id] = 0 if choice.slots > 1 and request.isolated else free[choice.id] - 1
             if request.suspect:
                 suspects.add(choice.id)
             assignments.append((request, choice))
@@ -835,10 +836,14 @@ class Dispatcher:
         for run in runs:
             owner = run.owner
             was_isolated = owner.isolated
-            if alone:
-                owner.alone_failures += 1
-            else:
-                owner.batch_failures += 1
+            if not run.lost:
+                # Once per run: a worker killed for an ignored cancel is settled then and
+                # again at its exit.
+                run.lost = True
+                if alone:
+                    owner.alone_failures += 1
+                else:
+                    owner.batch_failures += 1
             if run.request is None:
                 continue
             streamed = run.request.streamed

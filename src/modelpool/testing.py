@@ -230,8 +230,10 @@ def _emit_tokens(call: Call, argument: str, limit: int | None) -> Generation:
 
 
 def _first_time(marker: str) -> bool:
+    """Create ``marker`` holding this worker's pid; False if it existed already."""
     try:
-        with open(marker, "x"):
+        with open(marker, "x") as handle:
+            handle.write(str(os.getpid()))
             return True
     except FileExistsError:
         return False
