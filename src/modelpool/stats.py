@@ -97,7 +97,9 @@ class PoolStats:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict: the keys the README's Stats section lists."""
-        return asdict(self)
+        data = asdict(self)
+        data["batch_occupancy"] = self.batch_occupancy
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

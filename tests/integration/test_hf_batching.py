@@ -69,9 +69,11 @@ def run_batched(
     return results, widest
 
 
-def assert_same_as_alone(handler: HFHandler, params: dict[str, Any]) -> None:
-    alone = [handler.generate(Recorder(prompt, dict(params))) for prompt in PROMPTS]
-    calls = [Recorder(prompt, dict(params)) for prompt in PROMPTS]
+def assert_same_as_alone(
+    handler: HFHandler, params: dict[str, Any], prompts: Sequence[Prompt] = PROMPTS
+) -> None:
+    alone = [handler.generate(Recorder(prompt, dict(params))) for prompt in prompts]
+    calls = [Recorder(prompt, dict(params)) for prompt in prompts]
     batched, widest = run_batched(handler, calls)
     assert widest >= 3, "the requests were not batched"
     for call, solo in zip(calls, alone, strict=True):
@@ -98,13 +100,8 @@ def test_batched_greedy_equals_alone_on_smollm2() -> None:
     from modelpool.embedded import prepare_model
 
     smollm = load(str(prepare_model(progress=False)), dtype="float32", torch_threads=2)
-    assert_same_as_alone(smollm, {"max_new_tokens": 12})
     chat: Prompt = [{"role": "user", "content": "What is the capital of France?"}]
-    solo = smollm.generate(Recorder(chat, {"max_new_tokens": 8}))
-    batched, _ = run_batched(
-        smollm, [Recorder(chat, {"max_new_tokens": 8}), Recorder("Paris is", {})]
-    )
-    assert solo.text in [g.text for g in batched.values()]
+    assert_same_as_alone(smollm, {"max_new_tokens": 10}, [*PROMPTS[:3], chat])
 
 
 def test_per_request_parameters_in_one_batch(tiny: HFHandler) -> None:
