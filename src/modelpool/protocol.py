@@ -45,8 +45,9 @@ requests and retire finished or cancelled ones between steps::
     handler.retire(call)       # drop a request now (cancelled); returns what it has
     handler.abort()            # forget every request (after step() itself raised)
 
-A handler that has ``step`` is batched when the pool asks for a batch size
-above 1, and is otherwise driven through ``generate`` as before.
+A handler that has these methods is batched when the pool asks for a batch
+size above 1 (unless it sets ``batched = False`` for what it loaded), and is
+otherwise driven through ``generate`` as before.
 """
 
 from __future__ import annotations

@@ -325,8 +325,9 @@ class _BatchLoop:
 
 
 def is_batched(handler: object) -> bool:
-    """Does ``handler`` implement the batched form (``protocol.BatchedHandler``)?"""
-    return all(
+    """Does ``handler`` implement the batched form (``protocol.BatchedHandler``)? A handler
+    may decline for what it loaded by setting ``batched = False``."""
+    return getattr(handler, "batched", True) is not False and all(
         callable(getattr(handler, name, None)) for name in ("admit", "step", "retire", "abort")
     )
 

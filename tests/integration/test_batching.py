@@ -22,6 +22,7 @@ from modelpool import (
     PoolConfig,
     WorkerCrashed,
 )
+from modelpool.metrics import PoolMetrics
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 
@@ -60,6 +61,10 @@ def test_one_worker_runs_a_full_batch_and_stats_show_it() -> None:
         assert snapshot.running == 4
         assert snapshot.batch_occupancy == 1.0
         assert snapshot.queue_depth == 1, "the fifth waits: capacity is workers x batch"
+        assert snapshot.to_dict()["workers"][0]["running"] == worker.running
+        metrics = PoolMetrics(lambda: snapshot).render().decode()
+        assert "modelpool_batch_occupancy 1.0" in metrics
+        assert "modelpool_capacity 4.0" in metrics
         for future in futures:
             future.cancel()
 

@@ -226,6 +226,14 @@ class HFHandler:
             tokenizer.eos_token_id
         )
         self._batch = BatchEngine(self, kv_cache_tokens)
+        # The batched loop keeps one full-length cache per layer: a model with sliding-window
+        # layers would need their masks and crops, so it runs one request at a time.
+        config = model.config
+        layer_types = getattr(config, "layer_types", None) or ()
+        sliding = getattr(config, "sliding_window", None) is not None and getattr(
+            config, "use_sliding_window", True
+        )
+        self.batched = not sliding and not any("sliding" in str(kind) for kind in layer_types)
 
     def admit(self, call: BatchCall) -> None:
         """Batched form: queue ``call``; it is prefilled at the next :meth:`step`."""
