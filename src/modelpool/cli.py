@@ -68,7 +68,8 @@ def _load_configs(args: argparse.Namespace) -> tuple[PoolConfig, ServerConfig]:
         pool_config = PoolConfig.from_toml(path)
         server_config = ServerConfig.from_toml(path)
         pool_changes = {
-            name: getattr(args, name, None) for name in ("workers", "spares", "model", "backend")
+            name: getattr(args, name, None)
+            for name in ("workers", "spares", "max_batch_size", "model", "backend")
         }
         pool_config = pool_config.replace(
             **{key: value for key, value in pool_changes.items() if value is not None}
@@ -602,6 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _pool_overrides(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--workers", type=int, help="serving workers (overrides the config)")
     sub.add_argument("--spares", type=int, help="pre-warmed spare workers")
+    sub.add_argument(
+        "--max-batch-size", type=int, help="requests one worker decodes at once (batching)"
+    )
     sub.add_argument("--model", help="model: a local dir, a hub id or embedded:NAME")
     sub.add_argument("--backend", help="'hf', 'testing' or 'pkg.module:factory'")
 
