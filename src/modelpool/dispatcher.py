@@ -416,7 +416,12 @@ class Dispatcher:
             uptime_s=round(now - self.created_at, 3),
             last_load_error=self.last_load_error,
             kill_reasons=dict(self.kill_reasons),
-            capacity=self.config.workers * self.config.max_batch_size,
+            # workers x slots, as the workers report them (a one-call backend has one)
+            capacity=self.config.workers
+            * max(
+                (w.slots for w in list(self.workers.values()) if w.ready_at is not None),
+                default=self.config.max_batch_size,
+            ),
             running=sum(len(worker.running) for worker in workers),
         )
 

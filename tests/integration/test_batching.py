@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
-from helpers import counters, open_pool, submit_with_chunks, wait_until, workers
+from helpers import (
+    counters,
+    open_pool,
+    submit_with_chunks,
+    wait_until,
+    workers,
+    write_module,
+)
 from modelpool import (
     BackendError,
     DeadlineExceeded,
@@ -188,3 +196,36 @@ def test_max_batch_size_one_is_todays_pool() -> None:
         for future in futures:
             assert future.result(timeout=10).text == expected_text(20)
         assert pool.stats().capacity == 1
+
+
+ONE_CALL_BACKEND = """
+import threading
+
+
+class Handler:
+    def generate(self, call):
+        pause = threading.Event()
+        for _ in range(20):
+            if call.cancelled():
+                return ""
+            pause.wait(0.01)
+        return call.prompt
+
+
+def factory(model="", device="cpu", **options):
+    return Handler()
+"""
+
+
+def test_a_one_call_backend_keeps_one_request_per_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_module(tmp_path, "one_call_backend", ONE_CALL_BACKEND)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with open_pool(workers=1, max_batch_size=4, backend="one_call_backend:factory") as pool:
+        futures = [pool.submit(f"p{index}") for index in range(3)]
+        wait_running(pool, 1)
+        snapshot = pool.stats()
+        assert snapshot.workers[0].slots == 1 and snapshot.capacity == 1
+        assert len(running_ids(snapshot.workers)) == 1
+        assert [future.result(timeout=10).text for future in futures] == ["p0", "p1", "p2"]
