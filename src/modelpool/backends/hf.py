@@ -233,7 +233,11 @@ class HFHandler:
         sliding = getattr(config, "sliding_window", None) is not None and getattr(
             config, "use_sliding_window", True
         )
-        self.batched = not sliding and not any("sliding" in str(kind) for kind in layer_types)
+        self.batched = (
+            not sliding
+            and not any("sliding" in str(kind) for kind in layer_types)
+            and _cache_has_layers()
+        )
 
     def admit(self, call: BatchCall) -> None:
         """Batched form: queue ``call``; it is prefilled at the next :meth:`step`."""
@@ -476,6 +480,14 @@ def _hook_types() -> tuple[type[Any], type[Any], type[Any]]:
             self.progress.flush()
 
     return ProgressCriteria, ProgressStreamer, StoppingCriteriaList
+
+
+def _cache_has_layers() -> bool:
+    """Does this transformers' DynamicCache keep per-layer tensors in ``layers`` (the batched
+    loop edits them)? Older releases kept ``key_cache``/``value_cache`` lists instead."""
+    from transformers import DynamicCache
+
+    return hasattr(DynamicCache(), "layers")
 
 
 def _generation_kwargs(params: dict[str, Any]) -> dict[str, Any]:

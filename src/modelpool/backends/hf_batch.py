@@ -92,8 +92,13 @@ class BatchEngine:
     """One worker's running batch; every method runs on the worker loop's thread."""
 
     def __init__(self, handler: HFHandler, kv_cache_tokens: int) -> None:
+        import inspect
+
         self.handler = handler
         self.kv_cache_tokens = kv_cache_tokens
+        # transformers 5.24 renamed the forward's past_key_values to cache.
+        parameters = inspect.signature(handler.model.forward).parameters
+        self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
         self.waiting: list[_Row] = []
         self.rows: list[_Row] = []
         self._cache: Any = None
@@ -219,8 +224,8 @@ class BatchEngine:
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            cache=cache,
             use_cache=True,
+            **{self._cache_keyword: cache},
         )
         tokens = self._choose(admitted, output.logits[:, -1, :])
         keep = [index for index, row in enumerate(admitted) if not self._take(row, tokens[index])]
@@ -267,8 +272,8 @@ class BatchEngine:
             input_ids=self._last[:, None],
             attention_mask=mask,
             position_ids=mask.sum(-1, keepdim=True) - 1,
-            cache=self._cache,
             use_cache=True,
+            **{self._cache_keyword: self._cache},
         )
         self._mask = mask
         tokens = self._choose(self.rows, output.logits[:, -1, :])
