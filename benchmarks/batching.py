@@ -220,7 +220,7 @@ def markdown(report: Mapping[str, Any]) -> str:
     headers = ["clients", f"tok/s b{base}"]
     for size in others:
         headers += [f"tok/s b{size}", "ratio"]
-    headers += ["latency p50/p99"] + [f"b{size}" for size in others]
+    headers += [f"latency p50/p99 b{base}"] + [f"b{size}" for size in others]
     headers += [f"TTFT p50/p99 b{base}"] + [f"b{size}" for size in others]
     rows = []
     for concurrency in (str(c) for c in report["concurrencies"]):
