@@ -19,6 +19,7 @@ modelpool's daemon, and the GPU sweep.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import threading
 import time
@@ -108,6 +109,53 @@ def closed_loop(pool: ModelPool, concurrency: int, requests: int, new_tokens: in
     }
 
 
+def cancel_in_full_batch(pool: ModelPool, batch: int, workers: int) -> Json:
+    """Fill every worker's batch with long streams, cancel one, and time until its stream
+    ends, against the decoding step (the median gap between the others' chunks then)."""
+    streams = [
+        pool.stream(chat_prompt(index), max_new_tokens=200, min_new_tokens=200)
+        for index in range(batch * workers)
+    ]
+    victim, others = streams[0], streams[1:]
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def watch(stream: Any) -> None:
+        last: float | None = None
+        try:
+            for _ in stream:
+                now = time.perf_counter()
+                if last is not None and not done.is_set():
+                    gaps.append(now - last)
+                last = now
+        except concurrent.futures.CancelledError:
+            pass  # closed by the measurement once it is over
+
+    watchers = [threading.Thread(target=watch, args=(s,), daemon=True) for s in others]
+    for watcher in watchers:
+        watcher.start()
+    for _ in zip(range(3), victim, strict=False):
+        pass  # three chunks: it is decoding inside the batch
+    began = time.perf_counter()
+    pool.cancel(victim.request_id)
+    for _ in victim:
+        pass
+    cancel_s = time.perf_counter() - began
+    done.set()
+    for stream in others:
+        stream.close()
+    for watcher in watchers:
+        watcher.join(30)
+    step = percentile(gaps, 0.5)
+    return {
+        "batch": batch,
+        "cancel_s": cancel_s,
+        "step_s": step,
+        "finish_reason": victim.result.finish_reason if victim.result else None,
+        "within_step_plus_10ms": step is not None and cancel_s <= step + 0.010,
+    }
+
+
 def static_batch_ceiling(
     model_dir: str, batch: int, new_tokens: int, threads: int, dtype: str | None
 ) -> Json:
@@ -178,6 +226,11 @@ def run(
                 results[str(size)][str(concurrency)] = closed_loop(
                     pools[size], concurrency, concurrency * requests_per_client, new_tokens
                 )
+        batched = max(batch_sizes)
+        cancel: Json | None = None
+        if batched > 1:
+            log(f"(g) cancel one request in a full batch of {batched}")
+            cancel = cancel_in_full_batch(pools[batched], batched, workers)
     finally:
         for pool in pools.values():
             pool.close(drain=False, timeout=10.0)
@@ -188,6 +241,7 @@ def run(
         "batch_sizes": list(batch_sizes),
         "concurrencies": list(concurrencies),
         "contenders": results,
+        "cancel_in_batch": cancel,
     }
     if ceiling:
         from modelpool.spawn import usable_cpus
@@ -249,6 +303,15 @@ def markdown(report: Mapping[str, Any]) -> str:
         "|" + "|".join("---" for _ in headers) + "|",
         *("| " + " | ".join(row) + " |" for row in rows),
     ]
+    cancel = report.get("cancel_in_batch")
+    if cancel:
+        lines += [
+            "",
+            f"Cancel inside a full batch of {cancel['batch']}: the stream ended "
+            f"{_fmt(cancel['cancel_s'])} after pool.cancel(), one decoding step then "
+            f"{_fmt(cancel['step_s'])} (target: one step + 10 ms: "
+            f"{'met' if cancel['within_step_plus_10ms'] else 'missed'}).",
+        ]
     static = report.get("static_batch")
     if static:
         lines += [
