@@ -218,7 +218,7 @@ def test_an_isolated_request_gets_an_empty_worker_to_itself_in_one_round() -> No
     world.d.after_event()
     worker = world.worker_of(isolated)
     assert worker is not world.worker_of(busy), "it needs an empty worker"
-    assert list(worker.runs.values())[0].alone and len(worker.runs) == 1
+    assert next(iter(worker.runs.values())).alone and len(worker.runs) == 1
     assert all(world.worker_of(o) is world.worker_of(busy) for o in others[:3])
     assert others[3].state == "queued"
 
