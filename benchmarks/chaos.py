@@ -67,7 +67,7 @@ from modelpool.errors import (
     PoolError,
     WorkerCrashed,
 )
-from modelpool.gpu import process_group_exists
+from modelpool.processes import process_group_exists
 from modelpool.pool import ModelPool, PoolFuture, Result
 
 logger = logging.getLogger("modelpool.chaos")
