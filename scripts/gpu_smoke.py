@@ -83,9 +83,9 @@ try:
         ones = torch.ones(1024, device=device)
         facts["computes"] = float(ones.sum().item()) == 1024.0
         from modelpool.gpu import GpuProbe, nvml_index_for
-        probe = GpuProbe()
-        index = nvml_index_for(device, probe)
-        listed = probe.process_memory(index) if index is not None else {}
+        with GpuProbe() as probe:
+            index = nvml_index_for(device, probe)
+            listed = probe.process_memory(index) if index is not None else {}
         facts["nvml_index"] = index
         facts["own_pid"] = os.getpid()
         facts["own_pid_listed"] = os.getpid() in listed
@@ -336,9 +336,17 @@ def preflight(args: argparse.Namespace) -> tuple[list[str], Any, int | None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    problems, probe, index = preflight(args)
+    try:
+        return _run_pool(args, problems, probe, index)
+    finally:
+        if probe is not None:
+            probe.close()
+
+
+def _run_pool(args: argparse.Namespace, problems: list[str], probe: Any, index: int | None) -> int:
     started = time.monotonic()
     on_gpu = args.device.startswith("cuda")
-    problems, probe, index = preflight(args)
     if problems:
         for problem in problems:
             _line("FAIL", problem)

@@ -306,10 +306,6 @@ class GpuProbe:
 
     # -- public reads ------------------------------------------------------------------
 
-    def device_count(self) -> int:
-        """Number of devices NVML sees (all of them, whatever CUDA_VISIBLE_DEVICES says)."""
-        return self._count if self.available else 0
-
     def devices(self, indices: Iterable[int] | None = None) -> list[DeviceInfo]:
         """Name and memory of each device (all NVML devices, or just ``indices``).
 

@@ -72,7 +72,6 @@ def test_available_probe_reads_devices() -> None:
     nvml = two_gpus()
     probe = GpuProbe(nvml)
     assert probe.available
-    assert probe.device_count() == 2
     devices = probe.devices()
     assert devices == [
         DeviceInfo(index=0, name="GPU Zero", used_mb=1024.0, total_mb=81920.0),
@@ -112,7 +111,6 @@ def assert_unavailable_and_fast(probe: GpuProbe) -> None:
     assert probe.reason
     started = time.perf_counter()
     assert probe.devices() == []
-    assert probe.device_count() == 0
     assert probe.used_bytes(0) is None
     assert probe.free_bytes(0) is None
     assert probe.process_memory(0) == {}
@@ -170,12 +168,14 @@ def test_import_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     assert_unavailable_and_fast(probe)
 
 
-def test_real_pynvml_on_this_machine_is_fast() -> None:
+def test_real_pynvml_without_a_driver_is_fast() -> None:
     started = time.perf_counter()
     probe = GpuProbe()
     elapsed = time.perf_counter() - started
-    assert elapsed < 0.5, elapsed
+    # With a driver, nvmlInit may take seconds (persistence mode off): only the
+    # driverless case must cost nothing.
     if ctypes.util.find_library("nvidia-ml") is None and not Path("/dev/nvidiactl").exists():
+        assert elapsed < 0.5, elapsed
         assert not probe.available
         assert probe.reason == "NVML library not found (no NVIDIA driver)"
         assert_unavailable_and_fast(probe)
