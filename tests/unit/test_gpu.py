@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes.util
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -689,3 +690,18 @@ def test_worker_env_for_without_nvml() -> None:
     with pytest.raises(ValueError, match="'cuda:2'"):
         worker_env_for("cuda:2", probe, env)
     assert worker_env_for("cpu", probe, env) == ({"CUDA_VISIBLE_DEVICES": ""}, "cpu")
+
+
+# ----------------------------------------------------------------------------- imports
+
+
+def test_the_worker_reads_its_rss_without_importing_gpu_or_supervisor() -> None:
+    code = (
+        "import sys, modelpool.worker\n"
+        "print(sorted(m for m in ('modelpool.gpu', 'modelpool.supervisor', 'pynvml')"
+        " if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]"
