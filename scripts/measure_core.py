@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # fake_nvml, the scripted NVML stand-in
 
 from fake_nvml import GIB, FakeGpu, FakeNvml  # noqa: E402
 from modelpool import ModelPool, PoolConfig, RetryPolicy  # noqa: E402
-from modelpool.gpu import GpuProbe, process_rss_bytes  # noqa: E402
+from modelpool.gpu import GpuProbe  # noqa: E402
+from modelpool.processes import process_rss_bytes  # noqa: E402
 
 ECHO = {"model": "none", "backend": "testing", "generation_defaults": {}}
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from modelpool.backends import import_backend
 from modelpool.errors import InvalidRequest
-from modelpool.gpu import process_rss_bytes
+from modelpool.processes import process_rss_bytes
 from modelpool.protocol import (
     PROTOCOL_VERSION,
     ControlBlock,
