@@ -91,7 +91,7 @@ class Venv:
             "install",
             "--quiet",
             "--disable-pip-version-check",
-            "--no-compile",  # byte-compiling torch's sources is a third of the install time
+            "--no-compile",  # Python compiles what it imports; torch has thousands of modules
             self.torch_requirement,  # named each time, so no resolve can swap the build
             *requirements,
             timeout=PIP_TIMEOUT_S,
