@@ -307,7 +307,7 @@ def test_the_library_imports_without_the_server_extra(tmp_path: Path) -> None:
         SERVER_EXTRA | EMBEDDED_EXTRA,
         "import modelpool\n"
         "from modelpool import ModelPool, PoolConfig, PoolError, ServerConfig\n"
-        "import modelpool.cli, modelpool.supervisor, modelpool.worker\n"
+        "import modelpool.cli, modelpool.pool, modelpool.supervisor, modelpool.worker\n"
         "print(modelpool.__version__)\n",
         tmp_path,
     )
