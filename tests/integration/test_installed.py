@@ -22,6 +22,7 @@ import email.parser
 import email.policy
 import importlib.metadata
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -127,12 +128,29 @@ def _cpu_torch_requirement() -> str:
 # ---- the artifacts ---------------------------------------------------------------------------
 
 
+# What a checkout holds besides its sources: never part of a build.
+_NOT_SOURCES = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "__pycache__",
+    "*.egg-info",
+    "build",
+    "dist",
+    ".*_cache",
+    ".hypothesis",
+    "bench-out",
+)
+
+
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Artifacts:
+    # Built from a copy, so the sdist step's egg-info never lands in the checkout.
+    source = tmp_path_factory.mktemp("source") / "modelpool"
+    shutil.copytree(REPO, source, ignore=_NOT_SOURCES)
     out = tmp_path_factory.mktemp("dist")
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "build", "--outdir", str(out), str(REPO)],
+        [sys.executable, "-m", "build", "--outdir", str(out), str(source)],
         capture_output=True,
         text=True,
         timeout=PIP_TIMEOUT_S,
