@@ -381,10 +381,13 @@ def layered_config(
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         file_values = _flatten_layer(data, str(path))
-        _apply(flat, sources, origins, file_values, "file", f"file {path}")
+        _apply(
+            flat, sources, origins, file_values, "file", dict.fromkeys(file_values, f"file {path}")
+        )
         _build(flat, str(path))
 
     env_values: dict[str, Any] = {}
+    env_origins: dict[str, str] = {}
     for variable, (key, parse) in ENVIRONMENT.items():
         text = environ.get(variable)
         if text is None or not text.strip():
@@ -393,20 +396,18 @@ def layered_config(
             env_values[key] = parse(text)
         except ValueError:
             raise ConfigError(f"{variable}: cannot read {text!r} as {key}") from None
-        origins[key] = f"environment {variable}"
-    _apply(flat, sources, origins, env_values, "environment", None)
+        env_origins[key] = f"environment {variable}"
+    _apply(flat, sources, origins, env_values, "environment", env_origins)
     _build(flat, "environment")
 
     flag_values = {key: value for key, value in (flags or {}).items() if value is not None}
-    for key in flag_values:
-        origins.pop(key, None)
-    _apply(flat, sources, origins, _flatten_layer(_unflatten(flag_values), "flags"), "flag", None)
+    _apply(flat, sources, origins, _flatten_layer(_unflatten(flag_values), "flags"), "flag", {})
     pool, server = _build(flat, "command line")
 
-    for key in _embedded_defaults(pool, flat):
-        sources[key] = "built-in"
-        origins.pop(key, None)
-    pool, server = _build(flat, "built-in")
+    embedded = _embedded_defaults(pool)
+    if embedded:
+        _apply(flat, sources, origins, embedded, "built-in", {})
+        pool, server = _build(flat, "built-in")
     return EffectiveConfig(pool, server, sources, origins, path)
 
 
@@ -511,13 +512,16 @@ def _apply(
     origins: dict[str, str],
     values: Mapping[str, Any],
     source: Source,
-    origin: str | None,
+    origin_of: Mapping[str, str],
 ) -> None:
+    """Lay ``values`` over ``flat``; a key's origin is the new layer's, or just its kind."""
     for key, value in values.items():
         flat[key] = value
         sources[key] = source
-        if origin is not None:
-            origins[key] = origin
+        if key in origin_of:
+            origins[key] = origin_of[key]
+        else:
+            origins.pop(key, None)
 
 
 def _build(flat: Mapping[str, Any], where: str) -> tuple[PoolConfig, ServerConfig]:
@@ -531,14 +535,12 @@ def _build(flat: Mapping[str, Any], where: str) -> tuple[PoolConfig, ServerConfi
     return pool, server
 
 
-def _embedded_defaults(pool: PoolConfig, flat: dict[str, Any]) -> list[str]:
-    """Set the embedded model's own backend options that no layer set; return their keys."""
+def _embedded_defaults(pool: PoolConfig) -> dict[str, Any]:
+    """The embedded model's own backend options that no layer set, by dotted key."""
     if pool.backend != "hf" or not pool.model.startswith("embedded:"):
-        return []
-    added = []
-    for name, value in EMBEDDED_BACKEND_OPTIONS.items():
-        key = f"backend_options.{name}"
-        if key not in flat:
-            flat[key] = value
-            added.append(key)
-    return added
+        return {}
+    return {
+        f"backend_options.{name}": value
+        for name, value in EMBEDDED_BACKEND_OPTIONS.items()
+        if name not in pool.backend_options
+    }
