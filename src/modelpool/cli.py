@@ -615,7 +615,12 @@ def build_parser() -> argparse.ArgumentParser:
     def with_logging(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP daemon")
+    serve = commands.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP daemon",
+        description="Run the OpenAI-compatible HTTP daemon. With no file and no flags it "
+        "serves the embedded default model with 2 workers on 127.0.0.1:8000.",
+    )
     _config_options(serve, server=True)
     with_logging(serve)
     serve.set_defaults(func=_serve)
@@ -695,14 +700,22 @@ def _config_options(sub: argparse.ArgumentParser, *, server: bool) -> None:
     if server:
         sub.add_argument("--host", help="bind address (default: [server] host, 127.0.0.1)")
         sub.add_argument("--port", type=int, help="port (default: [server] port, 8000)")
-    sub.add_argument("--model", help="model: a local dir, a hub id or embedded:NAME")
+    sub.add_argument(
+        "--model",
+        help="a local dir, a hub id or embedded:NAME (built-in: embedded:smollm2-135m-instruct)",
+    )
     sub.add_argument("--backend", help="'hf', 'testing' or 'pkg.module:factory'")
-    sub.add_argument("--workers", type=int, help="serving workers")
-    sub.add_argument("--spares", type=int, help="pre-warmed spare workers")
+    sub.add_argument("--workers", type=int, help="serving workers (built-in: 2)")
+    sub.add_argument("--spares", type=int, help="pre-warmed spare workers (built-in: 0)")
     sub.add_argument(
         "--devices", type=_devices, help="where workers run, comma-separated: cpu,cuda:0,auto"
     )
-    sub.add_argument("--deadline", type=float, metavar="SECONDS", help="deadline_s")
+    sub.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        help="a request's wall-clock budget, all attempts (deadline_s; built-in: 60)",
+    )
     sub.add_argument(
         "--set",
         action="append",
