@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import modelpool
 from modelpool.config import (
     CONFIG_ENV,
+    DEFAULT_MODEL,
     ConfigError,
     EffectiveConfig,
     PoolConfig,
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+# What the help text quotes as the built-in values.
+_BUILT_IN = PoolConfig(model=DEFAULT_MODEL)
+_BUILT_IN_SERVER = ServerConfig()
 DEFAULT_KEY_ENV = "MODELPOOL_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -619,7 +623,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the OpenAI-compatible HTTP daemon",
         description="Run the OpenAI-compatible HTTP daemon. With no file and no flags it "
-        "serves the embedded default model with 2 workers on 127.0.0.1:8000.",
+        f"serves {_BUILT_IN.model} with {_BUILT_IN.workers} workers on "
+        f"{_BUILT_IN_SERVER.host}:{_BUILT_IN_SERVER.port}.",
     )
     _config_options(serve, server=True)
     with_logging(serve)
@@ -702,11 +707,13 @@ def _config_options(sub: argparse.ArgumentParser, *, server: bool) -> None:
         sub.add_argument("--port", type=int, help="port (default: [server] port, 8000)")
     sub.add_argument(
         "--model",
-        help="a local dir, a hub id or embedded:NAME (built-in: embedded:smollm2-135m-instruct)",
+        help=f"a local dir, a hub id or embedded:NAME (built-in: {_BUILT_IN.model})",
     )
     sub.add_argument("--backend", help="'hf', 'testing' or 'pkg.module:factory'")
-    sub.add_argument("--workers", type=int, help="serving workers (built-in: 2)")
-    sub.add_argument("--spares", type=int, help="pre-warmed spare workers (built-in: 0)")
+    sub.add_argument("--workers", type=int, help=f"serving workers (built-in: {_BUILT_IN.workers})")
+    sub.add_argument(
+        "--spares", type=int, help=f"pre-warmed spare workers (built-in: {_BUILT_IN.spares})"
+    )
     sub.add_argument(
         "--devices", type=_devices, help="where workers run, comma-separated: cpu,cuda:0,auto"
     )
@@ -714,7 +721,7 @@ def _config_options(sub: argparse.ArgumentParser, *, server: bool) -> None:
         "--deadline",
         type=float,
         metavar="SECONDS",
-        help="a request's wall-clock budget, all attempts (deadline_s; built-in: 60)",
+        help=f"a request's wall-clock budget, all attempts (built-in: {_BUILT_IN.deadline_s:g})",
     )
     sub.add_argument(
         "--set",
