@@ -72,6 +72,7 @@ import selectors
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -119,8 +120,11 @@ class EventLoop:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._wake_pending = False
-        self._post_lock = threading.Lock()
         self.stopped = False
+        # post() runs on any thread, in signal handlers and finalizers too, and takes no
+        # lock; so the wake-up pipe is closed only once nothing can post any more: when
+        # this object is collected, not at teardown.
+        weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         self._lifeline_r, self._lifeline_w = os.pipe()
         _lifeline_writers.add(self._lifeline_w)
@@ -269,11 +273,17 @@ class EventLoop:
         self.dispatcher.on_exit(worker, returncode)
 
     def _stop_accepting(self) -> None:
-        """No command is taken after this; submissions already queued fail instead of hanging."""
-        with self._post_lock:
-            self.stopped = True
-        while self.commands:
-            action, args = self.commands.popleft()
+        """No command is taken after this; submissions already queued fail instead of hanging.
+
+        ``stopped`` is set before the deque is drained, and ``post`` checks it again after
+        appending, so every command is either drained here or taken back by its poster.
+        """
+        self.stopped = True
+        while True:
+            try:
+                action, args = self.commands.popleft()
+            except IndexError:
+                break
             if action == self.dispatcher.submit:
                 set_future(args[0].future, PoolClosed("the pool stopped before the request ran"))
 
@@ -289,29 +299,33 @@ class EventLoop:
                     worker.state = "dead"
         self.selector.close()
         _lifeline_writers.discard(self._lifeline_w)
-        with self._post_lock:
-            for fd in (self._wake_r, self._wake_w, self._lifeline_r, self._lifeline_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        _close_fds(self._lifeline_r, self._lifeline_w)
 
     # ---- from other threads ------------------------------------------------------------
 
     def post(self, action: Callable[..., None], *args: Any) -> bool:
-        """Queue work for the dispatcher thread; False once the loop has stopped."""
-        with self._post_lock:
-            # Under the lock so that the wake-up descriptor cannot be closed, and its
-            # number reused by someone else's file, between the check and the write.
-            if self.stopped:
-                return False
-            self.commands.append((action, args))
-            if not self._wake_pending:
-                self._wake_pending = True
-                try:
-                    os.write(self._wake_w, b"\0")
-                except BlockingIOError:
-                    pass  # The pipe is full of wake-ups already.
+        """Queue work for the dispatcher thread; False once the loop has stopped.
+
+        Lock-free, so that it is safe from a signal handler or a finalizer that runs on a
+        thread which is itself in the middle of a post: deque appends are atomic, and
+        the wake-up byte is written at most once per batch of commands.
+        """
+        if self.stopped:
+            return False
+        command = (action, args)
+        self.commands.append(command)
+        if self.stopped:
+            try:
+                self.commands.remove(command)
+            except ValueError:
+                return True  # _stop_accepting drained it, and resolved it if it was a submit
+            return False
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # The pipe is full of wake-ups already.
         return True
 
     def start(self) -> None:
@@ -378,6 +392,14 @@ class EventLoop:
 # multiprocessing "fork" context, say) would otherwise hold them open and keep the
 # workers alive after the supervisor died, for as long as that child lives.
 _lifeline_writers: set[int] = set()
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _close_lifelines_in_child() -> None:
