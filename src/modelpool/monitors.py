@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from modelpool import gpu, processes
 from modelpool.config import PoolConfig
@@ -38,9 +38,12 @@ class Monitors:
         on_release_checked: Callable[..., None],
         on_device_free: Callable[[str], None],
         on_gpu_sample: Callable[..., None],
+        environ: Mapping[str, str],
     ) -> None:
         self.config = config
         self.probe = probe
+        # The environment as it was at start: which GPU "cuda:N" means is decided once.
+        self.environ = environ
         self._post = post
         self._on_release_checked = on_release_checked
         self._on_device_free = on_device_free
@@ -107,7 +110,7 @@ class Monitors:
             ok = report.ok
             if not ok:
                 logger.error("worker pid %s: processes left in its group: %s", pid, report.holders)
-            index = gpu.nvml_index_for(device, self.probe)
+            index = gpu.nvml_index_for(device, self.probe, self.environ)
             if index is not None and self.probe.available:
                 gpu_report = self.probe.wait_released(
                     index,
@@ -141,7 +144,7 @@ class Monitors:
         )
 
     def _wait_device_free(self, device: str, needed_bytes: int) -> None:
-        index = gpu.nvml_index_for(device, self.probe)
+        index = gpu.nvml_index_for(device, self.probe, self.environ)
         while index is not None and not self._stopped.wait(0.5):
             free = self.probe.free_bytes(index)
             if free is None or free >= needed_bytes:
@@ -153,7 +156,7 @@ class Monitors:
         while not self._stopped.wait(interval):
             per_worker: dict[int, tuple[int | None, str]] = {}
             for worker_id, pid, device, _baseline in self._gpu_workers:
-                index = gpu.nvml_index_for(device, self.probe)
+                index = gpu.nvml_index_for(device, self.probe, self.environ)
                 if index is None:
                     continue
                 reading = self.probe.worker_memory(index, pid)
@@ -162,6 +165,6 @@ class Monitors:
                 per_worker[worker_id] = (reading.bytes, reading.method)
             devices = [
                 DeviceStats(d.index, d.name, d.used_mb, d.total_mb)
-                for d in self.probe.devices(self.probe.visible_device_indices())
+                for d in self.probe.devices(self.probe.visible_device_indices(self.environ))
             ]
             self._post(self._on_gpu_sample, per_worker, devices)

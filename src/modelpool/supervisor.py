@@ -16,7 +16,7 @@ Data flow::
       |                                                   <--+
       |  ("run", attempt_id, payload) over the worker's socket
       v
-    worker processes (spawn.py: python -m modelpool.worker, own process group)
+    worker processes (spawn.py: a new interpreter running modelpool.worker, own group)
       |  ("chunk" ...)*, then ("done" ...) or ("error" ...)
       v
     Dispatcher: the attempt id must match the worker's current attempt, else the
@@ -70,6 +70,7 @@ import logging
 import os
 import selectors
 import signal
+import socket
 import threading
 import time
 import weakref
@@ -129,6 +130,9 @@ class EventLoop:
         self._lifeline_r, self._lifeline_w = os.pipe()
         _lifeline_writers.add(self._lifeline_w)
         self._eof_without_exit: list[Worker] = []
+        # Devices are mapped once, here: an application that changes CUDA_VISIBLE_DEVICES
+        # after start() (to hide the GPU from itself, say) must not remap its workers.
+        self.environ = dict(os.environ)
         self.dispatcher = Dispatcher(
             config,
             self,
@@ -145,6 +149,7 @@ class EventLoop:
             on_release_checked=self.dispatcher.on_release_checked,
             on_device_free=self.dispatcher.on_device_free,
             on_gpu_sample=self.dispatcher.on_gpu_sample,
+            environ=self.environ,
         )
         self.thread = threading.Thread(target=self.run, name="modelpool-dispatcher", daemon=True)
         self._threads_per_worker = max(1, usable_cpus() // config.workers)
@@ -169,6 +174,10 @@ class EventLoop:
                     kind, worker = key.data
                     if kind == "wake":
                         self._drain_wake()
+                    elif worker.state == "dead":
+                        # Reaped earlier in this same batch: its socket and pidfd are closed
+                        # (the socket may still be readable through a child that kept it).
+                        continue
                     elif kind == "sock":
                         if mask & selectors.EVENT_WRITE:
                             self._flush(worker)
@@ -212,7 +221,7 @@ class EventLoop:
 
     def _read(self, worker: Worker, *, until_eof: bool = False) -> None:
         io = worker.io
-        if not isinstance(io, ProcessWorkerIO) or io.eof:
+        if not isinstance(io, ProcessWorkerIO) or io.eof or io.closed:
             return
         while True:
             try:
@@ -244,7 +253,7 @@ class EventLoop:
 
     def _stop_reading(self, worker: Worker, io: ProcessWorkerIO) -> None:
         io.eof = True
-        self.selector.unregister(io.sock)
+        self._unregister(io.sock)
         if io.pidfd is None:
             self._eof_without_exit.append(worker)
 
@@ -265,12 +274,18 @@ class EventLoop:
         # zombie keeps the group id from being reused by a new process group meanwhile.
         io.signal_group(signal.SIGKILL)
         returncode = io.popen.wait()
-        if not io.eof:
-            self.selector.unregister(io.sock)
+        io.eof = True
+        self._unregister(io.sock)
         if io.pidfd is not None:
-            self.selector.unregister(io.pidfd)
+            self._unregister(io.pidfd)
         io.close()
         self.dispatcher.on_exit(worker, returncode)
+
+    def _unregister(self, fileobj: socket.socket | int) -> None:
+        try:
+            self.selector.unregister(fileobj)
+        except (KeyError, ValueError):
+            pass  # Already forgotten (end of file came first), or already closed.
 
     def _stop_accepting(self) -> None:
         """No command is taken after this; submissions already queued fail instead of hanging.
@@ -342,8 +357,8 @@ class EventLoop:
     # ---- DispatcherIO ----------------------------------------------------------------------
 
     def spawn(self, worker: Worker, spec: WorkerSpec) -> WorkerIO:
-        device_env, worker_device = gpu.worker_env_for(worker.device, self.probe)
-        index = gpu.nvml_index_for(worker.device, self.probe)
+        device_env, worker_device = gpu.worker_env_for(worker.device, self.probe, self.environ)
+        index = gpu.nvml_index_for(worker.device, self.probe, self.environ)
         if index is not None:
             worker.gpu_baseline = self.probe.used_bytes(index)
         io = start_worker_process(
