@@ -106,6 +106,9 @@ class Dispatcher:
         self.slot_not_before: dict[int, float] = {}
         self.slots_awaiting_release: set[int] = set()
         self.retire_waiting: set[int] = set()
+        # worker id -> the retries that must not go back to it (their last failed worker):
+        # so that finding them costs their number, not the length of the queue.
+        self.retries_avoiding: dict[int, dict[str, Request]] = {}
         self.state = "starting"
         self.failure: ModelLoadFailed | None = None
         self.last_load_error: str | None = None
@@ -761,7 +764,9 @@ class Dispatcher:
             self._fail(request, error)
             return
         self.counters["retries"] += 1
+        self._unpin(request)
         request.last_failed_worker = worker.id
+        self.retries_avoiding.setdefault(worker.id, {})[request.request_id] = request
         request.last_error = error
         logger.info(
             "request %s: attempt %d %s on worker pid %s; retrying",
@@ -778,9 +783,18 @@ class Dispatcher:
 
     def _fail_pinned_retries(self, worker: Worker) -> None:
         """The only worker came back warm: a retry waiting for another worker has none."""
-        for request in list(self.queue.values()):
-            if request.last_failed_worker == worker.id and request.last_error is not None:
+        for request in list(self.retries_avoiding.get(worker.id, {}).values()):
+            if request.state == "queued" and request.last_error is not None:
                 self._fail(request, request.last_error)
+
+    def _unpin(self, request: Request) -> None:
+        if request.last_failed_worker is None:
+            return
+        avoiding = self.retries_avoiding.get(request.last_failed_worker)
+        if avoiding is not None:
+            avoiding.pop(request.request_id, None)
+            if not avoiding:
+                del self.retries_avoiding[request.last_failed_worker]
 
     def _requeue(self, request: Request) -> None:
         if request.state == "done":
@@ -818,6 +832,7 @@ class Dispatcher:
         request.state = "done"
         request.run = None
         self.timers.cancel(request.deadline_timer)
+        self._unpin(request)
         self.live.pop(request.request_id, None)
         self._dequeued(request)
         return True
