@@ -172,33 +172,40 @@ def test_a_forked_helper_of_a_backend_does_not_speak_on_the_channel(
 
 
 def test_an_event_for_a_worker_reaped_earlier_in_the_same_batch_is_ignored() -> None:
-    """The review's sequence, made deterministic: the exit is handled (the worker is reaped
-    and its socket closed), then a socket event for it arrives in the same select batch."""
-    with ModelPool(make_config(workers=1)) as pool:
-        loop = pool._loop  # the event loop's own methods, driven on its own thread
-        assert loop is not None
-        worker = next(iter(loop.dispatcher.workers.values()))
-        assert worker.pid is not None
-        # Hold the dispatcher so that it cannot reap the worker through its pidfd first.
-        release = threading.Event()
-        loop.post(release.wait, 30)
-        os.kill(worker.pid, signal.SIGKILL)
-        wait_until(
-            lambda: psutil.Process(worker.pid).status() == psutil.STATUS_ZOMBIE,
-            message="the killed worker to be a zombie",
-        )
-        done = threading.Event()
+    """The review's sequence, made deterministic: a helper outside the worker's group keeps
+    its channel open (so the socket never reaches end of file); the worker dies; its exit
+    is handled first (reaped, socket closed), then a socket event for it in the same batch."""
+    config = make_config(workers=1, backend="reliability_backends:channel_keeper")
+    with ModelPool(config) as pool:
+        helpers = [psutil.Process(int(pool.generate("keep").text))]
+        try:
+            loop = pool._loop  # the event loop's own methods, driven on its own thread
+            assert loop is not None
+            worker = next(iter(loop.dispatcher.workers.values()))
+            assert worker.pid is not None
+            # Hold the dispatcher so that it cannot reap the worker through its pidfd first.
+            release = threading.Event()
+            loop.post(release.wait, 30)
+            os.kill(worker.pid, signal.SIGKILL)
+            wait_until(
+                lambda: psutil.Process(worker.pid).status() == psutil.STATUS_ZOMBIE,
+                message="the killed worker to be a zombie",
+            )
+            done = threading.Event()
 
-        def exit_then_stale_read() -> None:
-            loop._reap(worker)
-            loop._read(worker)
-            done.set()
+            def exit_then_stale_read() -> None:
+                loop._reap(worker)
+                loop._read(worker)
+                done.set()
 
-        loop.post(exit_then_stale_read)
-        release.set()
-        assert done.wait(10), "the dispatcher did not run the command"
-        assert pool.generate("echo:still-serving", deadline_s=20).text == "still-serving"
-        assert pool.stats().state == "ready"
+            loop.post(exit_then_stale_read)
+            release.set()
+            assert done.wait(10), "the dispatcher did not run the command"
+            helpers.append(psutil.Process(int(pool.generate("keep", deadline_s=20).text)))
+            assert pool.stats().state == "ready"
+        finally:
+            for helper in helpers:
+                helper.kill()
 
 
 # ---- 2: a worker that dies right after saying ready -------------------------------------------
