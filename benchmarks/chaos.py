@@ -68,8 +68,8 @@ from modelpool.errors import (
     PoolError,
     WorkerCrashed,
 )
-from modelpool.gpu import process_group_exists
 from modelpool.pool import ModelPool, PoolFuture, Result
+from modelpool.processes import process_group_exists
 
 logger = logging.getLogger("modelpool.chaos")
 

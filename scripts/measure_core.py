@@ -9,7 +9,10 @@
   result carries;
 - kill -> release verified on the CPU (psutil);
 - cancel latency against one decoding step, on the tiny model and SmolLM2;
-- time to first chunk: pool.stream vs an in-process TextIteratorStreamer.
+- time to first chunk: pool.stream vs an in-process TextIteratorStreamer;
+- the supervisor's own throughput: echo requests per second pipelined (all submitted,
+  then all awaited) through 1 and 2 workers with 1,000 and 20,000 queued, beside
+  ProcessPoolExecutor's figure for the same echo in the same run.
 
 The comprehensive comparison with other executors is scripts/bench; this
 script is what the core issues' closing notes quote.
@@ -34,7 +37,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # fake_nvml, the scripted NVML stand-in
 
 from fake_nvml import GIB, FakeGpu, FakeNvml  # noqa: E402
 from modelpool import ModelPool, PoolConfig, RetryPolicy  # noqa: E402
-from modelpool.gpu import GpuProbe, process_rss_bytes  # noqa: E402
+from modelpool.gpu import GpuProbe  # noqa: E402
+from modelpool.processes import process_rss_bytes  # noqa: E402
 
 ECHO = {"model": "none", "backend": "testing", "generation_defaults": {}}
 
@@ -71,6 +75,52 @@ def dispatch(calls: int) -> dict[str, float]:
         round_trips(pool, 200)
         samples = round_trips(pool, calls)
     return {"calls": calls, "p50_ms": ms(pct(samples, 0.5)), "p99_ms": ms(pct(samples, 0.99))}
+
+
+def _echo(text: str) -> str:
+    return text
+
+
+def pipelined_rate(pool: ModelPool, count: int) -> float:
+    """Requests per second: ``count`` echo requests submitted at once, then all awaited."""
+    started = time.perf_counter()
+    futures = [pool.submit("echo:x") for _ in range(count)]
+    for future in futures:
+        future.result()
+    return count / (time.perf_counter() - started)
+
+
+def throughput(queued_counts: tuple[int, ...], repeats: int) -> dict[str, Any]:
+    """The supervisor must never be the bottleneck, however deep its queue."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    result: dict[str, Any] = {}
+    for workers in (1, 2):
+        config = PoolConfig(**ECHO, workers=workers, max_queue=max(queued_counts) + 1)
+        with ModelPool(config) as pool:
+            pipelined_rate(pool, 2000)  # warm-up: imports, first frames, allocator
+            for queued in queued_counts:
+                rates = [pipelined_rate(pool, queued) for _ in range(repeats)]
+                result[f"pool_w{workers}_q{queued}_per_s"] = round(statistics.median(rates))
+        low, high = min(queued_counts), max(queued_counts)
+        result[f"pool_w{workers}_ratio_q{high}_vs_q{low}"] = round(
+            result[f"pool_w{workers}_q{high}_per_s"] / result[f"pool_w{workers}_q{low}_per_s"], 2
+        )
+    with ProcessPoolExecutor(2) as executor:
+        list(executor.map(_echo, ["x"] * 2000))
+        count = max(queued_counts)
+        rates = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            futures = [executor.submit(_echo, "x") for _ in range(count)]
+            for future in futures:
+                future.result()
+            rates.append(count / (time.perf_counter() - started))
+        result[f"ppe_w2_q{count}_per_s"] = round(statistics.median(rates))
+    result["pool_w2_vs_ppe"] = round(
+        result[f"pool_w2_q{count}_per_s"] / result[f"ppe_w2_q{count}_per_s"], 2
+    )
+    return result
 
 
 def deadline_to_retry(trials: int) -> dict[str, float]:
@@ -237,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--only", help="comma-separated step names (dispatch, throughput, ...); default all"
+    )
     args = parser.parse_args(argv)
     scale = 1 if args.quick else 3
 
@@ -248,13 +301,17 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"load_average": os.getloadavg()}
     steps = [
         ("dispatch", lambda: dispatch(1000)),
+        ("throughput", lambda: throughput((1000, 20000), scale)),
         ("deadline_to_retry", lambda: deadline_to_retry(10 * scale)),
         ("sampling_overhead", lambda: sampling_overhead(4 * scale, 250)),
         ("kill_to_release", lambda: kill_to_release(10 * scale)),
         ("cancel_ttft_tiny", lambda: cancel_and_ttft(tiny, "tiny", 5 * scale)),
         ("cancel_ttft_smollm2", lambda: cancel_and_ttft(smollm, "SmolLM2-135M", 3 * scale)),
     ]
+    wanted = set(args.only.split(",")) if args.only else None
     for name, run in steps:
+        if wanted is not None and name not in wanted:
+            continue
         results[name] = run()
         print(f"{name:<22} {json.dumps(results[name])}", flush=True)
     results["load_average_after"] = os.getloadavg()

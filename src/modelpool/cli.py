@@ -1,21 +1,28 @@
-"""The ``modelpool`` command: serve, generate, stats, prepare-model, bench.
+"""The ``modelpool`` command: serve, generate, stats, config, prepare-model, bench.
 
-    modelpool serve --config configs/default.toml [--host H --port P --workers N ...]
+    modelpool serve [--config FILE] [--host H --port P --workers N --set KEY=VALUE ...]
     modelpool generate "What is the capital of France?" [--url http://127.0.0.1:8000]
     modelpool stats [--url URL] [--json]
+    modelpool config --show [--config FILE] [flags]   # the effective configuration, as TOML
     modelpool prepare-model
     modelpool bench                        # says where the benchmarks are (scripts/bench)
+    modelpool --version                    # also: python -m modelpool ...
+
+No file is needed: the built-in defaults serve the embedded model on
+127.0.0.1:8000, and a file (``--config`` or ``$MODELPOOL_CONFIG``), environment
+variables and flags are layered on top of them (see :mod:`modelpool.config`).
 
 Only ``serve`` and the ``--url`` modes need the ``server`` extra (fastapi,
 uvicorn, httpx); ``generate`` without ``--url`` runs on the core install, and
 uses rich for its table only when it is installed. Those imports are therefore
-made inside the functions that need them.
+made inside the functions that need them, and a missing one is reported with
+the extra that provides it.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import importlib.util
 import ipaddress
 import json
 import logging
@@ -29,15 +36,27 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from modelpool.config import PoolConfig, ServerConfig
+import modelpool
+from modelpool.config import (
+    CONFIG_ENV,
+    DEFAULT_MODEL,
+    ConfigError,
+    EffectiveConfig,
+    PoolConfig,
+    ServerConfig,
+    layered_config,
+    parse_assignment,
+)
 
 if TYPE_CHECKING:
     from modelpool.server import DrainingServer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CONFIG = "configs/default.toml"
 DEFAULT_URL = "http://127.0.0.1:8000"
+# What the help text quotes as the built-in values.
+_BUILT_IN = PoolConfig(model=DEFAULT_MODEL)
+_BUILT_IN_SERVER = ServerConfig()
 DEFAULT_KEY_ENV = "MODELPOOL_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -60,28 +79,63 @@ class _StopRequested(BaseException):
 # Configuration
 
 
-def _load_configs(args: argparse.Namespace) -> tuple[PoolConfig, ServerConfig]:
-    path = Path(args.config)
-    if not path.is_file():
-        raise CliError(f"config file not found: {path} (pass --config PATH)")
+# Flags that set one configuration value each: (dest, dotted key).
+_POOL_FLAGS = (
+    ("model", "model"),
+    ("backend", "backend"),
+    ("workers", "workers"),
+    ("spares", "spares"),
+    ("max_batch_size", "max_batch_size"),
+    ("devices", "devices"),
+    ("deadline", "deadline_s"),
+)
+_SERVER_FLAGS = (("host", "server.host"), ("port", "server.port"))
+
+
+def _effective_config(args: argparse.Namespace) -> EffectiveConfig:
+    """The built-ins, the config file, the environment and this command's flags, layered."""
+    flags: dict[str, Any] = {}
+    for assignment in getattr(args, "set", None) or ():
+        key, value = parse_assignment(assignment)
+        flags[key] = value
+    for dest, key in (*_POOL_FLAGS, *_SERVER_FLAGS):
+        value = getattr(args, dest, None)
+        if value is not None:
+            flags[key] = value
     try:
-        pool_config = PoolConfig.from_toml(path)
-        server_config = ServerConfig.from_toml(path)
-        pool_changes = {
-            name: getattr(args, name, None)
-            for name in ("workers", "spares", "max_batch_size", "model", "backend")
-        }
-        pool_config = pool_config.replace(
-            **{key: value for key, value in pool_changes.items() if value is not None}
+        return layered_config(args.config, environ=os.environ, flags=flags)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _load_configs(args: argparse.Namespace) -> tuple[PoolConfig, ServerConfig]:
+    effective = _effective_config(args)
+    return effective.pool, effective.server
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (accelerate imports torch)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _check_embedded_extra(model: str) -> None:
+    """An embedded model that still has to be prepared needs the embedded extra (gguf)."""
+    from modelpool.embedded import EMBEDDED_SCHEME, MARKER_FILE, MODELS, modelpool_home
+
+    name = model.removeprefix(EMBEDDED_SCHEME)
+    if not model.startswith(EMBEDDED_SCHEME) or name not in MODELS:
+        return
+    if (modelpool_home() / "models" / name / MARKER_FILE).is_file():
+        return
+    missing = [module for module in ("gguf", "accelerate") if not _installed(module)]
+    if missing:
+        raise CliError(
+            f"preparing {model} needs {', '.join(missing)}: pip install 'modelpool[embedded]'"
+            " (or pass --model DIR_OR_HUB_ID)"
         )
-        server_changes = {name: getattr(args, name, None) for name in ("host", "port")}
-        server_config = dataclasses.replace(
-            server_config,
-            **{key: value for key, value in server_changes.items() if value is not None},
-        )
-    except ValueError as exc:
-        raise CliError(f"{path}: {exc}") from None
-    return pool_config, server_config
 
 
 def served_model_name(pool_config: PoolConfig, server_config: ServerConfig) -> str:
@@ -129,6 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError(
             f"serve needs the server extra: pip install 'modelpool[server]' ({exc})"
         ) from None
+    _check_embedded_extra(pool_config.model)
     from modelpool.embedded import EmbeddedModelError
     from modelpool.errors import PoolError
 
@@ -219,6 +274,7 @@ def _generate(args: argparse.Namespace) -> int:
         return _generate_remote(args)
     _setup_logging(args.log_level)
     pool_config, _ = _load_configs(args)
+    _check_embedded_extra(pool_config.model)
     from modelpool.errors import PoolError
     from modelpool.pool import ModelPool
 
@@ -506,6 +562,25 @@ def _plain_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str
 
 
 # --------------------------------------------------------------------------------------------
+# config
+
+
+def _config(args: argparse.Namespace) -> int:
+    effective = _effective_config(args)
+    if args.json:
+        document = {
+            "config_file": None if effective.config_path is None else str(effective.config_path),
+            "values": effective.values(),
+            "sources": effective.sources,
+            "origins": effective.origins,
+        }
+        print(json.dumps(document, indent=2))
+    else:
+        print(effective.to_toml(), end="")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # prepare-model, bench
 
 
@@ -514,6 +589,7 @@ def _prepare_model(args: argparse.Namespace) -> int:
     from modelpool.embedded import EMBEDDED_SCHEME, EmbeddedModelError, prepare_model
 
     name = args.name.removeprefix(EMBEDDED_SCHEME)
+    _check_embedded_extra(EMBEDDED_SCHEME + name)
     try:
         path = prepare_model(name)
     except (EmbeddedModelError, ValueError) as exc:
@@ -538,18 +614,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog="modelpool",
         description="Serve a local model from a supervised pool of pre-warmed workers.",
     )
+    parser.add_argument("--version", action="version", version=f"modelpool {modelpool.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def with_logging(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP daemon")
-    serve.add_argument(
-        "--config", default=DEFAULT_CONFIG, help="TOML config (default: %(default)s)"
+    serve = commands.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP daemon",
+        description="Run the OpenAI-compatible HTTP daemon. With no file and no flags it "
+        f"serves {_BUILT_IN.model} with {_BUILT_IN.workers} workers on "
+        f"{_BUILT_IN_SERVER.host}:{_BUILT_IN_SERVER.port}.",
     )
-    serve.add_argument("--host", help="bind address (default: [server] host, 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default: [server] port, 8000)")
-    _pool_overrides(serve)
+    _config_options(serve, server=True)
     with_logging(serve)
     serve.set_defaults(func=_serve)
 
@@ -557,11 +635,6 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="answer one prompt (a local pool, or a daemon with --url)"
     )
     generate.add_argument("prompt")
-    generate.add_argument(
-        "--config",
-        default=DEFAULT_CONFIG,
-        help="TOML config for the local pool (default: %(default)s)",
-    )
     generate.add_argument("--url", help="send to the daemon at URL instead of starting a pool")
     generate.add_argument("--max-tokens", type=int, help="at most this many new tokens")
     generate.add_argument("--timeout", type=float, help="the request's deadline in seconds (--url)")
@@ -575,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_KEY_ENV,
         help="environment variable holding the daemon's key (--url)",
     )
-    _pool_overrides(generate)
+    _config_options(generate, server=False)
     with_logging(generate)
     generate.set_defaults(func=_generate, log_level="warning")
 
@@ -589,6 +662,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stats.set_defaults(func=_stats)
 
+    config = commands.add_parser(
+        "config",
+        help="print the effective configuration and where each value came from",
+        description="Print the configuration `modelpool serve` would run with these flags, "
+        "as TOML, each value followed by its source: built-in, file, environment or flag.",
+    )
+    config.add_argument(
+        "--show", action="store_true", help="print it (what this command does; kept explicit)"
+    )
+    config.add_argument(
+        "--json", action="store_true", help="print JSON: values, sources and origins"
+    )
+    _config_options(config, server=True)
+    config.set_defaults(func=_config)
+
     prepare = commands.add_parser(
         "prepare-model", help="prepare the embedded model; prints its directory last"
     )
@@ -600,14 +688,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _pool_overrides(sub: argparse.ArgumentParser) -> None:
-    sub.add_argument("--workers", type=int, help="serving workers (overrides the config)")
-    sub.add_argument("--spares", type=int, help="pre-warmed spare workers")
+def _devices(text: str) -> list[str]:
+    devices = [item.strip() for item in text.split(",") if item.strip()]
+    if not devices:
+        raise argparse.ArgumentTypeError("expected devices such as cpu or cuda:0,cuda:1")
+    return devices
+
+
+def _config_options(sub: argparse.ArgumentParser, *, server: bool) -> None:
+    """--config and the flags that override one configuration value each."""
     sub.add_argument(
-        "--max-batch-size", type=int, help="requests one worker decodes at once (batching)"
+        "--config",
+        metavar="FILE",
+        help=f"TOML file layered on the built-in defaults (default: ${CONFIG_ENV}, else none; "
+        "`modelpool config --show` prints the result)",
     )
-    sub.add_argument("--model", help="model: a local dir, a hub id or embedded:NAME")
+    if server:
+        sub.add_argument("--host", help="bind address (default: [server] host, 127.0.0.1)")
+        sub.add_argument("--port", type=int, help="port (default: [server] port, 8000)")
+    sub.add_argument(
+        "--model",
+        help=f"a local dir, a hub id or embedded:NAME (built-in: {_BUILT_IN.model})",
+    )
     sub.add_argument("--backend", help="'hf', 'testing' or 'pkg.module:factory'")
+    sub.add_argument("--workers", type=int, help=f"serving workers (built-in: {_BUILT_IN.workers})")
+    sub.add_argument(
+        "--spares", type=int, help=f"pre-warmed spare workers (built-in: {_BUILT_IN.spares})"
+    )
+    sub.add_argument(
+        "--max-batch-size",
+        type=int,
+        help="requests one worker decodes at once, batched "
+        f"(built-in: {_BUILT_IN.max_batch_size})",
+    )
+    sub.add_argument(
+        "--devices", type=_devices, help="where workers run, comma-separated: cpu,cuda:0,auto"
+    )
+    sub.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        help=f"a request's wall-clock budget, all attempts (built-in: {_BUILT_IN.deadline_s:g})",
+    )
+    sub.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="any other value, VALUE in TOML: --set retry.max_retries=0 --set server.model_name=x",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,21 +1,31 @@
-"""Pool and server configuration: dataclasses, TOML loading, validation.
+"""Pool and server configuration: dataclasses, TOML loading, validation, layering.
 
 Every check names the offending key, so a typo in a TOML file reads as
 ``ValueError: unknown key 'wrokers' (known: ...)`` rather than a silent default::
 
-    cfg = PoolConfig.from_toml("configs/default.toml")
+    cfg = PoolConfig.from_toml("my.toml")
     cfg = PoolConfig(model="./tiny", backend="hf", workers=2, deadline_s=30)
+
+The ``modelpool`` command builds its configuration in layers, each on top of
+the one before: the built-in defaults (these dataclasses' defaults, serving
+the embedded default model), a TOML file, environment variables, flags::
+
+    effective = layered_config("my.toml", flags={"workers": 4}, environ=os.environ)
+    effective.pool, effective.server        # PoolConfig, ServerConfig
+    effective.sources["workers"]            # "flag"
+    print(effective.to_toml())              # every value, with where it came from
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from modelpool.validation import check_generation_params, is_number
 
@@ -184,7 +194,8 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key_env: str | None = None
+    # The bearer key is read from this variable; unset or empty there = no key required.
+    api_key_env: str | None = "MODELPOOL_API_KEY"
     max_body_bytes: int = 1_048_576
     drain_timeout_s: float = 30.0
     max_request_timeout_s: float | None = None
@@ -229,3 +240,298 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(handle)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: invalid TOML: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Layers: built-in < file < environment < flag
+
+
+Source = Literal["built-in", "file", "environment", "flag"]
+
+# What `modelpool serve` runs with no configuration at all.
+DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
+# The embedded checkpoint is stored in bfloat16, which decodes several times slower than
+# float32 on CPUs; at 135M parameters float32 costs ~0.5 GB. Applied to an embedded:
+# model on the hf backend unless a layer sets backend_options.dtype itself.
+EMBEDDED_BACKEND_OPTIONS: Mapping[str, Any] = {"dtype": "float32"}
+
+# A config file to read when no --config is given.
+CONFIG_ENV = "MODELPOOL_CONFIG"
+
+# The tables of a config file; every other key is a top-level PoolConfig field.
+_TABLES = ("generation_defaults", "backend_options", "retry", "server")
+
+
+def _split_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _parse_int(text: str) -> int:
+    return int(text.strip())
+
+
+def _parse_float(text: str) -> float:
+    return float(text.strip())
+
+
+# Environment variables that set one value each, and how their text is read.
+ENVIRONMENT: Mapping[str, tuple[str, Any]] = {
+    "MODELPOOL_MODEL": ("model", str),
+    "MODELPOOL_BACKEND": ("backend", str),
+    "MODELPOOL_WORKERS": ("workers", _parse_int),
+    "MODELPOOL_SPARES": ("spares", _parse_int),
+    "MODELPOOL_DEVICES": ("devices", _split_list),
+    "MODELPOOL_DEADLINE_S": ("deadline_s", _parse_float),
+    "MODELPOOL_HOST": ("server.host", str),
+    "MODELPOOL_PORT": ("server.port", _parse_int),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message says which layer and key."""
+
+
+@dataclass(frozen=True)
+class EffectiveConfig:
+    """The configuration the layers add up to, and where each value came from.
+
+    ``sources`` and ``origins`` are keyed by dotted name ("workers", "retry.on",
+    "server.port", "backend_options.dtype"); ``origins`` says more than the kind
+    where there is more to say (the file's path, the variable's name).
+    """
+
+    pool: PoolConfig
+    server: ServerConfig
+    sources: dict[str, Source]
+    origins: dict[str, str]
+    config_path: Path | None
+
+    def values(self) -> dict[str, Any]:
+        """Every value as plain data, in the shape of a config file."""
+        data = _flatten(_as_tables(self.pool, self.server))
+        return _unflatten(data)
+
+    def to_toml(self) -> str:
+        """A config file holding every effective value, each with its source as a comment.
+
+        Reading it back gives the same configuration (unset optional values are
+        comments, as TOML has no null)."""
+        flat = _flatten(_as_tables(self.pool, self.server))
+        layers = ["built-in"]
+        if self.config_path is not None:
+            layers.append(f"file {self.config_path}")
+        layers += ["environment", "flag"]
+        lines = [
+            "# The effective modelpool configuration, each value with where it came from.",
+            "# Layers, a later one winning: " + " < ".join(layers) + ".",
+            "",
+        ]
+        for key, value in flat.items():
+            if "." not in key:
+                lines.append(self._line(key, key, value))
+        for table in _TABLES:
+            keys = [key for key in flat if key.startswith(table + ".")]
+            lines += ["", f"[{table}]"]
+            if not keys:
+                lines.append("# (empty)")
+            for key in keys:
+                lines.append(self._line(key, key[len(table) + 1 :], flat[key]))
+        return "\n".join(lines) + "\n"
+
+    def _line(self, key: str, name: str, value: Any) -> str:
+        origin = self.origins.get(key, self.sources.get(key, "built-in"))
+        if value is None:
+            return f"# {_toml_key(name)} = (unset)  # {origin}"
+        return f"{_toml_key(name)} = {toml_value(value)}  # {origin}"
+
+
+def layered_config(
+    config_path: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> EffectiveConfig:
+    """Built-in defaults, then the file, then the environment, then ``flags``.
+
+    ``config_path`` None reads ``$MODELPOOL_CONFIG`` when it is set, else no
+    file. ``flags`` is keyed by dotted name (``{"server.port": 9000}``); a None
+    value is a flag not given. Raises :class:`ConfigError` naming the file, the
+    variable or the key at fault; a named file that does not exist is one.
+    """
+    environ = {} if environ is None else environ
+    flat = _flatten(_as_tables(PoolConfig(model=DEFAULT_MODEL), ServerConfig()))
+    sources: dict[str, Source] = dict.fromkeys(flat, "built-in")
+    origins: dict[str, str] = {}
+
+    path = _config_file(config_path, environ)
+    if path is not None:
+        try:
+            data = _read_toml(path)
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        file_values = _flatten_layer(data, str(path))
+        _apply(
+            flat, sources, origins, file_values, "file", dict.fromkeys(file_values, f"file {path}")
+        )
+        _build(flat, str(path))
+
+    env_values: dict[str, Any] = {}
+    env_origins: dict[str, str] = {}
+    for variable, (key, parse) in ENVIRONMENT.items():
+        text = environ.get(variable)
+        if text is None or not text.strip():
+            continue
+        try:
+            env_values[key] = parse(text)
+        except ValueError:
+            raise ConfigError(f"{variable}: cannot read {text!r} as {key}") from None
+        env_origins[key] = f"environment {variable}"
+    _apply(flat, sources, origins, env_values, "environment", env_origins)
+    _build(flat, "environment")
+
+    flag_values = {key: value for key, value in (flags or {}).items() if value is not None}
+    _apply(flat, sources, origins, _flatten_layer(_unflatten(flag_values), "flags"), "flag", {})
+    pool, server = _build(flat, "command line")
+
+    embedded = _embedded_defaults(pool)
+    if embedded:
+        _apply(flat, sources, origins, embedded, "built-in", {})
+        pool, server = _build(flat, "built-in")
+    return EffectiveConfig(pool, server, sources, origins, path)
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` from the command line: VALUE is a TOML value, or else a plain string.
+
+    ``workers=4`` -> ("workers", 4); ``retry.on=["crash"]`` -> ("retry.on", ["crash"]);
+    ``model=./my-model`` -> ("model", "./my-model").
+    """
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set expects KEY=VALUE, got {text!r}")
+    parts = key.split(".")
+    if len(parts) > 2 or not all(re.fullmatch(r"[A-Za-z0-9_-]+", part) for part in parts):
+        raise ConfigError(f"--set: {key!r} is not a key such as 'workers' or 'retry.max_retries'")
+    if len(parts) == 1 and key in _TABLES:
+        raise ConfigError(f"--set: {key!r} is a table; set one of its keys ('{key}.NAME=VALUE')")
+    if len(parts) == 2 and parts[0] not in _TABLES:
+        raise ConfigError(f"--set: {parts[0]!r} is not a table (tables: {', '.join(_TABLES)})")
+    try:
+        value = tomllib.loads(f"value = {raw.strip()}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key, value
+
+
+def toml_value(value: Any) -> str:
+    """``value`` written as TOML (strings, numbers, booleans, lists, tables)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    if isinstance(value, Mapping):
+        items = ", ".join(f"{_toml_key(str(k))} = {toml_value(v)}" for k, v in value.items())
+        return "{ " + items + " }" if items else "{}"
+    raise ValueError(f"cannot write {value!r} as TOML")
+
+
+def _toml_key(name: str) -> str:
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
+
+
+def _config_file(config_path: str | Path | None, environ: Mapping[str, str]) -> Path | None:
+    if config_path is not None:
+        named_by = "--config"
+    elif environ.get(CONFIG_ENV):
+        config_path, named_by = environ[CONFIG_ENV], CONFIG_ENV
+    else:
+        return None
+    path = Path(config_path).expanduser()
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "not found"
+        raise ConfigError(f"config file {what}: {path} (named by {named_by})")
+    return path.resolve()
+
+
+def _as_tables(pool: PoolConfig, server: ServerConfig) -> dict[str, Any]:
+    data = {f.name: getattr(pool, f.name) for f in dataclasses.fields(pool)}
+    data["retry"] = {f.name: getattr(pool.retry, f.name) for f in dataclasses.fields(RetryPolicy)}
+    data["server"] = {f.name: getattr(server, f.name) for f in dataclasses.fields(server)}
+    # Tables last, as a TOML file must have them.
+    return {key: data[key] for key in sorted(data, key=lambda key: key in _TABLES)}
+
+
+def _flatten(data: Mapping[str, Any]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _TABLES:
+            for inner, item in value.items():
+                flat[f"{key}.{inner}"] = list(item) if isinstance(item, tuple) else item
+        else:
+            flat[key] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+def _flatten_layer(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    for table in _TABLES:
+        if table in data and not isinstance(data[table], Mapping):
+            raise ConfigError(f"{where}: {table} must be a table, got {data[table]!r}")
+    return _flatten(data)
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    for key, value in flat.items():
+        table, dot, inner = key.partition(".")
+        if dot:
+            data.setdefault(table, {})[inner] = value
+        else:
+            data[key] = value
+    return data
+
+
+def _apply(
+    flat: dict[str, Any],
+    sources: dict[str, Source],
+    origins: dict[str, str],
+    values: Mapping[str, Any],
+    source: Source,
+    origin_of: Mapping[str, str],
+) -> None:
+    """Lay ``values`` over ``flat``; a key's origin is the new layer's, or just its kind."""
+    for key, value in values.items():
+        flat[key] = value
+        sources[key] = source
+        if key in origin_of:
+            origins[key] = origin_of[key]
+        else:
+            origins.pop(key, None)
+
+
+def _build(flat: Mapping[str, Any], where: str) -> tuple[PoolConfig, ServerConfig]:
+    data = _unflatten(flat)
+    server_table = data.pop("server", {})
+    try:
+        pool = PoolConfig.from_dict(data)
+        server = ServerConfig(**_known(server_table, ServerConfig, "server"))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return pool, server
+
+
+def _embedded_defaults(pool: PoolConfig) -> dict[str, Any]:
+    """The embedded model's own backend options that no layer set, by dotted key."""
+    if pool.backend != "hf" or not pool.model.startswith("embedded:"):
+        return {}
+    return {
+        f"backend_options.{name}": value
+        for name, value in EMBEDDED_BACKEND_OPTIONS.items()
+        if name not in pool.backend_options
+    }

@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 worker_logger = logging.getLogger("modelpool.worker")
 
 _LATENCY_WINDOW = 2048
+# A worker that dies on its own this soon after saying ready counts as a failed start
+# (backoff, then ModelLoadFailed or an abandoned slot), like one that never got ready.
+EARLY_DEATH_S = 5.0
 
 
 class Dispatcher:
@@ -104,6 +107,9 @@ class Dispatcher:
         self.slot_not_before: dict[int, float] = {}
         self.slots_awaiting_release: set[int] = set()
         self.retire_waiting: set[int] = set()
+        # worker id -> the retries that must not go back to it (their last failed worker):
+        # so that finding them costs their number, not the length of the queue.
+        self.retries_avoiding: dict[int, dict[str, Request]] = {}
         self.state = "starting"
         self.failure: ModelLoadFailed | None = None
         self.last_load_error: str | None = None
@@ -224,6 +230,16 @@ class Dispatcher:
         else:
             self.counters["crashes"] += 1
             logger.warning("worker %d (pid %s) died: %s", worker.id, worker.pid, reason)
+            alive_for = self.clock() - (worker.ready_at or worker.started_at)
+            if not worker.runs and worker.requests == 0 and alive_for < EARLY_DEATH_S:
+                # Ready, then dead at once without a request to blame (a backend that exits
+                # after loading): refilling the slot at once would reload the model in a
+                # tight loop. A request that kills workers is the retry policy's business.
+                worker.load_error = (
+                    f"worker {worker.id} {reason} {alive_for:.2f}s after it was ready"
+                )
+                if not self.closing:
+                    self._startup_failed(worker)
         outcome: Outcome = "timeout" if worker.kill_reason in ("timeout", "stall") else "crash"
         if worker.slots > 1 and worker.runs:
             self._batch_lost(worker, outcome, f"worker pid {worker.pid} {reason}", returncode)
@@ -553,7 +569,11 @@ class Dispatcher:
         worker.pid = pid
         worker.ready_at = self.clock()
         worker.rss_bytes = rss_bytes
-        self.consecutive_startup_failures = 0
+        # The crash-loop count is cleared once this worker has outlived EARLY_DEATH_S, not
+        # at "ready": a worker that says ready and dies at once must still count.
+        worker.startup_timer = self.timers.call_at(
+            worker.ready_at + EARLY_DEATH_S, self._settled, worker
+        )
         logger.info(
             "worker %d (pid %d) ready on %s in %.2fs",
             worker.id,
@@ -562,6 +582,10 @@ class Dispatcher:
             worker.ready_at - worker.started_at,
         )
         self._publish_gpu_workers()
+
+    def _settled(self, worker: Worker) -> None:
+        if worker.state != "dead":
+            self.consecutive_startup_failures = 0
 
     def _ready_count(self) -> int:
         return sum(w.state in ("idle", "busy") for w in self.workers.values())
@@ -889,7 +913,9 @@ class Dispatcher:
             self._fail(request, error)
             return
         self.counters["collateral_retries"] += 1
+        self._unpin(request)
         request.last_failed_worker = worker.id
+        self.retries_avoiding.setdefault(worker.id, {})[request.request_id] = request
         request.last_error = error
         self._requeue(request)
 
@@ -931,7 +957,9 @@ class Dispatcher:
             self._fail(request, error)
             return
         self.counters["retries"] += 1
+        self._unpin(request)
         request.last_failed_worker = worker.id
+        self.retries_avoiding.setdefault(worker.id, {})[request.request_id] = request
         request.last_error = error
         logger.info(
             "request %s: attempt %d %s on worker pid %s; retrying",
@@ -948,9 +976,18 @@ class Dispatcher:
 
     def _fail_pinned_retries(self, worker: Worker) -> None:
         """The only worker came back warm: a retry waiting for another worker has none."""
-        for request in list(self.queue.values()):
-            if request.last_failed_worker == worker.id and request.last_error is not None:
+        for request in list(self.retries_avoiding.get(worker.id, {}).values()):
+            if request.state == "queued" and request.last_error is not None:
                 self._fail(request, request.last_error)
+
+    def _unpin(self, request: Request) -> None:
+        if request.last_failed_worker is None:
+            return
+        avoiding = self.retries_avoiding.get(request.last_failed_worker)
+        if avoiding is not None:
+            avoiding.pop(request.request_id, None)
+            if not avoiding:
+                del self.retries_avoiding[request.last_failed_worker]
 
     def _requeue(self, request: Request) -> None:
         if request.state == "done":
@@ -988,6 +1025,7 @@ class Dispatcher:
         request.state = "done"
         request.run = None
         self.timers.cancel(request.deadline_timer)
+        self._unpin(request)
         self.live.pop(request.request_id, None)
         self._dequeued(request)
         return True
@@ -1065,7 +1103,9 @@ class Dispatcher:
             self.counters["respawns"] += 1
         try:
             worker.io = self.io.spawn(worker, spec)
-        except OSError as exc:
+        except Exception as exc:
+            # Whatever the cause (no memory for a process, a device that cannot be mapped),
+            # it is this worker's failed start, never the dispatcher's death.
             logger.error("worker %d: could not start a process: %s", worker.id, exc)
             worker.load_error = f"could not start a worker process: {exc}"
             del self.workers[worker.id]
@@ -1188,10 +1228,16 @@ class Dispatcher:
         reason = self._retire_reason(worker)
         if reason is None:
             return
-        spare_ready = any(w.state == "idle" and w.role == "spare" for w in self.workers.values())
-        if self.config.spares and worker.role == "serving" and not spare_ready:
-            self.retire_waiting.add(worker.id)
-            return
+        if self.config.spares and worker.role == "serving":
+            successor = next(
+                (w for w in self.workers.values() if w.state == "idle" and w.role == "spare"),
+                None,
+            )
+            if successor is None:
+                self.retire_waiting.add(worker.id)
+                return
+            # Claimed now: a second worker waiting to retire must not count the same spare.
+            successor.role = "serving"
         self.retire_waiting.discard(worker.id)
         logger.info("recycling worker %d (pid %s): %s", worker.id, worker.pid, reason)
         self.counters["recycled"] += 1

@@ -1,51 +1,58 @@
-"""NVML probe, device resolution, and release checks (GPU memory and CPU process groups).
+"""NVML probe, device resolution, and the GPU memory release check.
 
 Nothing here imports torch: the supervisor uses this module to watch devices
-it never touches itself.
+it never touches itself. The CPU-side checks (process groups, a process's own
+RSS) are in :mod:`modelpool.processes`.
 
-GPU side (``GpuProbe``): NVML through ``nvidia-ml-py`` (import name
-``pynvml``), initialised once. Without a driver the probe is simply
-``available = False`` with a human-readable ``reason`` and every method
-returns an empty answer at once, so a CPU-only machine pays nothing.
+``GpuProbe`` reads NVML through ``nvidia-ml-py`` (import name ``pynvml``),
+initialised once. Without a driver the probe is simply ``available = False``
+with a human-readable ``reason`` and every method returns an empty answer at
+once, so a CPU-only machine pays nothing.
 
-Attribution of a worker's GPU memory:
+Which PIDs NVML lists. The driver translates each client's PID into the
+caller's PID namespace and leaves out clients it cannot translate (NVIDIA
+drivers since at least 570, ``_gpuConvertPid``), so on bare metal, in VMs
+and in Docker-style containers that hold both the pool and its workers, the
+workers' own PIDs are listed. Where the driver cannot see the namespace
+(gVisor's nvproxy passes the driver's PID list through untranslated), none
+of the workers' PIDs is listed. MPS clients appear only in the MPS process list,
+which is read with the compute and graphics lists.
 
-* by PID, when the worker's PID is in the device's running-process list
-  (the driver knows nothing of PID namespaces: inside a container the list
-  carries host PIDs, so the worker's own PID is usually absent there);
-* otherwise by the device's used memory against a baseline read before the
-  worker started (``max(0, used - baseline)``). The baseline must be read
-  with :meth:`GpuProbe.used_bytes` of the same probe (same memory-info
-  version).
+A worker's GPU memory (:meth:`GpuProbe.worker_memory`) is attributed by PID
+only. Without PID attribution there is no per-worker figure: the device's
+used memory minus a baseline includes every neighbour on the same GPU, so
+only the device-level figure (:meth:`GpuProbe.devices`) is reported.
 
-Release after a kill is polled, never checked once: the driver can take
-seconds to tear a context down. :class:`ReleaseWatch` is the non-blocking
-form (one ``poll()`` per timer tick of the caller's event loop);
-:meth:`GpuProbe.wait_released` is the blocking loop around it.
+Release after a kill (:meth:`GpuProbe.wait_released`) is polled, never
+checked once: the driver can take seconds to tear a context down.
 
-CPU side: a worker runs in its own process group. ``os.killpg(pgid, 0)``
-failing with ``ProcessLookupError`` proves that no process of the group is
-left, zombies included (a zombie keeps its group until it is reaped, so the
-group leader must be reaped by whoever spawned it, and orphaned members by
-init or a child subreaper; see :func:`set_child_subreaper`).
+* by PID, when NVML listed the worker while it was alive, or lists another
+  live pool worker on that GPU (then PIDs are visible there): released once
+  the PID is gone from the list. A dying process closes its device files
+  before it can be reaped, so the PID is usually gone before the first poll;
+* else by delta, only when no other pool worker shares the GPU: the device's
+  used memory back within a tolerance of the baseline read before the
+  worker started (with :meth:`GpuProbe.used_bytes` of the same probe, so the
+  same memory-info version);
+* else unverified (method "unavailable", with the reason in ``detail``):
+  beside neighbours whose PIDs are not listed, their memory cannot be told
+  from the dead worker's, and a comparison would report it as not freed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import logging
 import os
 import re
-import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import psutil
+from modelpool.processes import ReleaseMethod, ReleaseReport
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +62,8 @@ DEFAULT_TOLERANCE_BYTES = 64 * MIB
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], None]
-ReadingMethod = Literal["pid", "delta", "unavailable"]
-ReleaseMethod = Literal["pid", "delta", "psutil", "unavailable"]
+ReadingMethod = Literal["pid", "unavailable"]
+PidsOrSource = Collection[int] | Callable[[], Collection[int]]
 
 _NVML_NOT_AVAILABLE = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE_ulonglong, mapped to None by pynvml
 _HOLDERS_LIMIT = 32
@@ -75,52 +82,17 @@ class DeviceInfo:
     used_mb: float
     total_mb: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "name": self.name,
-            "used_mb": self.used_mb,
-            "total_mb": self.total_mb,
-        }
-
 
 @dataclass(frozen=True)
 class MemoryReading:
-    """GPU memory attributed to one worker, and how it was attributed."""
+    """GPU memory attributed to one worker.
+
+    ``method`` "pid": NVML lists the worker's PID; ``bytes`` is its figure, or
+    None where NVML has none for it (N/A). "unavailable": not attributable.
+    """
 
     bytes: int | None
     method: ReadingMethod
-
-
-@dataclass(frozen=True)
-class ReleaseReport:
-    """Outcome of a release check after a worker was killed.
-
-    ``ok``: the memory (GPU) or the process group (CPU) is gone.
-    ``seconds``: from the start of the check to the verdict.
-    ``held_bytes``: on success, what is left over (0 for "pid" and "psutil",
-    the residual delta for "delta"); on failure, what is still held (None
-    when unknown).
-    ``method``: "pid", "delta", "psutil" or "unavailable" (NVML missing or
-    nothing to compare against: nothing was verified; ``ok`` is True then
-    unless NVML kept failing until the timeout).
-    ``holders``: on failure, best-effort descriptions of who holds on.
-    """
-
-    ok: bool
-    seconds: float
-    held_bytes: int | None
-    method: ReleaseMethod
-    holders: list[str] = field(default_factory=list)
-
-    def describe(self) -> str:
-        """One line for a log message."""
-        held = "?" if self.held_bytes is None else f"{self.held_bytes / MIB:.1f} MiB"
-        verdict = "released" if self.ok else "NOT released"
-        text = f"{verdict} after {self.seconds:.3f}s (method {self.method}, held {held})"
-        if self.holders:
-            text += "; holders: " + "; ".join(self.holders)
-        return text
 
 
 # ----------------------------------------------------------------------------- NVML probe
@@ -294,7 +266,11 @@ class GpuProbe:
         return None
 
     def _processes(self, index: int) -> dict[int, int | None] | None:
-        """pid -> used bytes (None: N/A), or None when the compute list cannot be read."""
+        """pid -> used bytes (None: N/A), or None when the compute list cannot be read.
+
+        Compute, graphics and MPS clients: under MPS a client's context is listed
+        only by the MPS call (the compute list holds the MPS server).
+        """
         handle = self._handle(index)
         if handle is None:
             return None
@@ -302,8 +278,9 @@ class GpuProbe:
         if compute is None:
             return None
         graphics = self._process_list(handle, "Graphics") or []
+        mps = self._process_list(handle, "MPSCompute") or []
         result: dict[int, int | None] = {}
-        for proc in (*compute, *graphics):
+        for proc in (*compute, *graphics, *mps):
             try:
                 pid = int(proc.pid)
             except (AttributeError, TypeError, ValueError):
@@ -328,10 +305,6 @@ class GpuProbe:
         return self._uuids[index]
 
     # -- public reads ------------------------------------------------------------------
-
-    def device_count(self) -> int:
-        """Number of devices NVML sees (all of them, whatever CUDA_VISIBLE_DEVICES says)."""
-        return self._count if self.available else 0
 
     def devices(self, indices: Iterable[int] | None = None) -> list[DeviceInfo]:
         """Name and memory of each device (all NVML devices, or just ``indices``).
@@ -372,25 +345,35 @@ class GpuProbe:
         return None if memory is None else memory[1]
 
     def process_memory(self, index: int) -> dict[int, int | None]:
-        """pid -> used bytes (None where NVML says N/A) of compute and graphics processes.
+        """pid -> used bytes (None where NVML says N/A) of compute, graphics and MPS clients.
 
-        The PIDs are whatever the driver reports: host PIDs, even inside a container.
-        Empty when unknown.
+        The PIDs are as the driver translates them into this process's PID
+        namespace (see the module docstring). Empty when unknown.
         """
         return self._processes(index) or {}
 
-    def worker_memory(self, index: int, pid: int, baseline_used_bytes: int | None) -> MemoryReading:
-        """GPU memory of one worker: by PID where visible, else by used-memory delta."""
-        if not self.available:
-            return MemoryReading(None, "unavailable")
-        processes = self._processes(index)
-        if processes is not None and processes.get(pid) is not None:
+    def worker_memory(self, index: int, pid: int) -> MemoryReading:
+        """GPU memory of one worker, attributed by PID only.
+
+        Method "pid" when NVML lists ``pid`` on the device (``bytes`` None where
+        NVML has no figure for it), else ``MemoryReading(None, "unavailable")``:
+        the device's memory against a baseline would include every other
+        process on it, the pool's other workers first.
+        """
+        processes = self._processes(index) if self.available else None
+        if processes is not None and pid in processes:
             return MemoryReading(processes[pid], "pid")
-        if baseline_used_bytes is not None:
-            used = self.used_bytes(index)
-            if used is not None:
-                return MemoryReading(max(0, used - baseline_used_bytes), "delta")
         return MemoryReading(None, "unavailable")
+
+    def driver_version(self) -> str | None:
+        """The NVIDIA driver's version as NVML reports it, None when unknown."""
+        if not self.available:
+            return None
+        try:
+            return _to_str(self._nvml.nvmlSystemGetDriverVersion())
+        except self._errors_or(AttributeError) as exc:
+            log.debug("nvmlSystemGetDriverVersion failed: %s", _safe_str(exc))
+            return None
 
     # -- release -----------------------------------------------------------------------
 
@@ -401,29 +384,54 @@ class GpuProbe:
         baseline_used_bytes: int | None,
         *,
         timeout_s: float,
+        listed_while_alive: bool = False,
+        other_worker_pids: PidsOrSource = (),
         tolerance_bytes: int = DEFAULT_TOLERANCE_BYTES,
         poll_s: float = 0.05,
         clock: Clock = time.monotonic,
         sleep: Sleep = time.sleep,
     ) -> ReleaseReport:
-        """Block until the killed worker's GPU memory is released, or ``timeout_s`` passes.
+        """Block until the killed worker ``pid``'s GPU memory is released, or ``timeout_s`` passes.
 
-        Released: ``pid`` is gone from the device's process list and, when the
-        PID was never seen there (container), used memory is back within
-        ``tolerance_bytes`` of ``baseline_used_bytes``. Blocks for up to
-        ``timeout_s``: call it off the dispatcher thread, or use
-        :class:`ReleaseWatch` from an event loop.
+        ``listed_while_alive``: NVML listed ``pid`` on this device while the
+        worker ran (the caller's sampler saw it). ``other_worker_pids``: the
+        pool's other live workers on this device, or a callable that returns
+        them (read at every poll, so that a worker started meanwhile counts).
+        ``baseline_used_bytes``: the device's used memory read before the
+        worker started, for the delta method.
+
+        How the verdict is reached (by PID, by delta, or unverified) is in the
+        module docstring. Blocks for up to ``timeout_s``: call it off the
+        dispatcher thread. On failure the report names the processes that
+        hold ``/dev/nvidia*`` open or sleep in state D, leaving out this
+        process and ``other_worker_pids``.
+
+        Typical use, on a thread of its own after the worker was reaped::
+
+            report = probe.wait_released(
+                index, pid, baseline, timeout_s=15.0,
+                listed_while_alive=pid in listed_pids,
+                other_worker_pids=lambda: live_pids_on(device) - {pid},
+            )
+            if not report.ok:
+                log.error("GPU %d: %s", index, report.describe())
         """
-        watch = ReleaseWatch(
+        watch = _ReleaseWatch(
             self,
             index,
             pid,
             baseline_used_bytes,
             timeout_s=timeout_s,
+            listed_while_alive=listed_while_alive,
+            other_worker_pids=other_worker_pids,
             tolerance_bytes=tolerance_bytes,
             clock=clock,
         )
-        return _run_watch(watch.poll, watch.deadline, poll_s, clock, sleep)
+        while True:
+            report = watch.poll()
+            if report is not None:
+                return report
+            sleep(max(0.0, min(poll_s, watch.deadline - clock())))
 
     # -- visibility --------------------------------------------------------------------
 
@@ -484,27 +492,12 @@ class GpuProbe:
         return [index for _entry, index in self._visible(environ)]
 
 
-def _run_watch(
-    poll: Callable[[], ReleaseReport | None],
-    deadline: float,
-    poll_s: float,
-    clock: Clock,
-    sleep: Sleep,
-) -> ReleaseReport:
-    while True:
-        report = poll()
-        if report is not None:
-            return report
-        sleep(max(0.0, min(poll_s, deadline - clock())))
+class _ReleaseWatch:
+    """The state of one release check; :meth:`GpuProbe.wait_released` polls it until decided.
 
-
-class ReleaseWatch:
-    """Non-blocking GPU release check for one killed worker.
-
-    Each ``poll()`` reads the process list and used memory once and returns
-    None (not decided yet) or the final :class:`ReleaseReport`; after the
-    deadline it returns a failure naming the holders. Reports are final:
-    later polls return the same one.
+    Each ``poll()`` reads the device once and returns None (not decided yet)
+    or the final :class:`ReleaseReport`; after the deadline it returns a
+    failure naming the holders.
     """
 
     def __init__(
@@ -515,77 +508,115 @@ class ReleaseWatch:
         baseline_used_bytes: int | None,
         *,
         timeout_s: float,
-        tolerance_bytes: int = DEFAULT_TOLERANCE_BYTES,
-        clock: Clock = time.monotonic,
+        listed_while_alive: bool,
+        other_worker_pids: PidsOrSource,
+        tolerance_bytes: int,
+        clock: Clock,
     ) -> None:
         self.probe = probe
         self.index = index
         self.pid = pid
         self.baseline_used_bytes = baseline_used_bytes
         self.tolerance_bytes = tolerance_bytes
+        self._other_worker_pids = other_worker_pids
         self._clock = clock
         self.started = clock()
         self.deadline = self.started + timeout_s
-        self.pid_seen = False
+        self.pid_seen = listed_while_alive
+        self._judged_by_delta = False
         self._held: int | None = None
-        self._report: ReleaseReport | None = None
+        self._others: set[int] = set()
+
+    def _current_others(self) -> set[int]:
+        source = self._other_worker_pids
+        pids = source() if callable(source) else source
+        return set(pids) - {self.pid}
 
     def poll(self) -> ReleaseReport | None:
-        if self._report is not None:
-            return self._report
         probe = self.probe
         if not probe.available:
-            return self._finish(True, None, "unavailable")
+            return self._finish(True, None, "unavailable", detail="NVML unavailable")
+        self._others = others = self._current_others()
         processes = probe._processes(self.index)
-        pid_listed = processes is not None and self.pid in processes
-        if pid_listed:
-            self.pid_seen = True
-        delta = self._delta()
-        if pid_listed:
-            assert processes is not None
-            listed = processes[self.pid]
-            self._held = listed if listed is not None else delta
-        elif processes is not None and self.pid_seen:
-            return self._finish(True, 0, "pid")
-        elif processes is not None and self.baseline_used_bytes is None:
-            # Never listed, nothing to compare with: nothing can be verified.
-            return self._finish(True, None, "unavailable")
-        elif delta is not None:
-            if delta <= self.tolerance_bytes:
-                return self._finish(True, delta, "delta")
-            self._held = delta
+        if processes is not None:
+            if self.pid in processes:
+                self.pid_seen = True
+                listed = processes[self.pid]
+                self._held = listed if listed is not None else self._lone_delta()
+            elif self.pid_seen or others & processes.keys():
+                # Listed while alive, or PIDs are visible here (a neighbour is listed):
+                # absent from a list that could be read means its context is gone.
+                return self._finish(True, 0, "pid")
+        if not self.pid_seen:
+            if others:
+                return self._finish(
+                    True,
+                    None,
+                    "unavailable",
+                    detail=(
+                        f"{len(others)} other pool worker(s) on GPU {self.index} "
+                        f"(pid {', '.join(map(str, sorted(others)))}) and NVML lists none "
+                        "of their PIDs: their memory cannot be told from the dead worker's"
+                    ),
+                )
+            if processes is not None and self.baseline_used_bytes is None:
+                return self._finish(
+                    True,
+                    None,
+                    "unavailable",
+                    detail="PID never listed and no baseline of the device's memory",
+                )
+            delta = self._lone_delta()
+            if delta is not None:
+                self._judged_by_delta = True
+                if delta <= self.tolerance_bytes:
+                    return self._finish(True, delta, "delta")
+                self._held = delta
         if self._clock() >= self.deadline:
             return self._fail()
         return None
 
-    def _delta(self) -> int | None:
-        if self.baseline_used_bytes is None:
+    def _lone_delta(self) -> int | None:
+        """Used memory above the baseline; only meaningful without neighbours on the GPU."""
+        if self.baseline_used_bytes is None or self._others:
             return None
         used = self.probe.used_bytes(self.index)
         return None if used is None else max(0, used - self.baseline_used_bytes)
 
     def _finish(
-        self, ok: bool, held: int | None, method: ReleaseMethod, holders: list[str] | None = None
+        self,
+        ok: bool,
+        held: int | None,
+        method: ReleaseMethod,
+        holders: list[str] | None = None,
+        detail: str = "",
     ) -> ReleaseReport:
-        self._report = ReleaseReport(
+        report = ReleaseReport(
             ok=ok,
             seconds=max(0.0, self._clock() - self.started),
             held_bytes=held,
             method=method,
             holders=holders or [],
+            detail=detail,
         )
-        return self._report
+        if ok and method == "unavailable" and self.probe.available:
+            log.warning("GPU %d: worker pid %d: %s", self.index, self.pid, report.describe())
+        return report
 
     def _fail(self) -> ReleaseReport:
         method: ReleaseMethod
+        detail = ""
         if self.pid_seen:
             method = "pid"
-        elif self.baseline_used_bytes is not None and self._held is not None:
+        elif self._judged_by_delta:
             method = "delta"
         else:
             method = "unavailable"
-        holders = find_device_holders(self.probe.proc_root, exclude_pids={os.getpid()})
-        report = self._finish(False, self._held, method, holders)
+            detail = "NVML kept failing"
+        holders = find_device_holders(
+            self.probe.proc_root, exclude_pids={os.getpid(), *self._others}
+        )
+        report = self._finish(False, self._held, method, holders, detail)
         log.warning("GPU %d: memory of worker pid %d %s", self.index, self.pid, report.describe())
         return report
 
@@ -739,12 +770,15 @@ def worker_env_for(
 ) -> tuple[dict[str, str], str]:
     """Environment overrides for a worker on ``device``, and the device the worker should use.
 
-    GPU: ``CUDA_VISIBLE_DEVICES`` is just that device, written as it appeared
-    in this process's ``CUDA_VISIBLE_DEVICES`` (index or UUID; the NVML index
-    when unset), and the worker uses "cuda:0". Where the entry is an integer
-    and ``CUDA_DEVICE_ORDER`` is not set, it is set to ``PCI_BUS_ID`` so that
-    the integer means the same GPU to CUDA as to NVML (CUDA's default order
-    is fastest-first). CPU: ``CUDA_VISIBLE_DEVICES=""`` and "cpu".
+    GPU: ``CUDA_VISIBLE_DEVICES`` is just that device and the worker uses
+    "cuda:0". With NVML the entry is the GPU's UUID, which names the same GPU
+    to CUDA and NVML whatever the device order (NVML's index "may not
+    correlate" with CUDA's), or the MIG instance's UUID as this process's
+    ``CUDA_VISIBLE_DEVICES`` wrote it. Otherwise it is the entry as written
+    there (or the ordinal when unset); where that entry is an integer and
+    ``CUDA_DEVICE_ORDER`` is not set, it is set to ``PCI_BUS_ID`` so that the
+    integer means the same GPU to CUDA as to NVML (CUDA's default order is
+    fastest-first). CPU: ``CUDA_VISIBLE_DEVICES=""`` and "cpu".
     Raises ValueError for a CUDA ordinal that is not visible.
     """
     env = os.environ if environ is None else environ
@@ -756,7 +790,9 @@ def worker_env_for(
         visible = probe._visible(env)
         if ordinal >= len(visible):
             raise ValueError(_not_visible(device, len(visible), env))
-        entry = visible[ordinal][0]
+        entry, index = visible[ordinal]
+        if not entry.lower().startswith("mig-"):
+            entry = probe._uuid(index) or entry
     else:
         entries = _cvd_entries(env)
         if entries is None:
@@ -774,214 +810,14 @@ def worker_env_for(
     return overrides, "cuda:0"
 
 
-# ----------------------------------------------------------------------------- CPU side
-
-
-def _check_pgid(pgid: int) -> None:
-    # killpg(0) would signal our own group and killpg(1) is meaningless here.
-    if pgid <= 1:
-        raise ValueError(f"refusing to act on process group {pgid}")
-
-
-def process_group_exists(pgid: int) -> bool:
-    """True while any process (zombies included) is in process group ``pgid``."""
-    _check_pgid(pgid)
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
-
-
-def _group_members(pgid: int) -> list[psutil.Process]:
-    members: list[psutil.Process] = []
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid:
-                members.append(proc)
-        except (ProcessLookupError, PermissionError, OSError):
-            continue
-    return members
-
-
-def _rss(proc: psutil.Process) -> int:
-    try:
-        return int(proc.memory_info().rss)
-    except (psutil.Error, OSError):
-        return 0  # zombies have none; vanished processes neither
-
-
-def rss_bytes_of_group(pgid: int) -> int:
-    """Summed RSS of the processes in group ``pgid`` (call before the kill, to report it)."""
-    _check_pgid(pgid)
-    return sum(_rss(proc) for proc in _group_members(pgid))
-
-
-def _describe_member(proc: psutil.Process) -> str:
-    try:
-        status = proc.status()
-    except psutil.ZombieProcess:
-        status = "zombie"
-    except (psutil.Error, OSError):
-        status = "?"
-    try:
-        name = proc.name()
-    except (psutil.Error, OSError):
-        name = "?"
-    return f"pid {proc.pid} ({name}) status={status}"
-
-
-def reap_group_children(pgid: int) -> int:
-    """Reap our own exited children in group ``pgid``; returns how many were reaped.
-
-    Only call it once the group leader's exit status has been collected by
-    its owner (``Popen.wait``, ``Process.join``): it would steal it otherwise.
-    """
-    _check_pgid(pgid)
-    reaped = 0
-    while True:
-        try:
-            pid, _status = os.waitpid(-pgid, os.WNOHANG)
-        except ChildProcessError:
-            return reaped
-        if pid == 0:
-            return reaped
-        reaped += 1
-
-
-class GroupReleaseWatch:
-    """Non-blocking check that a killed worker's process group is gone (method "psutil")."""
-
-    def __init__(
-        self,
-        pgid: int,
-        *,
-        timeout_s: float,
-        reap: bool = False,
-        clock: Clock = time.monotonic,
-    ) -> None:
-        _check_pgid(pgid)
-        self.pgid = pgid
-        self.reap = reap
-        self._clock = clock
-        self.started = clock()
-        self.deadline = self.started + timeout_s
-        self._report: ReleaseReport | None = None
-
-    def poll(self) -> ReleaseReport | None:
-        if self._report is not None:
-            return self._report
-        if self.reap:
-            reap_group_children(self.pgid)
-        if not process_group_exists(self.pgid):
-            return self._finish(True, 0, [])
-        if self._clock() < self.deadline:
-            return None
-        members = _group_members(self.pgid)
-        if not members and not process_group_exists(self.pgid):
-            return self._finish(True, 0, [])
-        holders = [_describe_member(proc) for proc in members] or [
-            f"process group {self.pgid} still exists (members not visible)"
-        ]
-        report = self._finish(False, sum(_rss(proc) for proc in members), holders)
-        log.warning("process group %d: %s", self.pgid, report.describe())
-        return report
-
-    def _finish(self, ok: bool, held: int, holders: list[str]) -> ReleaseReport:
-        self._report = ReleaseReport(
-            ok=ok,
-            seconds=max(0.0, self._clock() - self.started),
-            held_bytes=held,
-            method="psutil",
-            holders=holders,
-        )
-        return self._report
-
-
-def wait_process_group_gone(
-    pgid: int,
-    *,
-    timeout_s: float,
-    poll_s: float = 0.005,
-    reap: bool = False,
-    clock: Clock = time.monotonic,
-    sleep: Sleep = time.sleep,
-) -> ReleaseReport:
-    """Block until no process (zombies included) is left in group ``pgid``, or timeout.
-
-    Reap the group leader first: its zombie keeps the group alive. Orphaned
-    members are reaped by init (some container inits take seconds) or by a
-    child subreaper; with ``reap=True`` this call reaps those that are our
-    own children (see :func:`set_child_subreaper`, :func:`reap_group_children`).
-    On timeout the report lists the survivors (pid, name, status) and their RSS.
-    """
-    watch = GroupReleaseWatch(pgid, timeout_s=timeout_s, reap=reap, clock=clock)
-    return _run_watch(watch.poll, watch.deadline, poll_s, clock, sleep)
-
-
-_PR_SET_CHILD_SUBREAPER = 36
-
-
-def set_child_subreaper(enabled: bool = True) -> bool:
-    """Make this process the reaper of its orphaned descendants (Linux); False if not possible.
-
-    With it, the members of a killed worker's group become our zombies
-    instead of init's, and ``wait_process_group_gone(..., reap=True)`` can
-    clear them at once instead of waiting on init.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        result = libc.prctl(_PR_SET_CHILD_SUBREAPER, 1 if enabled else 0, 0, 0, 0)
-    except (OSError, AttributeError):
-        return False
-    return int(result) == 0
-
-
-def _page_size() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 4096
-
-
-_PAGE_SIZE = _page_size()
-
-
-def process_rss_bytes() -> int:
-    """RSS of the calling process: /proc/self/statm (cheap); peak RSS where there is no /proc."""
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * _PAGE_SIZE
-    except (OSError, IndexError, ValueError):
-        pass
-    try:
-        import resource
-    except ImportError:
-        return 0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
-
-
 __all__ = [
     "DEFAULT_TOLERANCE_BYTES",
     "DeviceInfo",
     "GpuProbe",
-    "GroupReleaseWatch",
     "MemoryReading",
     "ReleaseReport",
-    "ReleaseWatch",
     "find_device_holders",
     "nvml_index_for",
-    "process_group_exists",
-    "process_rss_bytes",
-    "reap_group_children",
     "resolve_devices",
-    "rss_bytes_of_group",
-    "set_child_subreaper",
-    "wait_process_group_gone",
     "worker_env_for",
 ]

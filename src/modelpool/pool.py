@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import importlib
 import itertools
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -80,9 +82,17 @@ class ModelPool:
         self.config = config
         self._backend_validate = _backend_validator(config.backend)
         self._futures: weakref.WeakValueDictionary[str, PoolFuture] = weakref.WeakValueDictionary()
-        self._lock = threading.Lock()
-        self._queued = 0
+        # Only start() takes a lock. Everything a caller, a signal handler or a finalizer
+        # can reach while another call is half done on the same thread (submit, stats,
+        # cancel, close, a stream's __del__) is lock-free: a plain lock taken there would
+        # deadlock on re-entry and then block every thread's calls behind it.
+        self._start_lock = threading.RLock()
+        # One token per request the dispatcher has not yet dequeued: deque append and
+        # pop are atomic, so max_queue holds without a lock.
+        self._queue_tokens: collections.deque[None] = collections.deque()
         self._closed = False
+        # A forked child inherits this object but not the dispatcher thread.
+        self._owner_pid = os.getpid()
         self._loop: EventLoop | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -96,6 +106,7 @@ class ModelPool:
 
     def start(self) -> ModelPool:
         """Start every worker and wait until all are ready; raise ``ModelLoadFailed`` if not."""
+        self._check_owner()
         if self._closed:
             raise PoolClosed("the pool is closed")
         if self._loop is None:
@@ -107,7 +118,7 @@ class ModelPool:
                 config = config.replace(model=model)
             probe = self._gpu_probe or gpu.GpuProbe()
             devices = gpu.resolve_devices(config.devices, probe)
-            with self._lock:
+            with self._start_lock:
                 if self._closed:
                     raise PoolClosed("the pool is closed")
                 if self._loop is None:
@@ -121,6 +132,11 @@ class ModelPool:
                     )
                     _live_pools.add(self)
                     self._loop.start()
+            if self._closed:
+                # close() ran on another thread before the loop existed and found nothing
+                # to stop: stop it here.
+                self.close(drain=False, timeout=5.0)
+                raise PoolClosed("the pool was closed while starting")
         try:
             self._started.wait()
         except BaseException:
@@ -139,12 +155,12 @@ class ModelPool:
     def close(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop accepting requests, finish (``drain``) or fail in-flight ones, stop every worker.
 
-        Idempotent. Returns when every worker process is gone and reaped.
+        Idempotent. Returns when every worker process is gone and reaped. In a forked
+        child it does nothing: the workers belong to the parent's pool.
         """
-        with self._lock:
-            self._closed = True
-            loop = self._loop
-        if loop is None:
+        self._closed = True
+        loop = self._loop
+        if loop is None or os.getpid() != self._owner_pid:
             return
         loop.post(loop.dispatcher.begin_close, drain, time.monotonic() + timeout)
         if threading.current_thread() is loop.thread:
@@ -196,6 +212,7 @@ class ModelPool:
     def cancel(self, request_id: str) -> bool:
         """Stop a request; its future resolves with ``finish_reason="cancelled"`` and the text
         so far. False if the request is unknown or already finished."""
+        self._check_owner()
         loop = self._loop
         future = self._futures.get(request_id)
         if loop is None or future is None or future.done():
@@ -248,6 +265,7 @@ class ModelPool:
 
     async def astats(self) -> PoolStats:
         """:meth:`stats` for asyncio code: awaits the dispatcher's snapshot without a thread."""
+        self._check_owner()
         loop = self._loop
         if loop is None or not loop.thread.is_alive():
             return self.stats()
@@ -270,6 +288,7 @@ class ModelPool:
 
     def stats(self) -> PoolStats:
         """A consistent snapshot, built by the dispatcher thread; never waits on a worker."""
+        self._check_owner()
         loop = self._loop
         if loop is None:
             return Dispatcher(self.config, _NoIO(), devices=[]).snapshot()
@@ -314,22 +333,22 @@ class ModelPool:
         except Exception as exc:
             raise InvalidRequest(f"the request cannot be sent to a worker: {exc!r}") from exc
         loop = self._loop
-        with self._lock:
-            if self._closed:
-                raise PoolClosed("the pool is closed")
-            if loop is None:
-                raise PoolError(
-                    "the pool is not started: call start() or use `with ModelPool(...)`"
-                )
-            failure = loop.dispatcher.load_failure()
-            if failure is not None:
-                raise failure
-            if loop.dispatcher.crashed:
-                raise PoolError("the pool's dispatcher failed; see the log")
-            if self._queued >= self.config.max_queue:
-                loop.post(loop.dispatcher.count_overloaded)
-                raise PoolOverloaded(f"the queue is full ({self.config.max_queue} waiting)")
-            self._queued += 1
+        self._check_owner()
+        if self._closed:
+            raise PoolClosed("the pool is closed")
+        if loop is None:
+            raise PoolError("the pool is not started: call start() or use `with ModelPool(...)`")
+        failure = loop.dispatcher.load_failure()
+        if failure is not None:
+            raise failure
+        if loop.dispatcher.crashed:
+            raise PoolError("the pool's dispatcher failed; see the log")
+        tokens = self._queue_tokens
+        tokens.append(None)
+        if len(tokens) > self.config.max_queue:
+            self._on_dequeued()
+            loop.post(loop.dispatcher.count_overloaded)
+            raise PoolOverloaded(f"the queue is full ({self.config.max_queue} waiting)")
         now = time.monotonic()
         request_id = f"req-{self._id_prefix}{next(self._request_numbers):x}"
         future = PoolFuture(request_id, self._cancel_from_future)
@@ -348,12 +367,21 @@ class ModelPool:
         return future
 
     def _on_dequeued(self) -> None:
-        with self._lock:
-            self._queued -= 1
+        try:
+            self._queue_tokens.pop()
+        except IndexError:
+            pass  # Every token is accounted for; nothing to give back.
+
+    def _check_owner(self) -> None:
+        if os.getpid() != self._owner_pid:
+            raise PoolClosed(
+                f"this pool belongs to process {self._owner_pid}, which forked this one; "
+                "a child process must create its own ModelPool"
+            )
 
     def _cancel_from_future(self, request_id: str) -> None:
         loop = self._loop
-        if loop is not None:
+        if loop is not None and os.getpid() == self._owner_pid:
             loop.post(loop.dispatcher.cancel, request_id, True)
 
 

@@ -251,7 +251,35 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise invalid(
             f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json"
         )
+    where = _lone_surrogate_at(data, "")
+    if where is not None:
+        # Valid JSON ("\ud800") but not Unicode text: no worker could take it, and the
+        # answer that echoes it could not be encoded.
+        raise invalid(
+            f"{where or 'the body'} contains a lone surrogate escape: not valid Unicode text",
+            param=where or None,
+        )
     return data
+
+
+def _lone_surrogate_at(value: object, path: str) -> str | None:
+    """The path of the first string holding a lone surrogate, or None."""
+    stack: list[tuple[object, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if _lone_surrogate_at(key, "") is not None:
+                    return f"{where}.{key!r}" if where else repr(key)
+                stack.append((child, f"{where}.{key}" if where else key))
+        elif isinstance(item, list):
+            stack.extend((child, f"{where}[{index}]") for index, child in enumerate(item))
+    return None
 
 
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:

@@ -1,6 +1,6 @@
 """Starting one worker process, and the handle the event loop keeps for it.
 
-:func:`start_worker_process` runs ``python -m modelpool.worker`` (never
+:func:`start_worker_process` runs ``modelpool.worker.main`` in a new interpreter (never
 ``multiprocessing``: see ``worker.py``) in its own session and process group, with
 three inherited descriptors: its end of a socket pair (the framed channel), the memfd
 ``ControlBlock`` (per-slot cancel flags, progress counters) and the read end of the pool's
@@ -47,11 +47,25 @@ def build_env(device_env: Mapping[str, str], threads_per_worker: int) -> dict[st
     return env
 
 
+# ``python -m`` would put the current directory first on the worker's sys.path, where a
+# stray psutil.py, queue.py or transformers/ in the directory someone runs the daemon
+# from would replace the real module. ``-c`` puts "" there instead, which the bootstrap
+# removes before anything else is imported; the caller's own sys.path arrives with the
+# "init" message, as it is.
+WORKER_BOOTSTRAP = (
+    "import sys\n"
+    "if sys.path[:1] == ['']:\n"
+    "    del sys.path[0]\n"
+    "from modelpool.worker import main\n"
+    "main()\n"
+)
+
+
 def build_command(channel_fd: int, control_fd: int, lifeline_fd: int) -> list[str]:
     return [
         sys.executable,
-        "-m",
-        "modelpool.worker",
+        "-c",
+        WORKER_BOOTSTRAP,
         "--channel",
         str(channel_fd),
         "--control",

@@ -16,7 +16,7 @@ Data flow::
       |                                                   <--+
       |  ("run", attempt_id, slot, payload) over the worker's socket
       v
-    worker processes (spawn.py: python -m modelpool.worker, own process group)
+    worker processes (spawn.py: a new interpreter running modelpool.worker, own group)
       |  ("chunk" ...)*, then ("done" ...) or ("error" ...)
       v
     Dispatcher: the attempt id must match the worker's current attempt, else the
@@ -70,8 +70,10 @@ import logging
 import os
 import selectors
 import signal
+import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -119,12 +121,18 @@ class EventLoop:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._wake_pending = False
-        self._post_lock = threading.Lock()
         self.stopped = False
+        # post() runs on any thread, in signal handlers and finalizers too, and takes no
+        # lock; so the wake-up pipe is closed only once nothing can post any more: when
+        # this object is collected, not at teardown.
+        weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         self._lifeline_r, self._lifeline_w = os.pipe()
         _lifeline_writers.add(self._lifeline_w)
         self._eof_without_exit: list[Worker] = []
+        # Devices are mapped once, here: an application that changes CUDA_VISIBLE_DEVICES
+        # after start() (to hide the GPU from itself, say) must not remap its workers.
+        self.environ = dict(os.environ)
         self.dispatcher = Dispatcher(
             config,
             self,
@@ -141,6 +149,7 @@ class EventLoop:
             on_release_checked=self.dispatcher.on_release_checked,
             on_device_free=self.dispatcher.on_device_free,
             on_gpu_sample=self.dispatcher.on_gpu_sample,
+            environ=self.environ,
         )
         self.thread = threading.Thread(target=self.run, name="modelpool-dispatcher", daemon=True)
         self._threads_per_worker = max(1, usable_cpus() // config.workers)
@@ -165,6 +174,10 @@ class EventLoop:
                     kind, worker = key.data
                     if kind == "wake":
                         self._drain_wake()
+                    elif worker.state == "dead":
+                        # Reaped earlier in this same batch: its socket and pidfd are closed
+                        # (the socket may still be readable through a child that kept it).
+                        continue
                     elif kind == "sock":
                         if mask & selectors.EVENT_WRITE:
                             self._flush(worker)
@@ -208,7 +221,7 @@ class EventLoop:
 
     def _read(self, worker: Worker, *, until_eof: bool = False) -> None:
         io = worker.io
-        if not isinstance(io, ProcessWorkerIO) or io.eof:
+        if not isinstance(io, ProcessWorkerIO) or io.eof or io.closed:
             return
         while True:
             try:
@@ -240,7 +253,7 @@ class EventLoop:
 
     def _stop_reading(self, worker: Worker, io: ProcessWorkerIO) -> None:
         io.eof = True
-        self.selector.unregister(io.sock)
+        self._unregister(io.sock)
         if io.pidfd is None:
             self._eof_without_exit.append(worker)
 
@@ -261,19 +274,31 @@ class EventLoop:
         # zombie keeps the group id from being reused by a new process group meanwhile.
         io.signal_group(signal.SIGKILL)
         returncode = io.popen.wait()
-        if not io.eof:
-            self.selector.unregister(io.sock)
+        io.eof = True
+        self._unregister(io.sock)
         if io.pidfd is not None:
-            self.selector.unregister(io.pidfd)
+            self._unregister(io.pidfd)
         io.close()
         self.dispatcher.on_exit(worker, returncode)
 
+    def _unregister(self, fileobj: socket.socket | int) -> None:
+        try:
+            self.selector.unregister(fileobj)
+        except (KeyError, ValueError):
+            pass  # Already forgotten (end of file came first), or already closed.
+
     def _stop_accepting(self) -> None:
-        """No command is taken after this; submissions already queued fail instead of hanging."""
-        with self._post_lock:
-            self.stopped = True
-        while self.commands:
-            action, args = self.commands.popleft()
+        """No command is taken after this; submissions already queued fail instead of hanging.
+
+        ``stopped`` is set before the deque is drained, and ``post`` checks it again after
+        appending, so every command is either drained here or taken back by its poster.
+        """
+        self.stopped = True
+        while True:
+            try:
+                action, args = self.commands.popleft()
+            except IndexError:
+                break
             if action == self.dispatcher.submit:
                 set_future(args[0].future, PoolClosed("the pool stopped before the request ran"))
 
@@ -289,29 +314,33 @@ class EventLoop:
                     worker.state = "dead"
         self.selector.close()
         _lifeline_writers.discard(self._lifeline_w)
-        with self._post_lock:
-            for fd in (self._wake_r, self._wake_w, self._lifeline_r, self._lifeline_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        _close_fds(self._lifeline_r, self._lifeline_w)
 
     # ---- from other threads ------------------------------------------------------------
 
     def post(self, action: Callable[..., None], *args: Any) -> bool:
-        """Queue work for the dispatcher thread; False once the loop has stopped."""
-        with self._post_lock:
-            # Under the lock so that the wake-up descriptor cannot be closed, and its
-            # number reused by someone else's file, between the check and the write.
-            if self.stopped:
-                return False
-            self.commands.append((action, args))
-            if not self._wake_pending:
-                self._wake_pending = True
-                try:
-                    os.write(self._wake_w, b"\0")
-                except BlockingIOError:
-                    pass  # The pipe is full of wake-ups already.
+        """Queue work for the dispatcher thread; False once the loop has stopped.
+
+        Lock-free, so that it is safe from a signal handler or a finalizer that runs on a
+        thread which is itself in the middle of a post: deque appends are atomic, and
+        the wake-up byte is written at most once per batch of commands.
+        """
+        if self.stopped:
+            return False
+        command = (action, args)
+        self.commands.append(command)
+        if self.stopped:
+            try:
+                self.commands.remove(command)
+            except ValueError:
+                return True  # _stop_accepting drained it, and resolved it if it was a submit
+            return False
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # The pipe is full of wake-ups already.
         return True
 
     def start(self) -> None:
@@ -328,8 +357,8 @@ class EventLoop:
     # ---- DispatcherIO ----------------------------------------------------------------------
 
     def spawn(self, worker: Worker, spec: WorkerSpec) -> WorkerIO:
-        device_env, worker_device = gpu.worker_env_for(worker.device, self.probe)
-        index = gpu.nvml_index_for(worker.device, self.probe)
+        device_env, worker_device = gpu.worker_env_for(worker.device, self.probe, self.environ)
+        index = gpu.nvml_index_for(worker.device, self.probe, self.environ)
         if index is not None:
             worker.gpu_baseline = self.probe.used_bytes(index)
         io = start_worker_process(
@@ -379,6 +408,14 @@ class EventLoop:
 # multiprocessing "fork" context, say) would otherwise hold them open and keep the
 # workers alive after the supervisor died, for as long as that child lives.
 _lifeline_writers: set[int] = set()
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _close_lifelines_in_child() -> None:

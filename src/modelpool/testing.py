@@ -41,7 +41,9 @@ batch down, ``raise`` fails only its own request, ``spin`` keeps the loop
 iterating without delivering tokens.
 
 Load-time options (``backend_options``): ``load_delay_s`` (sleep before ready),
-``fail_load`` (raise during load), ``exit_on_load`` (``os._exit`` during load).
+``fail_load`` (raise during load), ``exit_on_load`` (``os._exit`` during load),
+``exit_after_load_s`` (``os._exit(1)`` that many seconds after a successful load: a
+worker that says ready and dies).
 This module imports nothing heavy, so a worker is ready in a few tens of ms.
 """
 
@@ -250,7 +252,9 @@ def _block_forever() -> None:
 
 def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
     """Factory: ``backend="testing"``. ``model`` and ``device`` are ignored."""
-    unknown = sorted(set(options) - {"load_delay_s", "fail_load", "exit_on_load"})
+    unknown = sorted(
+        set(options) - {"load_delay_s", "fail_load", "exit_on_load", "exit_after_load_s"}
+    )
     if unknown:
         raise ValueError(f"unknown testing backend option {unknown[0]!r}")
     if options.get("load_delay_s"):
@@ -259,4 +263,6 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
         os._exit(int(options["exit_on_load"]))
     if options.get("fail_load"):
         raise RuntimeError(f"testing backend asked to fail its load: {options['fail_load']}")
+    if options.get("exit_after_load_s") is not None:
+        threading.Timer(float(options["exit_after_load_s"]), os._exit, args=(1,)).start()
     return FaultBackend()

@@ -1,6 +1,7 @@
 """Worker process entry: load the backend once, then serve attempts until told to stop.
 
-A worker is started by the supervisor as ``python -m modelpool.worker`` with
+A worker is started by the supervisor as a new interpreter running :func:`main` (``python -c``
+with a bootstrap that keeps the current directory off ``sys.path``), with
 three inherited descriptors (see ``spawn.start_worker_process``):
 
 - ``--channel``: its end of a Unix socket pair (framed pickles, see protocol.py);
@@ -44,7 +45,7 @@ from typing import Any
 
 from modelpool.backends import import_backend
 from modelpool.errors import InvalidRequest
-from modelpool.gpu import process_rss_bytes
+from modelpool.processes import process_rss_bytes
 from modelpool.protocol import (
     PROTOCOL_VERSION,
     BatchedHandler,
@@ -76,6 +77,9 @@ class _Channel:
 
     def recv(self) -> tuple[Any, ...] | None:
         return recv_frame(self._sock)
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 class _ForwardingHandler(logging.Handler):
@@ -137,6 +141,11 @@ class WorkerCall:
 
     def delivered(self, tokens: int = 1) -> None:
         self._control.deliver(self.slot, tokens)
+
+
+def _leave_channel(root: logging.Logger, forwarding: logging.Handler, channel: _Channel) -> None:
+    root.removeHandler(forwarding)
+    channel.close()
 
 
 def _watch_lifeline(lifeline_fd: int) -> None:
@@ -365,8 +374,13 @@ def serve(channel: _Channel, control: ControlBlock) -> int:
             sys.path.append(entry)
 
     root = logging.getLogger()
-    root.handlers[:] = [_ForwardingHandler(channel)]
+    forwarding = _ForwardingHandler(channel)
+    root.handlers[:] = [forwarding]
     root.setLevel(spec.log_level)
+    # A process the backend forks (a tokenizer server, os.fork, multiprocessing's fork)
+    # must not speak on the pool's channel: its frames would interleave with ours, and
+    # it could keep the channel open after this worker died.
+    os.register_at_fork(after_in_child=lambda: _leave_channel(root, forwarding, channel))
 
     try:
         factory = import_backend(spec.backend)
@@ -396,6 +410,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--supervisor-pid", type=int, required=True)
     args = parser.parse_args(argv)
 
+    # Ours alone: a program the backend executes must not inherit the pool's descriptors.
+    for fd in (args.channel, args.control, args.lifeline):
+        os.set_inheritable(fd, False)
     # Ctrl-C in a terminal is the supervisor's to handle; it stops workers in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.enable()

@@ -26,7 +26,7 @@ import pytest
 
 from helpers import assert_no_children, open_pool, pid_alive, wait_until
 from modelpool import PoolError
-from modelpool.gpu import set_child_subreaper
+from modelpool.processes import set_child_subreaper
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

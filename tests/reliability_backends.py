@@ -1,0 +1,50 @@
+"""Backends for the reliability regressions (importable by workers: tests/ is on sys.path)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import subprocess
+from typing import Any
+
+from modelpool.protocol import Call
+
+
+class _Forking:
+    """``fork-and-log``: forks a child that logs a line (through whatever logging the
+    worker has), waits for it, then logs a line of its own."""
+
+    def generate(self, call: Call) -> str:
+        child = os.fork()
+        if child == 0:
+            logging.getLogger("forked-helper").warning("HELPER-LINE from the forked child")
+            os._exit(0)
+        os.waitpid(child, 0)
+        logging.getLogger("backend").warning("WORKER-LINE from the worker")
+        return "forked"
+
+
+def forking(model: str = "", device: str = "cpu", **options: Any) -> _Forking:
+    return _Forking()
+
+
+class _ChannelKeeper:
+    """``keep``: starts a helper outside the worker's process group that holds every socket
+    the worker has (its channel among them) and outlives it; returns the helper's pid."""
+
+    def generate(self, call: Call) -> str:
+        sockets = [fd for fd in map(int, os.listdir("/proc/self/fd")) if _is_socket(fd)]
+        helper = subprocess.Popen(["sleep", "60"], pass_fds=sockets, start_new_session=True)
+        return str(helper.pid)
+
+
+def _is_socket(fd: int) -> bool:
+    try:
+        return stat.S_ISSOCK(os.fstat(fd).st_mode)
+    except OSError:
+        return False
+
+
+def channel_keeper(model: str = "", device: str = "cpu", **options: Any) -> _ChannelKeeper:
+    return _ChannelKeeper()
