@@ -14,6 +14,10 @@ generation cleanly when it turns true; text is handed to ``call.emit`` as soon
 as it is stable (never half a character, never the start of a stop string),
 and the chunks joined are exactly the returned text.
 
+With ``max_batch_size`` above 1 the pool drives the batched form instead
+(``admit``/``step``/``retire``/``abort``, see ``hf_batch``): many requests
+decode together over one KV cache, each with its own sampling parameters.
+
 Importing this module costs nothing heavy: the supervisor imports it for
 :func:`validate`, and torch and transformers are imported by :func:`load`.
 """
