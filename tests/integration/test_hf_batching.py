@@ -184,4 +184,17 @@ def test_pool_of_batching_hf_workers_answers_like_one_at_a_time(tiny_model_dir: 
         assert not long.done(), "the short request waited for the long one"
         assert long.result(timeout=120).completion_tokens == 60
         assert pool.stats().workers[0].slots == 4
+        # A cancel in a full batch: that request stops, the others keep their text.
+        streams = [
+            pool.stream(prompt, max_new_tokens=400 if index == 1 else 16)
+            for index, prompt in enumerate(PROMPTS)
+        ]
+        next(iter(streams[1]))
+        pool.cancel(streams[1].request_id)
+        others = ["".join(stream) for index, stream in enumerate(streams) if index != 1]
+        for _ in streams[1]:
+            pass
+        assert streams[1].result is not None
+        assert streams[1].result.finish_reason == "cancelled"
     assert texts == expected
+    assert others == [text for index, text in enumerate(expected) if index != 1]
