@@ -12,6 +12,14 @@ The entry points come first, in the order of a request's life (``submit``, ``can
 ``run_due_timers`` and ``after_event`` on every turn); the helpers follow, grouped by
 what they decide: handing requests to workers, what workers send, deadlines and the kill
 ladder, retry or fail, resolution, slots and start-up, recycling, closing.
+
+Batching (``max_batch_size`` above 1): a worker holds up to ``Worker.slots`` runs;
+``_pump``/``_place`` fill the least-loaded worker first, give an isolated request an
+empty worker and spread suspects one per worker. Deadlines and cancels act on one run
+(its slot's cancel word); ``_worker_stalled`` (no token delivered), an ignored cancel or
+a death settle the whole batch through ``_batch_lost`` (collateral retries, poison
+isolation). The file is past 1,000 lines because these rules share every record with
+the unbatched ones; splitting them out would mean a second owner of the same state.
 """
 
 from __future__ import annotations
