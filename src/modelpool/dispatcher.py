@@ -30,6 +30,7 @@ from modelpool.config import PoolConfig
 from modelpool.errors import (
     Attempt,
     BackendError,
+    ContextLengthExceeded,
     DeadlineExceeded,
     InvalidRequest,
     ModelLoadFailed,
@@ -112,6 +113,9 @@ class Dispatcher:
         self.state = "starting"
         self.failure: ModelLoadFailed | None = None
         self.last_load_error: str | None = None
+        # The model's context length as the workers report it (the smallest, should they
+        # ever differ); kept when they leave, so stats still show it between respawns.
+        self.max_model_len: int | None = None
         self.consecutive_startup_failures = 0
         self.closing = False
         self.finished = False
@@ -183,7 +187,7 @@ class Dispatcher:
                 levelno, "[worker %d pid %s] %s: %s", worker.id, worker.pid, name, text
             )
         elif kind == "ready":
-            self._on_ready(worker, message[1], message[2], message[3])
+            self._on_ready(worker, *message[1:])
         elif kind == "load_failed":
             worker.load_error = message[1]
         else:
@@ -399,6 +403,7 @@ class Dispatcher:
                     rss_mb=None if worker.rss_bytes is None else round(worker.rss_bytes / 2**20, 1),
                     gpu_mb=None if worker.gpu_bytes is None else round(worker.gpu_bytes / 2**20, 1),
                     gpu_mb_method=worker.gpu_method,
+                    max_model_len=worker.max_model_len,
                 )
             )
         return PoolStats(
@@ -417,6 +422,7 @@ class Dispatcher:
             uptime_s=round(now - self.created_at, 3),
             last_load_error=self.last_load_error,
             kill_reasons=dict(self.kill_reasons),
+            max_model_len=self.max_model_len,
         )
 
     # ---- requests to workers -------------------------------------------------------------
@@ -477,7 +483,14 @@ class Dispatcher:
 
     # ---- what workers send ---------------------------------------------------------------
 
-    def _on_ready(self, worker: Worker, version: int, pid: int, rss_bytes: int) -> None:
+    def _on_ready(
+        self,
+        worker: Worker,
+        version: int,
+        pid: int,
+        rss_bytes: int,
+        max_model_len: int | None = None,  # absent from an older worker, refused just below
+    ) -> None:
         if worker.state != "starting" or worker.signalled:
             return  # A "ready" that crossed the start-up timeout's SIGKILL: it is dying.
         self.timers.cancel(worker.startup_timer)
@@ -494,6 +507,11 @@ class Dispatcher:
         worker.pid = pid
         worker.ready_at = self.clock()
         worker.rss_bytes = rss_bytes
+        worker.max_model_len = max_model_len
+        if max_model_len is not None and (
+            self.max_model_len is None or max_model_len < self.max_model_len
+        ):
+            self.max_model_len = max_model_len
         # The crash-loop count is cleared once this worker has outlived EARLY_DEATH_S, not
         # at "ready": a worker that says ready and dies at once must still count.
         worker.startup_timer = self.timers.call_at(
@@ -570,6 +588,7 @@ class Dispatcher:
         text: str,
         remote_traceback: str,
         rss_bytes: int,
+        detail: tuple[int, int | None, int] | None = None,
     ) -> None:
         worker.rss_bytes = rss_bytes
         run = self._current_run(worker, attempt_id)
@@ -580,10 +599,13 @@ class Dispatcher:
         request = run.request
         if request is None:
             return
-        self._end_attempt(run, "error")
-        if kind == "invalid":
-            self._fail(request, InvalidRequest(text))
+        if kind in ("invalid", "context_length"):
+            # A refusal is the request's fault, not the attempt's: no failed attempt is
+            # recorded and nothing is retried (another worker would refuse it the same way).
+            self._end_attempt(run, None)
+            self._fail(request, _refusal(text, detail))
             return
+        self._end_attempt(run, "error")
         error = BackendError(
             f"the backend raised on worker pid {worker.pid}: {text}",
             remote_traceback=remote_traceback,
@@ -729,8 +751,9 @@ class Dispatcher:
 
     # ---- retry or fail -------------------------------------------------------------------
 
-    def _end_attempt(self, run: Run, outcome: Outcome) -> Request:
+    def _end_attempt(self, run: Run, outcome: Outcome | None) -> Request:
         """Close ``run``'s attempt: record it on its request, detach the two, keep its text.
+        Outcome None: the worker refused the request, which records no attempt.
 
         The attempt's deadline timer goes with it: a timer must not keep a request that
         already moved on (to a retry, or to its caller) alive until the old deadline.
@@ -740,7 +763,10 @@ class Dispatcher:
         run.request = None
         request.run = None
         self.timers.cancel(run.deadline_timer)
-        request.attempts.append(Attempt(run.worker.pid, outcome, self.clock() - run.started_at))
+        if outcome is not None:
+            request.attempts.append(
+                Attempt(run.worker.pid, outcome, self.clock() - run.started_at)
+            )
         request.last_partial = run.partial_text()
         return request
 
@@ -904,6 +930,7 @@ class Dispatcher:
             device=device,
             sys_path=list(sys.path),
             log_level=logging.getLogger("modelpool").getEffectiveLevel(),
+            generation_defaults=self.config.generation_defaults,
         )
         if replacement:
             self.counters["respawns"] += 1
@@ -1121,3 +1148,16 @@ class Dispatcher:
                 if w.pid is not None and w.state != "dead" and w.device.startswith("cuda")
             ]
         )
+
+
+def _refusal(text: str, detail: tuple[int, int | None, int] | None) -> InvalidRequest:
+    """The typed error for a worker's refusal; ``detail`` carries a context refusal's numbers."""
+    if detail is None:
+        return InvalidRequest(text)
+    prompt_tokens, max_new_tokens, max_model_len = detail
+    return ContextLengthExceeded(
+        text,
+        prompt_tokens=prompt_tokens,
+        max_new_tokens=max_new_tokens,
+        max_model_len=max_model_len,
+    )

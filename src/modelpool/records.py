@@ -33,7 +33,7 @@ WorkerRole = Literal["serving", "spare"]
 @dataclass(eq=False)
 class Request:
     request_id: str
-    payload: bytes  # pickle of (prompt, params): see protocol.encode_request
+    payload: bytes  # pickle of (prompt, the caller's params): see protocol.encode_request
     future: PoolFuture
     submitted_at: float
     deadline: float
@@ -108,6 +108,7 @@ class Worker:
     ladder_timer: Timer | None = None
     startup_timer: Timer | None = None
     exit_code: int | None = None
+    max_model_len: int | None = None
 
 
 class DispatcherIO(Protocol):

@@ -35,7 +35,8 @@ import traceback
 from typing import Any
 
 from modelpool.backends import import_backend
-from modelpool.errors import InvalidRequest
+from modelpool.context import check_max_model_len
+from modelpool.errors import ContextLengthExceeded, InvalidRequest
 from modelpool.processes import process_rss_bytes
 from modelpool.protocol import (
     PROTOCOL_VERSION,
@@ -87,9 +88,10 @@ class _ForwardingHandler(logging.Handler):
 
 
 class WorkerCall:
-    """The ``Call`` a backend receives: prompt, params, a cheap cancel check, ``emit``."""
+    """The ``Call`` a backend receives: prompt, params (``defaulted``: those the pool filled
+    in), a cheap cancel check, ``emit``."""
 
-    __slots__ = ("_channel", "_control", "attempt_id", "params", "prompt")
+    __slots__ = ("_channel", "_control", "attempt_id", "defaulted", "params", "prompt")
 
     def __init__(
         self,
@@ -98,10 +100,12 @@ class WorkerCall:
         params: dict[str, Any],
         control: ControlBlock,
         channel: _Channel,
+        defaulted: frozenset[str],
     ) -> None:
         self.attempt_id = attempt_id
         self.prompt = prompt
         self.params = params
+        self.defaulted = defaulted
         self._control = control
         self._channel = channel
 
@@ -136,17 +140,23 @@ def _watch_lifeline(lifeline_fd: int) -> None:
 
 
 def _run_attempt(
-    handler: Handler, message: tuple[Any, ...], control: ControlBlock, channel: _Channel
+    handler: Handler,
+    message: tuple[Any, ...],
+    control: ControlBlock,
+    channel: _Channel,
+    defaults: dict[str, Any],
 ) -> None:
     _, attempt_id, payload = message
     try:
-        prompt, params = pickle.loads(payload)
+        prompt, own_params = pickle.loads(payload)
     except Exception as exc:
         # A class the caller defined in its own __main__, say: the request's fault, not ours.
         text = f"the request cannot be read in a worker: {exc!r}"
         channel.send(("error", attempt_id, "invalid", text, "", process_rss_bytes()))
         return
-    call = WorkerCall(attempt_id, prompt, params, control, channel)
+    params = {**defaults, **own_params}
+    defaulted = frozenset(defaults.keys() - own_params.keys())
+    call = WorkerCall(attempt_id, prompt, params, control, channel, defaulted)
     try:
         if control.cancel_attempt == attempt_id:
             # Cancelled while the request was in flight to us: do not start it at all. The flag
@@ -164,6 +174,12 @@ def _run_attempt(
                     )
                     return
             generation = _normalise(handler.generate(call))
+    except ContextLengthExceeded as exc:
+        detail = (exc.prompt_tokens, exc.max_new_tokens, exc.max_model_len)
+        channel.send(
+            ("error", attempt_id, "context_length", str(exc), "", process_rss_bytes(), detail)
+        )
+        return
     except InvalidRequest as exc:
         channel.send(("error", attempt_id, "invalid", str(exc), "", process_rss_bytes()))
         return
@@ -226,17 +242,20 @@ def serve(channel: _Channel, control: ControlBlock) -> int:
     try:
         factory = import_backend(spec.backend)
         handler = factory(model=spec.model, device=spec.device, **spec.backend_options)
+        max_model_len = check_max_model_len(
+            getattr(handler, "max_model_len", None), f"{spec.backend} backend's max_model_len"
+        )
     except BaseException:
         channel.send(("load_failed", traceback.format_exc()))
         return EXIT_LOAD_FAILED
-    channel.send(("ready", PROTOCOL_VERSION, os.getpid(), process_rss_bytes()))
+    channel.send(("ready", PROTOCOL_VERSION, os.getpid(), process_rss_bytes(), max_model_len))
 
     while True:
         message = channel.recv()
         if message is None or message[0] == "stop":
             return 0
         if message[0] == "run":
-            _run_attempt(handler, message, control, channel)
+            _run_attempt(handler, message, control, channel, spec.generation_defaults)
 
 
 def main(argv: list[str] | None = None) -> None:
