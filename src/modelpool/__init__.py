@@ -37,12 +37,14 @@ _EXPORTS = {
     "PoolClosed": "modelpool.errors",
     "ModelLoadFailed": "modelpool.errors",
     "InvalidRequest": "modelpool.errors",
+    "ContextLengthExceeded": "modelpool.errors",
 }
 
 __all__ = [
     "AsyncPoolStream",
     "Attempt",
     "BackendError",
+    "ContextLengthExceeded",
     "DeadlineExceeded",
     "Generation",
     "InvalidRequest",
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
     from modelpool.errors import (
         Attempt,
         BackendError,
+        ContextLengthExceeded,
         DeadlineExceeded,
         InvalidRequest,
         ModelLoadFailed,

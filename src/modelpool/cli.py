@@ -88,6 +88,7 @@ _POOL_FLAGS = (
     ("max_batch_size", "max_batch_size"),
     ("devices", "devices"),
     ("deadline", "deadline_s"),
+    ("max_model_len", "backend_options.max_model_len"),
 )
 _SERVER_FLAGS = (("host", "server.host"), ("port", "server.port"))
 
@@ -481,6 +482,7 @@ def _stats_tables(stats: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
         ["state", str(stats.get("state"))],
         ["queue depth", _fmt(stats.get("queue_depth"))],
         ["uptime", _fmt(stats.get("uptime_s"), " s")],
+        ["context length", _fmt(stats.get("max_model_len"), " tokens")],
         [
             "latency p50/p95/p99",
             " / ".join(
@@ -729,6 +731,13 @@ def _config_options(sub: argparse.ArgumentParser, *, server: bool) -> None:
         type=float,
         metavar="SECONDS",
         help=f"a request's wall-clock budget, all attempts (built-in: {_BUILT_IN.deadline_s:g})",
+    )
+    sub.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="TOKENS",
+        help="context length, prompt and completion together (default: the model config's; "
+        "sets backend_options.max_model_len)",
     )
     sub.add_argument(
         "--set",

@@ -38,6 +38,7 @@ from modelpool.config import PoolConfig
 from modelpool.errors import (
     Attempt,
     BackendError,
+    ContextLengthExceeded,
     DeadlineExceeded,
     InvalidRequest,
     ModelLoadFailed,
@@ -121,6 +122,9 @@ class Dispatcher:
         self.state = "starting"
         self.failure: ModelLoadFailed | None = None
         self.last_load_error: str | None = None
+        # The model's context length as the workers report it (the smallest, should they
+        # ever differ); kept when they leave, so stats still show it between respawns.
+        self.max_model_len: int | None = None
         self.consecutive_startup_failures = 0
         self.closing = False
         self.finished = False
@@ -192,8 +196,7 @@ class Dispatcher:
                 levelno, "[worker %d pid %s] %s: %s", worker.id, worker.pid, name, text
             )
         elif kind == "ready":
-            slots = message[4] if len(message) > 4 else 1
-            self._on_ready(worker, message[1], message[2], message[3], slots)
+            self._on_ready(worker, *message[1:])
         elif kind == "load_failed":
             worker.load_error = message[1]
         else:
@@ -416,6 +419,7 @@ class Dispatcher:
                     rss_mb=None if worker.rss_bytes is None else round(worker.rss_bytes / 2**20, 1),
                     gpu_mb=None if worker.gpu_bytes is None else round(worker.gpu_bytes / 2**20, 1),
                     gpu_mb_method=worker.gpu_method,
+                    max_model_len=worker.max_model_len,
                     slots=worker.slots,
                     running=[
                         run.request.request_id
@@ -440,6 +444,7 @@ class Dispatcher:
             uptime_s=round(now - self.created_at, 3),
             last_load_error=self.last_load_error,
             kill_reasons=dict(self.kill_reasons),
+            max_model_len=self.max_model_len,
             # workers x slots, as the workers report them (a one-call backend has one)
             capacity=self.config.workers
             * max(
@@ -558,7 +563,13 @@ class Dispatcher:
     # ---- what workers send ---------------------------------------------------------------
 
     def _on_ready(
-        self, worker: Worker, version: int, pid: int, rss_bytes: int, slots: int = 1
+        self,
+        worker: Worker,
+        version: int,
+        pid: int,
+        rss_bytes: int,
+        max_model_len: int | None = None,  # absent from an older worker, refused just below
+        slots: int = 1,
     ) -> None:
         if worker.state != "starting" or worker.signalled:
             return  # A "ready" that crossed the start-up timeout's SIGKILL: it is dying.
@@ -577,6 +588,11 @@ class Dispatcher:
         worker.pid = pid
         worker.ready_at = self.clock()
         worker.rss_bytes = rss_bytes
+        worker.max_model_len = max_model_len
+        if max_model_len is not None and (
+            self.max_model_len is None or max_model_len < self.max_model_len
+        ):
+            self.max_model_len = max_model_len
         # The crash-loop count is cleared once this worker has outlived EARLY_DEATH_S, not
         # at "ready": a worker that says ready and dies at once must still count.
         worker.startup_timer = self.timers.call_at(
@@ -652,6 +668,7 @@ class Dispatcher:
         text: str,
         remote_traceback: str,
         rss_bytes: int,
+        detail: tuple[int, int | None, int] | None = None,
     ) -> None:
         worker.rss_bytes = rss_bytes
         run = self._current_run(worker, attempt_id)
@@ -662,10 +679,13 @@ class Dispatcher:
         request = run.request
         if request is None:
             return
-        self._end_attempt(run, "error")
-        if kind == "invalid":
-            self._fail(request, InvalidRequest(text))
+        if kind in ("invalid", "context_length"):
+            # A refusal is the request's fault, not the attempt's: no failed attempt is
+            # recorded and nothing is retried (another worker would refuse it the same way).
+            self._end_attempt(run, None)
+            self._fail(request, _refusal(text, detail))
             return
+        self._end_attempt(run, "error")
         error = BackendError(
             f"the backend raised on worker pid {worker.pid}: {text}",
             remote_traceback=remote_traceback,
@@ -929,8 +949,9 @@ class Dispatcher:
 
     # ---- retry or fail -------------------------------------------------------------------
 
-    def _end_attempt(self, run: Run, outcome: Outcome) -> Request:
+    def _end_attempt(self, run: Run, outcome: Outcome | None) -> Request:
         """Close ``run``'s attempt: record it on its request, detach the two, keep its text.
+        Outcome None: the worker refused the request, which records no attempt.
 
         The attempt's deadline timer goes with it: a timer must not keep a request that
         already moved on (to a retry, or to its caller) alive until the old deadline.
@@ -940,7 +961,8 @@ class Dispatcher:
         run.request = None
         request.run = None
         self.timers.cancel(run.deadline_timer)
-        request.attempts.append(Attempt(run.worker.pid, outcome, self.clock() - run.started_at))
+        if outcome is not None:
+            request.attempts.append(Attempt(run.worker.pid, outcome, self.clock() - run.started_at))
         request.last_partial = run.partial_text()
         return request
 
@@ -1105,6 +1127,7 @@ class Dispatcher:
             device=device,
             sys_path=list(sys.path),
             log_level=logging.getLogger("modelpool").getEffectiveLevel(),
+            generation_defaults=self.config.generation_defaults,
             max_batch_size=self.config.max_batch_size,
         )
         if replacement:
@@ -1323,3 +1346,16 @@ class Dispatcher:
                 if w.pid is not None and w.state != "dead" and w.device.startswith("cuda")
             ]
         )
+
+
+def _refusal(text: str, detail: tuple[int, int | None, int] | None) -> InvalidRequest:
+    """The typed error for a worker's refusal; ``detail`` carries a context refusal's numbers."""
+    if detail is None:
+        return InvalidRequest(text)
+    prompt_tokens, max_new_tokens, max_model_len = detail
+    return ContextLengthExceeded(
+        text,
+        prompt_tokens=prompt_tokens,
+        max_new_tokens=max_new_tokens,
+        max_model_len=max_model_len,
+    )

@@ -18,6 +18,7 @@ happened to each try::
     ├── PoolClosed
     ├── ModelLoadFailed
     └── InvalidRequest        (also ValueError)
+        └── ContextLengthExceeded
 """
 
 from __future__ import annotations
@@ -155,3 +156,52 @@ class ModelLoadFailed(PoolError):
 
 class InvalidRequest(PoolError, ValueError):
     """The request was rejected before anything was dispatched."""
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt plus the new tokens asked for do not fit in the model's context.
+
+    Refused by the worker before generation starts; the numbers are kept for
+    callers that shorten and resend::
+
+        except ContextLengthExceeded as exc:
+            room = exc.max_model_len - exc.prompt_tokens   # new tokens that would fit
+
+    ``max_new_tokens`` is None when the caller asked for none and the prompt
+    alone leaves no room for even one new token.
+    """
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        prompt_tokens: int,
+        max_new_tokens: int | None,
+        max_model_len: int,
+        request_id: str | None = None,
+        attempts: Sequence[Attempt] = (),
+    ) -> None:
+        if message is None:
+            message = context_length_message(prompt_tokens, max_new_tokens, max_model_len)
+        super().__init__(message, request_id=request_id, attempts=attempts)
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.max_model_len = max_model_len
+
+
+def context_length_message(
+    prompt_tokens: int, max_new_tokens: int | None, max_model_len: int
+) -> str:
+    """vLLM's wording, which clients parse for the numbers."""
+    if max_new_tokens is None:
+        return (
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"your prompt is {prompt_tokens} tokens, which leaves no room for a completion. "
+            "Please reduce the length of the prompt."
+        )
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in the prompt, "
+        f"{max_new_tokens} for the completion). Please reduce the length of the prompt "
+        "or max_new_tokens."
+    )

@@ -329,7 +329,8 @@ class ModelPool:
             except (ValueError, TypeError) as exc:
                 raise InvalidRequest(str(exc)) from exc
         try:
-            payload = encode_request(prompt, params)
+            # The caller's own params only: the worker adds the defaults it was given once.
+            payload = encode_request(prompt, gen_kwargs)
         except Exception as exc:
             raise InvalidRequest(f"the request cannot be sent to a worker: {exc!r}") from exc
         loop = self._loop

@@ -12,19 +12,25 @@ supervisor -> worker::
     ("run", attempt_id, slot, payload)      start one attempt in batch slot ``slot`` (its
                                             cancel word in the control block); payload is
                                             pickle.dumps((prompt, params)), made once by
-                                            the caller's thread (see encode_request)
+                                            the caller's thread (see encode_request); params
+                                            are the caller's own: the worker adds the
+                                            spec's generation_defaults
     ("stop",)                               finish and exit (close, recycling)
 
 worker -> supervisor::
 
-    ("ready", version, pid, rss_bytes, slots)
-                                            backend loaded; ``slots`` is how many attempts
-                                            it runs at once (1 for a one-call backend)
+    ("ready", version, pid, rss_bytes, max_model_len, slots)
+                                            backend loaded; max_model_len: its context
+                                            length in tokens, or None if it has none;
+                                            slots: how many attempts it runs at once
+                                            (1 for a one-call backend)
     ("load_failed", traceback_text)         backend could not load; the worker exits
     ("chunk", attempt_id, text)             streamed text
     ("done", attempt_id, Generation, rss_bytes)
-    ("error", attempt_id, kind, message, traceback_text, rss_bytes)
-                                            kind: "invalid" (handler.validate refused) or "backend"
+    ("error", attempt_id, kind, message, traceback_text, rss_bytes[, detail])
+                                            kind: "invalid" (handler.validate refused),
+                                            "context_length" (detail: prompt_tokens,
+                                            max_new_tokens, max_model_len) or "backend"
     ("log", levelno, logger_name, message)  a worker log record
 
 The cancel flags and the progress counters are not messages: they live in a
@@ -62,7 +68,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 FinishReason = Literal["stop", "length", "cancelled"]
 ChatMessage = Mapping[str, str]
@@ -82,7 +88,15 @@ class Generation:
 
 
 class Call(Protocol):
-    """The per-request object a backend's ``generate`` receives."""
+    """The per-request object a backend's ``generate`` receives.
+
+    A pool's call also has ``defaulted``: the names in ``params`` that came from
+    the pool's ``generation_defaults`` rather than from the caller. A
+    backend may shrink those to fit (a default ``max_new_tokens`` capped to the
+    context left) where it must refuse the caller's own. It is not a member here
+    so that a Call built by hand stays one; read it with ``getattr(call,
+    "defaulted", ())``.
+    """
 
     prompt: Prompt
     params: dict[str, Any]
@@ -106,7 +120,13 @@ class BatchCall(Call, Protocol):
 
 
 class Handler(Protocol):
-    """What a backend factory returns: one per worker, loaded once."""
+    """What a backend factory returns: one per worker, loaded once.
+
+    A handler that knows its model's context length says so in a
+    ``max_model_len`` attribute (int tokens, or None); the worker reports it to
+    the pool when ready, and the handler refuses a request that does not fit
+    (see ``modelpool.context.fit_to_context``).
+    """
 
     def generate(self, call: Call) -> str | Generation: ...
 
@@ -161,6 +181,9 @@ class WorkerSpec:
     device: str
     sys_path: list[str]
     log_level: int
+    # Merged under each request's own params in the worker, which can then tell a
+    # default from the caller's choice (see Call) at no cost to the dispatch path.
+    generation_defaults: dict[str, Any]
     max_batch_size: int = 1
 
 

@@ -34,7 +34,7 @@ WorkerRole = Literal["serving", "spare"]
 @dataclass(eq=False)
 class Request:
     request_id: str
-    payload: bytes  # pickle of (prompt, params): see protocol.encode_request
+    payload: bytes  # pickle of (prompt, the caller's params): see protocol.encode_request
     future: PoolFuture
     submitted_at: float
     deadline: float
@@ -134,6 +134,7 @@ class Worker:
     ladder_timer: Timer | None = None
     startup_timer: Timer | None = None
     exit_code: int | None = None
+    max_model_len: int | None = None
 
     def free_slot(self) -> int:
         used = {run.slot for run in self.runs.values()}

@@ -17,7 +17,9 @@ pydantic models: every rejection names the OpenAI field the client sent (the
 pool's own messages name its kwargs, e.g. ``max_new_tokens``), and a field we
 cannot honour (``n`` > 1, ``logprobs``, ``tools``...) is a 400, never ignored.
 
-Status codes: 400 invalid, 401 missing/bad key, 404/405 unknown route or
+Status codes: 400 invalid (``context_length_exceeded`` when the prompt and
+``max_tokens`` do not fit the model's context, which ``/v1/models`` reports as
+``max_model_len``), 401 missing/bad key, 404/405 unknown route or
 method, 413 body too large, 429 ``PoolOverloaded``, 503 ``PoolClosed`` /
 ``ModelLoadFailed`` / draining, 504 ``DeadlineExceeded``, 502 ``WorkerCrashed``,
 500 only for ``BackendError`` (the model code raised) or a bug here.
@@ -52,6 +54,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from modelpool.config import ServerConfig
 from modelpool.errors import (
     BackendError,
+    ContextLengthExceeded,
     DeadlineExceeded,
     InvalidRequest,
     ModelLoadFailed,
@@ -190,6 +193,13 @@ def pool_error_to_api(error: PoolError) -> ApiError:
             for a in error.attempts
         ],
     }
+    if isinstance(error, ContextLengthExceeded):
+        extra.update(
+            prompt_tokens=error.prompt_tokens,
+            max_new_tokens=error.max_new_tokens,
+            max_model_len=error.max_model_len,
+        )
+        return ApiError(400, error.message, code="context_length_exceeded", extra=extra)
     if isinstance(error, InvalidRequest):
         return ApiError(400, error.message, code="invalid_value", extra=extra)
     if isinstance(error, PoolOverloaded):
@@ -1005,7 +1015,8 @@ def create_app(pool: ModelPool, server_config: ServerConfig, model_name: str) ->
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(state)]}
+        snapshot = await pool.astats()
+        return {"object": "list", "data": [_model_card(state, snapshot.max_model_len)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
@@ -1017,7 +1028,8 @@ def create_app(pool: ModelPool, server_config: ServerConfig, model_name: str) ->
                 code="model_not_found",
                 param="model",
             )
-        return _model_card(state)
+        snapshot = await pool.astats()
+        return _model_card(state, snapshot.max_model_len)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -1030,12 +1042,14 @@ def create_app(pool: ModelPool, server_config: ServerConfig, model_name: str) ->
     return app
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
+def _model_card(state: ServerState, max_model_len: int | None) -> dict[str, Any]:
+    # max_model_len as vLLM reports it, so that clients can size their requests.
     return {
         "id": state.model_name,
         "object": "model",
         "created": state.started,
         "owned_by": "modelpool",
+        "max_model_len": max_model_len,
     }
 
 

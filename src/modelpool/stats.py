@@ -6,6 +6,7 @@ self-consistent and taking one never waits on a busy worker::
 
     snapshot = pool.stats()
     snapshot.counters["timeouts"], snapshot.to_dict()["workers"][0]["rss_mb"]
+    snapshot.max_model_len          # the model's context length, once a worker is ready
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class WorkerStats:
     rss_mb: float | None
     gpu_mb: float | None
     gpu_mb_method: str | None = None
+    max_model_len: int | None = None
     slots: int = 1
     running: list[str] = field(default_factory=list)
 
@@ -87,6 +89,8 @@ class PoolStats:
     uptime_s: float
     last_load_error: str | None = None
     kill_reasons: dict[str, int] = field(default_factory=dict)
+    # The model's context length in tokens, as the workers report it (None: not known).
+    max_model_len: int | None = None
     capacity: int = 0
     running: int = 0
 

@@ -43,7 +43,17 @@ iterating without delivering tokens.
 Load-time options (``backend_options``): ``load_delay_s`` (sleep before ready),
 ``fail_load`` (raise during load), ``exit_on_load`` (``os._exit`` during load),
 ``exit_after_load_s`` (``os._exit(1)`` that many seconds after a successful load: a
-worker that says ready and dies).
+worker that says ready and dies), ``max_model_len`` (a context length, so that
+the pool's side of context limits is tested without a model). With it, a string
+prompt counts one token per whitespace-separated word, chat messages count as a
+template renders them (a role marker, the words and an end marker each, then one
+for the assistant's turn), a request that does not fit is refused as the hf
+backend refuses it, a ``tokens:N`` request without ``max_new_tokens`` of its own
+stops where the context ends (finish_reason "length"), and its result reports
+prompt_tokens::
+
+    load(max_model_len=8).generate(call)    # call.prompt "tokens:20" -> t0 .. t6, "length"
+
 This module imports nothing heavy, so a worker is ready in a few tens of ms.
 """
 
@@ -57,8 +67,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelpool.context import check_max_model_len, fit_to_context
 from modelpool.errors import InvalidRequest
-from modelpool.protocol import BatchCall, Call, Finished, Generation
+from modelpool.protocol import BatchCall, Call, Finished, Generation, Prompt
 from modelpool.validation import check_generation_params
 
 ACCEPTED_PARAMS = frozenset({"max_new_tokens", "temperature", "top_p", "seed", "stop"})
@@ -95,8 +106,9 @@ _SPIN_STEP_S = 0.005
 class FaultBackend:
     """The handler; one per worker. Implements both backend forms."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int | None = None) -> None:
         self._leaked: list[bytearray] = []
+        self.max_model_len = max_model_len
         self._jobs: list[_Job] = []
         self._pause = threading.Event()
 
@@ -106,7 +118,7 @@ class FaultBackend:
         prompt = call.prompt
         text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         command, _, argument = text.partition(":")
-        job = _Job(call, command, argument, call.params.get("max_new_tokens"))
+        job = _Job(call, command, argument, self._fit(call)[0])
         if command == "tokens":
             count_text, _, delay_text = argument.partition(":")
             job.count = int(count_text or 16)
@@ -166,15 +178,28 @@ class FaultBackend:
 
     # ---- one-call form -----------------------------------------------------------------
 
+    def _fit(self, call: Call) -> tuple[int | None, int | None]:
+        """The request's token limit within the context, and its prompt's tokens."""
+        limit = call.params.get("max_new_tokens")
+        prompt_tokens = None
+        if self.max_model_len is not None:
+            prompt_tokens = count_tokens(call.prompt)
+            # Without any limit, the tokens run to the end of the context.
+            default = self.max_model_len
+            if limit is not None and "max_new_tokens" in getattr(call, "defaulted", ()):
+                default, limit = limit, None
+            limit = fit_to_context(prompt_tokens, limit, self.max_model_len, default=default)
+        return limit, prompt_tokens
+
     def generate(self, call: Call) -> str | Generation:
         prompt = call.prompt
         text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         command, _, argument = text.partition(":")
-        limit = call.params.get("max_new_tokens")
+        limit, prompt_tokens = self._fit(call)
         if command == "echo":
             return argument
         if command == "tokens":
-            return _emit_tokens(call, argument, limit)
+            return _emit_tokens(call, argument, limit, prompt_tokens)
         if command == "hang":
             if argument != "term":
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -212,7 +237,16 @@ class FaultBackend:
         return text
 
 
-def _emit_tokens(call: Call, argument: str, limit: int | None) -> Generation:
+def count_tokens(prompt: Prompt) -> int:
+    """This backend's token count: words, and for chat what a template adds around them."""
+    if isinstance(prompt, str):
+        return len(prompt.split())
+    return sum(2 + len(message["content"].split()) for message in prompt) + 1
+
+
+def _emit_tokens(
+    call: Call, argument: str, limit: int | None, prompt_tokens: int | None
+) -> Generation:
     count_text, _, delay_text = argument.partition(":")
     count = int(count_text or 16)
     delay = float(delay_text or 0)
@@ -220,15 +254,15 @@ def _emit_tokens(call: Call, argument: str, limit: int | None) -> Generation:
     pause = threading.Event()
     for index in range(count):
         if call.cancelled():
-            return Generation("".join(pieces), "cancelled", None, len(pieces))
+            return Generation("".join(pieces), "cancelled", prompt_tokens, len(pieces))
         if limit is not None and index >= limit:
-            return Generation("".join(pieces), "length", None, len(pieces))
+            return Generation("".join(pieces), "length", prompt_tokens, len(pieces))
         if delay:
             pause.wait(delay)
         piece = f"t{index} "
         pieces.append(piece)
         call.emit(piece)
-    return Generation("".join(pieces), "stop", None, len(pieces))
+    return Generation("".join(pieces), "stop", prompt_tokens, len(pieces))
 
 
 def _first_time(marker: str) -> bool:
@@ -253,10 +287,12 @@ def _block_forever() -> None:
 def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
     """Factory: ``backend="testing"``. ``model`` and ``device`` are ignored."""
     unknown = sorted(
-        set(options) - {"load_delay_s", "fail_load", "exit_on_load", "exit_after_load_s"}
+        set(options)
+        - {"load_delay_s", "fail_load", "exit_on_load", "exit_after_load_s", "max_model_len"}
     )
     if unknown:
         raise ValueError(f"unknown testing backend option {unknown[0]!r}")
+    max_model_len = check_max_model_len(options.get("max_model_len"))
     if options.get("load_delay_s"):
         time.sleep(float(options["load_delay_s"]))
     if options.get("exit_on_load"):
@@ -265,4 +301,4 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
         raise RuntimeError(f"testing backend asked to fail its load: {options['fail_load']}")
     if options.get("exit_after_load_s") is not None:
         threading.Timer(float(options["exit_after_load_s"]), os._exit, args=(1,)).start()
-    return FaultBackend()
+    return FaultBackend(max_model_len)

@@ -72,14 +72,21 @@ _TOKENIZER_FILE = "tokenizer.json"
 
 
 def build_tiny_model(
-    path: str | Path, *, arch: Arch = "llama", vocab_size: int = 512, seed: int = 0
+    path: str | Path,
+    *,
+    arch: Arch = "llama",
+    vocab_size: int = 512,
+    seed: int = 0,
+    context_length: int = 1024,
 ) -> Path:
     """Build (once) a tiny random model and its tokenizer in ``path`` and return it.
 
     ``arch`` is ``"llama"`` (a rotary, grouped-query decoder like most current
     models) or ``"gpt2"`` (learned positions, a different tokenizer setup in
     transformers). ``vocab_size`` is the tokenizer's target size and the
-    model's embedding size; ``seed`` fixes the weights. If ``path`` already
+    model's embedding size; ``seed`` fixes the weights; ``context_length`` is
+    the config's ``max_position_embeddings`` (``n_positions`` for gpt2), which
+    the pool reads as the model's context length. If ``path`` already
     holds a built model it is returned untouched, whatever the arguments.
     """
     target = Path(path)
@@ -95,7 +102,7 @@ def build_tiny_model(
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         tokenizer = _build_tokenizer(vocab_size)
-        _build_model(arch, tokenizer, seed).save_pretrained(staging)
+        _build_model(arch, tokenizer, seed, context_length).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         try:
             os.rename(staging, target)
@@ -136,7 +143,9 @@ def _build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _build_model(arch: Arch, tokenizer: PreTrainedTokenizerFast, seed: int) -> Any:
+def _build_model(
+    arch: Arch, tokenizer: PreTrainedTokenizerFast, seed: int, context_length: int
+) -> Any:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -157,7 +166,7 @@ def _build_model(arch: Arch, tokenizer: PreTrainedTokenizerFast, seed: int) -> A
                 num_hidden_layers=2,
                 num_attention_heads=4,
                 num_key_value_heads=2,
-                max_position_embeddings=1024,
+                max_position_embeddings=context_length,
                 tie_word_embeddings=False,
                 **ids,
             )
@@ -169,7 +178,7 @@ def _build_model(arch: Arch, tokenizer: PreTrainedTokenizerFast, seed: int) -> A
                 n_embd=64,
                 n_layer=2,
                 n_head=4,
-                n_positions=1024,
+                n_positions=context_length,
                 tie_word_embeddings=False,
                 **ids,
             )

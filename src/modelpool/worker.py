@@ -44,7 +44,8 @@ import traceback
 from typing import Any
 
 from modelpool.backends import import_backend
-from modelpool.errors import InvalidRequest
+from modelpool.context import check_max_model_len
+from modelpool.errors import ContextLengthExceeded, InvalidRequest
 from modelpool.processes import process_rss_bytes
 from modelpool.protocol import (
     PROTOCOL_VERSION,
@@ -97,7 +98,8 @@ class _ForwardingHandler(logging.Handler):
 
 
 class WorkerCall:
-    """The ``Call`` a backend receives: prompt, params, a cheap cancel check, ``emit``.
+    """The ``Call`` a backend receives: prompt, params (``defaulted``: those the pool filled
+    in), a cheap cancel check, ``emit``.
 
     ``slot`` is the attempt's word in the control block. In the one-call loop
     every ``cancelled()`` check counts as progress (a backend that checks the
@@ -105,7 +107,16 @@ class WorkerCall:
     that keeps iterating without producing tokens is exactly a stall.
     """
 
-    __slots__ = ("_channel", "_checks_count", "_control", "attempt_id", "params", "prompt", "slot")
+    __slots__ = (
+        "_channel",
+        "_checks_count",
+        "_control",
+        "attempt_id",
+        "defaulted",
+        "params",
+        "prompt",
+        "slot",
+    )
 
     def __init__(
         self,
@@ -115,6 +126,7 @@ class WorkerCall:
         params: dict[str, Any],
         control: ControlBlock,
         channel: _Channel,
+        defaulted: frozenset[str] = frozenset(),
         *,
         checks_count: bool = True,
     ) -> None:
@@ -122,6 +134,7 @@ class WorkerCall:
         self.slot = slot
         self.prompt = prompt
         self.params = params
+        self.defaulted = defaulted
         self._control = control
         self._channel = channel
         self._checks_count = checks_count
@@ -166,14 +179,16 @@ def _read_attempt(
     message: tuple[Any, ...],
     control: ControlBlock,
     channel: _Channel,
+    defaults: dict[str, Any],
     *,
     checks_count: bool,
 ) -> WorkerCall | None:
     """The attempt's call, or None once it has been answered (unreadable, invalid, or
-    cancelled while in flight to us)."""
+    cancelled while in flight to us). ``defaults``: the pool's generation defaults, under
+    the request's own parameters."""
     _, attempt_id, slot, payload = message
     try:
-        prompt, params = pickle.loads(payload)
+        prompt, own_params = pickle.loads(payload)
     except Exception as exc:
         # A class the caller defined in its own __main__, say: the request's fault, not ours.
         text = f"the request cannot be read in a worker: {exc!r}"
@@ -187,6 +202,8 @@ def _read_attempt(
             ("done", attempt_id, Generation("", "cancelled", None, 0), process_rss_bytes())
         )
         return None
+    params = {**defaults, **own_params}
+    defaulted = frozenset(defaults.keys() - own_params.keys())
     validate = getattr(handler, "validate", None)
     if validate is not None:
         try:
@@ -194,13 +211,19 @@ def _read_attempt(
         except Exception as exc:
             channel.send(("error", attempt_id, "invalid", str(exc), "", process_rss_bytes()))
             return None
-    return WorkerCall(attempt_id, slot, prompt, params, control, channel, checks_count=checks_count)
+    return WorkerCall(
+        attempt_id, slot, prompt, params, control, channel, defaulted, checks_count=checks_count
+    )
 
 
 def _run_attempt(
-    handler: Handler, message: tuple[Any, ...], control: ControlBlock, channel: _Channel
+    handler: Handler,
+    message: tuple[Any, ...],
+    control: ControlBlock,
+    channel: _Channel,
+    defaults: dict[str, Any],
 ) -> None:
-    call = _read_attempt(handler, message, control, channel, checks_count=True)
+    call = _read_attempt(handler, message, control, channel, defaults, checks_count=True)
     if call is None:
         return
     try:
@@ -212,6 +235,12 @@ def _run_attempt(
 
 
 def _send_failure(channel: _Channel, attempt_id: int, exc: BaseException) -> None:
+    if isinstance(exc, ContextLengthExceeded):
+        detail = (exc.prompt_tokens, exc.max_new_tokens, exc.max_model_len)
+        channel.send(
+            ("error", attempt_id, "context_length", str(exc), "", process_rss_bytes(), detail)
+        )
+        return
     if isinstance(exc, InvalidRequest):
         channel.send(("error", attempt_id, "invalid", str(exc), "", process_rss_bytes()))
         return
@@ -236,10 +265,17 @@ class _BatchLoop:
     thread calls the backend, so a backend needs no locks.
     """
 
-    def __init__(self, handler: BatchedHandler, channel: _Channel, control: ControlBlock) -> None:
+    def __init__(
+        self,
+        handler: BatchedHandler,
+        channel: _Channel,
+        control: ControlBlock,
+        defaults: dict[str, Any],
+    ) -> None:
         self.handler = handler
         self.channel = channel
         self.control = control
+        self.defaults = defaults
         self.inbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self.running: dict[int, WorkerCall] = {}
         self.stopping = False
@@ -280,7 +316,12 @@ class _BatchLoop:
             self.stopping = True  # Sent to an idle worker; finish anything running first.
         elif message[0] == "run":
             call = _read_attempt(
-                self.handler, message, self.control, self.channel, checks_count=False
+                self.handler,
+                message,
+                self.control,
+                self.channel,
+                self.defaults,
+                checks_count=False,
             )
             if call is None:
                 return True
@@ -385,21 +426,26 @@ def serve(channel: _Channel, control: ControlBlock) -> int:
     try:
         factory = import_backend(spec.backend)
         handler = factory(model=spec.model, device=spec.device, **spec.backend_options)
+        max_model_len = check_max_model_len(
+            getattr(handler, "max_model_len", None), f"{spec.backend} backend's max_model_len"
+        )
     except BaseException:
         channel.send(("load_failed", traceback.format_exc()))
         return EXIT_LOAD_FAILED
     slots = min(spec.max_batch_size, control.slots) if is_batched(handler) else 1
-    channel.send(("ready", PROTOCOL_VERSION, os.getpid(), process_rss_bytes(), slots))
+    channel.send(
+        ("ready", PROTOCOL_VERSION, os.getpid(), process_rss_bytes(), max_model_len, slots)
+    )
     if slots > 1:
         batched: BatchedHandler = handler  # type: ignore[assignment]
-        return _BatchLoop(batched, channel, control).serve()
+        return _BatchLoop(batched, channel, control, spec.generation_defaults).serve()
 
     while True:
         message = channel.recv()
         if message is None or message[0] == "stop":
             return 0
         if message[0] == "run":
-            _run_attempt(handler, message, control, channel)
+            _run_attempt(handler, message, control, channel, spec.generation_defaults)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,6 +6,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from e2e_support import REPO, Daemon, free_port, modelpool_command, start_daemon
@@ -62,3 +63,29 @@ def test_smollm2_knows_the_capital_of_france(default_daemon: Daemon) -> None:
             )
         )
         assert streamed == answer  # greedy decoding: the same text either way
+
+
+def test_smollm2_refuses_what_does_not_fit_its_context(default_daemon: Daemon) -> None:
+    models = httpx.get(default_daemon.url + "/v1/models", timeout=30.0).json()["data"]
+    assert models[0]["max_model_len"] == 8192  # SmolLM2's max_position_embeddings
+    # A 9,000-token prompt used to be answered with garbage after seconds of work.
+    response = httpx.post(
+        default_daemon.url + "/v1/completions",
+        json={"prompt": "hello " * 9000, "max_tokens": 4},
+        timeout=120.0,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["max_model_len"] == 8192 and error["prompt_tokens"] >= 9000
+    assert "maximum context length is 8192 tokens" in error["message"]
+    assert error["attempts"] == []
+    # max_tokens=20000 used to run until the request's deadline.
+    with openai.OpenAI(
+        base_url=default_daemon.url + "/v1", api_key="unused", max_retries=0, timeout=120.0
+    ) as client, pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=20000
+        )
+    assert caught.value.code == "context_length_exceeded"
+    assert "20000 for the completion" in caught.value.message

@@ -99,7 +99,7 @@ class World:
 
     # driving
     def ready(self, worker: Worker) -> None:
-        self.d.on_message(worker, ("ready", PROTOCOL_VERSION, 1000 + worker.id, 0, 8))
+        self.d.on_message(worker, ("ready", PROTOCOL_VERSION, 1000 + worker.id, 0, None, 8))
 
     def submit(self, prompt: str, *, pump: bool = True, batch_failures: int = 0) -> Request:
         self.numbers += 1

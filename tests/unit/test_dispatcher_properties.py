@@ -365,7 +365,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         proc.ready = True
         version = PROTOCOL_VERSION if good_version else PROTOCOL_VERSION + 100
         assert proc.pid is not None
-        self.d.on_message(proc.worker, ("ready", version, proc.pid, 20 * MB))
+        self.d.on_message(proc.worker, ("ready", version, proc.pid, 20 * MB, 2048))
         self.after()
 
     def _say(self, proc: FakeProc, what: str, attempt_id: int, finish: str, rss: int) -> None:
@@ -376,6 +376,9 @@ class DispatcherMachine(RuleBasedStateMachine):
         elif what == "done":
             generation = Generation("text", finish, 1, 1)  # type: ignore[arg-type]
             message = ("done", attempt_id, generation, rss)
+        elif what == "invalid" and attempt_id % 2:
+            detail = (6000, 4000, 8192)  # a context-length refusal, with its numbers
+            message = ("error", attempt_id, "context_length", "too long", "", rss, detail)
         else:
             kind = "invalid" if what == "invalid" else "backend"
             message = ("error", attempt_id, kind, "RuntimeError: boom", "Traceback", rss)
@@ -520,6 +523,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         )
         snapshot = self.d.snapshot()
         assert snapshot.queue_depth == len(self.d.queue) >= 0
+        assert snapshot.max_model_len in (None, 2048)
 
     @invariant()
     def records_point_the_right_way(self) -> None:

@@ -9,7 +9,11 @@ The pool runs it as ``backend="hf"``; it can also be used directly::
     generation.text, generation.finish_reason
 
 Decoding is greedy unless the request samples (``do_sample=True`` or a
-``temperature`` above 0). Every step checks ``call.cancelled()`` and ends
+``temperature`` above 0). A request whose prompt tokens plus ``max_new_tokens``
+exceed the model's context (``handler.max_model_len``: the model config's, or
+the ``max_model_len`` option) is refused with ``ContextLengthExceeded`` before
+the prefill; without a ``max_new_tokens`` of the caller's, the default is cut
+down to what the context leaves. Every step checks ``call.cancelled()`` and ends
 generation cleanly when it turns true; text is handed to ``call.emit`` as soon
 as it is stable (never half a character, never the start of a stop string),
 and the chunks joined are exactly the returned text.
@@ -33,6 +37,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from modelpool.backends.hf_batch import DEFAULT_KV_CACHE_TOKENS, BatchEngine
+from modelpool.context import check_max_model_len, context_length, fit_to_context
 from modelpool.errors import InvalidRequest
 from modelpool.protocol import BatchCall, Call, Finished, FinishReason, Generation, Prompt
 from modelpool.validation import MAX_INT, check_generation_params, is_int, is_number
@@ -72,6 +77,7 @@ LOAD_OPTIONS = frozenset(
         "torch_threads",
         "chat_template",
         "kv_cache_tokens",
+        "max_model_len",
     }
 )
 
@@ -122,11 +128,14 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
     placement; then ``device`` is not applied), ``gguf_file`` (a file inside
     ``model``), ``trust_remote_code`` (default False), ``torch_threads``
     (default: ``$MODELPOOL_TORCH_THREADS``, else torch's own choice),
-    ``chat_template`` (a Jinja template replacing the tokenizer's) and
-    ``kv_cache_tokens`` (the batched form's KV-cache bound, rows x columns of
-    the padded cache; see ``hf_batch``)::
+    ``chat_template`` (a Jinja template replacing the tokenizer's),
+    ``max_model_len`` (the context length in tokens, prompt and completion
+    together; default: the model config's ``max_position_embeddings`` or the
+    like) and ``kv_cache_tokens`` (the batched form's KV-cache bound, rows x
+    columns of the padded cache; see ``hf_batch``)::
 
         handler = load("/models/smollm2", device="cuda:0", dtype="bfloat16")
+        handler = load("/models/smollm2", max_model_len=2048)   # bound memory per request
     """
     unknown = sorted(set(options) - LOAD_OPTIONS)
     if unknown:
@@ -157,6 +166,7 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
         or (kv_cache_tokens < 1)
     ):
         raise ValueError(f"kv_cache_tokens must be a positive integer, got {kv_cache_tokens!r}")
+    max_model_len = check_max_model_len(options.get("max_model_len"))
     if _looks_like_a_path(model) and not os.path.exists(os.path.expanduser(model)):
         # Said before importing torch (seconds) and in words, rather than as the hub
         # client's "Repo id must be in the form ..." for a path that is simply missing.
@@ -190,14 +200,17 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
     if chat_template is not None:
         tokenizer.chat_template = chat_template
 
-    handler = HFHandler(language_model, tokenizer, kv_cache_tokens=kv_cache_tokens)
+    handler = HFHandler(
+        language_model, tokenizer, max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens
+    )
     handler.warm_up()
     logger.info(
-        "loaded %s on %s (%s, %d torch threads) in %.2f s",
+        "loaded %s on %s (%s, %d torch threads, context %s tokens) in %.2f s",
         model,
         language_model.device,
         language_model.dtype,
         torch.get_num_threads(),
+        handler.max_model_len,
         time.monotonic() - started,
     )
     return handler
@@ -209,6 +222,8 @@ class HFHandler:
     Both backend forms: ``generate(call)`` answers one request through
     transformers' ``generate()``; ``admit``/``step``/``retire``/``abort`` run
     many at once through :class:`~modelpool.backends.hf_batch.BatchEngine`.
+
+    ``max_model_len`` overrides the context length read from the model's config.
     """
 
     def __init__(
@@ -216,12 +231,14 @@ class HFHandler:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
+        max_model_len: int | None = None,
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
     ) -> None:
         # Held as Any: transformers' annotations are partial (untyped methods,
         # decorated ones mypy cannot bind), and every use here is plain.
         self.model: Any = model
         self.tokenizer: Any = tokenizer
+        self.max_model_len = context_length(model.config, max_model_len)
         if tokenizer.pad_token is None and tokenizer.eos_token is not None:
             tokenizer.pad_token = tokenizer.eos_token
         if model.generation_config.pad_token_id is None:
@@ -277,6 +294,7 @@ class HFHandler:
         seed = params.pop("seed", None)
         input_ids = self._encode(call.prompt)
         prompt_tokens = int(input_ids.shape[1])
+        params["max_new_tokens"] = self._new_tokens(call, params, prompt_tokens)
         # No cancelled() check before the prefill: the worker has just read the flag
         # before calling us, and every cancelled() call counts as progress, which would
         # start the stall clock before the one step that cannot be interrupted. A cancel
@@ -306,6 +324,18 @@ class HFHandler:
         else:
             finish_reason = "length"
         return Generation(progress.text, finish_reason, prompt_tokens, len(progress.token_ids))
+
+    def _new_tokens(self, call: Call, params: dict[str, Any], prompt_tokens: int) -> int:
+        """This request's ``max_new_tokens``, fitted to the context; raises if it cannot fit."""
+        asked = params.get("max_new_tokens")
+        default = DEFAULT_MAX_NEW_TOKENS
+        if asked is not None and "max_new_tokens" in getattr(call, "defaulted", ()):
+            default, asked = asked, None
+        new_tokens = fit_to_context(prompt_tokens, asked, self.max_model_len, default=default)
+        if params.get("min_new_tokens", 0) > new_tokens:
+            # The caller insists on more than the capped default: refused if that cannot fit.
+            fit_to_context(prompt_tokens, params["min_new_tokens"], self.max_model_len, default=0)
+        return new_tokens
 
     def _encode(self, prompt: Prompt) -> torch.Tensor:
         import torch

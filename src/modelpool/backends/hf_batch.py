@@ -148,7 +148,7 @@ class BatchEngine:
     def _row(self, call: BatchCall) -> _Row:
         import torch
 
-        from modelpool.backends.hf import DEFAULT_MAX_NEW_TOKENS, _Progress, _stop_strings
+        from modelpool.backends.hf import _Progress, _stop_strings
 
         handler = self.handler
         params = call.params
@@ -175,7 +175,9 @@ class BatchEngine:
             call=call,
             prompt_ids=prompt_ids,
             progress=_Progress(handler.tokenizer, call, len(prompt_ids), stops),
-            max_new_tokens=params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
+            # Fitted to the context as the one-call path does; raises ContextLengthExceeded
+            # (the worker answers that request alone) when the prompt cannot fit.
+            max_new_tokens=handler._new_tokens(call, dict(params), len(prompt_ids)),
             min_new_tokens=params.get("min_new_tokens", 0),
             do_sample=do_sample,
             temperature=float(sampling("temperature")),
