@@ -17,6 +17,7 @@ import pytest
 
 from modelpool import ModelPool, PoolConfig
 from modelpool.backends.hf import HFHandler, load
+from modelpool.errors import ContextLengthExceeded
 from modelpool.protocol import Generation, Prompt
 
 PROMPTS: list[Prompt] = [
@@ -198,3 +199,22 @@ def test_pool_of_batching_hf_workers_answers_like_one_at_a_time(tiny_model_dir: 
         assert streams[1].result.finish_reason == "cancelled"
     assert texts == expected
     assert others == [text for index, text in enumerate(expected) if index != 1]
+
+
+def test_a_batched_request_past_the_context_is_refused_alone(tiny_model_dir: Path) -> None:
+    options = {"dtype": "float32", "torch_threads": 1, "max_model_len": 48}
+    config = PoolConfig(
+        model=str(tiny_model_dir),
+        backend="hf",
+        backend_options=options,
+        workers=1,
+        max_batch_size=4,
+        deadline_s=120,
+    )
+    with ModelPool(config) as pool:
+        short = pool.submit(PROMPTS[0], max_new_tokens=8)
+        long = pool.submit("word " * 200, max_new_tokens=8)
+        with pytest.raises(ContextLengthExceeded):
+            long.result(timeout=60)
+        assert short.result(timeout=60).completion_tokens == 8
+        assert pool.stats().counters["kills"] == 0
