@@ -87,6 +87,8 @@ def test_healthz_is_ok_with_heartbeat_and_lag(served: InProcessServer) -> None:
     assert "reasons" not in body
     stats = httpx.get(served.url + "/stats", timeout=10).json()
     assert 0 <= stats["heartbeat_age_s"] < HEARTBEAT_TIMEOUT_S
+    metrics = httpx.get(served.url + "/metrics", timeout=10).text
+    assert "modelpool_heartbeat_age_seconds " in metrics
 
 
 def test_healthz_fails_while_the_dispatcher_is_wedged(
