@@ -747,6 +747,9 @@ def _account(
             else:
                 unexplained.append(attempt)
     figures["failed_attempts"] = expected
+    figures["roll_requests"] = sum(
+        1 for o in client.outcomes if roll[0] <= o.attempts[0].started <= roll[1]
+    )
     figures["roll_failed"] = roll_failures
     figures["failed_for_good"] = len(failed_for_good)
     if roll_failures:
@@ -772,15 +775,16 @@ def summary(figures: dict[str, Any]) -> str:
     )
     return (
         f"scale-out: {figures.get('rps_1')} req/s with 1 daemon, {figures.get('rps_n')} with {n}"
-        f" ({ratio:.2f}x); roll {figures.get('roll_failed')} failed of "
-        f"{figures.get('requests_under_faults')} under load; SIGKILL: workers gone in "
+        f" ({ratio:.2f}x); roll: {figures.get('roll_failed')} failed of "
+        f"{figures.get('roll_requests')} requests; SIGKILL: workers gone in "
         f"{figures.get('sigkill_workers_gone_s')} s, serving again in "
         f"{figures.get('sigkill_back_s')} s, {failed.get('sigkill')} attempts retried; "
         f"SIGSTOP: {figures.get('sigstop_in_rotation_s')} s in rotation (bound "
         f"{figures.get('sigstop_rotation_bound_s')} s), replaced after "
         f"{figures.get('sigstop_detected_s')} s, back in {figures.get('sigstop_back_s')} s, "
         f"{failed.get('sigstop')} attempts retried; {figures.get('failed_for_good')} failed "
-        f"for good; {figures.get('leftover_processes')} processes left: {verdict}"
+        f"for good of {figures.get('requests_under_faults')}; "
+        f"{figures.get('leftover_processes')} processes left: {verdict}"
     )
 
 
