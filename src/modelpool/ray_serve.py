@@ -102,9 +102,8 @@ class PoolReplica:
         if not health.alive:
             raise RuntimeError(f"modelpool replica unhealthy: {health.reason}")
 
-    async def __del__(self) -> None:
-        # Ray calls this once the replica has no request left, or when its
-        # graceful_shutdown_timeout_s ran out; what is still running is cancelled.
+    async def drain(self) -> None:
+        """Finish what is in flight (up to ``drain_timeout_s``), then stop every worker."""
         await asyncio.to_thread(self.pool.close, True, self.server_config.drain_timeout_s)
 
 
@@ -133,6 +132,11 @@ def build_app(
     class ModelPoolDeployment(PoolReplica):
         def __serve_build_asgi_app__(self) -> Any:
             return create_app(self.pool, self.server_config, model_name)
+
+        async def __del__(self) -> None:
+            # Ray calls this on a graceful stop, once the replica has no request left
+            # or its graceful_shutdown_timeout_s ran out.
+            await self.drain()
 
     ModelPoolDeployment.__name__ = ModelPoolDeployment.__qualname__ = "ModelPoolDeployment"
     deployment: serve.Deployment = serve.deployment(**options)(

@@ -145,3 +145,70 @@ def test_a_sigkilled_replica_takes_its_workers_and_ray_replaces_it(proxy_url: st
     print(f"ray: replica SIGKILL -> workers gone {workers_gone_s:.3f} s, serving {back_s:.1f} s")
     new_workers = {w["pid"] for w in stats(proxy_url)["workers"]}
     assert not new_workers & workers
+
+
+def test_check_health_fails_on_a_wedged_or_failed_pool() -> None:
+    """``PoolReplica`` as Ray's controller sees it, without Ray: its ``check_health``."""
+    import threading
+
+    from modelpool import ServerConfig
+    from modelpool.ray_serve import PoolReplica
+
+    replica = PoolReplica(make_config(workers=1, heartbeat_timeout_s=1.0), ServerConfig())
+    try:
+        replica.check_health()
+        release, entered = threading.Event(), threading.Event()
+
+        def block(_: Any) -> None:
+            if threading.current_thread().name == "modelpool-dispatcher":
+                entered.set()
+                release.wait(30)
+
+        replica.pool.submit("tokens:3:0.1").add_done_callback(block)
+        assert entered.wait(10)
+        try:
+
+            def unhealthy() -> str | None:
+                try:
+                    replica.check_health()
+                except RuntimeError as exc:
+                    return str(exc)
+                return None
+
+            reason = wait_for(unhealthy, bool, 5, "check_health to fail")
+            assert "wedged" in reason
+        finally:
+            release.set()
+        wait_for(lambda: replica.pool.health().alive, bool, 5, "the pool to recover")
+        replica.check_health()
+    finally:
+        import asyncio
+
+        asyncio.run(replica.drain())  # what Ray's __del__ calls on a graceful stop
+    assert not replica.pool.health().alive
+    with pytest.raises(RuntimeError, match="closed"):
+        replica.check_health()
+
+
+def test_a_graceful_stop_finishes_the_request_in_flight_then_drains(proxy_url: str) -> None:
+    """Last in this module: it deletes the application."""
+    import threading
+
+    workers = {w["pid"] for w in stats(proxy_url)["workers"]}
+    answers: list[httpx.Response] = []
+    # 1.5 s of tokens, well within the 3 s request timeout.
+    request = threading.Thread(
+        target=lambda: answers.append(complete(proxy_url, "tokens:30:0.05", timeout=30))
+    )
+    request.start()
+    wait_for(
+        lambda: stats(proxy_url),
+        lambda s: [w["state"] for w in s["workers"]] == ["busy"],
+        5,
+        "the request to run",
+    )
+    serve.delete("modelpool")
+    request.join(30)
+    assert answers and answers[0].status_code == 200, answers
+    assert answers[0].json()["choices"][0]["text"].split()[-1] == "t29"
+    wait_pids_gone(workers, timeout=10)
