@@ -138,7 +138,6 @@ def build_app(
             # or its graceful_shutdown_timeout_s ran out.
             await self.drain()
 
-    ModelPoolDeployment.__name__ = ModelPoolDeployment.__qualname__ = "ModelPoolDeployment"
     deployment: serve.Deployment = serve.deployment(**options)(
         serve.ingress()(ModelPoolDeployment)
     )
