@@ -242,7 +242,7 @@ class Haproxy:
 
 
 class Violation(Exception):
-    pass
+    """Something the run promises did not hold; ends the run with exit status 1."""
 
 
 @dataclass
@@ -255,7 +255,6 @@ class DaemonSlot:
     config_path: Path
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
     probe_failures: int = 0
     every_pid: set[int] = field(default_factory=set)
 
@@ -280,9 +279,7 @@ class Kubelet:
     back into the load balancer once it answers /readyz.
     """
 
-    def __init__(
-        self, slots: list[DaemonSlot], haproxy: Haproxy | None, args: argparse.Namespace
-    ) -> None:
+    def __init__(self, slots: list[DaemonSlot], haproxy: Haproxy, args: argparse.Namespace) -> None:
         self.slots = slots
         self.haproxy = haproxy
         self.args = args
@@ -361,16 +358,13 @@ class Kubelet:
         with self.lock:
             self.busy.add(slot.name)
         try:
-            if self.haproxy is not None:
-                self.haproxy.set_state(slot.name, "maint")
+            self.haproxy.set_state(slot.name, "maint")
             died = slot.process is not None and slot.process.poll() is not None
             record.workers_gone_s, record.sigkilled = self.terminate(slot, pre_stop=not died)
-            slot.restarts += 1
             self.start_daemon(slot)
             self.wait_started(slot)
-            if self.haproxy is not None:
-                self.haproxy.set_state(slot.name, "ready")
-                self.haproxy.wait_status(slot.name, "UP", timeout=10)
+            self.haproxy.set_state(slot.name, "ready")
+            self.haproxy.wait_status(slot.name, "UP", timeout=10)
             record.ready_at = time.monotonic()
         finally:
             with self.lock:
@@ -432,12 +426,12 @@ class Kubelet:
         deadline = time.monotonic() + timeout
         pause = threading.Event()
         while time.monotonic() < deadline:
-            with self.lock:
-                for record in self.restarts:
-                    if record.name == name and record.detected_at >= after:
-                        return record
             if self.errors:
                 raise Violation(self.errors[0])
+            with self.lock:
+                for record in self.restarts:
+                    if record.name == name and record.detected_at >= after and record.ready_at:
+                        return record
             pause.wait(0.02)
         raise Violation(f"the kubelet did not replace {name} within {timeout:.0f}s")
 
@@ -459,11 +453,10 @@ class Attempt:
 class Outcome:
     ok: bool
     attempts: list[Attempt]
-    stream: bool
 
 
-# (the daemon that answered, per haproxy; the error, None on success)
-Answer = tuple[str | None, str | None]
+# (the daemon that answered, per haproxy; the error, None on success; worth a retry?)
+Answer = tuple[str | None, str | None, bool]
 
 
 class LoadClient:
@@ -483,20 +476,22 @@ class LoadClient:
         attempts: list[Attempt] = []
         for attempt_number in range(self.max_attempts):
             started = time.monotonic()
-            server, error = None, None
+            server, error, retryable = None, None, True
             try:
                 if stream:
-                    server, error = await self._stream(client, word)
+                    server, error, retryable = await self._stream(client, word)
                 else:
-                    server, error = await self._complete(client, word)
-            except httpx.HTTPError as exc:
+                    server, error, retryable = await self._complete(client, word)
+            except httpx.TransportError as exc:
                 error = f"{type(exc).__name__}: {exc}"
+            except httpx.HTTPError as exc:
+                error, retryable = f"{type(exc).__name__}: {exc}", False
             attempts.append(Attempt(started, time.monotonic(), error is None, server, error))
-            if error is None:
+            if error is None or not retryable:
                 break
             if attempt_number + 1 < self.max_attempts:
                 await asyncio.sleep(0.05 * (attempt_number + 1))
-        outcome = Outcome(attempts[-1].ok, attempts, stream)
+        outcome = Outcome(attempts[-1].ok, attempts)
         self.outcomes.append(outcome)
         return outcome
 
@@ -506,10 +501,12 @@ class LoadClient:
         )
         server = response.headers.get("x-scaleout-server")
         if response.status_code != 200:
-            return server, f"HTTP {response.status_code}"
-        if response.json()["choices"][0]["text"] != word:
-            return server, f"wrong text {response.json()['choices'][0]['text']!r}"
-        return server, None
+            status = response.status_code
+            return server, f"HTTP {status}", status in self.RETRY_STATUSES
+        text = response.json()["choices"][0]["text"]
+        if text != word:
+            return server, f"wrong text {text!r}", False
+        return server, None, False
 
     async def _stream(self, client: httpx.AsyncClient, word: str) -> Answer:
         body = {
@@ -521,12 +518,14 @@ class LoadClient:
             server = response.headers.get("x-scaleout-server")
             if response.status_code != 200:
                 await response.aread()
-                return server, f"HTTP {response.status_code}"
+                status = response.status_code
+                return server, f"HTTP {status}", status in self.RETRY_STATUSES
             done = False
             async for line in response.aiter_lines():
                 if line == "data: [DONE]":
                     done = True
-            return server, None if done else "stream ended without [DONE]"
+            # A stream cut short: its daemon died under it; asking again is the remedy.
+            return server, None if done else "stream ended without [DONE]", True
 
     async def run(
         self, concurrency: int, *, requests: int | None = None, until: asyncio.Event | None = None
@@ -537,7 +536,7 @@ class LoadClient:
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         async with httpx.AsyncClient(base_url=self.url, timeout=15.0, limits=limits) as client:
 
-            async def loop(lane: int) -> None:
+            async def lane() -> None:
                 nonlocal sent
                 while True:
                     if requests is not None and sent >= requests:
@@ -547,7 +546,7 @@ class LoadClient:
                     sent += 1
                     await self.one(client, stream=(sent % 3 == 0))
 
-            await asyncio.gather(*(loop(lane) for lane in range(concurrency)))
+            await asyncio.gather(*(lane() for _ in range(concurrency)))
         return sent, time.monotonic() - started
 
 
