@@ -212,3 +212,18 @@ def test_a_graceful_stop_finishes_the_request_in_flight_then_drains(proxy_url: s
     assert answers and answers[0].status_code == 200, answers
     assert answers[0].json()["choices"][0]["text"].split()[-1] == "t29"
     wait_pids_gone(workers, timeout=10)
+
+
+def test_app_builder_reads_a_daemon_config(tmp_path: Any) -> None:
+    """``serve run modelpool.ray_serve:app_builder config=PATH num_replicas=N``."""
+    from ray.serve import Application
+
+    from modelpool.ray_serve import app_builder
+
+    config = tmp_path / "modelpool.toml"
+    config.write_text('model = "none"\nbackend = "testing"\n[server]\ndrain_timeout_s = 3.0\n')
+    assert isinstance(app_builder({"config": str(config), "num_replicas": "2"}), Application)
+    with pytest.raises(ValueError, match="config=PATH"):
+        app_builder({})
+    with pytest.raises(ValueError, match="unknown argument 'replicas'"):
+        app_builder({"config": str(config), "replicas": "2"})
