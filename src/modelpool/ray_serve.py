@@ -49,9 +49,16 @@ HEALTH_CHECK_PERIOD_S = 2.0
 HEALTH_CHECK_TIMEOUT_S = 5.0
 
 
-def _load(config: PoolConfig | str | os.PathLike[str]) -> tuple[PoolConfig, ServerConfig]:
+AppConfig = PoolConfig | Mapping[str, Any] | str | os.PathLike[str]
+
+
+def _load(config: AppConfig) -> tuple[PoolConfig, ServerConfig]:
     if isinstance(config, PoolConfig):
         return config, ServerConfig()
+    if isinstance(config, Mapping):
+        server = config.get("server", {})
+        pool = {key: value for key, value in config.items() if key != "server"}
+        return PoolConfig.from_dict(pool), ServerConfig(**server)
     path = Path(config)
     return PoolConfig.from_toml(path), ServerConfig.from_toml(path)
 
@@ -108,17 +115,18 @@ class PoolReplica:
 
 
 def build_app(
-    config: PoolConfig | str | os.PathLike[str],
+    config: AppConfig,
     *,
     server: ServerConfig | None = None,
     **deployment_options: Any,
 ) -> Application:
     """A Ray Serve application serving ``config``'s pool, one whole pool per replica.
 
-    ``config`` is a :class:`PoolConfig` or the path of a daemon TOML config (its
-    ``[server]`` table is used unless ``server`` is given). ``deployment_options`` go
-    to ``serve.deployment`` over :func:`default_deployment_options` (``num_replicas``,
-    ``ray_actor_options``, ``max_ongoing_requests``, ``health_check_period_s``...).
+    ``config`` is a :class:`PoolConfig`, the path of a daemon TOML config, or the same
+    as a dict (its ``server`` table is used unless ``server`` is given).
+    ``deployment_options`` go to ``serve.deployment`` over
+    :func:`default_deployment_options` (``num_replicas``, ``ray_actor_options``,
+    ``max_ongoing_requests``, ``health_check_period_s``...).
     """
     from modelpool.cli import served_model_name
     from modelpool.server import create_app
@@ -138,9 +146,7 @@ def build_app(
             # or its graceful_shutdown_timeout_s ran out.
             await self.drain()
 
-    deployment: serve.Deployment = serve.deployment(**options)(
-        serve.ingress()(ModelPoolDeployment)
-    )
+    deployment: serve.Deployment = serve.deployment(**options)(serve.ingress()(ModelPoolDeployment))
     return deployment.bind(pool_config, server_config)
 
 

@@ -1028,6 +1028,7 @@ def create_app(pool: ModelPool, server_config: ServerConfig, model_name: str) ->
             "event_loop_lag_s": lag,
         }
         if reasons:
+            body["reason"] = "; ".join(reasons)
             body["reasons"] = reasons
             logger.warning("/healthz: unhealthy: %s", "; ".join(reasons))
         return JSONResponse(body, status_code=503 if reasons else 200)

@@ -112,6 +112,7 @@ def test_healthz_fails_while_the_dispatcher_is_wedged(
         assert body["status"] == "unhealthy"
         assert body["heartbeat_age_s"] > HEARTBEAT_TIMEOUT_S
         assert any("wedged" in reason for reason in body["reasons"]), body
+        assert "wedged" in body["reason"]
         # Liveness never waits on the wedged thread: it answers at once.
         assert failed.elapsed.total_seconds() < 1.0
     finally:

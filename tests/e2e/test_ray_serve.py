@@ -223,6 +223,8 @@ def test_app_builder_reads_a_daemon_config(tmp_path: Any) -> None:
     config = tmp_path / "modelpool.toml"
     config.write_text('model = "none"\nbackend = "testing"\n[server]\ndrain_timeout_s = 3.0\n')
     assert isinstance(app_builder({"config": str(config), "num_replicas": "2"}), Application)
+    as_dict = {"model": "none", "backend": "testing", "server": {"drain_timeout_s": 3.0}}
+    assert isinstance(build_app(as_dict, num_replicas=1), Application)
     with pytest.raises(ValueError, match="config=PATH"):
         app_builder({})
     with pytest.raises(ValueError, match="unknown argument 'replicas'"):
