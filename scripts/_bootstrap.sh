@@ -30,3 +30,21 @@ bootstrap() {
         touch "$stamp"
     fi
 }
+
+# haproxy (Debian package) for scripts/scale-out and its short variant in the tests:
+# installed when missing, where this user may (root, or passwordless sudo).
+install_haproxy() {
+    command -v haproxy >/dev/null 2>&1 && return 0
+    local sudo=""
+    if [ "$(id -u)" != 0 ]; then
+        if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+            sudo="sudo -n"
+        else
+            echo "bootstrap: haproxy is missing and this user cannot install it (apt-get install haproxy)" >&2
+            return 1
+        fi
+    fi
+    echo "bootstrap: installing haproxy (apt-get)" >&2
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq haproxy >/dev/null
+}

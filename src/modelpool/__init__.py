@@ -26,6 +26,7 @@ _EXPORTS = {
     "RetryPolicy": "modelpool.config",
     "ServerConfig": "modelpool.config",
     "Generation": "modelpool.protocol",
+    "PoolHealth": "modelpool.stats",
     "PoolStats": "modelpool.stats",
     "Attempt": "modelpool.errors",
     "PoolError": "modelpool.errors",
@@ -55,6 +56,7 @@ __all__ = [
     "PoolConfig",
     "PoolError",
     "PoolFuture",
+    "PoolHealth",
     "PoolOverloaded",
     "PoolStats",
     "PoolStream",
@@ -82,7 +84,7 @@ if TYPE_CHECKING:
     )
     from modelpool.pool import AsyncPoolStream, ModelPool, PoolFuture, PoolStream, Result
     from modelpool.protocol import Generation
-    from modelpool.stats import PoolStats
+    from modelpool.stats import PoolHealth, PoolStats
 
 
 def __getattr__(name: str) -> Any:

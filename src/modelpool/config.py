@@ -119,6 +119,10 @@ class PoolConfig:
     gpu_release_timeout_s: float = 15.0
     gpu_sample_interval_s: float = 2.0
     startup_failures_before_giving_up: int = 3
+    # Liveness: ModelPool.health() (and so /healthz) fails when the dispatcher thread has not
+    # gone round its loop for this long. 10 s plus a Kubernetes liveness probe's default
+    # period (10 s) keeps a wedge's first failed probe within 20 s, its restart within 40 s.
+    heartbeat_timeout_s: float = 10.0
     generation_defaults: dict[str, Any] = field(default_factory=lambda: {"max_new_tokens": 128})
 
     def __post_init__(self) -> None:
@@ -164,6 +168,7 @@ class PoolConfig:
         _check_int(
             "startup_failures_before_giving_up", self.startup_failures_before_giving_up, minimum=1
         )
+        _check_number("heartbeat_timeout_s", self.heartbeat_timeout_s, allow_zero=False)
         if not isinstance(self.generation_defaults, Mapping):
             raise ValueError(
                 f"generation_defaults must be a table, got {self.generation_defaults!r}"
@@ -200,6 +205,8 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     max_request_timeout_s: float | None = None
     model_name: str | None = None
+    # /healthz fails when the server's own event loop runs a timer this late (seconds).
+    max_event_loop_lag_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -219,6 +226,7 @@ class ServerConfig:
         )
         if self.model_name is not None and not isinstance(self.model_name, str):
             raise ValueError(f"server.model_name must be a string, got {self.model_name!r}")
+        _check_number("server.max_event_loop_lag_s", self.max_event_loop_lag_s, allow_zero=False)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> ServerConfig:

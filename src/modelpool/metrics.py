@@ -173,6 +173,12 @@ def stats_families(stats: PoolStats) -> Iterator[Metric]:
     yield results
 
     yield _gauge("modelpool_uptime_seconds", "Seconds since the pool was created.", stats.uptime_s)
+    if stats.heartbeat_age_s is not None:
+        yield _gauge(
+            "modelpool_heartbeat_age_seconds",
+            "Seconds since the dispatcher thread last went round its loop (liveness).",
+            stats.heartbeat_age_s,
+        )
 
 
 class PoolMetrics:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import dataclasses
 import importlib
 import itertools
 import logging
@@ -33,7 +34,7 @@ from modelpool.errors import InvalidRequest, PoolClosed, PoolError, PoolOverload
 from modelpool.protocol import Prompt, WorkerSpec, encode_request
 from modelpool.records import Request, Worker, WorkerIO
 from modelpool.results import PoolFuture, Result
-from modelpool.stats import PoolStats
+from modelpool.stats import PoolHealth, PoolStats
 from modelpool.supervisor import EventLoop
 from modelpool.validation import check_deadline, check_generation_params, check_prompt
 
@@ -263,12 +264,56 @@ class ModelPool:
         future.add_done_callback(lambda _: deliver(_END))
         return AsyncPoolStream(future, chunks)
 
+    def health(self) -> PoolHealth:
+        """Is the pool alive? Cheap and never waits on the dispatcher thread, so that a
+        liveness probe answers even when that thread is wedged::
+
+            health = pool.health()
+            health.alive, health.reason, health.heartbeat_age_s
+
+        Not alive: not started, closed, failed (workers could not start, or the
+        dispatcher crashed), or the dispatcher's heartbeat is older than
+        ``heartbeat_timeout_s`` (a callback or a bug blocks its thread).
+        """
+        loop = self._loop
+        if loop is None:
+            state = "closed" if self._closed else "starting"
+            return PoolHealth(False, state, None, f"the pool is {state} (start() not called)")
+        dispatcher = loop.dispatcher
+        age = round(max(0.0, time.monotonic() - loop.heartbeat), 3)
+        state = dispatcher.state
+        if state == "failed" or dispatcher.crashed:
+            cause = dispatcher.last_load_error or "its dispatcher crashed; see the log"
+            return PoolHealth(False, "failed", age, f"the pool failed: {cause}")
+        if self._closed or state == "closed" or not loop.thread.is_alive():
+            return PoolHealth(False, state, age, "the pool is closed")
+        bound = self.config.heartbeat_timeout_s
+        if age > bound:
+            return PoolHealth(
+                False,
+                state,
+                age,
+                f"the dispatcher thread has not gone round its loop for {age:.1f} s "
+                f"(heartbeat_timeout_s = {bound:g}): it is wedged",
+            )
+        return PoolHealth(True, state, age)
+
+    def _with_heartbeat(self, snapshot: PoolStats) -> PoolStats:
+        loop = self._loop
+        if loop is None or not loop.thread.is_alive():
+            return snapshot
+        age = round(max(0.0, time.monotonic() - loop.heartbeat), 3)
+        return dataclasses.replace(snapshot, heartbeat_age_s=age)
+
     async def astats(self) -> PoolStats:
         """:meth:`stats` for asyncio code: awaits the dispatcher's snapshot without a thread."""
         self._check_owner()
+        return self._with_heartbeat(await self._astats())
+
+    async def _astats(self) -> PoolStats:
         loop = self._loop
         if loop is None or not loop.thread.is_alive():
-            return self.stats()
+            return self._stats()
         running = asyncio.get_running_loop()
         snapshot: asyncio.Future[PoolStats] = running.create_future()
 
@@ -280,15 +325,22 @@ class ModelPool:
                 pass  # The caller's event loop is gone.
 
         if not loop.post(build):
-            return self.stats()
+            return self._stats()
         try:
             return await asyncio.wait_for(asyncio.shield(snapshot), 5.0)
         except asyncio.TimeoutError:
             return self._last_snapshot or loop.dispatcher.snapshot()
 
     def stats(self) -> PoolStats:
-        """A consistent snapshot, built by the dispatcher thread; never waits on a worker."""
+        """A consistent snapshot, built by the dispatcher thread; never waits on a worker.
+
+        ``heartbeat_age_s`` is measured when the snapshot returns: a wedged dispatcher
+        shows here (after up to 5 s, with its last snapshot) as a growing age.
+        """
         self._check_owner()
+        return self._with_heartbeat(self._stats())
+
+    def _stats(self) -> PoolStats:
         loop = self._loop
         if loop is None:
             return Dispatcher(self.config, _NoIO(), devices=[]).snapshot()

@@ -40,7 +40,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import uvicorn
@@ -906,6 +906,47 @@ class Gate:
 # The app
 
 
+class LoopWatch:
+    """How late this event loop runs a timer: the server's half of ``/healthz``.
+
+    A task sleeps ``interval_s`` at a time and records how late it woke. A loop blocked
+    by synchronous code shows either as that lateness or, while the block lasts, as a
+    tick overdue, whichever the probe's handler sees first::
+
+        watch = LoopWatch()
+        watch.ensure_started()            # from a coroutine on the loop to watch
+        watch.lag_s()                     # 0.0 on a loop that keeps up
+    """
+
+    def __init__(self, interval_s: float = 0.25) -> None:
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+        self._last_tick: float | None = None
+        self._last_lag = 0.0
+
+    def ensure_started(self) -> None:
+        if self._task is None or self._task.done():
+            loop = asyncio.get_running_loop()
+            self._last_tick = loop.time()
+            self._task = loop.create_task(self._tick(), name="modelpool-loop-watch")
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.interval_s
+            await asyncio.sleep(self.interval_s)
+            now = loop.time()
+            self._last_lag = max(0.0, now - due)
+            self._last_tick = now
+
+    def lag_s(self) -> float:
+        """Seconds late: the latest tick's lateness, or how overdue the next one is."""
+        if self._last_tick is None:
+            return 0.0
+        overdue = asyncio.get_running_loop().time() - self._last_tick - self.interval_s
+        return round(max(self._last_lag, overdue, 0.0), 3)
+
+
 @dataclass
 class ServerState:
     """Mutable state shared by the routes and the CLI's signal handler."""
@@ -916,6 +957,7 @@ class ServerState:
     metrics: PoolMetrics
     started: int
     draining: bool = False
+    loop_watch: LoopWatch = field(default_factory=LoopWatch)
 
 
 def api_key_from_env(server_config: ServerConfig) -> str | None:
@@ -986,8 +1028,29 @@ def create_app(pool: ModelPool, server_config: ServerConfig, model_name: str) ->
         ).response()
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz() -> Response:
+        # Liveness, not readiness: never waits on the dispatcher (a wedged one is what
+        # this must report), and a pool that is starting or degraded is still alive.
+        state.loop_watch.ensure_started()
+        health = pool.health()
+        lag = state.loop_watch.lag_s()
+        reasons: list[str] = [] if health.alive else [health.reason or "the pool is not alive"]
+        if lag > state.config.max_event_loop_lag_s:
+            reasons.append(
+                f"the HTTP server's event loop runs {lag:.1f} s late "
+                f"(max_event_loop_lag_s = {state.config.max_event_loop_lag_s:g})"
+            )
+        body: dict[str, Any] = {
+            "status": "unhealthy" if reasons else "ok",
+            "pool": health.state,
+            "heartbeat_age_s": health.heartbeat_age_s,
+            "event_loop_lag_s": lag,
+        }
+        if reasons:
+            body["reason"] = "; ".join(reasons)
+            body["reasons"] = reasons
+            logger.warning("/healthz: unhealthy: %s", "; ".join(reasons))
+        return JSONResponse(body, status_code=503 if reasons else 200)
 
     @app.get("/readyz")
     async def readyz() -> Response:

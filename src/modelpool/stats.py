@@ -91,6 +91,8 @@ class PoolStats:
     kill_reasons: dict[str, int] = field(default_factory=dict)
     # The model's context length in tokens, as the workers report it (None: not known).
     max_model_len: int | None = None
+    # Seconds since the dispatcher thread last went round its loop (None before start()).
+    heartbeat_age_s: float | None = None
     capacity: int = 0
     running: int = 0
 
@@ -107,6 +109,20 @@ class PoolStats:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class PoolHealth:
+    """Is the pool alive? ``ModelPool.health()``; ``/healthz`` and Ray's ``check_health``.
+
+    Alive is not ready: a pool that is starting, or degraded with no ready worker, is
+    alive. ``reason`` says what is wrong when ``alive`` is false.
+    """
+
+    alive: bool
+    state: str
+    heartbeat_age_s: float | None
+    reason: str | None = None
 
 
 def percentiles(samples: list[float]) -> dict[str, float | None]:

@@ -89,9 +89,9 @@ from modelpool.spawn import ProcessWorkerIO, build_env, start_worker_process, us
 
 logger = logging.getLogger(__name__)
 
-# epoll takes its timeout as a C int of milliseconds (about 24.8 days): wake up at
-# least this often so that a far deadline ("never", in practice) cannot overflow it.
-_LONGEST_WAIT_S = 3600.0
+# The event loop wakes at least this often (or a quarter of heartbeat_timeout_s, if less)
+# and stamps its heartbeat, so that an idle pool stays fresh and only a wedged loop ages.
+_HEARTBEAT_WAIT_S = 1.0
 
 
 class EventLoop:
@@ -153,23 +153,27 @@ class EventLoop:
         )
         self.thread = threading.Thread(target=self.run, name="modelpool-dispatcher", daemon=True)
         self._threads_per_worker = max(1, usable_cpus() // config.workers)
+        # time.monotonic() at the top of the loop's latest round; read by other threads.
+        self.heartbeat = time.monotonic()
+        self._longest_wait_s = min(_HEARTBEAT_WAIT_S, config.heartbeat_timeout_s / 4)
 
     def run(self) -> None:
         dispatcher = self.dispatcher
         try:
             dispatcher.start()
             while True:
+                self.heartbeat = time.monotonic()
                 self._run_commands()
                 dispatcher.run_due_timers()
                 dispatcher.after_event()
                 if dispatcher.finished:
                     break
                 next_at = dispatcher.next_timer_at()
-                timeout = None
+                timeout = self._longest_wait_s
                 if next_at is not None:
-                    timeout = min(max(0.0, next_at - time.monotonic()), _LONGEST_WAIT_S)
+                    timeout = min(max(0.0, next_at - time.monotonic()), timeout)
                 if self._eof_without_exit:
-                    timeout = 0.005 if timeout is None else min(timeout, 0.005)
+                    timeout = min(timeout, 0.005)
                 for key, mask in self.selector.select(timeout):
                     kind, worker = key.data
                     if kind == "wake":

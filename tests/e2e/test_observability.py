@@ -25,7 +25,7 @@ METRIC_NAMES = {
 
 
 def test_health_and_readiness(http: httpx.Client) -> None:
-    assert http.get("/healthz").json() == {"status": "ok"}
+    assert http.get("/healthz").json()["status"] == "ok"
     ready = http.get("/readyz")
     assert ready.status_code == 200
     assert ready.json()["ready_workers"] >= 1
