@@ -19,7 +19,7 @@ from modelpool.server import (
 
 
 def test_completion_fields_map_to_generation_kwargs() -> None:
-    prompt, params, stream = parse_completion(
+    job = parse_completion(
         {
             "model": "x",
             "prompt": ["hello"],
@@ -34,19 +34,20 @@ def test_completion_fields_map_to_generation_kwargs() -> None:
             "stream": True,
         }
     )
-    assert prompt == "hello"
-    assert params == {
+    assert job.prompts == ["hello"]
+    assert job.params == {
         "max_new_tokens": 7,
         "temperature": 0.0,
         "top_p": 0.5,
         "stop": ["END"],
         "seed": 3,
     }
-    assert stream is True
+    assert job.stream is True
+    assert (job.n, job.logprobs, job.echo) == (1, None, False)
 
 
 def test_chat_messages_and_parts() -> None:
-    prompt, params, stream = parse_chat(
+    job = parse_chat(
         {
             "messages": [
                 {"role": "developer", "content": "be brief"},
@@ -61,12 +62,14 @@ def test_chat_messages_and_parts() -> None:
             "stream_options": None,
         }
     )
-    assert prompt == [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "a\nb"},
+    assert job.prompts == [
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "a\nb"},
+        ]
     ]
-    assert params == {"max_new_tokens": 5}
-    assert stream is False
+    assert job.params == {"max_new_tokens": 5}
+    assert job.stream is False
 
 
 @pytest.mark.parametrize(
