@@ -325,7 +325,8 @@ def test_logprobs_of_generated_tokens(handler: HFHandler) -> None:
         assert len(entry.top) == 3
         # Greedy: the chosen token is the likeliest, and the alternatives are sorted.
         assert entry.top[0][0] == entry.token_id
-        assert [lp for _, _, lp in entry.top] == sorted((lp for _, _, lp in entry.top), reverse=True)
+        alternatives = [lp for _, _, lp in entry.top]
+        assert alternatives == sorted(alternatives, reverse=True)
     assert "".join(e.token for e in entries) == generation.text
 
 
