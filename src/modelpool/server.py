@@ -15,14 +15,18 @@ sends server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
 Request bodies are parsed and checked here, field by field, rather than by
 pydantic models: every rejection names the OpenAI field the client sent (the
 pool's own messages name its kwargs, e.g. ``max_new_tokens``), and a field we
-cannot honour (``n`` > 1, ``logprobs``, ``tools``...) is a 400, never ignored.
+cannot honour (``tools``, penalties...) is a 400, never ignored. A request
+becomes one pool request per choice (``n``, a batch of prompts); the response
+shapes, logprobs included, are built in ``openai_format``.
 
 Status codes: 400 invalid (``context_length_exceeded`` when the prompt and
 ``max_tokens`` do not fit the model's context, which ``/v1/models`` reports as
 ``max_model_len``), 401 missing/bad key, 404/405 unknown route or
 method, 413 body too large, 429 ``PoolOverloaded``, 503 ``PoolClosed`` /
 ``ModelLoadFailed`` / draining, 504 ``DeadlineExceeded``, 502 ``WorkerCrashed``,
-500 only for ``BackendError`` (the model code raised) or a bug here.
+500 only for ``BackendError`` (the model code raised) or a bug here. Every
+error says ``x-should-retry`` (true only for 429 and 503, which also carry
+``Retry-After``): the pool has applied its own retry policy already.
 
 A client that disconnects cancels its request in the worker: a task waits on
 the ASGI ``receive`` channel for ``http.disconnect`` (no polling) and cancels
