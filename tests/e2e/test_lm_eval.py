@@ -27,6 +27,9 @@ pytestmark = pytest.mark.slow
 GENERATE_TASK = "modelpool_capitals"
 LOGLIKELIHOOD_TASK = "modelpool_arithmetic_choice"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# OpenMP threads that sleep rather than spin while waiting: on a busy machine the
+# in-process model's spinning threads would otherwise starve each other (and the daemon).
+QUIET_THREADS = {"OMP_WAIT_POLICY": "PASSIVE"}
 # Both sides run the model in float32 on the CPU, one sequence at a time; what differs
 # is the shape of the forward pass (the daemon scores the whole sequence).
 LOGPROB_TOLERANCE = 1e-3
@@ -102,7 +105,7 @@ def run_lm_eval(
         timeout=1200,
         check=False,
         cwd=REPO,
-        env={**os.environ, **OFFLINE},
+        env={**os.environ, **OFFLINE, **QUIET_THREADS},
     )
     seconds = time.monotonic() - started
     assert finished.returncode == 0, finished.stderr[-6000:]

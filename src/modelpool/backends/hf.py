@@ -289,10 +289,10 @@ class HFHandler:
         logprobs = None
         if top_logprobs is not None:
             sequences = output.sequences
-            # The end-of-sequence token is not text: it gets no entry, as in OpenAI's API.
-            kept = list(progress.token_ids)
-            while kept and kept[-1] in self._eos_ids:
-                kept.pop()
+            # Every generated token, the end-of-sequence one included (its text is the
+            # special token's): one entry per completion token, as clients that read
+            # the logprob of the k-th token after the prompt (lm-eval) expect.
+            kept = progress.token_ids
             steps = output.logits[: len(kept)]
             logprobs = self._token_logprobs(torch.cat(steps), kept, top_logprobs) if kept else []
         else:
