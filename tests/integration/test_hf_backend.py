@@ -356,3 +356,18 @@ def test_bad_token_ids_and_logprob_counts_are_refused(handler: HFHandler) -> Non
     for params in ({"logprobs": 21}, {"logprobs": -1}, {"max_new_tokens": 0}):
         with pytest.raises(InvalidRequest):
             run(handler, "Hello", **params)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_scoring_the_prompt_leaves_the_generation_unchanged(
+    handler: HFHandler, prompt: str
+) -> None:
+    # The prompt's forward pass hands its cache to generate(): same tokens, same scores.
+    plain, _ = run(handler, prompt, max_new_tokens=5, logprobs=1)
+    scored, call = run(handler, prompt, max_new_tokens=5, logprobs=1, prompt_logprobs=1)
+    assert scored.text == plain.text == "".join(call.chunks)
+    assert [e.token_id for e in scored.logprobs] == [e.token_id for e in plain.logprobs]
+    assert [e.logprob for e in scored.logprobs] == pytest.approx(
+        [e.logprob for e in plain.logprobs], abs=1e-4
+    )
+    assert len(scored.prompt_logprobs) == scored.prompt_tokens

@@ -259,7 +259,10 @@ class HFHandler:
         params["max_new_tokens"] = self._new_tokens(call, params, prompt_tokens)
         prompt_logprobs = None
         if prompt_top_logprobs is not None:
-            prompt_logprobs = self._prompt_logprobs(input_ids, prompt_top_logprobs)
+            prompt_logprobs, prompt_cache = self._prompt_logprobs(input_ids, prompt_top_logprobs)
+            if prompt_cache is not None:
+                # generate() then computes only the last prompt token: no second prefill.
+                params.update(prompt_cache)
         if params.get("max_new_tokens") == 0:
             no_tokens: list[TokenLogprob] | None = None if top_logprobs is None else []
             return Generation("", "length", prompt_tokens, 0, no_tokens, prompt_logprobs)
@@ -314,17 +317,29 @@ class HFHandler:
             prompt_logprobs,
         )
 
-    def _prompt_logprobs(self, input_ids: torch.Tensor, top: int) -> list[TokenLogprob]:
-        """Each prompt token's logprob given the tokens before it (one forward pass)."""
+    def _prompt_logprobs(
+        self, input_ids: torch.Tensor, top: int
+    ) -> tuple[list[TokenLogprob], dict[str, Any] | None]:
+        """Each prompt token's logprob given the tokens before it, and the KV cache of all
+        but the last prompt token as a generate() keyword (None for a one-token prompt).
+
+        One forward pass over ``prompt[:-1]``: its outputs predict ``prompt[1:]``, and its
+        cache lets generate() start at the last prompt token instead of a second prefill.
+        """
         import torch
 
         ids = input_ids[0].tolist()
         first = TokenLogprob(ids[0], self._token_text(ids[0]), None)
         if len(ids) == 1:
-            return [first]
+            return [first], None
         with torch.inference_mode():
-            logits = self.model(input_ids=input_ids, use_cache=False).logits[0, :-1]
-        return [first, *self._token_logprobs(logits, ids[1:], top)]
+            output = self.model(input_ids=input_ids[:, :-1], use_cache=True)
+        # transformers 5 names the cache "cache" (output field and generate() keyword),
+        # earlier versions "past_key_values".
+        fields = getattr(output, "__dataclass_fields__", {})
+        name = "cache" if "cache" in fields else "past_key_values"
+        cache = {name: getattr(output, name)}
+        return [first, *self._token_logprobs(output.logits[0], ids[1:], top)], cache
 
     def _token_logprobs(self, logits: torch.Tensor, ids: list[int], top: int) -> list[TokenLogprob]:
         """``logits[i]`` is the model's output that predicted ``ids[i]``."""
