@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from modelpool.protocol import Prompt, TokenIds, TokenLogprob
 
 if TYPE_CHECKING:
-    from modelpool.supervisor import Result
+    from modelpool.results import Result
 
 # Seeds are kept below 2**63 (what the hf backend takes); n > 1 adds the choice's number.
 SEED_LIMIT = 2**63
