@@ -204,3 +204,18 @@ def test_disconnect_cancels_every_choice(daemon: Daemon) -> None:
         5.0,
         "both choices to be cancelled",
     )
+
+
+def test_disconnect_cancels_every_choice_of_a_plain_completion(daemon: Daemon) -> None:
+    before = daemon.wait_settled(2)["counters"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(daemon.url + "/v1/completions", json={"prompt": LONG, "n": 2}, timeout=0.5)
+    wait_for(
+        daemon.stats,
+        lambda s: (
+            s["counters"]["cancelled"] == before["cancelled"] + 2
+            and all(w["state"] == "idle" for w in s["workers"])
+        ),
+        5.0,
+        "both choices to be cancelled",
+    )
