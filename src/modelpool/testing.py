@@ -29,6 +29,13 @@ Commands (``name[:arg[:arg]]``; anything else is echoed back):
 ``pid``                returns the worker's pid
 =====================  ======================================================
 
+A prompt given as token ids (``TokenIds``) reads as the ids joined by spaces.
+``logprobs=N`` gives every generated token (each ``tokens`` piece; the whole text
+otherwise) the logprob -0.25, with N alternatives (itself first, then made-up
+ones); ``prompt_logprobs=N`` scores the prompt the same way, one token per
+character (per id for token ids), the first with no logprob. ``max_new_tokens=0``
+with ``prompt_logprobs`` returns no text.
+
 Load-time options (``backend_options``): ``load_delay_s`` (sleep before ready),
 ``fail_load`` (raise during load), ``exit_on_load`` (``os._exit`` during load),
 ``exit_after_load_s`` (``os._exit(1)`` that many seconds after a successful load: a
@@ -57,10 +64,13 @@ from typing import Any
 
 from modelpool.context import check_max_model_len, fit_to_context
 from modelpool.errors import InvalidRequest
-from modelpool.protocol import Call, Generation, Prompt
+from modelpool.protocol import Call, Generation, Prompt, TokenIds, TokenLogprob
 from modelpool.validation import check_generation_params
 
-ACCEPTED_PARAMS = frozenset({"max_new_tokens", "temperature", "top_p", "seed", "stop"})
+ACCEPTED_PARAMS = frozenset(
+    {"max_new_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "prompt_logprobs"}
+)
+TOKEN_LOGPROB = -0.25
 
 
 def validate(params: dict[str, Any]) -> None:
@@ -79,8 +89,34 @@ class FaultBackend:
         self.max_model_len = max_model_len
 
     def generate(self, call: Call) -> str | Generation:
+        output = self._run(call)
+        top = call.params.get("logprobs")
+        prompt_top = call.params.get("prompt_logprobs")
+        if top is None and prompt_top is None:
+            return output
+        generation = Generation(output) if isinstance(output, str) else output
+        if top is not None:
+            pieces = _pieces(generation.text) if _command(call) == "tokens" else [generation.text]
+            generation.logprobs = [
+                _scored(index, piece, top) for index, piece in enumerate(pieces) if piece
+            ]
+        if prompt_top is not None:
+            prompt = call.prompt
+            if isinstance(prompt, TokenIds):
+                tokens = [(token_id, f"<{token_id}>") for token_id in prompt.ids]
+            else:
+                tokens = [(ord(char), char) for char in _prompt_text(prompt)]
+            generation.prompt_logprobs = [
+                _scored(token_id, token, prompt_top) for token_id, token in tokens
+            ]
+            if tokens:
+                generation.prompt_logprobs[0] = TokenLogprob(tokens[0][0], tokens[0][1], None)
+            generation.prompt_tokens = len(tokens)
+        return generation
+
+    def _run(self, call: Call) -> str | Generation:
         prompt = call.prompt
-        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        text = _prompt_text(prompt)
         command, _, argument = text.partition(":")
         limit = call.params.get("max_new_tokens")
         prompt_tokens = None
@@ -91,6 +127,8 @@ class FaultBackend:
             if limit is not None and "max_new_tokens" in getattr(call, "defaulted", ()):
                 default, limit = limit, None
             limit = fit_to_context(prompt_tokens, limit, self.max_model_len, default=default)
+        if limit == 0:
+            return Generation("", "length", prompt_tokens, 0)
         if command == "echo":
             return argument
         if command == "tokens":
@@ -133,7 +171,34 @@ def count_tokens(prompt: Prompt) -> int:
     """This backend's token count: words, and for chat what a template adds around them."""
     if isinstance(prompt, str):
         return len(prompt.split())
+    if isinstance(prompt, TokenIds):
+        return len(prompt.ids)
     return sum(2 + len(message["content"].split()) for message in prompt) + 1
+
+
+def _prompt_text(prompt: object) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, TokenIds):
+        return " ".join(str(token_id) for token_id in prompt.ids)
+    assert isinstance(prompt, list)
+    content: str = prompt[-1]["content"]
+    return content
+
+
+def _command(call: Call) -> str:
+    return _prompt_text(call.prompt).partition(":")[0]
+
+
+def _pieces(text: str) -> list[str]:
+    """``"t0 t1 "`` as the tokens it was emitted in: ``["t0 ", "t1 "]``."""
+    return [word + " " for word in text.split(" ") if word]
+
+
+def _scored(token_id: int, token: str, top: int) -> TokenLogprob:
+    alternatives = [(token_id, token, TOKEN_LOGPROB)]
+    alternatives += [(-1 - rank, f"<alt{rank}>", -2.0 - rank) for rank in range(1, top)]
+    return TokenLogprob(token_id, token, TOKEN_LOGPROB, tuple(alternatives[:top]))
 
 
 def _emit_tokens(
