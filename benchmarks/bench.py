@@ -197,7 +197,7 @@ class HangingHandler:
 
     def generate(self, call: Call) -> Generation:
         prompt = call.prompt
-        if not isinstance(prompt, str) and prompt and prompt[-1].get("content") == HANG_MARKER:
+        if isinstance(prompt, list) and prompt and prompt[-1].get("content") == HANG_MARKER:
             task_hang()
         return self._inner.generate(call)
 

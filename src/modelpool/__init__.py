@@ -26,6 +26,8 @@ _EXPORTS = {
     "RetryPolicy": "modelpool.config",
     "ServerConfig": "modelpool.config",
     "Generation": "modelpool.protocol",
+    "TokenIds": "modelpool.protocol",
+    "TokenLogprob": "modelpool.protocol",
     "PoolHealth": "modelpool.stats",
     "PoolStats": "modelpool.stats",
     "Attempt": "modelpool.errors",
@@ -63,6 +65,8 @@ __all__ = [
     "Result",
     "RetryPolicy",
     "ServerConfig",
+    "TokenIds",
+    "TokenLogprob",
     "WorkerCrashed",
     "__version__",
 ]
@@ -83,7 +87,7 @@ if TYPE_CHECKING:
         WorkerCrashed,
     )
     from modelpool.pool import AsyncPoolStream, ModelPool, PoolFuture, PoolStream, Result
-    from modelpool.protocol import Generation
+    from modelpool.protocol import Generation, TokenIds, TokenLogprob
     from modelpool.stats import PoolHealth, PoolStats
 
 

@@ -1096,6 +1096,8 @@ class Dispatcher:
             queue_s=(request.first_dispatch_at or now) - request.submitted_at,
             prompt_tokens=generation.prompt_tokens,
             completion_tokens=generation.completion_tokens,
+            logprobs=generation.logprobs,
+            prompt_logprobs=generation.prompt_logprobs,
         )
 
     def _fail(self, request: Request, error: PoolError) -> None:

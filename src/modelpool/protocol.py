@@ -72,19 +72,55 @@ PROTOCOL_VERSION = 3
 
 FinishReason = Literal["stop", "length", "cancelled"]
 ChatMessage = Mapping[str, str]
-Prompt = str | Sequence[ChatMessage]
+
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a request may ask for per token (``logprobs``, ``prompt_logprobs``)."""
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """A prompt given as token ids of the model's own vocabulary, fed to the model as is
+    (no template, no special tokens added): ``pool.generate(TokenIds((1, 2, 3)))``."""
+
+    ids: tuple[int, ...]
+
+
+Prompt = str | Sequence[ChatMessage] | TokenIds
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token and its log probability under the model (before any sampling settings).
+
+    ``top`` holds the most likely alternatives at that position, most likely first, as
+    ``(token_id, token_text, logprob)``. A prompt's first token has no logprob (nothing
+    precedes it): ``logprob`` is None and ``top`` is empty.
+    """
+
+    token_id: int
+    token: str
+    logprob: float | None
+    top: tuple[tuple[int, str, float], ...] = ()
+
 
 _FRAME_HEADER = struct.Struct("!I")
 
 
 @dataclass
 class Generation:
-    """What a backend returns for one request (a plain ``str`` means finish_reason "stop")."""
+    """What a backend returns for one request (a plain ``str`` means finish_reason "stop").
+
+    ``logprobs`` (one per generated token) is set when the request asked for
+    ``logprobs=N``, ``prompt_logprobs`` (one per prompt token) for ``prompt_logprobs=N``;
+    both are None otherwise.
+    """
 
     text: str
     finish_reason: FinishReason = "stop"
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Call(Protocol):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from modelpool.errors import PoolError
-from modelpool.protocol import FinishReason
+from modelpool.protocol import FinishReason, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ class Result:
     queue_s: float
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # Set when the request asked for logprobs / prompt_logprobs (see protocol.Generation).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class PoolFuture(concurrent.futures.Future[Result]):

@@ -15,14 +15,18 @@ sends server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
 Request bodies are parsed and checked here, field by field, rather than by
 pydantic models: every rejection names the OpenAI field the client sent (the
 pool's own messages name its kwargs, e.g. ``max_new_tokens``), and a field we
-cannot honour (``n`` > 1, ``logprobs``, ``tools``...) is a 400, never ignored.
+cannot honour (``tools``, penalties...) is a 400, never ignored. A request
+becomes one pool request per choice (``n``, a batch of prompts); the response
+shapes, logprobs included, are built in ``openai_format``.
 
 Status codes: 400 invalid (``context_length_exceeded`` when the prompt and
 ``max_tokens`` do not fit the model's context, which ``/v1/models`` reports as
 ``max_model_len``), 401 missing/bad key, 404/405 unknown route or
 method, 413 body too large, 429 ``PoolOverloaded``, 503 ``PoolClosed`` /
 ``ModelLoadFailed`` / draining, 504 ``DeadlineExceeded``, 502 ``WorkerCrashed``,
-500 only for ``BackendError`` (the model code raised) or a bug here.
+500 only for ``BackendError`` (the model code raised) or a bug here. Every
+error says ``x-should-retry`` (true only for 429 and 503, which also carry
+``Retry-After``): the pool has applied its own retry policy already.
 
 A client that disconnects cancels its request in the worker: a task waits on
 the ASGI ``receive`` channel for ``http.disconnect`` (no polling) and cancels
@@ -39,7 +43,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -64,11 +68,18 @@ from modelpool.errors import (
     WorkerCrashed,
 )
 from modelpool.metrics import CONTENT_TYPE, PoolMetrics
+from modelpool.openai_format import (
+    MAX_CHOICES,
+    Job,
+    choice_logprobs,
+    response_body,
+    total_usage,
+)
+from modelpool.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
 from modelpool.validation import MAX_INT, is_int, is_number
 
 if TYPE_CHECKING:
     from modelpool.pool import AsyncPoolStream, ModelPool, Result
-    from modelpool.protocol import Prompt
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("modelpool.access")
@@ -82,6 +93,13 @@ TIMEOUT_HEADER = "x-request-timeout"
 # quickly; a pool that is not ready is starting or respawning workers.
 RETRY_AFTER_OVERLOADED = 1
 RETRY_AFTER_UNAVAILABLE = 5
+# Whether a client should send a failed request again, said on every error answer in
+# the header the openai client obeys (x-should-retry) and, for the retryable ones, with
+# Retry-After. Only "not now" answers are retryable: the pool was full or not ready.
+# A deadline the caller set, a crash or a model error has been through the pool's own
+# retry policy already; sending it again would multiply the work (and the wait).
+SHOULD_RETRY_HEADER = "x-should-retry"
+RETRYABLE_STATUSES = frozenset({429, 503})
 # nginx's convention for "client closed the request": logged, never sent.
 STATUS_CLIENT_GONE = 499
 READY_WORKER_STATES = frozenset({"idle", "busy", "spare"})
@@ -117,8 +135,6 @@ _COMMON_FIELDS = frozenset(
     }
 )
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of"}
-MAX_PROMPTS = 256
-"""Prompts in one /v1/completions request; each becomes its own pool request."""
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages",
     "max_completion_tokens",
@@ -163,7 +179,10 @@ class ApiError(Exception):
         self.type = type
         self.code = code
         self.param = param
-        self.headers = dict(headers or {})
+        self.headers = {
+            SHOULD_RETRY_HEADER: "true" if status in RETRYABLE_STATUSES else "false",
+            **(headers or {}),
+        }
         self.extra = dict(extra or {})
 
     def body(self) -> dict[str, Any]:
@@ -336,8 +355,6 @@ def _unsupported_unless(condition: bool, name: str, why: str) -> None:
 
 
 def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any]:
-    n = _opt_int(body, "n", 1)
-    _unsupported_unless(n in (None, 1), "n", "only one choice per request is supported")
     for name in ("presence_penalty", "frequency_penalty"):
         value = _opt_number(body, name)
         _unsupported_unless(value in (None, 0), name, "penalties are not supported (use 0)")
@@ -422,55 +439,94 @@ def deadline_from(
     return min(seconds, cap_s) if cap_s is not None else seconds
 
 
-def parse_completion(
-    body: Mapping[str, Any],
-) -> tuple[Prompt | list[str], dict[str, Any], bool]:
-    """A completion's prompt (a list of two or more strings: one choice each), params,
-    and whether it streams."""
+def _choice_count(body: Mapping[str, Any], prompts: int) -> tuple[int, int]:
+    """``n`` and ``best_of`` (1 when absent), checked against the number of prompts."""
+    n = _opt_int(body, "n", 1) or 1
+    best_of = _opt_int(body, "best_of", 1) or n
+    if best_of < n:
+        raise invalid(f"best_of ({best_of}) must be >= n ({n})", param="best_of")
+    if prompts * best_of > MAX_CHOICES:
+        name = "best_of" if best_of > n else "n"
+        raise invalid(
+            f"{name}: at most {MAX_CHOICES} generations per request "
+            f"({prompts} prompt(s) x {best_of})",
+            param=name,
+        )
+    return n, best_of
+
+
+def _token_prompt(value: list[Any], where: str) -> TokenIds:
+    if not value:
+        raise invalid(f"{where} must not be an empty list of token ids", param="prompt")
+    for index, token_id in enumerate(value):
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise invalid(
+                f"{where}[{index}] must be a token id (an integer >= 0), got {token_id!r}",
+                param="prompt",
+            )
+    return TokenIds(tuple(value))
+
+
+def _completion_prompts(value: object) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids, or a list of such lists."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(item, str) for item in value):
+            return list(value)
+        if all(isinstance(item, list) for item in value):
+            return [_token_prompt(item, f"prompt[{index}]") for index, item in enumerate(value)]
+        if not any(isinstance(item, (str, list)) for item in value):
+            return [_token_prompt(value, "prompt")]
+    raise invalid(
+        "prompt must be a string, a list of strings, a list of token ids "
+        "or a list of lists of token ids",
+        param="prompt",
+    )
+
+
+def parse_completion(body: Mapping[str, Any]) -> Job:
     _check_fields(body, _COMPLETION_FIELDS)
     if "prompt" not in body:
         raise invalid("missing field 'prompt'", param="prompt", code="missing_field")
-    prompt = body["prompt"]
-    if isinstance(prompt, list):
-        if len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        elif prompt and all(isinstance(item, str) for item in prompt):
-            if len(prompt) > MAX_PROMPTS:
-                raise invalid(
-                    f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}",
-                    param="prompt",
-                )
-            if _stream_flag(body):
-                raise invalid(
-                    "stream with a list of prompts is not supported; stream one request per prompt",
-                    param="stream",
-                    code="unsupported_value",
-                )
-            prompts: list[str] = prompt
-            params = _completion_params(body)
-            return prompts, params, False
-        elif not prompt:
-            raise invalid("prompt: the list of prompts is empty", param="prompt")
-        else:
-            raise invalid(
-                "prompt: token ids are not supported; send text",
-                param="prompt",
-                code="unsupported_value",
-            )
-    if not isinstance(prompt, str):
-        raise invalid("prompt must be a string", param="prompt")
-    return prompt, _completion_params(body), _stream_flag(body)
-
-
-def _completion_params(body: Mapping[str, Any]) -> dict[str, Any]:
+    prompts = _completion_prompts(body["prompt"])
     suffix = body.get("suffix")
     _unsupported_unless(suffix in (None, ""), "suffix", "insertion is not supported")
-    _unsupported_unless(not _opt_bool(body, "echo"), "echo", "echoing the prompt is not supported")
-    best_of = _opt_int(body, "best_of", 1)
-    _unsupported_unless(best_of in (None, 1), "best_of", "only best_of 1 is supported")
+    echo = bool(_opt_bool(body, "echo"))
     logprobs = _opt_int(body, "logprobs", 0)
-    _unsupported_unless(logprobs is None, "logprobs", "log probabilities are not supported")
-    return _common_params(body, _opt_int(body, "max_tokens", 1))
+    if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
+        raise invalid(f"logprobs must be <= {MAX_TOP_LOGPROBS}, got {logprobs}", param="logprobs")
+    max_tokens = _opt_int(body, "max_tokens", 0)
+    if max_tokens == 0 and not echo:
+        raise invalid("max_tokens 0 only makes sense with echo (scoring the prompt)", "max_tokens")
+    params = _common_params(body, max_tokens)
+    if logprobs is not None:
+        params["logprobs"] = logprobs
+        if echo:
+            params["prompt_logprobs"] = logprobs
+    if max_tokens == 0:
+        params.setdefault("prompt_logprobs", 0)
+    stream = _stream_flag(body)
+    n, best_of = _choice_count(body, len(prompts))
+    if stream and best_of > n:
+        raise invalid("best_of > n cannot be streamed", param="best_of")
+    if stream and echo and any(isinstance(prompt, TokenIds) for prompt in prompts):
+        raise invalid(
+            "echo with a token-id prompt cannot be streamed (the text of the tokens is known "
+            "only at the end); send stream: false",
+            param="echo",
+            code="unsupported_value",
+        )
+    return Job(
+        prompts,
+        params,
+        n=n,
+        best_of=best_of,
+        stream=stream,
+        include_usage=_include_usage(body),
+        logprobs=logprobs,
+        echo=echo,
+    )
 
 
 def _message_content(content: object, index: int) -> str:
@@ -496,7 +552,7 @@ def _message_content(content: object, index: int) -> str:
     raise invalid(f"{where} must be a string or a list of text parts", param=where)
 
 
-def parse_chat(body: Mapping[str, Any]) -> tuple[Prompt, dict[str, Any], bool]:
+def parse_chat(body: Mapping[str, Any]) -> Job:
     _check_fields(body, _CHAT_FIELDS)
     messages = body.get("messages")
     if "messages" not in body:
@@ -544,12 +600,17 @@ def parse_chat(body: Mapping[str, Any]) -> tuple[Prompt, dict[str, Any], bool]:
     )
     for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
         _unsupported_unless(body.get(name) is None, name, "not supported by this server")
-    _unsupported_unless(
-        not _opt_bool(body, "logprobs"), "logprobs", "log probabilities are not supported"
-    )
-    _unsupported_unless(
-        body.get("top_logprobs") is None, "top_logprobs", "log probabilities are not supported"
-    )
+    wants_logprobs = bool(_opt_bool(body, "logprobs"))
+    top_logprobs = _opt_int(body, "top_logprobs", 0)
+    if top_logprobs is not None:
+        if not wants_logprobs:
+            raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
+        if top_logprobs > MAX_TOP_LOGPROBS:
+            raise invalid(
+                f"top_logprobs must be <= {MAX_TOP_LOGPROBS}, got {top_logprobs}",
+                param="top_logprobs",
+            )
+    logprobs = (top_logprobs or 0) if wants_logprobs else None
 
     max_tokens = _opt_int(body, "max_tokens", 1)
     max_completion = _opt_int(body, "max_completion_tokens", 1)
@@ -558,7 +619,18 @@ def parse_chat(body: Mapping[str, Any]) -> tuple[Prompt, dict[str, Any], bool]:
             "max_tokens and max_completion_tokens disagree", param="max_completion_tokens"
         )
     params = _common_params(body, max_completion if max_tokens is None else max_tokens)
-    return prompt, params, _stream_flag(body)
+    if logprobs is not None:
+        params["logprobs"] = logprobs
+    n, _ = _choice_count({"n": body.get("n")}, 1)
+    return Job(
+        [prompt],
+        params,
+        n=n,
+        stream=_stream_flag(body),
+        include_usage=_include_usage(body),
+        logprobs=logprobs,
+        chat=True,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -615,53 +687,6 @@ async def read_body(request: Request, limit: int) -> bytes:
 # Responses
 
 
-def _usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str, int | None]:
-    # A backend that cannot count says None; the client sees null rather than a made-up 0.
-    total = (
-        None
-        if prompt_tokens is None or completion_tokens is None
-        else prompt_tokens + completion_tokens
-    )
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": total,
-    }
-
-
-def completion_body(result: Result, model: str, chat: bool, created: int) -> dict[str, Any]:
-    usage = _usage(result.prompt_tokens, result.completion_tokens)
-    if chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text},
-            "finish_reason": result.finish_reason,
-            "logprobs": None,
-        }
-        return {
-            "id": f"chatcmpl-{result.request_id}",
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "usage": usage,
-        }
-    choice = {
-        "index": 0,
-        "text": result.text,
-        "finish_reason": result.finish_reason,
-        "logprobs": None,
-    }
-    return {
-        "id": f"cmpl-{result.request_id}",
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": usage,
-    }
-
-
 class _ClientGone(Response):
     """Sends nothing: the client disconnected, so there is nobody to answer."""
 
@@ -674,31 +699,42 @@ def _sse(payload: Mapping[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-class EventStream(Response):
-    """A completion streamed as server-sent events.
+@dataclass
+class StreamedChoice:
+    """One pool request of a streamed answer: its choice index, prompt and stream."""
 
-    The first chunk is awaited before the status line goes out, so that an error
-    before any text (overloaded, deadline, crash) still gets its own status code.
-    After that, an error is sent as a ``data: {"error": ...}`` event (what the
-    OpenAI clients raise on) and the stream ends without ``[DONE]``.
+    index: int
+    prompt: Prompt
+    source: AsyncPoolStream
+
+
+class EventStream(Response):
+    """A completion streamed as server-sent events, one pool stream per choice.
+
+    The first event of any choice is awaited before the status line goes out, so that an
+    error before any text (overloaded, deadline, crash) still gets its own status code.
+    After that, an error is sent as a ``data: {"error": ...}`` event (what the OpenAI
+    clients raise on), every other choice is cancelled, and the stream ends without
+    ``[DONE]``. With logprobs, a choice's last chunk (the one with its finish_reason)
+    carries the logprobs of all its tokens: the pool streams text, and the scores of
+    the tokens come with the result.
     """
 
     def __init__(
         self,
-        source: AsyncPoolStream,
+        choices: list[StreamedChoice],
+        job: Job,
         *,
-        chat: bool,
         model: str,
         on_error: Callable[[PoolError], None],
-        include_usage: bool = False,
     ) -> None:
         super().__init__(status_code=200)
-        self._source = source
-        self._chat = chat
+        self._choices = choices
+        self._job = job
+        self._chat = job.chat
         self._model = model
         self._on_error = on_error
-        self._include_usage = include_usage
-        self._id = f"{'chatcmpl' if chat else 'cmpl'}-{source.request_id}"
+        self._id = f"{'chatcmpl' if job.chat else 'cmpl'}-{choices[0].source.request_id}"
         self._created = int(time.time())
         self._complete = False
 
@@ -718,14 +754,20 @@ class EventStream(Response):
                 await error.response()(scope, _no_receive, send)
             return
         finally:
-            # Closing the generator cancels the pool request if it is still running; it
-            # is a no-op when the stream ran to its end.
-            await self._source.aclose()
+            # Closing a stream cancels its pool request if it is still running; it is a
+            # no-op for one that ran to its end.
+            for choice in self._choices:
+                await choice.source.aclose()
         if not finished:
             state["status"] = STATUS_CLIENT_GONE
 
     def _chunk(
-        self, text: str | None, finish_reason: str | None, role: bool = False
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if self._chat:
             delta: dict[str, Any] = {}
@@ -734,18 +776,18 @@ class EventStream(Response):
             if text is not None:
                 delta["content"] = text
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "finish_reason": finish_reason,
-                "logprobs": None,
+                "logprobs": logprobs,
             }
             kind = "chat.completion.chunk"
         else:
             choice = {
-                "index": 0,
+                "index": index,
                 "text": text or "",
                 "finish_reason": finish_reason,
-                "logprobs": None,
+                "logprobs": logprobs,
             }
             kind = "text_completion"
         return {
@@ -757,17 +799,59 @@ class EventStream(Response):
         }
 
     async def _pump(self, scope: Scope, send: Send, state: dict[str, Any]) -> None:
+        events: asyncio.Queue[tuple[StreamedChoice, str | Result | PoolError]] = asyncio.Queue()
+        readers = [asyncio.ensure_future(_read_choice(c, events)) for c in self._choices]
         try:
-            first: str | None = await self._source.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except PoolError as exc:
-            self._on_error(exc)
-            error = pool_error_to_api(exc)
-            state["status"] = error.status
-            await error.response()(scope, _no_receive, send)
-            self._complete = True
-            return
+            await self._relay(scope, send, state, events)
+        finally:
+            for reader in readers:
+                reader.cancel()
+            await asyncio.wait(readers)
+
+    async def _relay(
+        self,
+        scope: Scope,
+        send: Send,
+        state: dict[str, Any],
+        events: asyncio.Queue[tuple[StreamedChoice, str | Result | PoolError]],
+    ) -> None:
+        results: dict[int, Result] = {}
+        started = False
+        while len(results) < len(self._choices):
+            choice, item = await events.get()
+            if isinstance(item, PoolError):
+                self._on_error(item)
+                error = pool_error_to_api(item)
+                if started:
+                    await self._send(send, _sse(error.body()), more=False)
+                else:
+                    state["status"] = error.status
+                    await error.response()(scope, _no_receive, send)
+                    self._complete = True
+                return
+            if not started:
+                await self._start(send, state)
+                started = True
+            if isinstance(item, str):
+                if item:
+                    await self._send(send, _sse(self._chunk(choice.index, item, None)))
+                continue
+            results[choice.index] = item
+            _note_results(state, results.values())
+            logprobs = choice_logprobs(self._job, choice.prompt, item)
+            final = self._chunk(
+                choice.index, None if self._chat else "", item.finish_reason, logprobs=logprobs
+            )
+            await self._send(send, _sse(final))
+        if self._job.include_usage:
+            usage_chunk = self._chunk(0, None, None)
+            usage_chunk["choices"] = []
+            usage_chunk["usage"] = total_usage(self._job, results)
+            await self._send(send, _sse(usage_chunk))
+        await self._send(send, _sse("[DONE]"), more=False)
+
+    async def _start(self, send: Send, state: dict[str, Any]) -> None:
+        """The status line, then per choice the chat role or the echoed prompt."""
         await send(
             {
                 "type": "http.response.start",
@@ -777,43 +861,46 @@ class EventStream(Response):
                     (b"cache-control", b"no-cache"),
                     # Proxies such as nginx would otherwise buffer the whole stream.
                     (b"x-accel-buffering", b"no"),
-                    (b"x-request-id", self._source.request_id.encode()),
+                    (b"x-request-id", self._choices[0].source.request_id.encode()),
                 ],
             }
         )
         state["status"] = 200
-        if self._chat:
-            await self._send(send, _sse(self._chunk("", None, role=True)))
-        try:
-            if first:
-                await self._send(send, _sse(self._chunk(first, None)))
-            if first is not None:
-                async for text in self._source:
-                    if text:
-                        await self._send(send, _sse(self._chunk(text, None)))
-        except PoolError as exc:
-            self._on_error(exc)
-            await self._send(send, _sse(pool_error_to_api(exc).body()), more=False)
-            return
-        result = self._source.result
-        if result is not None:
-            state.update(
-                request_id=result.request_id,
-                attempts=result.attempts,
-                worker_pid=result.worker_pid,
-            )
-        finish_reason = result.finish_reason if result is not None else None
-        await self._send(send, _sse(self._chunk(None if self._chat else "", finish_reason)))
-        if self._include_usage and result is not None:
-            usage_chunk = self._chunk(None, None)
-            usage_chunk["choices"] = []
-            usage_chunk["usage"] = _usage(result.prompt_tokens, result.completion_tokens)
-            await self._send(send, _sse(usage_chunk))
-        await self._send(send, _sse("[DONE]"), more=False)
+        for choice in self._choices:
+            if self._chat:
+                await self._send(send, _sse(self._chunk(choice.index, "", None, role=True)))
+            elif self._job.echo and isinstance(choice.prompt, str) and choice.prompt:
+                await self._send(send, _sse(self._chunk(choice.index, choice.prompt, None)))
 
     async def _send(self, send: Send, data: bytes, more: bool = True) -> None:
         await send({"type": "http.response.body", "body": data, "more_body": more})
         self._complete = not more
+
+
+async def _read_choice(
+    choice: StreamedChoice,
+    events: asyncio.Queue[tuple[StreamedChoice, str | Result | PoolError]],
+) -> None:
+    """Forward one pool stream's text, then its result or its error, to ``events``."""
+    try:
+        async for text in choice.source:
+            events.put_nowait((choice, text))
+    except PoolError as exc:
+        events.put_nowait((choice, exc))
+        return
+    result = choice.source.result
+    assert result is not None  # set once the stream has ended without an error
+    events.put_nowait((choice, result))
+
+
+def _note_results(state: dict[str, Any], results: Iterable[Result]) -> None:
+    """What the access log says of a request served by one or more pool requests."""
+    finished = list(results)
+    state.update(
+        request_id=finished[0].request_id,
+        attempts=sum(result.attempts for result in finished),
+        worker_pid=finished[-1].worker_pid,
+    )
 
 
 async def _no_receive() -> Message:
@@ -1148,108 +1235,70 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
     except ClientDisconnect:
         return _ClientGone()
     body = parse_json_object(raw)
-    parsed, params, stream = parse_chat(body) if chat else parse_completion(body)
+    job = parse_chat(body) if chat else parse_completion(body)
     pool = state.pool
     deadline = deadline_from(
         body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
     )
-    if not chat and isinstance(parsed, list):
-        return await _generate_many(request, state, parsed, params, deadline)
-    prompt: Prompt = parsed  # type: ignore[assignment]
+    # One pool request per choice (n > 1, several prompts), all with the same deadline.
+    runs = job.choices()
 
-    if stream:
+    if job.stream:
 
         def note_error(exc: PoolError) -> None:
             _note_attempts(request.scope, exc.request_id, exc.attempts)
 
-        source = pool.astream(prompt, deadline_s=deadline, **params)
-        return EventStream(
-            source,
-            chat=chat,
-            model=state.model_name,
-            on_error=note_error,
-            include_usage=_include_usage(body),
-        )
+        streamed: list[StreamedChoice] = []
+        try:
+            for index, prompt, params in runs:
+                source = pool.astream(prompt, deadline_s=deadline, **params)
+                streamed.append(StreamedChoice(index, prompt, source))
+        except BaseException:
+            # A later choice was refused (overloaded, say): the earlier ones stop too.
+            for choice in streamed:
+                await choice.source.aclose()
+            raise
+        return EventStream(streamed, job, model=state.model_name, on_error=note_error)
 
     try:
-        finished, result = await run_unless_disconnected(
-            request.receive, pool.agenerate(prompt, deadline_s=deadline, **params)
+        finished, results = await run_unless_disconnected(
+            request.receive,
+            _all_or_none(
+                [
+                    pool.agenerate(prompt, deadline_s=deadline, **params)
+                    for _, prompt, params in runs
+                ]
+            ),
         )
     except asyncio.CancelledError:
         # Only the server cancels a handler: the drain timeout passed or a second signal
-        # forced the exit. The pool request is cancelled already; answering says why
+        # forced the exit. The pool requests are cancelled already; answering says why
         # (uvicorn would send a bare 500). Not re-raised, so that the answer goes out.
         raise _shutting_down() from None
-    if not finished or result is None:
-        return _ClientGone()
-    note = request.scope.setdefault("state", {})
-    note.update(
-        request_id=result.request_id, attempts=result.attempts, worker_pid=result.worker_pid
-    )
-    body_out = completion_body(result, state.model_name, chat, int(time.time()))
-    return JSONResponse(body_out, headers={"X-Request-Id": result.request_id})
-
-
-async def _generate_many(
-    request: Request,
-    state: ServerState,
-    prompts: list[str],
-    params: dict[str, Any],
-    deadline: float,
-) -> Response:
-    """``/v1/completions`` with a list of prompts: each is its own pool request (so they
-    batch, retry and fail on their own), answered together as one choice per prompt in
-    order. The first failure fails the whole answer and cancels the rest."""
-    pool = state.pool
-
-    async def every_prompt() -> list[Result]:
-        tasks = [
-            asyncio.ensure_future(pool.agenerate(text, deadline_s=deadline, **params))
-            for text in prompts
-        ]
-        try:
-            return await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    try:
-        finished, results = await run_unless_disconnected(request.receive, every_prompt())
-    except asyncio.CancelledError:
-        raise _shutting_down() from None
-    except PoolError as exc:
-        _note_attempts(request.scope, exc.request_id, exc.attempts)
-        raise
     if not finished or results is None:
         return _ClientGone()
-    first = results[0]
-    request.scope.setdefault("state", {}).update(
-        request_id=first.request_id,
-        attempts=sum(result.attempts for result in results),
-        worker_pid=first.worker_pid,
-    )
-    prompt_tokens = [result.prompt_tokens for result in results]
-    completion_tokens = [result.completion_tokens for result in results]
-    body_out = {
-        "id": f"cmpl-{first.request_id}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": state.model_name,
-        "choices": [
-            {
-                "index": index,
-                "text": result.text,
-                "finish_reason": result.finish_reason,
-                "logprobs": None,
-            }
-            for index, result in enumerate(results)
-        ],
-        "usage": _usage(
-            None if None in prompt_tokens else sum(t or 0 for t in prompt_tokens),
-            None if None in completion_tokens else sum(t or 0 for t in completion_tokens),
-        ),
-    }
-    return JSONResponse(body_out, headers={"X-Request-Id": first.request_id})
+    by_index = {index: result for (index, _, _), result in zip(runs, results, strict=True)}
+    _note_results(request.scope.setdefault("state", {}), results)
+    body_out = response_body(job, by_index, state.model_name, int(time.time()))
+    return JSONResponse(body_out, headers={"X-Request-Id": results[0].request_id})
+
+
+async def _all_or_none(work: list[Coroutine[Any, Any, Result]]) -> list[Result]:
+    """Every result in order, or the first error with the other requests cancelled
+    (asyncio.gather would leave them running). Cancelling this cancels them all."""
+    tasks = [asyncio.ensure_future(item) for item in work]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
+    finally:
+        pending = [task for task in tasks if not task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,6 +40,13 @@ batch stops getting tokens), ``segfault`` and ``exit`` take the worker and its
 batch down, ``raise`` fails only its own request, ``spin`` keeps the loop
 iterating without delivering tokens.
 
+A prompt given as token ids (``TokenIds``) reads as the ids joined by spaces.
+``logprobs=N`` gives every generated token (each ``tokens`` piece; the whole text
+otherwise) the logprob -0.25, with N alternatives (itself first, then made-up
+ones); ``prompt_logprobs=N`` scores the prompt the same way, one token per
+character (per id for token ids), the first with no logprob. ``max_new_tokens=0``
+with ``prompt_logprobs`` returns no text.
+
 Load-time options (``backend_options``): ``load_delay_s`` (sleep before ready),
 ``fail_load`` (raise during load), ``exit_on_load`` (``os._exit`` during load),
 ``exit_after_load_s`` (``os._exit(1)`` that many seconds after a successful load: a
@@ -69,10 +76,21 @@ from typing import Any
 
 from modelpool.context import check_max_model_len, fit_to_context
 from modelpool.errors import InvalidRequest
-from modelpool.protocol import BatchCall, Call, Finished, Generation, Prompt
+from modelpool.protocol import (
+    BatchCall,
+    Call,
+    Finished,
+    Generation,
+    Prompt,
+    TokenIds,
+    TokenLogprob,
+)
 from modelpool.validation import check_generation_params
 
-ACCEPTED_PARAMS = frozenset({"max_new_tokens", "temperature", "top_p", "seed", "stop"})
+ACCEPTED_PARAMS = frozenset(
+    {"max_new_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "prompt_logprobs"}
+)
+TOKEN_LOGPROB = -0.25
 
 
 def validate(params: dict[str, Any]) -> None:
@@ -94,6 +112,7 @@ class _Job:
     count: int = 0
     delay: float = 0.0
     pieces: list[str] = field(default_factory=list)
+    whole: bool = False
 
     def partial(self, finish_reason: Any) -> Generation:
         return Generation("".join(self.pieces), finish_reason, None, len(self.pieces))
@@ -116,9 +135,13 @@ class FaultBackend:
 
     def admit(self, call: BatchCall) -> None:
         prompt = call.prompt
-        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        text = _prompt_text(prompt)
         command, _, argument = text.partition(":")
         job = _Job(call, command, argument, self._fit(call)[0])
+        # Log probabilities come from the one-call path: such a request runs whole in one step.
+        job.whole = any(
+            call.params.get(name) is not None for name in ("logprobs", "prompt_logprobs")
+        )
         if command == "tokens":
             count_text, _, delay_text = argument.partition(":")
             job.count = int(count_text or 16)
@@ -159,7 +182,7 @@ class FaultBackend:
 
     def _advance(self, job: _Job) -> Generation | str | None:
         """One step of one request: its result once it ends, else None."""
-        if job.command not in _STEPPED:
+        if job.command not in _STEPPED or job.whole:
             return self.generate(job.call)
         if job.command == "spin":
             return None
@@ -192,10 +215,37 @@ class FaultBackend:
         return limit, prompt_tokens
 
     def generate(self, call: Call) -> str | Generation:
-        prompt = call.prompt
-        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        output = self._run(call)
+        top = call.params.get("logprobs")
+        prompt_top = call.params.get("prompt_logprobs")
+        if top is None and prompt_top is None:
+            return output
+        generation = Generation(output) if isinstance(output, str) else output
+        if top is not None:
+            pieces = _pieces(generation.text) if _command(call) == "tokens" else [generation.text]
+            generation.logprobs = [
+                _scored(index, piece, top) for index, piece in enumerate(pieces) if piece
+            ]
+        if prompt_top is not None:
+            prompt = call.prompt
+            if isinstance(prompt, TokenIds):
+                tokens = [(token_id, f"<{token_id}>") for token_id in prompt.ids]
+            else:
+                tokens = [(ord(char), char) for char in _prompt_text(prompt)]
+            generation.prompt_logprobs = [
+                _scored(token_id, token, prompt_top) for token_id, token in tokens
+            ]
+            if tokens:
+                generation.prompt_logprobs[0] = TokenLogprob(tokens[0][0], tokens[0][1], None)
+            generation.prompt_tokens = len(tokens)
+        return generation
+
+    def _run(self, call: Call) -> str | Generation:
+        text = _prompt_text(call.prompt)
         command, _, argument = text.partition(":")
         limit, prompt_tokens = self._fit(call)
+        if limit == 0:
+            return Generation("", "length", prompt_tokens, 0)
         if command == "echo":
             return argument
         if command == "tokens":
@@ -241,7 +291,34 @@ def count_tokens(prompt: Prompt) -> int:
     """This backend's token count: words, and for chat what a template adds around them."""
     if isinstance(prompt, str):
         return len(prompt.split())
+    if isinstance(prompt, TokenIds):
+        return len(prompt.ids)
     return sum(2 + len(message["content"].split()) for message in prompt) + 1
+
+
+def _prompt_text(prompt: object) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, TokenIds):
+        return " ".join(str(token_id) for token_id in prompt.ids)
+    assert isinstance(prompt, list)
+    content: str = prompt[-1]["content"]
+    return content
+
+
+def _command(call: Call) -> str:
+    return _prompt_text(call.prompt).partition(":")[0]
+
+
+def _pieces(text: str) -> list[str]:
+    """``"t0 t1 "`` as the tokens it was emitted in: ``["t0 ", "t1 "]``."""
+    return [word + " " for word in text.split(" ") if word]
+
+
+def _scored(token_id: int, token: str, top: int) -> TokenLogprob:
+    alternatives = [(token_id, token, TOKEN_LOGPROB)]
+    alternatives += [(-1 - rank, f"<alt{rank}>", -2.0 - rank) for rank in range(1, top)]
+    return TokenLogprob(token_id, token, TOKEN_LOGPROB, tuple(alternatives[:top]))
 
 
 def _emit_tokens(

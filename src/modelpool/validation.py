@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from modelpool.errors import InvalidRequest
-from modelpool.protocol import Prompt
+from modelpool.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
 
 # The widest integer any backend is asked to take (a C int64: torch, numpy, CUDA); a
 # larger one would fail inside a worker, or with OverflowError, instead of here.
@@ -36,11 +36,22 @@ def is_int(value: object, *, minimum: int, maximum: int = MAX_INT) -> bool:
 def check_generation_params(params: Mapping[str, Any], *, where: str = "") -> None:
     """The backend-independent checks; raises :class:`InvalidRequest`."""
     prefix = f"{where}." if where else ""
+    for key in ("logprobs", "prompt_logprobs"):
+        if params.get(key) is not None:
+            value = params[key]
+            if not is_int(value, minimum=0, maximum=MAX_TOP_LOGPROBS):
+                raise InvalidRequest(
+                    f"{prefix}{key} must be an integer in [0, {MAX_TOP_LOGPROBS}] "
+                    f"(alternatives per token), got {value!r}"
+                )
     if "max_new_tokens" in params:
         value = params["max_new_tokens"]
-        if not is_int(value, minimum=1):
+        # 0 scores the prompt without generating: only with prompt_logprobs.
+        smallest = 0 if params.get("prompt_logprobs") is not None else 1
+        if not is_int(value, minimum=smallest):
             raise InvalidRequest(
-                f"{prefix}max_new_tokens must be an integer in [1, {MAX_INT}], got {value!r}"
+                f"{prefix}max_new_tokens must be an integer in [{smallest}, {MAX_INT}], "
+                f"got {value!r}" + ("" if smallest == 0 else " (0 only with prompt_logprobs)")
             )
     if "seed" in params:
         value = params["seed"]
@@ -57,19 +68,24 @@ def check_generation_params(params: Mapping[str, Any], *, where: str = "") -> No
 
 
 def check_prompt(prompt: object) -> Prompt:
-    """A prompt is a string or a non-empty list of ``{"role", "content"}`` string messages.
+    """A prompt is a string, a non-empty list of ``{"role", "content"}`` string messages,
+    or token ids (:class:`TokenIds`, or a non-empty list of ints).
 
-    Returns what is sent: the string, or a copy of the messages as plain dicts, so that
-    a caller's later change to its list, or a mapping type only its own process can
-    rebuild, cannot reach a worker.
+    Returns what is sent: the string, a copy of the messages as plain dicts, or the ids as
+    a ``TokenIds`` of plain ints, so that a caller's later change to its list, or a type
+    only its own process can rebuild, cannot reach a worker.
     """
     if isinstance(prompt, str):
         return prompt
+    if isinstance(prompt, TokenIds):
+        return _token_ids(prompt.ids)
     if not isinstance(prompt, (list, tuple)) or not prompt:
         raise InvalidRequest(
-            "prompt must be a string or a non-empty list of chat messages, "
+            "prompt must be a string, a non-empty list of chat messages or of token ids, "
             f"got {type(prompt).__name__}"
         )
+    if all(isinstance(item, int) for item in prompt):
+        return _token_ids(prompt)
     messages: list[dict[str, str]] = []
     for index, message in enumerate(prompt):
         if not isinstance(message, Mapping):
@@ -81,6 +97,17 @@ def check_prompt(prompt: object) -> Prompt:
             raise InvalidRequest(f"prompt[{index}].content must be a string")
         messages.append({"role": str(role), "content": str(content)})
     return messages
+
+
+def _token_ids(ids: object) -> TokenIds:
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise InvalidRequest("a token-id prompt must hold at least one id")
+    for index, token_id in enumerate(ids):
+        if not is_int(token_id, minimum=0):
+            raise InvalidRequest(
+                f"prompt[{index}] must be a token id (an integer >= 0), got {token_id!r}"
+            )
+    return TokenIds(tuple(int(token_id) for token_id in ids))
 
 
 def check_deadline(deadline_s: object) -> None:

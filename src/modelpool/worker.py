@@ -54,6 +54,7 @@ from modelpool.protocol import (
     Generation,
     Handler,
     Prompt,
+    TokenLogprob,
     WorkerSpec,
     encode_frame,
     recv_frame,
@@ -401,7 +402,17 @@ def _normalise(output: object) -> Generation:
         output.finish_reason,
         None if output.prompt_tokens is None else int(output.prompt_tokens),
         None if output.completion_tokens is None else int(output.completion_tokens),
+        _plain_logprobs(output.logprobs, "logprobs"),
+        _plain_logprobs(output.prompt_logprobs, "prompt_logprobs"),
     )
+
+
+def _plain_logprobs(entries: object, name: str) -> list[TokenLogprob] | None:
+    if entries is None:
+        return None
+    if not isinstance(entries, list) or not all(isinstance(e, TokenLogprob) for e in entries):
+        raise TypeError(f"Generation.{name} must be a list of TokenLogprob or None")
+    return entries
 
 
 def serve(channel: _Channel, control: ControlBlock) -> int:

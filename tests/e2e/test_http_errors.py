@@ -43,10 +43,8 @@ def test_malformed_json_is_400(http: httpx.Client) -> None:
         (COMPLETIONS, {"prompt": "x", "seed": 1.5}, "seed"),
         (COMPLETIONS, {"prompt": "x", "timeout": -1}, "timeout"),
         (COMPLETIONS, {"prompt": "x", "model": 3}, "model"),
-        (COMPLETIONS, {"prompt": []}, "prompt"),
-        (COMPLETIONS, {"prompt": ["a", "b"], "stream": True}, "stream"),
-        (COMPLETIONS, {"prompt": ["a"] * 257}, "prompt"),
-        (COMPLETIONS, {"prompt": [1, 2, 3]}, "prompt"),
+        (COMPLETIONS, {"prompt": ["a", 1]}, "prompt"),
+        (COMPLETIONS, {"prompt": [1, -2, 3]}, "prompt"),
         (CHAT, {"messages": "hello"}, "messages"),
         (CHAT, {"messages": []}, "messages"),
         (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
@@ -70,9 +68,10 @@ def test_wrong_types_are_400_naming_the_field(
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 2),
-        ("logprobs", True),
-        ("top_logprobs", 3),
+        ("n", 0),
+        ("logprobs", "yes"),
+        ("top_logprobs", 3),  # without logprobs: true
+        ("top_logprobs", 21),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "auto"),
         ("response_format", {"type": "json_object"}),
@@ -92,7 +91,7 @@ def test_fields_that_cannot_be_honoured_are_400(http: httpx.Client, field: str, 
 
 
 def test_completion_only_fields_are_400(http: httpx.Client) -> None:
-    for field, value in (("echo", True), ("best_of", 2), ("suffix", "end"), ("logprobs", 2)):
+    for field, value in (("echo", 1), ("best_of", 0), ("suffix", "end"), ("logprobs", 21)):
         error = _error(http.post(COMPLETIONS, json={"prompt": "x", field: value}), 400)
         assert error["param"] == field
 
@@ -160,7 +159,7 @@ def test_backend_exception_is_500_backend_error(http: httpx.Client) -> None:
 
 def test_rejected_requests_kill_no_worker(http: httpx.Client, daemon: Daemon) -> None:
     before = daemon.wait_settled(2)
-    for body in ({"prompt": 1}, {"prompt": "x", "n": 3}, {"prompt": "x", "max_tokens": -1}):
+    for body in ({"prompt": 1}, {"prompt": "x", "n": 0}, {"prompt": "x", "max_tokens": -1}):
         http.post(COMPLETIONS, json=body)
     http.post(COMPLETIONS, content=b"{")
     after = daemon.stats()

@@ -119,7 +119,7 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
 
 def test_errors_reach_the_client_typed(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=2)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=0)
     assert info.value.status_code == 400
     assert info.value.body["param"] == "n"  # type: ignore[index]
     with pytest.raises(openai.APIStatusError) as crashed:

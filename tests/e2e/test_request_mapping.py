@@ -8,7 +8,15 @@ import pytest
 
 from modelpool.cli import _is_loopback, served_model_name
 from modelpool.config import PoolConfig, ServerConfig
-from modelpool.errors import DeadlineExceeded, InvalidRequest, PoolOverloaded, WorkerCrashed
+from modelpool.errors import (
+    BackendError,
+    DeadlineExceeded,
+    InvalidRequest,
+    PoolClosed,
+    PoolOverloaded,
+    WorkerCrashed,
+)
+from modelpool.protocol import TokenIds
 from modelpool.server import (
     ApiError,
     deadline_from,
@@ -19,7 +27,7 @@ from modelpool.server import (
 
 
 def test_completion_fields_map_to_generation_kwargs() -> None:
-    prompt, params, stream = parse_completion(
+    job = parse_completion(
         {
             "model": "x",
             "prompt": ["hello"],
@@ -34,26 +42,20 @@ def test_completion_fields_map_to_generation_kwargs() -> None:
             "stream": True,
         }
     )
-    assert prompt == "hello"
-    assert params == {
+    assert job.prompts == ["hello"]
+    assert job.params == {
         "max_new_tokens": 7,
         "temperature": 0.0,
         "top_p": 0.5,
         "stop": ["END"],
         "seed": 3,
     }
-    assert stream is True
-
-
-def test_a_list_of_prompts_is_kept_whole_for_one_choice_each() -> None:
-    prompts, params, stream = parse_completion({"prompt": ["a", "b"], "max_tokens": 2})
-    assert prompts == ["a", "b"]
-    assert params == {"max_new_tokens": 2}
-    assert stream is False
+    assert job.stream is True
+    assert (job.n, job.logprobs, job.echo) == (1, None, False)
 
 
 def test_chat_messages_and_parts() -> None:
-    prompt, params, stream = parse_chat(
+    job = parse_chat(
         {
             "messages": [
                 {"role": "developer", "content": "be brief"},
@@ -68,12 +70,14 @@ def test_chat_messages_and_parts() -> None:
             "stream_options": None,
         }
     )
-    assert prompt == [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "a\nb"},
+    assert job.prompts == [
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "a\nb"},
+        ]
     ]
-    assert params == {"max_new_tokens": 5}
-    assert stream is False
+    assert job.params == {"max_new_tokens": 5}
+    assert job.stream is False
 
 
 @pytest.mark.parametrize(
@@ -123,6 +127,55 @@ def test_pool_errors_map_to_status_codes() -> None:
         pool_error_to_api(DeadlineExceeded("late", partial_text="t0")).extra["partial_text"] == "t0"
     )
     assert pool_error_to_api(WorkerCrashed("died")).status == 502
+
+
+def test_retry_headers_say_which_errors_to_send_again() -> None:
+    overloaded = pool_error_to_api(PoolOverloaded("full")).headers
+    assert overloaded["x-should-retry"] == "true" and overloaded["Retry-After"] == "1"
+    closed = pool_error_to_api(PoolClosed("closed")).headers
+    assert closed["x-should-retry"] == "true" and closed["Retry-After"] == "5"
+    for error in (
+        DeadlineExceeded("late"),
+        WorkerCrashed("died"),
+        BackendError("raised"),
+        InvalidRequest("bad"),
+    ):
+        headers = pool_error_to_api(error).headers
+        assert headers["x-should-retry"] == "false" and "Retry-After" not in headers
+
+
+def test_logprobs_echo_n_and_token_ids_map_to_pool_requests() -> None:
+    job = parse_completion(
+        {"prompt": [[1, 2], [3]], "echo": True, "max_tokens": 0, "logprobs": 1, "n": 2, "seed": 5}
+    )
+    assert job.prompts == [TokenIds((1, 2)), TokenIds((3,))]
+    runs = job.choices()
+    assert [(index, prompt) for index, prompt, _ in runs] == [
+        (0, TokenIds((1, 2))),
+        (1, TokenIds((1, 2))),
+        (2, TokenIds((3,))),
+        (3, TokenIds((3,))),
+    ]
+    assert [params["seed"] for _, _, params in runs] == [5, 6, 5, 6]
+    assert runs[0][2]["max_new_tokens"] == 0
+    assert runs[0][2]["logprobs"] == runs[0][2]["prompt_logprobs"] == 1
+
+    chat = parse_chat(
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3}
+    )
+    assert chat.logprobs == 3 and chat.params["logprobs"] == 3 and chat.chat
+    for body in (
+        {"prompt": "x", "max_tokens": 0},  # scoring needs echo
+        {"prompt": [], "echo": True},
+        {"prompt": [1, "a"]},
+        {"prompt": "x", "n": 2, "best_of": 1},
+        {"prompt": "x", "best_of": 3, "stream": True},
+        {"prompt": [1], "echo": True, "stream": True},
+        {"prompt": ["x"] * 65, "n": 2},  # more runs than one request may start
+    ):
+        with pytest.raises(ApiError) as info:
+            parse_completion(body)
+        assert info.value.status == 400, body
 
 
 def test_cli_helpers() -> None:

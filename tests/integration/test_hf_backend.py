@@ -16,7 +16,7 @@ import pytest
 
 from modelpool.backends.hf import HFHandler, load
 from modelpool.errors import InvalidRequest
-from modelpool.protocol import Prompt
+from modelpool.protocol import Prompt, TokenIds
 from modelpool.tinymodel import build_tiny_model
 
 # Greedy output of the tiny model for this prompt holds hiragana assembled
@@ -295,3 +295,79 @@ def test_threads_come_from_the_environment(
     threads_env.setenv("MODELPOOL_TORCH_THREADS", "many")
     with pytest.raises(ValueError, match="MODELPOOL_TORCH_THREADS"):
         load(str(tiny_model_dir))
+
+
+def _reference_logprobs(handler: HFHandler, ids: list[int]) -> list[float]:
+    """Each token's logprob given those before it, from one plain forward pass."""
+    import torch
+
+    with torch.inference_mode():
+        logits = handler.model(input_ids=torch.tensor([ids])).logits[0].float()
+    table = torch.log_softmax(logits, dim=-1)
+    return [float(table[position - 1, ids[position]]) for position in range(1, len(ids))]
+
+
+def test_no_logprobs_unless_asked(handler: HFHandler) -> None:
+    generation, _ = run(handler, "Hello", max_new_tokens=4)
+    assert generation.logprobs is None and generation.prompt_logprobs is None
+
+
+def test_logprobs_of_generated_tokens(handler: HFHandler) -> None:
+    plain, _ = run(handler, "Hello", max_new_tokens=6)
+    generation, _ = run(handler, "Hello", max_new_tokens=6, logprobs=3)
+    assert generation.text == plain.text  # asking for logprobs changes nothing generated
+    entries = generation.logprobs
+    assert len(entries) == generation.completion_tokens == 6
+    prompt_ids = handler.tokenizer("Hello")["input_ids"]
+    reference = _reference_logprobs(handler, prompt_ids + [e.token_id for e in entries])
+    for entry, expected in zip(entries, reference[len(prompt_ids) - 1 :], strict=True):
+        assert entry.logprob == pytest.approx(expected, abs=1e-4)
+        assert len(entry.top) == 3
+        # Greedy: the chosen token is the likeliest, and the alternatives are sorted.
+        assert entry.top[0][0] == entry.token_id
+        alternatives = [lp for _, _, lp in entry.top]
+        assert alternatives == sorted(alternatives, reverse=True)
+    assert "".join(e.token for e in entries) == generation.text
+
+
+def test_prompt_logprobs_and_scoring_the_prompt_alone(handler: HFHandler) -> None:
+    ids = handler.tokenizer("The capital of France is Paris")["input_ids"]
+    generation, call = run(handler, TokenIds(tuple(ids)), max_new_tokens=0, prompt_logprobs=1)
+    assert generation.text == "" and call.chunks == []
+    assert generation.finish_reason == "length"
+    assert generation.prompt_tokens == len(ids) and generation.completion_tokens == 0
+    entries = generation.prompt_logprobs
+    assert [e.token_id for e in entries] == ids
+    assert entries[0].logprob is None and entries[0].top == ()
+    reference = _reference_logprobs(handler, ids)
+    assert [e.logprob for e in entries[1:]] == pytest.approx(reference, abs=1e-4)
+
+
+def test_token_id_prompt_equals_its_text(handler: HFHandler) -> None:
+    ids = handler.tokenizer("Le café")["input_ids"]
+    from_text, _ = run(handler, "Le café", max_new_tokens=8)
+    from_ids, _ = run(handler, TokenIds(tuple(ids)), max_new_tokens=8)
+    assert from_ids.text == from_text.text
+
+
+def test_bad_token_ids_and_logprob_counts_are_refused(handler: HFHandler) -> None:
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        run(handler, TokenIds((1, 10**9)))
+    for params in ({"logprobs": 21}, {"logprobs": -1}, {"max_new_tokens": 0}):
+        with pytest.raises(InvalidRequest):
+            run(handler, "Hello", **params)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_scoring_the_prompt_leaves_the_generation_unchanged(
+    handler: HFHandler, prompt: str
+) -> None:
+    # The prompt's forward pass hands its cache to generate(): same tokens, same scores.
+    plain, _ = run(handler, prompt, max_new_tokens=5, logprobs=1)
+    scored, call = run(handler, prompt, max_new_tokens=5, logprobs=1, prompt_logprobs=1)
+    assert scored.text == plain.text == "".join(call.chunks)
+    assert [e.token_id for e in scored.logprobs] == [e.token_id for e in plain.logprobs]
+    assert [e.logprob for e in scored.logprobs] == pytest.approx(
+        [e.logprob for e in plain.logprobs], abs=1e-4
+    )
+    assert len(scored.prompt_logprobs) == scored.prompt_tokens

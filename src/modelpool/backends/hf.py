@@ -13,10 +13,16 @@ Decoding is greedy unless the request samples (``do_sample=True`` or a
 exceed the model's context (``handler.max_model_len``: the model config's, or
 the ``max_model_len`` option) is refused with ``ContextLengthExceeded`` before
 the prefill; without a ``max_new_tokens`` of the caller's, the default is cut
-down to what the context leaves. Every step checks ``call.cancelled()`` and ends
-generation cleanly when it turns true; text is handed to ``call.emit`` as soon
-as it is stable (never half a character, never the start of a stop string),
-and the chunks joined are exactly the returned text.
+down to what the context leaves. ``logprobs=N`` returns each generated token's
+log probability and its N likeliest alternatives (``Generation.logprobs``);
+``prompt_logprobs=N`` scores the prompt's tokens too, with one forward pass
+(``max_new_tokens=0`` then scores the prompt alone). Neither costs anything
+when not asked for: only then does generate() keep each step's logits.
+
+Every step checks ``call.cancelled()`` and ends generation cleanly when it
+turns true; text is handed to ``call.emit`` as soon as it is stable (never
+half a character, never the start of a stop string), and the chunks joined
+are exactly the returned text.
 
 With ``max_batch_size`` above 1 the pool drives the batched form instead
 (``admit``/``step``/``retire``/``abort``, see ``hf_batch``): many requests
@@ -39,7 +45,16 @@ from typing import TYPE_CHECKING, Any
 from modelpool.backends.hf_batch import DEFAULT_KV_CACHE_TOKENS, BatchEngine
 from modelpool.context import check_max_model_len, context_length, fit_to_context
 from modelpool.errors import InvalidRequest
-from modelpool.protocol import BatchCall, Call, Finished, FinishReason, Generation, Prompt
+from modelpool.protocol import (
+    BatchCall,
+    Call,
+    Finished,
+    FinishReason,
+    Generation,
+    Prompt,
+    TokenIds,
+    TokenLogprob,
+)
 from modelpool.validation import MAX_INT, check_generation_params, is_int, is_number
 
 if TYPE_CHECKING:
@@ -66,6 +81,8 @@ GENERATION_PARAMS = frozenset(
         "no_repeat_ngram_size",
         "stop",
         "seed",
+        "logprobs",
+        "prompt_logprobs",
     }
 )
 LOAD_OPTIONS = frozenset(
@@ -246,6 +263,9 @@ class HFHandler:
         self._eos_ids = _token_ids(model.generation_config.eos_token_id) | _token_ids(
             tokenizer.eos_token_id
         )
+        embeddings: Any = self.model.get_input_embeddings()
+        self._vocab_size = int(embeddings.num_embeddings)
+        self._token_texts: dict[int, str] = {}
         self._batch = BatchEngine(self, kv_cache_tokens)
         # The batched loop keeps one full-length cache per layer: a model with sliding-window
         # layers would need their masks and crops, so it runs one request at a time.
@@ -292,9 +312,23 @@ class HFHandler:
         params = dict(call.params)
         stops = _stop_strings(params.pop("stop", ()))
         seed = params.pop("seed", None)
+        top_logprobs: int | None = params.pop("logprobs", None)
+        prompt_top_logprobs: int | None = params.pop("prompt_logprobs", None)
         input_ids = self._encode(call.prompt)
         prompt_tokens = int(input_ids.shape[1])
         params["max_new_tokens"] = self._new_tokens(call, params, prompt_tokens)
+        prompt_logprobs = None
+        if prompt_top_logprobs is not None:
+            prompt_logprobs, prompt_cache = self._prompt_logprobs(input_ids, prompt_top_logprobs)
+            if prompt_cache is not None:
+                # generate() then computes only the last prompt token: no second prefill.
+                params.update(prompt_cache)
+        if params.get("max_new_tokens") == 0:
+            no_tokens: list[TokenLogprob] | None = None if top_logprobs is None else []
+            return Generation("", "length", prompt_tokens, 0, no_tokens, prompt_logprobs)
+        if top_logprobs is not None:
+            # Only now: keeping every step's logits is what logprobs cost.
+            params.update(output_logits=True, return_dict_in_generate=True)
         # No cancelled() check before the prefill: the worker has just read the flag
         # before calling us, and every cancelled() call counts as progress, which would
         # start the stall clock before the one step that cannot be interrupted. A cancel
@@ -315,15 +349,89 @@ class HFHandler:
         progress.flush()
         if progress.error is not None:
             raise progress.error
+        logprobs = None
+        if top_logprobs is not None:
+            sequences = output.sequences
+            # Every generated token, the end-of-sequence one included (its text is the
+            # special token's): one entry per completion token, as clients that read
+            # the logprob of the k-th token after the prompt (lm-eval) expect.
+            kept = progress.token_ids
+            steps = output.logits[: len(kept)]
+            logprobs = self._token_logprobs(torch.cat(steps), kept, top_logprobs) if kept else []
+        else:
+            sequences = output
 
         finish_reason: FinishReason
         if progress.cancelled:
             finish_reason = "cancelled"
-        elif progress.stopped or int(output[0, -1]) in self._eos_ids:
+        elif progress.stopped or int(sequences[0, -1]) in self._eos_ids:
             finish_reason = "stop"
         else:
             finish_reason = "length"
-        return Generation(progress.text, finish_reason, prompt_tokens, len(progress.token_ids))
+        return Generation(
+            progress.text,
+            finish_reason,
+            prompt_tokens,
+            len(progress.token_ids),
+            logprobs,
+            prompt_logprobs,
+        )
+
+    def _prompt_logprobs(
+        self, input_ids: torch.Tensor, top: int
+    ) -> tuple[list[TokenLogprob], dict[str, Any] | None]:
+        """Each prompt token's logprob given the tokens before it, and the KV cache of all
+        but the last prompt token as a generate() keyword (None for a one-token prompt).
+
+        One forward pass over ``prompt[:-1]``: its outputs predict ``prompt[1:]``, and its
+        cache lets generate() start at the last prompt token instead of a second prefill.
+        """
+        import torch
+
+        ids = input_ids[0].tolist()
+        first = TokenLogprob(ids[0], self._token_text(ids[0]), None)
+        if len(ids) == 1:
+            return [first], None
+        with torch.inference_mode():
+            output = self.model(input_ids=input_ids[:, :-1], use_cache=True)
+        # transformers 5 names the cache "cache" (output field and generate() keyword),
+        # earlier versions "past_key_values".
+        fields = getattr(output, "__dataclass_fields__", {})
+        name = "cache" if "cache" in fields else "past_key_values"
+        cache = {name: getattr(output, name)}
+        return [first, *self._token_logprobs(output.logits[0], ids[1:], top)], cache
+
+    def _token_logprobs(self, logits: torch.Tensor, ids: list[int], top: int) -> list[TokenLogprob]:
+        """``logits[i]`` is the model's output that predicted ``ids[i]``."""
+        import torch
+
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            chosen = logprobs.gather(1, torch.tensor(ids, device=logprobs.device)[:, None])
+            chosen_values: list[float] = chosen[:, 0].tolist()
+            if top:
+                top_values, top_ids = logprobs.topk(top, dim=-1)
+                alternatives: list[list[float]] = top_values.tolist()
+                alternative_ids: list[list[int]] = top_ids.tolist()
+        entries = []
+        for index, (token_id, value) in enumerate(zip(ids, chosen_values, strict=True)):
+            best: tuple[tuple[int, str, float], ...] = ()
+            if top:
+                best = tuple(
+                    (other, self._token_text(other), other_value)
+                    for other, other_value in zip(
+                        alternative_ids[index], alternatives[index], strict=True
+                    )
+                )
+            entries.append(TokenLogprob(token_id, self._token_text(token_id), value, best))
+        return entries
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+            self._token_texts[token_id] = text
+        return text
 
     def _new_tokens(self, call: Call, params: dict[str, Any], prompt_tokens: int) -> int:
         """This request's ``max_new_tokens``, fitted to the context; raises if it cannot fit."""
@@ -342,7 +450,15 @@ class HFHandler:
 
         tokenizer = self.tokenizer
         input_ids: torch.Tensor
-        if isinstance(prompt, str):
+        if isinstance(prompt, TokenIds):
+            too_large = [token_id for token_id in prompt.ids if token_id >= self._vocab_size]
+            if too_large:
+                raise InvalidRequest(
+                    f"token id {too_large[0]} is outside this model's vocabulary "
+                    f"(ids 0 to {self._vocab_size - 1})"
+                )
+            input_ids = torch.tensor([prompt.ids])
+        elif isinstance(prompt, str):
             input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
         else:
             if tokenizer.chat_template is None:

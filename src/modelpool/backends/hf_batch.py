@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from modelpool.errors import InvalidRequest
 from modelpool.protocol import BatchCall, Finished, FinishReason, Generation
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ DEFAULT_KV_CACHE_TOKENS = 16384
 about 750 MB for SmolLM2-135M in float32 (30 layers x 2 x 3 heads x 64 x 4 bytes a token)."""
 
 _SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+UNBATCHED_PARAMS = ("logprobs", "prompt_logprobs")
+"""Parameters the batched loop does not compute; a request with them is refused."""
 
 
 @dataclass(eq=False)
@@ -152,6 +155,13 @@ class BatchEngine:
 
         handler = self.handler
         params = call.params
+        for name in UNBATCHED_PARAMS:
+            if params.get(name) is not None:
+                # Never dropped, never applied to the batch: refused, naming the field.
+                raise InvalidRequest(
+                    f"{name} is not supported by the batched hf backend "
+                    "(max_batch_size > 1); send it to a pool with max_batch_size = 1"
+                )
         input_ids = handler._encode(call.prompt)
         prompt_ids = [int(token) for token in input_ids[0].tolist()]
         stops = _stop_strings(params["stop"]) if "stop" in params else ()

@@ -1,0 +1,231 @@
+"""OpenAI's response shapes for the daemon's completions and chat routes.
+
+``server.py`` parses a request into a :class:`Job` (its prompts, the pool kwargs, ``n``,
+``echo``, ``logprobs``), runs one pool request per :meth:`Job.choices` entry and builds the
+answer here from the :class:`~modelpool.Result` of each::
+
+    job = Job(prompts=["Hello"], params={"max_new_tokens": 8}, n=2, logprobs=1)
+    results = [await pool.agenerate(prompt, **params) for _, prompt, params in job.choices()]
+    body = response_body(job, results, "smollm2", chat=False, created=int(time.time()))
+
+Logprobs come in two shapes. Completions (legacy) carry parallel lists::
+
+    {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: logprob}, ...],
+     "text_offset": [...]}
+
+with ``echo`` putting the prompt's tokens first (the very first has a null logprob), and
+``top_logprobs`` holding the N likeliest tokens plus the chosen one. Chat carries
+``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": null}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from modelpool.protocol import Prompt, TokenIds, TokenLogprob
+
+if TYPE_CHECKING:
+    from modelpool.results import Result
+
+# Seeds are kept below 2**63 (what the hf backend takes); n > 1 adds the choice's number.
+SEED_LIMIT = 2**63
+# Pool requests one HTTP request may start (prompts x best_of): each holds a queue slot.
+MAX_CHOICES = 128
+
+
+@dataclass
+class Job:
+    """What one completions or chat request asks of the pool.
+
+    ``params`` are the pool kwargs shared by every choice. ``n`` choices are returned per
+    prompt; ``best_of`` (>= n, completions only) are generated and the n with the highest
+    summed logprob kept. ``logprobs`` is the number of alternatives per token the client
+    wants, None for no logprobs; ``echo`` puts the prompt before the completion.
+    """
+
+    prompts: list[Prompt]
+    params: dict[str, Any]
+    n: int = 1
+    best_of: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None
+    echo: bool = False
+    chat: bool = False
+
+    @property
+    def runs_per_prompt(self) -> int:
+        return max(self.n, self.best_of)
+
+    def choices(self) -> list[tuple[int, Prompt, dict[str, Any]]]:
+        """``(run index, prompt, pool kwargs)`` for each pool request, prompt by prompt.
+
+        A request's ``seed`` seeds its first run; run k of a prompt gets ``seed + k``, so
+        that n samples differ and the same request gives the same n answers again.
+        """
+        runs = []
+        per_prompt = self.runs_per_prompt
+        for prompt_index, prompt in enumerate(self.prompts):
+            for number in range(per_prompt):
+                params = dict(self.params)
+                if number and "seed" in params:
+                    params["seed"] = (params["seed"] + number) % SEED_LIMIT
+                if self.best_of > self.n and params.get("logprobs") is None:
+                    params["logprobs"] = 0  # ranking needs each token's logprob
+                if self.echo and isinstance(prompt, TokenIds):
+                    # The echoed text of a token-id prompt is its tokens' text.
+                    params.setdefault("prompt_logprobs", self.logprobs or 0)
+                runs.append((prompt_index * per_prompt + number, prompt, params))
+        return runs
+
+
+def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str, int | None]:
+    # A backend that cannot count says None; the client sees null rather than a made-up 0.
+    total = (
+        None
+        if prompt_tokens is None or completion_tokens is None
+        else prompt_tokens + completion_tokens
+    )
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": total,
+    }
+
+
+def total_usage(job: Job, results: dict[int, Result]) -> dict[str, int | None]:
+    """Prompt tokens once per prompt, completion tokens of every run (best_of included)."""
+    per_prompt = job.runs_per_prompt
+    prompt_counts = [results[index].prompt_tokens for index in results if index % per_prompt == 0]
+    completion_counts = [result.completion_tokens for result in results.values()]
+    return usage(_sum(prompt_counts), _sum(completion_counts))
+
+
+def _sum(counts: Sequence[int | None]) -> int | None:
+    return None if any(count is None for count in counts) else sum(c or 0 for c in counts)
+
+
+def keep_best(job: Job, results: dict[int, Result]) -> dict[int, Result]:
+    """The returned choices, by their index in the answer: all runs unless best_of > n,
+    then each prompt's n runs with the highest summed logprob."""
+    if job.best_of <= job.n:
+        return results
+    kept: dict[int, Result] = {}
+    for prompt_index in range(len(job.prompts)):
+        first = prompt_index * job.best_of
+        candidates = [results[first + number] for number in range(job.best_of)]
+        candidates.sort(key=_summed_logprob, reverse=True)
+        for rank, result in enumerate(candidates[: job.n]):
+            kept[prompt_index * job.n + rank] = result
+    return kept
+
+
+def _summed_logprob(result: Result) -> float:
+    return sum(entry.logprob or 0.0 for entry in result.logprobs or [])
+
+
+def prompt_text(prompt: Prompt, result: Result | None) -> str:
+    """The text ``echo`` puts first: the prompt string, or a token-id prompt's tokens."""
+    if isinstance(prompt, str):
+        return prompt
+    if result is None or result.prompt_logprobs is None:
+        return ""
+    return "".join(entry.token for entry in result.prompt_logprobs)
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object; ``offset`` is where the first token's
+    text starts in the choice's text (streamed chunks carry the offsets of the whole)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+    for entry in entries:
+        tokens.append(entry.token)
+        token_logprobs.append(entry.logprob)
+        text_offset.append(offset)
+        offset += len(entry.token)
+        if entry.logprob is None:
+            top_logprobs.append(None)
+            continue
+        top: dict[str, float] = {}
+        for _, token, logprob in entry.top:
+            top.setdefault(token, logprob)
+        # OpenAI: "the logprob of the sampled token is always returned".
+        top.setdefault(entry.token, entry.logprob)
+        top_logprobs.append(top)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [...], "refusal": None}``."""
+    content = [
+        {
+            "token": entry.token,
+            "logprob": entry.logprob,
+            "bytes": list(entry.token.encode()),
+            "top_logprobs": [
+                {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+                for _, token, logprob in entry.top
+            ],
+        }
+        for entry in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def choice_logprobs(job: Job, prompt: Prompt, result: Result) -> dict[str, Any] | None:
+    """The whole ``logprobs`` object of one choice; None when the client asked for none."""
+    if job.logprobs is None:
+        return None
+    generated = result.logprobs or []
+    if job.chat:
+        return chat_logprobs(generated)
+    if job.echo:
+        return completion_logprobs([*(result.prompt_logprobs or []), *generated])
+    return completion_logprobs(generated)
+
+
+def response_body(job: Job, results: dict[int, Result], model: str, created: int) -> dict[str, Any]:
+    """The non-streamed answer: one choice per kept run, ``index`` set."""
+    first = results[min(results)]
+    choices = []
+    for index, result in sorted(keep_best(job, results).items()):
+        prompt = job.prompts[index // job.n]
+        logprobs = choice_logprobs(job, prompt, result)
+        if job.chat:
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": result.text},
+                    "finish_reason": result.finish_reason,
+                    "logprobs": logprobs,
+                }
+            )
+        else:
+            text = result.text
+            if job.echo:
+                text = prompt_text(prompt, result) + text
+            choices.append(
+                {
+                    "index": index,
+                    "text": text,
+                    "finish_reason": result.finish_reason,
+                    "logprobs": logprobs,
+                }
+            )
+    return {
+        "id": f"{'chatcmpl' if job.chat else 'cmpl'}-{first.request_id}",
+        "object": "chat.completion" if job.chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": total_usage(job, results),
+    }
