@@ -79,7 +79,7 @@ SHORT_PARAMS: Params = {"max_new_tokens": 1}
 CANCEL_PARAMS: Params = {"max_new_tokens": 64, "min_new_tokens": 64}
 HANG_MARKER = "modelpool-bench: hang"
 HANG_PROMPT: list[dict[str, str]] = [{"role": "user", "content": HANG_MARKER}]
-SCENARIOS = "abcdef"
+SCENARIOS = "abcdefg"
 REFERENCE = "modelpool"
 # The asyncio contender's "hung" request is a runaway generation: long enough to
 # outlive every measurement, ended by the harness through its cancel flag.
@@ -1845,7 +1845,8 @@ def render_markdown(report: Json) -> str:
     ]
     scenarios = report.get("scenarios", {})
     for letter, renderer in (("a", _md_latency), ("b", _md_dispatch), ("c", _md_hung),
-                             ("d", _md_cancel), ("e", _md_throughput), ("f", _md_memory)):
+                             ("d", _md_cancel), ("e", _md_throughput), ("f", _md_memory),
+                             ("g", _md_batching)):
         data = scenarios.get(letter)
         if data is None:
             continue
@@ -2145,6 +2146,24 @@ def _json_default(value: object) -> Any:
 # ============================================================================================
 # Entry point.
 
+def scenario_batching(harness: Harness) -> Json:
+    """(g) max_batch_size 1 against 8 on two workers: see benchmarks/batching.py."""
+    from benchmarks import batching
+
+    quick = harness.settings.quick
+    return batching.run(
+        harness.model_dir,
+        workers=2,
+        batch_sizes=(1, 8),
+        concurrencies=(1, 4, 8) if quick else (1, 2, 4, 8, 16),
+        new_tokens=16 if quick else 64,
+        requests_per_client=1 if quick else 2,
+        dtype=harness.settings.backend_options.get("dtype"),
+        ceiling=True,
+        log=log,
+    )
+
+
 _RUNNERS: dict[str, Callable[[Harness], Json]] = {
     "b": scenario_dispatch,
     "a": scenario_latency,
@@ -2153,7 +2172,14 @@ _RUNNERS: dict[str, Callable[[Harness], Json]] = {
     # Last among the live ones: it kills, wedges and restarts contenders.
     "c": scenario_hung,
     "f": scenario_memory,
+    "g": scenario_batching,
 }
+
+
+def _md_batching(data: Json) -> str:
+    from benchmarks import batching
+
+    return batching.markdown(data)
 
 
 def _has_error(data: object) -> bool:
@@ -2171,7 +2197,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench-out"),
                         help="output directory (default: bench-out)")
     parser.add_argument("--scenarios", default=SCENARIOS,
-                        help="which scenarios to run, as letters (default: abcdef)")
+                        help="which scenarios to run, as letters (default: abcdefg)")
     parser.add_argument("--dispatch-calls", type=int, default=None,
                         help="calls per contender in (b) (default 2000)")
     parser.add_argument("--model", default="embedded:smollm2-135m-instruct",

@@ -55,6 +55,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -625,10 +626,26 @@ class Harness:
 # Checks.
 
 
+BATCH_FAULT_KINDS = frozenset({"hang", "hog", "segfault", "exit", "crash_once"})
+"""Kinds whose worker dies or is killed: with batching, every request beside them may lose
+an attempt there (retried as "collateral", or failed typed once it streamed text)."""
+
+
 def check_request(
-    record: Record, expected: str | None, struck: set[int], max_attempts: int
+    record: Record,
+    expected: str | None,
+    struck: set[int],
+    max_attempts: int,
+    fault_pids: set[int] | None = None,
 ) -> str | None:
-    """Why this request's outcome is wrong for its kind (``expected``: its text), or None."""
+    """Why this request's outcome is wrong for its kind (``expected``: its text), or None.
+
+    ``fault_pids`` (batching only): workers a fault request ran on. A request may lose an
+    attempt on one of them as it may on a worker the agent struck; a fault request itself
+    may end as the suspect (PoisonRequest) after collateral attempts."""
+    batched = fault_pids is not None
+    if fault_pids is not None and record.kind not in BATCH_FAULT_KINDS:
+        struck = struck | fault_pids
     if record.violation:
         return record.violation
     if record.outcome is None:
@@ -653,8 +670,13 @@ def check_request(
     match = record.text_match or match_text(record.text, expected)
     shown = repr(record.text)[:80]
     is_error = outcome not in ("ok", "length", "cancelled", "CancelledError", "closed")
-    if is_error and outcome not in ("WorkerCrashed", "DeadlineExceeded", "BackendError"):
+    typed: tuple[str, ...] = ("WorkerCrashed", "DeadlineExceeded", "BackendError")
+    if batched:
+        typed += ("PoisonRequest",)
+    if is_error and outcome not in typed:
         return f"untyped or unexpected error {outcome}: {record.message}"
+    if batched and kind in BATCH_FAULT_KINDS and (kind != "crash_once" or is_error):
+        return _check_batched_fault(record, mine, last_struck)
 
     if kind in ("normal", "slow", "leak", "stream"):
         if outcome == "ok":
@@ -721,6 +743,23 @@ def check_request(
     return f"unknown kind {kind}"
 
 
+def _check_batched_fault(
+    record: Record, mine: list[tuple[int | None, str]], last_struck: bool
+) -> str | None:
+    """A hang, hog, segfault or exit request under batching: it fails typed, as the suspect
+    or by its deadline, having lost at most two batches and two runs alone."""
+    outcome = record.outcome
+    if any(a[1] not in ("crash", "timeout", "collateral") for a in mine):
+        return f"a fault request had an attempt that did not fail: {record.attempts}"
+    if len(mine) > 4:
+        return f"a fault request took down {len(mine)} workers: {record.attempts}"
+    if outcome in ("PoisonRequest", "WorkerCrashed", "DeadlineExceeded"):
+        return None
+    if last_struck and outcome in ("ok", "cancelled"):
+        return None
+    return f"expected a typed failure, got {outcome}"
+
+
 def rss_slope_mb_per_min(samples: list[tuple[float, int]]) -> tuple[float, float]:
     """Least-squares slope (MB/min) and fitted growth (MB) over the second half of samples."""
     if len(samples) < 4:
@@ -772,6 +811,7 @@ def build_config(args: argparse.Namespace) -> PoolConfig:
         cancel_grace_s=0.2,
         term_grace_s=0.2,
         startup_timeout_s=30.0,
+        max_batch_size=args.max_batch_size,
         retry=RetryPolicy(max_retries=2, on=("timeout", "crash")),
         max_queue=100_000,
         max_requests_per_worker=40,
@@ -920,10 +960,25 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
 
     # ---- every request -----------------------------------------------------------------
     struck = set(agent.struck)
+    fault_pids: set[int] | None = None
+    if config.max_batch_size > 1:
+        fault_pids = {
+            pid
+            for record in records
+            if record.kind in BATCH_FAULT_KINDS
+            for pid, _ in record.attempts
+            if pid is not None
+        }
+        # A crash_once that then succeeded reports no attempts; its marker names the
+        # worker it took down.
+        for marker in Path(tmp.name).glob("once-*"):
+            text = marker.read_text().strip()
+            if text.isdigit():
+                fault_pids.add(int(text))
     bad: Counter[str] = Counter()
     for record in records:
         expected = make_spec(args.seed, record.index, tmp.name, MIX).expected
-        problem = check_request(record, expected, struck, max_attempts)
+        problem = check_request(record, expected, struck, max_attempts, fault_pids)
         record.violation = problem
         if problem:
             bad[problem.split(" ")[0].rstrip(":")] += 1
@@ -962,7 +1017,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
     wall = time.monotonic() - wall_started
     fc = final.counters
     summary = (
-        f"chaos seed={args.seed} requests={len(records)} "
+        f"chaos seed={args.seed} requests={len(records)} batch={config.max_batch_size} "
         f"ok={outcomes['ok'] + outcomes['length']} "
         f"cancelled={outcomes['cancelled'] + outcomes['CancelledError'] + outcomes['closed']} "
         f"failed={sum(v for k, v in outcomes.items() if k in _ERROR_NAMES)} "
@@ -976,7 +1031,9 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
         f"agent kills={kills} stops={stops} (caught by the pool {caught}) | "
         f"crashes={fc['crashes']} kills={fc['kills']} "
         f"respawns={fc['respawns']} recycled={fc.get('recycled', 0)} "
-        f"retries={fc['retries']} | releases={releases.checked}/{spawned_total} "
+        f"retries={fc['retries']} collateral={fc['collateral_retries']} "
+        f"poison={fc['poison_requests']} stalls={fc['stalls']} | "
+        f"releases={releases.checked}/{spawned_total} "
         f"failed={releases.failed} | left: procs={len(leftovers)} zombies={len(zombies)} "
         f"groups={len(groups)} frozen={len(frozen_left)} | rss {rss_start:.1f}->"
         f"{rss_end:.1f}MB slope={slope:+.2f}MB/min | close={close_s:.1f}s "
@@ -1026,6 +1083,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
 _ERROR_NAMES = frozenset(
     {
         "WorkerCrashed",
+        "PoisonRequest",
         "DeadlineExceeded",
         "BackendError",
         "PoolClosed",
@@ -1055,6 +1113,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--report", default=None, help="write the JSON report here")
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--spares", type=int, default=1)
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=1,
+        help="requests per worker at once (batching; the fault backend batches too)",
+    )
     parser.add_argument("--threads", type=int, default=8, help="client threads")
     parser.add_argument("--tasks", type=int, default=8, help="client asyncio tasks")
     parser.add_argument(

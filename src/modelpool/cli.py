@@ -85,6 +85,7 @@ _POOL_FLAGS = (
     ("backend", "backend"),
     ("workers", "workers"),
     ("spares", "spares"),
+    ("max_batch_size", "max_batch_size"),
     ("devices", "devices"),
     ("deadline", "deadline_s"),
     ("max_model_len", "backend_options.max_model_len"),
@@ -715,6 +716,12 @@ def _config_options(sub: argparse.ArgumentParser, *, server: bool) -> None:
     sub.add_argument("--workers", type=int, help=f"serving workers (built-in: {_BUILT_IN.workers})")
     sub.add_argument(
         "--spares", type=int, help=f"pre-warmed spare workers (built-in: {_BUILT_IN.spares})"
+    )
+    sub.add_argument(
+        "--max-batch-size",
+        type=int,
+        help="requests one worker decodes at once, batched "
+        f"(built-in: {_BUILT_IN.max_batch_size})",
     )
     sub.add_argument(
         "--devices", type=_devices, help="where workers run, comma-separated: cpu,cuda:0,auto"

@@ -102,6 +102,7 @@ class PoolConfig:
     backend: str = "hf"
     backend_options: dict[str, Any] = field(default_factory=dict)
     workers: int = 2
+    max_batch_size: int = 1
     spares: int = 0
     devices: tuple[str, ...] = ("auto",)
     deadline_s: float = 60.0
@@ -135,6 +136,7 @@ class PoolConfig:
             raise ValueError(f"backend_options must be a table, got {self.backend_options!r}")
         object.__setattr__(self, "backend_options", dict(self.backend_options))
         _check_int("workers", self.workers, minimum=1)
+        _check_int("max_batch_size", self.max_batch_size, minimum=1)
         _check_int("spares", self.spares, minimum=0)
         devices = (self.devices,) if isinstance(self.devices, str) else self.devices
         if not isinstance(devices, (list, tuple)) or not devices:

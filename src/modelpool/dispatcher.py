@@ -12,6 +12,14 @@ The entry points come first, in the order of a request's life (``submit``, ``can
 ``run_due_timers`` and ``after_event`` on every turn); the helpers follow, grouped by
 what they decide: handing requests to workers, what workers send, deadlines and the kill
 ladder, retry or fail, resolution, slots and start-up, recycling, closing.
+
+Batching (``max_batch_size`` above 1): a worker holds up to ``Worker.slots`` runs;
+``_pump``/``_place`` fill the least-loaded worker first, give an isolated request an
+empty worker and spread suspects one per worker. Deadlines and cancels act on one run
+(its slot's cancel word); ``_worker_stalled`` (no token delivered), an ignored cancel or
+a death settle the whole batch through ``_batch_lost`` (collateral retries, poison
+isolation). The file is past 1,000 lines because these rules share every record with
+the unbatched ones; splitting them out would mean a second owner of the same state.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from modelpool.errors import (
     InvalidRequest,
     ModelLoadFailed,
     Outcome,
+    PoisonRequest,
     PoolClosed,
     PoolError,
     WorkerCrashed,
@@ -215,7 +224,6 @@ class Dispatcher:
         worker.exit_code = returncode
         self.timers.cancel(worker.ladder_timer)
         self.timers.cancel(worker.startup_timer)
-        run, worker.run = worker.run, None
         reason = describe_exit(returncode, signalled_by_pool=worker.signalled)
         if previous_state == "starting":
             if not self.closing:
@@ -234,7 +242,7 @@ class Dispatcher:
             self.counters["crashes"] += 1
             logger.warning("worker %d (pid %s) died: %s", worker.id, worker.pid, reason)
             alive_for = self.clock() - (worker.ready_at or worker.started_at)
-            if run is None and worker.requests == 0 and alive_for < EARLY_DEATH_S:
+            if not worker.runs and worker.requests == 0 and alive_for < EARLY_DEATH_S:
                 # Ready, then dead at once without a request to blame (a backend that exits
                 # after loading): refilling the slot at once would reload the model in a
                 # tight loop. A request that kills workers is the retry policy's business.
@@ -243,8 +251,16 @@ class Dispatcher:
                 )
                 if not self.closing:
                     self._startup_failed(worker)
+        outcome: Outcome = "timeout" if worker.kill_reason in ("timeout", "stall") else "crash"
+        if worker.slots > 1 and worker.runs:
+            self._batch_lost(worker, outcome, f"worker pid {worker.pid} {reason}", returncode)
+        runs = list(worker.runs.values())
+        worker.runs.clear()
+        for lost in runs:
+            self.timers.cancel(lost.deadline_timer)
+            self.timers.cancel(lost.grace_timer)
+        run = runs[0] if runs else None
         if run is not None and run.request is not None:
-            outcome: Outcome = "timeout" if worker.kill_reason in ("timeout", "stall") else "crash"
             request = self._end_attempt(run, outcome)
             error = WorkerCrashed(
                 f"worker pid {worker.pid} {reason} while running the request",
@@ -404,6 +420,12 @@ class Dispatcher:
                     gpu_mb=None if worker.gpu_bytes is None else round(worker.gpu_bytes / 2**20, 1),
                     gpu_mb_method=worker.gpu_method,
                     max_model_len=worker.max_model_len,
+                    slots=worker.slots,
+                    running=[
+                        run.request.request_id
+                        for run in list(worker.runs.values())
+                        if run.request is not None
+                    ],
                 )
             )
         return PoolStats(
@@ -423,6 +445,13 @@ class Dispatcher:
             last_load_error=self.last_load_error,
             kill_reasons=dict(self.kill_reasons),
             max_model_len=self.max_model_len,
+            # workers x slots, as the workers report them (a one-call backend has one)
+            capacity=self.config.workers
+            * max(
+                (w.slots for w in list(self.workers.values()) if w.ready_at is not None),
+                default=self.config.max_batch_size,
+            ),
+            running=sum(len(worker.running) for worker in workers),
         )
 
     # ---- requests to workers -------------------------------------------------------------
@@ -430,23 +459,64 @@ class Dispatcher:
     def _pump(self) -> None:
         if not self.queue:
             return
-        idle = [w for w in self.workers.values() if w.state == "idle" and w.role == "serving"]
-        if not idle:
+        open_workers = [
+            w
+            for w in self.workers.values()
+            if w.state in ("idle", "busy")
+            and w.role == "serving"
+            and len(w.runs) < w.slots
+            and not any(run.alone for run in w.runs.values())
+            and not (w.slots > 1 and self._retire_reason(w) is not None)
+        ]
+        if not open_workers:
             return
-        assignments = []
-        # In queue order, stopping as soon as the idle workers are spoken for: the cost is
-        # the number of idle workers, not the length of the queue.
+        # Least loaded first: a new request starts at once in the emptiest batch.
+        open_workers.sort(key=lambda w: len(w.runs))
+        free = {w.id: w.slots - len(w.runs) for w in open_workers}
+        suspects = {w.id for w in open_workers if any(r.owner.suspect for r in w.runs.values())}
+        assignments: list[tuple[Request, Worker]] = []
+        # In queue order, stopping as soon as the free slots are spoken for: the cost is
+        # the number of free slots, not the length of the queue.
         for request in self.queue.values():
-            choice = next((w for w in idle if w.id != request.last_failed_worker), None)
+            choice = self._place(request, open_workers, free, suspects)
             if choice is None:
+                if request.isolated:
+                    # It waits for an empty worker: let one drain rather than starve it.
+                    reserved = next((w for w in open_workers if free[w.id] > 0), None)
+                    if reserved is not None:
+                        free[reserved.id] = 0
                 continue
-            idle.remove(choice)
+            # An isolated request runs alone: nothing else goes to its worker meanwhile.
+            free[choice.id] = 0 if choice.slots > 1 and request.isolated else free[choice.id] - 1
+            if request.suspect:
+                suspects.add(choice.id)
             assignments.append((request, choice))
-            if not idle:
+            if not any(free.values()):
                 break
         for request, worker in assignments:
             del self.queue[request.request_id]
             self._dispatch(request, worker)
+
+    def _place(
+        self,
+        request: Request,
+        open_workers: list[Worker],
+        free: dict[int, int],
+        suspects: set[int],
+    ) -> Worker | None:
+        """The worker ``request`` goes to now, if any. On batched workers an isolated
+        request needs an empty worker, and suspects are spread one per worker (see
+        ``_batch_lost``)."""
+        for worker in open_workers:
+            if free[worker.id] <= 0 or worker.id == request.last_failed_worker:
+                continue
+            if worker.slots > 1:
+                if request.isolated and (worker.runs or free[worker.id] < worker.slots):
+                    continue
+                if request.suspect and worker.id in suspects:
+                    continue
+            return worker
+        return None
 
     def _dispatch(self, request: Request, worker: Worker) -> None:
         now = self.clock()
@@ -457,19 +527,28 @@ class Dispatcher:
         run = Run(
             attempt_id=next(self._attempt_ids),
             request=request,
+            owner=request,
             worker=worker,
+            slot=worker.free_slot(),
             started_at=now,
             deadline=attempt_deadline,
-            progress_seen=worker.io.progress(),
+            alone=worker.slots > 1 and request.isolated,
         )
+        if not worker.runs:
+            # One-call workers: the stall clock starts at the first progress after the worker
+            # became busy (a long prefill is not a stall). A batched worker's starts now: its
+            # requests must see a token within stall_timeout_s, prefill included, or a request
+            # that hangs before its first token would only ever meet its deadline.
+            worker.progress_seen = worker.io.progress()
+            worker.progress_at = now if worker.slots > 1 else None
         if request.first_dispatch_at is None:
             request.first_dispatch_at = now
         self._dequeued(request)
         request.state = "running"
         request.run = run
         worker.state = "busy"
-        worker.run = run
-        worker.io.send(("run", run.attempt_id, request.payload))
+        worker.runs[run.attempt_id] = run
+        worker.io.send(("run", run.attempt_id, run.slot, request.payload))
         run.deadline_timer = self.timers.call_at(
             attempt_deadline, self._attempt_timed_out, run, "timeout"
         )
@@ -490,6 +569,7 @@ class Dispatcher:
         pid: int,
         rss_bytes: int,
         max_model_len: int | None = None,  # absent from an older worker, refused just below
+        slots: int = 1,
     ) -> None:
         if worker.state != "starting" or worker.signalled:
             return  # A "ready" that crossed the start-up timeout's SIGKILL: it is dying.
@@ -502,6 +582,7 @@ class Dispatcher:
             self._signal(worker, signal.SIGKILL, "protocol")
             return
         worker.state = "idle"
+        worker.slots = max(1, min(int(slots), self.config.max_batch_size))
         # Without spares every worker serves; with them, _rebalance decides.
         worker.role = "spare" if self.config.spares else "serving"
         worker.pid = pid
@@ -534,8 +615,7 @@ class Dispatcher:
         return sum(w.state in ("idle", "busy") for w in self.workers.values())
 
     def _current_run(self, worker: Worker, attempt_id: int) -> Run | None:
-        run = worker.run
-        return run if run is not None and run.attempt_id == attempt_id else None
+        return worker.runs.get(attempt_id)
 
     def _on_chunk(self, worker: Worker, attempt_id: int, text: str) -> None:
         run = self._current_run(worker, attempt_id)
@@ -564,7 +644,7 @@ class Dispatcher:
         if run is None:
             return
         worker.requests += 1
-        self._worker_free(worker)
+        self._run_ended(worker, run)
         request = run.request
         if request is None:
             return
@@ -595,7 +675,7 @@ class Dispatcher:
         if run is None:
             return
         worker.requests += 1
-        self._worker_free(worker)
+        self._run_ended(worker, run)
         request = run.request
         if request is None:
             return
@@ -612,18 +692,27 @@ class Dispatcher:
         )
         self._attempt_failed(request, worker, "error", error)
 
-    def _worker_free(self, worker: Worker) -> None:
-        """The worker answered its current attempt: warm and idle again, unless on its way out."""
-        if worker.run is not None:
-            self.timers.cancel(worker.run.deadline_timer)
-        worker.run = None
+    def _run_ended(self, worker: Worker, run: Run) -> None:
+        """The worker answered ``run``: its slot is free; with none left running the worker
+        is warm and idle again, unless on its way out."""
+        self.timers.cancel(run.deadline_timer)
+        self.timers.cancel(run.grace_timer)
+        worker.runs.pop(run.attempt_id, None)
+        if worker.state not in ("busy", "cancelling"):
+            return
+        if worker.runs:
+            self._update_busy_state(worker)
+            return
+        worker.state = "idle"
+        if self.slot_count == 1:
+            self._fail_pinned_retries(worker)
+        self._maybe_retire(worker)
+
+    def _update_busy_state(self, worker: Worker) -> None:
+        """ "cancelling" once every running attempt on it was asked to stop, else "busy"."""
         if worker.state in ("busy", "cancelling"):
-            self.timers.cancel(worker.ladder_timer)
-            worker.ladder_timer = None
-            worker.state = "idle"
-            if self.slot_count == 1:
-                self._fail_pinned_retries(worker)
-            self._maybe_retire(worker)
+            cancelling = all(run.cancel_sent for run in worker.runs.values())
+            worker.state = "cancelling" if cancelling else "busy"
 
     def _kill_if_alive(self, worker: Worker, reason: str) -> None:
         if worker.state != "dead":
@@ -648,7 +737,7 @@ class Dispatcher:
     def _attempt_timed_out(self, run: Run, reason: str) -> None:
         request = run.request
         worker = run.worker
-        if request is None or worker.run is not run:
+        if request is None or worker.runs.get(run.attempt_id) is not run:
             return
         now = self.clock()
         self._end_attempt(run, "timeout")
@@ -664,18 +753,28 @@ class Dispatcher:
         self._attempt_failed(request, worker, "timeout", error)
 
     def _soft_cancel(self, worker: Worker, run: Run, reason: str) -> None:
-        """Set the cancel flag; if the worker has not answered after the grace, escalate."""
+        """Set the run's cancel flag; if the worker has not answered after the grace, escalate.
+
+        In a batch only that request leaves (at the worker's next step); the others and
+        the warm worker go on."""
         assert worker.io is not None
-        worker.io.request_cancel(run.attempt_id)
-        if worker.state == "busy":
-            worker.state = "cancelling"
-        self._rearm_ladder(
-            worker, self.config.cancel_grace_s, self._on_cancel_grace_over, run, reason
+        worker.io.request_cancel(run.slot, run.attempt_id)
+        run.cancel_sent = True
+        self._update_busy_state(worker)
+        self.timers.cancel(run.grace_timer)
+        run.grace_timer = self.timers.call_at(
+            self.clock() + self.config.cancel_grace_s,
+            self._on_cancel_grace_over,
+            worker,
+            run,
+            reason,
         )
 
     def _on_cancel_grace_over(self, worker: Worker, run: Run, reason: str) -> None:
-        if worker.run is not run or worker.state == "dead":
+        if worker.runs.get(run.attempt_id) is not run or worker.state == "dead":
             return
+        if worker.signalled:
+            return  # already on its way down
         request = run.request
         if request is not None:
             # A user's cancel the backend did not honour: the caller gets what exists now.
@@ -689,6 +788,13 @@ class Dispatcher:
             self.config.cancel_grace_s,
             reason,
         )
+        if worker.slots > 1:
+            self._batch_lost(
+                worker,
+                "timeout",
+                f"worker pid {worker.pid} ignored a cancel for {self.config.cancel_grace_s}s",
+                None,
+            )
         self._signal(worker, signal.SIGTERM, reason)
 
     def _signal(self, worker: Worker, signum: int, reason: str) -> None:
@@ -728,26 +834,118 @@ class Dispatcher:
         now = self.clock()
         busy = False
         for worker in list(self.workers.values()):
-            run = worker.run
-            if run is None or run.request is None or worker.state != "busy" or worker.io is None:
+            watched = worker.state == "busy" or (worker.slots > 1 and worker.state == "cancelling")
+            attached = [run for run in worker.runs.values() if run.request is not None]
+            if not attached or not watched or worker.io is None:
                 continue
             busy = True
             progress = worker.io.progress()
-            if progress != run.progress_seen:
-                run.progress_seen = progress
-                run.progress_at = now
+            if progress != worker.progress_seen:
+                worker.progress_seen = progress
+                worker.progress_at = now
             elif (
-                run.progress_at is not None and now - run.progress_at >= self.config.stall_timeout_s
+                worker.progress_at is not None
+                and now - worker.progress_at >= self.config.stall_timeout_s
             ):
                 logger.warning(
-                    "worker %d (pid %s) stalled: no progress for %.2fs",
+                    "worker %d (pid %s) stalled: no progress for %.2fs (%d running)",
                     worker.id,
                     worker.pid,
-                    now - run.progress_at,
+                    now - worker.progress_at,
+                    len(worker.runs),
                 )
-                self._attempt_timed_out(run, "stall")
+                if worker.slots > 1:
+                    self._worker_stalled(worker)
+                else:
+                    self._attempt_timed_out(attached[0], "stall")
         if busy:
             self._arm_stall_check()
+
+    def _worker_stalled(self, worker: Worker) -> None:
+        """A batched worker delivered no token to any of its requests for stall_timeout_s
+        (tokens, not loop turns: a livelocked loop still counts as stalled). Its requests
+        are settled as lost with the batch, and the ladder starts at SIGTERM."""
+        self.counters["stalls"] += 1
+        self._batch_lost(
+            worker,
+            "timeout",
+            f"worker pid {worker.pid} made no progress for {self.config.stall_timeout_s}s",
+            None,
+        )
+        self._signal(worker, signal.SIGTERM, "stall")
+
+    def _batch_lost(
+        self, worker: Worker, outcome: Outcome, reason: str, exit_code: int | None
+    ) -> None:
+        """The batched worker died or is being killed: settle every request it held.
+
+        Every request on it is marked as having been in a failed batch (or as having
+        failed alone, when it was the only one). A request whose caller has seen nothing
+        is retried at once elsewhere as outcome "collateral", not charged to its retry
+        budget (its deadline keeps running); one that already streamed text fails typed,
+        as without batching. A request in two failed batches, or that failed alone, runs
+        alone from then on, and one that then fails alone fails with PoisonRequest. So a
+        poison request takes down at most two batches: at most 2 x (max_batch_size - 1)
+        innocent requests are re-run, and none is lost.
+        """
+        runs = list(worker.runs.values())
+        alone = len(runs) == 1
+        for run in runs:
+            owner = run.owner
+            was_isolated = owner.isolated
+            if not run.lost:
+                # Once per run: a worker killed for an ignored cancel is settled then and
+                # again at its exit.
+                run.lost = True
+                if alone:
+                    owner.alone_failures += 1
+                else:
+                    owner.batch_failures += 1
+            if run.request is None:
+                continue
+            streamed = run.request.streamed
+            if alone and was_isolated:
+                request = self._end_attempt(run, outcome)
+                self.counters["poison_requests"] += 1
+                self._fail(
+                    request,
+                    PoisonRequest(
+                        f"{reason}; this request is the suspect: it failed again running "
+                        f"alone after {owner.batch_failures} failed batch(es) and "
+                        f"{owner.alone_failures - 1} failure(s) alone, and is not retried",
+                        exit_code=exit_code,
+                    ),
+                )
+                continue
+            request = self._end_attempt(run, outcome if alone or streamed else "collateral")
+            error: PoolError
+            if outcome == "timeout":
+                error = DeadlineExceeded(reason, partial_text=request.last_partial)
+            else:
+                error = WorkerCrashed(f"{reason} while running the request", exit_code=exit_code)
+            if alone or streamed:
+                self._attempt_failed(request, worker, outcome, error)
+            else:
+                self._retry_collateral(request, worker, error)
+
+    def _retry_collateral(self, request: Request, worker: Worker, error: PoolError) -> None:
+        retry = (
+            not request.cancel_requested
+            and not request.caller_gone
+            and not self.closing
+            and self.failure is None
+            and self.clock() < request.deadline
+            and self._another_worker_exists(worker)
+        )
+        if not retry:
+            self._fail(request, error)
+            return
+        self.counters["collateral_retries"] += 1
+        self._unpin(request)
+        request.last_failed_worker = worker.id
+        self.retries_avoiding.setdefault(worker.id, {})[request.request_id] = request
+        request.last_error = error
+        self._requeue(request)
 
     # ---- retry or fail -------------------------------------------------------------------
 
@@ -764,9 +962,7 @@ class Dispatcher:
         request.run = None
         self.timers.cancel(run.deadline_timer)
         if outcome is not None:
-            request.attempts.append(
-                Attempt(run.worker.pid, outcome, self.clock() - run.started_at)
-            )
+            request.attempts.append(Attempt(run.worker.pid, outcome, self.clock() - run.started_at))
         request.last_partial = run.partial_text()
         return request
 
@@ -775,9 +971,10 @@ class Dispatcher:
     ) -> None:
         now = self.clock()
         policy = self.config.retry
+        charged = sum(attempt.outcome != "collateral" for attempt in request.attempts)
         retry = (
             outcome in policy.on
-            and len(request.attempts) <= policy.max_retries
+            and charged <= policy.max_retries
             and not request.streamed
             and not request.cancel_requested
             and not request.caller_gone
@@ -933,6 +1130,7 @@ class Dispatcher:
             sys_path=list(sys.path),
             log_level=logging.getLogger("modelpool").getEffectiveLevel(),
             generation_defaults=self.config.generation_defaults,
+            max_batch_size=self.config.max_batch_size,
         )
         if replacement:
             self.counters["respawns"] += 1
@@ -1111,7 +1309,7 @@ class Dispatcher:
     def _abort_all(self) -> None:
         for request in list(self.live.values()):
             run = request.run
-            if run is not None and run.worker.run is run:
+            if run is not None and run.worker.runs.get(run.attempt_id) is run:
                 run.request = None
                 self._soft_cancel(run.worker, run, "close")
             self._fail(request, PoolClosed("the pool closed before the request finished"))

@@ -12,6 +12,7 @@ happened to each try::
     PoolError
     ├── DeadlineExceeded      (also TimeoutError)
     ├── WorkerCrashed
+    │   └── PoisonRequest     the suspect: its batches failed, then it failed alone
     ├── BackendError
     ├── PoolOverloaded
     ├── PoolClosed
@@ -26,7 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Outcome = Literal["ok", "timeout", "crash", "cancelled", "error"]
+Outcome = Literal["ok", "timeout", "crash", "cancelled", "error", "collateral"]
+"""What became of one attempt. "collateral": the request's worker died or was killed because of
+something in its batch while the request had shown its caller nothing; it was retried at once
+and the attempt is not charged to its retry budget."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,16 @@ class WorkerCrashed(PoolError):
     ) -> None:
         super().__init__(message, request_id=request_id, attempts=attempts)
         self.exit_code = exit_code
+
+
+class PoisonRequest(WorkerCrashed):
+    """The request is the suspect of repeated worker failures and is not retried again.
+
+    With batching (``max_batch_size`` above 1), a request that was in two batches whose
+    worker hung or crashed, or whose worker hung or crashed while it ran alone, is
+    retried alone; if that fails too, it fails with this error. It never takes a third
+    batch down.
+    """
 
 
 class BackendError(PoolError):

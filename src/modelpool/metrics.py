@@ -83,6 +83,17 @@ def stats_families(stats: PoolStats) -> Iterator[Metric]:
     yield from _counters(counters, REQUEST_COUNTERS)
 
     yield _gauge("modelpool_queue_depth", "Requests waiting for a worker.", stats.queue_depth)
+    yield _gauge("modelpool_running_requests", "Requests running in workers.", stats.running)
+    yield _gauge(
+        "modelpool_capacity",
+        "Requests the serving workers can run at once (workers x max_batch_size).",
+        stats.capacity,
+    )
+    yield _gauge(
+        "modelpool_batch_occupancy",
+        "Running requests over capacity: 1.0 when every batch slot is in use.",
+        stats.batch_occupancy,
+    )
 
     state = GaugeMetricFamily(
         "modelpool_pool_state",
@@ -201,6 +212,16 @@ REQUEST_COUNTERS = (
     ("modelpool_requests_submitted", "Requests the pool accepted.", "submitted"),
     ("modelpool_request_timeouts", "Attempts that ran past their deadline.", "timeouts"),
     ("modelpool_request_retries", "Attempts retried on another worker.", "retries"),
+    (
+        "modelpool_collateral_retries",
+        "Requests retried, uncharged, after their batch's worker died or was killed.",
+        "collateral_retries",
+    ),
+    (
+        "modelpool_poison_requests",
+        "Requests failed as the suspect of repeated batch failures (PoisonRequest).",
+        "poison_requests",
+    ),
 )
 WORKER_COUNTERS = (
     ("modelpool_worker_crashes", "Workers that died on their own.", "crashes"),
@@ -211,7 +232,7 @@ WORKER_COUNTERS = (
     ),
     (
         "modelpool_worker_stalls",
-        "Busy workers caught making no progress before their deadline.",
+        "Busy workers caught delivering no token before their deadline.",
         "stalls",
     ),
     (

@@ -9,7 +9,8 @@ from another modelpool version is refused instead of misread.
 supervisor -> worker::
 
     ("init", WorkerSpec)                    first message, once
-    ("run", attempt_id, payload)            start one attempt; payload is
+    ("run", attempt_id, slot, payload)      start one attempt in batch slot ``slot`` (its
+                                            cancel word in the control block); payload is
                                             pickle.dumps((prompt, params)), made once by
                                             the caller's thread (see encode_request); params
                                             are the caller's own: the worker adds the
@@ -18,9 +19,11 @@ supervisor -> worker::
 
 worker -> supervisor::
 
-    ("ready", version, pid, rss_bytes, max_model_len)
+    ("ready", version, pid, rss_bytes, max_model_len, slots)
                                             backend loaded; max_model_len: its context
-                                            length in tokens, or None if it has none
+                                            length in tokens, or None if it has none;
+                                            slots: how many attempts it runs at once
+                                            (1 for a one-call backend)
     ("load_failed", traceback_text)         backend could not load; the worker exits
     ("chunk", attempt_id, text)             streamed text
     ("done", attempt_id, Generation, rss_bytes)
@@ -30,9 +33,27 @@ worker -> supervisor::
                                             max_new_tokens, max_model_len) or "backend"
     ("log", levelno, logger_name, message)  a worker log record
 
-The cancel flag and the progress counter are not messages: they live in a
+The cancel flags and the progress counters are not messages: they live in a
 small shared memory block (see ``ControlBlock``) so that the hot check in the
 backend's decoding loop costs a memory read, not a system call.
+
+Two backend forms (DESIGN: Backends)
+------------------------------------
+A **one-call** backend (:class:`Handler`) answers one request per
+``generate(call)`` and is all most backends need. A **batched** backend
+(:class:`BatchedHandler`) runs up to ``PoolConfig.max_batch_size`` requests
+at once, one decoding step at a time, so that the worker loop can admit new
+requests and retire finished or cancelled ones between steps::
+
+    handler.admit(call)        # take a request; it produces tokens from the next step() on
+    handler.step()             # one decoding step for every admitted request;
+                               #   returns the (call, Generation | Exception) pairs that ended
+    handler.retire(call)       # drop a request now (cancelled); returns what it has
+    handler.abort()            # forget every request (after step() itself raised)
+
+A handler that has these methods is batched when the pool asks for a batch
+size above 1 (unless it sets ``batched = False`` for what it loaded), and is
+otherwise driven through ``generate`` as before.
 """
 
 from __future__ import annotations
@@ -47,7 +68,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 FinishReason = Literal["stop", "length", "cancelled"]
 ChatMessage = Mapping[str, str]
@@ -125,6 +146,15 @@ class Call(Protocol):
         ...
 
 
+class BatchCall(Call, Protocol):
+    """The per-request object a batched backend receives: a ``Call`` that also counts tokens."""
+
+    def delivered(self, tokens: int = 1) -> None:
+        """Count generated tokens (held-back text included): the pool's stall clock watches
+        these. A one-call backend need not: its ``cancelled()`` checks count as progress."""
+        ...
+
+
 class Handler(Protocol):
     """What a backend factory returns: one per worker, loaded once.
 
@@ -135,6 +165,43 @@ class Handler(Protocol):
     """
 
     def generate(self, call: Call) -> str | Generation: ...
+
+
+Finished = tuple[BatchCall, Generation | Exception]
+"""A request that left the batch in a step: its Generation, or the exception that ended it
+(that request's alone: an ``InvalidRequest`` is the request's fault, anything else a backend
+error)."""
+
+
+class BatchedHandler(Handler, Protocol):
+    """A backend that decodes many requests together (iteration-level batching).
+
+    The worker loop is the only caller, from one thread, in this order per
+    iteration: ``admit`` the requests that arrived, ``retire`` the ones whose
+    cancel flag is set, then one ``step``. Rules a backend keeps:
+
+    - ``step`` does one unit of work that ends quickly (a decoding step, or the
+      prefill of newly admitted requests plus one step): cancel, deadlines and
+      admission all wait for it to return.
+    - Text goes out through ``call.emit``; every generated token is counted with
+      ``call.delivered()``, which is what the pool's stall clock watches.
+    - A failure of one request is returned as that request's exception and does
+      not end the others. An exception raised out of ``step`` means the whole
+      batch is lost: the worker answers every admitted request with it and
+      calls ``abort``.
+    - ``retire`` and ``abort`` free what the request held (its KV cache rows).
+    - Generation parameters that cannot be honoured per request in a batch are
+      never applied to the whole batch nor dropped: such a request waits and
+      runs alone, or ``admit`` raises ``InvalidRequest`` naming the field.
+    """
+
+    def admit(self, call: BatchCall) -> None: ...
+
+    def step(self) -> list[Finished]: ...
+
+    def retire(self, call: BatchCall) -> Generation: ...
+
+    def abort(self) -> None: ...
 
 
 BackendFactory = Callable[..., Handler]
@@ -153,6 +220,7 @@ class WorkerSpec:
     # Merged under each request's own params in the worker, which can then tell a
     # default from the caller's choice (see Call) at no cost to the dispatch path.
     generation_defaults: dict[str, Any]
+    max_batch_size: int = 1
 
 
 MAX_FRAME_BYTES = 1 << 30
@@ -234,49 +302,71 @@ class FrameDecoder:
 
 
 class ControlBlock:
-    """Shared memory between the supervisor and one worker.
+    """Shared memory between the supervisor and one worker: cancel flags and progress.
 
-    Two unsigned 64-bit words: ``cancel_attempt`` (the attempt id the
-    supervisor wants stopped) and ``progress`` (bumped by the worker on every
-    cancel check and every emitted chunk). Naming the attempt, rather than
-    setting a boolean, means a late cancel can never stop the next request.
+    Unsigned 64-bit words: ``progress`` (word 0, worker-wide), then one
+    ``cancel`` word per batch slot, then one ``tokens`` word per slot. The
+    supervisor cancels the attempt in slot ``s`` by writing its attempt id into
+    that slot's cancel word; naming the attempt, rather than setting a boolean,
+    means a late cancel can never stop the next request in the slot. The worker
+    bumps ``progress`` for every token it delivers (a one-call worker also on
+    every cancel check, as before) and ``tokens`` of the slot that got it; the
+    supervisor's stall clock watches ``progress``, so a loop that keeps
+    iterating without producing tokens still reads as stalled.
     Aligned 8-byte loads and stores are atomic on the platforms torch runs on.
     The block is an anonymous file (memfd where available) whose descriptor is
-    inherited by the worker, so nothing is left in /dev/shm if either side dies.
+    inherited by the worker, so nothing is left in /dev/shm if either side dies;
+    its size tells the worker how many slots there are.
     """
 
-    SIZE = 16
+    WORD = 8
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self._map = mmap.mmap(fd, self.SIZE)
+        size = os.fstat(fd).st_size
+        self.slots = max(1, (size // self.WORD - 1) // 2)
+        self._map = mmap.mmap(fd, size)
         self._words = memoryview(self._map).cast("Q")
 
     @classmethod
-    def create(cls) -> ControlBlock:
+    def size_for(cls, slots: int) -> int:
+        return cls.WORD * (1 + 2 * slots)
+
+    @classmethod
+    def create(cls, slots: int = 1) -> ControlBlock:
+        if slots < 1:
+            raise ValueError(f"a control block needs at least one slot, got {slots}")
         if hasattr(os, "memfd_create"):
             # Close-on-exec: only the worker it is passed to (pass_fds) inherits it.
             fd = os.memfd_create("modelpool-control")
         else:
             with tempfile.TemporaryFile() as handle:
                 fd = os.dup(handle.fileno())
-        os.ftruncate(fd, cls.SIZE)
+        os.ftruncate(fd, cls.size_for(slots))
         return cls(fd)
 
-    @property
-    def cancel_attempt(self) -> int:
-        return int(self._words[0])
+    def cancel_attempt(self, slot: int) -> int:
+        """The attempt id the supervisor wants stopped in ``slot`` (0: none)."""
+        return int(self._words[1 + slot])
 
-    @cancel_attempt.setter
-    def cancel_attempt(self, attempt_id: int) -> None:
-        self._words[0] = attempt_id
+    def request_cancel(self, slot: int, attempt_id: int) -> None:
+        self._words[1 + slot] = attempt_id
 
     @property
     def progress(self) -> int:
-        return int(self._words[1])
+        return int(self._words[0])
 
-    def bump_progress(self) -> None:
-        self._words[1] = (self._words[1] + 1) & 0xFFFFFFFFFFFFFFFF
+    def bump_progress(self, count: int = 1) -> None:
+        self._words[0] = (self._words[0] + count) & 0xFFFFFFFFFFFFFFFF
+
+    def slot_tokens(self, slot: int) -> int:
+        """Tokens delivered in ``slot`` since the worker started (all attempts)."""
+        return int(self._words[1 + self.slots + slot])
+
+    def deliver(self, slot: int, count: int = 1) -> None:
+        index = 1 + self.slots + slot
+        self._words[index] = (self._words[index] + count) & 0xFFFFFFFFFFFFFFFF
+        self.bump_progress(count)
 
     def close(self) -> None:
         self._words.release()

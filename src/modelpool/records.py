@@ -6,10 +6,11 @@ locks. The states are ``Literal`` types so that a typo is a type error:
 - a request is ``new`` (posted, not yet seen), ``queued``, ``backoff`` (waiting to be
   queued again after a failed attempt), ``running`` (one :class:`Run` on a worker) or
   ``done`` (its future is resolved);
-- a worker is ``starting`` (loading the model), ``idle``, ``busy``, ``cancelling`` (its
-  cancel flag is set), ``killing`` (signalled by the pool), ``stopping`` (asked to exit
-  after recycling or close) or ``dead`` (reaped); its ``role`` says whether an idle
-  worker takes requests (``serving``) or waits as a warm ``spare``.
+- a worker is ``starting`` (loading the model), ``idle``, ``busy`` (at least one run),
+  ``cancelling`` (every run on it was asked to stop), ``killing`` (signalled by the
+  pool), ``stopping`` (asked to exit after recycling or close) or ``dead`` (reaped); its
+  ``role`` says whether an idle worker takes requests (``serving``) or waits as a warm
+  ``spare``. A worker holds up to ``slots`` runs at once (``max_batch_size``).
 """
 
 from __future__ import annotations
@@ -50,21 +51,43 @@ class Request:
     last_partial: str = ""
     deadline_timer: Timer | None = None
     last_error: PoolError | None = None
+    # Poison isolation (batched workers only): failed batches of more than one request it
+    # was in, and failures while it ran alone. See Dispatcher._batch_lost.
+    batch_failures: int = 0
+    alone_failures: int = 0
+
+    @property
+    def isolated(self) -> bool:
+        """Runs only alone on a worker from now on."""
+        return self.batch_failures >= 2 or self.alone_failures >= 1
+
+    @property
+    def suspect(self) -> bool:
+        """Was in a batch that failed: at most one such request per worker."""
+        return self.batch_failures >= 1
 
 
 @dataclass(eq=False)
 class Run:
-    """One attempt of a request on a worker. ``request`` is None once detached."""
+    """One attempt of a request on a worker, in batch slot ``slot``.
+
+    ``request`` is None once detached (timed out, cancelled and resolved, lost with its
+    batch); ``owner`` keeps the request for poison accounting either way.
+    """
 
     attempt_id: int
     request: Request | None
+    owner: Request
     worker: Worker
+    slot: int
     started_at: float
     deadline: float
+    alone: bool = False  # an isolated request: nothing else is admitted beside it
     chunks: list[str] = field(default_factory=list)
-    progress_seen: int = 0
-    progress_at: float | None = None
+    cancel_sent: bool = False
+    lost: bool = False  # counted against its owner as a failed batch or a failure alone
     deadline_timer: Timer | None = None
+    grace_timer: Timer | None = None
 
     def partial_text(self) -> str:
         return "".join(self.chunks)
@@ -77,7 +100,7 @@ class WorkerIO(Protocol):
 
     def send(self, message: tuple[Any, ...]) -> None: ...
 
-    def request_cancel(self, attempt_id: int) -> None: ...
+    def request_cancel(self, slot: int, attempt_id: int) -> None: ...
 
     def progress(self) -> int: ...
 
@@ -93,6 +116,7 @@ class Worker:
     io: WorkerIO | None = None
     state: WorkerState = "starting"
     role: WorkerRole = "spare"  # decided by Dispatcher._rebalance
+    slots: int = 1  # runs at once: min(max_batch_size, what its backend can)
     pid: int | None = None
     ready_at: float | None = None
     requests: int = 0
@@ -100,7 +124,9 @@ class Worker:
     gpu_bytes: int | None = None
     gpu_method: str | None = None
     gpu_baseline: int | None = None
-    run: Run | None = None
+    runs: dict[int, Run] = field(default_factory=dict)  # by attempt id
+    progress_seen: int = 0  # the control block's progress word at the last stall check
+    progress_at: float | None = None  # when it last moved (None: the clock has not started)
     signalled: bool = False  # the pool sent it a signal: its death is a kill, not a crash
     stopping: bool = False  # asked to exit: a clean exit is expected, not a crash
     kill_reason: str | None = None
@@ -109,6 +135,10 @@ class Worker:
     startup_timer: Timer | None = None
     exit_code: int | None = None
     max_model_len: int | None = None
+
+    def free_slot(self) -> int:
+        used = {run.slot for run in self.runs.values()}
+        return next(slot for slot in range(self.slots) if slot not in used)
 
 
 class DispatcherIO(Protocol):

@@ -3,7 +3,7 @@
 :func:`start_worker_process` runs ``modelpool.worker.main`` in a new interpreter (never
 ``multiprocessing``: see ``worker.py``) in its own session and process group, with
 three inherited descriptors: its end of a socket pair (the framed channel), the memfd
-``ControlBlock`` (cancel flag, progress counter) and the read end of the pool's
+``ControlBlock`` (per-slot cancel flags, progress counters) and the read end of the pool's
 lifeline pipe. It is three steps: :func:`build_env`, :func:`build_command`, then the
 ``Popen`` and a pidfd for the exit. The event loop registers the result with its
 selector and sends ``("init", spec)``.
@@ -81,11 +81,12 @@ def start_worker_process(
     env: Mapping[str, str],
     lifeline_fd: int,
     on_backlog: Callable[[ProcessWorkerIO], None],
+    slots: int = 1,
 ) -> ProcessWorkerIO:
     """Popen the worker with its three descriptors; the parent's ends are closed on failure."""
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        control = ControlBlock.create()
+        control = ControlBlock.create(slots)
     except BaseException:
         parent_sock.close()
         child_sock.close()
@@ -153,8 +154,8 @@ class ProcessWorkerIO:
                 return
             del self.outbox[:sent]
 
-    def request_cancel(self, attempt_id: int) -> None:
-        self.control.cancel_attempt = attempt_id
+    def request_cancel(self, slot: int, attempt_id: int) -> None:
+        self.control.request_cancel(slot, attempt_id)
 
     def progress(self) -> int:
         return self.control.progress

@@ -29,6 +29,8 @@ COUNTER_NAMES = (
     "stalls",
     "cancel_escalations",
     "recycled",
+    "collateral_retries",
+    "poison_requests",
 )
 
 
@@ -45,6 +47,8 @@ class WorkerStats:
     gpu_mb: float | None
     gpu_mb_method: str | None = None
     max_model_len: int | None = None
+    slots: int = 1
+    running: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -89,10 +93,19 @@ class PoolStats:
     max_model_len: int | None = None
     # Seconds since the dispatcher thread last went round its loop (None before start()).
     heartbeat_age_s: float | None = None
+    capacity: int = 0
+    running: int = 0
+
+    @property
+    def batch_occupancy(self) -> float:
+        """Requests running in workers over the serving capacity (workers x batch slots)."""
+        return self.running / self.capacity if self.capacity else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict: the keys the README's Stats section lists."""
-        return asdict(self)
+        data = asdict(self)
+        data["batch_occupancy"] = self.batch_occupancy
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

@@ -14,7 +14,7 @@ Data flow::
       one timer heap: attempt deadlines, kill-ladder steps,  |   post their results
       start-up timeouts, stall checks, respawn backoff       |   back as commands
       |                                                   <--+
-      |  ("run", attempt_id, payload) over the worker's socket
+      |  ("run", attempt_id, slot, payload) over the worker's socket
       v
     worker processes (spawn.py: a new interpreter running modelpool.worker, own group)
       |  ("chunk" ...)*, then ("done" ...) or ("error" ...)
@@ -33,7 +33,7 @@ Follow one request (each name is a function; the file is in brackets)::
       -> serve -> _run_attempt                        [worker.py]  the backend generates
       -> EventLoop._read                              [here]     frames from the socket
       -> Dispatcher.on_message -> _on_chunk / _on_done [dispatcher.py]
-      -> _worker_free -> _succeed -> _finish          [dispatcher.py]
+      -> _run_ended -> _succeed -> _finish            [dispatcher.py]
       -> set_future                                   [results.py]  the caller's future
 
 The deadline path (the ladder)::
@@ -369,6 +369,7 @@ class EventLoop:
             build_env(device_env, self._threads_per_worker),
             self._lifeline_r,
             lambda io: self._want_write(worker, io),
+            spec.max_batch_size,
         )
         try:
             self.selector.register(io.sock, selectors.EVENT_READ, ("sock", worker))

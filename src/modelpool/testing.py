@@ -27,7 +27,18 @@ Commands (``name[:arg[:arg]]``; anything else is echoed back):
 ``hang_once:PATH``     hangs like ``hang`` if PATH does not exist (creating it first),
                        else "ok": a timeout that a retry recovers from
 ``pid``                returns the worker's pid
+``spin``               never finishes and never produces a token, but (batched)
+                       keeps its decoding loop turning: a livelock
 =====================  ======================================================
+
+With ``max_batch_size`` above 1 the backend batches (``protocol.BatchedHandler``):
+every admitted request advances one token per ``step()``, a step lasts as long
+as the slowest ``DELAY`` among the requests in it (one shared decoding step),
+and each fault happens inside the batch the way it would on a real model:
+``hang``, ``hog`` and ``stall`` freeze the whole step (every request in the
+batch stops getting tokens), ``segfault`` and ``exit`` take the worker and its
+batch down, ``raise`` fails only its own request, ``spin`` keeps the loop
+iterating without delivering tokens.
 
 A prompt given as token ids (``TokenIds``) reads as the ids joined by spaces.
 ``logprobs=N`` gives every generated token (each ``tokens`` piece; the whole text
@@ -60,11 +71,20 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from modelpool.context import check_max_model_len, fit_to_context
 from modelpool.errors import InvalidRequest
-from modelpool.protocol import Call, Generation, Prompt, TokenIds, TokenLogprob
+from modelpool.protocol import (
+    BatchCall,
+    Call,
+    Finished,
+    Generation,
+    Prompt,
+    TokenIds,
+    TokenLogprob,
+)
 from modelpool.validation import check_generation_params
 
 ACCEPTED_PARAMS = frozenset(
@@ -81,12 +101,118 @@ def validate(params: dict[str, Any]) -> None:
         raise InvalidRequest(f"unknown generation parameter {unknown[0]!r} for the testing backend")
 
 
+@dataclass(eq=False)
+class _Job:
+    """One admitted request in the batched form."""
+
+    call: BatchCall
+    command: str
+    argument: str
+    limit: int | None
+    count: int = 0
+    delay: float = 0.0
+    pieces: list[str] = field(default_factory=list)
+    whole: bool = False
+
+    def partial(self, finish_reason: Any) -> Generation:
+        return Generation("".join(self.pieces), finish_reason, None, len(self.pieces))
+
+
+_STEPPED = frozenset({"tokens", "stall", "spin"})
+_SPIN_STEP_S = 0.005
+
+
 class FaultBackend:
-    """The handler; one per worker."""
+    """The handler; one per worker. Implements both backend forms."""
 
     def __init__(self, max_model_len: int | None = None) -> None:
         self._leaked: list[bytearray] = []
         self.max_model_len = max_model_len
+        self._jobs: list[_Job] = []
+        self._pause = threading.Event()
+
+    # ---- batched form ------------------------------------------------------------------
+
+    def admit(self, call: BatchCall) -> None:
+        prompt = call.prompt
+        text = _prompt_text(prompt)
+        command, _, argument = text.partition(":")
+        job = _Job(call, command, argument, self._fit(call)[0])
+        # Log probabilities come from the one-call path: such a request runs whole in one step.
+        job.whole = any(
+            call.params.get(name) is not None for name in ("logprobs", "prompt_logprobs")
+        )
+        if command == "tokens":
+            count_text, _, delay_text = argument.partition(":")
+            job.count = int(count_text or 16)
+            job.delay = float(delay_text or 0)
+        elif command == "stall":
+            job.count = int(argument or 1)
+        self._jobs.append(job)
+
+    def step(self) -> list[Finished]:
+        delay = max((job.delay for job in self._jobs if job.command == "tokens"), default=0.0)
+        if any(job.command == "spin" for job in self._jobs):
+            delay = max(delay, _SPIN_STEP_S)
+        if delay:
+            self._pause.wait(delay)
+        finished: list[Finished] = []
+        for job in list(self._jobs):
+            outcome: Generation | str | Exception | None
+            try:
+                outcome = self._advance(job)
+            except Exception as exc:
+                outcome = exc
+            if outcome is not None:
+                self._jobs.remove(job)
+                finished.append(
+                    (job.call, Generation(outcome) if isinstance(outcome, str) else outcome)
+                )
+        return finished
+
+    def retire(self, call: BatchCall) -> Generation:
+        for job in self._jobs:
+            if job.call is call:
+                self._jobs.remove(job)
+                return job.partial("cancelled")
+        return Generation("", "cancelled", None, 0)
+
+    def abort(self) -> None:
+        self._jobs.clear()
+
+    def _advance(self, job: _Job) -> Generation | str | None:
+        """One step of one request: its result once it ends, else None."""
+        if job.command not in _STEPPED or job.whole:
+            return self.generate(job.call)
+        if job.command == "spin":
+            return None
+        index = len(job.pieces)
+        if job.command == "stall" and index >= job.count:
+            _block_forever()
+        if job.command == "tokens" and job.limit is not None and index >= job.limit:
+            return job.partial("length")
+        piece = f"t{index} "
+        job.pieces.append(piece)
+        job.call.emit(piece)
+        job.call.delivered()
+        if job.command == "tokens" and len(job.pieces) >= job.count:
+            return job.partial("stop")
+        return None
+
+    # ---- one-call form -----------------------------------------------------------------
+
+    def _fit(self, call: Call) -> tuple[int | None, int | None]:
+        """The request's token limit within the context, and its prompt's tokens."""
+        limit = call.params.get("max_new_tokens")
+        prompt_tokens = None
+        if self.max_model_len is not None:
+            prompt_tokens = count_tokens(call.prompt)
+            # Without any limit, the tokens run to the end of the context.
+            default = self.max_model_len
+            if limit is not None and "max_new_tokens" in getattr(call, "defaulted", ()):
+                default, limit = limit, None
+            limit = fit_to_context(prompt_tokens, limit, self.max_model_len, default=default)
+        return limit, prompt_tokens
 
     def generate(self, call: Call) -> str | Generation:
         output = self._run(call)
@@ -115,18 +241,9 @@ class FaultBackend:
         return generation
 
     def _run(self, call: Call) -> str | Generation:
-        prompt = call.prompt
-        text = _prompt_text(prompt)
+        text = _prompt_text(call.prompt)
         command, _, argument = text.partition(":")
-        limit = call.params.get("max_new_tokens")
-        prompt_tokens = None
-        if self.max_model_len is not None:
-            prompt_tokens = count_tokens(prompt)
-            # Without any limit, the tokens run to the end of the context.
-            default = self.max_model_len
-            if limit is not None and "max_new_tokens" in getattr(call, "defaulted", ()):
-                default, limit = limit, None
-            limit = fit_to_context(prompt_tokens, limit, self.max_model_len, default=default)
+        limit, prompt_tokens = self._fit(call)
         if limit == 0:
             return Generation("", "length", prompt_tokens, 0)
         if command == "echo":
@@ -164,6 +281,9 @@ class FaultBackend:
             return "ok"
         if command == "pid":
             return str(os.getpid())
+        if command == "spin":
+            while True:
+                time.sleep(_SPIN_STEP_S)
         return text
 
 
@@ -223,8 +343,10 @@ def _emit_tokens(
 
 
 def _first_time(marker: str) -> bool:
+    """Create ``marker`` holding this worker's pid; False if it existed already."""
     try:
-        with open(marker, "x"):
+        with open(marker, "x") as handle:
+            handle.write(str(os.getpid()))
             return True
     except FileExistsError:
         return False

@@ -5,7 +5,7 @@ with a bootstrap that keeps the current directory off ``sys.path``), with
 three inherited descriptors (see ``spawn.start_worker_process``):
 
 - ``--channel``: its end of a Unix socket pair (framed pickles, see protocol.py);
-- ``--control``: the shared ``ControlBlock`` (cancel flag, progress counter);
+- ``--control``: the shared ``ControlBlock`` (per-slot cancel flags, progress);
 - ``--lifeline``: the read end of a pipe whose write end only the supervisor
   holds. When the supervisor dies, by any means including SIGKILL, the kernel
   closes that end and the read returns EOF at once; the lifeline thread then
@@ -18,6 +18,14 @@ worker: spawn re-imports the parent's main module, so a script without an
 REPL or notebook main cannot be imported at all. This module imports no torch:
 ``CUDA_VISIBLE_DEVICES`` and thread counts arrive in the environment and must
 be in place before the backend's first ``import torch``.
+
+Two loops serve attempts. A one-call backend, or any backend when the pool's
+``max_batch_size`` is 1, gets one ``generate(call)`` at a time on the main
+thread, as always. A batched backend (``protocol.BatchedHandler``) with a
+batch size above 1 gets the stepping loop (``_BatchLoop``): a reader thread
+queues incoming messages, and between two decoding steps the loop admits what
+arrived, retires what was cancelled, and answers what finished, so a long
+generation never holds a short one back.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import faulthandler
 import logging
 import os
 import pickle
+import queue
 import signal
 import socket
 import sys
@@ -40,6 +49,7 @@ from modelpool.errors import ContextLengthExceeded, InvalidRequest
 from modelpool.processes import process_rss_bytes
 from modelpool.protocol import (
     PROTOCOL_VERSION,
+    BatchedHandler,
     ControlBlock,
     Generation,
     Handler,
@@ -90,36 +100,61 @@ class _ForwardingHandler(logging.Handler):
 
 class WorkerCall:
     """The ``Call`` a backend receives: prompt, params (``defaulted``: those the pool filled
-    in), a cheap cancel check, ``emit``."""
+    in), a cheap cancel check, ``emit``.
 
-    __slots__ = ("_channel", "_control", "attempt_id", "defaulted", "params", "prompt")
+    ``slot`` is the attempt's word in the control block. In the one-call loop
+    every ``cancelled()`` check counts as progress (a backend that checks the
+    flag is alive); in the batched loop only delivered tokens do, since a loop
+    that keeps iterating without producing tokens is exactly a stall.
+    """
+
+    __slots__ = (
+        "_channel",
+        "_checks_count",
+        "_control",
+        "attempt_id",
+        "defaulted",
+        "params",
+        "prompt",
+        "slot",
+    )
 
     def __init__(
         self,
         attempt_id: int,
+        slot: int,
         prompt: Prompt,
         params: dict[str, Any],
         control: ControlBlock,
         channel: _Channel,
-        defaulted: frozenset[str],
+        defaulted: frozenset[str] = frozenset(),
+        *,
+        checks_count: bool = True,
     ) -> None:
         self.attempt_id = attempt_id
+        self.slot = slot
         self.prompt = prompt
         self.params = params
         self.defaulted = defaulted
         self._control = control
         self._channel = channel
+        self._checks_count = checks_count
 
     def cancelled(self) -> bool:
-        self._control.bump_progress()
-        return self._control.cancel_attempt == self.attempt_id
+        if self._checks_count:
+            self._control.bump_progress()
+        return self._control.cancel_attempt(self.slot) == self.attempt_id
 
     def emit(self, text: str) -> None:
         if not isinstance(text, str):
             raise TypeError(f"call.emit() takes str, not {type(text).__name__}")
         if text:
-            self._control.bump_progress()
+            if self._checks_count:
+                self._control.bump_progress()
             self._channel.send(("chunk", self.attempt_id, text))
+
+    def delivered(self, tokens: int = 1) -> None:
+        self._control.deliver(self.slot, tokens)
 
 
 def _leave_channel(root: logging.Logger, forwarding: logging.Handler, channel: _Channel) -> None:
@@ -140,6 +175,48 @@ def _watch_lifeline(lifeline_fd: int) -> None:
         os._exit(1)
 
 
+def _read_attempt(
+    handler: Handler,
+    message: tuple[Any, ...],
+    control: ControlBlock,
+    channel: _Channel,
+    defaults: dict[str, Any],
+    *,
+    checks_count: bool,
+) -> WorkerCall | None:
+    """The attempt's call, or None once it has been answered (unreadable, invalid, or
+    cancelled while in flight to us). ``defaults``: the pool's generation defaults, under
+    the request's own parameters."""
+    _, attempt_id, slot, payload = message
+    try:
+        prompt, own_params = pickle.loads(payload)
+    except Exception as exc:
+        # A class the caller defined in its own __main__, say: the request's fault, not ours.
+        text = f"the request cannot be read in a worker: {exc!r}"
+        channel.send(("error", attempt_id, "invalid", text, "", process_rss_bytes()))
+        return None
+    if control.cancel_attempt(slot) == attempt_id:
+        # Cancelled while the request was in flight to us: do not start it at all. The flag
+        # is read directly, not through call.cancelled(), so that progress stays at zero
+        # until the backend itself reports some (the stall clock starts there).
+        channel.send(
+            ("done", attempt_id, Generation("", "cancelled", None, 0), process_rss_bytes())
+        )
+        return None
+    params = {**defaults, **own_params}
+    defaulted = frozenset(defaults.keys() - own_params.keys())
+    validate = getattr(handler, "validate", None)
+    if validate is not None:
+        try:
+            validate(params)
+        except Exception as exc:
+            channel.send(("error", attempt_id, "invalid", str(exc), "", process_rss_bytes()))
+            return None
+    return WorkerCall(
+        attempt_id, slot, prompt, params, control, channel, defaulted, checks_count=checks_count
+    )
+
+
 def _run_attempt(
     handler: Handler,
     message: tuple[Any, ...],
@@ -147,56 +224,163 @@ def _run_attempt(
     channel: _Channel,
     defaults: dict[str, Any],
 ) -> None:
-    _, attempt_id, payload = message
-    try:
-        prompt, own_params = pickle.loads(payload)
-    except Exception as exc:
-        # A class the caller defined in its own __main__, say: the request's fault, not ours.
-        text = f"the request cannot be read in a worker: {exc!r}"
-        channel.send(("error", attempt_id, "invalid", text, "", process_rss_bytes()))
+    call = _read_attempt(handler, message, control, channel, defaults, checks_count=True)
+    if call is None:
         return
-    params = {**defaults, **own_params}
-    defaulted = frozenset(defaults.keys() - own_params.keys())
-    call = WorkerCall(attempt_id, prompt, params, control, channel, defaulted)
     try:
-        if control.cancel_attempt == attempt_id:
-            # Cancelled while the request was in flight to us: do not start it at all. The flag
-            # is read directly, not through call.cancelled(), so that progress stays at zero
-            # until the backend itself reports some (the stall clock starts there).
-            generation = Generation("", "cancelled", None, 0)
-        else:
-            validate = getattr(handler, "validate", None)
-            if validate is not None:
-                try:
-                    validate(params)
-                except Exception as exc:
-                    channel.send(
-                        ("error", attempt_id, "invalid", str(exc), "", process_rss_bytes())
-                    )
-                    return
-            generation = _normalise(handler.generate(call))
-    except ContextLengthExceeded as exc:
+        generation = _normalise(handler.generate(call))
+    except Exception as exc:
+        _send_failure(channel, call.attempt_id, exc)
+        return
+    channel.send(("done", call.attempt_id, generation, process_rss_bytes()))
+
+
+def _send_failure(channel: _Channel, attempt_id: int, exc: BaseException) -> None:
+    if isinstance(exc, ContextLengthExceeded):
         detail = (exc.prompt_tokens, exc.max_new_tokens, exc.max_model_len)
         channel.send(
             ("error", attempt_id, "context_length", str(exc), "", process_rss_bytes(), detail)
         )
         return
-    except InvalidRequest as exc:
+    if isinstance(exc, InvalidRequest):
         channel.send(("error", attempt_id, "invalid", str(exc), "", process_rss_bytes()))
         return
-    except Exception as exc:
-        channel.send(
-            (
-                "error",
-                attempt_id,
-                "backend",
-                f"{type(exc).__name__}: {exc}",
-                traceback.format_exc(),
-                process_rss_bytes(),
-            )
+    remote_traceback = "".join(traceback.format_exception(exc))
+    channel.send(
+        (
+            "error",
+            attempt_id,
+            "backend",
+            f"{type(exc).__name__}: {exc}",
+            remote_traceback,
+            process_rss_bytes(),
         )
-        return
-    channel.send(("done", attempt_id, generation, process_rss_bytes()))
+    )
+
+
+class _BatchLoop:
+    """Serves a batched backend: admit between steps, retire at once, answer as they end.
+
+    Messages are read by a thread into a queue; the loop blocks on the queue
+    only while nothing runs, and otherwise drains it before every step. One
+    thread calls the backend, so a backend needs no locks.
+    """
+
+    def __init__(
+        self,
+        handler: BatchedHandler,
+        channel: _Channel,
+        control: ControlBlock,
+        defaults: dict[str, Any],
+    ) -> None:
+        self.handler = handler
+        self.channel = channel
+        self.control = control
+        self.defaults = defaults
+        self.inbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self.running: dict[int, WorkerCall] = {}
+        self.stopping = False
+
+    def _read(self) -> None:
+        while True:
+            message = self.channel.recv()
+            self.inbox.put(message)
+            if message is None or message[0] == "stop":
+                return
+
+    def serve(self) -> int:
+        threading.Thread(target=self._read, name="modelpool-reader", daemon=True).start()
+        while True:
+            message: tuple[Any, ...] | None
+            if not self.running:
+                if self.stopping:
+                    return 0
+                message = self.inbox.get()
+                if not self._take(message):
+                    return 0
+            while True:
+                try:
+                    message = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if not self._take(message):
+                    return 0
+            self._retire_cancelled()
+            if self.running:
+                self._step()
+
+    def _take(self, message: tuple[Any, ...] | None) -> bool:
+        """Handle one message; False when the channel is gone (exit now)."""
+        if message is None:
+            return False
+        if message[0] == "stop":
+            self.stopping = True  # Sent to an idle worker; finish anything running first.
+        elif message[0] == "run":
+            call = _read_attempt(
+                self.handler,
+                message,
+                self.control,
+                self.channel,
+                self.defaults,
+                checks_count=False,
+            )
+            if call is None:
+                return True
+            try:
+                self.handler.admit(call)
+            except Exception as exc:
+                _send_failure(self.channel, call.attempt_id, exc)
+                return True
+            self.running[call.attempt_id] = call
+        return True
+
+    def _retire_cancelled(self) -> None:
+        for call in list(self.running.values()):
+            if self.control.cancel_attempt(call.slot) != call.attempt_id:
+                continue
+            del self.running[call.attempt_id]
+            try:
+                generation = _normalise(self.handler.retire(call))
+            except Exception as exc:
+                _send_failure(self.channel, call.attempt_id, exc)
+                continue
+            generation.finish_reason = "cancelled"
+            self.channel.send(("done", call.attempt_id, generation, process_rss_bytes()))
+
+    def _step(self) -> None:
+        try:
+            finished = self.handler.step()
+        except Exception as exc:
+            # The backend's batch state is unknown: every request in it gets the error.
+            logger.error(
+                "the batched backend's step failed; dropping its %d requests", len(self.running)
+            )
+            for lost in list(self.running):
+                _send_failure(self.channel, lost, exc)
+            self.running.clear()
+            self.handler.abort()
+            return
+        for call, outcome in finished:
+            attempt_id = getattr(call, "attempt_id", None)
+            if attempt_id is None or self.running.pop(attempt_id, None) is None:
+                continue
+            if isinstance(outcome, Exception):
+                _send_failure(self.channel, attempt_id, outcome)
+                continue
+            try:
+                generation = _normalise(outcome)
+            except Exception as exc:
+                _send_failure(self.channel, attempt_id, exc)
+                continue
+            self.channel.send(("done", attempt_id, generation, process_rss_bytes()))
+
+
+def is_batched(handler: object) -> bool:
+    """Does ``handler`` implement the batched form (``protocol.BatchedHandler``)? A handler
+    may decline for what it loaded by setting ``batched = False``."""
+    return getattr(handler, "batched", True) is not False and all(
+        callable(getattr(handler, name, None)) for name in ("admit", "step", "retire", "abort")
+    )
 
 
 def _normalise(output: object) -> Generation:
@@ -259,7 +443,13 @@ def serve(channel: _Channel, control: ControlBlock) -> int:
     except BaseException:
         channel.send(("load_failed", traceback.format_exc()))
         return EXIT_LOAD_FAILED
-    channel.send(("ready", PROTOCOL_VERSION, os.getpid(), process_rss_bytes(), max_model_len))
+    slots = min(spec.max_batch_size, control.slots) if is_batched(handler) else 1
+    channel.send(
+        ("ready", PROTOCOL_VERSION, os.getpid(), process_rss_bytes(), max_model_len, slots)
+    )
+    if slots > 1:
+        batched: BatchedHandler = handler  # type: ignore[assignment]
+        return _BatchLoop(batched, channel, control, spec.generation_defaults).serve()
 
     while True:
         message = channel.recv()

@@ -28,6 +28,17 @@ def test_completion(client: openai.OpenAI) -> None:
     assert completion.created > 0
 
 
+def test_completion_with_a_list_of_prompts_has_one_choice_each_in_order(
+    client: openai.OpenAI,
+) -> None:
+    completion = client.completions.create(
+        model="anything", prompt=["echo:first", "tokens:3", "echo:third"]
+    )
+    assert [choice.index for choice in completion.choices] == [0, 1, 2]
+    assert [choice.text for choice in completion.choices] == ["first", "t0 t1 t2 ", "third"]
+    assert completion.usage is None or completion.usage.completion_tokens is None
+
+
 def test_chat(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model="anything",

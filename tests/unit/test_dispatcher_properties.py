@@ -41,7 +41,7 @@ from hypothesis.stateful import (
 from modelpool.config import PoolConfig, RetryPolicy
 from modelpool.dispatcher import Dispatcher
 from modelpool.protocol import PROTOCOL_VERSION, Generation, WorkerSpec, encode_request
-from modelpool.records import Request, Worker
+from modelpool.records import Request, Run, Worker
 from modelpool.results import PoolFuture
 
 MB = 2**20
@@ -97,7 +97,7 @@ class FakeProc:
     def send(self, message: tuple[Any, ...]) -> None:
         self.machine.on_send(self, message)
 
-    def request_cancel(self, attempt_id: int) -> None:
+    def request_cancel(self, slot: int, attempt_id: int) -> None:
         self.cancel_flags.append(attempt_id)
 
     def progress(self) -> int:
@@ -131,11 +131,17 @@ class CheckedDispatcher(Dispatcher):
     def _dispatch(self, request: Request, worker: Worker) -> None:
         assert worker.state == "idle", f"dispatch to a {worker.state} worker"
         assert worker.role == "serving", "dispatch to a spare"
-        assert worker.run is None, "dispatch to a worker with a current attempt"
+        assert not worker.runs, "dispatch to a worker with a current attempt"
         assert not worker.signalled and not worker.stopping, "dispatch to a worker on its way out"
         assert request.state == "queued" and request.run is None, request.state
         assert request.request_id not in self.queue, "dispatched but still queued"
         super()._dispatch(request, worker)
+
+
+def current_run(worker: Worker) -> Run | None:
+    """The worker's one attempt (these machines run max_batch_size=1)."""
+    assert len(worker.runs) <= 1, f"{len(worker.runs)} attempts on a one-slot worker"
+    return next(iter(worker.runs.values()), None)
 
 
 def proc_eof(worker: Worker) -> bool:
@@ -185,7 +191,7 @@ class DispatcherMachine(RuleBasedStateMachine):
             proc.stop_received = True
             return
         assert message[0] == "run", message
-        _, attempt_id, payload = message
+        _, attempt_id, _slot, payload = message
         prompt, _params = pickle.loads(payload)
         worker = proc.worker
         assert not proc.eof, "run sent to a worker whose channel is closed"
@@ -195,8 +201,9 @@ class DispatcherMachine(RuleBasedStateMachine):
             f"double-booked: run {attempt_id} sent while {proc.unanswered} is unanswered"
         )
         assert not proc.signals, f"run sent to a worker already signalled {proc.signals}"
-        assert worker.state == "busy" and worker.run is not None, worker.state
-        assert worker.run.attempt_id == attempt_id
+        run = current_run(worker)
+        assert worker.state == "busy" and run is not None, worker.state
+        assert run.attempt_id == attempt_id
         assert worker.role == "serving", "run sent to a spare"
         assert attempt_id not in self.attempt_owner, "attempt id reused"
         runs = self.history.setdefault(prompt, [])
@@ -534,7 +541,7 @@ class DispatcherMachine(RuleBasedStateMachine):
             if request.state == "running":
                 run = request.run
                 assert run is not None and run.request is request
-                assert run.worker.run is run, "a running request whose worker moved on"
+                assert current_run(run.worker) is run, "a running request whose worker moved on"
                 # or being killed with the request attached (protocol error, closed channel):
                 # the exit that a SIGKILL guarantees resolves it
                 assert run.worker.state in ("busy", "cancelling") or (
@@ -545,9 +552,9 @@ class DispatcherMachine(RuleBasedStateMachine):
         per_slot: dict[int, int] = {}
         for worker in d.workers.values():
             if worker.state == "idle":
-                assert worker.run is None
+                assert current_run(worker) is None
             if worker.state in ("busy", "cancelling"):
-                assert worker.run is not None
+                assert current_run(worker) is not None
             if worker.state == "killing":
                 assert worker.signalled or proc_eof(worker), "killing an unsignalled worker"
             if worker.state != "dead":

@@ -24,6 +24,10 @@ turns true; text is handed to ``call.emit`` as soon as it is stable (never
 half a character, never the start of a stop string), and the chunks joined
 are exactly the returned text.
 
+With ``max_batch_size`` above 1 the pool drives the batched form instead
+(``admit``/``step``/``retire``/``abort``, see ``hf_batch``): many requests
+decode together over one KV cache, each with its own sampling parameters.
+
 Importing this module costs nothing heavy: the supervisor imports it for
 :func:`validate`, and torch and transformers are imported by :func:`load`.
 """
@@ -38,9 +42,19 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from modelpool.backends.hf_batch import DEFAULT_KV_CACHE_TOKENS, BatchEngine
 from modelpool.context import check_max_model_len, context_length, fit_to_context
 from modelpool.errors import InvalidRequest
-from modelpool.protocol import Call, FinishReason, Generation, Prompt, TokenIds, TokenLogprob
+from modelpool.protocol import (
+    BatchCall,
+    Call,
+    Finished,
+    FinishReason,
+    Generation,
+    Prompt,
+    TokenIds,
+    TokenLogprob,
+)
 from modelpool.validation import MAX_INT, check_generation_params, is_int, is_number
 
 if TYPE_CHECKING:
@@ -79,6 +93,7 @@ LOAD_OPTIONS = frozenset(
         "trust_remote_code",
         "torch_threads",
         "chat_template",
+        "kv_cache_tokens",
         "max_model_len",
     }
 )
@@ -130,10 +145,11 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
     placement; then ``device`` is not applied), ``gguf_file`` (a file inside
     ``model``), ``trust_remote_code`` (default False), ``torch_threads``
     (default: ``$MODELPOOL_TORCH_THREADS``, else torch's own choice),
-    ``chat_template`` (a Jinja template replacing the tokenizer's) and
+    ``chat_template`` (a Jinja template replacing the tokenizer's),
     ``max_model_len`` (the context length in tokens, prompt and completion
     together; default: the model config's ``max_position_embeddings`` or the
-    like)::
+    like) and ``kv_cache_tokens`` (the batched form's KV-cache bound, rows x
+    columns of the padded cache; see ``hf_batch``)::
 
         handler = load("/models/smollm2", device="cuda:0", dtype="bfloat16")
         handler = load("/models/smollm2", max_model_len=2048)   # bound memory per request
@@ -160,6 +176,13 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
     if chat_template is not None and not isinstance(chat_template, str):
         raise ValueError("chat_template must be a Jinja template string")
     threads = _thread_count(options.get("torch_threads"))
+    kv_cache_tokens = options.get("kv_cache_tokens", DEFAULT_KV_CACHE_TOKENS)
+    if (
+        not isinstance(kv_cache_tokens, int)
+        or isinstance(kv_cache_tokens, bool)
+        or (kv_cache_tokens < 1)
+    ):
+        raise ValueError(f"kv_cache_tokens must be a positive integer, got {kv_cache_tokens!r}")
     max_model_len = check_max_model_len(options.get("max_model_len"))
     if _looks_like_a_path(model) and not os.path.exists(os.path.expanduser(model)):
         # Said before importing torch (seconds) and in words, rather than as the hub
@@ -194,7 +217,9 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
     if chat_template is not None:
         tokenizer.chat_template = chat_template
 
-    handler = HFHandler(language_model, tokenizer, max_model_len=max_model_len)
+    handler = HFHandler(
+        language_model, tokenizer, max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens
+    )
     handler.warm_up()
     logger.info(
         "loaded %s on %s (%s, %d torch threads, context %s tokens) in %.2f s",
@@ -209,7 +234,11 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
 
 
 class HFHandler:
-    """A loaded model and tokenizer answering one request at a time; made by :func:`load`.
+    """A loaded model and tokenizer; made by :func:`load`.
+
+    Both backend forms: ``generate(call)`` answers one request through
+    transformers' ``generate()``; ``admit``/``step``/``retire``/``abort`` run
+    many at once through :class:`~modelpool.backends.hf_batch.BatchEngine`.
 
     ``max_model_len`` overrides the context length read from the model's config.
     """
@@ -218,7 +247,9 @@ class HFHandler:
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
+        *,
         max_model_len: int | None = None,
+        kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
     ) -> None:
         # Held as Any: transformers' annotations are partial (untyped methods,
         # decorated ones mypy cannot bind), and every use here is plain.
@@ -235,6 +266,35 @@ class HFHandler:
         embeddings: Any = self.model.get_input_embeddings()
         self._vocab_size = int(embeddings.num_embeddings)
         self._token_texts: dict[int, str] = {}
+        self._batch = BatchEngine(self, kv_cache_tokens)
+        # The batched loop keeps one full-length cache per layer: a model with sliding-window
+        # layers would need their masks and crops, so it runs one request at a time.
+        config = model.config
+        layer_types = getattr(config, "layer_types", None) or ()
+        sliding = getattr(config, "sliding_window", None) is not None and getattr(
+            config, "use_sliding_window", True
+        )
+        self.batched = (
+            not sliding
+            and not any("sliding" in str(kind) for kind in layer_types)
+            and _cache_has_layers()
+        )
+
+    def admit(self, call: BatchCall) -> None:
+        """Batched form: queue ``call``; it is prefilled at the next :meth:`step`."""
+        self._batch.admit(call)
+
+    def step(self) -> list[Finished]:
+        """Batched form: prefill what was admitted, one decoding step for every request."""
+        return self._batch.step()
+
+    def retire(self, call: BatchCall) -> Generation:
+        """Batched form: drop ``call`` now; returns its text so far."""
+        return self._batch.retire(call)
+
+    def abort(self) -> None:
+        """Batched form: forget every request."""
+        self._batch.abort()
 
     def validate(self, params: Mapping[str, Any]) -> None:
         """The module's :func:`validate`, for callers that hold only the handler."""
@@ -463,8 +523,16 @@ class _Progress:
                 # The token of this step is dropped: nothing is emitted after a cancel.
                 self.cancelled = True
                 return True
-            start = self._prompt_tokens + len(self.token_ids)
-            self.token_ids.extend(input_ids[0, start:].tolist())
+        except Exception as exc:
+            self.error = exc
+            return True
+        start = self._prompt_tokens + len(self.token_ids)
+        return self.take(input_ids[0, start:].tolist())
+
+    def take(self, new_token_ids: list[int]) -> bool:
+        """Add generated tokens and decode; True once a stop string ended the text."""
+        try:
+            self.token_ids.extend(new_token_ids)
             decoded = self._tokenizer.decode(
                 self.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
             )
@@ -562,6 +630,14 @@ def _hook_types() -> tuple[type[Any], type[Any], type[Any]]:
             self.progress.flush()
 
     return ProgressCriteria, ProgressStreamer, StoppingCriteriaList
+
+
+def _cache_has_layers() -> bool:
+    """Does this transformers' DynamicCache keep per-layer tensors in ``layers`` (the batched
+    loop edits them)? Older releases kept ``key_cache``/``value_cache`` lists instead."""
+    from transformers import DynamicCache
+
+    return hasattr(DynamicCache(), "layers")
 
 
 def _generation_kwargs(params: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,220 @@
+"""The hf backend's batched form (hf_batch.BatchEngine) against real models.
+
+The rule it holds: greedy decoding of a prompt inside a batch, admitted at any step,
+gives the same tokens as the same prompt alone through ``HFHandler.generate``, in
+float32. Checked on a tiny random model (behaviour) and on the embedded SmolLM2
+(output), then through a real pool of worker processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelpool import ModelPool, PoolConfig
+from modelpool.backends.hf import HFHandler, load
+from modelpool.errors import ContextLengthExceeded
+from modelpool.protocol import Generation, Prompt
+
+PROMPTS: list[Prompt] = [
+    "The capital of France is",
+    "1, 2, 3, 4,",
+    "Once upon a time, in a land far away, there lived a dragon who",
+    "Hi",
+]
+
+
+@dataclass(eq=False)
+class Recorder:
+    """A BatchCall that records what the backend sends."""
+
+    prompt: Prompt
+    params: dict[str, Any]
+    chunks: list[str] = field(default_factory=list)
+    tokens: int = 0
+
+    def cancelled(self) -> bool:
+        return False
+
+    def emit(self, text: str) -> None:
+        self.chunks.append(text)
+
+    def delivered(self, tokens: int = 1) -> None:
+        self.tokens += tokens
+
+
+def run_batched(
+    handler: HFHandler, calls: Sequence[Recorder], admit_every: int = 2
+) -> tuple[dict[int, Generation], int]:
+    """Admit two calls, then one more every ``admit_every`` steps; step until all end.
+    Returns each call's Generation and the largest number of rows seen at once."""
+    pending = list(calls)
+    results: dict[int, Generation] = {}
+    for call in pending[:2]:
+        handler.admit(call)
+    pending = pending[2:]
+    steps = widest = 0
+    while len(results) < len(calls):
+        if pending and steps % admit_every == admit_every - 1:
+            handler.admit(pending.pop(0))
+        for call, outcome in handler.step():
+            assert isinstance(outcome, Generation), outcome
+            results[id(call)] = outcome
+        widest = max(widest, len(handler._batch.rows))
+        steps += 1
+        assert steps < 10_000
+    return results, widest
+
+
+def assert_same_as_alone(
+    handler: HFHandler, params: dict[str, Any], prompts: Sequence[Prompt] = PROMPTS
+) -> None:
+    alone = [handler.generate(Recorder(prompt, dict(params))) for prompt in prompts]
+    calls = [Recorder(prompt, dict(params)) for prompt in prompts]
+    batched, widest = run_batched(handler, calls)
+    assert widest >= 3, "the requests were not batched"
+    for call, solo in zip(calls, alone, strict=True):
+        together = batched[id(call)]
+        assert together.text == solo.text, (call.prompt, solo.text, together.text)
+        assert together.finish_reason == solo.finish_reason
+        assert together.completion_tokens == solo.completion_tokens
+        assert together.prompt_tokens == solo.prompt_tokens
+        assert "".join(call.chunks) == together.text
+        assert call.tokens == together.completion_tokens
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> HFHandler:
+    return load(str(tiny_model_dir), dtype="float32", torch_threads=1)
+
+
+def test_batched_greedy_equals_alone_on_a_tiny_model(tiny: HFHandler) -> None:
+    assert_same_as_alone(tiny, {"max_new_tokens": 24})
+
+
+@pytest.mark.slow
+def test_batched_greedy_equals_alone_on_smollm2() -> None:
+    from modelpool.embedded import prepare_model
+
+    smollm = load(str(prepare_model(progress=False)), dtype="float32", torch_threads=2)
+    chat: Prompt = [{"role": "user", "content": "What is the capital of France?"}]
+    assert_same_as_alone(smollm, {"max_new_tokens": 10}, [*PROMPTS[:3], chat])
+
+
+def test_per_request_parameters_in_one_batch(tiny: HFHandler) -> None:
+    reference = tiny.generate(Recorder(PROMPTS[0], {"max_new_tokens": 24}))
+    stop = reference.text[6:9]
+    assert stop and stop in reference.text
+    stopped_alone = tiny.generate(Recorder(PROMPTS[0], {"max_new_tokens": 24, "stop": [stop]}))
+    sampled = {"max_new_tokens": 16, "temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 7}
+    calls = [
+        Recorder(PROMPTS[0], {"max_new_tokens": 24, "stop": [stop]}),
+        Recorder(PROMPTS[1], {"max_new_tokens": 3}),
+        Recorder(PROMPTS[2], dict(sampled)),
+        Recorder(PROMPTS[3], {"max_new_tokens": 24, "repetition_penalty": 1.3}),
+    ]
+    results, _ = run_batched(tiny, calls)
+    stopped, short, seeded, penalised = (results[id(call)] for call in calls)
+    assert stopped.text == stopped_alone.text and stopped.finish_reason == "stop"
+    assert stop not in stopped.text
+    assert short.finish_reason == "length" and short.completion_tokens == 3
+    assert penalised.completion_tokens is not None and penalised.completion_tokens > 0
+    # A seed gives the same sample whatever else is in the batch.
+    again, _ = run_batched(
+        tiny, [Recorder(PROMPTS[1], {"max_new_tokens": 5}), Recorder(PROMPTS[2], dict(sampled))]
+    )
+    assert seeded.text in [g.text for g in again.values()]
+
+
+def test_kv_cache_bound_limits_the_batch_not_the_answers(tiny_model_dir: Path) -> None:
+    bounded = load(str(tiny_model_dir), dtype="float32", torch_threads=1, kv_cache_tokens=120)
+    params = {"max_new_tokens": 30}
+    alone = [bounded.generate(Recorder(prompt, dict(params))) for prompt in PROMPTS]
+    calls = [Recorder(prompt, dict(params)) for prompt in PROMPTS]
+    for call in calls:
+        bounded.admit(call)
+    results: dict[int, Generation] = {}
+    while len(results) < len(calls):
+        for call, outcome in bounded.step():
+            assert isinstance(outcome, Generation)
+            results[id(call)] = outcome
+        if len(bounded._batch.rows) > 1:
+            assert bounded._batch.cache_tokens <= 120
+        assert len(bounded._batch.rows) < len(calls), "the bound let every request in"
+    for call, solo in zip(calls, alone, strict=True):
+        assert results[id(call)].text == solo.text
+
+
+def test_retire_leaves_the_others_unchanged(tiny: HFHandler) -> None:
+    params = {"max_new_tokens": 20}
+    alone = [tiny.generate(Recorder(prompt, dict(params))) for prompt in PROMPTS[:3]]
+    calls = [Recorder(prompt, dict(params)) for prompt in PROMPTS[:3]]
+    for call in calls:
+        tiny.admit(call)
+    for _ in range(4):
+        assert tiny.step() == []
+    dropped = tiny.retire(calls[1])
+    assert dropped.finish_reason == "cancelled"
+    assert dropped.text == "".join(calls[1].chunks)
+    results: dict[int, Generation] = {}
+    while len(results) < 2:
+        for call, outcome in tiny.step():
+            assert isinstance(outcome, Generation)
+            results[id(call)] = outcome
+    assert results[id(calls[0])].text == alone[0].text
+    assert results[id(calls[2])].text == alone[2].text
+
+
+def test_pool_of_batching_hf_workers_answers_like_one_at_a_time(tiny_model_dir: Path) -> None:
+    options = {"dtype": "float32", "torch_threads": 1}
+    common = {"model": str(tiny_model_dir), "backend": "hf", "backend_options": options}
+    expected = [
+        load(str(tiny_model_dir), **options).generate(Recorder(p, {"max_new_tokens": 16})).text
+        for p in PROMPTS
+    ]
+    with ModelPool(PoolConfig(**common, workers=1, max_batch_size=4, deadline_s=120)) as pool:
+        futures = [pool.submit(prompt, max_new_tokens=16) for prompt in PROMPTS]
+        texts = [future.result(timeout=120).text for future in futures]
+        long = pool.submit(PROMPTS[2], max_new_tokens=60)
+        short = pool.submit(PROMPTS[3], max_new_tokens=2)
+        assert short.result(timeout=60).completion_tokens == 2
+        assert not long.done(), "the short request waited for the long one"
+        assert long.result(timeout=120).completion_tokens == 60
+        assert pool.stats().workers[0].slots == 4
+        # A cancel in a full batch: that request stops, the others keep their text.
+        streams = [
+            pool.stream(prompt, max_new_tokens=400 if index == 1 else 16)
+            for index, prompt in enumerate(PROMPTS)
+        ]
+        next(iter(streams[1]))
+        pool.cancel(streams[1].request_id)
+        others = ["".join(stream) for index, stream in enumerate(streams) if index != 1]
+        for _ in streams[1]:
+            pass
+        assert streams[1].result is not None
+        assert streams[1].result.finish_reason == "cancelled"
+    assert texts == expected
+    assert others == [text for index, text in enumerate(expected) if index != 1]
+
+
+def test_a_batched_request_past_the_context_is_refused_alone(tiny_model_dir: Path) -> None:
+    options = {"dtype": "float32", "torch_threads": 1, "max_model_len": 48}
+    config = PoolConfig(
+        model=str(tiny_model_dir),
+        backend="hf",
+        backend_options=options,
+        workers=1,
+        max_batch_size=4,
+        deadline_s=120,
+    )
+    with ModelPool(config) as pool:
+        short = pool.submit(PROMPTS[0], max_new_tokens=8)
+        long = pool.submit("word " * 200, max_new_tokens=8)
+        with pytest.raises(ContextLengthExceeded):
+            long.result(timeout=60)
+        assert short.result(timeout=60).completion_tokens == 8
+        assert pool.stats().counters["kills"] == 0

@@ -1,0 +1,262 @@
+"""The dispatcher's batching rules, driven step by step with a fake world (no processes).
+
+Slots and placement, the collateral and poison rules of ``Dispatcher._batch_lost``, and
+the two regressions the chaos harness found: an isolated request shared its worker with
+requests placed in the same dispatch round, and a worker killed for an ignored cancel
+charged its batch twice (once at the cancel, once at its exit).
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import pytest
+
+from modelpool.config import PoolConfig, RetryPolicy
+from modelpool.dispatcher import Dispatcher
+from modelpool.errors import PoisonRequest, WorkerCrashed
+from modelpool.protocol import PROTOCOL_VERSION, Generation, WorkerSpec, encode_request
+from modelpool.records import Request, Worker
+from modelpool.results import PoolFuture
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Proc:
+    """One fake worker process: what the dispatcher sent and flagged."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid: int | None = pid
+        self.runs: dict[int, tuple[int, str]] = {}  # attempt id -> (slot, prompt)
+        self.cancels: list[tuple[int, int]] = []
+        self.signals: list[int] = []
+        self.progress_count = 0
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        if message[0] == "run":
+            import pickle
+
+            _, attempt_id, slot, payload = message
+            prompt, _ = pickle.loads(payload)
+            assert slot not in {s for s, _ in self.runs.values()}, "slot used twice"
+            self.runs[attempt_id] = (slot, prompt)
+
+    def request_cancel(self, slot: int, attempt_id: int) -> None:
+        self.cancels.append((slot, attempt_id))
+
+    def progress(self) -> int:
+        return self.progress_count
+
+    def signal_group(self, signum: int) -> None:
+        self.signals.append(signum)
+
+
+class World:
+    def __init__(self, workers: int, spares: int = 0, batch: int = 4, **overrides: Any) -> None:
+        self.clock = Clock()
+        self.procs: dict[int, Proc] = {}
+        self.config = PoolConfig(
+            model="m",
+            backend="testing",
+            workers=workers,
+            spares=spares,
+            max_batch_size=batch,
+            devices=("cpu",),
+            deadline_s=60.0,
+            cancel_grace_s=0.5,
+            term_grace_s=0.5,
+            retry=RetryPolicy(max_retries=2),
+            **overrides,
+        )
+        self.d = Dispatcher(self.config, self, devices=["cpu"], clock=self.clock)
+        self.d.start()
+        for worker in list(self.d.workers.values()):
+            self.ready(worker)
+        self.d.after_event()
+        self.numbers = 0
+
+    # DispatcherIO
+    def spawn(self, worker: Worker, spec: WorkerSpec) -> Proc:
+        proc = Proc(1000 + worker.id)
+        self.procs[worker.id] = proc
+        return proc
+
+    def check_release(self, worker: Worker) -> None:
+        self.d.on_release_checked(worker.id, True, 0.0, "psutil", None, None)
+
+    def watch_device_free(self, device: str, needed_bytes: int) -> None:
+        return None
+
+    def gpu_workers_changed(self, workers: list[tuple[int, int, str, int | None]]) -> None:
+        return None
+
+    # driving
+    def ready(self, worker: Worker) -> None:
+        self.d.on_message(worker, ("ready", PROTOCOL_VERSION, 1000 + worker.id, 0, None, 8))
+
+    def submit(self, prompt: str, *, pump: bool = True, batch_failures: int = 0) -> Request:
+        self.numbers += 1
+        request_id = f"r{self.numbers}"
+        request = Request(
+            request_id=request_id,
+            payload=encode_request(prompt, {}),
+            future=PoolFuture(request_id, lambda _: None),
+            submitted_at=self.clock.now,
+            deadline=self.clock.now + self.config.deadline_s,
+            batch_failures=batch_failures,
+        )
+        self.d.submit(request)
+        if pump:
+            self.d.after_event()
+        return request
+
+    def worker_of(self, request: Request) -> Worker:
+        assert request.run is not None, request.state
+        return request.run.worker
+
+    def die(self, worker: Worker, code: int = -11) -> None:
+        self.d.on_exit(worker, code)
+        for fresh in list(self.d.workers.values()):
+            if fresh.state == "starting":
+                self.ready(fresh)
+        self.d.after_event()
+
+    def finish(self, request: Request, text: str = "ok") -> None:
+        run = request.run
+        assert run is not None
+        self.procs[run.worker.id].runs.pop(run.attempt_id, None)
+        self.d.on_message(run.worker, ("done", run.attempt_id, Generation(text), 0))
+        self.d.after_event()
+
+
+def test_capacity_is_slots_and_the_least_loaded_worker_goes_first() -> None:
+    world = World(workers=2, batch=3)
+    requests = [world.submit(f"p{index}") for index in range(7)]
+    loads = sorted(len(w.runs) for w in world.d.workers.values())
+    assert loads == [3, 3], "two workers of three slots each"
+    assert sum(r.state == "queued" for r in requests) == 1
+    assert world.d.snapshot().capacity == 6
+    first, second = world.worker_of(requests[0]), world.worker_of(requests[1])
+    assert first is not second, "the second request went to the emptier worker"
+
+
+def test_cancel_flags_only_its_own_slot_and_the_worker_stays_busy() -> None:
+    world = World(workers=1, batch=4)
+    requests = [world.submit(f"p{index}") for index in range(3)]
+    worker = world.worker_of(requests[1])
+    run = requests[1].run
+    assert run is not None
+    world.d.cancel(requests[1].request_id, False)
+    proc = world.procs[worker.id]
+    assert proc.cancels == [(run.slot, run.attempt_id)]
+    assert worker.state == "busy", "the others keep the worker busy"
+    extra = world.submit("p3")
+    assert extra.state == "running", "a cancelled run does not close the worker to others"
+
+
+def test_a_crash_in_a_batch_retries_the_others_as_collateral_uncharged() -> None:
+    world = World(workers=1, spares=1, batch=4)
+    requests = [world.submit(f"p{index}") for index in range(3)]
+    world.die(world.worker_of(requests[0]))
+    for request in requests:
+        assert request.state in ("running", "queued")
+        assert [a.outcome for a in request.attempts] == ["collateral"]
+        assert request.batch_failures == 1 and not request.isolated
+    assert world.d.counters["collateral_retries"] == 3
+    assert world.d.counters["retries"] == 0, "collateral retries are not charged"
+    # Suspects are spread, one per worker: one runs on the promoted spare at once, the
+    # others wait for another worker rather than share a batch with it.
+    assert sum(r.state == "running" for r in requests) == 1
+    fresh = world.submit("fresh")
+    assert fresh.state == "running", "a request that is no suspect joins the batch"
+
+
+def test_a_poison_request_fails_as_the_suspect_within_three_attempts() -> None:
+    world = World(workers=2, spares=1, batch=4, max_queue=100)
+    poison = world.submit("poison")
+    for index in range(5):
+        world.submit(f"filler{index}")
+    deaths = 0
+    while poison.state != "done":
+        if poison.state == "queued":
+            # Suspects wait for a worker with no other suspect: let the others finish.
+            for request in list(world.d.live.values()):
+                if request is not poison and request.state == "running":
+                    world.finish(request)
+        worker = world.worker_of(poison)
+        if poison.isolated:
+            # Alone on its worker, and nothing placed beside it in the same round.
+            assert [run.owner for run in worker.runs.values()] == [poison]
+            assert (
+                world.submit("late").run is None
+                or world.worker_of(world.d.live[f"r{world.numbers}"]) is not worker
+            )
+        else:
+            world.submit("beside")
+        world.die(worker)
+        deaths += 1
+        assert deaths <= 3, poison.attempts
+    with pytest.raises(PoisonRequest, match="suspect"):
+        poison.future.result(timeout=0)
+    assert world.d.counters["poison_requests"] == 1
+    assert all(a.outcome in ("collateral", "crash") for a in poison.attempts)
+    assert sum(a.outcome == "crash" for a in poison.attempts) <= 2
+
+
+def test_an_isolated_request_gets_an_empty_worker_to_itself_in_one_round() -> None:
+    world = World(workers=2, batch=4)
+    busy = world.submit("busy")
+    isolated = world.submit("isolated", pump=False, batch_failures=2)
+    others = [world.submit(f"o{index}", pump=False) for index in range(4)]
+    world.d.after_event()
+    worker = world.worker_of(isolated)
+    assert worker is not world.worker_of(busy), "it needs an empty worker"
+    assert next(iter(worker.runs.values())).alone and len(worker.runs) == 1
+    assert all(world.worker_of(o) is world.worker_of(busy) for o in others[:3])
+    assert others[3].state == "queued"
+
+
+def test_a_stream_that_showed_text_fails_typed_with_its_batch() -> None:
+    world = World(workers=1, spares=1, batch=4)
+    streamed = world.submit("s")
+    quiet = world.submit("q")
+    run = streamed.run
+    assert run is not None
+    streamed.on_chunk = lambda text: None
+    world.d.on_message(run.worker, ("chunk", run.attempt_id, "hello"))
+    world.die(run.worker)
+    with pytest.raises(WorkerCrashed) as caught:
+        streamed.future.result(timeout=0)
+    assert not isinstance(caught.value, PoisonRequest)
+    assert quiet.state == "running" and quiet.attempts[0].outcome == "collateral"
+
+
+def test_a_worker_killed_for_an_ignored_cancel_counts_its_batch_once() -> None:
+    world = World(workers=1, spares=1, batch=4)
+    stuck = world.submit("stuck")
+    other = world.submit("other")
+    worker = world.worker_of(stuck)
+    world.d.cancel(stuck.request_id, False)
+    world.clock.now += 1.0  # past cancel_grace_s: the cancel was ignored
+    world.d.run_due_timers()
+    world.d.after_event()
+    assert signal.SIGTERM in world.procs[worker.id].signals
+    assert other.batch_failures == 1 and other.attempts[0].outcome == "collateral"
+    world.die(worker, -15)
+    assert other.batch_failures == 1, "the exit charged the same batch again"
+
+
+def test_max_batch_size_one_keeps_the_unbatched_rules() -> None:
+    world = World(workers=1, spares=1, batch=1)
+    request = world.submit("p")
+    world.die(world.worker_of(request))
+    assert [a.outcome for a in request.attempts] == ["crash"]
+    assert world.d.counters["retries"] == 1 and world.d.counters["collateral_retries"] == 0
+    assert request.batch_failures == 0 and request.alone_failures == 0
