@@ -39,6 +39,7 @@ from modelpool.errors import (
     PoolError,
     WorkerCrashed,
 )
+from modelpool.gpu import group_devices
 from modelpool.protocol import PROTOCOL_VERSION, Generation, WorkerSpec
 from modelpool.records import (
     DispatcherIO,
@@ -102,7 +103,8 @@ class Dispatcher:
         self.kill_reasons: collections.Counter[str] = collections.Counter()
         self.latencies: collections.deque[float] = collections.deque(maxlen=_LATENCY_WINDOW)
         self.releases = ReleaseStats()
-        self.blocked_devices: dict[str, int] = {}
+        self.blocked_devices: dict[str, int] = {}  # GPU -> bytes it must have free again
+        self.blocked_held: dict[str, int | None] = {}  # GPU -> bytes a dead worker still held
         self.abandoned_slots: set[int] = set()
         self.slot_not_before: dict[int, float] = {}
         self.slots_awaiting_release: set[int] = set()
@@ -269,7 +271,10 @@ class Dispatcher:
         method: str,
         freed_bytes: int | None,
         held_bytes: int | None,
+        held_by_device: Mapping[str, int | None] | None = None,
     ) -> None:
+        """A dead worker's release is known. ``held_by_device``: the GPUs of its group that
+        still hold memory (GPU -> bytes); without it a failure blocks every GPU of the group."""
         self.pending_release_checks -= 1
         releases = self.releases
         self.releases = ReleaseStats(
@@ -290,33 +295,44 @@ class Dispatcher:
         if ok or not worker.device.startswith("cuda"):
             self._fill_slots()
             return
-        needed = worker.gpu_bytes or held_bytes or 0
-        logger.error(
-            "GPU memory of worker %d (pid %s) on %s not released: %s bytes still held; "
-            "no new worker goes there until it is free",
-            worker.id,
-            worker.pid,
-            worker.device,
-            held_bytes,
-        )
-        self.blocked_devices[worker.device] = needed
-        self.io.watch_device_free(worker.device, needed)
+        if not held_by_device:
+            held_by_device = dict.fromkeys(group_devices(worker.device), held_bytes)
+        for device, held in held_by_device.items():
+            # Room for what the worker had on this GPU (or, unknown, what is still held there).
+            needed = worker.gpu_bytes_by_device.get(device) or held or 0
+            logger.error(
+                "GPU memory of worker %d (pid %s) on %s not released: %s bytes still held; "
+                "no worker of the group %s starts until it is free",
+                worker.id,
+                worker.pid,
+                device,
+                held,
+                worker.device,
+            )
+            self.blocked_devices[device] = needed
+            self.blocked_held[device] = held
+            self.io.watch_device_free(device, needed)
 
     def on_device_free(self, device: str) -> None:
+        self.blocked_held.pop(device, None)
         if self.blocked_devices.pop(device, None) is not None:
             logger.info("%s has room for a worker again", device)
         self._fill_slots()
 
     def on_gpu_sample(
-        self, per_worker: Mapping[int, tuple[int | None, str]], devices: list[DeviceStats]
+        self,
+        per_worker: Mapping[int, tuple[int | None, str, Mapping[str, int | None]]],
+        devices: list[DeviceStats],
     ) -> None:
+        """NVML's readings: per worker (the sum over its GPUs, the method, each GPU's figure)."""
         self.gpu_devices = devices
-        for worker_id, (used, method) in per_worker.items():
+        for worker_id, (used, method, by_device) in per_worker.items():
             worker = self.workers.get(worker_id)
             if worker is None or worker.state == "dead":
                 continue
             worker.gpu_bytes = used
             worker.gpu_method = method
+            worker.gpu_bytes_by_device = dict(by_device)
             limit = self.config.max_worker_gpu_mb
             if limit is not None and used is not None and used > limit * 2**20:
                 self._maybe_retire(worker)
@@ -404,6 +420,10 @@ class Dispatcher:
                     gpu_mb=None if worker.gpu_bytes is None else round(worker.gpu_bytes / 2**20, 1),
                     gpu_mb_method=worker.gpu_method,
                     max_model_len=worker.max_model_len,
+                    gpu_mb_by_device={
+                        device: None if used is None else round(used / 2**20, 1)
+                        for device, used in worker.gpu_bytes_by_device.items()
+                    },
                 )
             )
         return PoolStats(
@@ -418,6 +438,10 @@ class Dispatcher:
                 devices=list(self.gpu_devices),
                 releases=self.releases,
                 blocked_devices=sorted(self.blocked_devices),
+                blocked_held_mb={
+                    device: None if held is None else round(held / 2**20, 1)
+                    for device, held in sorted(self.blocked_held.items())
+                },
             ),
             uptime_s=round(now - self.created_at, 3),
             last_load_error=self.last_load_error,
@@ -842,7 +866,7 @@ class Dispatcher:
         for slot in range(self.slot_count):
             if slot in self.abandoned_slots:
                 continue
-            if self.devices[slot % len(self.devices)] in self.blocked_devices:
+            if self._group_blocked(self.devices[slot % len(self.devices)]):
                 continue
             if slot != failed.slot or leaving:
                 return True
@@ -952,6 +976,10 @@ class Dispatcher:
         )
         logger.debug("worker %d (pid %s) starting on %s", worker.id, worker.pid, device)
 
+    def _group_blocked(self, label: str) -> bool:
+        """A GPU that still holds a dead worker's memory blocks every group it belongs to."""
+        return any(device in self.blocked_devices for device in group_devices(label))
+
     def _slot_filled(self, slot: int) -> bool:
         return any(w.slot == slot and w.state != "dead" for w in self.workers.values())
 
@@ -966,8 +994,7 @@ class Dispatcher:
                 or self._slot_filled(slot)
             ):
                 continue
-            device = self.devices[slot % len(self.devices)]
-            if device in self.blocked_devices:
+            if self._group_blocked(self.devices[slot % len(self.devices)]):
                 continue
             not_before = self.slot_not_before.get(slot, 0.0)
             if not_before > now:
@@ -1145,7 +1172,7 @@ class Dispatcher:
             return
         self.io.gpu_workers_changed(
             [
-                (w.id, w.pid, w.device, w.gpu_baseline)
+                (w.id, w.pid, w.device)
                 for w in self.workers.values()
                 if w.pid is not None and w.state != "dead" and w.device.startswith("cuda")
             ]

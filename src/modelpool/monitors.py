@@ -9,6 +9,7 @@ slow to come back) never holds up the event loop.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -16,7 +17,7 @@ from collections.abc import Callable, Mapping
 
 from modelpool import gpu, processes
 from modelpool.config import PoolConfig
-from modelpool.records import Worker
+from modelpool.records import GpuWorker, Worker
 from modelpool.stats import DeviceStats
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,10 @@ class Monitors:
         self._on_release_checked = on_release_checked
         self._on_device_free = on_device_free
         self._on_gpu_sample = on_gpu_sample
-        self._gpu_workers: list[tuple[int, int, str, int | None]] = []
-        self._gpu_pids_listed: set[int] = set()  # live workers' PIDs NVML has listed
+        self._gpu_workers: list[GpuWorker] = []
+        # (pid, GPU) pairs NVML has listed for live workers: a GPU of a group may hold none
+        # of the worker's memory (a small model under device_map="auto"), so it is per GPU.
+        self._gpu_pids_listed: set[tuple[int, str]] = set()
         self._stopped = threading.Event()
         self._sampler = threading.Thread(
             target=self._sample_gpu, name="modelpool-gpu-sampler", daemon=True
@@ -63,15 +66,16 @@ class Monitors:
         self._stopped.set()
 
     def check_release(self, worker: Worker) -> None:
+        listed = {device for pid, device in self._gpu_pids_listed if pid == worker.pid}
         threading.Thread(
             target=self._check_release,
             args=(
                 worker.id,
                 worker.pid,
                 worker.device,
-                worker.gpu_baseline,
+                dict(worker.gpu_baselines),
                 worker.rss_bytes,
-                worker.pid in self._gpu_pids_listed,
+                listed,
             ),
             name=f"modelpool-release-{worker.id}",
             daemon=True,
@@ -85,21 +89,27 @@ class Monitors:
             daemon=True,
         ).start()
 
-    def gpu_workers_changed(self, workers: list[tuple[int, int, str, int | None]]) -> None:
+    def gpu_workers_changed(self, workers: list[GpuWorker]) -> None:
         self._gpu_workers = workers
-        self._gpu_pids_listed = self._gpu_pids_listed & {pid for _id, pid, _d, _b in workers}
+        live = {pid for _id, pid, _device in workers}
+        self._gpu_pids_listed = {entry for entry in self._gpu_pids_listed if entry[0] in live}
+
+    def _pids_on(self, device: str) -> list[int]:
+        """The live workers whose group holds ``device`` (one GPU)."""
+        return [pid for _id, pid, label in self._gpu_workers if device in gpu.group_devices(label)]
 
     def _check_release(
         self,
         worker_id: int,
         pid: int | None,
-        device: str,
-        baseline: int | None,
+        label: str,
+        baselines: dict[str, int | None],
         rss_bytes: int | None,
-        listed_while_alive: bool,
+        listed_on: set[str],
     ) -> None:
         started = time.monotonic()
         ok, method, held = True, "psutil", None
+        held_by_device: dict[str, int | None] = {}
         if pid is not None:
             # Orphaned members of the group are reaped by init, which in some containers
             # takes a couple of seconds; the pool does not make itself a subreaper because
@@ -110,21 +120,28 @@ class Monitors:
             ok = report.ok
             if not ok:
                 logger.error("worker pid %s: processes left in its group: %s", pid, report.holders)
-            index = gpu.nvml_index_for(device, self.probe, self.environ)
-            if index is not None and self.probe.available:
+            # Every GPU of the worker's group, against one deadline: a group is refilled
+            # only when all of its GPUs are known to be free.
+            deadline = time.monotonic() + self.config.gpu_release_timeout_s
+            for device in gpu.group_devices(label):
+                index = gpu.nvml_index_for(device, self.probe, self.environ)
+                if index is None or not self.probe.available:
+                    continue
                 gpu_report = self.probe.wait_released(
                     index,
                     pid,
-                    baseline,
-                    timeout_s=self.config.gpu_release_timeout_s,
-                    listed_while_alive=listed_while_alive,
-                    other_worker_pids=lambda: [
-                        p for _id, p, d, _baseline in self._gpu_workers if d == device
-                    ],
+                    baselines.get(device),
+                    timeout_s=max(0.0, deadline - time.monotonic()),
+                    listed_while_alive=device in listed_on,
+                    other_worker_pids=functools.partial(self._pids_on, device),
                 )
                 ok = ok and gpu_report.ok
-                method, held = gpu_report.method, gpu_report.held_bytes
+                method = gpu_report.method if method == "psutil" else method
+                if gpu_report.held_bytes is not None:
+                    held = (held or 0) + gpu_report.held_bytes
                 if not gpu_report.ok:
+                    method = gpu_report.method
+                    held_by_device[device] = gpu_report.held_bytes
                     logger.error(
                         "worker pid %s: %s bytes still held on %s after %.1fs; holders: %s",
                         pid,
@@ -141,6 +158,7 @@ class Monitors:
             method,
             rss_bytes,
             held,
+            held_by_device,
         )
 
     def _wait_device_free(self, device: str, needed_bytes: int) -> None:
@@ -154,15 +172,26 @@ class Monitors:
     def _sample_gpu(self) -> None:
         interval = self.config.gpu_sample_interval_s
         while not self._stopped.wait(interval):
-            per_worker: dict[int, tuple[int | None, str]] = {}
-            for worker_id, pid, device, _baseline in self._gpu_workers:
-                index = gpu.nvml_index_for(device, self.probe, self.environ)
-                if index is None:
+            per_worker: dict[int, tuple[int | None, str, dict[str, int | None]]] = {}
+            for worker_id, pid, label in self._gpu_workers:
+                by_device: dict[str, int | None] = {}
+                method = "unavailable"
+                for device in gpu.group_devices(label):
+                    index = gpu.nvml_index_for(device, self.probe, self.environ)
+                    if index is None:
+                        continue
+                    reading = self.probe.worker_memory(index, pid)
+                    by_device[device] = reading.bytes
+                    if reading.method == "pid":
+                        self._gpu_pids_listed.add((pid, device))
+                        method = "pid"
+                if not by_device:
                     continue
-                reading = self.probe.worker_memory(index, pid)
-                if reading.method == "pid":
-                    self._gpu_pids_listed.add(pid)
-                per_worker[worker_id] = (reading.bytes, reading.method)
+                # Summed over the GPUs that list the worker: a GPU of a group that holds
+                # none of its memory has no entry for it, which is zero, not unknown.
+                known = [used for used in by_device.values() if used is not None]
+                total = sum(known) if method == "pid" and known else None
+                per_worker[worker_id] = (total, method, by_device)
             devices = [
                 DeviceStats(d.index, d.name, d.used_mb, d.total_mb)
                 for d in self.probe.devices(self.probe.visible_device_indices(self.environ))

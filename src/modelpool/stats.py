@@ -45,6 +45,7 @@ class WorkerStats:
     gpu_mb: float | None
     gpu_mb_method: str | None = None
     max_model_len: int | None = None
+    gpu_mb_by_device: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class GpuStats:
     devices: list[DeviceStats] = field(default_factory=list)
     releases: ReleaseStats = field(default_factory=ReleaseStats)
     blocked_devices: list[str] = field(default_factory=list)
+    blocked_held_mb: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
