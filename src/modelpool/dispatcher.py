@@ -31,10 +31,12 @@ from modelpool.errors import (
     Attempt,
     BackendError,
     ContextLengthExceeded,
+    CudaError,
     DeadlineExceeded,
     InvalidRequest,
     ModelLoadFailed,
     Outcome,
+    OutOfMemory,
     PoolClosed,
     PoolError,
     WorkerCrashed,
@@ -612,13 +614,23 @@ class Dispatcher:
         text: str,
         remote_traceback: str,
         rss_bytes: int,
-        detail: tuple[int, int | None, int] | None = None,
+        detail: tuple[int, int | None, int] | Mapping[str, Any] | None = None,
     ) -> None:
         worker.rss_bytes = rss_bytes
         run = self._current_run(worker, attempt_id)
         if run is None:
             return
         worker.requests += 1
+        details: Mapping[str, Any] = detail if isinstance(detail, Mapping) else {}
+        if kind == "cuda_error":
+            self._retire_after_cuda_error(worker, text)
+        elif kind == "oom":
+            self.counters["cuda_oom"] += 1
+            if details.get("recycle"):
+                worker.retire_reason = (
+                    f"{details.get('allocated_bytes')} bytes still allocated after a CUDA "
+                    f"out-of-memory (post-load baseline {details.get('baseline_bytes')})"
+                )
         self._worker_free(worker)
         request = run.request
         if request is None:
@@ -627,14 +639,59 @@ class Dispatcher:
             # A refusal is the request's fault, not the attempt's: no failed attempt is
             # recorded and nothing is retried (another worker would refuse it the same way).
             self._end_attempt(run, None)
-            self._fail(request, _refusal(text, detail))
+            self._fail(request, _refusal(text, detail if isinstance(detail, tuple) else None))
             return
-        self._end_attempt(run, "error")
-        error = BackendError(
-            f"the backend raised on worker pid {worker.pid}: {text}",
-            remote_traceback=remote_traceback,
+        error: BackendError
+        outcome: Outcome = "error"
+        if kind == "oom":
+            outcome = "oom"
+            device = self._pool_device(worker, details.get("device"))
+            error = OutOfMemory(
+                f"CUDA out of memory on worker pid {worker.pid} ({device or worker.device}): "
+                f"{text}",
+                remote_traceback=remote_traceback,
+                device=device,
+                bytes_requested=details.get("bytes_requested"),
+            )
+        elif kind == "cuda_error":
+            outcome = "cuda_error"
+            error = CudaError(
+                f"CUDA error on worker pid {worker.pid} ({worker.device}); the worker was "
+                f"replaced: {text}",
+                remote_traceback=remote_traceback,
+            )
+        else:
+            error = BackendError(
+                f"the backend raised on worker pid {worker.pid}: {text}",
+                remote_traceback=remote_traceback,
+            )
+        self._end_attempt(run, outcome)
+        self._attempt_failed(request, worker, outcome, error)
+
+    def _retire_after_cuda_error(self, worker: Worker, text: str) -> None:
+        """Its CUDA context is unusable: kill it now, before it could be handed anything
+        else; its memory release is checked, and its slot refilled, as after any kill."""
+        self.counters["cuda_errors"] += 1
+        logger.error(
+            "worker %d (pid %s) on %s hit a sticky CUDA error; replacing it: %s",
+            worker.id,
+            worker.pid,
+            worker.device,
+            text.strip().splitlines()[0] if text.strip() else "?",
         )
-        self._attempt_failed(request, worker, "error", error)
+        self._signal(worker, signal.SIGKILL, "cuda_error")
+
+    @staticmethod
+    def _pool_device(worker: Worker, local: object) -> str | None:
+        """The pool's name for a GPU the worker named in its own numbering ("cuda:1" of
+        a group "cuda:2,cuda:3" is "cuda:3")."""
+        members = group_devices(worker.device)
+        if not isinstance(local, str) or not local.startswith("cuda"):
+            return worker.device if len(members) == 1 and worker.device != "cpu" else None
+        if worker.device == "cpu":
+            return local  # a rehearsal (the testing backend) on a CPU worker
+        ordinal = int(local.partition(":")[2] or 0)
+        return members[ordinal] if ordinal < len(members) else local
 
     def _worker_free(self, worker: Worker) -> None:
         """The worker answered its current attempt: warm and idle again, unless on its way out."""
@@ -799,8 +856,13 @@ class Dispatcher:
     ) -> None:
         now = self.clock()
         policy = self.config.retry
+        if outcome == "oom":
+            # A prompt too long for the device's memory fails everywhere: few tries.
+            allowed = sum(a.outcome == "oom" for a in request.attempts) <= policy.oom_retries
+        else:
+            allowed = outcome in policy.on
         retry = (
-            outcome in policy.on
+            allowed
             and len(request.attempts) <= policy.max_retries
             and not request.streamed
             and not request.cancel_requested
@@ -1059,6 +1121,8 @@ class Dispatcher:
     # ---- recycling and roles -------------------------------------------------------------
 
     def _retire_reason(self, worker: Worker) -> str | None:
+        if worker.retire_reason is not None:
+            return worker.retire_reason
         config = self.config
         if (
             config.max_requests_per_worker is not None

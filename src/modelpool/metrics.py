@@ -216,8 +216,15 @@ WORKER_COUNTERS = (
     ),
     (
         "modelpool_worker_recycles",
-        "Workers retired by max_requests_per_worker or a memory limit.",
+        "Workers retired by max_requests_per_worker, a memory limit, or memory not back "
+        "after a CUDA out-of-memory.",
         "recycled",
+    ),
+    ("modelpool_cuda_oom", "Requests that ran out of CUDA memory on a worker.", "cuda_oom"),
+    (
+        "modelpool_cuda_errors",
+        "Sticky CUDA errors: each worker was killed and replaced.",
+        "cuda_errors",
     ),
 )
 

@@ -29,6 +29,8 @@ COUNTER_NAMES = (
     "stalls",
     "cancel_escalations",
     "recycled",
+    "cuda_oom",
+    "cuda_errors",
 )
 
 

@@ -27,6 +27,19 @@ Commands (``name[:arg[:arg]]``; anything else is echoed back):
 ``hang_once:PATH``     hangs like ``hang`` if PATH does not exist (creating it first),
                        else "ok": a timeout that a retry recovers from
 ``pid``                returns the worker's pid
+``env:NAME``           returns the worker's environment variable NAME ("" if unset)
+``device``             returns the ``device`` the worker's backend was loaded with
+``cuda_oom:BYTES[:MB]`` raises a simulated CUDA out-of-memory (torch's class name
+                       and message) for an allocation of BYTES; MB megabytes of
+                       simulated device memory stay allocated afterwards (default
+                       0), so that the memory is not back to the baseline
+``cuda_sticky``        raises a simulated illegal memory access; from then on every
+                       request and every device check fails the same way, as a
+                       poisoned CUDA context does
+``cuda_error:MESSAGE`` raises ``RuntimeError("CUDA error: MESSAGE")`` once, with the
+                       device still usable (a CUDA error that is not sticky)
+``device_memory``      returns the simulated allocated bytes and cache releases,
+                       "ALLOCATED/RELEASES"
 =====================  ======================================================
 
 A prompt given as token ids (``TokenIds``) reads as the ids joined by spaces.
@@ -81,12 +94,40 @@ def validate(params: dict[str, Any]) -> None:
         raise InvalidRequest(f"unknown generation parameter {unknown[0]!r} for the testing backend")
 
 
-class FaultBackend:
-    """The handler; one per worker."""
+SIMULATED_WEIGHTS_BYTES = 100 * 1024 * 1024
+"""Simulated device memory the loaded "model" holds: the post-load baseline."""
 
-    def __init__(self, max_model_len: int | None = None) -> None:
+STICKY_MESSAGE = (
+    "CUDA error: an illegal memory access was encountered\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the "
+    "stacktrace below might be incorrect."
+)
+
+
+class OutOfMemoryError(RuntimeError):
+    """Named as torch's, so that the worker recognises it as torch's would be."""
+
+
+class FaultBackend:
+    """The handler; one per worker. Its device memory is simulated (see the CUDA commands)."""
+
+    def __init__(self, device: str = "cpu", max_model_len: int | None = None) -> None:
         self._leaked: list[bytearray] = []
         self.max_model_len = max_model_len
+        self.device = device
+        self.allocated_bytes = SIMULATED_WEIGHTS_BYTES
+        self.cache_releases = 0
+        self.poisoned = False
+
+    def device_memory_allocated(self) -> int:
+        return self.allocated_bytes
+
+    def release_device_cache(self) -> None:
+        self.cache_releases += 1
+
+    def check_device(self) -> None:
+        if self.poisoned:
+            raise RuntimeError(STICKY_MESSAGE)
 
     def generate(self, call: Call) -> str | Generation:
         output = self._run(call)
@@ -119,6 +160,7 @@ class FaultBackend:
         text = _prompt_text(prompt)
         command, _, argument = text.partition(":")
         limit = call.params.get("max_new_tokens")
+        self.check_device()
         prompt_tokens = None
         if self.max_model_len is not None:
             prompt_tokens = count_tokens(prompt)
@@ -131,6 +173,8 @@ class FaultBackend:
             return Generation("", "length", prompt_tokens, 0)
         if command == "echo":
             return argument
+        if command.startswith("cuda_") or command in ("env", "device", "device_memory"):
+            return self._device_command(command, argument)
         if command == "tokens":
             return _emit_tokens(call, argument, limit, prompt_tokens)
         if command == "hang":
@@ -165,6 +209,28 @@ class FaultBackend:
         if command == "pid":
             return str(os.getpid())
         return text
+
+    def _device_command(self, command: str, argument: str) -> str:
+        if command == "env":
+            return os.environ.get(argument, "")
+        if command == "device":
+            return self.device
+        if command == "device_memory":
+            return f"{self.allocated_bytes}/{self.cache_releases}"
+        if command == "cuda_oom":
+            asked_text, _, held_text = argument.partition(":")
+            asked = int(asked_text or 2**31)
+            self.allocated_bytes += int(float(held_text or 0) * 1024 * 1024)
+            raise OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {asked / 2**20:.2f} MiB. GPU 0 has a "
+                "total capacity of 79.19 GiB of which 1.06 GiB is free."
+            )
+        if command == "cuda_sticky":
+            self.poisoned = True
+            raise RuntimeError(STICKY_MESSAGE)
+        if command == "cuda_error":
+            raise RuntimeError(f"CUDA error: {argument or 'invalid argument'}")
+        raise InvalidRequest(f"unknown testing command {command!r}")
 
 
 def count_tokens(prompt: Prompt) -> int:
@@ -240,7 +306,8 @@ def _block_forever() -> None:
 
 
 def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
-    """Factory: ``backend="testing"``. ``model`` and ``device`` are ignored."""
+    """Factory: ``backend="testing"``. ``model`` is ignored; ``device`` is kept for the
+    ``device`` command."""
     unknown = sorted(
         set(options)
         - {"load_delay_s", "fail_load", "exit_on_load", "exit_after_load_s", "max_model_len"}
@@ -256,4 +323,4 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
         raise RuntimeError(f"testing backend asked to fail its load: {options['fail_load']}")
     if options.get("exit_after_load_s") is not None:
         threading.Timer(float(options["exit_after_load_s"]), os._exit, args=(1,)).start()
-    return FaultBackend(max_model_len)
+    return FaultBackend(device, max_model_len)

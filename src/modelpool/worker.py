@@ -34,6 +34,7 @@ import threading
 import traceback
 from typing import Any
 
+from modelpool import cuda_faults
 from modelpool.backends import import_backend
 from modelpool.context import check_max_model_len
 from modelpool.errors import ContextLengthExceeded, InvalidRequest
@@ -146,6 +147,7 @@ def _run_attempt(
     control: ControlBlock,
     channel: _Channel,
     defaults: dict[str, Any],
+    baseline: cuda_faults.MemoryBaseline | None = None,
 ) -> None:
     _, attempt_id, payload = message
     try:
@@ -185,18 +187,18 @@ def _run_attempt(
         channel.send(("error", attempt_id, "invalid", str(exc), "", process_rss_bytes()))
         return
     except Exception as exc:
-        channel.send(
-            (
-                "error",
-                attempt_id,
-                "backend",
-                f"{type(exc).__name__}: {exc}",
-                traceback.format_exc(),
-                process_rss_bytes(),
-            )
-        )
+        fault = cuda_faults.classify(exc, handler)
+        text, remote_traceback = f"{type(exc).__name__}: {exc}", traceback.format_exc()
+    else:
+        channel.send(("done", attempt_id, generation, process_rss_bytes()))
         return
-    channel.send(("done", attempt_id, generation, process_rss_bytes()))
+    # Out of the except block: the exception and its frames (which hold the request's
+    # tensors) are gone, so an out-of-memory's cache can really be emptied now.
+    details: dict[str, Any] = {}
+    if fault is not None and fault.kind == "oom":
+        details = (baseline or cuda_faults.MemoryBaseline(None)).recover_after_oom(handler, fault)
+    kind = "backend" if fault is None else fault.kind
+    channel.send(("error", attempt_id, kind, text, remote_traceback, process_rss_bytes(), details))
 
 
 def _normalise(output: object) -> Generation:
@@ -259,6 +261,7 @@ def serve(channel: _Channel, control: ControlBlock) -> int:
     except BaseException:
         channel.send(("load_failed", traceback.format_exc()))
         return EXIT_LOAD_FAILED
+    baseline = cuda_faults.MemoryBaseline.measure(handler)
     channel.send(("ready", PROTOCOL_VERSION, os.getpid(), process_rss_bytes(), max_model_len))
 
     while True:
@@ -266,7 +269,9 @@ def serve(channel: _Channel, control: ControlBlock) -> int:
         if message is None or message[0] == "stop":
             return 0
         if message[0] == "run":
-            _run_attempt(handler, message, control, channel, spec.generation_defaults)
+            _run_attempt(
+                handler, message, control, channel, spec.generation_defaults, baseline
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
