@@ -126,3 +126,44 @@ def test_a_group_worker_without_nvml_gets_the_entries_as_written() -> None:
     assert device == "cuda:0,cuda:1"
     env, _ = worker_env_for("cuda:0,cuda:1", no_driver, {"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"})
     assert env == {"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}
+
+
+# ----------------------------------------------------------------------------- stats, metrics
+
+
+def test_metrics_show_each_gpu_of_a_group_and_what_a_blocked_gpu_holds() -> None:
+    from modelpool.metrics import PoolMetrics
+    from modelpool.stats import GpuStats, PoolStats, WorkerStats
+
+    worker = WorkerStats(
+        id=3,
+        pid=1234,
+        state="idle",
+        role="serving",
+        device="cuda:0,cuda:1",
+        requests=0,
+        uptime_s=1.0,
+        rss_mb=100.0,
+        gpu_mb=300.0,
+        gpu_mb_method="pid",
+        gpu_mb_by_device={"cuda:0": 200.0, "cuda:1": 100.0},
+    )
+    stats = PoolStats(
+        state="degraded",
+        workers=[worker],
+        queue_depth=0,
+        counters={},
+        latency_s={"p50": None, "p95": None, "p99": None},
+        gpu=GpuStats(
+            available=True,
+            reason="fake",
+            blocked_devices=["cuda:3"],
+            blocked_held_mb={"cuda:3": 1024.0},
+        ),
+        uptime_s=1.0,
+    )
+    text = PoolMetrics(lambda: stats).render().decode()
+    assert 'modelpool_worker_gpu_memory_bytes{device="cuda:0",worker="3"} 2.097152e+08' in text
+    assert 'modelpool_worker_gpu_memory_bytes{device="cuda:1",worker="3"} 1.048576e+08' in text
+    assert 'modelpool_gpu_blocked_held_bytes{device="cuda:3"} 1.073741824e+09' in text
+    assert stats.to_dict()["workers"][0]["gpu_mb_by_device"] == {"cuda:0": 200.0, "cuda:1": 100.0}
