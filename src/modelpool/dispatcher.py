@@ -107,6 +107,7 @@ class Dispatcher:
         self.releases = ReleaseStats()
         self.blocked_devices: dict[str, int] = {}  # GPU -> bytes it must have free again
         self.blocked_held: dict[str, int | None] = {}  # GPU -> bytes a dead worker still held
+        self.blocked_holders: dict[str, list[str]] = {}  # GPU -> who holds them, as found
         self.abandoned_slots: set[int] = set()
         self.slot_not_before: dict[int, float] = {}
         self.slots_awaiting_release: set[int] = set()
@@ -274,9 +275,11 @@ class Dispatcher:
         freed_bytes: int | None,
         held_bytes: int | None,
         held_by_device: Mapping[str, int | None] | None = None,
+        holders: Mapping[str, list[str]] | None = None,
     ) -> None:
         """A dead worker's release is known. ``held_by_device``: the GPUs of its group that
-        still hold memory (GPU -> bytes); without it a failure blocks every GPU of the group."""
+        still hold memory (GPU -> bytes); without it a failure blocks every GPU of the group.
+        ``holders``: GPU -> the processes found holding it, for stats."""
         self.pending_release_checks -= 1
         releases = self.releases
         self.releases = ReleaseStats(
@@ -313,10 +316,12 @@ class Dispatcher:
             )
             self.blocked_devices[device] = needed
             self.blocked_held[device] = held
+            self.blocked_holders[device] = list((holders or {}).get(device, []))
             self.io.watch_device_free(device, needed)
 
     def on_device_free(self, device: str) -> None:
         self.blocked_held.pop(device, None)
+        self.blocked_holders.pop(device, None)
         if self.blocked_devices.pop(device, None) is not None:
             logger.info("%s has room for a worker again", device)
         self._fill_slots()
@@ -443,6 +448,9 @@ class Dispatcher:
                 blocked_held_mb={
                     device: None if held is None else round(held / 2**20, 1)
                     for device, held in sorted(self.blocked_held.items())
+                },
+                blocked_holders={
+                    device: list(lines) for device, lines in sorted(self.blocked_holders.items())
                 },
             ),
             uptime_s=round(now - self.created_at, 3),

@@ -53,6 +53,11 @@ class Monitors:
         # (pid, GPU) pairs NVML has listed for live workers: a GPU of a group may hold none
         # of the worker's memory (a small model under device_map="auto"), so it is per GPU.
         self._gpu_pids_listed: set[tuple[int, str]] = set()
+        # Processes a worker started (its children, in its process group or not) that NVML
+        # listed on a GPU: worker pid -> their pids. A child that escaped the group (a new
+        # session) outlives the worker's kill and keeps its memory; the release check names it.
+        self._gpu_children: dict[int, set[int]] = {}
+        self._not_started_by_workers: set[int] = set()
         self._stopped = threading.Event()
         self._sampler = threading.Thread(
             target=self._sample_gpu, name="modelpool-gpu-sampler", daemon=True
@@ -67,6 +72,7 @@ class Monitors:
 
     def check_release(self, worker: Worker) -> None:
         listed = {device for pid, device in self._gpu_pids_listed if pid == worker.pid}
+        children = set(self._gpu_children.pop(worker.pid, ())) if worker.pid is not None else set()
         threading.Thread(
             target=self._check_release,
             args=(
@@ -76,6 +82,7 @@ class Monitors:
                 dict(worker.gpu_baselines),
                 worker.rss_bytes,
                 listed,
+                children,
             ),
             name=f"modelpool-release-{worker.id}",
             daemon=True,
@@ -106,10 +113,12 @@ class Monitors:
         baselines: dict[str, int | None],
         rss_bytes: int | None,
         listed_on: set[str],
+        children: set[int],
     ) -> None:
         started = time.monotonic()
         ok, method, held = True, "psutil", None
         held_by_device: dict[str, int | None] = {}
+        holders: dict[str, list[str]] = {}
         if pid is not None:
             # Orphaned members of the group are reaped by init, which in some containers
             # takes a couple of seconds; the pool does not make itself a subreaper because
@@ -150,6 +159,23 @@ class Monitors:
                         gpu_report.seconds,
                         gpu_report.holders,
                     )
+                    holders[device] = list(gpu_report.holders)
+            if children:
+                for device, (held_bytes, lines) in self._held_by_children(
+                    pid, label, children, deadline
+                ).items():
+                    ok, method = False, "pid"
+                    held = (held or 0) + held_bytes
+                    held_by_device[device] = (held_by_device.get(device) or 0) + held_bytes
+                    holders[device] = lines + holders.get(device, [])
+                    logger.error(
+                        "worker pid %s is gone but processes it started still hold %d bytes "
+                        "on %s: %s",
+                        pid,
+                        held_bytes,
+                        device,
+                        "; ".join(lines),
+                    )
         self._post(
             self._on_release_checked,
             worker_id,
@@ -159,7 +185,35 @@ class Monitors:
             rss_bytes,
             held,
             held_by_device,
+            holders,
         )
+
+    def _held_by_children(
+        self, pid: int, label: str, children: set[int], deadline: float
+    ) -> dict[str, tuple[int, list[str]]]:
+        """GPU -> (bytes, one line per holder) for the dead worker's children that NVML still
+        lists on its GPUs, polled until ``deadline`` (they may be exiting on their own)."""
+        while True:
+            found: dict[str, tuple[int, list[str]]] = {}
+            for device in gpu.group_devices(label):
+                index = gpu.nvml_index_for(device, self.probe)
+                if index is None:
+                    continue
+                listed = self.probe.process_memory(index)
+                held = {child: listed[child] for child in sorted(children) if child in listed}
+                if held:
+                    found[device] = (
+                        sum(used or 0 for used in held.values()),
+                        [
+                            f"{processes.describe_process(child)}, started by worker pid {pid} "
+                            "and alive after it (outside its process group), holds "
+                            + ("an unknown amount" if used is None else f"{used / 2**20:.0f} MiB")
+                            + f" on {device}"
+                            for child, used in held.items()
+                        ],
+                    )
+            if not found or self._stopped.wait(0.1) or time.monotonic() >= deadline:
+                return found
 
     def _wait_device_free(self, device: str, needed_bytes: int) -> None:
         index = gpu.nvml_index_for(device, self.probe, self.environ)
@@ -192,8 +246,28 @@ class Monitors:
                 known = [used for used in by_device.values() if used is not None]
                 total = sum(known) if method == "pid" and known else None
                 per_worker[worker_id] = (total, method, by_device)
+            self._note_children_on_gpus()
             devices = [
                 DeviceStats(d.index, d.name, d.used_mb, d.total_mb)
                 for d in self.probe.devices(self.probe.visible_device_indices(self.environ))
             ]
             self._post(self._on_gpu_sample, per_worker, devices)
+
+    def _note_children_on_gpus(self) -> None:
+        """Remember which processes NVML lists on the pool's GPUs were started by a worker."""
+        workers = {pid for _id, pid, _label in self._gpu_workers}
+        devices = {d for _id, _pid, label in self._gpu_workers for d in gpu.group_devices(label)}
+        if len(self._not_started_by_workers) > 4096:
+            self._not_started_by_workers.clear()  # PIDs are reused; keep the set bounded
+        for device in sorted(devices):
+            index = gpu.nvml_index_for(device, self.probe)
+            if index is None:
+                continue
+            for listed in self.probe.process_memory(index):
+                if listed in workers or listed in self._not_started_by_workers:
+                    continue
+                owner = processes.started_by(listed, workers)
+                if owner is None:
+                    self._not_started_by_workers.add(listed)
+                else:
+                    self._gpu_children.setdefault(owner, set()).add(listed)

@@ -76,6 +76,7 @@ class GpuStats:
     releases: ReleaseStats = field(default_factory=ReleaseStats)
     blocked_devices: list[str] = field(default_factory=list)
     blocked_held_mb: dict[str, float | None] = field(default_factory=dict)
+    blocked_holders: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

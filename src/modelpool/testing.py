@@ -40,6 +40,9 @@ Commands (``name[:arg[:arg]]``; anything else is echoed back):
                        device still usable (a CUDA error that is not sticky)
 ``device_memory``      returns the simulated allocated bytes and cache releases,
                        "ALLOCATED/RELEASES"
+``detach:SECONDS``     starts a child in a session of its own (outside the worker's
+                       process group, so a kill of the group misses it) that sleeps
+                       SECONDS (default 60) and returns its pid
 =====================  ======================================================
 
 A prompt given as token ids (``TokenIds``) reads as the ids joined by spaces.
@@ -71,6 +74,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -173,7 +178,7 @@ class FaultBackend:
             return Generation("", "length", prompt_tokens, 0)
         if command == "echo":
             return argument
-        if command.startswith("cuda_") or command in ("env", "device", "device_memory"):
+        if command.startswith("cuda_") or command in ("env", "device", "device_memory", "detach"):
             return self._device_command(command, argument)
         if command == "tokens":
             return _emit_tokens(call, argument, limit, prompt_tokens)
@@ -215,6 +220,13 @@ class FaultBackend:
             return os.environ.get(argument, "")
         if command == "device":
             return self.device
+        if command == "detach":
+            child = subprocess.Popen(
+                [sys.executable, "-c", f"import time; time.sleep({float(argument or 60)})"],
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+            )
+            return str(child.pid)
         if command == "device_memory":
             return f"{self.allocated_bytes}/{self.cache_releases}"
         if command == "cuda_oom":

@@ -12,6 +12,8 @@ import signal
 import threading
 from typing import Any
 
+import psutil
+
 from fake_nvml import GIB, MIB, FakeGpu, FakeNvml
 from helpers import make_config, wait_until
 from modelpool import ModelPool
@@ -241,11 +243,11 @@ class GroupNvml(FakeNvml):
 
 
 def _alive(pid: int) -> bool:
+    """A zombie's context is gone too: the driver frees it when the process exits."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    return True
 
 
 def group_pool(nvml: GroupNvml, **overrides: Any) -> ModelPool:
@@ -326,3 +328,32 @@ def test_a_gpu_of_a_group_that_keeps_memory_blocks_the_group_and_is_named() -> N
         assert pool.stats().gpu.blocked_held_mb == {}
         wait_until(lambda: len([w for w in pool.stats().workers if w.state == "idle"]) == 2)
         assert pool.stats().counters["respawns"] == 1
+
+
+def test_a_child_that_escaped_the_workers_group_and_holds_memory_is_named_and_blocks() -> None:
+    nvml = GroupNvml()
+    child = 0
+    with group_pool(nvml, devices=["cuda:0"], workers=1) as pool:
+        try:
+            (worker,) = pool.stats().workers
+            child = int(pool.generate("detach:60").text)  # a new session: killpg misses it
+            nvml.hold(0, worker.pid, 200 * MIB)
+            nvml.hold(0, child, 300 * MIB)
+            wait_until(lambda: pool.stats().workers[0].gpu_mb == 200.0, timeout=5)
+            os.kill(worker.pid, signal.SIGKILL)
+
+            wait_until(lambda: pool.stats().state == "degraded", timeout=5, message="degraded")
+            gpu = pool.stats().gpu
+            assert gpu.blocked_devices == ["cuda:0"]
+            assert gpu.blocked_held_mb == {"cuda:0": 300.0}
+            (line,) = gpu.blocked_holders["cuda:0"]
+            assert line.startswith(f"pid {child} (")
+            assert f"started by worker pid {worker.pid}" in line and "300 MiB on cuda:0" in line
+            assert pool.stats().workers == []
+
+            os.kill(child, signal.SIGKILL)  # its context goes with it: the GPU has room again
+            wait_until(lambda: pool.stats().state == "ready", timeout=10, message="ready again")
+            assert pool.generate("echo:back").text == "back"
+        finally:
+            if child and _alive(child):
+                os.kill(child, signal.SIGKILL)
