@@ -167,3 +167,15 @@ def test_metrics_show_each_gpu_of_a_group_and_what_a_blocked_gpu_holds() -> None
     assert 'modelpool_worker_gpu_memory_bytes{device="cuda:1",worker="3"} 1.048576e+08' in text
     assert 'modelpool_gpu_blocked_held_bytes{device="cuda:3"} 1.073741824e+09' in text
     assert stats.to_dict()["workers"][0]["gpu_mb_by_device"] == {"cuda:0": 200.0, "cuda:1": 100.0}
+
+
+def test_an_oom_on_the_second_gpu_of_a_group_is_named_by_the_pools_name() -> None:
+    from modelpool.dispatcher import Dispatcher
+    from modelpool.records import Worker
+
+    group = Worker(id=1, slot=0, device="cuda:2,cuda:3", started_at=0.0)
+    assert Dispatcher._pool_device(group, "cuda:1") == "cuda:3"
+    assert Dispatcher._pool_device(group, None) is None  # torch did not say which GPU
+    single = Worker(id=2, slot=0, device="cuda:5", started_at=0.0)
+    assert Dispatcher._pool_device(single, "cuda:0") == "cuda:5"
+    assert Dispatcher._pool_device(single, None) == "cuda:5"
