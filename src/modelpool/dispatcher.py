@@ -649,30 +649,7 @@ class Dispatcher:
             self._end_attempt(run, None)
             self._fail(request, _refusal(text, detail if isinstance(detail, tuple) else None))
             return
-        error: BackendError
-        outcome: Outcome = "error"
-        if kind == "oom":
-            outcome = "oom"
-            device = self._pool_device(worker, details.get("device"))
-            error = OutOfMemory(
-                f"CUDA out of memory on worker pid {worker.pid} ({device or worker.device}): "
-                f"{text}",
-                remote_traceback=remote_traceback,
-                device=device,
-                bytes_requested=details.get("bytes_requested"),
-            )
-        elif kind == "cuda_error":
-            outcome = "cuda_error"
-            error = CudaError(
-                f"CUDA error on worker pid {worker.pid} ({worker.device}); the worker was "
-                f"replaced: {text}",
-                remote_traceback=remote_traceback,
-            )
-        else:
-            error = BackendError(
-                f"the backend raised on worker pid {worker.pid}: {text}",
-                remote_traceback=remote_traceback,
-            )
+        outcome, error = _typed_backend_error(worker, kind, text, remote_traceback, details)
         self._end_attempt(run, outcome)
         self._attempt_failed(request, worker, outcome, error)
 
@@ -688,18 +665,6 @@ class Dispatcher:
             text.strip().splitlines()[0] if text.strip() else "?",
         )
         self._signal(worker, signal.SIGKILL, "cuda_error")
-
-    @staticmethod
-    def _pool_device(worker: Worker, local: object) -> str | None:
-        """The pool's name for a GPU the worker named in its own numbering ("cuda:1" of
-        a group "cuda:2,cuda:3" is "cuda:3")."""
-        members = group_devices(worker.device)
-        if not isinstance(local, str) or not local.startswith("cuda"):
-            return worker.device if len(members) == 1 and worker.device != "cpu" else None
-        if worker.device == "cpu":
-            return local  # a rehearsal (the testing backend) on a CPU worker
-        ordinal = int(local.partition(":")[2] or 0)
-        return members[ordinal] if ordinal < len(members) else local
 
     def _worker_free(self, worker: Worker) -> None:
         """The worker answered its current attempt: warm and idle again, unless on its way out."""
@@ -1262,3 +1227,39 @@ def _refusal(text: str, detail: tuple[int, int | None, int] | None) -> InvalidRe
         max_new_tokens=max_new_tokens,
         max_model_len=max_model_len,
     )
+
+
+def _typed_backend_error(
+    worker: Worker, kind: str, text: str, remote_traceback: str, details: Mapping[str, Any]
+) -> tuple[Outcome, BackendError]:
+    """The attempt's outcome and the typed error for what a worker's backend raised."""
+    if kind == "oom":
+        device = pool_device(worker, details.get("device"))
+        return "oom", OutOfMemory(
+            f"CUDA out of memory on worker pid {worker.pid} ({device or worker.device}): {text}",
+            remote_traceback=remote_traceback,
+            device=device,
+            bytes_requested=details.get("bytes_requested"),
+        )
+    if kind == "cuda_error":
+        return "cuda_error", CudaError(
+            f"CUDA error on worker pid {worker.pid} ({worker.device}); the worker was "
+            f"replaced: {text}",
+            remote_traceback=remote_traceback,
+        )
+    return "error", BackendError(
+        f"the backend raised on worker pid {worker.pid}: {text}",
+        remote_traceback=remote_traceback,
+    )
+
+
+def pool_device(worker: Worker, local: object) -> str | None:
+    """The pool's name for a GPU the worker named in its own numbering ("cuda:1" of a
+    group "cuda:2,cuda:3" is "cuda:3"); without one, the worker's GPU if it has one."""
+    members = group_devices(worker.device)
+    if not isinstance(local, str) or not local.startswith("cuda"):
+        return worker.device if len(members) == 1 and worker.device != "cpu" else None
+    if worker.device == "cpu":
+        return local  # a rehearsal (the testing backend) on a CPU worker
+    ordinal = int(local.partition(":")[2] or 0)
+    return members[ordinal] if ordinal < len(members) else local

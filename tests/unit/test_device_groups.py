@@ -170,12 +170,12 @@ def test_metrics_show_each_gpu_of_a_group_and_what_a_blocked_gpu_holds() -> None
 
 
 def test_an_oom_on_the_second_gpu_of_a_group_is_named_by_the_pools_name() -> None:
-    from modelpool.dispatcher import Dispatcher
+    from modelpool.dispatcher import pool_device
     from modelpool.records import Worker
 
     group = Worker(id=1, slot=0, device="cuda:2,cuda:3", started_at=0.0)
-    assert Dispatcher._pool_device(group, "cuda:1") == "cuda:3"
-    assert Dispatcher._pool_device(group, None) is None  # torch did not say which GPU
+    assert pool_device(group, "cuda:1") == "cuda:3"
+    assert pool_device(group, None) is None  # torch did not say which GPU
     single = Worker(id=2, slot=0, device="cuda:5", started_at=0.0)
-    assert Dispatcher._pool_device(single, "cuda:0") == "cuda:5"
-    assert Dispatcher._pool_device(single, None) == "cuda:5"
+    assert pool_device(single, "cuda:0") == "cuda:5"
+    assert pool_device(single, None) == "cuda:5"
