@@ -29,6 +29,7 @@ global calls (the testing backend uses them to rehearse both faults without a GP
 
 from __future__ import annotations
 
+import gc
 import re
 import sys
 from dataclasses import dataclass
@@ -167,6 +168,7 @@ class MemoryBaseline:
         bytes asked (when torch said), the bytes allocated before and after, and
         ``recycle``: True when the memory did not come back near the baseline.
         """
+        gc.collect()  # tensors a reference cycle still holds (frames of the failed call)
         release_device_cache(handler)
         allocated = device_memory_allocated(handler)
         recycle = (
