@@ -431,7 +431,7 @@ def _run_pool(args: argparse.Namespace, problems: list[str], probe: Any, index: 
         cancel_grace_s=1.0,
         term_grace_s=1.0,
         startup_timeout_s=POOL_STARTUP_TIMEOUT_S,
-        retry=RetryPolicy(max_retries=0, oom_retries=1),
+        retry=RetryPolicy(max_retries=1, on=(), oom_retries=1),  # only an OOM is retried
         gpu_release_timeout_s=GPU_RELEASE_TIMEOUT_S,
         gpu_sample_interval_s=SAMPLE_INTERVAL_S,
         generation_defaults={"max_new_tokens": 16},
