@@ -818,9 +818,7 @@ class Dispatcher:
         request.run = None
         self.timers.cancel(run.deadline_timer)
         if outcome is not None:
-            request.attempts.append(
-                Attempt(run.worker.pid, outcome, self.clock() - run.started_at)
-            )
+            request.attempts.append(Attempt(run.worker.pid, outcome, self.clock() - run.started_at))
         request.last_partial = run.partial_text()
         return request
 

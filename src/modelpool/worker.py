@@ -269,9 +269,7 @@ def serve(channel: _Channel, control: ControlBlock) -> int:
         if message is None or message[0] == "stop":
             return 0
         if message[0] == "run":
-            _run_attempt(
-                handler, message, control, channel, spec.generation_defaults, baseline
-            )
+            _run_attempt(handler, message, control, channel, spec.generation_defaults, baseline)
 
 
 def main(argv: list[str] | None = None) -> None:

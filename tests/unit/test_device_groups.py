@@ -179,3 +179,17 @@ def test_an_oom_on_the_second_gpu_of_a_group_is_named_by_the_pools_name() -> Non
     single = Worker(id=2, slot=0, device="cuda:5", started_at=0.0)
     assert pool_device(single, "cuda:0") == "cuda:5"
     assert pool_device(single, None) == "cuda:5"
+
+
+def test_a_ray_replica_asks_for_every_gpu_its_groups_name() -> None:
+    ray_serve = pytest.importorskip("modelpool.ray_serve")
+    from modelpool import ServerConfig
+
+    def gpus(**settings: object) -> object:
+        config = PoolConfig(model="m", **settings)  # type: ignore[arg-type]
+        options = ray_serve.default_deployment_options(config, ServerConfig())
+        return options["ray_actor_options"].get("num_gpus")
+
+    assert gpus(workers=1, spares=1, devices=[["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]]) == 4
+    assert gpus(workers=2, devices=["cuda:0"]) == 1
+    assert gpus(devices=["auto"]) is None
