@@ -10,27 +10,39 @@ output alone tells whether release verification works on that machine.
    import (checked against the installed version), NVML and the driver, and
    in a child process whether torch reaches the device and whether NVML
    lists that process's own PID. Missing pieces end the run with exit 2.
-1-7. A tiny model, a pool on the device with one worker and one spare (so
-   two workers share the GPU, as in production), the NVML baseline, whether
-   NVML lists the workers' PIDs, a normal request, then one worker hung
-   inside a CUDA computation that ignores the cancel flag and SIGTERM; the
-   deadline kills it, and the pool's release check must verify the memory
-   came back by PID or by delta. Then a request on the spare, and the
-   device's memory after close.
+1-6. A tiny model built from a config (random weights, bf16 on the GPU), a pool
+   with two workers and a spare on the device (three processes share the GPU,
+   as in production), the NVML baseline, whether NVML lists the workers' PIDs,
+   requests served, then one worker hung inside a CUDA computation that ignores
+   the cancel flag and SIGTERM; the deadline kills it, and the pool's release
+   check must verify the memory came back by PID or by delta. Then a request on
+   the spare.
+7. A real CUDA out-of-memory (a request that asks for twice the device): it must
+   be ``OutOfMemory`` (retried once on another worker), no worker recycled (each
+   found its allocated memory back near its post-load baseline) and the device's
+   used memory back within the tolerance.
+8. A device-side assert (an out-of-bounds index on the GPU): ``CudaError``, the
+   worker killed and replaced, its release checked, the next request elsewhere.
+9. A worker's child in a session of its own keeps 1 GiB on the GPU and the worker
+   is killed by its deadline: the GPU must be reported blocked with the child
+   named; once the child is killed the pool refills the slot.
+10. The device's memory after close, against the baseline of step 1.
 
 The verdict is OK only when, on a GPU, the release was verified ("pid" or
 "delta": "unavailable" means nothing was measured) and the device's memory
 was read before and after and is back within the tolerance. Exit codes: 0
 OK, 1 the run failed, 2 the pre-flight failed (the smoke cannot run here).
 
-This file is also the backend the workers run (``gpu_smoke:load``): the hf
-backend plus one prompt, ``cuda_hang``, that never returns.
+On a machine without a GPU, ``--device cpu`` runs steps 1-6 and 10. This file is
+also the backend the workers run (``gpu_smoke:load``): the hf backend plus the
+prompts of :class:`_SmokeHandler`.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -54,6 +66,9 @@ POOL_STARTUP_TIMEOUT_S = 150.0
 still ends in a verdict (the pool raises ModelLoadFailed) rather than being killed."""
 CUDA_CHECK_TIMEOUT_S = 60.0
 RELEASE_WAIT_S = 60.0
+GPU_RELEASE_TIMEOUT_S = 15.0
+SAMPLE_INTERVAL_S = 0.5
+SHOWN_COUNTERS = ("kills", "timeouts", "respawns", "recycled", "cuda_oom", "cuda_errors")
 VERIFIED_METHODS = ("pid", "delta")
 
 # import name -> distribution name, in the order they are checked
@@ -96,18 +111,61 @@ print(json.dumps(facts))
 """
 
 
-class _HangingHandler:
-    """Wraps the hf handler; the prompt "cuda_hang" spins on the GPU forever."""
+# A child the worker starts in a session of its own (so the pool's kill of the worker's
+# process group misses it) that keeps a CUDA allocation: the held-memory case.
+ORPHAN_CHILD = r"""
+import sys, time, torch
+held = torch.empty(1024 * 1024 * 1024, dtype=torch.uint8, device="cuda:0")
+held.fill_(1)
+torch.cuda.synchronize()
+print("ready", flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+class _SmokeHandler:
+    """Wraps the hf handler; a few prompts do what the smoke needs on the GPU itself:
+
+    ``cuda_hang`` spins on the GPU forever, ignoring the cancel flag and SIGTERM;
+    ``cuda_oom`` holds a working set, then asks for twice the device's memory (a real
+    ``torch.OutOfMemoryError``); ``cuda_assert`` indexes out of bounds on the device (a
+    device-side assert: the context is unusable afterwards); ``cuda_orphan:PATH``
+    starts a child outside the worker's process group that holds 1 GiB, writes its
+    pid to PATH, then hangs like ``cuda_hang``.
+    """
 
     def __init__(self, inner: Any, device: str) -> None:
         self._inner = inner
-        self._device = device
+        self._device = device.split(",")[0]
 
     def generate(self, call: Any) -> Any:
-        if call.prompt != "cuda_hang":
+        command, _, argument = str(call.prompt).partition(":")
+        if command not in ("cuda_hang", "cuda_oom", "cuda_assert", "cuda_orphan"):
             return self._inner.generate(call)
         import torch
 
+        if command == "cuda_oom":
+            working_set = torch.ones(256 * MIB, dtype=torch.uint8, device=self._device)
+            total = torch.cuda.get_device_properties(self._device).total_memory
+            oversized = torch.empty(2 * total, dtype=torch.uint8, device=self._device)
+            return str(int(working_set.sum()) + oversized.numel())  # never reached
+        if command == "cuda_assert":
+            values = torch.zeros(4, device=self._device)
+            index = torch.tensor([1 << 20], device=self._device)
+            values[index] += 1  # out of bounds: a device-side assert
+            torch.cuda.synchronize()
+            return "the out-of-bounds index did not fail"
+        if command == "cuda_orphan":
+            child = subprocess.Popen(
+                [sys.executable, "-c", ORPHAN_CHILD, "300"],
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert child.stdout is not None
+            child.stdout.readline()  # "ready": its 1 GiB is allocated
+            Path(argument).write_text(str(child.pid))
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # About 2 GiB held while it spins, so the kill has something to give back.
         ballast = torch.empty(2 * 1024 * MIB, dtype=torch.uint8, device=self._device)
@@ -118,10 +176,10 @@ class _HangingHandler:
             ballast[0] = 1
 
 
-def load(model: str, device: str = "cpu", **options: Any) -> _HangingHandler:
+def load(model: str, device: str = "cpu", **options: Any) -> _SmokeHandler:
     from modelpool.backends.hf import load as load_hf
 
-    return _HangingHandler(load_hf(model, device, **options), device)
+    return _SmokeHandler(load_hf(model, device, **options), device)
 
 
 def _line(step: str, value: object) -> None:
@@ -356,6 +414,7 @@ def _run_pool(args: argparse.Namespace, problems: list[str], probe: Any, index: 
     from modelpool import DeadlineExceeded, ModelPool, PoolConfig, PoolError, RetryPolicy
     from modelpool.tinymodel import build_tiny_model
 
+    # Built from a config with random weights: nothing is downloaded.
     model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="gpu-smoke-")) / "tiny")
     baseline = _used_mb(probe, index)
     _line("1. used before the pool (MiB)", baseline)
@@ -363,7 +422,8 @@ def _run_pool(args: argparse.Namespace, problems: list[str], probe: Any, index: 
     config = PoolConfig(
         model=str(model_dir),
         backend="gpu_smoke:load",
-        workers=1,
+        backend_options={"dtype": "bfloat16"} if on_gpu else {},
+        workers=2,
         spares=1,
         devices=(args.device,),
         deadline_s=30.0,
@@ -371,9 +431,9 @@ def _run_pool(args: argparse.Namespace, problems: list[str], probe: Any, index: 
         cancel_grace_s=1.0,
         term_grace_s=1.0,
         startup_timeout_s=POOL_STARTUP_TIMEOUT_S,
-        retry=RetryPolicy(max_retries=0),
-        gpu_release_timeout_s=30.0,
-        gpu_sample_interval_s=0.5,
+        retry=RetryPolicy(max_retries=1, on=(), oom_retries=1),  # only an OOM is retried
+        gpu_release_timeout_s=GPU_RELEASE_TIMEOUT_S,
+        gpu_sample_interval_s=SAMPLE_INTERVAL_S,
         generation_defaults={"max_new_tokens": 16},
     )
     failures: list[str] = []
@@ -381,25 +441,27 @@ def _run_pool(args: argparse.Namespace, problems: list[str], probe: Any, index: 
     try:
         with ModelPool(config) as pool:
             pids = [w.pid for w in pool.stats().workers if w.pid is not None]
-            _line("2. used with 2 workers loaded (MiB)", _used_mb(probe, index))
+            _line("2. used with 3 workers loaded (MiB)", _used_mb(probe, index))
             if index is not None:
                 listed = probe.process_memory(index)
                 _line("   NVML lists the workers' PIDs", pid_visibility(listed, pids))
-            result = pool.generate("Hello")
+            futures = [pool.submit(f"Hello {n}") for n in range(4)]
+            served = [future.result() for future in futures]
             _line(
-                "3. normal request", f"{result.latency_s * 1000:.1f} ms on pid {result.worker_pid}"
+                "3. requests served",
+                ", ".join(f"{r.latency_s * 1000:.0f} ms on pid {r.worker_pid}" for r in served),
             )
-            time.sleep(2 * config.gpu_sample_interval_s)  # let the sampler read each worker
+            time.sleep(2 * SAMPLE_INTERVAL_S)  # let the sampler read each worker
             for worker in pool.stats().workers:
                 _line(
-                    f"   worker pid {worker.pid}",
+                    f"   worker pid {worker.pid} ({worker.role})",
                     f"gpu_mb={worker.gpu_mb} ({worker.gpu_mb_method})",
                 )
 
             hung_at = time.monotonic()
             try:
                 pool.generate("cuda_hang", deadline_s=6.0)
-                failures.append("the hanging request returned")
+                failures.append("4. the hanging request returned")
             except DeadlineExceeded as exc:
                 _line(
                     "4. hang -> DeadlineExceeded",
@@ -407,30 +469,28 @@ def _run_pool(args: argparse.Namespace, problems: list[str], probe: Any, index: 
                 )
             _line("   used right after the deadline", _used_mb(probe, index))
 
-            wait_until = time.monotonic() + RELEASE_WAIT_S
-            while time.monotonic() < wait_until and pool.stats().gpu.releases.checked < 1:
-                time.sleep(0.05)
-            releases = pool.stats().gpu.releases
+            releases = _wait_releases(pool, 1)
             releases_ok, release_method = releases.ok, releases.last_method
-            _line(
-                "5. release check (pool)",
-                f"ok={releases.ok} failed={releases.failed} method={releases.last_method} "
-                f"time={releases.last_ms if releases.last_ms is None else round(releases.last_ms)}"
-                " ms",
-            )
+            _line("5. release check (pool)", _describe_releases(releases))
             _line("   used after the kill (MiB)", _used_mb(probe, index))
-            served = pool.generate("Hello again", deadline_s=120.0)
+            again = pool.generate("Hello again", deadline_s=120.0)
             _line(
-                "6. next request (spare)",
-                f"{served.latency_s * 1000:.1f} ms on pid {served.worker_pid}",
+                "6. next request (a spare)",
+                f"{again.latency_s * 1000:.1f} ms on pid {again.worker_pid}",
             )
+            if on_gpu:
+                failures += _out_of_memory_step(pool, probe, index, args.tolerance_mb)
+                failures += _sticky_error_step(pool)
+                failures += _held_memory_step(pool)
+            else:
+                _line("7-9. CUDA faults", "skipped: a cpu run has no CUDA to fault")
             counters = pool.stats().counters
-            _line("   counters", {k: counters[k] for k in ("kills", "timeouts", "respawns")})
+            _line("   counters", {key: counters[key] for key in SHOWN_COUNTERS})
     except PoolError as exc:
         failures.append(f"the pool failed: {type(exc).__name__}: {exc}")
 
     after = _used_mb(probe, index)
-    _line("7. used after close (MiB)", after)
+    _line("10. used after close (MiB)", after)
     failures += verdict_failures(
         on_gpu=on_gpu,
         releases_ok=releases_ok,
@@ -447,6 +507,145 @@ def _run_pool(args: argparse.Namespace, problems: list[str], probe: Any, index: 
         return 1
     _line("verdict", f"OK: release verified by {release_method}" if on_gpu else "OK (cpu run)")
     return 0
+
+
+def _describe_releases(releases: Any) -> str:
+    ms = None if releases.last_ms is None else round(releases.last_ms)
+    return (
+        f"checked={releases.checked} ok={releases.ok} failed={releases.failed} "
+        f"method={releases.last_method} time={ms} ms"
+    )
+
+
+def _wait_releases(pool: Any, checked: int, timeout_s: float = RELEASE_WAIT_S) -> Any:
+    """The pool's release stats once ``checked`` checks are done (or the timeout passed)."""
+    until = time.monotonic() + timeout_s
+    while time.monotonic() < until and pool.stats().gpu.releases.checked < checked:
+        time.sleep(0.05)
+    return pool.stats().gpu.releases
+
+
+def _wait_state(pool: Any, state: str, timeout_s: float) -> float | None:
+    """Seconds until the pool's state is ``state`` with every slot filled, None on timeout."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        snapshot = pool.stats()
+        ready = [w for w in snapshot.workers if w.state in ("idle", "spare", "busy")]
+        if snapshot.state == state and len(ready) == len(snapshot.workers) == 3:
+            return time.monotonic() - started
+        time.sleep(0.05)
+    return None
+
+
+def _out_of_memory_step(pool: Any, probe: Any, index: int | None, tolerance_mb: float) -> list[str]:
+    """A real CUDA OOM: typed, retried once elsewhere, and each worker's memory back after it."""
+    from modelpool import OutOfMemory, PoolError
+
+    before = pool.stats()
+    used_before = _used_mb(probe, index)
+    try:
+        pool.generate("cuda_oom", deadline_s=60.0)
+        return ["7. the oversized request did not run out of memory"]
+    except OutOfMemory as exc:
+        attempts = [(a.worker_pid, a.outcome) for a in exc.attempts]
+        _line(
+            "7. CUDA OOM -> OutOfMemory",
+            f"device={exc.device} bytes_requested={exc.bytes_requested} attempts={attempts}",
+        )
+    except PoolError as exc:
+        return [f"7. the OOM was {type(exc).__name__}, not OutOfMemory: {exc}"]
+    time.sleep(2 * SAMPLE_INTERVAL_S)
+    used_after = _used_mb(probe, index)
+    after = pool.stats()
+    _line("   used before -> after the OOM (MiB)", f"{used_before} -> {used_after}")
+    for worker in after.workers:
+        _line(f"   worker pid {worker.pid}", f"gpu_mb={worker.gpu_mb} ({worker.gpu_mb_method})")
+    failures: list[str] = []
+    if after.counters["recycled"] != before.counters["recycled"]:
+        failures.append(
+            "7. a worker's allocated memory was not back near its post-load baseline after "
+            "the OOM (it was recycled)"
+        )
+    if used_before is None or used_after is None:
+        failures.append("7. the device's used memory was not read around the OOM")
+    elif used_after - used_before > tolerance_mb:
+        failures.append(f"7. {used_after - used_before:.0f} MiB more in use after the OOM")
+    return failures
+
+
+def _sticky_error_step(pool: Any) -> list[str]:
+    """A device-side assert: typed, the worker killed and replaced, its release checked."""
+    from modelpool import CudaError, PoolError
+
+    before = pool.stats()
+    try:
+        pool.generate("cuda_assert", deadline_s=60.0)
+        return ["8. the out-of-bounds index on the device did not fail"]
+    except CudaError as exc:
+        poisoned = exc.attempts[-1].worker_pid
+        _line("8. device-side assert -> CudaError", f"pid {poisoned}: {exc.message[:120]}")
+    except PoolError as exc:
+        return [f"8. the device-side assert was {type(exc).__name__}, not CudaError: {exc}"]
+    releases = _wait_releases(pool, before.gpu.releases.checked + 1)
+    _line("   release check of the killed worker", _describe_releases(releases))
+    refilled = _wait_state(pool, "ready", POOL_STARTUP_TIMEOUT_S)
+    _line("   replaced, pool ready again after (s)", refilled)
+    failures: list[str] = []
+    if refilled is None:
+        failures.append("8. the worker with the broken CUDA context was not replaced")
+    if releases.failed != before.gpu.releases.failed:
+        failures.append("8. the killed worker's memory was not released")
+    served = pool.generate("Hello after the assert", deadline_s=60.0)
+    _line("   next request", f"on pid {served.worker_pid}")
+    if served.worker_pid == poisoned or poisoned in [w.pid for w in pool.stats().workers]:
+        failures.append("8. the worker with the broken CUDA context is still serving")
+    return failures
+
+
+def _held_memory_step(pool: Any) -> list[str]:
+    """A child of a worker, outside its process group, keeps 1 GiB: the GPU is blocked and the
+    child named; once it is gone the pool refills the slot."""
+    from modelpool import DeadlineExceeded
+
+    pid_file = Path(tempfile.mkdtemp(prefix="gpu-smoke-orphan-")) / "child.pid"
+    before = pool.stats()
+    child: int | None = None
+    failures: list[str] = []
+    try:
+        try:
+            pool.generate(f"cuda_orphan:{pid_file}", deadline_s=8.0)
+            failures.append("9. the request that leaves a child behind returned")
+        except DeadlineExceeded:
+            pass
+        child = int(pid_file.read_text()) if pid_file.exists() else None
+        releases = _wait_releases(pool, before.gpu.releases.checked + 1)
+        gpu = pool.stats().gpu
+        _line(
+            "9. held by a child -> blocked",
+            f"state={pool.stats().state} {_describe_releases(releases)}",
+        )
+        _line("   blocked GPUs (held MiB)", gpu.blocked_held_mb or "none")
+        for device, lines in gpu.blocked_holders.items():
+            for line in lines:
+                _line(f"   holder on {device}", line)
+        named = any(
+            f"pid {child} " in line for lines in gpu.blocked_holders.values() for line in lines
+        )
+        if child is None:
+            failures.append("9. the worker did not start its child")
+        elif not named:
+            failures.append(
+                f"9. the child pid {child} holding GPU memory was not named as blocking"
+            )
+    finally:
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+    refilled = _wait_state(pool, "ready", RELEASE_WAIT_S + POOL_STARTUP_TIMEOUT_S / 2)
+    _line("   child killed -> pool ready again after (s)", refilled)
+    if refilled is None:
+        failures.append("9. the pool did not refill the slot once the child's memory was freed")
+    return failures
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,8 +34,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-RETRY_REASONS = ("timeout", "crash", "error")
+RETRY_REASONS = ("timeout", "crash", "error", "cuda_error")
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_GPU_PATTERN = re.compile(r"^cuda(:\d+)?$")
+
+DeviceEntry = str | tuple[str, ...]
+"""One entry of ``devices``: a device ("auto", "cpu", "cuda:N"), or one worker's GPUs."""
 _BACKEND_PATTERN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 
 
@@ -76,14 +80,22 @@ class RetryPolicy:
     A "timeout" retry needs time left after the attempt: set ``attempt_timeout_s``
     below ``deadline_s`` (or a ``stall_timeout_s``), else the first attempt's
     deadline is the request's and there is nothing left to retry in.
+
+    A CUDA out-of-memory is retried on another worker ``oom_retries`` times (at
+    most, and within ``max_retries``): a prompt too long for the device's memory
+    fails everywhere. A sticky CUDA error ("cuda_error": the worker's CUDA context
+    is unusable and the worker is replaced) is retried only when ``on`` names it,
+    because an input that triggers a device-side assert triggers it everywhere.
     """
 
     max_retries: int = 2
     on: tuple[str, ...] = ("timeout", "crash")
     backoff_s: float = 0.0
+    oom_retries: int = 1
 
     def __post_init__(self) -> None:
         _check_int("retry.max_retries", self.max_retries, minimum=0)
+        _check_int("retry.oom_retries", self.oom_retries, minimum=0)
         _check_number("retry.backoff_s", self.backoff_s, allow_zero=True)
         if not isinstance(self.on, (list, tuple)) or not all(isinstance(r, str) for r in self.on):
             raise ValueError(f"retry.on must be a list of strings, got {self.on!r}")
@@ -104,7 +116,8 @@ class PoolConfig:
     workers: int = 2
     max_batch_size: int = 1
     spares: int = 0
-    devices: tuple[str, ...] = ("auto",)
+    devices: tuple[DeviceEntry, ...] = ("auto",)
+    gpus_per_worker: int = 1
     deadline_s: float = 60.0
     attempt_timeout_s: float | None = None
     cancel_grace_s: float = 2.0
@@ -138,13 +151,9 @@ class PoolConfig:
         _check_int("workers", self.workers, minimum=1)
         _check_int("max_batch_size", self.max_batch_size, minimum=1)
         _check_int("spares", self.spares, minimum=0)
-        devices = (self.devices,) if isinstance(self.devices, str) else self.devices
-        if not isinstance(devices, (list, tuple)) or not devices:
-            raise ValueError(f"devices must be a non-empty list, got {self.devices!r}")
-        for device in devices:
-            if not isinstance(device, str) or not _DEVICE_PATTERN.match(device):
-                raise ValueError(f"devices: {device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
-        object.__setattr__(self, "devices", tuple(devices))
+        _check_int("gpus_per_worker", self.gpus_per_worker, minimum=1)
+        object.__setattr__(self, "devices", _check_devices(self.devices))
+        _check_device_groups(self.devices, self.gpus_per_worker, self.workers + self.spares)
         _check_number("deadline_s", self.deadline_s, allow_zero=False)
         _check_number("attempt_timeout_s", self.attempt_timeout_s, allow_zero=False, optional=True)
         _check_number("cancel_grace_s", self.cancel_grace_s, allow_zero=True)
@@ -234,6 +243,82 @@ class ServerConfig:
         if not isinstance(table, Mapping):
             raise ValueError("[server] must be a table")
         return cls(**_known(table, cls, "server"))
+
+
+def _check_devices(devices: object) -> tuple[DeviceEntry, ...]:
+    """``devices`` as a tuple of device strings and GPU groups (tuples); ValueError if malformed."""
+    entries = (devices,) if isinstance(devices, str) else devices
+    if not isinstance(entries, (list, tuple)) or not entries:
+        raise ValueError(f"devices must be a non-empty list, got {devices!r}")
+    checked: list[DeviceEntry] = []
+    for entry in entries:
+        if isinstance(entry, str):
+            if not _DEVICE_PATTERN.match(entry):
+                raise ValueError(f"devices: {entry!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
+            checked.append(entry)
+            continue
+        if not isinstance(entry, (list, tuple)) or not entry:
+            raise ValueError(f"devices: a group must be a non-empty list of GPUs, got {entry!r}")
+        for device in entry:
+            if not isinstance(device, str) or not _GPU_PATTERN.match(device):
+                raise ValueError(
+                    f"devices: group {list(entry)!r}: {device!r} is not 'cuda' or 'cuda:N' "
+                    "(a group holds GPUs only)"
+                )
+        checked.append(tuple(entry))
+    return tuple(checked)
+
+
+def _ordinal(device: str) -> int:
+    return int(device.partition(":")[2] or 0)
+
+
+def _check_device_groups(
+    devices: tuple[DeviceEntry, ...], gpus_per_worker: int, slots: int
+) -> None:
+    """The rules of a layout in which a worker owns several GPUs (checked without NVML:
+    whether the GPUs exist is checked when the pool starts)."""
+    groups = [entry for entry in devices if isinstance(entry, tuple)]
+    if gpus_per_worker > 1:
+        if groups:
+            raise ValueError(
+                "gpus_per_worker: give either groups in devices or gpus_per_worker, not both"
+            )
+        if any(device == "cpu" for device in devices):
+            raise ValueError("gpus_per_worker: a worker on 'cpu' cannot own several GPUs")
+        if devices != ("auto",):
+            if "auto" in devices:
+                raise ValueError("gpus_per_worker: use devices = ['auto'] alone, or list GPUs")
+            if len(devices) % gpus_per_worker:
+                raise ValueError(
+                    f"gpus_per_worker: {len(devices)} devices do not split into groups of "
+                    f"{gpus_per_worker}"
+                )
+            plain = [str(device) for device in devices]
+            groups = [
+                tuple(plain[start : start + gpus_per_worker])
+                for start in range(0, len(plain), gpus_per_worker)
+            ]
+    if not any(len(group) > 1 for group in groups):
+        return  # one GPU per worker: several workers may share a GPU, as before
+    if len(devices) != len(groups) and gpus_per_worker == 1:
+        raise ValueError("devices: with GPU groups, every entry must be a group (a list of GPUs)")
+    seen: dict[int, int] = {}
+    for number, group in enumerate(groups):
+        for device in group:
+            ordinal = _ordinal(device)
+            if ordinal in seen:
+                first = list(groups[seen[ordinal]])
+                raise ValueError(
+                    f"devices: cuda:{ordinal} is in more than one place "
+                    f"({first} and {list(group)}); worker GPU groups must not overlap"
+                )
+            seen[ordinal] = number
+    if devices != ("auto",) and slots > len(groups):
+        raise ValueError(
+            f"devices: {slots} workers (workers + spares) but {len(groups)} GPU groups; "
+            "a worker that owns several GPUs shares them with no other"
+        )
 
 
 def _known(data: Mapping[str, Any], cls: type, table: str) -> dict[str, Any]:

@@ -39,15 +39,18 @@ from modelpool.errors import (
     Attempt,
     BackendError,
     ContextLengthExceeded,
+    CudaError,
     DeadlineExceeded,
     InvalidRequest,
     ModelLoadFailed,
     Outcome,
+    OutOfMemory,
     PoisonRequest,
     PoolClosed,
     PoolError,
     WorkerCrashed,
 )
+from modelpool.gpu import group_devices
 from modelpool.protocol import PROTOCOL_VERSION, Generation, WorkerSpec
 from modelpool.records import (
     DispatcherIO,
@@ -111,7 +114,9 @@ class Dispatcher:
         self.kill_reasons: collections.Counter[str] = collections.Counter()
         self.latencies: collections.deque[float] = collections.deque(maxlen=_LATENCY_WINDOW)
         self.releases = ReleaseStats()
-        self.blocked_devices: dict[str, int] = {}
+        self.blocked_devices: dict[str, int] = {}  # GPU -> bytes it must have free again
+        self.blocked_held: dict[str, int | None] = {}  # GPU -> bytes a dead worker still held
+        self.blocked_holders: dict[str, list[str]] = {}  # GPU -> who holds them, as found
         self.abandoned_slots: set[int] = set()
         self.slot_not_before: dict[int, float] = {}
         self.slots_awaiting_release: set[int] = set()
@@ -285,7 +290,12 @@ class Dispatcher:
         method: str,
         freed_bytes: int | None,
         held_bytes: int | None,
+        held_by_device: Mapping[str, int | None] | None = None,
+        holders: Mapping[str, list[str]] | None = None,
     ) -> None:
+        """A dead worker's release is known. ``held_by_device``: the GPUs of its group that
+        still hold memory (GPU -> bytes); without it a failure blocks every GPU of the group.
+        ``holders``: GPU -> the processes found holding it, for stats."""
         self.pending_release_checks -= 1
         releases = self.releases
         self.releases = ReleaseStats(
@@ -306,33 +316,46 @@ class Dispatcher:
         if ok or not worker.device.startswith("cuda"):
             self._fill_slots()
             return
-        needed = worker.gpu_bytes or held_bytes or 0
-        logger.error(
-            "GPU memory of worker %d (pid %s) on %s not released: %s bytes still held; "
-            "no new worker goes there until it is free",
-            worker.id,
-            worker.pid,
-            worker.device,
-            held_bytes,
-        )
-        self.blocked_devices[worker.device] = needed
-        self.io.watch_device_free(worker.device, needed)
+        if not held_by_device:
+            held_by_device = dict.fromkeys(group_devices(worker.device), held_bytes)
+        for device, held in held_by_device.items():
+            # Room for what the worker had on this GPU (or, unknown, what is still held there).
+            needed = worker.gpu_bytes_by_device.get(device) or held or 0
+            logger.error(
+                "GPU memory of worker %d (pid %s) on %s not released: %s bytes still held; "
+                "no worker of the group %s starts until it is free",
+                worker.id,
+                worker.pid,
+                device,
+                held,
+                worker.device,
+            )
+            self.blocked_devices[device] = needed
+            self.blocked_held[device] = held
+            self.blocked_holders[device] = list((holders or {}).get(device, []))
+            self.io.watch_device_free(device, needed)
 
     def on_device_free(self, device: str) -> None:
+        self.blocked_held.pop(device, None)
+        self.blocked_holders.pop(device, None)
         if self.blocked_devices.pop(device, None) is not None:
             logger.info("%s has room for a worker again", device)
         self._fill_slots()
 
     def on_gpu_sample(
-        self, per_worker: Mapping[int, tuple[int | None, str]], devices: list[DeviceStats]
+        self,
+        per_worker: Mapping[int, tuple[int | None, str, Mapping[str, int | None]]],
+        devices: list[DeviceStats],
     ) -> None:
+        """NVML's readings: per worker (the sum over its GPUs, the method, each GPU's figure)."""
         self.gpu_devices = devices
-        for worker_id, (used, method) in per_worker.items():
+        for worker_id, (used, method, by_device) in per_worker.items():
             worker = self.workers.get(worker_id)
             if worker is None or worker.state == "dead":
                 continue
             worker.gpu_bytes = used
             worker.gpu_method = method
+            worker.gpu_bytes_by_device = dict(by_device)
             limit = self.config.max_worker_gpu_mb
             if limit is not None and used is not None and used > limit * 2**20:
                 self._maybe_retire(worker)
@@ -426,6 +449,10 @@ class Dispatcher:
                         for run in list(worker.runs.values())
                         if run.request is not None
                     ],
+                    gpu_mb_by_device={
+                        device: None if used is None else round(used / 2**20, 1)
+                        for device, used in worker.gpu_bytes_by_device.items()
+                    },
                 )
             )
         return PoolStats(
@@ -440,6 +467,13 @@ class Dispatcher:
                 devices=list(self.gpu_devices),
                 releases=self.releases,
                 blocked_devices=sorted(self.blocked_devices),
+                blocked_held_mb={
+                    device: None if held is None else round(held / 2**20, 1)
+                    for device, held in sorted(self.blocked_held.items())
+                },
+                blocked_holders={
+                    device: list(lines) for device, lines in sorted(self.blocked_holders.items())
+                },
             ),
             uptime_s=round(now - self.created_at, 3),
             last_load_error=self.last_load_error,
@@ -668,13 +702,23 @@ class Dispatcher:
         text: str,
         remote_traceback: str,
         rss_bytes: int,
-        detail: tuple[int, int | None, int] | None = None,
+        detail: tuple[int, int | None, int] | Mapping[str, Any] | None = None,
     ) -> None:
         worker.rss_bytes = rss_bytes
         run = self._current_run(worker, attempt_id)
         if run is None:
             return
         worker.requests += 1
+        details: Mapping[str, Any] = detail if isinstance(detail, Mapping) else {}
+        if kind == "cuda_error":
+            self._retire_after_cuda_error(worker, text)
+        elif kind == "oom":
+            self.counters["cuda_oom"] += 1
+            if details.get("recycle"):
+                worker.retire_reason = (
+                    f"{details.get('allocated_bytes')} bytes still allocated after a CUDA "
+                    f"out-of-memory (post-load baseline {details.get('baseline_bytes')})"
+                )
         self._run_ended(worker, run)
         request = run.request
         if request is None:
@@ -683,14 +727,24 @@ class Dispatcher:
             # A refusal is the request's fault, not the attempt's: no failed attempt is
             # recorded and nothing is retried (another worker would refuse it the same way).
             self._end_attempt(run, None)
-            self._fail(request, _refusal(text, detail))
+            self._fail(request, _refusal(text, detail if isinstance(detail, tuple) else None))
             return
-        self._end_attempt(run, "error")
-        error = BackendError(
-            f"the backend raised on worker pid {worker.pid}: {text}",
-            remote_traceback=remote_traceback,
+        outcome, error = _typed_backend_error(worker, kind, text, remote_traceback, details)
+        self._end_attempt(run, outcome)
+        self._attempt_failed(request, worker, outcome, error)
+
+    def _retire_after_cuda_error(self, worker: Worker, text: str) -> None:
+        """Its CUDA context is unusable: kill it now, before it could be handed anything
+        else; its memory release is checked, and its slot refilled, as after any kill."""
+        self.counters["cuda_errors"] += 1
+        logger.error(
+            "worker %d (pid %s) on %s hit a sticky CUDA error; replacing it: %s",
+            worker.id,
+            worker.pid,
+            worker.device,
+            text.strip().splitlines()[0] if text.strip() else "?",
         )
-        self._attempt_failed(request, worker, "error", error)
+        self._signal(worker, signal.SIGKILL, "cuda_error")
 
     def _run_ended(self, worker: Worker, run: Run) -> None:
         """The worker answered ``run``: its slot is free; with none left running the worker
@@ -971,9 +1025,14 @@ class Dispatcher:
     ) -> None:
         now = self.clock()
         policy = self.config.retry
+        if outcome == "oom":
+            # A prompt too long for the device's memory fails everywhere: few tries.
+            allowed = sum(a.outcome == "oom" for a in request.attempts) <= policy.oom_retries
+        else:
+            allowed = outcome in policy.on
         charged = sum(attempt.outcome != "collateral" for attempt in request.attempts)
         retry = (
-            outcome in policy.on
+            allowed
             and charged <= policy.max_retries
             and not request.streamed
             and not request.cancel_requested
@@ -1039,7 +1098,7 @@ class Dispatcher:
         for slot in range(self.slot_count):
             if slot in self.abandoned_slots:
                 continue
-            if self.devices[slot % len(self.devices)] in self.blocked_devices:
+            if self._group_blocked(self.devices[slot % len(self.devices)]):
                 continue
             if slot != failed.slot or leaving:
                 return True
@@ -1150,6 +1209,10 @@ class Dispatcher:
         )
         logger.debug("worker %d (pid %s) starting on %s", worker.id, worker.pid, device)
 
+    def _group_blocked(self, label: str) -> bool:
+        """A GPU that still holds a dead worker's memory blocks every group it belongs to."""
+        return any(device in self.blocked_devices for device in group_devices(label))
+
     def _slot_filled(self, slot: int) -> bool:
         return any(w.slot == slot and w.state != "dead" for w in self.workers.values())
 
@@ -1164,8 +1227,7 @@ class Dispatcher:
                 or self._slot_filled(slot)
             ):
                 continue
-            device = self.devices[slot % len(self.devices)]
-            if device in self.blocked_devices:
+            if self._group_blocked(self.devices[slot % len(self.devices)]):
                 continue
             not_before = self.slot_not_before.get(slot, 0.0)
             if not_before > now:
@@ -1230,6 +1292,8 @@ class Dispatcher:
     # ---- recycling and roles -------------------------------------------------------------
 
     def _retire_reason(self, worker: Worker) -> str | None:
+        if worker.retire_reason is not None:
+            return worker.retire_reason
         config = self.config
         if (
             config.max_requests_per_worker is not None
@@ -1343,7 +1407,7 @@ class Dispatcher:
             return
         self.io.gpu_workers_changed(
             [
-                (w.id, w.pid, w.device, w.gpu_baseline)
+                (w.id, w.pid, w.device)
                 for w in self.workers.values()
                 if w.pid is not None and w.state != "dead" and w.device.startswith("cuda")
             ]
@@ -1361,3 +1425,39 @@ def _refusal(text: str, detail: tuple[int, int | None, int] | None) -> InvalidRe
         max_new_tokens=max_new_tokens,
         max_model_len=max_model_len,
     )
+
+
+def _typed_backend_error(
+    worker: Worker, kind: str, text: str, remote_traceback: str, details: Mapping[str, Any]
+) -> tuple[Outcome, BackendError]:
+    """The attempt's outcome and the typed error for what a worker's backend raised."""
+    if kind == "oom":
+        device = pool_device(worker, details.get("device"))
+        return "oom", OutOfMemory(
+            f"CUDA out of memory on worker pid {worker.pid} ({device or worker.device}): {text}",
+            remote_traceback=remote_traceback,
+            device=device,
+            bytes_requested=details.get("bytes_requested"),
+        )
+    if kind == "cuda_error":
+        return "cuda_error", CudaError(
+            f"CUDA error on worker pid {worker.pid} ({worker.device}); the worker was "
+            f"replaced: {text}",
+            remote_traceback=remote_traceback,
+        )
+    return "error", BackendError(
+        f"the backend raised on worker pid {worker.pid}: {text}",
+        remote_traceback=remote_traceback,
+    )
+
+
+def pool_device(worker: Worker, local: object) -> str | None:
+    """The pool's name for a GPU the worker named in its own numbering ("cuda:1" of a
+    group "cuda:2,cuda:3" is "cuda:3"); without one, the worker's GPU if it has one."""
+    members = group_devices(worker.device)
+    if not isinstance(local, str) or not local.startswith("cuda"):
+        return worker.device if len(members) == 1 and worker.device != "cpu" else None
+    if worker.device == "cpu":
+        return local  # a rehearsal (the testing backend) on a CPU worker
+    ordinal = int(local.partition(":")[2] or 0)
+    return members[ordinal] if ordinal < len(members) else local

@@ -14,6 +14,8 @@ happened to each try::
     ├── WorkerCrashed
     │   └── PoisonRequest     the suspect: its batches failed, then it failed alone
     ├── BackendError
+    │   ├── OutOfMemory       (a CUDA out-of-memory; .device, .bytes_requested)
+    │   └── CudaError         (the worker's CUDA context became unusable; it was replaced)
     ├── PoolOverloaded
     ├── PoolClosed
     ├── ModelLoadFailed
@@ -27,10 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Outcome = Literal["ok", "timeout", "crash", "cancelled", "error", "collateral"]
+Outcome = Literal["ok", "timeout", "crash", "cancelled", "error", "collateral", "oom", "cuda_error"]
 """What became of one attempt. "collateral": the request's worker died or was killed because of
 something in its batch while the request had shown its caller nothing; it was retried at once
-and the attempt is not charged to its retry budget."""
+and the attempt is not charged to its retry budget. "oom": the backend ran out of GPU memory;
+"cuda_error": a CUDA error that leaves the worker's context unusable."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,38 @@ class BackendError(PoolError):
     ) -> None:
         super().__init__(message, request_id=request_id, attempts=attempts)
         self.remote_traceback = remote_traceback
+
+
+class OutOfMemory(BackendError):
+    """CUDA ran out of memory for the request.
+
+    ``device`` is the pool's name of the GPU ("cuda:1") and ``bytes_requested`` the
+    allocation that failed, each None when torch did not say. The worker emptied its
+    cache afterwards and was recycled if its memory did not come back to what it held
+    after loading. Retried on another worker ``retry.oom_retries`` times (default 1).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: str | None = None,
+        attempts: Sequence[Attempt] = (),
+        remote_traceback: str = "",
+        device: str | None = None,
+        bytes_requested: int | None = None,
+    ) -> None:
+        super().__init__(
+            message, request_id=request_id, attempts=attempts, remote_traceback=remote_traceback
+        )
+        self.device = device
+        self.bytes_requested = bytes_requested
+
+
+class CudaError(BackendError):
+    """A CUDA error that left the worker's context unusable (an illegal memory access, a
+    device-side assert): the worker was killed and replaced, never handed another request.
+    Not retried unless ``retry.on`` names "cuda_error"."""
 
 
 class PoolOverloaded(PoolError):

@@ -754,6 +754,83 @@ def resolve_devices(
     return resolved
 
 
+def group_devices(label: str) -> list[str]:
+    """The devices of a worker's device label: "cuda:0,cuda:1" -> ["cuda:0", "cuda:1"].
+
+    A worker's ``device`` is one device ("cpu", "cuda:N") or, when the worker owns
+    several GPUs, their names joined by commas, as ``CUDA_VISIBLE_DEVICES`` lists them.
+    """
+    return [part.strip() for part in label.split(",")]
+
+
+def resolve_worker_devices(
+    spec: Sequence[str | Sequence[str]],
+    probe: GpuProbe,
+    environ: Mapping[str, str] | None = None,
+    *,
+    gpus_per_worker: int = 1,
+    slots: int | None = None,
+) -> list[str]:
+    """The device label of each worker slot in turn (slot N takes entry N modulo the length).
+
+    Plain entries resolve as in :func:`resolve_devices`. A group (a list of GPUs)
+    becomes one label "cuda:0,cuda:1"; ``gpus_per_worker`` > 1 splits the resolved
+    GPUs ("auto": every visible GPU) into consecutive groups of that size. Groups are
+    exclusive: ``slots`` (workers + spares) above the number of groups, a group
+    that overlaps another, or a GPU that does not exist is a ValueError naming the key.
+    """
+    if isinstance(spec, str):
+        spec = [spec]
+    groups: list[list[str]] = []
+    for entry in spec:
+        if isinstance(entry, str):
+            try:
+                groups.extend([device] for device in resolve_devices([entry], probe, environ))
+            except ValueError as exc:
+                raise ValueError(f"devices: {exc}") from None
+        else:
+            try:
+                groups.append(resolve_devices(list(entry), probe, environ))
+            except ValueError as exc:
+                raise ValueError(f"devices: group {list(entry)!r}: {exc}") from None
+    if gpus_per_worker > 1:
+        flat = [group[0] for group in groups]
+        if "cpu" in flat:
+            raise ValueError(
+                "gpus_per_worker: no GPU visible (NVML: "
+                f"{probe.reason}); a worker on 'cpu' cannot own {gpus_per_worker} GPUs"
+            )
+        usable = len(flat) - len(flat) % gpus_per_worker
+        if usable == 0:
+            raise ValueError(
+                f"gpus_per_worker: {gpus_per_worker} GPUs per worker but only {len(flat)} visible"
+            )
+        if usable < len(flat):
+            log.warning(
+                "gpus_per_worker=%d: %s left unused", gpus_per_worker, ", ".join(flat[usable:])
+            )
+        groups = [
+            flat[start : start + gpus_per_worker] for start in range(0, usable, gpus_per_worker)
+        ]
+    if any(len(group) > 1 for group in groups):
+        owner: dict[str, int] = {}
+        for number, group in enumerate(groups):
+            for device in group:
+                if device in owner:
+                    raise ValueError(
+                        f"devices: {device} is in more than one place ({groups[owner[device]]} "
+                        f"and {group}); worker GPU groups must not overlap"
+                    )
+                owner[device] = number
+        if slots is not None and slots > len(groups):
+            key = "gpus_per_worker" if gpus_per_worker > 1 else "devices"
+            raise ValueError(
+                f"{key}: {slots} workers (workers + spares) but {len(groups)} GPU groups; "
+                "a worker that owns several GPUs shares them with no other"
+            )
+    return [",".join(group) for group in groups]
+
+
 def nvml_index_for(
     device: str, probe: GpuProbe, environ: Mapping[str, str] | None = None
 ) -> int | None:
@@ -780,8 +857,21 @@ def worker_env_for(
     integer means the same GPU to CUDA as to NVML (CUDA's default order is
     fastest-first). CPU: ``CUDA_VISIBLE_DEVICES=""`` and "cpu".
     Raises ValueError for a CUDA ordinal that is not visible.
+
+    A group label ("cuda:0,cuda:2") gives exactly those GPUs, in that order, and
+    the worker uses "cuda:0,cuda:1" (its own numbering).
     """
     env = os.environ if environ is None else environ
+    members = group_devices(device)
+    if len(members) > 1:
+        member_entries: list[str] = []
+        group_env: dict[str, str] = {}
+        for member in members:
+            member_env, _ = worker_env_for(member, probe, env)
+            member_entries.append(member_env["CUDA_VISIBLE_DEVICES"])
+            group_env.update(member_env)
+        group_env["CUDA_VISIBLE_DEVICES"] = ",".join(member_entries)
+        return group_env, ",".join(f"cuda:{n}" for n in range(len(members)))
     ordinal = _cuda_ordinal(device)
     if ordinal is None:
         return {"CUDA_VISIBLE_DEVICES": ""}, "cpu"
@@ -817,7 +907,9 @@ __all__ = [
     "MemoryReading",
     "ReleaseReport",
     "find_device_holders",
+    "group_devices",
     "nvml_index_for",
     "resolve_devices",
+    "resolve_worker_devices",
     "worker_env_for",
 ]

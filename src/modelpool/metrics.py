@@ -153,6 +153,24 @@ def stats_families(stats: PoolStats) -> Iterator[Metric]:
         total.add_metric([label], device.total_mb * _MIB)
     yield used
     yield total
+    per_worker = GaugeMetricFamily(
+        "modelpool_worker_gpu_memory_bytes",
+        "GPU memory of each worker on each GPU of its group, where NVML lists its PID.",
+        labels=["worker", "device"],
+    )
+    for worker in stats.workers:
+        for device_name, mb in sorted(worker.gpu_mb_by_device.items()):
+            if mb is not None:
+                per_worker.add_metric([str(worker.id), device_name], mb * _MIB)
+    yield per_worker
+    blocked = GaugeMetricFamily(
+        "modelpool_gpu_blocked_held_bytes",
+        "Memory a dead worker still holds on a GPU that blocks its group (NaN: unknown).",
+        labels=["device"],
+    )
+    for device_name, held_mb in sorted(gpu.blocked_held_mb.items()):
+        blocked.add_metric([device_name], float("nan") if held_mb is None else held_mb * _MIB)
+    yield blocked
 
     releases = gpu.releases
     last = GaugeMetricFamily(
@@ -237,8 +255,15 @@ WORKER_COUNTERS = (
     ),
     (
         "modelpool_worker_recycles",
-        "Workers retired by max_requests_per_worker or a memory limit.",
+        "Workers retired by max_requests_per_worker, a memory limit, or memory not back "
+        "after a CUDA out-of-memory.",
         "recycled",
+    ),
+    ("modelpool_cuda_oom", "Requests that ran out of CUDA memory on a worker.", "cuda_oom"),
+    (
+        "modelpool_cuda_errors",
+        "Sticky CUDA errors: each worker was killed and replaced.",
+        "cuda_errors",
     ),
 )
 

@@ -32,7 +32,7 @@ from modelpool.config import PoolConfig
 from modelpool.dispatcher import Dispatcher
 from modelpool.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded
 from modelpool.protocol import Prompt, WorkerSpec, encode_request
-from modelpool.records import Request, Worker, WorkerIO
+from modelpool.records import GpuWorker, Request, Worker, WorkerIO
 from modelpool.results import PoolFuture, Result
 from modelpool.stats import PoolHealth, PoolStats
 from modelpool.supervisor import EventLoop
@@ -118,7 +118,12 @@ class ModelPool:
             if model != config.model:
                 config = config.replace(model=model)
             probe = self._gpu_probe or gpu.GpuProbe()
-            devices = gpu.resolve_devices(config.devices, probe)
+            devices = gpu.resolve_worker_devices(
+                config.devices,
+                probe,
+                gpus_per_worker=config.gpus_per_worker,
+                slots=config.workers + config.spares,
+            )
             with self._start_lock:
                 if self._closed:
                     raise PoolClosed("the pool is closed")
@@ -574,5 +579,5 @@ class _NoIO:
     def watch_device_free(self, device: str, needed_bytes: int) -> None:
         return None
 
-    def gpu_workers_changed(self, workers: list[tuple[int, int, str, int | None]]) -> None:
+    def gpu_workers_changed(self, workers: list[GpuWorker]) -> None:
         return None

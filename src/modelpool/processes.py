@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -159,6 +159,26 @@ def _describe_member(proc: psutil.Process) -> str:
     except (psutil.Error, OSError):
         name = "?"
     return f"pid {proc.pid} ({name}) status={status}"
+
+
+def started_by(pid: int, candidates: Collection[int]) -> int | None:
+    """The one of ``candidates`` that ``pid`` descends from (a worker that started it,
+    in its process group or not), or None; None too when ``pid`` is gone."""
+    try:
+        for parent in psutil.Process(pid).parents():
+            if parent.pid in candidates:
+                return int(parent.pid)
+    except (psutil.Error, OSError):
+        return None
+    return None
+
+
+def describe_process(pid: int) -> str:
+    """ "pid N (name) status=S", as far as it can be read."""
+    try:
+        return _describe_member(psutil.Process(pid))
+    except (psutil.Error, OSError):
+        return f"pid {pid} (gone)"
 
 
 def reap_group_children(pgid: int) -> int:

@@ -73,7 +73,7 @@ def default_deployment_options(
         + pool_config.term_grace_s
         + pool_config.gpu_release_timeout_s
     )
-    uses_gpu = any(device.startswith("cuda") for device in pool_config.devices)
+    gpus = _gpus_named(pool_config)
     return {
         "name": "modelpool",
         # Each worker busy and one request queued behind it; the rest wait at Ray's
@@ -84,8 +84,19 @@ def default_deployment_options(
         # Ray waits this long for requests in flight, then calls __del__, which drains
         # and closes the pool: its worst case is the same sum as the Kubernetes grace.
         "graceful_shutdown_timeout_s": shutdown_s,
-        "ray_actor_options": {"num_gpus": 1} if uses_gpu else {},
+        "ray_actor_options": {"num_gpus": gpus} if gpus else {},
     }
+
+
+def _gpus_named(pool_config: PoolConfig) -> int:
+    """GPUs a replica must be given: every GPU its workers name, a group's included
+    ("auto" and "cpu" ask Ray for none)."""
+    gpus: set[int] = set()
+    for entry in pool_config.devices:
+        for device in (entry,) if isinstance(entry, str) else entry:
+            if device.startswith("cuda"):
+                gpus.add(int(device.partition(":")[2] or 0))
+    return len(gpus)
 
 
 class PoolReplica:

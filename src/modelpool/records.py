@@ -29,6 +29,8 @@ from modelpool.results import PoolFuture
 RequestState = Literal["new", "queued", "backoff", "running", "done"]
 WorkerState = Literal["starting", "idle", "busy", "cancelling", "killing", "stopping", "dead"]
 WorkerRole = Literal["serving", "spare"]
+GpuWorker = tuple[int, int, str]
+"""(worker id, pid, device label) of a live worker on GPUs, for the GPU monitors."""
 
 
 @dataclass(eq=False)
@@ -121,9 +123,11 @@ class Worker:
     ready_at: float | None = None
     requests: int = 0
     rss_bytes: int | None = None
-    gpu_bytes: int | None = None
+    gpu_bytes: int | None = None  # the sum over its GPUs
     gpu_method: str | None = None
-    gpu_baseline: int | None = None
+    gpu_bytes_by_device: dict[str, int | None] = field(default_factory=dict)
+    gpu_baselines: dict[str, int | None] = field(default_factory=dict)  # each GPU's used memory
+    retire_reason: str | None = None  # the worker itself asked to be replaced (after a CUDA OOM)
     runs: dict[int, Run] = field(default_factory=dict)  # by attempt id
     progress_seen: int = 0  # the control block's progress word at the last stall check
     progress_at: float | None = None  # when it last moved (None: the clock has not started)
@@ -150,7 +154,7 @@ class DispatcherIO(Protocol):
 
     def watch_device_free(self, device: str, needed_bytes: int) -> None: ...
 
-    def gpu_workers_changed(self, workers: list[tuple[int, int, str, int | None]]) -> None: ...
+    def gpu_workers_changed(self, workers: list[GpuWorker]) -> None: ...
 
 
 def do_nothing(*args: Any) -> None:

@@ -23,10 +23,11 @@ Status codes: 400 invalid (``context_length_exceeded`` when the prompt and
 ``max_tokens`` do not fit the model's context, which ``/v1/models`` reports as
 ``max_model_len``), 401 missing/bad key, 404/405 unknown route or
 method, 413 body too large, 429 ``PoolOverloaded``, 503 ``PoolClosed`` /
-``ModelLoadFailed`` / draining, 504 ``DeadlineExceeded``, 502 ``WorkerCrashed``,
-500 only for ``BackendError`` (the model code raised) or a bug here. Every
-error says ``x-should-retry`` (true only for 429 and 503, which also carry
-``Retry-After``): the pool has applied its own retry policy already.
+``ModelLoadFailed`` / draining, 504 ``DeadlineExceeded``, 502 ``WorkerCrashed``
+and ``CudaError``, 507 ``OutOfMemory`` (CUDA), 500 only for ``BackendError``
+(the model code raised) or a bug here. Every error says ``x-should-retry``
+(true only for 429 and 503, which also carry ``Retry-After``): the pool has
+applied its own retry policy already.
 
 A client that disconnects cancels its request in the worker: a task waits on
 the ASGI ``receive`` channel for ``http.disconnect`` (no polling) and cancels
@@ -59,9 +60,11 @@ from modelpool.config import ServerConfig
 from modelpool.errors import (
     BackendError,
     ContextLengthExceeded,
+    CudaError,
     DeadlineExceeded,
     InvalidRequest,
     ModelLoadFailed,
+    OutOfMemory,
     PoolClosed,
     PoolError,
     PoolOverloaded,
@@ -247,6 +250,16 @@ def pool_error_to_api(error: PoolError) -> ApiError:
             headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE)},
             extra=extra,
         )
+    if isinstance(error, OutOfMemory):
+        # Not 503: the same request would run out of memory again, so no Retry-After.
+        extra["device"] = error.device
+        extra["bytes_requested"] = error.bytes_requested
+        return ApiError(
+            507, error.message, type="insufficient_memory_error", code="out_of_memory", extra=extra
+        )
+    if isinstance(error, CudaError):
+        # The worker's GPU context broke under the request; the worker was replaced.
+        return ApiError(502, error.message, type="worker_error", code="cuda_error", extra=extra)
     if isinstance(error, BackendError):
         # The model code raised inside the worker: a server-side failure, kept as 500.
         return ApiError(500, error.message, type="backend_error", code="backend_error", extra=extra)

@@ -31,6 +31,8 @@ COUNTER_NAMES = (
     "recycled",
     "collateral_retries",
     "poison_requests",
+    "cuda_oom",
+    "cuda_errors",
 )
 
 
@@ -49,6 +51,7 @@ class WorkerStats:
     max_model_len: int | None = None
     slots: int = 1
     running: list[str] = field(default_factory=list)
+    gpu_mb_by_device: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,8 @@ class GpuStats:
     devices: list[DeviceStats] = field(default_factory=list)
     releases: ReleaseStats = field(default_factory=ReleaseStats)
     blocked_devices: list[str] = field(default_factory=list)
+    blocked_held_mb: dict[str, float | None] = field(default_factory=dict)
+    blocked_holders: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

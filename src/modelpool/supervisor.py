@@ -83,7 +83,7 @@ from modelpool.dispatcher import Dispatcher
 from modelpool.errors import PoolClosed
 from modelpool.monitors import Monitors
 from modelpool.protocol import WorkerSpec
-from modelpool.records import Worker, WorkerIO
+from modelpool.records import GpuWorker, Worker, WorkerIO
 from modelpool.results import set_future
 from modelpool.spawn import ProcessWorkerIO, build_env, start_worker_process, usable_cpus
 
@@ -362,9 +362,10 @@ class EventLoop:
 
     def spawn(self, worker: Worker, spec: WorkerSpec) -> WorkerIO:
         device_env, worker_device = gpu.worker_env_for(worker.device, self.probe, self.environ)
-        index = gpu.nvml_index_for(worker.device, self.probe, self.environ)
-        if index is not None:
-            worker.gpu_baseline = self.probe.used_bytes(index)
+        for device in gpu.group_devices(worker.device):
+            index = gpu.nvml_index_for(device, self.probe, self.environ)
+            if index is not None:
+                worker.gpu_baselines[device] = self.probe.used_bytes(index)
         io = start_worker_process(
             build_env(device_env, self._threads_per_worker),
             self._lifeline_r,
@@ -395,7 +396,7 @@ class EventLoop:
     def watch_device_free(self, device: str, needed_bytes: int) -> None:
         self.monitors.watch_device_free(device, needed_bytes)
 
-    def gpu_workers_changed(self, workers: list[tuple[int, int, str, int | None]]) -> None:
+    def gpu_workers_changed(self, workers: list[GpuWorker]) -> None:
         self.monitors.gpu_workers_changed(workers)
 
     def _want_write(self, worker: Worker, io: ProcessWorkerIO) -> None:

@@ -29,6 +29,22 @@ Commands (``name[:arg[:arg]]``; anything else is echoed back):
 ``pid``                returns the worker's pid
 ``spin``               never finishes and never produces a token, but (batched)
                        keeps its decoding loop turning: a livelock
+``env:NAME``           returns the worker's environment variable NAME ("" if unset)
+``device``             returns the ``device`` the worker's backend was loaded with
+``cuda_oom:BYTES[:MB]`` raises a simulated CUDA out-of-memory (torch's class name
+                       and message) for an allocation of BYTES; MB megabytes of
+                       simulated device memory stay allocated afterwards (default
+                       0), so that the memory is not back to the baseline
+``cuda_sticky``        raises a simulated illegal memory access; from then on every
+                       request and every device check fails the same way, as a
+                       poisoned CUDA context does
+``cuda_error:MESSAGE`` raises ``RuntimeError("CUDA error: MESSAGE")`` once, with the
+                       device still usable (a CUDA error that is not sticky)
+``device_memory``      returns the simulated allocated bytes and cache releases,
+                       "ALLOCATED/RELEASES"
+``detach:SECONDS``     starts a child in a session of its own (outside the worker's
+                       process group, so a kill of the group misses it) that sleeps
+                       SECONDS (default 60) and returns its pid
 =====================  ======================================================
 
 With ``max_batch_size`` above 1 the backend batches (``protocol.BatchedHandler``):
@@ -69,6 +85,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -101,6 +119,10 @@ def validate(params: dict[str, Any]) -> None:
         raise InvalidRequest(f"unknown generation parameter {unknown[0]!r} for the testing backend")
 
 
+SIMULATED_WEIGHTS_BYTES = 100 * 1024 * 1024
+"""Simulated device memory the loaded "model" holds: the post-load baseline."""
+
+
 @dataclass(eq=False)
 class _Job:
     """One admitted request in the batched form."""
@@ -122,14 +144,40 @@ _STEPPED = frozenset({"tokens", "stall", "spin"})
 _SPIN_STEP_S = 0.005
 
 
-class FaultBackend:
-    """The handler; one per worker. Implements both backend forms."""
+STICKY_MESSAGE = (
+    "CUDA error: an illegal memory access was encountered\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the "
+    "stacktrace below might be incorrect."
+)
 
-    def __init__(self, max_model_len: int | None = None) -> None:
+
+class OutOfMemoryError(RuntimeError):
+    """Named as torch's, so that the worker recognises it as torch's would be."""
+
+
+class FaultBackend:
+    """The handler; one per worker. Implements both backend forms; its device memory is
+    simulated (see the CUDA commands)."""
+
+    def __init__(self, device: str = "cpu", max_model_len: int | None = None) -> None:
         self._leaked: list[bytearray] = []
         self.max_model_len = max_model_len
+        self.device = device
+        self.allocated_bytes = SIMULATED_WEIGHTS_BYTES
+        self.cache_releases = 0
+        self.poisoned = False
         self._jobs: list[_Job] = []
         self._pause = threading.Event()
+
+    def device_memory_allocated(self) -> int:
+        return self.allocated_bytes
+
+    def release_device_cache(self) -> None:
+        self.cache_releases += 1
+
+    def check_device(self) -> None:
+        if self.poisoned:
+            raise RuntimeError(STICKY_MESSAGE)
 
     # ---- batched form ------------------------------------------------------------------
 
@@ -243,11 +291,14 @@ class FaultBackend:
     def _run(self, call: Call) -> str | Generation:
         text = _prompt_text(call.prompt)
         command, _, argument = text.partition(":")
+        self.check_device()
         limit, prompt_tokens = self._fit(call)
         if limit == 0:
             return Generation("", "length", prompt_tokens, 0)
         if command == "echo":
             return argument
+        if command.startswith("cuda_") or command in ("env", "device", "device_memory", "detach"):
+            return self._device_command(command, argument)
         if command == "tokens":
             return _emit_tokens(call, argument, limit, prompt_tokens)
         if command == "hang":
@@ -285,6 +336,35 @@ class FaultBackend:
             while True:
                 time.sleep(_SPIN_STEP_S)
         return text
+
+    def _device_command(self, command: str, argument: str) -> str:
+        if command == "env":
+            return os.environ.get(argument, "")
+        if command == "device":
+            return self.device
+        if command == "detach":
+            child = subprocess.Popen(
+                [sys.executable, "-c", f"import time; time.sleep({float(argument or 60)})"],
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+            )
+            return str(child.pid)
+        if command == "device_memory":
+            return f"{self.allocated_bytes}/{self.cache_releases}"
+        if command == "cuda_oom":
+            asked_text, _, held_text = argument.partition(":")
+            asked = int(asked_text or 2**31)
+            self.allocated_bytes += int(float(held_text or 0) * 1024 * 1024)
+            raise OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {asked / 2**20:.2f} MiB. GPU 0 has a "
+                "total capacity of 79.19 GiB of which 1.06 GiB is free."
+            )
+        if command == "cuda_sticky":
+            self.poisoned = True
+            raise RuntimeError(STICKY_MESSAGE)
+        if command == "cuda_error":
+            raise RuntimeError(f"CUDA error: {argument or 'invalid argument'}")
+        raise InvalidRequest(f"unknown testing command {command!r}")
 
 
 def count_tokens(prompt: Prompt) -> int:
@@ -362,7 +442,8 @@ def _block_forever() -> None:
 
 
 def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
-    """Factory: ``backend="testing"``. ``model`` and ``device`` are ignored."""
+    """Factory: ``backend="testing"``. ``model`` is ignored; ``device`` is kept for the
+    ``device`` command."""
     unknown = sorted(
         set(options)
         - {"load_delay_s", "fail_load", "exit_on_load", "exit_after_load_s", "max_model_len"}
@@ -378,4 +459,4 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
         raise RuntimeError(f"testing backend asked to fail its load: {options['fail_load']}")
     if options.get("exit_after_load_s") is not None:
         threading.Timer(float(options["exit_after_load_s"]), os._exit, args=(1,)).start()
-    return FaultBackend(max_model_len)
+    return FaultBackend(device, max_model_len)

@@ -43,6 +43,7 @@ import threading
 import traceback
 from typing import Any
 
+from modelpool import cuda_faults
 from modelpool.backends import import_backend
 from modelpool.context import check_max_model_len
 from modelpool.errors import ContextLengthExceeded, InvalidRequest
@@ -223,6 +224,7 @@ def _run_attempt(
     control: ControlBlock,
     channel: _Channel,
     defaults: dict[str, Any],
+    baseline: cuda_faults.MemoryBaseline | None = None,
 ) -> None:
     call = _read_attempt(handler, message, control, channel, defaults, checks_count=True)
     if call is None:
@@ -230,12 +232,18 @@ def _run_attempt(
     try:
         generation = _normalise(handler.generate(call))
     except Exception as exc:
-        _send_failure(channel, call.attempt_id, exc)
+        _send_failure(channel, call.attempt_id, exc, handler, baseline)
         return
     channel.send(("done", call.attempt_id, generation, process_rss_bytes()))
 
 
-def _send_failure(channel: _Channel, attempt_id: int, exc: BaseException) -> None:
+def _send_failure(
+    channel: _Channel,
+    attempt_id: int,
+    exc: BaseException,
+    handler: object = None,
+    baseline: cuda_faults.MemoryBaseline | None = None,
+) -> None:
     if isinstance(exc, ContextLengthExceeded):
         detail = (exc.prompt_tokens, exc.max_new_tokens, exc.max_model_len)
         channel.send(
@@ -245,17 +253,17 @@ def _send_failure(channel: _Channel, attempt_id: int, exc: BaseException) -> Non
     if isinstance(exc, InvalidRequest):
         channel.send(("error", attempt_id, "invalid", str(exc), "", process_rss_bytes()))
         return
+    fault = None if handler is None else cuda_faults.classify(exc, handler)
+    text = f"{type(exc).__name__}: {exc}"
     remote_traceback = "".join(traceback.format_exception(exc))
-    channel.send(
-        (
-            "error",
-            attempt_id,
-            "backend",
-            f"{type(exc).__name__}: {exc}",
-            remote_traceback,
-            process_rss_bytes(),
-        )
-    )
+    # The exception's frames (which hold the request's tensors) are let go before an
+    # out-of-memory's cache is emptied, so that the memory can really come back.
+    exc.__traceback__ = None
+    details: dict[str, Any] = {}
+    if fault is not None and fault.kind == "oom" and handler is not None:
+        details = (baseline or cuda_faults.MemoryBaseline(None)).recover_after_oom(handler, fault)
+    kind = "backend" if fault is None else fault.kind
+    channel.send(("error", attempt_id, kind, text, remote_traceback, process_rss_bytes(), details))
 
 
 class _BatchLoop:
@@ -329,7 +337,7 @@ class _BatchLoop:
             try:
                 self.handler.admit(call)
             except Exception as exc:
-                _send_failure(self.channel, call.attempt_id, exc)
+                _send_failure(self.channel, call.attempt_id, exc, self.handler)
                 return True
             self.running[call.attempt_id] = call
         return True
@@ -342,7 +350,7 @@ class _BatchLoop:
             try:
                 generation = _normalise(self.handler.retire(call))
             except Exception as exc:
-                _send_failure(self.channel, call.attempt_id, exc)
+                _send_failure(self.channel, call.attempt_id, exc, self.handler)
                 continue
             generation.finish_reason = "cancelled"
             self.channel.send(("done", call.attempt_id, generation, process_rss_bytes()))
@@ -356,7 +364,7 @@ class _BatchLoop:
                 "the batched backend's step failed; dropping its %d requests", len(self.running)
             )
             for lost in list(self.running):
-                _send_failure(self.channel, lost, exc)
+                _send_failure(self.channel, lost, exc, self.handler)
             self.running.clear()
             self.handler.abort()
             return
@@ -365,12 +373,12 @@ class _BatchLoop:
             if attempt_id is None or self.running.pop(attempt_id, None) is None:
                 continue
             if isinstance(outcome, Exception):
-                _send_failure(self.channel, attempt_id, outcome)
+                _send_failure(self.channel, attempt_id, outcome, self.handler)
                 continue
             try:
                 generation = _normalise(outcome)
             except Exception as exc:
-                _send_failure(self.channel, attempt_id, exc)
+                _send_failure(self.channel, attempt_id, exc, self.handler)
                 continue
             self.channel.send(("done", attempt_id, generation, process_rss_bytes()))
 
@@ -443,6 +451,7 @@ def serve(channel: _Channel, control: ControlBlock) -> int:
     except BaseException:
         channel.send(("load_failed", traceback.format_exc()))
         return EXIT_LOAD_FAILED
+    baseline = cuda_faults.MemoryBaseline.measure(handler)
     slots = min(spec.max_batch_size, control.slots) if is_batched(handler) else 1
     channel.send(
         ("ready", PROTOCOL_VERSION, os.getpid(), process_rss_bytes(), max_model_len, slots)
@@ -456,7 +465,7 @@ def serve(channel: _Channel, control: ControlBlock) -> int:
         if message is None or message[0] == "stop":
             return 0
         if message[0] == "run":
-            _run_attempt(handler, message, control, channel, spec.generation_defaults)
+            _run_attempt(handler, message, control, channel, spec.generation_defaults, baseline)
 
 
 def main(argv: list[str] | None = None) -> None:

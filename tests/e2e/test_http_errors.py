@@ -157,6 +157,30 @@ def test_backend_exception_is_500_backend_error(http: httpx.Client) -> None:
     assert "boom" in error["message"]
 
 
+def test_cuda_out_of_memory_is_507_with_the_device_and_bytes(http: httpx.Client) -> None:
+    # The daemon of this module retries nothing: one attempt, on a CPU worker (rehearsal).
+    error = _error(http.post(COMPLETIONS, json={"prompt": f"cuda_oom:{2**30}"}), 507)
+    assert error["type"] == "insufficient_memory_error"
+    assert error["code"] == "out_of_memory"
+    assert error["bytes_requested"] == 2**30
+    assert error["device"] == "cuda:0"
+    assert [a["outcome"] for a in error["attempts"]] == ["oom"]
+
+
+def test_sticky_cuda_error_is_502_and_the_worker_is_replaced(
+    http: httpx.Client, daemon: Daemon
+) -> None:
+    before = daemon.wait_settled(2)
+    error = _error(http.post(COMPLETIONS, json={"prompt": "cuda_sticky"}), 502)
+    assert error["code"] == "cuda_error"
+    assert "illegal memory access" in error["message"]
+    after = daemon.wait_settled(2)
+    assert after["counters"]["cuda_errors"] == before["counters"]["cuda_errors"] + 1
+    assert after["kill_reasons"].get("cuda_error", 0) >= 1
+    poisoned = error["attempts"][0]["worker_pid"]
+    assert poisoned not in {w["pid"] for w in after["workers"]}
+
+
 def test_rejected_requests_kill_no_worker(http: httpx.Client, daemon: Daemon) -> None:
     before = daemon.wait_settled(2)
     for body in ({"prompt": 1}, {"prompt": "x", "n": 0}, {"prompt": "x", "max_tokens": -1}):

@@ -266,6 +266,10 @@ def test_gpt2_architecture(tmp_path: Path) -> None:
         ({"dtype": "float33"}, "dtype"),
         ({"torch_threads": 0}, "torch_threads"),
         ({"trust_remote_code": "yes"}, "trust_remote_code"),
+        ({"max_memory": {"gpu0": "1GiB"}}, "max_memory"),
+        ({"max_memory": {"0": "lots"}}, "max_memory"),
+        ({"max_memory": {"0": 0}}, "max_memory"),
+        ({"max_memory": ["1GiB"]}, "max_memory"),
     ],
 )
 def test_bad_options_raise_value_error(
@@ -371,3 +375,32 @@ def test_scoring_the_prompt_leaves_the_generation_unchanged(
         [e.logprob for e in plain.logprobs], abs=1e-4
     )
     assert len(scored.prompt_logprobs) == scored.prompt_tokens
+
+
+def test_max_memory_and_a_gpu_group_load_through_accelerate(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained
+    seen: list[dict[str, Any]] = []
+
+    def spy(model: str, **kwargs: Any) -> Any:
+        seen.append({**kwargs, "max_memory": dict(kwargs.get("max_memory") or {})})
+        return original(model, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    # On a CPU machine the only device accelerate can fill is "cpu"; on a GPU group the
+    # same option caps each GPU ("0", "1": the worker's own numbering).
+    handler = load(str(tiny_model_dir), device="cpu", dtype="float32", max_memory={"cpu": "2GiB"})
+    assert seen[-1]["device_map"] == "auto" and seen[-1]["max_memory"] == {"cpu": "2GiB"}
+    assert handler.model.device.type == "cpu"
+    generation, _ = run(handler, "Hello", max_new_tokens=4)
+    assert generation.completion_tokens == 4
+    # A worker that owns two GPUs is spread over them; the keys are normalised for accelerate.
+    with pytest.raises(Exception):  # noqa: B017 - no GPU here: accelerate's own error
+        load(
+            str(tiny_model_dir), device="cuda:0,cuda:1", max_memory={"cuda:0": 1 << 30, "1": "1GiB"}
+        )
+    assert seen[-1]["device_map"] == "auto"
+    assert seen[-1]["max_memory"] == {0: 1 << 30, 1: "1GiB"}

@@ -41,7 +41,7 @@ from hypothesis.stateful import (
 from modelpool.config import PoolConfig, RetryPolicy
 from modelpool.dispatcher import Dispatcher
 from modelpool.protocol import PROTOCOL_VERSION, Generation, WorkerSpec, encode_request
-from modelpool.records import Request, Run, Worker
+from modelpool.records import GpuWorker, Request, Run, Worker
 from modelpool.results import PoolFuture
 
 MB = 2**20
@@ -120,7 +120,7 @@ class FakeIO:
     def watch_device_free(self, device: str, needed_bytes: int) -> None:
         return None
 
-    def gpu_workers_changed(self, workers: list[tuple[int, int, str, int | None]]) -> None:
+    def gpu_workers_changed(self, workers: list[GpuWorker]) -> None:
         return None
 
 

@@ -192,3 +192,16 @@ def test_the_wrapper_on_a_machine_without_a_gpu_ends_in_a_clear_verdict() -> Non
         "gpu-smoke | verdict                              | "
         "FAIL (pre-flight: the smoke cannot run on this machine)"
     )
+
+
+def test_the_smoke_backend_passes_ordinary_prompts_to_the_hf_handler() -> None:
+    class Inner:
+        def generate(self, call: object) -> str:
+            return "from hf"
+
+    class Call:
+        prompt = "Hello"
+
+    handler = smoke._SmokeHandler(Inner(), "cuda:0,cuda:1")
+    assert handler.generate(Call()) == "from hf"
+    assert handler._device == "cuda:0"  # a group's faults are staged on its first GPU

@@ -38,6 +38,7 @@ import functools
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -89,6 +90,7 @@ LOAD_OPTIONS = frozenset(
     {
         "dtype",
         "device_map",
+        "max_memory",
         "gguf_file",
         "trust_remote_code",
         "torch_threads",
@@ -97,6 +99,7 @@ LOAD_OPTIONS = frozenset(
         "max_model_len",
     }
 )
+_MEMORY_SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$", re.IGNORECASE)
 
 # Set in greedy mode they change nothing but make transformers warn on every request.
 _SAMPLING_ONLY = ("temperature", "top_p", "top_k")
@@ -142,17 +145,24 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
 
     Options (the pool's ``backend_options``): ``dtype`` ("auto", "float32",
     "bfloat16", ...; default: the checkpoint's), ``device_map`` (accelerate
-    placement; then ``device`` is not applied), ``gguf_file`` (a file inside
-    ``model``), ``trust_remote_code`` (default False), ``torch_threads``
-    (default: ``$MODELPOOL_TORCH_THREADS``, else torch's own choice),
-    ``chat_template`` (a Jinja template replacing the tokenizer's),
-    ``max_model_len`` (the context length in tokens, prompt and completion
-    together; default: the model config's ``max_position_embeddings`` or the
-    like) and ``kv_cache_tokens`` (the batched form's KV-cache bound, rows x
-    columns of the padded cache; see ``hf_batch``)::
+    placement; then ``device`` is not applied), ``max_memory`` (per device,
+    e.g. ``{"0": "38GiB", "1": "38GiB", "cpu": "64GiB"}``: GPUs in the worker's
+    own numbering, sizes as bytes or strings; implies ``device_map="auto"``
+    unless one is given), ``gguf_file`` (a file inside ``model``),
+    ``trust_remote_code`` (default False), ``torch_threads`` (default:
+    ``$MODELPOOL_TORCH_THREADS``, else torch's own choice), ``chat_template``
+    (a Jinja template replacing the tokenizer's), ``max_model_len`` (the
+    context length in tokens, prompt and completion together; default: the
+    model config's ``max_position_embeddings`` or the like) and
+    ``kv_cache_tokens`` (the batched form's KV-cache bound, rows x columns of
+    the padded cache; see ``hf_batch``)::
 
         handler = load("/models/smollm2", device="cuda:0", dtype="bfloat16")
         handler = load("/models/smollm2", max_model_len=2048)   # bound memory per request
+
+    A worker that owns several GPUs gets ``device="cuda:0,cuda:1"``: the model is
+    spread across them with ``device_map="auto"`` (accelerate) unless ``device_map``
+    says otherwise ("balanced", "sequential" or an explicit map).
     """
     unknown = sorted(set(options) - LOAD_OPTIONS)
     if unknown:
@@ -169,6 +179,9 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
         raise ValueError(f"dtype must be a string such as 'bfloat16', got {dtype!r}")
     if device_map is not None and not isinstance(device_map, (str, dict)):
         raise ValueError(f"device_map must be a string or a mapping, got {device_map!r}")
+    max_memory = _max_memory(options.get("max_memory"))
+    if device_map is None and (max_memory is not None or "," in device):
+        device_map = "auto"
     if gguf_file is not None and not isinstance(gguf_file, str):
         raise ValueError(f"gguf_file must be a file name, got {gguf_file!r}")
     if not isinstance(trust_remote_code, bool):
@@ -209,6 +222,8 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
         model_kwargs["dtype"] = _torch_dtype(dtype)
     if device_map is not None:
         model_kwargs["device_map"] = device_map
+    if max_memory is not None:
+        model_kwargs["max_memory"] = max_memory
     tokenizer = AutoTokenizer.from_pretrained(model, **shared)
     language_model: Any = AutoModelForCausalLM.from_pretrained(model, **model_kwargs)
     if device_map is None:
@@ -696,6 +711,37 @@ def _thread_count(option: object) -> int | None:
     if not from_env.isdigit() or int(from_env) < 1:
         raise ValueError(f"{THREADS_ENV} must be a positive integer, got {from_env!r}")
     return int(from_env)
+
+
+def _max_memory(option: object) -> dict[int | str, int | str] | None:
+    """``max_memory`` as accelerate takes it: GPU keys as ints ("0", "cuda:0" -> 0), "cpu",
+    "disk"; sizes as bytes or strings such as "20GiB"."""
+    if option is None:
+        return None
+    if not isinstance(option, Mapping) or not option:
+        raise ValueError(
+            f"max_memory must be a table of device -> size, e.g. {{'0': '20GiB'}}, got {option!r}"
+        )
+    result: dict[int | str, int | str] = {}
+    for key, size in option.items():
+        name = str(key).strip().lower()
+        if name.startswith("cuda:"):
+            name = name[len("cuda:") :]
+        if name.isdigit():
+            device: int | str = int(name)
+        elif name in ("cpu", "disk", "mps"):
+            device = name
+        else:
+            raise ValueError(f"max_memory: {key!r} is not a GPU number, 'cuda:N', 'cpu' or 'disk'")
+        if is_int(size, minimum=1):
+            result[device] = int(size)
+        elif isinstance(size, str) and _MEMORY_SIZE.match(size.strip()):
+            result[device] = size.strip()
+        else:
+            raise ValueError(
+                f"max_memory[{key!r}] must be bytes or a size like '20GiB', got {size!r}"
+            )
+    return result
 
 
 def _torch_dtype(name: str) -> Any:
