@@ -1,8 +1,8 @@
 """OpenAI's response shapes for the daemon's completions and chat routes.
 
-``server.py`` parses a request into a :class:`Job` (its prompts, the pool kwargs, ``n``,
-``echo``, ``logprobs``), runs one pool request per :meth:`Job.choices` entry and builds the
-answer here from the :class:`~modelpool.Result` of each::
+``openai_request.py`` parses a request into a :class:`Job` (its prompts, the pool kwargs,
+``n``, ``echo``, ``logprobs``); ``server.py`` runs one pool request per :meth:`Job.choices`
+entry and builds the answer here from the :class:`~modelpool.Result` of each::
 
     job = Job(prompts=["Hello"], params={"max_new_tokens": 8}, n=2, logprobs=1)
     results = [await pool.agenerate(prompt, **params) for _, prompt, params in job.choices()]

@@ -3,7 +3,7 @@ other than a backend's own failure (502, 503, 504), and never a 500.
 
 The bodies mix plausible values with hostile ones: integers beyond float range,
 Infinity/NaN literals, lone surrogate escapes, wrong types, deep nesting. The field
-names come from the server's own tables, so a new field is fuzzed as soon as it exists.
+names come from the request parser's own tables, so a new field is fuzzed as soon as it exists.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from modelpool import server
+from modelpool.openai_request import CHAT_FIELDS, COMPLETION_FIELDS
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ MESSAGES = st.lists(
 
 
 def _body(route: str) -> st.SearchStrategy[dict[str, Any]]:
-    fields = server._COMPLETION_FIELDS if route == "completions" else server._CHAT_FIELDS
+    fields = COMPLETION_FIELDS if route == "completions" else CHAT_FIELDS
     required = "prompt" if route == "completions" else "messages"
     valid_required = ECHO_PROMPT if route == "completions" else MESSAGES
     others = sorted(fields - {required})

@@ -1,4 +1,4 @@
-"""OpenAI request fields to pool calls, without a daemon (the parsing in modelpool.server)."""
+"""OpenAI request fields to pool calls, without a daemon (the parsing in openai_request)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,9 @@ from modelpool.errors import (
     PoolOverloaded,
     WorkerCrashed,
 )
+from modelpool.openai_request import ApiError, deadline_from, parse_chat, parse_completion
 from modelpool.protocol import TokenIds
-from modelpool.server import (
-    ApiError,
-    deadline_from,
-    parse_chat,
-    parse_completion,
-    pool_error_to_api,
-)
+from modelpool.server import pool_error_to_api
 
 
 def test_completion_fields_map_to_generation_kwargs() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from modelpool import InvalidRequest, ModelPool, PoolConfig
-from modelpool.server import (
+from modelpool.openai_request import (
     ApiError,
     deadline_from,
     parse_chat,

@@ -1,0 +1,512 @@
+"""OpenAI's request bodies for the daemon's completions and chat routes, parsed and checked.
+
+``server.py`` reads a body, then turns it into a :class:`~modelpool.openai_format.Job`
+here; every refusal is an :class:`ApiError` (HTTP 400) naming the OpenAI field the
+client sent::
+
+    body = parse_json_object(raw)
+    job = parse_chat(body)  # or parse_completion(body)
+    deadline_s = deadline_from(body, request.headers, default_s=60.0, cap_s=None)
+
+Bodies are checked field by field rather than by pydantic models: every rejection
+names the OpenAI field (the pool's own messages name its kwargs, e.g.
+``max_new_tokens``), and a field we cannot honour (``tools``, penalties...) is a 400,
+never ignored. ``COMPLETION_FIELDS`` and ``CHAT_FIELDS`` name the fields each
+route acts on (a few more, such as ``user``, are accepted and ignored); the
+response shapes are built in ``openai_format``.
+
+:class:`ApiError` is the daemon's one error answer (an OpenAI-style body plus
+``x-should-retry``); ``server.py`` maps the pool's typed errors and its own
+refusals (auth, body size, draining) onto it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from modelpool.openai_format import MAX_CHOICES, Job
+from modelpool.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
+from modelpool.validation import MAX_INT, is_int, is_number
+
+TIMEOUT_HEADER = "x-request-timeout"
+# Whether a client should send a failed request again, said on every error answer in
+# the header the openai client obeys (x-should-retry) and, for the retryable ones, with
+# Retry-After. Only "not now" answers are retryable: the pool was full or not ready.
+# A deadline the caller set, a crash or a model error has been through the pool's own
+# retry policy already; sending it again would multiply the work (and the wait).
+SHOULD_RETRY_HEADER = "x-should-retry"
+RETRYABLE_STATUSES = frozenset({429, 503})
+
+# Fields accepted without effect: they do not change what is generated.
+_IGNORED_FIELDS = frozenset(
+    {
+        "model",
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "parallel_tool_calls",
+    }
+)
+_COMMON_FIELDS = frozenset(
+    {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "seed",
+        "stream",
+        "stream_options",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "timeout",
+    }
+)
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of"}
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+}
+# Chat roles a plain chat template understands; "developer" is OpenAI's newer
+# name for "system" and is passed on as such.
+_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = {
+            SHOULD_RETRY_HEADER: "true" if status in RETRYABLE_STATUSES else "false",
+            **(headers or {}),
+        }
+        self.extra = dict(extra or {})
+
+    def body(self) -> dict[str, Any]:
+        error = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
+            **self.extra,
+        }
+        return {"error": error}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+# --------------------------------------------------------------------------------------------
+# Request parsing
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise invalid("request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors.
+        raise invalid(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid(
+            f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json"
+        )
+    where = _lone_surrogate_at(data, "")
+    if where is not None:
+        # Valid JSON ("\ud800") but not Unicode text: no worker could take it, and the
+        # answer that echoes it could not be encoded.
+        raise invalid(
+            f"{where or 'the body'} contains a lone surrogate escape: not valid Unicode text",
+            param=where or None,
+        )
+    return data
+
+
+def _lone_surrogate_at(value: object, path: str) -> str | None:
+    """The path of the first string holding a lone surrogate, or None."""
+    stack: list[tuple[object, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if _lone_surrogate_at(key, "") is not None:
+                    return f"{where}.{key!r}" if where else repr(key)
+                stack.append((child, f"{where}.{key}" if where else key))
+        elif isinstance(item, list):
+            stack.extend((child, f"{where}[{index}]") for index, child in enumerate(item))
+    return None
+
+
+def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    for name in body:
+        if name not in allowed and name not in _IGNORED_FIELDS:
+            raise invalid(f"unsupported field {name!r}", param=name, code="unsupported_field")
+    if "model" in body and body["model"] is not None and not isinstance(body["model"], str):
+        raise invalid("model must be a string", param="model")
+
+
+def _opt_int(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not is_int(value, minimum=minimum):
+        raise invalid(
+            f"{name} must be an integer in [{minimum}, {MAX_INT}], got {value!r}", param=name
+        )
+    assert isinstance(value, int)
+    return value
+
+
+def _opt_number(body: Mapping[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not is_number(value):
+        raise invalid(f"{name} must be a number, got {value!r}", param=name)
+    return float(value)
+
+
+def _opt_bool(body: Mapping[str, Any], name: str) -> bool | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise invalid(f"{name} must be true or false, got {value!r}", param=name)
+    return value
+
+
+def _unsupported_unless(condition: bool, name: str, why: str) -> None:
+    if not condition:
+        raise invalid(f"{name}: {why}", param=name, code="unsupported_value")
+
+
+def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _opt_number(body, name)
+        _unsupported_unless(value in (None, 0), name, "penalties are not supported (use 0)")
+    logit_bias = body.get("logit_bias")
+    _unsupported_unless(
+        logit_bias is None or logit_bias == {}, "logit_bias", "logit_bias is not supported"
+    )
+
+    params: dict[str, Any] = {}
+    if max_tokens is not None:
+        params["max_new_tokens"] = max_tokens
+    temperature = _opt_number(body, "temperature")
+    if temperature is not None:
+        if temperature < 0:
+            raise invalid(f"temperature must be >= 0, got {temperature!r}", param="temperature")
+        params["temperature"] = temperature
+    top_p = _opt_number(body, "top_p")
+    if top_p is not None:
+        if not 0 < top_p <= 1:
+            raise invalid(f"top_p must be in (0, 1], got {top_p!r}", param="top_p")
+        params["top_p"] = top_p
+    seed = _opt_int(body, "seed", 0)
+    if seed is not None:
+        params["seed"] = seed
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        if not stop:
+            raise invalid("stop must not be an empty string", param="stop")
+        params["stop"] = [stop]
+    elif isinstance(stop, list):
+        for index, item in enumerate(stop):
+            if not isinstance(item, str) or not item:
+                raise invalid(f"stop[{index}] must be a non-empty string", param="stop")
+        if stop:
+            params["stop"] = list(stop)
+    elif stop is not None:
+        raise invalid("stop must be a string or a list of strings", param="stop")
+    return params
+
+
+def _stream_flag(body: Mapping[str, Any]) -> bool:
+    stream = bool(_opt_bool(body, "stream"))
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise invalid(
+                "stream_options is only allowed with stream: true", param="stream_options"
+            )
+        if not isinstance(options, dict):
+            raise invalid("stream_options must be an object", param="stream_options")
+        for key, value in options.items():
+            _unsupported_unless(
+                key == "include_usage" and isinstance(value, bool),
+                f"stream_options.{key}",
+                "not supported when streaming",
+            )
+    return stream
+
+
+def _include_usage(body: Mapping[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def deadline_from(
+    body: Mapping[str, Any], headers: Mapping[str, str], default_s: float, cap_s: float | None
+) -> float:
+    """Body ``timeout`` wins over the header; both are capped by the server's maximum."""
+    value: object = body.get("timeout")
+    name = "timeout"
+    if value is None and TIMEOUT_HEADER in headers:
+        name = "X-Request-Timeout"
+        try:
+            value = float(headers[TIMEOUT_HEADER])
+        except ValueError:
+            raise invalid(f"{name} must be a number of seconds", param=name) from None
+    if value is None:
+        value = default_s
+    if not is_number(value) or value <= 0:  # type: ignore[operator]
+        raise invalid(f"{name} must be a number of seconds > 0, got {value!r}", param=name)
+    seconds = float(value)  # type: ignore[arg-type]
+    return min(seconds, cap_s) if cap_s is not None else seconds
+
+
+def _choice_count(body: Mapping[str, Any], prompts: int) -> tuple[int, int]:
+    """``n`` and ``best_of`` (1 when absent), checked against the number of prompts."""
+    n = _opt_int(body, "n", 1) or 1
+    best_of = _opt_int(body, "best_of", 1) or n
+    if best_of < n:
+        raise invalid(f"best_of ({best_of}) must be >= n ({n})", param="best_of")
+    if prompts * best_of > MAX_CHOICES:
+        name = "best_of" if best_of > n else "n"
+        raise invalid(
+            f"{name}: at most {MAX_CHOICES} generations per request "
+            f"({prompts} prompt(s) x {best_of})",
+            param=name,
+        )
+    return n, best_of
+
+
+def _token_prompt(value: list[Any], where: str) -> TokenIds:
+    if not value:
+        raise invalid(f"{where} must not be an empty list of token ids", param="prompt")
+    for index, token_id in enumerate(value):
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise invalid(
+                f"{where}[{index}] must be a token id (an integer >= 0), got {token_id!r}",
+                param="prompt",
+            )
+    return TokenIds(tuple(value))
+
+
+def _completion_prompts(value: object) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids, or a list of such lists."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(item, str) for item in value):
+            return list(value)
+        if all(isinstance(item, list) for item in value):
+            return [_token_prompt(item, f"prompt[{index}]") for index, item in enumerate(value)]
+        if not any(isinstance(item, (str, list)) for item in value):
+            return [_token_prompt(value, "prompt")]
+    raise invalid(
+        "prompt must be a string, a list of strings, a list of token ids "
+        "or a list of lists of token ids",
+        param="prompt",
+    )
+
+
+def parse_completion(body: Mapping[str, Any]) -> Job:
+    _check_fields(body, COMPLETION_FIELDS)
+    if "prompt" not in body:
+        raise invalid("missing field 'prompt'", param="prompt", code="missing_field")
+    prompts = _completion_prompts(body["prompt"])
+    suffix = body.get("suffix")
+    _unsupported_unless(suffix in (None, ""), "suffix", "insertion is not supported")
+    echo = bool(_opt_bool(body, "echo"))
+    logprobs = _opt_int(body, "logprobs", 0)
+    if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
+        raise invalid(f"logprobs must be <= {MAX_TOP_LOGPROBS}, got {logprobs}", param="logprobs")
+    max_tokens = _opt_int(body, "max_tokens", 0)
+    if max_tokens == 0 and not echo:
+        raise invalid("max_tokens 0 only makes sense with echo (scoring the prompt)", "max_tokens")
+    params = _common_params(body, max_tokens)
+    if logprobs is not None:
+        params["logprobs"] = logprobs
+        if echo:
+            params["prompt_logprobs"] = logprobs
+    if max_tokens == 0:
+        params.setdefault("prompt_logprobs", 0)
+    stream = _stream_flag(body)
+    n, best_of = _choice_count(body, len(prompts))
+    if stream and best_of > n:
+        raise invalid("best_of > n cannot be streamed", param="best_of")
+    if stream and echo and any(isinstance(prompt, TokenIds) for prompt in prompts):
+        raise invalid(
+            "echo with a token-id prompt cannot be streamed (the text of the tokens is known "
+            "only at the end); send stream: false",
+            param="echo",
+            code="unsupported_value",
+        )
+    return Job(
+        prompts,
+        params,
+        n=n,
+        best_of=best_of,
+        stream=stream,
+        include_usage=_include_usage(body),
+        logprobs=logprobs,
+        echo=echo,
+    )
+
+
+def _message_content(content: object, index: int) -> str:
+    where = f"messages[{index}].content"
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part_index, part in enumerate(content):
+            part_where = f"{where}[{part_index}]"
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise invalid(f"{part_where} must be an object with a 'type'", param=part_where)
+            if part["type"] != "text":
+                raise invalid(
+                    f"{part_where}: content of type {part['type']!r} is not supported",
+                    param=part_where,
+                    code="unsupported_value",
+                )
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"{part_where}.text must be a string", param=part_where)
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise invalid(f"{where} must be a string or a list of text parts", param=where)
+
+
+def parse_chat(body: Mapping[str, Any]) -> Job:
+    _check_fields(body, CHAT_FIELDS)
+    messages = body.get("messages")
+    if "messages" not in body:
+        raise invalid("missing field 'messages'", param="messages", code="missing_field")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list", param="messages")
+    prompt: list[Mapping[str, str]] = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise invalid(f"{where} must be an object", param=where)
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise invalid(f"{where}.role must be a string", param=f"{where}.role")
+        if role not in _CHAT_ROLES:
+            raise invalid(
+                f"{where}.role {role!r} is not supported "
+                f"(supported: {', '.join(sorted(_CHAT_ROLES))})",
+                param=f"{where}.role",
+                code="unsupported_value",
+            )
+        for key in message:
+            if key not in ("role", "content", "name"):
+                raise invalid(
+                    f"{where}.{key} is not supported",
+                    param=f"{where}.{key}",
+                    code="unsupported_field",
+                )
+        content = _message_content(message.get("content"), index)
+        prompt.append({"role": "system" if role == "developer" else role, "content": content})
+
+    for name in ("tools", "functions"):
+        _unsupported_unless(not body.get(name), name, "tool calling is not supported")
+    for name in ("tool_choice", "function_call"):
+        _unsupported_unless(body.get(name) in (None, "none"), name, "tool calling is not supported")
+    response_format = body.get("response_format")
+    _unsupported_unless(
+        response_format is None or response_format == {"type": "text"},
+        "response_format",
+        "only {'type': 'text'} is supported",
+    )
+    modalities = body.get("modalities")
+    _unsupported_unless(
+        modalities is None or modalities == ["text"], "modalities", "only text output is supported"
+    )
+    for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
+        _unsupported_unless(body.get(name) is None, name, "not supported by this server")
+    wants_logprobs = bool(_opt_bool(body, "logprobs"))
+    top_logprobs = _opt_int(body, "top_logprobs", 0)
+    if top_logprobs is not None:
+        if not wants_logprobs:
+            raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
+        if top_logprobs > MAX_TOP_LOGPROBS:
+            raise invalid(
+                f"top_logprobs must be <= {MAX_TOP_LOGPROBS}, got {top_logprobs}",
+                param="top_logprobs",
+            )
+    logprobs = (top_logprobs or 0) if wants_logprobs else None
+
+    max_tokens = _opt_int(body, "max_tokens", 1)
+    max_completion = _opt_int(body, "max_completion_tokens", 1)
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise invalid(
+            "max_tokens and max_completion_tokens disagree", param="max_completion_tokens"
+        )
+    params = _common_params(body, max_completion if max_tokens is None else max_tokens)
+    if logprobs is not None:
+        params["logprobs"] = logprobs
+    n, _ = _choice_count({"n": body.get("n")}, 1)
+    return Job(
+        [prompt],
+        params,
+        n=n,
+        stream=_stream_flag(body),
+        include_usage=_include_usage(body),
+        logprobs=logprobs,
+        chat=True,
+    )
