@@ -4,7 +4,9 @@ Import from a test file with ``from helpers import ...`` (pyproject.toml puts
 tests/ on pytest's pythonpath).
 
 Rule of these tests: never sleep to *let something happen*; poll a condition with
-a timeout (``wait_until``) instead.
+a timeout (``wait_until``) instead. Assert order and outcome; where a test bounds
+wall-clock time, the bound is the design's figure times ``slack`` (the strict figures
+are measured by ``scripts/measure-core``, not asserted here).
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ T = TypeVar("T")
 
 VENV_PYTHON = sys.executable
 
+# Wall-clock bounds are the design's figures times this factor. The default suits a shared
+# 2-core machine where other jobs take the CPU for hundreds of ms at a time; set
+# MODELPOOL_TEST_TIME_SLACK=1 on a quiet machine to check the strict figures.
+TIME_SLACK = float(os.environ.get("MODELPOOL_TEST_TIME_SLACK", "4"))
+
+
+def slack(seconds: float) -> float:
+    """An upper time bound of ``seconds`` for this machine (lower bounds are never scaled)."""
+    return seconds * TIME_SLACK
+
 
 class WaitTimeout(AssertionError):
     pass
@@ -34,7 +46,7 @@ class WaitTimeout(AssertionError):
 def wait_until(
     predicate: Callable[[], T],
     timeout: float = 5.0,
-    interval: float = 0.005,
+    interval: float = 0.02,
     message: str | Callable[[], str] = "condition",
 ) -> T:
     """Poll ``predicate`` until it returns a truthy value; return that value.

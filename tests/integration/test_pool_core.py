@@ -21,6 +21,7 @@ from helpers import (
     make_config,
     open_pool,
     pid_alive,
+    slack,
     wait_busy,
     wait_counters,
     wait_idle,
@@ -94,14 +95,44 @@ def test_hang_ends_in_deadline_exceeded_within_deadline() -> None:
             pool.generate("hang", deadline_s=deadline)
         elapsed = time.monotonic() - started
         assert isinstance(info.value, TimeoutError)
-        assert elapsed < deadline + 0.5, elapsed
+        assert elapsed < deadline + slack(0.5), elapsed
         assert [a.outcome for a in info.value.attempts] == ["timeout"]
-        assert info.value.request_id is not None
         pid = info.value.attempts[0].worker_pid
         assert pid is not None
         wait_pids_gone([pid], timeout=0.2 + 0.2 + 1.0 + 1.0)
         wait_idle(pool, 2)
         wait_counters(pool, kills=1, timeouts=1, failed=1, crashes=0, respawns=1)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "error_type", "outcome"),
+    [
+        ("hang", DeadlineExceeded, "timeout"),
+        ("segfault", WorkerCrashed, "crash"),
+        ("raise:boom", BackendError, "error"),
+    ],
+)
+def test_an_error_names_its_request_and_each_attempt(
+    prompt: str, error_type: type[Exception], outcome: str
+) -> None:
+    """README, Errors: every error carries the request's id and its attempts, each with the
+    worker's pid, the outcome and how long it ran."""
+    with open_pool(workers=2, retry=RetryPolicy(max_retries=0), deadline_s=0.5) as pool:
+        pids = {w.pid for w in workers(pool)}
+        other = pool.submit("echo:other")  # a second id, so a mix-up would show
+        future = pool.submit(prompt)
+        started = time.monotonic()
+        error = future.exception(timeout=slack(5))
+        elapsed = time.monotonic() - started
+        assert isinstance(error, error_type), repr(error)
+        assert error.request_id == future.request_id != other.request_id
+        [attempt] = error.attempts
+        assert attempt.outcome == outcome
+        assert attempt.worker_pid in pids
+        assert 0 < attempt.seconds <= elapsed + 0.05
+        if outcome == "timeout":
+            assert attempt.seconds >= 0.5 - 0.05, "a timeout attempt ran to its deadline"
+        assert other.result(timeout=5).request_id == other.request_id
 
 
 def test_hang_with_attempt_timeout_retries_once_then_kills_both() -> None:
@@ -118,9 +149,8 @@ def test_hang_with_attempt_timeout_retries_once_then_kills_both() -> None:
         with pytest.raises(DeadlineExceeded) as info:
             pool.generate("hang", deadline_s=deadline)
         elapsed = time.monotonic() - started
-        assert elapsed < deadline + 0.5, elapsed
         # Two attempts of ~0.4 s each, not the whole deadline.
-        assert elapsed < 2.0, elapsed
+        assert elapsed < min(deadline, slack(2.0)), elapsed
         attempts = info.value.attempts
         assert [a.outcome for a in attempts] == ["timeout", "timeout"]
         pids = [a.worker_pid for a in attempts]
@@ -138,7 +168,7 @@ def test_deadline_on_a_cooperative_backend_keeps_the_worker_warm() -> None:
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded) as info:
             pool.generate("tokens:1000:0.01", deadline_s=0.3)
-        assert time.monotonic() - started < 0.8
+        assert time.monotonic() - started < slack(0.8)
         assert info.value.partial_text.startswith("t0 t1 ")
         assert [a.outcome for a in info.value.attempts] == ["timeout"]
         idle = wait_idle(pool, 1, timeout=2)
@@ -157,7 +187,7 @@ def test_cooperative_attempt_timeout_is_retried_on_another_warm_worker() -> None
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded) as info:
             pool.generate("tokens:1000:0.01")
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < slack(2.0)
         attempts = info.value.attempts
         assert [a.outcome for a in attempts] == ["timeout", "timeout"]
         assert {a.worker_pid for a in attempts} == pids
@@ -193,7 +223,7 @@ def test_request_that_times_out_in_the_queue() -> None:
         with pytest.raises(DeadlineExceeded) as info:
             pool.generate("echo:late", deadline_s=0.3)
         elapsed = time.monotonic() - started
-        assert 0.25 <= elapsed < 0.8, elapsed
+        assert 0.25 <= elapsed < slack(0.8), elapsed
         assert info.value.attempts == []
         assert pool.cancel(busy.request_id)
         assert busy.result(timeout=5).finish_reason == "cancelled"
@@ -418,7 +448,7 @@ def test_spare_is_promoted_at_once_after_a_crash() -> None:
         assert result.text == str(spare_pid)
         assert result.worker_pid == spare_pid
         # Served by an already-warm process: no start-up in the queue time.
-        assert result.queue_s < 0.5, result.queue_s
+        assert result.queue_s < slack(0.5), result.queue_s
 
         def new_spare() -> bool:
             now = workers(pool)
@@ -456,7 +486,7 @@ def test_backpressure_raises_pool_overloaded_at_once() -> None:
         started = time.monotonic()
         with pytest.raises(PoolOverloaded):
             pool.submit("echo:too-many")
-        assert time.monotonic() - started < 0.1
+        assert time.monotonic() - started < slack(0.1)
         assert counters(pool)["overloaded"] == 1
         assert not queued.done()
         assert pool.cancel(busy.request_id)
@@ -472,25 +502,30 @@ def test_backpressure_raises_pool_overloaded_at_once() -> None:
 def test_crash_loop_fails_fast_with_model_load_failed() -> None:
     pool = ModelPool(make_config(workers=2, backend_options={"fail_load": "boom"}))
     started = time.monotonic()
-    with pytest.raises(ModelLoadFailed) as info:
-        pool.start()
-    elapsed = time.monotonic() - started
-    assert elapsed < 10, elapsed
+    try:
+        with pytest.raises(ModelLoadFailed) as info:
+            pool.start()
+        elapsed = time.monotonic() - started
+    finally:
+        pool.close(drain=False, timeout=5.0)
+    assert elapsed < slack(10), elapsed
     assert "boom" in info.value.worker_traceback
     assert "Traceback" in info.value.worker_traceback
     assert_no_children()
-    pool.close()
 
 
 def test_crash_loop_on_exit_during_load() -> None:
     pool = ModelPool(make_config(workers=1, backend_options={"exit_on_load": 7}))
     started = time.monotonic()
-    with pytest.raises(ModelLoadFailed) as info:
-        pool.start()
-    assert time.monotonic() - started < 10
+    try:
+        with pytest.raises(ModelLoadFailed) as info:
+            pool.start()
+        elapsed = time.monotonic() - started
+    finally:
+        pool.close(drain=False, timeout=5.0)
+    assert elapsed < slack(10), elapsed
     assert "code 7" in info.value.worker_traceback or "code 7" in str(info.value)
     assert_no_children()
-    pool.close()
 
 
 @pytest.mark.slow
@@ -504,9 +539,12 @@ def test_missing_model_path_with_hf_backend() -> None:
     )
     pool = ModelPool(config)
     started = time.monotonic()
-    with pytest.raises(ModelLoadFailed) as info:
-        pool.start()
-    elapsed = time.monotonic() - started
+    try:
+        with pytest.raises(ModelLoadFailed) as info:
+            pool.start()
+        elapsed = time.monotonic() - started
+    finally:
+        pool.close(drain=False, timeout=5.0)
     print(f"hf missing model: ModelLoadFailed after {elapsed:.2f}s")
     # The issue asks for < 20 s: 7-12 s on an idle 2-core box, but each of the three start-up
     # attempts imports torch + transformers, so it reached 21 s with another suite running
@@ -514,7 +552,6 @@ def test_missing_model_path_with_hf_backend() -> None:
     assert elapsed < 30, elapsed
     assert "/nonexistent/model" in info.value.worker_traceback
     assert_no_children()
-    pool.close()
 
 
 def test_no_worker_processes_outlive_a_pool() -> None:
