@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from helpers import record_children_baseline
 from modelpool.tinymodel import build_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _children_baseline() -> None:
+    """Leak checks count only the processes the running test started."""
+    record_children_baseline()
 
 
 @pytest.fixture(scope="session")

@@ -12,16 +12,22 @@ are measured by ``scripts/measure-core``, not asserted here).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import psutil
+import pytest
 
 from modelpool import ModelPool, PoolConfig, PoolFuture, RetryPolicy
+from modelpool.protocol import Prompt
 from modelpool.stats import PoolStats, WorkerStats
 
 T = TypeVar("T")
@@ -65,6 +71,56 @@ def wait_until(
         pause.wait(interval)
 
 
+# ---- backends in process ---------------------------------------------------------------------
+
+
+@dataclass
+class FakeCall:
+    """A Call whose cancel flag the test controls, recording what the backend did."""
+
+    prompt: Prompt
+    params: dict[str, Any] = field(default_factory=dict)
+    cancel_after_chunks: int | None = None
+    flag: bool = False
+    chunks: list[str] = field(default_factory=list)
+    checks_after_cancel: int = 0
+
+    def cancelled(self) -> bool:
+        if self.flag:
+            self.checks_after_cancel += 1
+        return self.flag
+
+    def emit(self, text: str) -> None:
+        assert isinstance(text, str) and text, "chunks are non-empty strings"
+        assert not self.flag, "nothing may be emitted once cancelled() returned True"
+        self.chunks.append(text)
+        if self.cancel_after_chunks is not None and len(self.chunks) >= self.cancel_after_chunks:
+            self.flag = True
+
+
+# ---- the network ---------------------------------------------------------------------------
+
+
+@functools.cache
+def pypi_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether pip's index (``$PIP_INDEX_URL`` or pypi.org) answers a TCP connect."""
+    url = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple")
+    parts = urlsplit(url)
+    host = parts.hostname or "pypi.org"
+    port = parts.port or (80 if parts.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def skip_unless_pypi(what: str) -> None:
+    """Skip the calling test (or fixture) when it would download ``what`` and cannot."""
+    if not pypi_reachable():
+        pytest.skip(f"offline: {what} needs PyPI, which is not reachable")
+
+
 # ---- processes ----------------------------------------------------------------------------
 
 
@@ -79,6 +135,21 @@ def children(include_zombies: bool = True) -> list[psutil.Process]:
             continue
         result.append(child)
     return result
+
+
+_children_before_this_test: set[int] = set()
+
+
+def record_children_baseline() -> None:
+    """Remember the descendants alive now (tests/conftest.py calls it before every test), so
+    that a process leaked by an earlier test is not blamed on this one."""
+    _children_before_this_test.clear()
+    _children_before_this_test.update(p.pid for p in children())
+
+
+def new_children(include_zombies: bool = True) -> list[psutil.Process]:
+    """Descendants that were not there when this test began: the ones it started."""
+    return [p for p in children(include_zombies) if p.pid not in _children_before_this_test]
 
 
 def zombies() -> list[psutil.Process]:
@@ -126,11 +197,11 @@ def wait_pids_gone(pids: Iterable[int], timeout: float) -> float:
 
 
 def assert_no_children(timeout: float = 5.0) -> None:
-    """No descendant process (running or zombie) is left, within ``timeout``."""
+    """No process this test started (running or zombie) is left, within ``timeout``."""
     wait_until(
-        lambda: not children(),
+        lambda: not new_children(),
         timeout,
-        message=lambda: f"no child processes (left: {describe(children())})",
+        message=lambda: f"no child processes (left: {describe(new_children())})",
     )
 
 
@@ -138,11 +209,14 @@ def assert_no_children(timeout: float = 5.0) -> None:
 
 
 def make_config(**overrides: Any) -> PoolConfig:
-    """A small, fast testing-backend pool config; ``overrides`` replace any field."""
+    """A small, fast testing-backend pool config on the CPU; ``overrides`` replace any field."""
     values: dict[str, Any] = {
         "model": "none",
         "backend": "testing",
         "workers": 2,
+        # Pinned: "auto" would put every pool on the GPU of a host that has one (with real
+        # NVML release checks). GPU tests pass devices and a fake NVML probe themselves.
+        "devices": ["cpu"],
         "deadline_s": 10.0,
         "cancel_grace_s": 0.3,
         "term_grace_s": 0.3,

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
-from e2e_support import Daemon, daemon_config, free_port, modelpool_command
+from e2e_support import Daemon, daemon_config, modelpool_command
 from prometheus_client.parser import text_string_to_metric_families
 
 METRIC_NAMES = {
@@ -21,6 +21,7 @@ METRIC_NAMES = {
     "modelpool_gpu_memory_bytes",
     "modelpool_gpu_release_seconds",
     "modelpool_gpu_releases",
+    "modelpool_pool_state",
 }
 
 
@@ -91,6 +92,7 @@ def test_cli_generate_against_the_daemon(daemon: Daemon) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0] == "over http"
     streamed = _cli("generate", "--url", daemon.url, "--stream", "--raw", "tokens:3")
+    assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout.splitlines()[0] == "t0 t1 t2 "
     failed = _cli("generate", "--url", daemon.url, "--timeout", "0.3", "hang")
     assert failed.returncode == 1
@@ -99,7 +101,7 @@ def test_cli_generate_against_the_daemon(daemon: Daemon) -> None:
 
 def test_cli_generate_with_a_local_pool(tmp_path: Path) -> None:
     config = tmp_path / "pool.toml"
-    config.write_text(daemon_config(free_port()))
+    config.write_text(daemon_config())
     result = _cli("generate", "--config", str(config), "--workers", "1", "echo:local")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -107,6 +109,7 @@ def test_cli_generate_with_a_local_pool(tmp_path: Path) -> None:
     assert "latency" in lines[1] and "worker pid" in lines[1]
     assert "counters" in result.stdout
     as_json = _cli("generate", "--config", str(config), "--json", "tokens:2")
+    assert as_json.returncode == 0, as_json.stderr
     data = json.loads(as_json.stdout)
     assert data["text"] == "t0 t1 " and data["attempts"] == 1
     assert data["stats"]["counters"]["completed"] == 1

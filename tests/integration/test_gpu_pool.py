@@ -12,7 +12,7 @@ import signal
 import threading
 from typing import Any
 
-from fake_nvml import GIB, MIB, FakeGpu, FakeNvml
+from fake_nvml import GIB, MIB, FakeGpu, FakeNvml, NVMLError_LibraryNotFound
 from helpers import make_config, wait_until
 from modelpool import ModelPool
 from modelpool.gpu import GpuProbe
@@ -179,10 +179,12 @@ def test_memory_not_released_degrades_the_pool_until_the_device_frees() -> None:
 
 
 def test_auto_devices_resolve_to_cpu_without_a_driver() -> None:
-    with ModelPool(make_config(devices=["auto"], workers=2)) as pool:
+    # A fake NVML without a driver: the same answer on a host that has a GPU.
+    no_driver = GpuProbe(FakeNvml(init_error=NVMLError_LibraryNotFound()))
+    with ModelPool(make_config(devices=["auto"], workers=2), gpu_probe=no_driver) as pool:
         assert [w.device for w in pool.stats().workers] == ["cpu", "cpu"]
         assert pool.stats().gpu.available is False
-        assert pool.stats().gpu.reason
+        assert pool.stats().gpu.reason == "NVML library not found (no NVIDIA driver)"
 
 
 def test_auto_devices_spread_workers_round_robin_over_visible_gpus() -> None:

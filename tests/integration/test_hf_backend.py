@@ -8,12 +8,12 @@ never become a character, which is what the streaming checks need.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from helpers import FakeCall
 from modelpool.backends.hf import HFHandler, load
 from modelpool.errors import InvalidRequest
 from modelpool.protocol import Prompt, TokenIds
@@ -23,30 +23,6 @@ from modelpool.tinymodel import build_tiny_model
 # from two tokens each (checked in test_multibyte_characters_are_never_split).
 MULTIBYTE_PROMPT = "What is the capital"
 PROMPTS = ["Hello", "Le café", "東京", MULTIBYTE_PROMPT, "😀", "x y z"]
-
-
-@dataclass
-class FakeCall:
-    """A Call whose cancel flag the test controls, recording what the backend did."""
-
-    prompt: Prompt
-    params: dict[str, Any] = field(default_factory=dict)
-    cancel_after_chunks: int | None = None
-    flag: bool = False
-    chunks: list[str] = field(default_factory=list)
-    checks_after_cancel: int = 0
-
-    def cancelled(self) -> bool:
-        if self.flag:
-            self.checks_after_cancel += 1
-        return self.flag
-
-    def emit(self, text: str) -> None:
-        assert isinstance(text, str) and text, "chunks are non-empty strings"
-        assert not self.flag, "nothing may be emitted once cancelled() returned True"
-        self.chunks.append(text)
-        if self.cancel_after_chunks is not None and len(self.chunks) >= self.cancel_after_chunks:
-            self.flag = True
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import pytest
 
 from helpers import (
     assert_no_children,
-    children,
     make_config,
+    new_children,
     open_pool,
     wait_until,
     write_module,
@@ -150,7 +150,7 @@ def test_close_kills_the_workers_when_the_dispatcher_is_wedged() -> None:
     try:
         pool.close(drain=False, timeout=0.5)
         # Killed, though not reaped: only the wedged thread could reap them.
-        wait_until(lambda: not children(include_zombies=False), timeout=5)
+        wait_until(lambda: not new_children(include_zombies=False), timeout=5)
     finally:
         wedge.set()
     assert_no_children(timeout=5)
