@@ -304,8 +304,7 @@ def submit_with_chunks(
     pool: ModelPool, prompt: Any, **kwargs: Any
 ) -> tuple[PoolFuture, threading.Event, list[str]]:
     """Submit with a chunk callback, so a test can tell when generation has begun and still
-    hold the request id (``stream()`` hides it). Uses the pool's internal ``_submit`` hook:
-    the public API has no "submit with chunk callback"."""
+    hold the future: returns it, an event set at the first chunk, and the chunks."""
     first = threading.Event()
     received: list[str] = []
 
@@ -313,8 +312,7 @@ def submit_with_chunks(
         received.append(text)
         first.set()
 
-    deadline = kwargs.pop("deadline_s", None)
-    future = pool._submit(prompt, deadline, kwargs, on_chunk)
+    future = pool.submit(prompt, on_chunk=on_chunk, **kwargs)
     return future, first, received
 
 
