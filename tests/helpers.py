@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import selectors
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -172,6 +174,17 @@ def describe(processes: Iterable[psutil.Process]) -> str:
         except psutil.Error:
             parts.append(f"{proc.pid}:gone")
     return ", ".join(parts) or "none"
+
+
+def read_line(proc: subprocess.Popen[str], timeout_s: float = 30.0) -> str:
+    """The next line ``proc`` writes to its stdout pipe (stripped), or AssertionError after
+    ``timeout_s``: a child reports what it did without the test sleeping."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout_s):
+            raise AssertionError(f"no line from pid {proc.pid} within {timeout_s}s")
+    return proc.stdout.readline().strip()
 
 
 def pid_alive(pid: int) -> bool:
