@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from helpers import record_children_baseline
+from helpers import BackendModule, record_children_baseline
 from modelpool.processes import set_child_subreaper
 from modelpool.tinymodel import build_tiny_model
 
@@ -34,3 +35,21 @@ def subreaper() -> Iterator[None]:
         yield
     finally:
         set_child_subreaper(False)
+
+
+_backend_numbers = itertools.count(1)
+
+
+@pytest.fixture
+def backend_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> BackendModule:
+    """Install a backend written inline: ``backend_module(SOURCE, factory="factory")`` writes
+    SOURCE as a module with a name no other test uses, puts it on sys.path (workers get
+    the supervisor's sys.path) and returns the ``"module:factory"`` to pass as ``backend``."""
+
+    def install(source: str, factory: str = "factory") -> str:
+        name = f"mp_inline_backend_{next(_backend_numbers)}"
+        (tmp_path / f"{name}.py").write_text(source, encoding="utf-8")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        return f"{name}:{factory}"
+
+    return install

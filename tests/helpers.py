@@ -36,6 +36,10 @@ T = TypeVar("T")
 
 VENV_PYTHON = sys.executable
 
+# The ``backend_module`` fixture (tests/conftest.py): backend_module(SOURCE, factory="factory")
+# installs an inline backend under a unique module name and returns "module:factory".
+BackendModule = Callable[..., str]
+
 # Wall-clock bounds are the design's figures times this factor. The default suits a shared
 # 2-core machine where other jobs take the CPU for hundreds of ms at a time; set
 # MODELPOOL_TEST_TIME_SLACK=1 on a quiet machine to check the strict figures.
@@ -121,6 +125,35 @@ def skip_unless_pypi(what: str) -> None:
     """Skip the calling test (or fixture) when it would download ``what`` and cannot."""
     if not pypi_reachable():
         pytest.skip(f"offline: {what} needs PyPI, which is not reachable")
+
+
+# ---- the stats keys the README documents (README, Stats), for the library and /stats -----
+
+STATS_KEYS = {
+    "state", "workers", "queue_depth", "counters", "latency_s", "gpu",
+    "uptime_s", "last_load_error", "kill_reasons",
+}  # fmt: skip
+WORKER_KEYS = {
+    "id", "pid", "state", "role", "device", "requests", "uptime_s",
+    "rss_mb", "gpu_mb", "gpu_mb_method",
+}  # fmt: skip
+COUNTER_KEYS = {
+    "submitted", "completed", "failed", "cancelled", "timeouts", "crashes", "kills",
+    "retries", "respawns", "overloaded", "stalls", "cancel_escalations", "recycled",
+    "startup_failures",
+}  # fmt: skip
+GPU_KEYS = {"available", "reason", "devices", "releases", "blocked_devices"}
+RELEASE_KEYS = {"checked", "ok", "failed", "last_ms", "last_method", "last_freed_mb"}
+
+
+def assert_documented_stats_keys(data: dict[str, Any]) -> None:
+    """``PoolStats.to_dict()`` (or /stats) has exactly the keys the README lists."""
+    assert set(data) == STATS_KEYS
+    assert set(data["counters"]) == COUNTER_KEYS
+    assert set(data["latency_s"]) == {"p50", "p95", "p99"}
+    assert set(data["gpu"]) == GPU_KEYS
+    assert set(data["gpu"]["releases"]) == RELEASE_KEYS
+    assert data["workers"] and all(set(worker) == WORKER_KEYS for worker in data["workers"])
 
 
 # ---- processes ----------------------------------------------------------------------------
@@ -327,10 +360,3 @@ def submit_with_chunks(
 
     future = pool.submit(prompt, on_chunk=on_chunk, **kwargs)
     return future, first, received
-
-
-def write_module(directory: os.PathLike[str] | str, name: str, source: str) -> None:
-    """Write ``name.py`` into ``directory`` (a test puts it on sys.path; workers get sys.path)."""
-    path = os.path.join(os.fspath(directory), f"{name}.py")
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(source)

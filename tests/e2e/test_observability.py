@@ -10,6 +10,8 @@ import httpx
 from e2e_support import Daemon, daemon_config, modelpool_command
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import assert_documented_stats_keys
+
 METRIC_NAMES = {
     "modelpool_requests",  # modelpool_requests_total{outcome}
     "modelpool_request_duration_seconds",
@@ -32,24 +34,10 @@ def test_health_and_readiness(http: httpx.Client) -> None:
     assert ready.json()["ready_workers"] >= 1
 
 
-def test_stats_has_the_design_keys(http: httpx.Client) -> None:
-    stats = http.get("/stats").json()
-    assert {"state", "workers", "queue_depth", "counters", "latency_s", "gpu"} <= set(stats)
-    assert {
-        "submitted",
-        "completed",
-        "failed",
-        "cancelled",
-        "timeouts",
-        "crashes",
-        "kills",
-        "retries",
-        "respawns",
-        "overloaded",
-    } <= set(stats["counters"])
-    assert {"id", "pid", "state", "device", "requests", "uptime_s", "rss_mb", "gpu_mb"} <= set(
-        stats["workers"][0]
-    )
+def test_stats_is_the_pools_stats_dict(http: httpx.Client) -> None:
+    """/stats carries PoolStats.to_dict() over the wire: the same documented keys (their
+    values are checked against a pool in test_pool_core)."""
+    assert_documented_stats_keys(http.get("/stats").json())
 
 
 def test_metrics_parse_and_name_everything(http: httpx.Client) -> None:

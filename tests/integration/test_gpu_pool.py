@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from typing import Any
+
+import pytest
 
 from fake_nvml import GIB, MIB, FakeGpu, FakeNvml, NVMLError_LibraryNotFound
 from helpers import make_config, wait_until
 from modelpool import ModelPool
 from modelpool.gpu import GpuProbe
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 
 
 class HoldingNvml(FakeNvml):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    BackendModule,
     counters,
     open_pool,
     pid_alive,
@@ -25,7 +26,6 @@ from helpers import (
     wait_until,
     worker_by_pid,
     workers,
-    write_module,
 )
 from modelpool import DeadlineExceeded, RetryPolicy, WorkerCrashed
 
@@ -294,13 +294,11 @@ def test_future_cancelled_while_running_is_seen_by_concurrent_futures_wait() -> 
 
 @pytest.mark.parametrize("prompt", ["stall:1", "emit_hang"])
 def test_cancel_of_a_backend_that_ignores_the_flag_is_escalated(
-    prompt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    prompt: str, backend_module: BackendModule
 ) -> None:
     # Both emit "t0 " (so the test knows the worker is inside generate()), then block without
     # checking the cancel flag; "emit_hang" also ignores SIGTERM, so it takes SIGKILL.
-    write_module(tmp_path, "mp_emit_hang_backend", EMIT_HANG_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    backend = "testing" if prompt.startswith("stall") else "mp_emit_hang_backend:factory"
+    backend = "testing" if prompt.startswith("stall") else backend_module(EMIT_HANG_BACKEND)
     cancel_grace, term_grace = 0.3, 0.3
     with open_pool(
         workers=1, backend=backend, cancel_grace_s=cancel_grace, term_grace_s=term_grace
@@ -346,12 +344,10 @@ def test_stall_ends_the_request_long_before_its_deadline() -> None:
         wait_idle(pool, 1)
 
 
-def test_silent_prefill_is_not_a_stall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    write_module(tmp_path, "mp_silent_backend", SILENT_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_silent_prefill_is_not_a_stall(backend_module: BackendModule) -> None:
     with open_pool(
         workers=1,
-        backend="mp_silent_backend:factory",
+        backend=backend_module(SILENT_BACKEND),
         stall_timeout_s=0.3,
         deadline_s=10.0,
         retry=RetryPolicy(max_retries=0),
@@ -396,13 +392,9 @@ def test_stream_of_a_backend_that_returns_without_emitting_yields_its_text() -> 
         assert "".join(pool.stream("echo:hello")) == "hello"
 
 
-def test_stream_that_yielded_is_not_retried_after_a_crash(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    write_module(tmp_path, "mp_stream_crash_backend", STREAM_CRASH_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_stream_that_yielded_is_not_retried_after_a_crash(backend_module: BackendModule) -> None:
     with open_pool(
-        workers=2, backend="mp_stream_crash_backend:factory", retry=RetryPolicy(max_retries=2)
+        workers=2, backend=backend_module(STREAM_CRASH_BACKEND), retry=RetryPolicy(max_retries=2)
     ) as pool:
         received = []
         with pytest.raises(WorkerCrashed) as info:
@@ -416,13 +408,11 @@ def test_stream_that_yielded_is_not_retried_after_a_crash(
 
 
 def test_stream_that_crashed_before_any_chunk_is_retried(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, backend_module: BackendModule
 ) -> None:
-    write_module(tmp_path, "mp_stream_crash_backend2", STREAM_CRASH_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
     marker = tmp_path / "crashed"
     with open_pool(
-        workers=2, backend="mp_stream_crash_backend2:factory", retry=RetryPolicy(max_retries=2)
+        workers=2, backend=backend_module(STREAM_CRASH_BACKEND), retry=RetryPolicy(max_retries=2)
     ) as pool:
         received = list(pool.stream(f"crash_first:{marker}"))
         assert received == ["x ", "y "]

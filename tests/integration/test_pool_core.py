@@ -10,12 +10,15 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 from helpers import (
+    assert_documented_stats_keys,
     assert_no_children,
     counters,
     make_config,
@@ -260,39 +263,17 @@ def test_stats_dict_has_the_documented_keys() -> None:
         pool.generate("echo:x")
         data = pool.stats().to_dict()
         json.dumps(data)
+        assert_documented_stats_keys(data)
         assert data["state"] == "ready"
         assert data["queue_depth"] == 0
         assert len(data["workers"]) == 2
         for worker in data["workers"]:
-            assert {
-                "id",
-                "pid",
-                "state",
-                "device",
-                "requests",
-                "uptime_s",
-                "rss_mb",
-                "gpu_mb",
-            } <= set(worker)
-            assert worker["state"] == "idle"
-            assert worker["rss_mb"] > 0
-        assert {
-            "submitted",
-            "completed",
-            "failed",
-            "cancelled",
-            "timeouts",
-            "crashes",
-            "kills",
-            "retries",
-            "respawns",
-            "overloaded",
-        } <= set(data["counters"])
-        assert data["counters"]["completed"] == 1
-        assert set(data["latency_s"]) >= {"p50", "p95", "p99"}
+            assert worker["state"] == "idle" and worker["role"] == "serving"
+            assert worker["device"] == "cpu" and worker["rss_mb"] > 0
+        assert data["counters"]["completed"] == data["counters"]["submitted"] == 1
         assert data["latency_s"]["p50"] > 0
-        assert {"available", "devices", "releases"} <= set(data["gpu"])
-        assert {"checked", "ok", "failed", "last_ms"} <= set(data["gpu"]["releases"])
+        assert data["uptime_s"] > 0
+        assert data["last_load_error"] is None and data["kill_reasons"] == {}
 
 
 # ---- crashes and retries --------------------------------------------------------------------
@@ -408,14 +389,17 @@ INVALID_CALLS = [
 ]
 
 
-@pytest.fixture
-def shared_pool():
+@pytest.fixture(scope="module")
+def shared_pool() -> Iterator[ModelPool]:
+    """One pool for every invalid call below (each checks it was left untouched)."""
     with open_pool(workers=2) as pool:
         yield pool
 
 
 @pytest.mark.parametrize(("args", "kwargs"), INVALID_CALLS)
-def test_invalid_input_never_reaches_a_worker(shared_pool: ModelPool, args, kwargs) -> None:
+def test_invalid_input_never_reaches_a_worker(
+    shared_pool: ModelPool, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
     pool = shared_pool
     before = pool.stats()
     before_requests = {w.pid: w.requests for w in before.workers}

@@ -15,6 +15,7 @@ import pytest
 
 from helpers import (
     VENV_PYTHON,
+    BackendModule,
     counters,
     describe,
     make_config,
@@ -28,7 +29,6 @@ from helpers import (
     wait_idle,
     wait_pids_gone,
     workers,
-    write_module,
 )
 from modelpool import (
     BackendError,
@@ -297,12 +297,10 @@ def factory(model="", device="cpu", **options):
 
 
 def test_worker_log_lines_reach_the_supervisor_logger(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    backend_module: BackendModule, caplog: pytest.LogCaptureFixture
 ) -> None:
-    write_module(tmp_path, "mp_logging_backend", LOGGING_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
     caplog.set_level(logging.INFO, logger="modelpool.worker")
-    with open_pool(workers=1, backend="mp_logging_backend:factory") as pool:
+    with open_pool(workers=1, backend=backend_module(LOGGING_BACKEND)) as pool:
         pid = workers(pool)[0].pid
         assert pool.generate("hello").text == "ok"
         # Log records travel on the same ordered channel as the result, so they are in.
@@ -318,11 +316,9 @@ def test_worker_log_lines_reach_the_supervisor_logger(
 
 
 def test_custom_backend_validate_rejects_before_dispatch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    backend_module: BackendModule,
 ) -> None:
-    write_module(tmp_path, "mp_validating_backend", VALIDATING_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with open_pool(workers=1, backend="mp_validating_backend:factory") as pool:
+    with open_pool(workers=1, backend=backend_module(VALIDATING_BACKEND)) as pool:
         with pytest.raises(InvalidRequest) as info:
             pool.submit("x", banana=1)
         assert "banana" in str(info.value)

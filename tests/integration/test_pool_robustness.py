@@ -4,21 +4,21 @@ its own request."""
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import types
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from helpers import (
+    BackendModule,
     assert_no_children,
     make_config,
     new_children,
     open_pool,
     pid_alive,
     wait_until,
-    write_module,
 )
 from modelpool import (
     BackendError,
@@ -27,6 +27,8 @@ from modelpool import (
     PoolError,
 )
 from modelpool.testing import run_on_dispatcher
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 
 BAD_BACKEND = """
 import os
@@ -51,10 +53,8 @@ def load(model="", device="cpu", **options):
 
 
 @pytest.fixture()
-def bad_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    write_module(tmp_path, "robustness_backend", BAD_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return "robustness_backend:load"
+def bad_backend(backend_module: BackendModule) -> str:
+    return backend_module(BAD_BACKEND, "load")
 
 
 @pytest.mark.parametrize("prompt", ["emit_bytes", "none_text", "odd_reason", "not_text"])

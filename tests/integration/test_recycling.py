@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
+import pytest
+
 from helpers import make_config, wait_until
 from modelpool import ModelPool
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 
 
 def serving_workers(pool: ModelPool) -> int:
