@@ -71,6 +71,7 @@ def test_workers_are_placed_on_the_gpu_and_their_memory_is_sampled() -> None:
         worker = pool.stats().workers[0]
         assert worker.device == "cuda:0"
         assert pool.stats().gpu.available
+        assert pool.stats().gpu.reason == "NVML available, 1 device(s)"
         nvml.hold(worker.pid, 300 * MIB)
         sampled = wait_until(
             lambda: pool.stats().workers[0].gpu_mb, timeout=5, message="a gpu_mb sample"
@@ -84,6 +85,7 @@ def test_a_kill_whose_memory_comes_back_is_a_verified_release() -> None:
     nvml = HoldingNvml()
     with gpu_pool(nvml, workers=1) as pool:
         pid = pool.stats().workers[0].pid
+        rss_mb = pool.stats().workers[0].rss_mb
         nvml.hold(pid, 200 * MIB)
         wait_until(lambda: pool.stats().workers[0].gpu_mb, timeout=5)
         os.kill(pid, signal.SIGKILL)
@@ -96,6 +98,8 @@ def test_a_kill_whose_memory_comes_back_is_a_verified_release() -> None:
         assert releases.ok == 1 and releases.failed == 0
         # Gone from the process list before the first poll, but listed while alive.
         assert releases.last_method == "pid"
+        # What the dead worker held in host memory (its last RSS), as the pool reports it.
+        assert rss_mb is not None and releases.last_freed_mb == pytest.approx(rss_mb, abs=0.1)
         wait_until(lambda: pool.stats().workers and pool.stats().workers[0].state == "idle")
         assert pool.stats().state == "ready"
 
@@ -198,3 +202,11 @@ def test_auto_devices_spread_workers_round_robin_over_visible_gpus() -> None:
     with ModelPool(config, gpu_probe=GpuProbe(nvml=nvml)) as pool:
         devices = sorted(w.device for w in pool.stats().workers)
         assert devices == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+
+
+def test_explicit_devices_spread_workers_round_robin_in_the_given_order() -> None:
+    nvml = FakeNvml([FakeGpu(uuid="GPU-a"), FakeGpu(uuid="GPU-b")])
+    config = make_config(devices=["cuda:1", "cuda:0"], workers=3, gpu_sample_interval_s=0.05)
+    with ModelPool(config, gpu_probe=GpuProbe(nvml=nvml)) as pool:
+        by_id = sorted(pool.stats().workers, key=lambda w: w.id)
+        assert [w.device for w in by_id] == ["cuda:1", "cuda:0", "cuda:1"]

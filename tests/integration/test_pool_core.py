@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from helpers import (
+    BackendModule,
     assert_documented_stats_keys,
     assert_no_children,
     counters,
@@ -483,8 +484,21 @@ def test_backpressure_raises_pool_overloaded_at_once() -> None:
 # ---- start-up failures ----------------------------------------------------------------------
 
 
-def test_crash_loop_fails_fast_with_model_load_failed() -> None:
-    pool = ModelPool(make_config(workers=2, backend_options={"fail_load": "boom"}))
+@pytest.mark.parametrize("limit", [1, 3])
+@pytest.mark.parametrize(
+    ("options", "shown"),
+    [({"fail_load": "boom"}, "boom"), ({"exit_on_load": 7}, "code 7")],
+    ids=["raises", "exits"],
+)
+def test_model_load_failed_after_exactly_n_startup_failures_with_backoff(
+    options: dict[str, Any], shown: str, limit: int
+) -> None:
+    """README: a worker that dies during start-up is respawned with exponential backoff
+    (0.25 s, 0.5 s, ...); after startup_failures_before_giving_up in a row, the pool
+    fails with ModelLoadFailed carrying the worker's traceback."""
+    pool = ModelPool(
+        make_config(workers=1, startup_failures_before_giving_up=limit, backend_options=options)
+    )
     started = time.monotonic()
     try:
         with pytest.raises(ModelLoadFailed) as info:
@@ -492,24 +506,47 @@ def test_crash_loop_fails_fast_with_model_load_failed() -> None:
         elapsed = time.monotonic() - started
     finally:
         pool.close(drain=False, timeout=5.0)
-    assert elapsed < slack(10), elapsed
-    assert "boom" in info.value.worker_traceback
-    assert "Traceback" in info.value.worker_traceback
+    assert f"failed to start {limit} times in a row" in str(info.value)
+    assert shown in info.value.worker_traceback or shown in str(info.value)
+    backoff = sum(0.25 * 2**i for i in range(limit - 1))  # between the failures
+    assert backoff <= elapsed < backoff + slack(10), elapsed
+    snapshot = pool.stats()
+    assert snapshot.counters["startup_failures"] == limit
+    assert snapshot.last_load_error is not None and shown in snapshot.last_load_error
     assert_no_children()
 
 
-def test_crash_loop_on_exit_during_load() -> None:
-    pool = ModelPool(make_config(workers=1, backend_options={"exit_on_load": 7}))
-    started = time.monotonic()
-    try:
-        with pytest.raises(ModelLoadFailed) as info:
-            pool.start()
-        elapsed = time.monotonic() - started
-    finally:
-        pool.close(drain=False, timeout=5.0)
-    assert elapsed < slack(10), elapsed
-    assert "code 7" in info.value.worker_traceback or "code 7" in str(info.value)
-    assert_no_children()
+FAIL_FIRST_LOAD = """
+import os
+
+class Handler:
+    def generate(self, call):
+        return "up"
+
+def factory(model="", device="cpu", marker="", **options):
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        raise RuntimeError("first load fails on purpose")
+    return Handler()
+"""
+
+
+def test_a_transient_startup_failure_below_the_limit_recovers(
+    tmp_path: Path, backend_module: BackendModule
+) -> None:
+    config = make_config(
+        workers=1,
+        backend=backend_module(FAIL_FIRST_LOAD),
+        backend_options={"marker": str(tmp_path / "loaded-once")},
+        startup_failures_before_giving_up=3,
+    )
+    with ModelPool(config) as pool:
+        assert pool.generate("x").text == "up"
+        snapshot = pool.stats()
+        assert snapshot.state == "ready"
+        assert snapshot.counters["startup_failures"] == 1
+        assert snapshot.last_load_error is not None
+        assert "first load fails on purpose" in snapshot.last_load_error
 
 
 @pytest.mark.slow
