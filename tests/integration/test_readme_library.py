@@ -24,6 +24,7 @@ from helpers import (
     submit_with_chunks,
     wait_counters,
     wait_idle,
+    wait_until,
     workers,
 )
 from modelpool import DeadlineExceeded, InvalidRequest, ModelPool, PoolConfig, RetryPolicy
@@ -278,3 +279,68 @@ def test_hf_backend_through_a_pool(tiny_model_dir: Path, monkeypatch: pytest.Mon
         with pytest.raises(InvalidRequest, match="max_tokens"):
             pool.generate("Hello", max_tokens=3)  # not an hf keyword
         assert pool.stats().counters["submitted"] == 1
+
+
+# ---- Stats: worker states on the ladder, the latency window -------------------------------------
+
+IGNORES_FLAG_AND_SIGTERM = """
+import signal
+import threading
+
+class Handler:
+    def generate(self, call):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        call.emit("t0 ")
+        threading.Event().wait()
+
+def factory(model="", device="cpu", **options):
+    return Handler()
+"""
+
+
+def test_a_worker_on_the_ladder_shows_cancelling_then_killing(
+    backend_module: BackendModule,
+) -> None:
+    with open_pool(
+        workers=1,
+        backend=backend_module(IGNORES_FLAG_AND_SIGTERM),
+        cancel_grace_s=1.0,
+        term_grace_s=1.0,
+    ) as pool:
+        future, first_chunk, _ = submit_with_chunks(pool, "x")
+        assert first_chunk.wait(slack(5))
+        pid = workers(pool)[0].pid
+        assert workers(pool)[0].state == "busy"
+        assert pool.cancel(future.request_id)
+        seen: list[str] = []
+
+        def state_of_pid() -> str | None:
+            now = next((w.state for w in workers(pool) if w.pid == pid), None)
+            if now is not None and (not seen or seen[-1] != now):
+                seen.append(now)
+            return None if now in ("busy", "cancelling", "killing") else "gone"
+
+        wait_until(state_of_pid, timeout=slack(5), interval=0.05, message=lambda: f"{seen}")
+        assert seen[seen.index("cancelling") :] == ["cancelling", "killing"], seen
+        assert future.result(timeout=slack(5)).finish_reason == "cancelled"
+
+
+@pytest.mark.slow
+def test_latency_percentiles_cover_the_last_2048_requests() -> None:
+    slow = 25  # ~0.3 s each, more than 1% of the window: they decide p99 while in it
+
+    def run(prompts: list[str]) -> None:
+        for start in range(0, len(prompts), 2):  # one per worker: latency without queueing
+            for future in [pool.submit(p) for p in prompts[start : start + 2]]:
+                future.result(timeout=60)
+
+    with open_pool(workers=2) as pool:
+        run(["tokens:3:0.1"] * slow)
+        run([f"echo:{i}" for i in range(2048 - slow)])
+        full = pool.stats().latency_s
+        assert full["p50"] is not None and full["p95"] is not None and full["p99"] is not None
+        assert full["p50"] <= full["p95"] <= full["p99"]
+        assert full["p99"] >= 0.3, full
+        run([f"echo:{i}" for i in range(slow)])
+        moved = pool.stats().latency_s  # the slow ones just left the window
+        assert moved["p99"] is not None and moved["p99"] < 0.3, moved
