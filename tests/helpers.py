@@ -12,8 +12,12 @@ are measured by ``scripts/measure-core``, not asserted here).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
+import json
+import math
 import os
+import re
 import selectors
 import socket
 import subprocess
@@ -102,6 +106,37 @@ class FakeCall:
         self.chunks.append(text)
         if self.cancel_after_chunks is not None and len(self.chunks) >= self.cancel_after_chunks:
             self.flag = True
+
+
+# ---- TOML for config files the tests write ----------------------------------------------------
+
+
+def toml_key(key: str) -> str:
+    """A TOML key: bare where it can be, quoted otherwise."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key, ensure_ascii=False)
+
+
+def toml_value(value: Any) -> str:
+    """A TOML value for a bool, int, float (nan and inf too), str, datetime, list or dict."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, datetime.datetime):
+        return value.isoformat()
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
+    raise AssertionError(type(value))
 
 
 # ---- the network ---------------------------------------------------------------------------

@@ -11,7 +11,6 @@ say what the worker does ("echo:x", "tokens:N:DELAY", "hang", "segfault").
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -23,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from helpers import slack, wait_until
+from helpers import slack, toml_value, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 60.0
@@ -38,18 +37,6 @@ def modelpool_command() -> list[str]:
 
 
 BOUND_PORT = re.compile(r"Uvicorn running on http://[^\s:]+:(\d+)")
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML")
 
 
 def daemon_config(
@@ -81,10 +68,10 @@ def daemon_config(
             **(server or {}),
         },
     }
-    lines = [f"{key} = {_toml_value(value)}" for key, value in top.items()]
+    lines = [f"{key} = {toml_value(value)}" for key, value in top.items()]
     for name, table in tables.items():
         lines.append(f"\n[{name}]")
-        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
+        lines += [f"{key} = {toml_value(value)}" for key, value in table.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 from helpers import make_config, open_pool, slack, wait_counters, wait_until
 from modelpool import DeadlineExceeded, ModelPool, RetryPolicy
 from modelpool.config import ServerConfig
-from modelpool.metrics import render_stats
+from modelpool.metrics import PoolMetrics
 from modelpool.server import create_app
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
@@ -142,12 +142,12 @@ def test_metrics_name_every_family_and_count_kills_by_reason() -> None:
         assert count == 2  # the two HTTP generation requests, not the library call
 
 
-def test_render_stats_needs_no_daemon() -> None:
-    """metrics.render_stats renders one snapshot (no histogram) for any embedding code."""
+def test_pool_metrics_render_without_a_daemon() -> None:
+    """metrics.PoolMetrics renders a pool's stats for any embedding code, no server needed."""
     with open_pool(workers=2) as pool:
         pool.generate("echo:x")
-        found = families(render_stats(pool.stats()))
-    assert set(found) >= README_FAMILIES - {"modelpool_request_duration_seconds"}
+        found = families(PoolMetrics(pool.stats).render().decode())
+    assert set(found) >= README_FAMILIES
     assert value(found, "modelpool_workers", state="idle") == 2
     assert value(found, "modelpool_pool_state", state="ready") == 1
     assert value(found, "modelpool_requests", outcome="completed") == 1

@@ -14,10 +14,8 @@ Each bug this fuzzing found keeps a focused test here as a regression test.
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
-import re
 import string
 import threading
 from collections.abc import Iterator
@@ -28,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import make_config, open_pool
+from helpers import make_config, open_pool, toml_key, toml_value
 from modelpool import (
     DeadlineExceeded,
     InvalidRequest,
@@ -392,41 +390,13 @@ def with_model(data: dict[str, Any], model: Any) -> dict[str, Any]:
     return data
 
 
-def _toml_key(key: str) -> str:
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key, ensure_ascii=False)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, datetime.datetime):
-        return value.isoformat()
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    raise AssertionError(type(value))
-
-
 def to_toml(data: dict[str, Any]) -> str:
     """A TOML document for ``data``: tables for top-level dicts, inline tables below."""
-    lines = [
-        f"{_toml_key(k)} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)
-    ]
+    lines = [f"{toml_key(k)} = {toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
     for key, value in data.items():
         if isinstance(value, dict):
-            lines.append(f"[{_toml_key(key)}]")
-            lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items())
+            lines.append(f"[{toml_key(key)}]")
+            lines.extend(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items())
     return "\n".join(lines) + "\n"
 
 
