@@ -232,7 +232,9 @@ def _is_number(value: Any) -> bool:
 # What the README promises to serve, checked independently of modelpool.validation: a
 # validator that rejected everything (or too much) must fail these tests, not pass them.
 VALID_PARAMS = {
-    "max_new_tokens": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+    "max_new_tokens": lambda v: (
+        isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**63  # a C int64
+    ),
     "temperature": lambda v: _is_number(v) and v >= 0,
     "top_p": lambda v: _is_number(v) and 0 < v <= 1,
     "deadline_s": lambda v: _is_number(v) and v > 0,
@@ -300,6 +302,7 @@ def test_the_validity_oracle_tells_valid_from_invalid() -> None:
     assert not certainly_valid([{"role": "", "content": "x"}], {})
     assert not certainly_valid([{"role": "user", "content": 1}], {})
     assert not certainly_valid("hi", {"max_new_tokens": True})
+    assert not certainly_valid("hi", {"max_new_tokens": 2**63})
     assert not certainly_valid("hi", {"top_p": 0})
     assert not certainly_valid("hi", {"temperature": math.nan})
     assert not certainly_valid("hi", {"deadline_s": 10**400})
@@ -487,7 +490,7 @@ def test_retry_on_not_a_list_is_a_value_error(tmp_path: Path) -> None:
 def test_unpicklable_parameter_is_rejected_and_the_pool_survives() -> None:
     with open_pool(workers=1, deadline_s=5.0) as fresh:
         with pytest.raises(InvalidRequest, match="cannot be sent to a worker"):
-            fresh.submit("echo:x", seed=threading.Lock())
+            fresh.submit("echo:x", stop=threading.Lock())
         assert fresh.stats().counters["submitted"] == 0
         assert fresh.generate("echo:alive", deadline_s=5).text == "alive"
         assert fresh.stats().state == "ready"
