@@ -41,6 +41,8 @@ def default_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]
         tmp_path_factory.mktemp("smollm2"),
         None,
         config_path=REPO / "configs" / "default.toml",
+        # The file says "auto": pinned here so that a host with a GPU runs the same check.
+        args=("--devices", "cpu"),
         cwd=REPO,
         ready_timeout=600.0,
     )
