@@ -123,6 +123,15 @@ class Daemon:
         status = httpx.get(self.url + "/readyz", timeout=slack(2.5)).status_code
         assert status == 200, f"/readyz {status} once the port was open:\n{self.log()[-4000:]}"
 
+    def wait_busy(self, count: int = 1, timeout: float = 5.0) -> None:
+        """Until ``count`` workers are busy: the requests a test sent are running."""
+        wait_for(
+            self.stats,
+            lambda s: sum(w["state"] == "busy" for w in s["workers"]) >= count,
+            slack(timeout),
+            f"{count} busy workers",
+        )
+
     def wait_settled(self, workers: int, timeout: float = 15.0) -> dict[str, Any]:
         """Every worker idle (no kill or respawn under way) and none missing."""
         stats: dict[str, Any] = wait_for(

@@ -123,6 +123,14 @@ def _stream_text(url: str, prompt: str) -> str:
     raise AssertionError(f"the stream ended without [DONE] after {''.join(text)!r}")
 
 
+def post_completion(
+    executor: concurrent.futures.Executor, daemon: Daemon, prompt: str
+) -> concurrent.futures.Future[httpx.Response]:
+    """POST a completion in the background; the test waits for it to run (``wait_busy``)."""
+    body = {"prompt": prompt}
+    return executor.submit(httpx.post, daemon.url + "/v1/completions", json=body, timeout=60)
+
+
 def test_sigterm_drains_a_long_request_then_exits_0(tmp_path: Path) -> None:
     daemon = start_daemon(tmp_path, daemon_config())
     try:
@@ -130,19 +138,9 @@ def test_sigterm_drains_a_long_request_then_exits_0(tmp_path: Path) -> None:
         assert len(pids) == 2
         expected = "".join(f"t{i} " for i in range(40))
         with concurrent.futures.ThreadPoolExecutor(2) as executor:
-            pending = executor.submit(
-                httpx.post,
-                daemon.url + "/v1/completions",
-                json={"prompt": "tokens:40:0.05"},
-                timeout=30,
-            )
+            pending = post_completion(executor, daemon, "tokens:40:0.05")
             streaming = executor.submit(_stream_text, daemon.url, "tokens:40:0.05")
-            wait_for(
-                daemon.stats,
-                lambda s: all(w["state"] == "busy" for w in s["workers"]),
-                5.0,
-                "both requests to run",
-            )
+            daemon.wait_busy(2)
             daemon.process.send_signal(signal.SIGTERM)
             response = pending.result()
             assert streaming.result() == expected
@@ -177,18 +175,8 @@ def test_second_signal_stops_at_once(tmp_path: Path) -> None:
     try:
         pids = daemon.worker_pids()
         with concurrent.futures.ThreadPoolExecutor(1) as executor:
-            pending = executor.submit(
-                httpx.post,
-                daemon.url + "/v1/completions",
-                json={"prompt": "tokens:60:0.2"},
-                timeout=30,
-            )
-            wait_for(
-                daemon.stats,
-                lambda s: any(w["state"] == "busy" for w in s["workers"]),
-                5.0,
-                "the request to run",
-            )
+            pending = post_completion(executor, daemon, "tokens:60:0.2")
+            daemon.wait_busy(1)
             daemon.process.send_signal(signal.SIGTERM)
             # The drain has begun (the log says so) before the second signal goes.
             wait_for(daemon.log, lambda text: "SIGTERM: draining" in text, 10.0, "the drain")
@@ -297,15 +285,8 @@ def test_sigint_first_drains_and_the_drain_timeout_cuts_a_request_short(tmp_path
     try:
         pids = daemon.worker_pids()
         with concurrent.futures.ThreadPoolExecutor(1) as executor:
-            pending = executor.submit(
-                httpx.post, daemon.url + "/v1/completions", json={"prompt": LONG}, timeout=60
-            )
-            wait_for(
-                daemon.stats,
-                lambda s: any(w["state"] == "busy" for w in s["workers"]),
-                5.0,
-                "the request to run",
-            )
+            pending = post_completion(executor, daemon, LONG)
+            daemon.wait_busy(1)
             started = time.monotonic()
             daemon.process.send_signal(signal.SIGINT)
             assert daemon.process.wait(30) == 0, daemon.log()[-4000:]
