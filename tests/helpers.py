@@ -162,6 +162,44 @@ def skip_unless_pypi(what: str) -> None:
         pytest.skip(f"offline: {what} needs PyPI, which is not reachable")
 
 
+# ---- inline backends (install with the backend_module fixture) -------------------------------
+
+# Emits "t0 " (so a test knows the backend is running), then blocks ignoring both the cancel
+# flag and SIGTERM: a cancel or deadline on it climbs the whole ladder to SIGKILL.
+IGNORES_FLAG_AND_SIGTERM = """
+import signal
+import threading
+
+
+class Handler:
+    def generate(self, call):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        call.emit("t0 ")
+        threading.Event().wait()
+
+
+def factory(model="", device="cpu", **options):
+    return Handler()
+"""
+
+# The metric families the README lists, by the name the Prometheus parser gives them.
+METRIC_FAMILIES = frozenset(
+    {
+        "modelpool_requests",  # modelpool_requests_total{outcome}
+        "modelpool_request_duration_seconds",
+        "modelpool_queue_depth",
+        "modelpool_workers",
+        "modelpool_worker_kills",
+        "modelpool_worker_crashes",
+        "modelpool_worker_respawns",
+        "modelpool_gpu_memory_bytes",
+        "modelpool_gpu_release_seconds",
+        "modelpool_gpu_releases",
+        "modelpool_pool_state",
+    }
+)
+
+
 # ---- the stats keys the README documents (README, Stats), for the library and /stats -----
 
 STATS_KEYS = {

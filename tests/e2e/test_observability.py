@@ -10,21 +10,7 @@ import httpx
 from e2e_support import Daemon, daemon_config, modelpool_command
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import assert_documented_stats_keys
-
-METRIC_NAMES = {
-    "modelpool_requests",  # modelpool_requests_total{outcome}
-    "modelpool_request_duration_seconds",
-    "modelpool_queue_depth",
-    "modelpool_workers",
-    "modelpool_worker_kills",
-    "modelpool_worker_crashes",
-    "modelpool_worker_respawns",
-    "modelpool_gpu_memory_bytes",
-    "modelpool_gpu_release_seconds",
-    "modelpool_gpu_releases",
-    "modelpool_pool_state",
-}
+from helpers import METRIC_FAMILIES, assert_documented_stats_keys
 
 
 def test_health_and_readiness(http: httpx.Client) -> None:
@@ -46,7 +32,7 @@ def test_metrics_parse_and_name_everything(http: httpx.Client) -> None:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(response.text)}
-    assert set(families) >= METRIC_NAMES, sorted(families)
+    assert set(families) >= METRIC_FAMILIES, sorted(families)
     outcomes = {s.labels["outcome"]: s.value for s in families["modelpool_requests"].samples}
     assert set(outcomes) == {"completed", "failed", "cancelled", "overloaded"}
     assert outcomes["completed"] >= 1

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    IGNORES_FLAG_AND_SIGTERM,
     BackendModule,
     counters,
     open_pool,
@@ -60,21 +61,7 @@ def factory(model="", device="cpu", **options):
     return Handler()
 """
 
-EMIT_HANG_BACKEND = """
-import signal
-import threading
-
-
-class Handler:
-    def generate(self, call):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        call.emit("t0 ")
-        threading.Event().wait()
-
-
-def factory(model="", device="cpu", **options):
-    return Handler()
-"""
+EMIT_HANG_BACKEND = IGNORES_FLAG_AND_SIGTERM
 
 # "silent:SECONDS" reports no progress at all for SECONDS (a long prefill), then streams
 # a few tokens and returns.

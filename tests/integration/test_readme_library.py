@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from helpers import (
+    IGNORES_FLAG_AND_SIGTERM,
     BackendModule,
     open_pool,
     slack,
@@ -282,20 +283,6 @@ def test_hf_backend_through_a_pool(tiny_model_dir: Path, monkeypatch: pytest.Mon
 
 
 # ---- Stats: worker states on the ladder, the latency window -------------------------------------
-
-IGNORES_FLAG_AND_SIGTERM = """
-import signal
-import threading
-
-class Handler:
-    def generate(self, call):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        call.emit("t0 ")
-        threading.Event().wait()
-
-def factory(model="", device="cpu", **options):
-    return Handler()
-"""
 
 
 def test_a_worker_on_the_ladder_shows_cancelling_then_killing(

@@ -16,28 +16,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from helpers import make_config, open_pool, slack, wait_counters, wait_until
+from helpers import METRIC_FAMILIES, make_config, open_pool, slack, wait_counters, wait_until
 from modelpool import DeadlineExceeded, ModelPool, RetryPolicy
 from modelpool.config import ServerConfig
 from modelpool.metrics import PoolMetrics
 from modelpool.server import create_app
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
-
-# Every family the README lists, by the name the Prometheus parser gives it.
-README_FAMILIES = {
-    "modelpool_requests",
-    "modelpool_request_duration_seconds",
-    "modelpool_queue_depth",
-    "modelpool_workers",
-    "modelpool_worker_kills",
-    "modelpool_worker_crashes",
-    "modelpool_worker_respawns",
-    "modelpool_gpu_memory_bytes",
-    "modelpool_gpu_release_seconds",
-    "modelpool_gpu_releases",
-    "modelpool_pool_state",
-}
 
 
 def client_for(pool: ModelPool) -> TestClient:
@@ -123,7 +108,7 @@ def test_metrics_name_every_family_and_count_kills_by_reason() -> None:
         response = client.get("/metrics")
         assert response.status_code == 200
         found = families(response.text)
-        assert set(found) >= README_FAMILIES, sorted(found)
+        assert set(found) >= METRIC_FAMILIES, sorted(found)
         assert value(found, "modelpool_worker_kills", reason="timeout") == 1
         assert value(found, "modelpool_worker_crashes") == 1
         assert value(found, "modelpool_worker_respawns") == 2
@@ -147,7 +132,7 @@ def test_pool_metrics_render_without_a_daemon() -> None:
     with open_pool(workers=2) as pool:
         pool.generate("echo:x")
         found = families(PoolMetrics(pool.stats).render().decode())
-    assert set(found) >= README_FAMILIES
+    assert set(found) >= METRIC_FAMILIES
     assert value(found, "modelpool_workers", state="idle") == 2
     assert value(found, "modelpool_pool_state", state="ready") == 1
     assert value(found, "modelpool_requests", outcome="completed") == 1
