@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -34,6 +35,16 @@ def modelpool_command() -> list[str]:
     if script.exists():
         return [str(script)]
     return [sys.executable, "-m", "modelpool.cli"]
+
+
+def free_port() -> int:
+    """A port that was free a moment ago: only for a server that cannot bind port 0 and say
+    which port it got (Ray Serve's proxy). Another process may take it before the server
+    binds it; every modelpool daemon here binds port 0 instead (``start_daemon``)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 BOUND_PORT = re.compile(r"Uvicorn running on http://[^\s:]+:(\d+)")
