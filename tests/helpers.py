@@ -196,6 +196,7 @@ METRIC_FAMILIES = frozenset(
         "modelpool_gpu_release_seconds",
         "modelpool_gpu_releases",
         "modelpool_pool_state",
+        "modelpool_heartbeat_age_seconds",
     }
 )
 
@@ -204,11 +205,11 @@ METRIC_FAMILIES = frozenset(
 
 STATS_KEYS = {
     "state", "workers", "queue_depth", "counters", "latency_s", "gpu",
-    "uptime_s", "last_load_error", "kill_reasons",
+    "uptime_s", "last_load_error", "kill_reasons", "max_model_len", "heartbeat_age_s",
 }  # fmt: skip
 WORKER_KEYS = {
     "id", "pid", "state", "role", "device", "requests", "uptime_s",
-    "rss_mb", "gpu_mb", "gpu_mb_method",
+    "rss_mb", "gpu_mb", "gpu_mb_method", "max_model_len",
 }  # fmt: skip
 COUNTER_KEYS = {
     "submitted", "completed", "failed", "cancelled", "timeouts", "crashes", "kills",
