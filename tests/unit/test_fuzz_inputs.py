@@ -178,7 +178,19 @@ params = st.one_of(
 )
 
 
+def is_token_ids(prompt: Any) -> bool:
+    """A non-empty list or tuple of token ids (ints in [0, 2**63)), a prompt the README
+    accepts as it is."""
+    return (
+        isinstance(prompt, (list, tuple))
+        and bool(prompt)
+        and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in prompt)
+    )
+
+
 def expected_text(prompt: Any) -> str:
+    if is_token_ids(prompt):
+        return " ".join(str(i) for i in prompt)  # how the testing backend reads token ids
     content = prompt if isinstance(prompt, str) else prompt[-1]["content"]
     return echoed(content)
 
@@ -242,10 +254,10 @@ VALID_PARAMS = {
 
 
 def certainly_valid(prompt: Any, kwargs: dict[str, Any]) -> bool:
-    """A prompt and keywords the pool must serve: a string, or a non-empty list of plain
-    ``{"role": non-empty str, "content": str}`` dicts; keywords (if any) among the
+    """A prompt and keywords the pool must serve: a string, token ids, or a non-empty list
+    of plain ``{"role": non-empty str, "content": str}`` dicts; keywords (if any) among the
     documented ones with documented values."""
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) or is_token_ids(prompt):
         prompt_ok = True
     else:
         prompt_ok = (
@@ -298,7 +310,9 @@ def test_the_validity_oracle_tells_valid_from_invalid() -> None:
     assert certainly_valid("hi", {})
     assert certainly_valid([{"role": "user", "content": ""}], {"max_new_tokens": 3})
     assert certainly_valid("hi", {"temperature": 0, "top_p": 1.0, "deadline_s": 1e12})
+    assert certainly_valid([0, 7], {}) and certainly_valid((1,), {})
     assert not certainly_valid([], {})
+    assert not certainly_valid([-1], {}) and not certainly_valid([True], {})
     assert not certainly_valid([{"role": "", "content": "x"}], {})
     assert not certainly_valid([{"role": "user", "content": 1}], {})
     assert not certainly_valid("hi", {"max_new_tokens": True})
