@@ -18,6 +18,7 @@ from helpers import (
     new_children,
     open_pool,
     pid_alive,
+    slack,
     wait_until,
 )
 from modelpool import (
@@ -109,8 +110,11 @@ def test_generate_inside_a_callback_is_refused_and_the_pool_goes_on() -> None:
                 seen.append(exc)
             done.set()
 
-        pool.submit("echo:outer").add_done_callback(callback)
-        assert done.wait(5)
+        # Still running when the callback is attached (it ends at its 0.5 s deadline), so the
+        # callback runs on the dispatcher thread; one attached to a done future would run
+        # here, in the caller's thread, where generate() is allowed.
+        pool.submit("tokens:1000:0.01", deadline_s=0.5).add_done_callback(callback)
+        assert done.wait(slack(5))
         assert seen and "callback" in str(seen[0])
         assert pool.generate("echo:after", deadline_s=2).text == "after"
 
