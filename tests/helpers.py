@@ -206,15 +206,16 @@ METRIC_FAMILIES = frozenset(
 STATS_KEYS = {
     "state", "workers", "queue_depth", "counters", "latency_s", "gpu",
     "uptime_s", "last_load_error", "kill_reasons", "max_model_len", "heartbeat_age_s",
+    "capacity", "running", "batch_occupancy",
 }  # fmt: skip
 WORKER_KEYS = {
     "id", "pid", "state", "role", "device", "requests", "uptime_s",
-    "rss_mb", "gpu_mb", "gpu_mb_method", "max_model_len",
+    "rss_mb", "gpu_mb", "gpu_mb_method", "max_model_len", "slots", "running",
 }  # fmt: skip
 COUNTER_KEYS = {
     "submitted", "completed", "failed", "cancelled", "timeouts", "crashes", "kills",
     "retries", "respawns", "overloaded", "stalls", "cancel_escalations", "recycled",
-    "startup_failures",
+    "startup_failures", "collateral_retries", "poison_requests",
 }  # fmt: skip
 GPU_KEYS = {"available", "reason", "devices", "releases", "blocked_devices"}
 RELEASE_KEYS = {"checked", "ok", "failed", "last_ms", "last_method", "last_freed_mb"}
