@@ -70,6 +70,7 @@ from modelpool.errors import (
 )
 from modelpool.pool import ModelPool, PoolFuture, Result
 from modelpool.processes import process_group_exists
+from modelpool.stats import PoolStats, ReleaseStats
 
 logger = logging.getLogger("modelpool.chaos")
 
@@ -779,11 +780,103 @@ def rss_slope_mb_per_min(samples: list[tuple[float, int]]) -> tuple[float, float
     return slope * 60 / 2**20, slope * span / 2**20
 
 
+# --------------------------------------------------------------------------------------------
+# The end checks: each takes what the run observed and returns the violations it finds, so
+# that a test can feed each one a failing input (tests/integration/test_chaos.py).
+
+
+def strength_problem(stats: PoolStats, slot_count: int, unusable_pids: set[int]) -> str | None:
+    """None when the pool is back to full strength: ready, nothing queued, ``slot_count``
+    workers all idle or spare and usable (``unusable_pids``: stopped, zombie or gone), and a
+    release check done for every worker that left."""
+    usable = [
+        w
+        for w in stats.workers
+        if w.state in ("idle", "spare") and w.pid is not None and w.pid not in unusable_pids
+    ]
+    departed = slot_count + stats.counters["respawns"] - len(stats.workers)
+    if (
+        len(usable) == slot_count
+        and len(stats.workers) == slot_count
+        and stats.state == "ready"
+        and stats.queue_depth == 0
+        and stats.gpu.releases.checked >= departed
+    ):
+        return None
+    return (
+        f"pool not back to full strength: state {stats.state}, workers "
+        f"{[(w.pid, w.state) for w in stats.workers]} ({len(usable)} of {slot_count} usable), "
+        f"queue {stats.queue_depth}, releases checked {stats.gpu.releases.checked} of "
+        f"{departed} departed"
+    )
+
+
+def counter_problems(counters: dict[str, int], accepted: int) -> list[str]:
+    """The pool's counters add up, and agree with the requests the clients had accepted."""
+    problems = []
+    resolved = counters["completed"] + counters["failed"] + counters["cancelled"]
+    if resolved != counters["submitted"]:
+        problems.append(
+            f"counters: completed+failed+cancelled={resolved} != submitted={counters['submitted']}"
+        )
+    if counters["submitted"] != accepted:
+        problems.append(
+            f"counters: submitted={counters['submitted']} but the clients had "
+            f"{accepted} requests accepted"
+        )
+    return problems
+
+
+def release_problems(releases: ReleaseStats, spawned_workers: int) -> list[str]:
+    """Every worker ever spawned had its release check, and none failed."""
+    problems = []
+    if releases.checked < spawned_workers:
+        problems.append(f"release checks: {releases.checked} of {spawned_workers} workers")
+    if releases.failed:
+        problems.append(f"release checks failed: {releases.failed}")
+    return problems
+
+
+def leftover_problems(
+    leftovers: list[tuple[int, str]], groups: list[int], frozen: list[int], state: str
+) -> list[str]:
+    """Nothing is left after ``close()``: processes ((pid, status), zombies included),
+    worker process groups, SIGSTOPped workers; and the pool says "closed"."""
+    problems = []
+    if leftovers:
+        problems.append(f"processes left after close(): {leftovers}")
+    if groups:
+        problems.append(f"worker process groups left after close(): {groups}")
+    if frozen:
+        problems.append(f"SIGSTOPped workers alive after close(): {frozen}")
+    if state != "closed":
+        problems.append(f"pool state after close(): {state}")
+    return problems
+
+
+def rss_problem(slope_mb_per_min: float, growth_mb: float) -> str | None:
+    """The supervisor's RSS grows: both the slope and the fitted growth are over their limits
+    (see RSS_SLOPE_LIMIT_MB_MIN)."""
+    if slope_mb_per_min > RSS_SLOPE_LIMIT_MB_MIN and growth_mb > RSS_GROWTH_FLOOR_MB:
+        return (
+            f"supervisor RSS grows {slope_mb_per_min:.2f} MB/min ({growth_mb:.1f} MB over the "
+            f"second half of the load)"
+        )
+    return None
+
+
 def _descendants() -> list[psutil.Process]:
     try:
         return list(psutil.Process().children(recursive=True))
     except psutil.Error:
         return []
+
+
+def _pid_status(pid: int) -> str:
+    try:
+        return _status(psutil.Process(pid))
+    except psutil.Error:
+        return "gone"
 
 
 def _status(proc: psutil.Process) -> str:
@@ -886,51 +979,31 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
     # ---- back to full strength --------------------------------------------------------
     recovery_started = time.monotonic()
     strength_s: float | None = None
+    weak: str | None = "not checked"
     stats = pool.stats()
     while time.monotonic() - recovery_started < RECOVERY_BOUND_S:
         agent.release_frozen_idle(0.0 if time.monotonic() - recovery_started > 5.0 else 1e9)
         stats = pool.stats()
         seen_pids.update(w.pid for w in stats.workers if w.pid is not None)
-        ready = [
-            w
+        unusable = {
+            w.pid
             for w in stats.workers
-            if w.state in ("idle", "spare")
-            and w.pid is not None
-            and _status(psutil.Process(w.pid))
-            not in (psutil.STATUS_STOPPED, "gone", psutil.STATUS_ZOMBIE)
-        ]
-        spawned = slot_count + stats.counters["respawns"]
-        left = spawned - len(stats.workers)
-        if (
-            len(ready) == slot_count
-            and len(stats.workers) == slot_count
-            and stats.state == "ready"
-            and stats.queue_depth == 0
-            and stats.gpu.releases.checked >= left
-        ):
+            if w.pid is not None
+            and _pid_status(w.pid) in (psutil.STATUS_STOPPED, "gone", psutil.STATUS_ZOMBIE)
+        }
+        weak = strength_problem(stats, slot_count, unusable)
+        if weak is None:
             strength_s = time.monotonic() - recovery_started
             break
         time.sleep(0.1)
     before_close = stats
     if strength_s is None:
-        violations.append(
-            f"pool not back to full strength within {RECOVERY_BOUND_S:.0f}s: state "
-            f"{stats.state}, workers {[(w.pid, w.state) for w in stats.workers]}, queue "
-            f"{stats.queue_depth}, releases checked {stats.gpu.releases.checked}"
-        )
+        violations.append(f"after {RECOVERY_BOUND_S:.0f}s: {weak}")
 
     counters = before_close.counters
     accepted = sum(1 for r in records if not (r.outcome or "").startswith("rejected"))
     resolved = counters["completed"] + counters["failed"] + counters["cancelled"]
-    if resolved != counters["submitted"]:
-        violations.append(
-            f"counters: completed+failed+cancelled={resolved} != submitted={counters['submitted']}"
-        )
-    if counters["submitted"] != accepted:
-        violations.append(
-            f"counters: submitted={counters['submitted']} but the clients had "
-            f"{accepted} requests accepted"
-        )
+    violations.extend(counter_problems(counters, accepted))
 
     # ---- close: nothing left behind ----------------------------------------------------
     close_started = time.monotonic()
@@ -939,24 +1012,12 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
     final = pool.stats()
     spawned_total = slot_count + final.counters["respawns"]
     releases = final.gpu.releases
-    if releases.checked < spawned_total:
-        violations.append(f"release checks: {releases.checked} of {spawned_total} workers")
-    if releases.failed:
-        violations.append(f"release checks failed: {releases.failed}")
-    leftovers = _descendants()
-    zombies = [p.pid for p in leftovers if _status(p) == psutil.STATUS_ZOMBIE]
-    if leftovers:
-        violations.append(
-            f"processes left after close(): {[(p.pid, _status(p)) for p in leftovers]}"
-        )
+    violations.extend(release_problems(releases, spawned_total))
+    leftovers = [(p.pid, _status(p)) for p in _descendants()]
+    zombies = [pid for pid, status in leftovers if status == psutil.STATUS_ZOMBIE]
     groups = sorted(pid for pid in seen_pids if pid > 1 and process_group_exists(pid))
-    if groups:
-        violations.append(f"worker process groups left after close(): {groups}")
     frozen_left = agent.frozen_alive()
-    if frozen_left:
-        violations.append(f"SIGSTOPped workers alive after close(): {frozen_left}")
-    if final.state != "closed":
-        violations.append(f"pool state after close(): {final.state}")
+    violations.extend(leftover_problems(leftovers, groups, frozen_left, final.state))
 
     # ---- every request -----------------------------------------------------------------
     struck = set(agent.struck)
@@ -988,11 +1049,9 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
             )
 
     slope, growth = rss_slope_mb_per_min(rss_samples)
-    if slope > RSS_SLOPE_LIMIT_MB_MIN and growth > RSS_GROWTH_FLOOR_MB:
-        violations.append(
-            f"supervisor RSS grows {slope:.2f} MB/min ({growth:.1f} MB over the "
-            f"second half of the load)"
-        )
+    growing = rss_problem(slope, growth)
+    if growing is not None:
+        violations.append(growing)
     harness.close_spool()
     tmp.cleanup()
 

@@ -4,27 +4,55 @@ Import from a test file with ``from helpers import ...`` (pyproject.toml puts
 tests/ on pytest's pythonpath).
 
 Rule of these tests: never sleep to *let something happen*; poll a condition with
-a timeout (``wait_until``) instead.
+a timeout (``wait_until``) instead. Assert order and outcome; where a test bounds
+wall-clock time, the bound is the design's figure times ``slack`` (the strict figures
+are measured by ``scripts/measure-core``, not asserted here).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import functools
+import json
+import math
 import os
+import re
+import selectors
+import socket
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import psutil
+import pytest
 
 from modelpool import ModelPool, PoolConfig, PoolFuture, RetryPolicy
+from modelpool.protocol import Prompt
 from modelpool.stats import PoolStats, WorkerStats
 
 T = TypeVar("T")
 
 VENV_PYTHON = sys.executable
+
+# The ``backend_module`` fixture (tests/conftest.py): backend_module(SOURCE, factory="factory")
+# installs an inline backend under a unique module name and returns "module:factory".
+BackendModule = Callable[..., str]
+
+# Wall-clock bounds are the design's figures times this factor. The default suits a shared
+# 2-core machine where other jobs take the CPU for hundreds of ms at a time; set
+# MODELPOOL_TEST_TIME_SLACK=1 on a quiet machine to check the strict figures.
+TIME_SLACK = float(os.environ.get("MODELPOOL_TEST_TIME_SLACK", "4"))
+
+
+def slack(seconds: float) -> float:
+    """An upper time bound of ``seconds`` for this machine (lower bounds are never scaled)."""
+    return seconds * TIME_SLACK
 
 
 class WaitTimeout(AssertionError):
@@ -34,7 +62,7 @@ class WaitTimeout(AssertionError):
 def wait_until(
     predicate: Callable[[], T],
     timeout: float = 5.0,
-    interval: float = 0.005,
+    interval: float = 0.02,
     message: str | Callable[[], str] = "condition",
 ) -> T:
     """Poll ``predicate`` until it returns a truthy value; return that value.
@@ -53,6 +81,156 @@ def wait_until(
         pause.wait(interval)
 
 
+# ---- backends in process ---------------------------------------------------------------------
+
+
+@dataclass
+class FakeCall:
+    """A Call whose cancel flag the test controls, recording what the backend did."""
+
+    prompt: Prompt
+    params: dict[str, Any] = field(default_factory=dict)
+    cancel_after_chunks: int | None = None
+    flag: bool = False
+    chunks: list[str] = field(default_factory=list)
+    checks_after_cancel: int = 0
+
+    def cancelled(self) -> bool:
+        if self.flag:
+            self.checks_after_cancel += 1
+        return self.flag
+
+    def emit(self, text: str) -> None:
+        assert isinstance(text, str) and text, "chunks are non-empty strings"
+        assert not self.flag, "nothing may be emitted once cancelled() returned True"
+        self.chunks.append(text)
+        if self.cancel_after_chunks is not None and len(self.chunks) >= self.cancel_after_chunks:
+            self.flag = True
+
+
+# ---- TOML for config files the tests write ----------------------------------------------------
+
+
+def toml_key(key: str) -> str:
+    """A TOML key: bare where it can be, quoted otherwise."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key, ensure_ascii=False)
+
+
+def toml_value(value: Any) -> str:
+    """A TOML value for a bool, int, float (nan and inf too), str, datetime, list or dict."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, datetime.datetime):
+        return value.isoformat()
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
+    raise AssertionError(type(value))
+
+
+# ---- the network ---------------------------------------------------------------------------
+
+
+@functools.cache
+def pypi_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether pip's index (``$PIP_INDEX_URL`` or pypi.org) answers a TCP connect."""
+    url = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple")
+    parts = urlsplit(url)
+    host = parts.hostname or "pypi.org"
+    port = parts.port or (80 if parts.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def skip_unless_pypi(what: str) -> None:
+    """Skip the calling test (or fixture) when it would download ``what`` and cannot."""
+    if not pypi_reachable():
+        pytest.skip(f"offline: {what} needs PyPI, which is not reachable")
+
+
+# ---- inline backends (install with the backend_module fixture) -------------------------------
+
+# Emits "t0 " (so a test knows the backend is running), then blocks ignoring both the cancel
+# flag and SIGTERM: a cancel or deadline on it climbs the whole ladder to SIGKILL.
+IGNORES_FLAG_AND_SIGTERM = """
+import signal
+import threading
+
+
+class Handler:
+    def generate(self, call):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        call.emit("t0 ")
+        threading.Event().wait()
+
+
+def factory(model="", device="cpu", **options):
+    return Handler()
+"""
+
+# The metric families the README lists, by the name the Prometheus parser gives them.
+METRIC_FAMILIES = frozenset(
+    {
+        "modelpool_requests",  # modelpool_requests_total{outcome}
+        "modelpool_request_duration_seconds",
+        "modelpool_queue_depth",
+        "modelpool_workers",
+        "modelpool_worker_kills",
+        "modelpool_worker_crashes",
+        "modelpool_worker_respawns",
+        "modelpool_gpu_memory_bytes",
+        "modelpool_gpu_release_seconds",
+        "modelpool_gpu_releases",
+        "modelpool_pool_state",
+        "modelpool_heartbeat_age_seconds",
+    }
+)
+
+
+# ---- the stats keys the README documents (README, Stats), for the library and /stats -----
+
+STATS_KEYS = {
+    "state", "workers", "queue_depth", "counters", "latency_s", "gpu",
+    "uptime_s", "last_load_error", "kill_reasons", "max_model_len", "heartbeat_age_s",
+    "capacity", "running", "batch_occupancy",
+}  # fmt: skip
+WORKER_KEYS = {
+    "id", "pid", "state", "role", "device", "requests", "uptime_s",
+    "rss_mb", "gpu_mb", "gpu_mb_method", "max_model_len", "slots", "running",
+}  # fmt: skip
+COUNTER_KEYS = {
+    "submitted", "completed", "failed", "cancelled", "timeouts", "crashes", "kills",
+    "retries", "respawns", "overloaded", "stalls", "cancel_escalations", "recycled",
+    "startup_failures", "collateral_retries", "poison_requests",
+}  # fmt: skip
+GPU_KEYS = {"available", "reason", "devices", "releases", "blocked_devices"}
+RELEASE_KEYS = {"checked", "ok", "failed", "last_ms", "last_method", "last_freed_mb"}
+
+
+def assert_documented_stats_keys(data: dict[str, Any]) -> None:
+    """``PoolStats.to_dict()`` (or /stats) has exactly the keys the README lists."""
+    assert set(data) == STATS_KEYS
+    assert set(data["counters"]) == COUNTER_KEYS
+    assert set(data["latency_s"]) == {"p50", "p95", "p99"}
+    assert set(data["gpu"]) == GPU_KEYS
+    assert set(data["gpu"]["releases"]) == RELEASE_KEYS
+    assert data["workers"] and all(set(worker) == WORKER_KEYS for worker in data["workers"])
+
+
 # ---- processes ----------------------------------------------------------------------------
 
 
@@ -67,6 +245,21 @@ def children(include_zombies: bool = True) -> list[psutil.Process]:
             continue
         result.append(child)
     return result
+
+
+_children_before_this_test: set[int] = set()
+
+
+def record_children_baseline() -> None:
+    """Remember the descendants alive now (tests/conftest.py calls it before every test), so
+    that a process leaked by an earlier test is not blamed on this one."""
+    _children_before_this_test.clear()
+    _children_before_this_test.update(p.pid for p in children())
+
+
+def new_children(include_zombies: bool = True) -> list[psutil.Process]:
+    """Descendants that were not there when this test began: the ones it started."""
+    return [p for p in children(include_zombies) if p.pid not in _children_before_this_test]
 
 
 def zombies() -> list[psutil.Process]:
@@ -89,6 +282,17 @@ def describe(processes: Iterable[psutil.Process]) -> str:
         except psutil.Error:
             parts.append(f"{proc.pid}:gone")
     return ", ".join(parts) or "none"
+
+
+def read_line(proc: subprocess.Popen[str], timeout_s: float = 30.0) -> str:
+    """The next line ``proc`` writes to its stdout pipe (stripped), or AssertionError after
+    ``timeout_s``: a child reports what it did without the test sleeping."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout_s):
+            raise AssertionError(f"no line from pid {proc.pid} within {timeout_s}s")
+    return proc.stdout.readline().strip()
 
 
 def pid_alive(pid: int) -> bool:
@@ -114,11 +318,11 @@ def wait_pids_gone(pids: Iterable[int], timeout: float) -> float:
 
 
 def assert_no_children(timeout: float = 5.0) -> None:
-    """No descendant process (running or zombie) is left, within ``timeout``."""
+    """No process this test started (running or zombie) is left, within ``timeout``."""
     wait_until(
-        lambda: not children(),
+        lambda: not new_children(),
         timeout,
-        message=lambda: f"no child processes (left: {describe(children())})",
+        message=lambda: f"no child processes (left: {describe(new_children())})",
     )
 
 
@@ -126,11 +330,14 @@ def assert_no_children(timeout: float = 5.0) -> None:
 
 
 def make_config(**overrides: Any) -> PoolConfig:
-    """A small, fast testing-backend pool config; ``overrides`` replace any field."""
+    """A small, fast testing-backend pool config on the CPU; ``overrides`` replace any field."""
     values: dict[str, Any] = {
         "model": "none",
         "backend": "testing",
         "workers": 2,
+        # Pinned: "auto" would put every pool on the GPU of a host that has one (with real
+        # NVML release checks). GPU tests pass devices and a fake NVML probe themselves.
+        "devices": ["cpu"],
         "deadline_s": 10.0,
         "cancel_grace_s": 0.3,
         "term_grace_s": 0.3,
@@ -218,8 +425,7 @@ def submit_with_chunks(
     pool: ModelPool, prompt: Any, **kwargs: Any
 ) -> tuple[PoolFuture, threading.Event, list[str]]:
     """Submit with a chunk callback, so a test can tell when generation has begun and still
-    hold the request id (``stream()`` hides it). Uses the pool's internal ``_submit`` hook:
-    the public API has no "submit with chunk callback"."""
+    hold the future: returns it, an event set at the first chunk, and the chunks."""
     first = threading.Event()
     received: list[str] = []
 
@@ -227,13 +433,5 @@ def submit_with_chunks(
         received.append(text)
         first.set()
 
-    deadline = kwargs.pop("deadline_s", None)
-    future = pool._submit(prompt, deadline, kwargs, on_chunk)
+    future = pool.submit(prompt, on_chunk=on_chunk, **kwargs)
     return future, first, received
-
-
-def write_module(directory: os.PathLike[str] | str, name: str, source: str) -> None:
-    """Write ``name.py`` into ``directory`` (a test puts it on sys.path; workers get sys.path)."""
-    path = os.path.join(os.fspath(directory), f"{name}.py")
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(source)

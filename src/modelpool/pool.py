@@ -195,10 +195,21 @@ class ModelPool:
     # ---- requests --------------------------------------------------------------------------
 
     def submit(
-        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+        self,
+        prompt: Prompt,
+        *,
+        deadline_s: float | None = None,
+        on_chunk: Callable[[str], None] | None = None,
+        **gen_kwargs: Any,
     ) -> PoolFuture:
-        """Queue a request; returns a future with ``request_id``. Validation errors raise here."""
-        return self._submit(prompt, deadline_s, gen_kwargs, None)
+        """Queue a request; returns a future with ``request_id``. Validation errors raise here.
+
+        ``on_chunk(text)`` is called with each chunk as the worker streams it, on the
+        dispatcher thread (keep it short; an exception in it is logged and ignored), for
+        a caller that wants the future and the chunks both. Such a request is a stream:
+        once a chunk was delivered it is not retried after a crash or timeout.
+        """
+        return self._submit(prompt, deadline_s, gen_kwargs, on_chunk)
 
     def generate(
         self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any

@@ -78,6 +78,10 @@ prompt_tokens::
     load(max_model_len=8).generate(call)    # call.prompt "tokens:20" -> t0 .. t6, "length"
 
 This module imports nothing heavy, so a worker is ready in a few tens of ms.
+
+Faults in the supervisor itself, for tests: ``run_on_dispatcher(pool, action)``
+runs ``action`` on the pool's dispatcher thread, so a test can rehearse a bug in
+the dispatcher (an action that raises) or a wedged one (an action that blocks).
 """
 
 from __future__ import annotations
@@ -89,11 +93,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpool.context import check_max_model_len, fit_to_context
-from modelpool.errors import InvalidRequest
+from modelpool.errors import InvalidRequest, PoolError
 from modelpool.protocol import (
     BatchCall,
     Call,
@@ -104,6 +109,9 @@ from modelpool.protocol import (
     TokenLogprob,
 )
 from modelpool.validation import check_generation_params
+
+if TYPE_CHECKING:
+    from modelpool.pool import ModelPool
 
 ACCEPTED_PARAMS = frozenset(
     {"max_new_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "prompt_logprobs"}
@@ -460,3 +468,22 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
     if options.get("exit_after_load_s") is not None:
         threading.Timer(float(options["exit_after_load_s"]), os._exit, args=(1,)).start()
     return FaultBackend(device, max_model_len)
+
+
+def run_on_dispatcher(pool: ModelPool, action: Callable[[], None]) -> threading.Thread:
+    """Test hook: run ``action`` on ``pool``'s dispatcher thread, between two of its events.
+
+    An action that raises rehearses a bug in the dispatcher (the pool fails every
+    request with ``PoolError``, kills its workers and goes "failed"); one that blocks
+    rehearses a wedged dispatcher (``close()`` still kills the workers). Returns the
+    dispatcher thread, so that a test can wait for it to end::
+
+        thread = run_on_dispatcher(pool, lambda: 1 / 0)
+        thread.join(10)
+
+    Raises ``PoolError`` if the pool's dispatcher is not running.
+    """
+    loop = pool._loop
+    if loop is None or not loop.post(action):
+        raise PoolError("the pool's dispatcher is not running")
+    return loop.thread

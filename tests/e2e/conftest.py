@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from e2e_support import Daemon, daemon_config, free_port, start_daemon
+from e2e_support import Daemon, daemon_config, start_daemon
 
 # Real processes, POSIX signals and /proc: Linux only.
 if not sys.platform.startswith("linux"):
@@ -22,8 +18,7 @@ if not sys.platform.startswith("linux"):
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon per test module (2 testing workers, no retries, 64 KiB body limit), so that
     none outlives its module into suites that check for leftover processes."""
-    port = free_port()
-    server = start_daemon(tmp_path_factory.mktemp("daemon"), daemon_config(port), port)
+    server = start_daemon(tmp_path_factory.mktemp("daemon"), daemon_config())
     yield server
     assert server.stop() == 0, server.log()[-4000:]
 

@@ -1,4 +1,8 @@
-"""End-to-end helpers: a real ``modelpool serve`` process on a free loopback port.
+"""End-to-end helpers: a real ``modelpool serve`` process on a loopback port.
+
+The daemon binds port 0 and the test reads the bound port back from its log
+(uvicorn's "running on" line, written once the pool has started): no port is
+picked, released and bound later by another process.
 
 Every daemon here runs the fault-injection backend (``backend = "testing"``)
 unless a test says otherwise, so it starts in about a second and its prompts
@@ -7,18 +11,19 @@ say what the worker does ("echo:x", "tokens:N:DELAY", "hang", "segfault").
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from helpers import slack, toml_value, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 60.0
@@ -33,26 +38,20 @@ def modelpool_command() -> list[str]:
 
 
 def free_port() -> int:
+    """A port that was free a moment ago: only for a server that cannot bind port 0 and say
+    which port it got (Ray Serve's proxy). Another process may take it before the server
+    binds it; every modelpool daemon here binds port 0 instead (``start_daemon``)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML")
+BOUND_PORT = re.compile(r"Uvicorn running on http://[^\s:]+:(\d+)")
 
 
 def daemon_config(
-    port: int,
+    port: int = 0,
     *,
     server: Mapping[str, Any] | None = None,
     retry: Mapping[str, Any] | None = None,
@@ -80,20 +79,21 @@ def daemon_config(
             **(server or {}),
         },
     }
-    lines = [f"{key} = {_toml_value(value)}" for key, value in top.items()]
+    lines = [f"{key} = {toml_value(value)}" for key, value in top.items()]
     for name, table in tables.items():
         lines.append(f"\n[{name}]")
-        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
+        lines += [f"{key} = {toml_value(value)}" for key, value in table.items()]
     return "\n".join(lines) + "\n"
 
 
 class Daemon:
-    """One ``modelpool serve`` process; its stderr goes to ``log_path``."""
+    """One ``modelpool serve`` process; its stderr goes to ``log_path``. ``port`` (and
+    ``url``) are known once it is listening (``wait_listening``)."""
 
-    def __init__(self, process: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], log_path: Path) -> None:
         self.process = process
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.port = 0
+        self.url = ""
         self.log_path = log_path
 
     def log(self) -> str:
@@ -111,20 +111,37 @@ class Daemon:
     def worker_pids(self) -> set[int]:
         return {w["pid"] for w in self.stats()["workers"] if w["pid"] is not None}
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def wait_listening(self, timeout: float = READY_TIMEOUT_S) -> int:
+        """Wait for the log line with the bound port (the pool has started by then)."""
+
+        def bound() -> int | None:
             if self.process.poll() is not None:
                 raise AssertionError(
                     f"daemon exited with {self.process.returncode}:\n{self.log()[-4000:]}"
                 )
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass  # The port is not open yet: the pool starts first.
-            time.sleep(0.05)
-        raise AssertionError(f"daemon not ready after {timeout:.0f}s:\n{self.log()[-4000:]}")
+            found = BOUND_PORT.search(self.log())
+            return int(found.group(1)) if found else None
+
+        self.port = wait_until(
+            bound, timeout, interval=0.05, message=lambda: f"the port in:\n{self.log()[-4000:]}"
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self.port
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Listening, and /readyz says 200 at once: the pool starts before the port opens."""
+        self.wait_listening(timeout)
+        status = httpx.get(self.url + "/readyz", timeout=slack(2.5)).status_code
+        assert status == 200, f"/readyz {status} once the port was open:\n{self.log()[-4000:]}"
+
+    def wait_busy(self, count: int = 1, timeout: float = 5.0) -> None:
+        """Until ``count`` workers are busy: the requests a test sent are running."""
+        wait_for(
+            self.stats,
+            lambda s: sum(w["state"] == "busy" for w in s["workers"]) >= count,
+            slack(timeout),
+            f"{count} busy workers",
+        )
 
     def wait_settled(self, workers: int, timeout: float = 15.0) -> dict[str, Any]:
         """Every worker idle (no kill or respawn under way) and none missing."""
@@ -158,7 +175,6 @@ class Daemon:
 def start_daemon(
     workdir: Path,
     config_text: str | None,
-    port: int,
     *,
     env: Mapping[str, str] | None = None,
     args: tuple[str, ...] = (),
@@ -178,7 +194,7 @@ def start_daemon(
         "--config",
         str(config_path),
         "--port",
-        str(port),
+        "0",
         *args,
     ]
     with open(log_path, "wb") as log:
@@ -189,7 +205,7 @@ def start_daemon(
             cwd=cwd or REPO,
             env={**os.environ, **(env or {})},
         )
-    daemon = Daemon(process, port, log_path)
+    daemon = Daemon(process, log_path)
     try:
         daemon.wait_ready(ready_timeout)
     except BaseException:
@@ -201,27 +217,13 @@ def start_daemon(
 def wait_for(
     fetch: Callable[[], Any], done: Callable[[Any], bool], timeout: float, what: str
 ) -> Any:
-    """Poll ``fetch()`` until ``done(value)``; a bounded wait for state a test caused."""
-    deadline = time.monotonic() + timeout
-    value = fetch()
-    while not done(value):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}; last: {value!r}")
-        time.sleep(0.05)
-        value = fetch()
-    return value
+    """Poll ``fetch()`` until ``done(value)``: ``helpers.wait_until`` for a fetched value."""
+    last: list[Any] = []
 
+    def check() -> Any:
+        last[:] = [fetch()]
+        return last if done(last[0]) else None
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        # A zombie is dead: it only waits for its new parent to reap it.
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
+    return wait_until(check, timeout, interval=0.05, message=lambda: f"{what}; last: {last[0]!r}")[
+        0
+    ]

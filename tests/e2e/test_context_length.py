@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from e2e_support import Daemon, daemon_config, free_port, start_daemon
+from e2e_support import Daemon, daemon_config, start_daemon
 
 from modelpool.tinymodel import build_tiny_model
 
@@ -41,9 +41,8 @@ def tokenizer(model_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def hf_daemon(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Daemon]:
-    port = free_port()
-    config = daemon_config(port, model=str(model_dir), backend="hf", workers=1, deadline_s=60.0)
-    daemon = start_daemon(tmp_path_factory.mktemp("hf"), config, port, ready_timeout=300.0)
+    config = daemon_config(model=str(model_dir), backend="hf", workers=1, deadline_s=60.0)
+    daemon = start_daemon(tmp_path_factory.mktemp("hf"), config, ready_timeout=300.0)
     yield daemon
     assert daemon.stop() == 0, daemon.log()[-4000:]
 
@@ -183,10 +182,7 @@ def test_the_openai_client_sees_the_code(hf_daemon: Daemon, tokenizer: Any) -> N
 
 
 def test_the_command_line_option_sets_the_limit(tmp_path: Path) -> None:
-    port = free_port()
-    daemon = start_daemon(
-        tmp_path, daemon_config(port, workers=1), port, args=("--max-model-len", "12")
-    )
+    daemon = start_daemon(tmp_path, daemon_config(workers=1), args=("--max-model-len", "12"))
     try:
         assert daemon.get("/v1/models").json()["data"][0]["max_model_len"] == 12
         response = httpx.post(

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from e2e_support import REPO, free_port, modelpool_command, start_daemon
+from e2e_support import REPO, modelpool_command, start_daemon
 
 yaml = pytest.importorskip("yaml")
 
@@ -44,11 +44,9 @@ def test_the_image_config_serves_probes_and_stops_within_the_grace(
         pytest.skip(f"the embedded model cannot be downloaded here:\n{prepared.stderr[-2000:]}")
     assert prepared.returncode == 0, prepared.stderr[-4000:]
 
-    port = free_port()
     daemon = start_daemon(
         tmp_path_factory.mktemp("image-config"),
         None,
-        port,
         # The image listens on 0.0.0.0 inside its pod; here loopback stands in for it.
         args=("--host", "127.0.0.1"),
         config_path=REPO / "deploy" / "modelpool-cpu.toml",

@@ -10,6 +10,8 @@ import httpx
 import pytest
 from e2e_support import Daemon
 
+from helpers import slack
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -130,7 +132,7 @@ def test_hung_request_is_504_within_its_deadline(http: httpx.Client, daemon: Dae
     error = _error(response, 504)
     assert error["code"] == "deadline_exceeded"
     assert error["attempts"][0]["outcome"] == "timeout"
-    assert 0.9 <= elapsed < 2.0, elapsed
+    assert 0.9 <= elapsed < slack(2.0), elapsed
 
     started = time.monotonic()
     response = http.post(
@@ -139,7 +141,7 @@ def test_hung_request_is_504_within_its_deadline(http: httpx.Client, daemon: Dae
         headers={"X-Request-Timeout": "0.5"},
     )
     assert _error(response, 504)["code"] == "deadline_exceeded"
-    assert time.monotonic() - started < 1.5
+    assert 0.45 <= time.monotonic() - started < slack(1.5)
 
 
 def test_crashed_worker_is_502(http: httpx.Client, daemon: Daemon) -> None:

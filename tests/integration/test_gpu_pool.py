@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
 import psutil
+import pytest
 
-from fake_nvml import GIB, MIB, FakeGpu, FakeNvml
+from fake_nvml import GIB, MIB, FakeGpu, FakeNvml, NVMLError_LibraryNotFound
 from helpers import make_config, wait_until
 from modelpool import ModelPool
 from modelpool.gpu import GpuProbe
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 
 
 class HoldingNvml(FakeNvml):
@@ -68,6 +72,7 @@ def test_workers_are_placed_on_the_gpu_and_their_memory_is_sampled() -> None:
         worker = pool.stats().workers[0]
         assert worker.device == "cuda:0"
         assert pool.stats().gpu.available
+        assert pool.stats().gpu.reason == "NVML available, 1 device(s)"
         nvml.hold(worker.pid, 300 * MIB)
         sampled = wait_until(
             lambda: pool.stats().workers[0].gpu_mb, timeout=5, message="a gpu_mb sample"
@@ -81,6 +86,7 @@ def test_a_kill_whose_memory_comes_back_is_a_verified_release() -> None:
     nvml = HoldingNvml()
     with gpu_pool(nvml, workers=1) as pool:
         pid = pool.stats().workers[0].pid
+        rss_mb = pool.stats().workers[0].rss_mb
         nvml.hold(pid, 200 * MIB)
         wait_until(lambda: pool.stats().workers[0].gpu_mb, timeout=5)
         os.kill(pid, signal.SIGKILL)
@@ -93,6 +99,8 @@ def test_a_kill_whose_memory_comes_back_is_a_verified_release() -> None:
         assert releases.ok == 1 and releases.failed == 0
         # Gone from the process list before the first poll, but listed while alive.
         assert releases.last_method == "pid"
+        # What the dead worker held in host memory (its last RSS), as the pool reports it.
+        assert rss_mb is not None and releases.last_freed_mb == pytest.approx(rss_mb, abs=0.1)
         wait_until(lambda: pool.stats().workers and pool.stats().workers[0].state == "idle")
         assert pool.stats().state == "ready"
 
@@ -181,10 +189,12 @@ def test_memory_not_released_degrades_the_pool_until_the_device_frees() -> None:
 
 
 def test_auto_devices_resolve_to_cpu_without_a_driver() -> None:
-    with ModelPool(make_config(devices=["auto"], workers=2)) as pool:
+    # A fake NVML without a driver: the same answer on a host that has a GPU.
+    no_driver = GpuProbe(FakeNvml(init_error=NVMLError_LibraryNotFound()))
+    with ModelPool(make_config(devices=["auto"], workers=2), gpu_probe=no_driver) as pool:
         assert [w.device for w in pool.stats().workers] == ["cpu", "cpu"]
         assert pool.stats().gpu.available is False
-        assert pool.stats().gpu.reason
+        assert pool.stats().gpu.reason == "NVML library not found (no NVIDIA driver)"
 
 
 def test_auto_devices_spread_workers_round_robin_over_visible_gpus() -> None:
@@ -357,3 +367,11 @@ def test_a_child_that_escaped_the_workers_group_and_holds_memory_is_named_and_bl
         finally:
             if child and _alive(child):
                 os.kill(child, signal.SIGKILL)
+
+
+def test_explicit_devices_spread_workers_round_robin_in_the_given_order() -> None:
+    nvml = FakeNvml([FakeGpu(uuid="GPU-a"), FakeGpu(uuid="GPU-b")])
+    config = make_config(devices=["cuda:1", "cuda:0"], workers=3, gpu_sample_interval_s=0.05)
+    with ModelPool(config, gpu_probe=GpuProbe(nvml=nvml)) as pool:
+        by_id = sorted(pool.stats().workers, key=lambda w: w.id)
+        assert [w.device for w in by_id] == ["cuda:1", "cuda:0", "cuda:1"]

@@ -8,12 +8,12 @@ never become a character, which is what the streaming checks need.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from helpers import FakeCall
 from modelpool.backends.hf import HFHandler, load
 from modelpool.errors import InvalidRequest
 from modelpool.protocol import Prompt, TokenIds
@@ -23,30 +23,6 @@ from modelpool.tinymodel import build_tiny_model
 # from two tokens each (checked in test_multibyte_characters_are_never_split).
 MULTIBYTE_PROMPT = "What is the capital"
 PROMPTS = ["Hello", "Le café", "東京", MULTIBYTE_PROMPT, "😀", "x y z"]
-
-
-@dataclass
-class FakeCall:
-    """A Call whose cancel flag the test controls, recording what the backend did."""
-
-    prompt: Prompt
-    params: dict[str, Any] = field(default_factory=dict)
-    cancel_after_chunks: int | None = None
-    flag: bool = False
-    chunks: list[str] = field(default_factory=list)
-    checks_after_cancel: int = 0
-
-    def cancelled(self) -> bool:
-        if self.flag:
-            self.checks_after_cancel += 1
-        return self.flag
-
-    def emit(self, text: str) -> None:
-        assert isinstance(text, str) and text, "chunks are non-empty strings"
-        assert not self.flag, "nothing may be emitted once cancelled() returned True"
-        self.chunks.append(text)
-        if self.cancel_after_chunks is not None and len(self.chunks) >= self.cancel_after_chunks:
-            self.flag = True
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +67,22 @@ def test_max_new_tokens_ends_with_length(handler: HFHandler) -> None:
 
 
 def test_eos_ends_with_stop(handler: HFHandler) -> None:
-    # The tiny model happens to emit its EOS token a few tokens after this prompt.
-    generation, _ = run(handler, "東京", max_new_tokens=40)
-    assert generation.finish_reason == "stop"
-    assert generation.completion_tokens is not None and generation.completion_tokens < 40
+    """finish_reason is "stop" exactly where transformers' own greedy generate ends in EOS."""
+    eos_ids = handler.model.generation_config.eos_token_id
+    eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
+    reached_eos = 0
+    for prompt in PROMPTS:
+        generation, _ = run(handler, prompt, max_new_tokens=40)
+        input_ids = handler.tokenizer(prompt, return_tensors="pt")["input_ids"]
+        output = handler.model.generate(input_ids, max_new_tokens=40, do_sample=False)
+        new_tokens = output.shape[1] - input_ids.shape[1]
+        if int(output[0, -1]) in eos_ids:
+            reached_eos += 1
+            assert generation.finish_reason == "stop", prompt
+            assert generation.completion_tokens == new_tokens < 40, prompt
+        else:
+            assert generation.finish_reason == "length", prompt
+    assert reached_eos, "no prompt reaches EOS within 40 tokens any more: add one that does"
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -160,10 +148,12 @@ def test_cancelled_before_start_generates_nothing(handler: HFHandler) -> None:
 
 
 def test_handler_stays_usable_after_a_cancel(handler: HFHandler) -> None:
-    handler.generate(FakeCall("Hello", {"max_new_tokens": 30}, cancel_after_chunks=2))
+    expected, _ = run(handler, "Hello", max_new_tokens=12)  # before any cancel
+    cancelled = handler.generate(FakeCall("Hello", {"max_new_tokens": 30}, cancel_after_chunks=2))
+    assert cancelled.finish_reason == "cancelled"
     generation, _ = run(handler, "Hello", max_new_tokens=12)
-    expected, _ = run(handler, "Hello", max_new_tokens=12)
     assert generation.text == expected.text and generation.finish_reason == "length"
+    assert generation.completion_tokens == 12
 
 
 @pytest.fixture(scope="module")
@@ -173,10 +163,19 @@ def baseline(handler: HFHandler) -> tuple[str, list[str]]:
     return generation.text, call.chunks
 
 
+def first_seen_at(text: str, start: int, length: int = 3) -> str:
+    """A substring of ``text`` whose first occurrence begins at or after ``start``: a stop
+    string derived from the model's own output, not hard-coded from one version of it."""
+    for index in range(start, len(text) - length + 1):
+        candidate = text[index : index + length]
+        if text.index(candidate) == index and "\ufffd" not in candidate:
+            return candidate
+    raise AssertionError(f"no fresh substring after {start} in {text!r}")
+
+
 def test_stop_string_cuts_the_text(handler: HFHandler, baseline: tuple[str, list[str]]) -> None:
     text, _ = baseline
-    stop = " es"
-    assert stop in text
+    stop = first_seen_at(text, len(text) // 2)
     generation, call = run(handler, "Hello", max_new_tokens=40, stop=stop)
     assert generation.finish_reason == "stop"
     assert generation.text == text[: text.index(stop)]
@@ -199,8 +198,8 @@ def test_earliest_of_several_stops_wins(
     handler: HFHandler, baseline: tuple[str, list[str]]
 ) -> None:
     text, _ = baseline
-    late, early = "8Üön", "pit"
-    assert text.index(early) < text.index(late)
+    early = first_seen_at(text, len(text) // 4)
+    late = first_seen_at(text, text.index(early) + len(early) + 1)
     generation, _ = run(handler, "Hello", max_new_tokens=40, stop=[late, early])
     assert generation.text == text[: text.index(early)]
 
@@ -209,9 +208,12 @@ def test_held_back_stop_prefix_is_released(
     handler: HFHandler, baseline: tuple[str, list[str]]
 ) -> None:
     text, _ = baseline
-    # Every "pit" in the text could start this stop string, so it is held back
-    # from streaming; the string never completes, so all of it must come out.
-    generation, call = run(handler, "Hello", max_new_tokens=40, stop="pitXYZ")
+    # Every occurrence of ``prefix`` in the text could start this stop string, so it is
+    # held back from streaming; the string never completes, so all of it must come out.
+    prefix = first_seen_at(text, len(text) // 4)
+    stop = prefix + "\x00\x01"
+    assert stop not in text
+    generation, call = run(handler, "Hello", max_new_tokens=40, stop=stop)
     assert generation.text == text
     assert generation.finish_reason == "length"
     assert "".join(call.chunks) == text

@@ -24,7 +24,6 @@ import importlib.metadata
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -37,8 +36,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from e2e_support import BOUND_PORT
 
 import modelpool
+from helpers import skip_unless_pypi, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -234,6 +235,7 @@ def test_both_artifacts_carry_the_license_version_and_metadata(artifacts: Artifa
 @pytest.fixture(scope="module")
 def venv(artifacts: Artifacts, tmp_path_factory: pytest.TempPathFactory) -> Venv:
     """A fresh virtual environment with the core wheel (no extras) and the CPU torch."""
+    skip_unless_pypi("installing the wheel and its dependencies")
     torch_requirement = _cpu_torch_requirement()
     base = tmp_path_factory.mktemp("installed")
     workdir = base / "somewhere-else"
@@ -293,6 +295,8 @@ def core_run(venv: Venv) -> CoreRun:
             "none",
             "--workers",
             "1",
+            "--devices",
+            "cpu",
             "echo:installed and answering",
         ),
         "serve": venv.run(venv.modelpool, "serve", "--backend", "testing", "--model", "none"),
@@ -347,16 +351,8 @@ def with_server(venv: Venv, core_run: CoreRun, artifacts: Artifacts) -> Venv:
     return venv
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 def installed_daemon(with_server: Venv) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    port = _free_port()
     log_path = with_server.workdir / "daemon.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -369,8 +365,10 @@ def installed_daemon(with_server: Venv) -> Iterator[tuple[str, subprocess.Popen[
                 "none",
                 "--workers",
                 "1",
+                "--devices",
+                "cpu",
                 "--port",
-                str(port),
+                "0",  # the bound port is read back from the log: no port race
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -378,18 +376,17 @@ def installed_daemon(with_server: Venv) -> Iterator[tuple[str, subprocess.Popen[
             cwd=with_server.workdir,
             env=with_server.env,
         )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + COMMAND_TIMEOUT_S
-        while True:
+
+        def bound_port() -> int | None:
             assert process.poll() is None, f"daemon exited:\n{log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"not ready:\n{log_path.read_text()[-3000:]}"
-            try:
-                if httpx.get(url + "/readyz", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass  # The port opens once the pool is ready.
-            time.sleep(0.05)
+            found = BOUND_PORT.search(log_path.read_text())
+            return int(found.group(1)) if found else None
+
+        port = wait_until(bound_port, COMMAND_TIMEOUT_S, interval=0.05, message="the bound port")
+        url = f"http://127.0.0.1:{port}"
+        # The port opens once the pool is ready.
+        assert httpx.get(url + "/readyz", timeout=10.0).status_code == 200
         yield url, process
     finally:
         if process.poll() is None:

@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    IGNORES_FLAG_AND_SIGTERM,
+    BackendModule,
     counters,
     open_pool,
     pid_alive,
     settled,
+    slack,
     submit_with_chunks,
     wait_busy,
     wait_counters,
@@ -24,7 +27,6 @@ from helpers import (
     wait_until,
     worker_by_pid,
     workers,
-    write_module,
 )
 from modelpool import DeadlineExceeded, RetryPolicy, WorkerCrashed
 
@@ -59,21 +61,7 @@ def factory(model="", device="cpu", **options):
     return Handler()
 """
 
-EMIT_HANG_BACKEND = """
-import signal
-import threading
-
-
-class Handler:
-    def generate(self, call):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        call.emit("t0 ")
-        threading.Event().wait()
-
-
-def factory(model="", device="cpu", **options):
-    return Handler()
-"""
+EMIT_HANG_BACKEND = IGNORES_FLAG_AND_SIGTERM
 
 # "silent:SECONDS" reports no progress at all for SECONDS (a long prefill), then streams
 # a few tokens and returns.
@@ -116,9 +104,9 @@ def test_pool_cancel_of_running_request_keeps_worker_warm() -> None:
         assert len(result.text.split()) < 1000
         assert result.request_id == future.request_id
         assert result.worker_pid == busy_pid
-        assert latency < 0.2, latency
+        assert latency < slack(0.2), latency
         assert pid_alive(busy_pid)
-        idle = wait_idle(pool, 1, timeout=1.0)
+        idle = wait_idle(pool, 1, timeout=slack(1.0))
         assert idle[0].pid == busy_pid
         after = wait_counters(pool, cancelled=before["cancelled"] + 1)
         assert after["kills"] == before["kills"]
@@ -143,7 +131,7 @@ def test_future_cancel_while_running() -> None:
         assert future.cancelled()
         with pytest.raises(concurrent.futures.CancelledError):
             future.result(timeout=1)
-        idle = wait_idle(pool, 1, timeout=1.0)
+        idle = wait_idle(pool, 1, timeout=slack(1.0))
         print(f"future.cancel -> worker idle: {(time.monotonic() - started) * 1000:.1f} ms")
         assert idle[0].pid == busy_pid
         snapshot = wait_counters(pool, cancelled=1)
@@ -162,7 +150,7 @@ def test_asyncio_task_cancel_reaches_the_worker() -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            deadline = time.monotonic() + 0.5
+            deadline = time.monotonic() + slack(0.5)
             while True:
                 worker = worker_by_pid(pool, busy_pid)
                 if worker is not None and worker.state == "idle":
@@ -191,7 +179,7 @@ def test_breaking_out_of_stream_cancels_the_request() -> None:
                 break
         started = time.monotonic()
         assert received == ["t0 ", "t1 ", "t2 "]
-        idle = wait_idle(pool, 1, timeout=1.0)
+        idle = wait_idle(pool, 1, timeout=slack(1.0))
         print(f"stream break -> worker idle: {(time.monotonic() - started) * 1000:.1f} ms")
         assert idle[0].pid == pid
         snapshot = wait_counters(pool, cancelled=1)
@@ -252,7 +240,7 @@ def test_hundred_requests_cancelled_all_resolve() -> None:
                 assert future.cancel() is True
         # Polled with done(), not concurrent.futures.wait(): see the test below for why.
         wait_until(lambda: all(f.done() for f in futures), 5, message="all futures done")
-        started = 0
+        reached_a_worker = 0
         for index, future in enumerate(futures):
             if index % 2:
                 assert future.cancelled()
@@ -260,8 +248,8 @@ def test_hundred_requests_cancelled_all_resolve() -> None:
             result = future.result()
             assert result.finish_reason == "cancelled"
             if result.worker_pid is not None:
-                started += 1
-        idle = wait_idle(pool, 2, timeout=2.0)
+                reached_a_worker += 1
+        idle = wait_idle(pool, 2, timeout=slack(2.0))
         snapshot = wait_until(
             lambda: (s := pool.stats()).counters["submitted"] == 100 and settled(s) and s,
             5,
@@ -271,7 +259,7 @@ def test_hundred_requests_cancelled_all_resolve() -> None:
         assert snapshot.counters["completed"] == 0
         assert snapshot.queue_depth == 0
         served = sum(w.requests for w in idle)
-        assert served <= 2 + started, (served, started)
+        assert served <= 2 + reached_a_worker, (served, reached_a_worker)
         assert served == 2, "only the two running requests ever reached a worker"
 
 
@@ -285,20 +273,19 @@ def test_future_cancelled_while_running_is_seen_by_concurrent_futures_wait() -> 
         wait_busy(pool, 1)
         assert running.cancel() is True
         assert queued.cancel() is True
-        _, not_done = concurrent.futures.wait([running, queued], timeout=2)
+        _, not_done = concurrent.futures.wait([running, queued], timeout=slack(2))
         assert not not_done, "cancelled futures never counted as done by wait()"
-        assert list(concurrent.futures.as_completed([running, queued], timeout=2))
+        done = set(concurrent.futures.as_completed([running, queued], timeout=slack(2)))
+        assert done == {running, queued}
 
 
 @pytest.mark.parametrize("prompt", ["stall:1", "emit_hang"])
 def test_cancel_of_a_backend_that_ignores_the_flag_is_escalated(
-    prompt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    prompt: str, backend_module: BackendModule
 ) -> None:
     # Both emit "t0 " (so the test knows the worker is inside generate()), then block without
     # checking the cancel flag; "emit_hang" also ignores SIGTERM, so it takes SIGKILL.
-    write_module(tmp_path, "mp_emit_hang_backend", EMIT_HANG_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    backend = "testing" if prompt.startswith("stall") else "mp_emit_hang_backend:factory"
+    backend = "testing" if prompt.startswith("stall") else backend_module(EMIT_HANG_BACKEND)
     cancel_grace, term_grace = 0.3, 0.3
     with open_pool(
         workers=1, backend=backend, cancel_grace_s=cancel_grace, term_grace_s=term_grace
@@ -314,7 +301,7 @@ def test_cancel_of_a_backend_that_ignores_the_flag_is_escalated(
         assert result.finish_reason == "cancelled"
         assert result.text == "t0 "
         assert cancel_grace <= latency + 0.01, "the flag is given its grace first"
-        assert latency < cancel_grace + 0.5, latency
+        assert latency < cancel_grace + slack(0.5), latency
         wait_pids_gone([pid], timeout=term_grace + 2.0)
         idle = wait_idle(pool, 1, timeout=5)
         assert idle[0].pid != pid
@@ -336,8 +323,7 @@ def test_stall_ends_the_request_long_before_its_deadline() -> None:
             pool.generate("stall:3")
         elapsed = time.monotonic() - started
         print(f"stall detected after {elapsed:.2f}s")
-        assert elapsed < 2.0, elapsed
-        assert elapsed >= 0.3
+        assert 0.3 <= elapsed < slack(2.0), elapsed
         assert info.value.partial_text == "t0 t1 t2 "
         assert [a.outcome for a in info.value.attempts] == ["timeout"]
         snapshot = wait_counters(pool, stalls=1)
@@ -345,12 +331,10 @@ def test_stall_ends_the_request_long_before_its_deadline() -> None:
         wait_idle(pool, 1)
 
 
-def test_silent_prefill_is_not_a_stall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    write_module(tmp_path, "mp_silent_backend", SILENT_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_silent_prefill_is_not_a_stall(backend_module: BackendModule) -> None:
     with open_pool(
         workers=1,
-        backend="mp_silent_backend:factory",
+        backend=backend_module(SILENT_BACKEND),
         stall_timeout_s=0.3,
         deadline_s=10.0,
         retry=RetryPolicy(max_retries=0),
@@ -372,7 +356,7 @@ def test_hang_without_progress_runs_to_the_deadline_not_the_stall_timeout() -> N
         with pytest.raises(DeadlineExceeded):
             pool.generate("hang:term")
         elapsed = time.monotonic() - started
-        assert 0.9 <= elapsed < 1.8, elapsed
+        assert 0.9 <= elapsed < slack(1.8), elapsed
         snapshot = wait_counters(pool, timeouts=1)
         assert snapshot["stalls"] == 0
 
@@ -395,13 +379,9 @@ def test_stream_of_a_backend_that_returns_without_emitting_yields_its_text() -> 
         assert "".join(pool.stream("echo:hello")) == "hello"
 
 
-def test_stream_that_yielded_is_not_retried_after_a_crash(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    write_module(tmp_path, "mp_stream_crash_backend", STREAM_CRASH_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_stream_that_yielded_is_not_retried_after_a_crash(backend_module: BackendModule) -> None:
     with open_pool(
-        workers=2, backend="mp_stream_crash_backend:factory", retry=RetryPolicy(max_retries=2)
+        workers=2, backend=backend_module(STREAM_CRASH_BACKEND), retry=RetryPolicy(max_retries=2)
     ) as pool:
         received = []
         with pytest.raises(WorkerCrashed) as info:
@@ -415,13 +395,11 @@ def test_stream_that_yielded_is_not_retried_after_a_crash(
 
 
 def test_stream_that_crashed_before_any_chunk_is_retried(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, backend_module: BackendModule
 ) -> None:
-    write_module(tmp_path, "mp_stream_crash_backend2", STREAM_CRASH_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
     marker = tmp_path / "crashed"
     with open_pool(
-        workers=2, backend="mp_stream_crash_backend2:factory", retry=RetryPolicy(max_retries=2)
+        workers=2, backend=backend_module(STREAM_CRASH_BACKEND), retry=RetryPolicy(max_retries=2)
     ) as pool:
         received = list(pool.stream(f"crash_first:{marker}"))
         assert received == ["x ", "y "]
@@ -433,7 +411,9 @@ def test_stream_that_crashed_before_any_chunk_is_retried(
 def test_stream_of_crash_once_testing_prompt_is_retried(tmp_path: Path) -> None:
     marker = tmp_path / "crashed"
     with open_pool(workers=2) as pool:
-        list(pool.stream(f"crash_once:{marker}"))  # must not raise: retried after the crash
+        stream = pool.stream(f"crash_once:{marker}")
+        assert "".join(stream) == "ok"  # retried after the crash, not raised
+        assert stream.result is not None and stream.result.attempts == 2
         snapshot = wait_counters(pool, crashes=1, retries=1, completed=1)
         assert snapshot["failed"] == 0
 
@@ -445,7 +425,7 @@ def test_stream_deadline_raises_after_the_chunks_it_yielded() -> None:
         with pytest.raises(DeadlineExceeded) as info:
             for chunk in pool.stream(LONG, deadline_s=0.3):
                 received.append(chunk)
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < slack(1.0)
         assert len(received) >= 2
         assert info.value.partial_text.startswith("".join(received))
         assert [a.outcome for a in info.value.attempts] == ["timeout"]

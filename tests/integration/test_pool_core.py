@@ -10,17 +10,22 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 from helpers import (
+    BackendModule,
+    assert_documented_stats_keys,
     assert_no_children,
     counters,
     make_config,
     open_pool,
     pid_alive,
+    slack,
     wait_busy,
     wait_counters,
     wait_idle,
@@ -94,14 +99,44 @@ def test_hang_ends_in_deadline_exceeded_within_deadline() -> None:
             pool.generate("hang", deadline_s=deadline)
         elapsed = time.monotonic() - started
         assert isinstance(info.value, TimeoutError)
-        assert elapsed < deadline + 0.5, elapsed
+        assert elapsed < deadline + slack(0.5), elapsed
         assert [a.outcome for a in info.value.attempts] == ["timeout"]
-        assert info.value.request_id is not None
         pid = info.value.attempts[0].worker_pid
         assert pid is not None
         wait_pids_gone([pid], timeout=0.2 + 0.2 + 1.0 + 1.0)
         wait_idle(pool, 2)
         wait_counters(pool, kills=1, timeouts=1, failed=1, crashes=0, respawns=1)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "error_type", "outcome"),
+    [
+        ("hang", DeadlineExceeded, "timeout"),
+        ("segfault", WorkerCrashed, "crash"),
+        ("raise:boom", BackendError, "error"),
+    ],
+)
+def test_an_error_names_its_request_and_each_attempt(
+    prompt: str, error_type: type[Exception], outcome: str
+) -> None:
+    """README, Errors: every error carries the request's id and its attempts, each with the
+    worker's pid, the outcome and how long it ran."""
+    with open_pool(workers=2, retry=RetryPolicy(max_retries=0), deadline_s=0.5) as pool:
+        pids = {w.pid for w in workers(pool)}
+        other = pool.submit("echo:other")  # a second id, so a mix-up would show
+        future = pool.submit(prompt)
+        started = time.monotonic()
+        error = future.exception(timeout=slack(5))
+        elapsed = time.monotonic() - started
+        assert isinstance(error, error_type), repr(error)
+        assert error.request_id == future.request_id != other.request_id
+        [attempt] = error.attempts
+        assert attempt.outcome == outcome
+        assert attempt.worker_pid in pids
+        assert 0 < attempt.seconds <= elapsed + 0.05
+        if outcome == "timeout":
+            assert attempt.seconds >= 0.5 - 0.05, "a timeout attempt ran to its deadline"
+        assert other.result(timeout=5).request_id == other.request_id
 
 
 def test_hang_with_attempt_timeout_retries_once_then_kills_both() -> None:
@@ -118,9 +153,8 @@ def test_hang_with_attempt_timeout_retries_once_then_kills_both() -> None:
         with pytest.raises(DeadlineExceeded) as info:
             pool.generate("hang", deadline_s=deadline)
         elapsed = time.monotonic() - started
-        assert elapsed < deadline + 0.5, elapsed
         # Two attempts of ~0.4 s each, not the whole deadline.
-        assert elapsed < 2.0, elapsed
+        assert elapsed < min(deadline, slack(2.0)), elapsed
         attempts = info.value.attempts
         assert [a.outcome for a in attempts] == ["timeout", "timeout"]
         pids = [a.worker_pid for a in attempts]
@@ -138,7 +172,7 @@ def test_deadline_on_a_cooperative_backend_keeps_the_worker_warm() -> None:
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded) as info:
             pool.generate("tokens:1000:0.01", deadline_s=0.3)
-        assert time.monotonic() - started < 0.8
+        assert time.monotonic() - started < slack(0.8)
         assert info.value.partial_text.startswith("t0 t1 ")
         assert [a.outcome for a in info.value.attempts] == ["timeout"]
         idle = wait_idle(pool, 1, timeout=2)
@@ -157,7 +191,7 @@ def test_cooperative_attempt_timeout_is_retried_on_another_warm_worker() -> None
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded) as info:
             pool.generate("tokens:1000:0.01")
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < slack(2.0)
         attempts = info.value.attempts
         assert [a.outcome for a in attempts] == ["timeout", "timeout"]
         assert {a.worker_pid for a in attempts} == pids
@@ -193,7 +227,7 @@ def test_request_that_times_out_in_the_queue() -> None:
         with pytest.raises(DeadlineExceeded) as info:
             pool.generate("echo:late", deadline_s=0.3)
         elapsed = time.monotonic() - started
-        assert 0.25 <= elapsed < 0.8, elapsed
+        assert 0.25 <= elapsed < slack(0.8), elapsed
         assert info.value.attempts == []
         assert pool.cancel(busy.request_id)
         assert busy.result(timeout=5).finish_reason == "cancelled"
@@ -230,39 +264,17 @@ def test_stats_dict_has_the_documented_keys() -> None:
         pool.generate("echo:x")
         data = pool.stats().to_dict()
         json.dumps(data)
+        assert_documented_stats_keys(data)
         assert data["state"] == "ready"
         assert data["queue_depth"] == 0
         assert len(data["workers"]) == 2
         for worker in data["workers"]:
-            assert {
-                "id",
-                "pid",
-                "state",
-                "device",
-                "requests",
-                "uptime_s",
-                "rss_mb",
-                "gpu_mb",
-            } <= set(worker)
-            assert worker["state"] == "idle"
-            assert worker["rss_mb"] > 0
-        assert {
-            "submitted",
-            "completed",
-            "failed",
-            "cancelled",
-            "timeouts",
-            "crashes",
-            "kills",
-            "retries",
-            "respawns",
-            "overloaded",
-        } <= set(data["counters"])
-        assert data["counters"]["completed"] == 1
-        assert set(data["latency_s"]) >= {"p50", "p95", "p99"}
+            assert worker["state"] == "idle" and worker["role"] == "serving"
+            assert worker["device"] == "cpu" and worker["rss_mb"] > 0
+        assert data["counters"]["completed"] == data["counters"]["submitted"] == 1
         assert data["latency_s"]["p50"] > 0
-        assert {"available", "devices", "releases"} <= set(data["gpu"])
-        assert {"checked", "ok", "failed", "last_ms"} <= set(data["gpu"]["releases"])
+        assert data["uptime_s"] > 0
+        assert data["last_load_error"] is None and data["kill_reasons"] == {}
 
 
 # ---- crashes and retries --------------------------------------------------------------------
@@ -378,14 +390,17 @@ INVALID_CALLS = [
 ]
 
 
-@pytest.fixture
-def shared_pool():
+@pytest.fixture(scope="module")
+def shared_pool() -> Iterator[ModelPool]:
+    """One pool for every invalid call below (each checks it was left untouched)."""
     with open_pool(workers=2) as pool:
         yield pool
 
 
 @pytest.mark.parametrize(("args", "kwargs"), INVALID_CALLS)
-def test_invalid_input_never_reaches_a_worker(shared_pool: ModelPool, args, kwargs) -> None:
+def test_invalid_input_never_reaches_a_worker(
+    shared_pool: ModelPool, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
     pool = shared_pool
     before = pool.stats()
     before_requests = {w.pid: w.requests for w in before.workers}
@@ -418,7 +433,7 @@ def test_spare_is_promoted_at_once_after_a_crash() -> None:
         assert result.text == str(spare_pid)
         assert result.worker_pid == spare_pid
         # Served by an already-warm process: no start-up in the queue time.
-        assert result.queue_s < 0.5, result.queue_s
+        assert result.queue_s < slack(0.5), result.queue_s
 
         def new_spare() -> bool:
             now = workers(pool)
@@ -456,7 +471,7 @@ def test_backpressure_raises_pool_overloaded_at_once() -> None:
         started = time.monotonic()
         with pytest.raises(PoolOverloaded):
             pool.submit("echo:too-many")
-        assert time.monotonic() - started < 0.1
+        assert time.monotonic() - started < slack(0.1)
         assert counters(pool)["overloaded"] == 1
         assert not queued.done()
         assert pool.cancel(busy.request_id)
@@ -469,28 +484,75 @@ def test_backpressure_raises_pool_overloaded_at_once() -> None:
 # ---- start-up failures ----------------------------------------------------------------------
 
 
-def test_crash_loop_fails_fast_with_model_load_failed() -> None:
-    pool = ModelPool(make_config(workers=2, backend_options={"fail_load": "boom"}))
+def start_fails(pool: ModelPool) -> tuple[ModelLoadFailed, float]:
+    """Start ``pool``, which must fail with ModelLoadFailed; the error and the seconds it
+    took. The pool is closed either way, so no worker outlives a test that went wrong."""
     started = time.monotonic()
-    with pytest.raises(ModelLoadFailed) as info:
-        pool.start()
-    elapsed = time.monotonic() - started
-    assert elapsed < 10, elapsed
-    assert "boom" in info.value.worker_traceback
-    assert "Traceback" in info.value.worker_traceback
-    assert_no_children()
-    pool.close()
+    try:
+        with pytest.raises(ModelLoadFailed) as info:
+            pool.start()
+        return info.value, time.monotonic() - started
+    finally:
+        pool.close(drain=False, timeout=5.0)
 
 
-def test_crash_loop_on_exit_during_load() -> None:
-    pool = ModelPool(make_config(workers=1, backend_options={"exit_on_load": 7}))
-    started = time.monotonic()
-    with pytest.raises(ModelLoadFailed) as info:
-        pool.start()
-    assert time.monotonic() - started < 10
-    assert "code 7" in info.value.worker_traceback or "code 7" in str(info.value)
+@pytest.mark.parametrize("limit", [1, 3])
+@pytest.mark.parametrize(
+    ("options", "shown"),
+    [({"fail_load": "boom"}, "boom"), ({"exit_on_load": 7}, "code 7")],
+    ids=["raises", "exits"],
+)
+def test_model_load_failed_after_exactly_n_startup_failures_with_backoff(
+    options: dict[str, Any], shown: str, limit: int
+) -> None:
+    """README: a worker that dies during start-up is respawned with exponential backoff
+    (0.25 s, 0.5 s, ...); after startup_failures_before_giving_up in a row, the pool
+    fails with ModelLoadFailed carrying the worker's traceback."""
+    pool = ModelPool(
+        make_config(workers=1, startup_failures_before_giving_up=limit, backend_options=options)
+    )
+    error, elapsed = start_fails(pool)
+    assert f"failed to start {limit} times in a row" in str(error)
+    assert shown in error.worker_traceback or shown in str(error)
+    backoff = sum(0.25 * 2**i for i in range(limit - 1))  # between the failures
+    assert backoff <= elapsed < backoff + slack(10), elapsed
+    snapshot = pool.stats()
+    assert snapshot.counters["startup_failures"] == limit
+    assert snapshot.last_load_error is not None and shown in snapshot.last_load_error
     assert_no_children()
-    pool.close()
+
+
+FAIL_FIRST_LOAD = """
+import os
+
+class Handler:
+    def generate(self, call):
+        return "up"
+
+def factory(model="", device="cpu", marker="", **options):
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        raise RuntimeError("first load fails on purpose")
+    return Handler()
+"""
+
+
+def test_a_transient_startup_failure_below_the_limit_recovers(
+    tmp_path: Path, backend_module: BackendModule
+) -> None:
+    config = make_config(
+        workers=1,
+        backend=backend_module(FAIL_FIRST_LOAD),
+        backend_options={"marker": str(tmp_path / "loaded-once")},
+        startup_failures_before_giving_up=3,
+    )
+    with ModelPool(config) as pool:
+        assert pool.generate("x").text == "up"
+        snapshot = pool.stats()
+        assert snapshot.state == "ready"
+        assert snapshot.counters["startup_failures"] == 1
+        assert snapshot.last_load_error is not None
+        assert "first load fails on purpose" in snapshot.last_load_error
 
 
 @pytest.mark.slow
@@ -503,18 +565,14 @@ def test_missing_model_path_with_hf_backend() -> None:
         startup_timeout_s=60.0,
     )
     pool = ModelPool(config)
-    started = time.monotonic()
-    with pytest.raises(ModelLoadFailed) as info:
-        pool.start()
-    elapsed = time.monotonic() - started
+    error, elapsed = start_fails(pool)
     print(f"hf missing model: ModelLoadFailed after {elapsed:.2f}s")
     # The issue asks for < 20 s: 7-12 s on an idle 2-core box, but each of the three start-up
     # attempts imports torch + transformers, so it reached 21 s with another suite running
     # beside it. Slack widened to 30 s under load; see the report (fail fast in hf.load).
     assert elapsed < 30, elapsed
-    assert "/nonexistent/model" in info.value.worker_traceback
+    assert "/nonexistent/model" in error.worker_traceback
     assert_no_children()
-    pool.close()
 
 
 def test_no_worker_processes_outlive_a_pool() -> None:

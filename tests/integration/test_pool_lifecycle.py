@@ -6,8 +6,6 @@ import asyncio
 import json
 import logging
 import os
-import selectors
-import signal
 import subprocess
 import sys
 import time
@@ -17,20 +15,20 @@ import pytest
 
 from helpers import (
     VENV_PYTHON,
-    children,
+    BackendModule,
     counters,
     describe,
     make_config,
+    new_children,
     open_pool,
     pid_alive,
+    slack,
     submit_with_chunks,
     wait_busy,
     wait_counters,
     wait_idle,
     wait_pids_gone,
     workers,
-    write_module,
-    zombies,
 )
 from modelpool import (
     BackendError,
@@ -50,7 +48,8 @@ NO_GUARD_SCRIPT = """\
 from modelpool import ModelPool, PoolConfig
 
 print("SCRIPT-START", flush=True)
-with ModelPool(PoolConfig(model="none", backend="testing", workers=2, deadline_s=20)) as pool:
+config = PoolConfig(model="none", backend="testing", workers=2, devices=["cpu"], deadline_s=20)
+with ModelPool(config) as pool:
     result = pool.generate("echo:hello")
     print("RESULT", result.text, flush=True)
 print("SCRIPT-END", flush=True)
@@ -97,64 +96,14 @@ def test_script_on_stdin(tmp_path: Path) -> None:
     check_no_guard_output(run_python(["-"], cwd=tmp_path, stdin=NO_GUARD_SCRIPT))
 
 
-# ---- the supervisor dies ---------------------------------------------------------------------
-
-SUPERVISOR_SCRIPT = """\
-import json, sys
-from modelpool import ModelPool, PoolConfig
-
-pool = ModelPool(PoolConfig(model="none", backend="testing", workers=2, deadline_s=60)).start()
-busy = pool.submit("hang")  # one worker busy in a backend that ignores SIGTERM
-while not any(w.state == "busy" for w in pool.stats().workers):
-    pass
-print(json.dumps([w.pid for w in pool.stats().workers]), flush=True)
-sys.stdin.read()
-"""
-
-
-def read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        if not selector.select(timeout_s):
-            raise AssertionError(f"no line from pid {proc.pid} within {timeout_s}s")
-    return proc.stdout.readline()
-
-
-def test_workers_die_with_a_sigkilled_supervisor(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [VENV_PYTHON, "-c", SUPERVISOR_SCRIPT],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-    )
-    try:
-        line = read_line(proc, 30)
-        pids = json.loads(line)
-        assert len(pids) == 2
-        assert all(pid_alive(pid) for pid in pids)
-        os.kill(proc.pid, signal.SIGKILL)
-        started = time.monotonic()
-        proc.wait(10)
-        wait_pids_gone(pids, timeout=3.0)
-        seconds = time.monotonic() - started
-        print(f"workers gone {seconds * 1000:.0f} ms after the supervisor's SIGKILL")
-        assert seconds < 3.0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                pipe.close()
+# ---- the supervisor dies: test_supervisor_death.py (SIGKILL mid-load, idle and busy) ---------
 
 
 ATEXIT_SCRIPT = """\
 import json
 from modelpool import ModelPool, PoolConfig
 
-pool = ModelPool(PoolConfig(model="none", backend="testing", workers=2)).start()
+pool = ModelPool(PoolConfig(model="none", backend="testing", workers=2, devices=["cpu"])).start()
 assert pool.generate("echo:x").text == "x"
 print(json.dumps([w.pid for w in pool.stats().workers]), flush=True)
 # no close(): the pool closes itself at interpreter exit
@@ -174,16 +123,17 @@ def test_pool_closes_at_interpreter_exit(tmp_path: Path) -> None:
 
 
 def assert_clean() -> None:
-    """Right after close(): no child process, running or zombie (close reaps before it returns)."""
-    assert zombies() == [], describe(zombies())
-    assert children() == [], describe(children())
+    """Right after close(): no child process this test started, running or zombie (close
+    reaps before it returns)."""
+    left = new_children()
+    assert left == [], describe(left)
 
 
 def test_close_after_normal_use_leaves_no_child_and_no_zombie() -> None:
     with open_pool(workers=2) as pool:
         for i in range(20):
             assert pool.generate(f"echo:{i}").text == str(i)
-        assert len(children()) == 2
+        assert len(new_children()) == 2
     assert_clean()
 
 
@@ -206,10 +156,12 @@ def test_close_after_faults_leaves_no_child_and_no_zombie() -> None:
 
 def test_close_is_idempotent_and_calls_after_close_raise_pool_closed() -> None:
     pool = ModelPool(make_config(workers=1))
-    pool.start()
-    pool.close()
-    pool.close()
-    pool.close(drain=False)
+    try:
+        pool.start()
+        pool.close()
+        pool.close()
+    finally:
+        pool.close(drain=False)
     assert pool.stats().state == "closed"
     with pytest.raises(PoolClosed):
         pool.submit("echo:x")
@@ -250,7 +202,7 @@ def test_close_without_drain_fails_in_flight_requests_promptly() -> None:
         pool.close(drain=False)
         elapsed = time.monotonic() - started
         print(f"close(drain=False) took {elapsed:.2f}s")
-        assert elapsed < 2.0, elapsed
+        assert elapsed < slack(2.0), elapsed
         assert isinstance(running.exception(timeout=0), PoolClosed)
         assert isinstance(queued.exception(timeout=0), PoolClosed)
         snapshot = pool.stats()
@@ -345,12 +297,10 @@ def factory(model="", device="cpu", **options):
 
 
 def test_worker_log_lines_reach_the_supervisor_logger(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    backend_module: BackendModule, caplog: pytest.LogCaptureFixture
 ) -> None:
-    write_module(tmp_path, "mp_logging_backend", LOGGING_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
     caplog.set_level(logging.INFO, logger="modelpool.worker")
-    with open_pool(workers=1, backend="mp_logging_backend:factory") as pool:
+    with open_pool(workers=1, backend=backend_module(LOGGING_BACKEND)) as pool:
         pid = workers(pool)[0].pid
         assert pool.generate("hello").text == "ok"
         # Log records travel on the same ordered channel as the result, so they are in.
@@ -366,11 +316,9 @@ def test_worker_log_lines_reach_the_supervisor_logger(
 
 
 def test_custom_backend_validate_rejects_before_dispatch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    backend_module: BackendModule,
 ) -> None:
-    write_module(tmp_path, "mp_validating_backend", VALIDATING_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with open_pool(workers=1, backend="mp_validating_backend:factory") as pool:
+    with open_pool(workers=1, backend=backend_module(VALIDATING_BACKEND)) as pool:
         with pytest.raises(InvalidRequest) as info:
             pool.submit("x", banana=1)
         assert "banana" in str(info.value)

@@ -4,28 +4,32 @@ its own request."""
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import types
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from helpers import (
+    BackendModule,
     assert_no_children,
-    children,
     make_config,
+    new_children,
     open_pool,
+    pid_alive,
+    slack,
     wait_until,
-    write_module,
 )
 from modelpool import (
     BackendError,
     InvalidRequest,
     ModelPool,
-    PoolClosed,
     PoolError,
 )
+from modelpool.testing import run_on_dispatcher
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 
 BAD_BACKEND = """
 import os
@@ -50,10 +54,8 @@ def load(model="", device="cpu", **options):
 
 
 @pytest.fixture()
-def bad_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    write_module(tmp_path, "robustness_backend", BAD_BACKEND)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return "robustness_backend:load"
+def bad_backend(backend_module: BackendModule) -> str:
+    return backend_module(BAD_BACKEND, "load")
 
 
 @pytest.mark.parametrize("prompt", ["emit_bytes", "none_text", "odd_reason", "not_text"])
@@ -108,30 +110,37 @@ def test_generate_inside_a_callback_is_refused_and_the_pool_goes_on() -> None:
                 seen.append(exc)
             done.set()
 
-        pool.submit("echo:outer").add_done_callback(callback)
-        assert done.wait(5)
+        # Still running when the callback is attached (it ends at its 0.5 s deadline), so the
+        # callback runs on the dispatcher thread; one attached to a done future would run
+        # here, in the caller's thread, where generate() is allowed.
+        pool.submit("tokens:1000:0.01", deadline_s=0.5).add_done_callback(callback)
+        assert done.wait(slack(5))
         assert seen and "callback" in str(seen[0])
         assert pool.generate("echo:after", deadline_s=2).text == "after"
 
 
-def test_a_failed_dispatcher_fails_calls_instead_of_hanging() -> None:
-    pool = ModelPool(make_config(workers=1))
+def test_a_failed_dispatcher_fails_calls_and_kills_workers_instead_of_hanging() -> None:
+    """The dispatcher thread dies inside a living supervisor: the running request fails
+    with PoolError, the workers are killed, and a later submit is refused at once (it used
+    to be posted to the dead loop, where it never resolved)."""
+    pool = ModelPool(make_config(workers=2, deadline_s=30.0))
     pool.start()
     try:
-        running = pool.submit("tokens:100:0.02")
-        loop = pool._loop
-        assert loop is not None
+        pids = [w.pid for w in pool.stats().workers]
+        running = pool.submit("hang")
 
         def broken() -> None:
             raise RuntimeError("a bug in the dispatcher")
 
-        loop.post(broken)
-        with pytest.raises(PoolError):
-            running.result(timeout=5)
-        wait_until(lambda: not loop.thread.is_alive(), timeout=5)
-        with pytest.raises((PoolError, PoolClosed)):
-            pool.submit("echo:x").result(timeout=5)
+        dispatcher = run_on_dispatcher(pool, broken)
+        error = running.exception(timeout=5)
+        assert isinstance(error, PoolError) and "dispatcher failed" in str(error), repr(error)
+        dispatcher.join(10)
+        assert not dispatcher.is_alive()
         assert pool.stats().state == "failed"
+        assert not any(pid is not None and pid_alive(pid) for pid in pids)
+        with pytest.raises(PoolError, match="dispatcher failed"):
+            pool.submit("echo:x")
     finally:
         pool.close(drain=False, timeout=2)
     assert_no_children()
@@ -143,14 +152,12 @@ def test_close_kills_the_workers_when_the_dispatcher_is_wedged() -> None:
         make_config(workers=2, cancel_grace_s=0, term_grace_s=0, gpu_release_timeout_s=0)
     )
     pool.start()
-    loop = pool._loop
-    assert loop is not None
     wedge = threading.Event()
-    loop.post(wedge.wait)  # a callback that never returns, say
     try:
+        run_on_dispatcher(pool, wedge.wait)  # a callback that never returns, say
         pool.close(drain=False, timeout=0.5)
         # Killed, though not reaped: only the wedged thread could reap them.
-        wait_until(lambda: not children(include_zombies=False), timeout=5)
+        wait_until(lambda: not new_children(include_zombies=False), timeout=5)
     finally:
         wedge.set()
     assert_no_children(timeout=5)

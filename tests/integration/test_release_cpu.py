@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import psutil
 import pytest
 
+from helpers import read_line, slack
 from modelpool.processes import (
     process_group_exists,
     reap_group_children,
-    set_child_subreaper,
     wait_process_group_gone,
 )
 
@@ -30,15 +28,6 @@ child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
 print(f"{child.pid}", flush=True)
 sys.stdin.read()
 """
-
-
-def read_line(proc: subprocess.Popen[str], timeout_s: float = 10.0) -> str:
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        if not selector.select(timeout_s):
-            raise AssertionError(f"no line from pid {proc.pid} within {timeout_s}s")
-    return proc.stdout.readline()
 
 
 def start_group() -> tuple[subprocess.Popen[str], int]:
@@ -62,18 +51,7 @@ def kill_and_reap_leader(leader: subprocess.Popen[str]) -> None:
             pipe.close()
 
 
-@pytest.fixture
-def subreaper() -> Iterator[None]:
-    """Orphans of our groups come back to us (not to a slow init) while the test runs."""
-    if not set_child_subreaper(True):
-        pytest.skip("cannot become a child subreaper")
-    try:
-        yield
-    finally:
-        set_child_subreaper(False)
-
-
-def test_killed_group_is_gone_within_a_second(subreaper: None) -> None:
+def test_killed_group_is_gone_promptly(subreaper: None) -> None:
     leader, child_pid = start_group()
     assert process_group_exists(leader.pid)
     group_rss = sum(psutil.Process(pid).memory_info().rss for pid in (leader.pid, child_pid))
@@ -85,7 +63,7 @@ def test_killed_group_is_gone_within_a_second(subreaper: None) -> None:
     assert report.ok, report.describe()
     assert report.method == "psutil"
     assert report.holders == []
-    assert report.seconds < 1.0 and elapsed < 1.0, (report, elapsed)
+    assert report.seconds < slack(1.0) and elapsed < slack(1.0), (report, elapsed)
     assert not process_group_exists(leader.pid)
     with pytest.raises(ProcessLookupError):
         os.kill(child_pid, 0)
@@ -109,7 +87,7 @@ def test_group_of_our_own_children_needs_no_reaper() -> None:
         leader.wait(timeout=10)
         member.wait(timeout=10)
         report = wait_process_group_gone(leader.pid, timeout_s=1.0)
-        assert report.ok and report.seconds < 1.0, report.describe()
+        assert report.ok and report.seconds < slack(1.0), report.describe()
     finally:
         for proc in (leader, member):
             if proc.poll() is None:

@@ -183,9 +183,16 @@ def test_an_event_for_a_worker_reaped_earlier_in_the_same_batch_is_ignored() -> 
             assert loop is not None
             worker = next(iter(loop.dispatcher.workers.values()))
             assert worker.pid is not None
-            # Hold the dispatcher so that it cannot reap the worker through its pidfd first.
-            release = threading.Event()
-            loop.post(release.wait, 30)
+            # Hold the dispatcher so that it cannot reap the worker through its pidfd first;
+            # kill only once it is held (a post still queued would let it reap in between).
+            holding, release = threading.Event(), threading.Event()
+
+            def hold() -> None:
+                holding.set()
+                release.wait(30)
+
+            loop.post(hold)
+            assert holding.wait(10), "the dispatcher did not take the hold"
             os.kill(worker.pid, signal.SIGKILL)
             wait_until(
                 lambda: psutil.Process(worker.pid).status() == psutil.STATUS_ZOMBIE,

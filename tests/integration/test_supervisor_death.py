@@ -3,35 +3,31 @@
 A child process owns a pool and is SIGKILLed: mid-load (workers still in the
 backend's ``load_delay_s``), once idle, and while busy on a request that ignores
 SIGTERM. Every worker, found beforehand as the child's children with psutil,
-must be gone within 1 s of the kill (the lifeline pipe reads EOF the moment the
-kernel closes the dead supervisor's end).
+must be gone within 1 s of the kill, times the machine slack (the lifeline pipe
+reads EOF the moment the kernel closes the dead supervisor's end).
 
-And when the dispatcher *thread* dies inside a living supervisor, its workers
-are killed too and no request hangs.
+(When the dispatcher *thread* dies inside a living supervisor:
+test_pool_robustness.py.)
 """
 
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 
 import psutil
 import pytest
 
-from helpers import assert_no_children, open_pool, pid_alive, wait_until
-from modelpool import PoolError
-from modelpool.processes import set_child_subreaper
+from helpers import pid_alive, read_line, slack, wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 
 WORKERS, SPARES = 2, 1
-GONE_WITHIN_S = 1.0
+GONE_WITHIN_S = 1.0  # the design figure; asserted with the machine slack
 
 OWNER = textwrap.dedent(f"""
     import sys, threading, time
@@ -57,15 +53,6 @@ OWNER = textwrap.dedent(f"""
 """)
 
 
-def read_line(proc: subprocess.Popen[str], timeout_s: float = 30.0) -> str:
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        if not selector.select(timeout_s):
-            raise AssertionError(f"no line from the pool owner (pid {proc.pid}) in {timeout_s}s")
-    return proc.stdout.readline().strip()
-
-
 def worker_children(owner_pid: int) -> list[psutil.Process]:
     try:
         children = psutil.Process(owner_pid).children()
@@ -81,25 +68,13 @@ def worker_children(owner_pid: int) -> list[psutil.Process]:
     return found
 
 
-def in_load(proc: psutil.Process) -> bool:
-    """The worker runs its lifeline thread (so it is past start-up checks) and has not said
-    ready (its parent has not printed "ready")."""
+def lifeline_running(proc: psutil.Process) -> bool:
+    """The worker runs its lifeline thread (a second thread): it is past its start-up
+    checks and would notice its supervisor's death."""
     try:
         return proc.num_threads() >= 2
     except psutil.Error:
         return False
-
-
-@pytest.fixture
-def reaper() -> Iterator[None]:
-    """Orphaned workers are reparented to us (not to an init that may never reap), so we can
-    reap them and tell "gone" from "zombie" without help."""
-    if not set_child_subreaper(True):
-        pytest.skip("cannot become a child subreaper")
-    try:
-        yield
-    finally:
-        set_child_subreaper(False)
 
 
 def reap(pids: list[int]) -> list[int]:
@@ -131,7 +106,7 @@ def kill_owner_and_time_workers(mode: str, load_delay_s: float) -> float:
             lambda: (
                 found
                 if len(found := worker_children(owner.pid)) == WORKERS + SPARES
-                and all(in_load(w) for w in found)
+                and all(lifeline_running(w) for w in found)
                 else None
             ),
             timeout=30.0,
@@ -139,8 +114,9 @@ def kill_owner_and_time_workers(mode: str, load_delay_s: float) -> float:
         )
         pids = [w.pid for w in workers]
         if mode == "loading":
-            # still loading: the owner has not reported them ready (it cannot while they sleep)
-            assert all(w.is_running() for w in workers)
+            # Still inside load_delay_s, so none can have finished loading: killed mid-load.
+            ages = [time.time() - w.create_time() for w in workers]
+            assert max(ages) < load_delay_s, ages
         started = time.monotonic()
         owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=10)
@@ -176,45 +152,7 @@ def kill_owner_and_time_workers(mode: str, load_delay_s: float) -> float:
     ids=["mid-load", "idle", "busy-ignoring-SIGTERM"],
 )
 def test_workers_die_with_a_sigkilled_supervisor(
-    reaper: None, mode: str, load_delay_s: float
+    subreaper: None, mode: str, load_delay_s: float
 ) -> None:
     elapsed = kill_owner_and_time_workers(mode, load_delay_s)
-    assert elapsed < GONE_WITHIN_S, f"workers outlived their supervisor by {elapsed:.3f}s"
-
-
-# ---- the dispatcher thread dies, the process lives --------------------------------------------
-
-
-def _crash_dispatcher(pool: object) -> None:
-    def boom() -> None:
-        raise RuntimeError("injected dispatcher failure")
-
-    loop = pool._loop  # type: ignore[attr-defined]
-    loop.post(boom)
-    loop.thread.join(10)
-    assert not loop.thread.is_alive()
-
-
-def test_dispatcher_crash_fails_requests_and_kills_workers() -> None:
-    with open_pool(workers=2, deadline_s=30.0) as pool:
-        pids = [w.pid for w in pool.stats().workers]
-        running = pool.submit("hang", deadline_s=30.0)
-        _crash_dispatcher(pool)
-        error = running.exception(timeout=5)
-        assert isinstance(error, PoolError) and "dispatcher failed" in str(error)
-        assert pool.stats().state == "failed"
-        assert not any(pid is not None and pid_alive(pid) for pid in pids)
-    assert_no_children(timeout=5.0)
-
-
-def test_submit_after_a_dispatcher_crash_does_not_hang() -> None:
-    """Regression: submit() used to accept requests after the dispatcher crashed, posting
-    them to a dead loop where they never resolved (generate() blocked forever)."""
-    with open_pool(workers=1, deadline_s=30.0) as pool:
-        _crash_dispatcher(pool)
-        try:
-            future = pool.submit("echo:x", deadline_s=1.0)
-        except PoolError:
-            return  # the fix: refuse at once
-        error = future.exception(timeout=5)  # concurrent.futures.TimeoutError: never resolved
-        assert isinstance(error, PoolError)
+    assert elapsed < slack(GONE_WITHIN_S), f"workers outlived their supervisor by {elapsed:.3f}s"

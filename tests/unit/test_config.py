@@ -187,6 +187,8 @@ port = 9000
 api_key_env = "MODELPOOL_KEY"
 max_body_bytes = 4096
 drain_timeout_s = 5
+max_request_timeout_s = 30
+model_name = "served-name"
 """
 
 
@@ -211,6 +213,8 @@ def test_full_toml_file(tmp_path: Path) -> None:
     assert server.api_key_env == "MODELPOOL_KEY"
     assert server.max_body_bytes == 4096
     assert server.drain_timeout_s == 5
+    assert server.max_request_timeout_s == 30
+    assert server.model_name == "served-name"
 
 
 def test_server_table_is_ignored_by_pool_config_and_validated_by_server_config(

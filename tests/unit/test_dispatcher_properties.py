@@ -660,7 +660,19 @@ def test_ready_after_startup_kill_is_not_dispatched_to() -> None:
     assert proc.signals == [signal.SIGKILL]
     machine.submit(deadline=30.0, stream=False, cancel_at_once=False, deliver=True)
     machine._ready(proc)  # AssertionError from on_send: "run sent to a worker already signalled"
-    assert proc.worker.state == "starting" or proc.unanswered is None
+    assert proc.unanswered is None, "the request went to a worker being killed"
+    # The kill lands; a replacement starts (after the start-up backoff) and serves it.
+    machine._exit(proc, -signal.SIGKILL)
+    while len(machine.procs) == 1:
+        machine.advance(0.1)
+    replacement = machine.procs[1]
+    machine._ready(replacement)
+    attempt = replacement.unanswered
+    assert attempt is not None, "the replacement was not given the request"
+    machine._say(replacement, "done", attempt, "stop", 20 * MB)
+    [(_, future)] = machine.requests
+    result = future.result(timeout=0)
+    assert result.attempts == 1 and result.worker_pid == replacement.pid
 
 
 if __name__ == "__main__":  # pragma: no cover

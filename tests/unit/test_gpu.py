@@ -23,6 +23,7 @@ from fake_nvml import (
     NVMLError_LibraryNotFound,
     NVMLError_NoPermission,
 )
+from helpers import slack
 from modelpool.gpu import (
     DeviceInfo,
     GpuProbe,
@@ -119,9 +120,9 @@ def assert_unavailable_and_fast(probe: GpuProbe) -> None:
     assert probe.driver_version() is None
     assert probe.visible_device_indices(NO_CVD) == []
     report = probe.wait_released(0, 123, 0, timeout_s=30.0, sleep=_no_sleep)
-    assert report.ok and report.method == "unavailable" and report.seconds < 0.1
+    assert report.ok and report.method == "unavailable" and report.seconds < slack(0.1)
     assert resolve_devices(["auto"], probe, NO_CVD) == ["cpu"]
-    assert time.perf_counter() - started < 0.1
+    assert time.perf_counter() - started < slack(0.1)
 
 
 def _no_sleep(seconds: float) -> None:
@@ -176,7 +177,7 @@ def test_real_pynvml_without_a_driver_is_fast() -> None:
     # With a driver, nvmlInit may take seconds (persistence mode off): only the
     # driverless case must cost nothing.
     if ctypes.util.find_library("nvidia-ml") is None and not Path("/dev/nvidiactl").exists():
-        assert elapsed < 0.5, elapsed
+        assert elapsed < slack(0.5), elapsed
         assert not probe.available
         assert probe.reason == "NVML library not found (no NVIDIA driver)"
         assert_unavailable_and_fast(probe)

@@ -75,27 +75,35 @@ def test_chat_messages_and_parts() -> None:
     assert job.stream is False
 
 
+USER = [{"role": "user", "content": "x"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+
+
 @pytest.mark.parametrize(
-    "body",
+    ("body", "param"),
     [
-        {"messages": [{"role": "user", "content": "x"}], "max_tokens": True},
-        {"messages": [{"role": "user", "content": "x"}], "temperature": -1},
-        {
-            "messages": [{"role": "user", "content": "x"}],
-            "max_tokens": 3,
-            "max_completion_tokens": 4,
-        },
-        {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
-        {
-            "messages": [{"role": "user", "content": "x"}],
-            "stream_options": {"include_usage": False},
-        },
+        ({"messages": USER, "max_tokens": True}, "max_tokens"),
+        ({"messages": USER, "temperature": -1}, "temperature"),
+        ({"messages": USER, "max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+            "messages[0].tool_calls",
+        ),
+        ({"messages": USER, "stream_options": {"include_usage": False}}, "stream_options"),
+        ({"messages": USER, "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": USER, "n": 0}, "n"),
+        ({"messages": USER, "suffix": "y"}, "suffix"),
+        ({"messages": USER, "tools": [TOOL]}, "tools"),
+        ({"messages": USER, "bogus": 1}, "bogus"),
     ],
 )
-def test_chat_rejections(body: dict[str, Any]) -> None:
+def test_chat_rejections_are_400_naming_the_field(body: dict[str, Any], param: str) -> None:
+    """README: what cannot be honoured is a 400 naming the field, never silently dropped."""
     with pytest.raises(ApiError) as info:
         parse_chat(body)
     assert info.value.status == 400
+    assert info.value.param == param
 
 
 def test_deadline_sources_and_cap() -> None:
