@@ -7,19 +7,25 @@ event loop in production, a recording fake in the property tests) to spawn, send
 signal and check, and its clock is injected, so tests drive this very code with a fake
 world.
 
+Two parts, as pebble splits its pool into a task manager and a worker manager: this
+file keeps requests, attempts and runs; its ``worker_manager`` (``workers.py``, an
+object it owns and that calls back only ``give_up_loading``) keeps the worker records
+and the decisions about processes: slots and start-up, recycling and roles, signals,
+memory release checks. Both run on the same thread and share the clock, the timer heap
+and the counters.
+
 The entry points come first, in the order of a request's life (``submit``, ``cancel``,
 ``on_message``, ``on_exit``, ``on_release_checked`` ...; the event loop calls
 ``run_due_timers`` and ``after_event`` on every turn); the helpers follow, grouped by
-what they decide: handing requests to workers, what workers send, deadlines and the kill
-ladder, retry or fail, resolution, slots and start-up, recycling, closing.
+what they decide: handing requests to workers, what workers send, deadlines and the run
+end of the kill ladder, retry or fail, resolution, closing.
 
 Batching (``max_batch_size`` above 1): a worker holds up to ``Worker.slots`` runs;
 ``_pump``/``_place`` fill the least-loaded worker first, give an isolated request an
 empty worker and spread suspects one per worker. Deadlines and cancels act on one run
 (its slot's cancel word); ``_worker_stalled`` (no token delivered), an ignored cancel or
 a death settle the whole batch through ``_batch_lost`` (collateral retries, poison
-isolation). The file is past 1,000 lines because these rules share every record with
-the unbatched ones; splitting them out would mean a second owner of the same state.
+isolation).
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ import dataclasses
 import itertools
 import logging
 import signal
-import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -50,8 +55,7 @@ from modelpool.errors import (
     PoolError,
     WorkerCrashed,
 )
-from modelpool.gpu import group_devices
-from modelpool.protocol import PROTOCOL_VERSION, Generation, WorkerSpec
+from modelpool.protocol import Generation
 from modelpool.records import (
     DispatcherIO,
     Request,
@@ -59,26 +63,15 @@ from modelpool.records import (
     Timer,
     TimerHeap,
     Worker,
-    describe_exit,
 )
 from modelpool.results import Result, set_future
-from modelpool.stats import (
-    COUNTER_NAMES,
-    DeviceStats,
-    GpuStats,
-    PoolStats,
-    ReleaseStats,
-    WorkerStats,
-    percentiles,
-)
+from modelpool.stats import COUNTER_NAMES, DeviceStats, PoolStats, percentiles
+from modelpool.workers import WorkerManager, pool_device
 
 logger = logging.getLogger(__name__)
 worker_logger = logging.getLogger("modelpool.worker")
 
 _LATENCY_WINDOW = 2048
-# A worker that dies on its own this soon after saying ready counts as a failed start
-# (backoff, then ModelLoadFailed or an abandoned slot), like one that never got ready.
-EARLY_DEATH_S = 5.0
 
 
 class Dispatcher:
@@ -102,50 +95,51 @@ class Dispatcher:
         self.devices = devices
         self.on_started = on_started
         self.on_dequeued = on_dequeued
-        self.gpu_available = gpu_available
-        self.gpu_reason = gpu_reason
-        self.gpu_devices: list[DeviceStats] = []
 
-        self.workers: dict[int, Worker] = {}
+        self.timers = TimerHeap()
         self.queue: collections.OrderedDict[str, Request] = collections.OrderedDict()
         self.live: dict[str, Request] = {}
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self.counters["startup_failures"] = 0
-        self.kill_reasons: collections.Counter[str] = collections.Counter()
         self.latencies: collections.deque[float] = collections.deque(maxlen=_LATENCY_WINDOW)
-        self.releases = ReleaseStats()
-        self.blocked_devices: dict[str, int] = {}  # GPU -> bytes it must have free again
-        self.blocked_held: dict[str, int | None] = {}  # GPU -> bytes a dead worker still held
-        self.blocked_holders: dict[str, list[str]] = {}  # GPU -> who holds them, as found
-        self.abandoned_slots: set[int] = set()
-        self.slot_not_before: dict[int, float] = {}
-        self.slots_awaiting_release: set[int] = set()
-        self.retire_waiting: set[int] = set()
         # worker id -> the retries that must not go back to it (their last failed worker):
         # so that finding them costs their number, not the length of the queue.
         self.retries_avoiding: dict[int, dict[str, Request]] = {}
         self.state = "starting"
         self.failure: ModelLoadFailed | None = None
-        self.last_load_error: str | None = None
-        # The model's context length as the workers report it (the smallest, should they
-        # ever differ); kept when they leave, so stats still show it between respawns.
-        self.max_model_len: int | None = None
-        self.consecutive_startup_failures = 0
         self.closing = False
         self.finished = False
         self.crashed = False
-        self.pending_release_checks = 0
         self.created_at = clock()
-
-        self.timers = TimerHeap()
-        self._worker_ids = itertools.count()
         self._attempt_ids = itertools.count(1)
         self._stall_timer: Timer | None = None
         self._started_reported = False
 
+        # The worker side: slots, start-up, recycling, signals, memory (workers.py). It
+        # shares the clock, the timers and the counters, and holds the worker records.
+        self.worker_manager = WorkerManager(
+            config,
+            io,
+            self,
+            devices=devices,
+            clock=clock,
+            timers=self.timers,
+            counters=self.counters,
+            gpu_available=gpu_available,
+            gpu_reason=gpu_reason,
+        )
+        self.workers = self.worker_manager.workers
+
+    @property
+    def slot_count(self) -> int:
+        return self.worker_manager.slot_count
+
+    @property
+    def last_load_error(self) -> str | None:
+        return self.worker_manager.last_load_error
+
     def start(self) -> None:
-        for slot in range(self.slot_count):
-            self._spawn(slot, replacement=False)
+        self.worker_manager.start()
 
     def submit(self, request: Request) -> None:
         self.counters["submitted"] += 1
@@ -201,7 +195,7 @@ class Dispatcher:
                 levelno, "[worker %d pid %s] %s: %s", worker.id, worker.pid, name, text
             )
         elif kind == "ready":
-            self._on_ready(worker, *message[1:])
+            self.worker_manager.on_ready(worker, *message[1:])
         elif kind == "load_failed":
             worker.load_error = message[1]
         else:
@@ -211,15 +205,11 @@ class Dispatcher:
         """The worker's socket reached end of file. Its exit normally follows within
         milliseconds (and is then a crash or a kill as usual); one that stays alive
         without a channel can never answer again and is killed."""
-        if worker.state == "dead":
-            return
-        if worker.state == "idle":
-            worker.state = "killing"  # nothing more is sent to it
-        self.timers.call_at(self.clock() + 1.0, self._kill_if_alive, worker, "channel_closed")
+        self.worker_manager.channel_closed(worker)
 
     def protocol_error(self, worker: Worker) -> None:
         """The worker sent what the pool cannot use: it is no longer trusted."""
-        self._signal(worker, signal.SIGKILL, "protocol")
+        self.worker_manager.send_signal(worker, signal.SIGKILL, "protocol")
 
     def on_exit(self, worker: Worker, returncode: int | None) -> None:
         if worker.state == "dead":
@@ -229,33 +219,7 @@ class Dispatcher:
         worker.exit_code = returncode
         self.timers.cancel(worker.ladder_timer)
         self.timers.cancel(worker.startup_timer)
-        reason = describe_exit(returncode, signalled_by_pool=worker.signalled)
-        if previous_state == "starting":
-            if not self.closing:
-                self._startup_failed(worker)
-        elif worker.signalled:
-            logger.info(
-                "worker %d (pid %s) stopped (%s, %s)",
-                worker.id,
-                worker.pid,
-                worker.kill_reason,
-                reason,
-            )
-        elif worker.stopping and returncode == 0:
-            logger.debug("worker %d (pid %s) exited cleanly", worker.id, worker.pid)
-        else:
-            self.counters["crashes"] += 1
-            logger.warning("worker %d (pid %s) died: %s", worker.id, worker.pid, reason)
-            alive_for = self.clock() - (worker.ready_at or worker.started_at)
-            if not worker.runs and worker.requests == 0 and alive_for < EARLY_DEATH_S:
-                # Ready, then dead at once without a request to blame (a backend that exits
-                # after loading): refilling the slot at once would reload the model in a
-                # tight loop. A request that kills workers is the retry policy's business.
-                worker.load_error = (
-                    f"worker {worker.id} {reason} {alive_for:.2f}s after it was ready"
-                )
-                if not self.closing:
-                    self._startup_failed(worker)
+        reason = self.worker_manager.record_exit(worker, previous_state)
         outcome: Outcome = "timeout" if worker.kill_reason in ("timeout", "stall") else "crash"
         if worker.slots > 1 and worker.runs:
             self._batch_lost(worker, outcome, f"worker pid {worker.pid} {reason}", returncode)
@@ -272,15 +236,7 @@ class Dispatcher:
                 exit_code=returncode,
             )
             self._attempt_failed(request, worker, outcome, error)
-        if previous_state != "starting" or worker.pid is not None:
-            self.pending_release_checks += 1
-            if self.gpu_available and worker.device.startswith("cuda"):
-                # A GPU slot is refilled only once the old worker's memory is known to be back:
-                # a replacement loading beside memory that is still held can run out of it.
-                self.slots_awaiting_release.add(worker.slot)
-            self.io.check_release(worker)
-        self._publish_gpu_workers()
-        self._fill_slots()
+        self.worker_manager.after_exit(worker, previous_state)
 
     def on_release_checked(
         self,
@@ -293,54 +249,13 @@ class Dispatcher:
         held_by_device: Mapping[str, int | None] | None = None,
         holders: Mapping[str, list[str]] | None = None,
     ) -> None:
-        """A dead worker's release is known. ``held_by_device``: the GPUs of its group that
-        still hold memory (GPU -> bytes); without it a failure blocks every GPU of the group.
-        ``holders``: GPU -> the processes found holding it, for stats."""
-        self.pending_release_checks -= 1
-        releases = self.releases
-        self.releases = ReleaseStats(
-            checked=releases.checked + 1,
-            ok=releases.ok + int(ok),
-            failed=releases.failed + int(not ok),
-            last_ms=seconds * 1000.0,
-            last_method=method,
-            last_freed_mb=None if freed_bytes is None else freed_bytes / 2**20,
+        """A dead worker's release is known (see ``WorkerManager.on_release_checked``)."""
+        self.worker_manager.on_release_checked(
+            worker_id, ok, seconds, method, freed_bytes, held_bytes, held_by_device, holders
         )
-        worker = self.workers.get(worker_id)
-        if worker is None:
-            return
-        if not self.closing:
-            # Keep the dead worker's record only until its release is known.
-            del self.workers[worker_id]
-        self.slots_awaiting_release.discard(worker.slot)
-        if ok or not worker.device.startswith("cuda"):
-            self._fill_slots()
-            return
-        if not held_by_device:
-            held_by_device = dict.fromkeys(group_devices(worker.device), held_bytes)
-        for device, held in held_by_device.items():
-            # Room for what the worker had on this GPU (or, unknown, what is still held there).
-            needed = worker.gpu_bytes_by_device.get(device) or held or 0
-            logger.error(
-                "GPU memory of worker %d (pid %s) on %s not released: %s bytes still held; "
-                "no worker of the group %s starts until it is free",
-                worker.id,
-                worker.pid,
-                device,
-                held,
-                worker.device,
-            )
-            self.blocked_devices[device] = needed
-            self.blocked_held[device] = held
-            self.blocked_holders[device] = list((holders or {}).get(device, []))
-            self.io.watch_device_free(device, needed)
 
     def on_device_free(self, device: str) -> None:
-        self.blocked_held.pop(device, None)
-        self.blocked_holders.pop(device, None)
-        if self.blocked_devices.pop(device, None) is not None:
-            logger.info("%s has room for a worker again", device)
-        self._fill_slots()
+        self.worker_manager.on_device_free(device)
 
     def on_gpu_sample(
         self,
@@ -348,17 +263,7 @@ class Dispatcher:
         devices: list[DeviceStats],
     ) -> None:
         """NVML's readings: per worker (the sum over its GPUs, the method, each GPU's figure)."""
-        self.gpu_devices = devices
-        for worker_id, (used, method, by_device) in per_worker.items():
-            worker = self.workers.get(worker_id)
-            if worker is None or worker.state == "dead":
-                continue
-            worker.gpu_bytes = used
-            worker.gpu_method = method
-            worker.gpu_bytes_by_device = dict(by_device)
-            limit = self.config.max_worker_gpu_mb
-            if limit is not None and used is not None and used > limit * 2**20:
-                self._maybe_retire(worker)
+        self.worker_manager.on_gpu_sample(per_worker, devices)
 
     def begin_close(self, drain: bool, deadline: float) -> None:
         if self.closing:
@@ -378,9 +283,7 @@ class Dispatcher:
         """
         for request in list(self.live.values()):
             self._fail(request, PoolError(f"the pool's dispatcher failed: {error!r}"))
-        for worker in self.workers.values():
-            if worker.io is not None and worker.state != "dead":
-                worker.io.signal_group(signal.SIGKILL)
+        self.worker_manager.kill_all()
         self.crashed = True
         self.state = "failed"
         self._report_started(PoolError(f"the pool's dispatcher failed: {error!r}"))
@@ -397,88 +300,39 @@ class Dispatcher:
 
     def after_event(self) -> None:
         """Bookkeeping after a batch of events: retirements, roles, dispatch, pool state."""
-        for worker_id in list(self.retire_waiting):
-            waiting = self.workers.get(worker_id)
-            if waiting is None or waiting.state == "dead":
-                self.retire_waiting.discard(worker_id)
-            else:
-                self._maybe_retire(waiting)
-        self._rebalance()
+        self.worker_manager.retry_retirements()
+        self.worker_manager.rebalance()
         self._pump()
         if (
             not self._started_reported
             and self.failure is None
-            and self._ready_count() >= self.slot_count - len(self.abandoned_slots) > 0
+            and self.worker_manager.ready_count()
+            >= self.slot_count - len(self.worker_manager.abandoned_slots)
+            > 0
         ):
             self._report_started(None)
         if self.closing:
             self._shutdown_workers()
             self.finished = (
                 all(w.state == "dead" for w in self.workers.values())
-                and self.pending_release_checks == 0
+                and self.worker_manager.pending_release_checks == 0
             )
         self.state = self._current_state()
 
     def snapshot(self) -> PoolStats:
         now = self.clock()
-        workers = []
-        # Copies first: ModelPool.stats() builds a snapshot off the dispatcher thread when
-        # that thread does not answer, and a dict must not change size under iteration.
-        for worker in list(self.workers.values()):
-            if worker.state == "dead":
-                continue
-            shown: str = worker.state
-            if worker.state == "idle" and worker.role == "spare":
-                shown = "spare"
-            workers.append(
-                WorkerStats(
-                    id=worker.id,
-                    pid=worker.pid,
-                    state=shown,
-                    role=worker.role,
-                    device=worker.device,
-                    requests=worker.requests,
-                    uptime_s=round(now - worker.started_at, 3),
-                    rss_mb=None if worker.rss_bytes is None else round(worker.rss_bytes / 2**20, 1),
-                    gpu_mb=None if worker.gpu_bytes is None else round(worker.gpu_bytes / 2**20, 1),
-                    gpu_mb_method=worker.gpu_method,
-                    max_model_len=worker.max_model_len,
-                    slots=worker.slots,
-                    running=[
-                        run.request.request_id
-                        for run in list(worker.runs.values())
-                        if run.request is not None
-                    ],
-                    gpu_mb_by_device={
-                        device: None if used is None else round(used / 2**20, 1)
-                        for device, used in worker.gpu_bytes_by_device.items()
-                    },
-                )
-            )
+        workers = self.worker_manager.worker_stats(now)
         return PoolStats(
             state=self.state,
             workers=workers,
             queue_depth=len(self.queue),
             counters=self.counters.copy(),
             latency_s=percentiles(list(self.latencies)),
-            gpu=GpuStats(
-                available=self.gpu_available,
-                reason=self.gpu_reason,
-                devices=list(self.gpu_devices),
-                releases=self.releases,
-                blocked_devices=sorted(self.blocked_devices),
-                blocked_held_mb={
-                    device: None if held is None else round(held / 2**20, 1)
-                    for device, held in sorted(self.blocked_held.items())
-                },
-                blocked_holders={
-                    device: list(lines) for device, lines in sorted(self.blocked_holders.items())
-                },
-            ),
+            gpu=self.worker_manager.gpu_stats(),
             uptime_s=round(now - self.created_at, 3),
-            last_load_error=self.last_load_error,
-            kill_reasons=dict(self.kill_reasons),
-            max_model_len=self.max_model_len,
+            last_load_error=self.worker_manager.last_load_error,
+            kill_reasons=dict(self.worker_manager.kill_reasons),
+            max_model_len=self.worker_manager.max_model_len,
             # workers x slots, as the workers report them (a one-call backend has one)
             capacity=self.config.workers
             * max(
@@ -500,7 +354,7 @@ class Dispatcher:
             and w.role == "serving"
             and len(w.runs) < w.slots
             and not any(run.alone for run in w.runs.values())
-            and not (w.slots > 1 and self._retire_reason(w) is not None)
+            and not (w.slots > 1 and self.worker_manager.retire_reason(w) is not None)
         ]
         if not open_workers:
             return
@@ -596,58 +450,6 @@ class Dispatcher:
 
     # ---- what workers send ---------------------------------------------------------------
 
-    def _on_ready(
-        self,
-        worker: Worker,
-        version: int,
-        pid: int,
-        rss_bytes: int,
-        max_model_len: int | None = None,  # absent from an older worker, refused just below
-        slots: int = 1,
-    ) -> None:
-        if worker.state != "starting" or worker.signalled:
-            return  # A "ready" that crossed the start-up timeout's SIGKILL: it is dying.
-        self.timers.cancel(worker.startup_timer)
-        if version != PROTOCOL_VERSION:
-            worker.load_error = (
-                f"worker speaks protocol {version}, supervisor {PROTOCOL_VERSION}: "
-                "mixed modelpool installations"
-            )
-            self._signal(worker, signal.SIGKILL, "protocol")
-            return
-        worker.state = "idle"
-        worker.slots = max(1, min(int(slots), self.config.max_batch_size))
-        # Without spares every worker serves; with them, _rebalance decides.
-        worker.role = "spare" if self.config.spares else "serving"
-        worker.pid = pid
-        worker.ready_at = self.clock()
-        worker.rss_bytes = rss_bytes
-        worker.max_model_len = max_model_len
-        if max_model_len is not None and (
-            self.max_model_len is None or max_model_len < self.max_model_len
-        ):
-            self.max_model_len = max_model_len
-        # The crash-loop count is cleared once this worker has outlived EARLY_DEATH_S, not
-        # at "ready": a worker that says ready and dies at once must still count.
-        worker.startup_timer = self.timers.call_at(
-            worker.ready_at + EARLY_DEATH_S, self._settled, worker
-        )
-        logger.info(
-            "worker %d (pid %d) ready on %s in %.2fs",
-            worker.id,
-            pid,
-            worker.device,
-            worker.ready_at - worker.started_at,
-        )
-        self._publish_gpu_workers()
-
-    def _settled(self, worker: Worker) -> None:
-        if worker.state != "dead":
-            self.consecutive_startup_failures = 0
-
-    def _ready_count(self) -> int:
-        return sum(w.state in ("idle", "busy") for w in self.workers.values())
-
     def _current_run(self, worker: Worker, attempt_id: int) -> Run | None:
         return worker.runs.get(attempt_id)
 
@@ -710,15 +512,7 @@ class Dispatcher:
             return
         worker.requests += 1
         details: Mapping[str, Any] = detail if isinstance(detail, Mapping) else {}
-        if kind == "cuda_error":
-            self._retire_after_cuda_error(worker, text)
-        elif kind == "oom":
-            self.counters["cuda_oom"] += 1
-            if details.get("recycle"):
-                worker.retire_reason = (
-                    f"{details.get('allocated_bytes')} bytes still allocated after a CUDA "
-                    f"out-of-memory (post-load baseline {details.get('baseline_bytes')})"
-                )
+        self.worker_manager.after_backend_error(worker, kind, text, details)
         self._run_ended(worker, run)
         request = run.request
         if request is None:
@@ -732,19 +526,6 @@ class Dispatcher:
         outcome, error = _typed_backend_error(worker, kind, text, remote_traceback, details)
         self._end_attempt(run, outcome)
         self._attempt_failed(request, worker, outcome, error)
-
-    def _retire_after_cuda_error(self, worker: Worker, text: str) -> None:
-        """Its CUDA context is unusable: kill it now, before it could be handed anything
-        else; its memory release is checked, and its slot refilled, as after any kill."""
-        self.counters["cuda_errors"] += 1
-        logger.error(
-            "worker %d (pid %s) on %s hit a sticky CUDA error; replacing it: %s",
-            worker.id,
-            worker.pid,
-            worker.device,
-            text.strip().splitlines()[0] if text.strip() else "?",
-        )
-        self._signal(worker, signal.SIGKILL, "cuda_error")
 
     def _run_ended(self, worker: Worker, run: Run) -> None:
         """The worker answered ``run``: its slot is free; with none left running the worker
@@ -760,17 +541,13 @@ class Dispatcher:
         worker.state = "idle"
         if self.slot_count == 1:
             self._fail_pinned_retries(worker)
-        self._maybe_retire(worker)
+        self.worker_manager.maybe_retire(worker)
 
     def _update_busy_state(self, worker: Worker) -> None:
         """ "cancelling" once every running attempt on it was asked to stop, else "busy"."""
         if worker.state in ("busy", "cancelling"):
             cancelling = all(run.cancel_sent for run in worker.runs.values())
             worker.state = "cancelling" if cancelling else "busy"
-
-    def _kill_if_alive(self, worker: Worker, reason: str) -> None:
-        if worker.state != "dead":
-            self._signal(worker, signal.SIGKILL, reason)
 
     # ---- deadlines, stalls, the kill ladder ----------------------------------------------
 
@@ -849,33 +626,7 @@ class Dispatcher:
                 f"worker pid {worker.pid} ignored a cancel for {self.config.cancel_grace_s}s",
                 None,
             )
-        self._signal(worker, signal.SIGTERM, reason)
-
-    def _signal(self, worker: Worker, signum: int, reason: str) -> None:
-        if worker.state == "dead" or worker.io is None:
-            return
-        if not worker.signalled:
-            worker.signalled = True
-            worker.kill_reason = reason
-            self.counters["kills"] += 1
-            self.kill_reasons[reason] += 1
-        if worker.state != "starting":
-            worker.state = "killing"
-        worker.io.signal_group(signum)
-        if signum == signal.SIGTERM:
-            self._rearm_ladder(
-                worker, self.config.term_grace_s, self._signal, signal.SIGKILL, reason
-            )
-        else:
-            self.timers.cancel(worker.ladder_timer)
-            worker.ladder_timer = None
-
-    def _rearm_ladder(
-        self, worker: Worker, delay: float, step: Callable[..., None], *args: Any
-    ) -> None:
-        """The worker's next ladder step, in ``delay`` seconds, replaces the one pending."""
-        self.timers.cancel(worker.ladder_timer)
-        worker.ladder_timer = self.timers.call_at(self.clock() + delay, step, worker, *args)
+        self.worker_manager.send_signal(worker, signal.SIGTERM, reason)
 
     def _arm_stall_check(self) -> None:
         assert self.config.stall_timeout_s is not None
@@ -926,7 +677,7 @@ class Dispatcher:
             f"worker pid {worker.pid} made no progress for {self.config.stall_timeout_s}s",
             None,
         )
-        self._signal(worker, signal.SIGTERM, "stall")
+        self.worker_manager.send_signal(worker, signal.SIGTERM, "stall")
 
     def _batch_lost(
         self, worker: Worker, outcome: Outcome, reason: str, exit_code: int | None
@@ -989,7 +740,7 @@ class Dispatcher:
             and not self.closing
             and self.failure is None
             and self.clock() < request.deadline
-            and self._another_worker_exists(worker)
+            and self.worker_manager.another_worker_exists(worker)
         )
         if not retry:
             self._fail(request, error)
@@ -1040,7 +791,7 @@ class Dispatcher:
             and not self.closing
             and self.failure is None
             and now + policy.backoff_s < request.deadline
-            and self._another_worker_exists(worker)
+            and self.worker_manager.another_worker_exists(worker)
         )
         if not retry:
             self._fail(request, error)
@@ -1084,25 +835,6 @@ class Dispatcher:
         request.state = "queued"
         self.queue[request.request_id] = request
         self.queue.move_to_end(request.request_id, last=False)
-
-    def _another_worker_exists(self, failed: Worker) -> bool:
-        """Can some worker other than ``failed`` ever take a retry?
-
-        A retry never goes back to the worker that just failed it. Other live workers
-        can take it; so can a replacement, in any slot that may still be filled, and
-        in the failed worker's own slot if that worker is on its way out.
-        """
-        if any(w is not failed and w.state != "dead" for w in self.workers.values()):
-            return True
-        leaving = failed.state in ("cancelling", "killing", "dead")
-        for slot in range(self.slot_count):
-            if slot in self.abandoned_slots:
-                continue
-            if self._group_blocked(self.devices[slot % len(self.devices)]):
-                continue
-            if slot != failed.slot or leaving:
-                return True
-        return False
 
     # ---- resolution ----------------------------------------------------------------------
 
@@ -1170,204 +902,6 @@ class Dispatcher:
             self.counters["failed"] += 1
         set_future(request.future, error)
 
-    # ---- slots and start-up --------------------------------------------------------------
-
-    @property
-    def slot_count(self) -> int:
-        return self.config.workers + self.config.spares
-
-    def _spawn(self, slot: int, *, replacement: bool) -> None:
-        device = self.devices[slot % len(self.devices)]
-        now = self.clock()
-        worker = Worker(id=next(self._worker_ids), slot=slot, device=device, started_at=now)
-        self.workers[worker.id] = worker
-        spec = WorkerSpec(
-            model=self.config.model,
-            backend=self.config.backend,
-            backend_options=self.config.backend_options,
-            device=device,
-            sys_path=list(sys.path),
-            log_level=logging.getLogger("modelpool").getEffectiveLevel(),
-            generation_defaults=self.config.generation_defaults,
-            max_batch_size=self.config.max_batch_size,
-        )
-        if replacement:
-            self.counters["respawns"] += 1
-        try:
-            worker.io = self.io.spawn(worker, spec)
-        except Exception as exc:
-            # Whatever the cause (no memory for a process, a device that cannot be mapped),
-            # it is this worker's failed start, never the dispatcher's death.
-            logger.error("worker %d: could not start a process: %s", worker.id, exc)
-            worker.load_error = f"could not start a worker process: {exc}"
-            del self.workers[worker.id]
-            self._startup_failed(worker)
-            return
-        worker.pid = worker.io.pid
-        worker.startup_timer = self.timers.call_at(
-            now + self.config.startup_timeout_s, self._on_startup_timeout, worker
-        )
-        logger.debug("worker %d (pid %s) starting on %s", worker.id, worker.pid, device)
-
-    def _group_blocked(self, label: str) -> bool:
-        """A GPU that still holds a dead worker's memory blocks every group it belongs to."""
-        return any(device in self.blocked_devices for device in group_devices(label))
-
-    def _slot_filled(self, slot: int) -> bool:
-        return any(w.slot == slot and w.state != "dead" for w in self.workers.values())
-
-    def _fill_slots(self) -> None:
-        if self.closing or self.failure is not None:
-            return
-        now = self.clock()
-        for slot in range(self.slot_count):
-            if (
-                slot in self.abandoned_slots
-                or slot in self.slots_awaiting_release
-                or self._slot_filled(slot)
-            ):
-                continue
-            if self._group_blocked(self.devices[slot % len(self.devices)]):
-                continue
-            not_before = self.slot_not_before.get(slot, 0.0)
-            if not_before > now:
-                continue
-            self.slot_not_before.pop(slot, None)
-            self._spawn(slot, replacement=True)
-
-    def _on_startup_timeout(self, worker: Worker) -> None:
-        if worker.state != "starting":
-            return
-        worker.load_error = (
-            f"worker {worker.id} was not ready within startup_timeout_s="
-            f"{self.config.startup_timeout_s}"
-        )
-        self._signal(worker, signal.SIGKILL, "startup_timeout")
-
-    def _startup_failed(self, worker: Worker) -> None:
-        self.counters["startup_failures"] += 1
-        self.consecutive_startup_failures += 1
-        error_text = worker.load_error or (
-            f"worker {worker.id} {describe_exit(worker.exit_code)} before it was ready"
-        )
-        self.last_load_error = error_text
-        logger.error(
-            "worker %d failed to start: %s", worker.id, error_text.strip().splitlines()[-1]
-        )
-        limit = self.config.startup_failures_before_giving_up
-        if self.consecutive_startup_failures < limit:
-            backoff = min(30.0, 0.25 * 2 ** (self.consecutive_startup_failures - 1))
-            when = self.clock() + backoff
-            self.slot_not_before[worker.slot] = when
-            self.timers.call_at(when, self._fill_slots)
-            return
-        if any(w.state not in ("starting", "dead") for w in self.workers.values()):
-            # Others serve: keep them, give up on this slot, and say so in the state.
-            self.abandoned_slots.add(worker.slot)
-            logger.error(
-                "giving up on worker slot %d after %d start-up failures in a row",
-                worker.slot,
-                self.consecutive_startup_failures,
-            )
-            return
-        self.failure = ModelLoadFailed(
-            f"workers failed to start {self.consecutive_startup_failures} times in a row; "
-            f"last error: {error_text.strip().splitlines()[-1] if error_text.strip() else '?'}",
-            worker_traceback=error_text,
-        )
-        self.state = "failed"
-        for request in list(self.live.values()):
-            if request.state in ("queued", "backoff"):
-                self._fail(request, self.failure.copy())
-        for other in self.workers.values():
-            if other.state == "starting":
-                self._signal(other, signal.SIGKILL, "startup_abandoned")
-        self._report_started(self.failure)
-
-    def _report_started(self, error: BaseException | None) -> None:
-        if not self._started_reported:
-            self._started_reported = True
-            self.on_started(error)
-
-    # ---- recycling and roles -------------------------------------------------------------
-
-    def _retire_reason(self, worker: Worker) -> str | None:
-        if worker.retire_reason is not None:
-            return worker.retire_reason
-        config = self.config
-        if (
-            config.max_requests_per_worker is not None
-            and worker.requests >= config.max_requests_per_worker
-        ):
-            return f"served {worker.requests} requests"
-        if (
-            config.max_worker_rss_mb is not None
-            and worker.rss_bytes is not None
-            and worker.rss_bytes > config.max_worker_rss_mb * 2**20
-        ):
-            return f"RSS {worker.rss_bytes / 2**20:.0f} MB > {config.max_worker_rss_mb} MB"
-        if (
-            config.max_worker_gpu_mb is not None
-            and worker.gpu_bytes is not None
-            and worker.gpu_bytes > config.max_worker_gpu_mb * 2**20
-        ):
-            return f"GPU memory {worker.gpu_bytes / 2**20:.0f} MB > {config.max_worker_gpu_mb} MB"
-        return None
-
-    def _maybe_retire(self, worker: Worker) -> None:
-        """Retire an idle worker that crossed a recycling limit.
-
-        With spares configured, a serving worker is retired only once an idle spare
-        can take its place, so serving capacity never dips; until then it keeps serving.
-        """
-        if worker.state != "idle" or self.closing:
-            return
-        reason = self._retire_reason(worker)
-        if reason is None:
-            return
-        if self.config.spares and worker.role == "serving":
-            successor = next(
-                (w for w in self.workers.values() if w.state == "idle" and w.role == "spare"),
-                None,
-            )
-            if successor is None:
-                self.retire_waiting.add(worker.id)
-                return
-            # Claimed now: a second worker waiting to retire must not count the same spare.
-            successor.role = "serving"
-        self.retire_waiting.discard(worker.id)
-        logger.info("recycling worker %d (pid %s): %s", worker.id, worker.pid, reason)
-        self.counters["recycled"] += 1
-        self._stop_worker(worker)
-
-    def _stop_worker(self, worker: Worker) -> None:
-        assert worker.io is not None
-        worker.stopping = True
-        worker.state = "stopping"
-        worker.io.send(("stop",))
-        self._rearm_ladder(
-            worker, max(self.config.term_grace_s, 1.0), self._signal, signal.SIGTERM, "stop_timeout"
-        )
-
-    def _rebalance(self) -> None:
-        """Keep ``workers`` serving: promote idle spares into gaps, demote extras back."""
-        if not self.config.spares:
-            return
-        alive = [w for w in self.workers.values() if w.state in ("idle", "busy")]
-        serving = [w for w in alive if w.role == "serving"]
-        spares = [w for w in alive if w.role == "spare" and w.state == "idle"]
-        while len(serving) < self.config.workers and spares:
-            promoted = spares.pop(0)
-            promoted.role = "serving"
-            serving.append(promoted)
-        surplus = len(serving) - self.config.workers
-        for worker in serving:
-            if surplus <= 0:
-                break
-            if worker.state == "idle":
-                worker.role = "spare"
-                surplus -= 1
-
     # ---- closing -------------------------------------------------------------------------
 
     def _abort_all(self) -> None:
@@ -1385,9 +919,9 @@ class Dispatcher:
             return
         for worker in list(self.workers.values()):
             if worker.state == "idle":
-                self._stop_worker(worker)
+                self.worker_manager.stop_worker(worker)
             elif worker.state == "starting" and not worker.signalled:
-                self._signal(worker, signal.SIGKILL, "close")
+                self.worker_manager.send_signal(worker, signal.SIGKILL, "close")
 
     # ---- pool state ----------------------------------------------------------------------
 
@@ -1398,20 +932,27 @@ class Dispatcher:
             return "failed"
         if not self._started_reported:
             return "starting"
-        if self.blocked_devices or self.abandoned_slots:
+        if self.worker_manager.blocked_devices or self.worker_manager.abandoned_slots:
             return "degraded"
         return "ready"
 
-    def _publish_gpu_workers(self) -> None:
-        if not self.gpu_available:
-            return
-        self.io.gpu_workers_changed(
-            [
-                (w.id, w.pid, w.device)
-                for w in self.workers.values()
-                if w.pid is not None and w.state != "dead" and w.device.startswith("cuda")
-            ]
-        )
+    def give_up_loading(self, failure: ModelLoadFailed) -> None:
+        """Workers failed to start too often and none serves (``WorkerManager.startup_failed``):
+        the pool has failed, and so does every request still waiting for a worker."""
+        self.failure = failure
+        self.state = "failed"
+        for request in list(self.live.values()):
+            if request.state in ("queued", "backoff"):
+                self._fail(request, self.failure.copy())
+        for other in self.workers.values():
+            if other.state == "starting":
+                self.worker_manager.send_signal(other, signal.SIGKILL, "startup_abandoned")
+        self._report_started(self.failure)
+
+    def _report_started(self, error: BaseException | None) -> None:
+        if not self._started_reported:
+            self._started_reported = True
+            self.on_started(error)
 
 
 def _refusal(text: str, detail: tuple[int, int | None, int] | None) -> InvalidRequest:
@@ -1449,15 +990,3 @@ def _typed_backend_error(
         f"the backend raised on worker pid {worker.pid}: {text}",
         remote_traceback=remote_traceback,
     )
-
-
-def pool_device(worker: Worker, local: object) -> str | None:
-    """The pool's name for a GPU the worker named in its own numbering ("cuda:1" of a
-    group "cuda:2,cuda:3" is "cuda:3"); without one, the worker's GPU if it has one."""
-    members = group_devices(worker.device)
-    if not isinstance(local, str) or not local.startswith("cuda"):
-        return worker.device if len(members) == 1 and worker.device != "cpu" else None
-    if worker.device == "cpu":
-        return local  # a rehearsal (the testing backend) on a CPU worker
-    ordinal = int(local.partition(":")[2] or 0)
-    return members[ordinal] if ordinal < len(members) else local

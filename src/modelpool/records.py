@@ -117,7 +117,7 @@ class Worker:
     started_at: float
     io: WorkerIO | None = None
     state: WorkerState = "starting"
-    role: WorkerRole = "spare"  # decided by Dispatcher._rebalance
+    role: WorkerRole = "spare"  # decided by WorkerManager.rebalance
     slots: int = 1  # runs at once: min(max_batch_size, what its backend can)
     pid: int | None = None
     ready_at: float | None = None

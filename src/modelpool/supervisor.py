@@ -42,12 +42,16 @@ The deadline path (the ladder)::
       -> Dispatcher._attempt_timed_out      the request is detached from the attempt
       -> _soft_cancel                       cancel flag in the ControlBlock (next token)
       -> _attempt_failed -> _requeue        retried on another worker (a spare at once)
-      -> _on_cancel_grace_over -> _signal   SIGTERM to the worker's process group
-      -> _signal (after term_grace_s)       SIGKILL
+      -> _on_cancel_grace_over              [dispatcher.py]
+      -> WorkerManager.send_signal          [workers.py] SIGTERM to the process group
+      -> send_signal (after term_grace_s)   [workers.py] SIGKILL
       -> EventLoop._reap                    pidfd readable: wait, close the channel
-      -> Dispatcher.on_exit                 kill or crash recorded, release check asked
+      -> Dispatcher.on_exit -> WorkerManager.record_exit  [workers.py] kill or crash
+      -> Dispatcher.on_exit                 its runs settled (retried or failed)
+      -> WorkerManager.after_exit           [workers.py] release check asked
       -> Monitors.check_release             [monitors.py] process group gone, NVML memory
-      -> Dispatcher.on_release_checked -> _fill_slots -> _spawn   the slot is refilled
+      -> Dispatcher.on_release_checked -> WorkerManager.on_release_checked
+      -> fill_slots -> spawn                [workers.py] the slot is refilled
 
 A worker that dies is a normal, named event (``Dispatcher.on_exit``), never an
 exception: its attempt is recorded as a crash (or a kill, if the pool had signalled
