@@ -88,10 +88,12 @@ install_torch() {
         rm -f "$log"
         return
     fi
-    echo "bootstrap: no CPU build of torch $TORCH_PIN for Python $PY_VERSION is reachable" \
-        "(not in pip's configured sources; $TORCH_CPU_INDEX: $(grep -m1 -o \
-        'No matching distribution.*\|Could not fetch URL.*\|NewConnectionError.*' "$log" |
-        cut -c1-120))." >&2
+    local why="has none for this Python"
+    if grep -qE 'NameResolutionError|NewConnectionError|ConnectTimeout|connection broken|Could not fetch URL' "$log"; then
+        why="is unreachable"
+    fi
+    echo "bootstrap: no CPU build of torch $TORCH_PIN for Python $PY_VERSION: not in pip's" \
+        "configured sources, and $TORCH_CPU_INDEX $why." >&2
     echo "bootstrap: installing PyPI's torch==$TORCH_PIN instead: it runs on the CPU but" \
         "brings about 4 GB of CUDA libraries. A mirror of the CPU index avoids that:" \
         "MODELPOOL_TORCH_CPU_INDEX=<url>." >&2
