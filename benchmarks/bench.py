@@ -1667,7 +1667,7 @@ def hung_asyncio(harness: Harness) -> Json:
         try:
             loop.run_until_complete(
                 asyncio.wait_for(loop.run_in_executor(threads, runaway), timeout_s))
-        except (TimeoutError, asyncio.TimeoutError) as exc:  # distinct types before 3.11
+        except TimeoutError as exc:
             raised = type(exc).__name__
         errored = time.perf_counter() - origin
         # The next request goes to another executor thread at once, beside the runaway.
@@ -2249,7 +2249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = " ".join(["scripts/bench", *(sys.argv[1:] if argv is None else argv)])
     report: Json = {
         "version": 1, "command": command,
-        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(), "load_average": {"start": load_average()},
         "settings": {"quick": settings.quick, "scenarios": settings.scenarios,
                      "model": settings.model, "dtype": settings.dtype,

@@ -1,25 +1,122 @@
-# Sourced by the scripts in this folder: make .venv ready for a set of extras.
+# Sourced by the scripts in this folder: make a virtual environment ready for a set of extras.
 #
-# Idempotent and quiet on a second run: torch is installed only when the pinned
-# CPU build is missing, and the project only when pyproject.toml or the extras
-# changed since the last install (a stamp file in .venv records that).
+# The interpreter is $PYTHON (default: python3). Its environment is .venv when it is the
+# machine's default python3, and .venv-3.X for any other version, so that testing another
+# version never rebuilds the default one. Only the versions named in pyproject.toml's
+# classifiers are accepted: those are the ones the project tests.
+#
+# torch is the pinned release. Without an NVIDIA GPU it is the CPU build (torch==X+cpu,
+# about 190 MB), which PyTorch publishes on its own index, not on PyPI: a local wheel or a
+# mirror that pip's configuration names is taken first, then $MODELPOOL_TORCH_CPU_INDEX.
+# When neither has it for this Python, the script says so and installs PyPI's build,
+# which runs on a CPU too but pulls about 4 GB of CUDA libraries.
+#
+# Idempotent and quiet on a second run: torch is installed only when the pinned release
+# is missing, and the project only when pyproject.toml or the extras changed since the
+# last install (a stamp file in the environment records that).
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
-PY="$VENV/bin/python"
 TORCH_PIN="2.13.0"
+TORCH_CPU_INDEX="${MODELPOOL_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+
+# The Python versions the project supports and tests, from pyproject.toml, one per line.
+supported_pythons() {
+    grep -o '"Programming Language :: Python :: 3\.[0-9]*"' "$ROOT/pyproject.toml" |
+        grep -o '3\.[0-9]*'
+}
+
+# "3.X" for an interpreter, or nothing when it cannot run.
+python_version() {
+    "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true
+}
+
+# The version .venv has, or would be made with (python3).
+default_python_version() {
+    if [ -x "$ROOT/.venv/bin/python" ]; then
+        python_version "$ROOT/.venv/bin/python"
+    else
+        python_version python3
+    fi
+}
+
+# Sets PY_VERSION, VENV and PY for $PYTHON, or exits with the reason. Without $PYTHON it
+# is .venv's own Python (the one a user made it with), or python3 for a new .venv.
+select_python() {
+    local python="${PYTHON:-}"
+    if [ -z "$python" ] && [ -x "$ROOT/.venv/bin/python" ]; then
+        python="$ROOT/.venv/bin/python"
+    fi
+    python="${python:-python3}"
+    PY_VERSION="$(python_version "$python")"
+    if [ -z "$PY_VERSION" ]; then
+        echo "bootstrap: cannot run the interpreter '$python'" >&2
+        exit 2
+    fi
+    if ! supported_pythons | grep -qx "$PY_VERSION"; then
+        echo "bootstrap: $python is Python $PY_VERSION; modelpool supports and tests" \
+            "$(supported_pythons | tr '\n' ' ')(pyproject.toml's classifiers)" >&2
+        exit 2
+    fi
+    if [ "$PY_VERSION" = "$(default_python_version)" ]; then
+        VENV="$ROOT/.venv"
+    else
+        VENV="$ROOT/.venv-$PY_VERSION"
+    fi
+    PY="$VENV/bin/python"
+    PYTHON_FOR_VENV="$python"
+}
+
+has_nvidia_gpu() {
+    command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
+}
+
+install_torch() {
+    if has_nvidia_gpu; then
+        echo "bootstrap: installing torch==$TORCH_PIN (NVIDIA GPU found: PyPI's CUDA build)" >&2
+        "$PY" -m pip install --quiet "torch==$TORCH_PIN"
+        return
+    fi
+    echo "bootstrap: installing torch==$TORCH_PIN+cpu (no NVIDIA GPU)" >&2
+    # Sources pip is configured with first, so that an unreachable PyTorch index costs
+    # nothing when a local wheel or mirror has the build.
+    if "$PY" -m pip install --quiet "torch==$TORCH_PIN+cpu" >/dev/null 2>&1; then
+        return
+    fi
+    local log
+    log="$(mktemp)"
+    if "$PY" -m pip install --quiet --retries 1 --timeout 30 \
+        --extra-index-url "$TORCH_CPU_INDEX" "torch==$TORCH_PIN+cpu" >"$log" 2>&1; then
+        rm -f "$log"
+        return
+    fi
+    local why="has none for this Python"
+    if grep -qE 'NameResolutionError|NewConnectionError|ConnectTimeout|connection broken|Could not fetch URL' "$log"; then
+        why="is unreachable"
+    fi
+    echo "bootstrap: no CPU build of torch $TORCH_PIN for Python $PY_VERSION: not in pip's" \
+        "configured sources, and $TORCH_CPU_INDEX $why." >&2
+    echo "bootstrap: installing PyPI's torch==$TORCH_PIN instead: it runs on the CPU but" \
+        "brings about 4 GB of CUDA libraries. A mirror of the CPU index avoids that:" \
+        "MODELPOOL_TORCH_CPU_INDEX=<url>." >&2
+    rm -f "$log"
+    "$PY" -m pip install --quiet "torch==$TORCH_PIN"
+}
 
 bootstrap() {
     local extras="$1"
+    select_python
+    if [ -x "$PY" ] && [ "$(python_version "$PY")" != "$PY_VERSION" ]; then
+        echo "bootstrap: $VENV has Python $(python_version "$PY"), not $PY_VERSION: rebuilding" >&2
+        rm -rf "$VENV"
+    fi
     if [ ! -x "$PY" ]; then
-        echo "bootstrap: creating $VENV" >&2
-        python3 -m venv "$VENV"
+        echo "bootstrap: creating $VENV (Python $PY_VERSION)" >&2
+        "$PYTHON_FOR_VENV" -m venv "$VENV"
         "$PY" -m pip install --quiet --upgrade pip
     fi
     local torch_version
     torch_version="$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || true)"
     if [ "${torch_version%%+*}" != "$TORCH_PIN" ]; then
-        echo "bootstrap: installing torch==$TORCH_PIN" >&2
-        "$PY" -m pip install --quiet "torch==$TORCH_PIN"
+        install_torch
     fi
     local digest stamp
     digest="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"

@@ -21,18 +21,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import sys
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from modelpool.validation import check_generation_params, is_number
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 RETRY_REASONS = ("timeout", "crash", "error", "cuda_error")
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")

@@ -344,7 +344,7 @@ class ModelPool:
             return self._stats()
         try:
             return await asyncio.wait_for(asyncio.shield(snapshot), 5.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self._last_snapshot or loop.dispatcher.snapshot()
 
     def stats(self) -> PoolStats:

@@ -851,7 +851,8 @@ class DrainingServer(uvicorn.Server):
     process would die of SIGTERM instead of exiting 0) and escalates only on a
     second SIGINT. Here the first SIGTERM or SIGINT marks the app as draining and
     stops accepting; uvicorn then waits up to ``timeout_graceful_shutdown`` for the
-    requests in flight. A second signal stops at once (``forced``).
+    requests in flight. A second signal stops at once (``forced``): the requests in
+    flight are cancelled and answer 503 ``shutting_down``, on every Python version.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -888,3 +889,10 @@ class DrainingServer(uvicorn.Server):
             logger.warning("%s again: stopping now; requests in flight fail", name)
             self.forced = True
             self.force_exit = True
+            # force_exit only ends uvicorn's waiting loops; it then awaits
+            # asyncio.Server.wait_closed(), which since Python 3.12 waits for every open
+            # connection (it returned at once before). So the requests in flight are
+            # cancelled here, as uvicorn does when the drain timeout passes: each answers
+            # 503 shutting_down and closes its connection, and the server exits.
+            for task in self.server_state.tasks:
+                task.cancel(msg=f"{name} again: stopping now")

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from helpers import read_line, slack
+from helpers import read_line, slack, wait_until
 from modelpool.processes import (
     process_group_exists,
     reap_group_children,
@@ -123,6 +123,13 @@ def test_unreaped_zombie_keeps_the_group(subreaper: None) -> None:
     )
     os.killpg(leader.pid, signal.SIGKILL)
     try:
+        # SIGKILL takes effect when the leader next runs, which on a loaded machine can be
+        # later than the 0.2 s looked at below.
+        wait_until(
+            lambda: psutil.Process(leader.pid).status() == psutil.STATUS_ZOMBIE,
+            timeout=10.0,
+            message="the killed leader to become a zombie",
+        )
         # Not reaped yet: a zombie still belongs to its group.
         report = wait_process_group_gone(leader.pid, timeout_s=0.2)
         assert not report.ok

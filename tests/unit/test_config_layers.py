@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -21,11 +22,6 @@ from modelpool.config import (
     layered_config,
     parse_assignment,
 )
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 # A child interpreter imports the modelpool this test imported, wherever it runs from.
