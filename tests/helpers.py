@@ -210,14 +210,17 @@ STATS_KEYS = {
 }  # fmt: skip
 WORKER_KEYS = {
     "id", "pid", "state", "role", "device", "requests", "uptime_s",
-    "rss_mb", "gpu_mb", "gpu_mb_method", "max_model_len", "slots", "running",
+    "rss_mb", "gpu_mb", "gpu_mb_method", "gpu_mb_by_device", "max_model_len", "slots", "running",
 }  # fmt: skip
 COUNTER_KEYS = {
     "submitted", "completed", "failed", "cancelled", "timeouts", "crashes", "kills",
     "retries", "respawns", "overloaded", "stalls", "cancel_escalations", "recycled",
-    "startup_failures", "collateral_retries", "poison_requests",
+    "startup_failures", "collateral_retries", "poison_requests", "cuda_oom", "cuda_errors",
 }  # fmt: skip
-GPU_KEYS = {"available", "reason", "devices", "releases", "blocked_devices"}
+GPU_KEYS = {
+    "available", "reason", "devices", "releases", "blocked_devices", "blocked_held_mb",
+    "blocked_holders",
+}  # fmt: skip
 RELEASE_KEYS = {"checked", "ok", "failed", "last_ms", "last_method", "last_freed_mb"}
 
 
