@@ -106,6 +106,14 @@ def throughput(queued_counts: tuple[int, ...], repeats: int) -> dict[str, Any]:
         result[f"pool_w{workers}_ratio_q{high}_vs_q{low}"] = round(
             result[f"pool_w{workers}_q{high}_per_s"] / result[f"pool_w{workers}_q{low}_per_s"], 2
         )
+    # With one request per worker at a time the figure is bounded by each worker's round
+    # trip; with batching several are in flight per worker, which shows the dispatcher's own.
+    batched = PoolConfig(**ECHO, workers=2, max_batch_size=8, max_queue=max(queued_counts) + 1)
+    with ModelPool(batched) as pool:
+        pipelined_rate(pool, 2000)
+        for queued in queued_counts:
+            rates = [pipelined_rate(pool, queued) for _ in range(repeats)]
+            result[f"pool_w2_batch8_q{queued}_per_s"] = round(statistics.median(rates))
     with ProcessPoolExecutor(2) as executor:
         list(executor.map(_echo, ["x"] * 2000))
         count = max(queued_counts)
