@@ -101,10 +101,52 @@ _HEARTBEAT_WAIT_S = 1.0
 class EventLoop:
     """Runs the Dispatcher on its own thread and does its I/O: the pool's arbiter.
 
-    ``run()`` is the map: commands from other threads, due timers, the dispatcher's
+    ``run()`` is the map, first: commands from other threads, due timers, the dispatcher's
     bookkeeping, then one ``select`` over the wake-up pipe, every worker's socket and
-    every worker's pidfd. The methods below it are the verbs it calls, in that order.
+    every worker's pidfd. ``__init__`` follows it (the state ``run`` owns), then the verbs
+    it calls, in that order.
     """
+
+    def run(self) -> None:
+        dispatcher = self.dispatcher
+        try:
+            dispatcher.start()
+            while True:
+                self.heartbeat = time.monotonic()
+                self._run_commands()
+                dispatcher.run_due_timers()
+                dispatcher.after_event()
+                if dispatcher.finished:
+                    break
+                next_at = dispatcher.next_timer_at()
+                timeout = self._longest_wait_s
+                if next_at is not None:
+                    timeout = min(max(0.0, next_at - time.monotonic()), timeout)
+                if self._eof_without_exit:
+                    timeout = min(timeout, 0.005)
+                for key, mask in self.selector.select(timeout):
+                    kind, worker = key.data
+                    if kind == "wake":
+                        self._drain_wake()
+                    elif worker.state == "dead":
+                        # Reaped earlier in this same batch: its socket and pidfd are closed
+                        # (the socket may still be readable through a child that kept it).
+                        continue
+                    elif kind == "sock":
+                        if mask & selectors.EVENT_WRITE:
+                            self._flush(worker)
+                        if mask & selectors.EVENT_READ:
+                            self._read(worker)
+                    else:
+                        self._reap(worker)
+                self._poll_eof_workers()
+        except BaseException as exc:
+            logger.critical("the modelpool dispatcher failed; failing every request", exc_info=True)
+            dispatcher.crash(exc)
+        finally:
+            self._stop_accepting()
+            self.monitors.stop()
+            self._teardown()
 
     def __init__(
         self,
@@ -160,47 +202,6 @@ class EventLoop:
         # time.monotonic() at the top of the loop's latest round; read by other threads.
         self.heartbeat = time.monotonic()
         self._longest_wait_s = min(_HEARTBEAT_WAIT_S, config.heartbeat_timeout_s / 4)
-
-    def run(self) -> None:
-        dispatcher = self.dispatcher
-        try:
-            dispatcher.start()
-            while True:
-                self.heartbeat = time.monotonic()
-                self._run_commands()
-                dispatcher.run_due_timers()
-                dispatcher.after_event()
-                if dispatcher.finished:
-                    break
-                next_at = dispatcher.next_timer_at()
-                timeout = self._longest_wait_s
-                if next_at is not None:
-                    timeout = min(max(0.0, next_at - time.monotonic()), timeout)
-                if self._eof_without_exit:
-                    timeout = min(timeout, 0.005)
-                for key, mask in self.selector.select(timeout):
-                    kind, worker = key.data
-                    if kind == "wake":
-                        self._drain_wake()
-                    elif worker.state == "dead":
-                        # Reaped earlier in this same batch: its socket and pidfd are closed
-                        # (the socket may still be readable through a child that kept it).
-                        continue
-                    elif kind == "sock":
-                        if mask & selectors.EVENT_WRITE:
-                            self._flush(worker)
-                        if mask & selectors.EVENT_READ:
-                            self._read(worker)
-                    else:
-                        self._reap(worker)
-                self._poll_eof_workers()
-        except BaseException as exc:
-            logger.critical("the modelpool dispatcher failed; failing every request", exc_info=True)
-            dispatcher.crash(exc)
-        finally:
-            self._stop_accepting()
-            self.monitors.stop()
-            self._teardown()
 
     def _run_commands(self) -> None:
         self._wake_pending = False
