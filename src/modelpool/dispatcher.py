@@ -746,10 +746,7 @@ class Dispatcher:
             self._fail(request, error)
             return
         self.counters["collateral_retries"] += 1
-        self._unpin(request)
-        request.last_failed_worker = worker.id
-        self.retries_avoiding.setdefault(worker.id, {})[request.request_id] = request
-        request.last_error = error
+        self._pin_away_from(request, worker, error)
         self._requeue(request)
 
     # ---- retry or fail -------------------------------------------------------------------
@@ -797,10 +794,7 @@ class Dispatcher:
             self._fail(request, error)
             return
         self.counters["retries"] += 1
-        self._unpin(request)
-        request.last_failed_worker = worker.id
-        self.retries_avoiding.setdefault(worker.id, {})[request.request_id] = request
-        request.last_error = error
+        self._pin_away_from(request, worker, error)
         logger.info(
             "request %s: attempt %d %s on worker pid %s; retrying",
             request.request_id,
@@ -819,6 +813,14 @@ class Dispatcher:
         for request in list(self.retries_avoiding.get(worker.id, {}).values()):
             if request.state == "queued" and request.last_error is not None:
                 self._fail(request, request.last_error)
+
+    def _pin_away_from(self, request: Request, worker: Worker, error: PoolError) -> None:
+        """The retry must not go back to ``worker``; ``error`` is what it fails with if no
+        other worker can ever take it."""
+        self._unpin(request)
+        request.last_failed_worker = worker.id
+        self.retries_avoiding.setdefault(worker.id, {})[request.request_id] = request
+        request.last_error = error
 
     def _unpin(self, request: Request) -> None:
         if request.last_failed_worker is None:
