@@ -321,10 +321,18 @@ class WorkerManager:
             self.counters["crashes"] += 1
             logger.warning("worker %d (pid %s) died: %s", worker.id, worker.pid, reason)
             alive_for = self.clock() - (worker.ready_at or worker.started_at)
-            if not worker.runs and worker.requests == 0 and alive_for < EARLY_DEATH_S:
-                # Ready, then dead at once without a request to blame (a backend that exits
-                # after loading): refilling the slot at once would reload the model in a
-                # tight loop. A request that kills workers is the retry policy's business.
+            killed_from_outside = returncode == -signal.SIGKILL
+            if (
+                not worker.runs
+                and worker.requests == 0
+                and alive_for < EARLY_DEATH_S
+                and not killed_from_outside
+            ):
+                # Ready, then dead at once by its own doing, without a request to blame (a
+                # backend that exits or aborts after loading): refilling the slot at once
+                # would reload the model in a tight loop. A request that kills workers is
+                # the retry policy's business; a SIGKILL the pool did not send (an operator,
+                # the OOM killer) is not the backend's, and is refilled as any crash.
                 worker.load_error = (
                     f"worker {worker.id} {reason} {alive_for:.2f}s after it was ready"
                 )
