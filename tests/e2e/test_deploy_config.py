@@ -7,12 +7,11 @@ terminationGracePeriodSeconds.
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 
 import httpx
 import pytest
-from e2e_support import REPO, modelpool_command, start_daemon
+from e2e_support import REPO, prepare_embedded_model, start_daemon
 
 yaml = pytest.importorskip("yaml")
 
@@ -32,17 +31,7 @@ def termination_grace_s() -> float:
 def test_the_image_config_serves_probes_and_stops_within_the_grace(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    prepared = subprocess.run(
-        [*modelpool_command(), "prepare-model"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-        cwd=REPO,
-    )
-    if prepared.returncode != 0 and "pip could not download" in prepared.stderr:
-        pytest.skip(f"the embedded model cannot be downloaded here:\n{prepared.stderr[-2000:]}")
-    assert prepared.returncode == 0, prepared.stderr[-4000:]
+    prepare_embedded_model()
 
     daemon = start_daemon(
         tmp_path_factory.mktemp("image-config"),

