@@ -57,6 +57,7 @@ _IGNORED_FIELDS = frozenset(
 _COMMON_FIELDS = frozenset(
     {
         "max_tokens",
+        "min_tokens",
         "temperature",
         "top_p",
         "stop",
@@ -245,6 +246,15 @@ def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str,
     params: dict[str, Any] = {}
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
+    # vLLM's extension, which load generators use to fix the output length: end-of-sequence
+    # is not chosen before this many tokens (a stop string still ends the text).
+    min_tokens = _opt_int(body, "min_tokens", 0)
+    if min_tokens:
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise invalid(
+                f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens"
+            )
+        params["min_new_tokens"] = min_tokens
     temperature = _opt_number(body, "temperature")
     if temperature is not None:
         if temperature < 0:

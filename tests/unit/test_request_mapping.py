@@ -27,6 +27,7 @@ def test_completion_fields_map_to_generation_kwargs() -> None:
             "model": "x",
             "prompt": ["hello"],
             "max_tokens": 7,
+            "min_tokens": 5,
             "temperature": 0,
             "top_p": 0.5,
             "stop": "END",
@@ -40,6 +41,7 @@ def test_completion_fields_map_to_generation_kwargs() -> None:
     assert job.prompts == ["hello"]
     assert job.params == {
         "max_new_tokens": 7,
+        "min_new_tokens": 5,
         "temperature": 0.0,
         "top_p": 0.5,
         "stop": ["END"],
@@ -84,6 +86,8 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
     [
         ({"messages": USER, "max_tokens": True}, "max_tokens"),
         ({"messages": USER, "temperature": -1}, "temperature"),
+        ({"messages": USER, "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
+        ({"messages": USER, "min_tokens": -1}, "min_tokens"),
         ({"messages": USER, "max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
         (
             {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
