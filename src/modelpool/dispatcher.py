@@ -58,6 +58,7 @@ from modelpool.errors import (
 from modelpool.protocol import Generation
 from modelpool.records import (
     DispatcherIO,
+    FailedBatch,
     Request,
     Run,
     Timer,
@@ -691,10 +692,14 @@ class Dispatcher:
         as without batching. A request in two failed batches, or that failed alone, runs
         alone from then on, and one that then fails alone fails with PoisonRequest. So a
         poison request takes down at most two batches: at most 2 x (max_batch_size - 1)
-        innocent requests are re-run, and none is lost.
+        innocent requests are re-run, and none is lost. The suspects of one failed batch
+        are spread one per worker (``_place``); the first of them to fail alone is the
+        culprit and clears the others of that batch, which may then share a worker again
+        (``_clear_batch_peers``).
         """
         runs = list(worker.runs.values())
         alone = len(runs) == 1
+        failed_batch = FailedBatch([run.owner for run in runs if not run.lost])
         for run in runs:
             owner = run.owner
             was_isolated = owner.isolated
@@ -704,8 +709,10 @@ class Dispatcher:
                 run.lost = True
                 if alone:
                     owner.alone_failures += 1
+                    self._clear_batch_peers(owner)
                 else:
                     owner.batch_failures += 1
+                    owner.suspected_in.append(failed_batch)
             if run.request is None:
                 continue
             streamed = run.request.streamed
@@ -732,6 +739,18 @@ class Dispatcher:
                 self._attempt_failed(request, worker, outcome, error)
             else:
                 self._retry_collateral(request, worker, error)
+
+    def _clear_batch_peers(self, culprit: Request) -> None:
+        """``culprit`` failed alone: that explains the failed batches it was in, so the
+        other requests of those batches are no longer suspects for them and may share a
+        worker again. Without this a batch of N that died for one request would re-run its
+        N - 1 innocents one per worker, one after the other on a pool of one worker. Their
+        ``batch_failures`` stay: two poison requests in one batch must not be able to clear
+        each other of the count that isolates them."""
+        for batch in culprit.suspected_in:
+            for peer in batch.members:
+                if peer is not culprit and batch in peer.suspected_in:
+                    peer.suspected_in.remove(batch)
 
     def _retry_collateral(self, request: Request, worker: Worker, error: PoolError) -> None:
         retry = (
@@ -832,11 +851,15 @@ class Dispatcher:
                 del self.retries_avoiding[request.last_failed_worker]
 
     def _requeue(self, request: Request) -> None:
+        """A retry goes to the front of the queue: it has waited once already. An isolated
+        request goes to the back: it is the likely culprit of a failure, and the requests it
+        took down run first (it reserves the next worker to drain, so it is not starved)."""
         if request.state == "done":
             return
         request.state = "queued"
         self.queue[request.request_id] = request
-        self.queue.move_to_end(request.request_id, last=False)
+        if not request.isolated:
+            self.queue.move_to_end(request.request_id, last=False)
 
     # ---- resolution ----------------------------------------------------------------------
 

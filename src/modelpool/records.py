@@ -34,6 +34,15 @@ GpuWorker = tuple[int, int, str]
 
 
 @dataclass(eq=False)
+class FailedBatch:
+    """The requests of one batch of several that died together (poison isolation). When one
+    of them then fails alone, that failure explains the batch's: the others are cleared of
+    it (``Dispatcher._clear_batch_peers``)."""
+
+    members: list[Request]
+
+
+@dataclass(eq=False)
 class Request:
     request_id: str
     payload: bytes  # pickle of (prompt, the caller's params): see protocol.encode_request
@@ -54,8 +63,10 @@ class Request:
     deadline_timer: Timer | None = None
     last_error: PoolError | None = None
     # Poison isolation (batched workers only): failed batches of more than one request it
-    # was in, and failures while it ran alone. See Dispatcher._batch_lost.
+    # was in, the ones of those it is still suspected for, and failures while it ran alone.
+    # See Dispatcher._batch_lost.
     batch_failures: int = 0
+    suspected_in: list[FailedBatch] = field(default_factory=list)
     alone_failures: int = 0
 
     @property
@@ -65,8 +76,9 @@ class Request:
 
     @property
     def suspect(self) -> bool:
-        """Was in a batch that failed: at most one such request per worker."""
-        return self.batch_failures >= 1
+        """Was in a batch that failed, not yet explained: at most one such request per
+        worker."""
+        return bool(self.suspected_in)
 
 
 @dataclass(eq=False)

@@ -17,7 +17,7 @@ from modelpool.config import PoolConfig, RetryPolicy
 from modelpool.dispatcher import Dispatcher
 from modelpool.errors import PoisonRequest, WorkerCrashed
 from modelpool.protocol import PROTOCOL_VERSION, Generation, WorkerSpec, encode_request
-from modelpool.records import Request, Worker
+from modelpool.records import FailedBatch, Request, Worker
 from modelpool.results import PoolFuture
 
 
@@ -110,8 +110,9 @@ class World:
             future=PoolFuture(request_id, lambda _: None),
             submitted_at=self.clock.now,
             deadline=self.clock.now + self.config.deadline_s,
-            batch_failures=batch_failures,
         )
+        request.batch_failures = batch_failures
+        request.suspected_in = [FailedBatch([request]) for _ in range(batch_failures)]
         self.d.submit(request)
         if pump:
             self.d.after_event()
@@ -176,6 +177,30 @@ def test_a_crash_in_a_batch_retries_the_others_as_collateral_uncharged() -> None
     assert sum(r.state == "running" for r in requests) == 1
     fresh = world.submit("fresh")
     assert fresh.state == "running", "a request that is no suspect joins the batch"
+
+
+def test_the_culprit_failing_alone_clears_its_batch_and_the_others_run_together() -> None:
+    world = World(workers=1, spares=1, batch=4)
+    innocents = [world.submit(f"innocent{index}") for index in range(3)]
+    culprit = world.submit("culprit")
+    world.die(world.worker_of(culprit))
+    # The newest of the batch is first in the queue: it runs on the promoted spare, the
+    # other suspects wait rather than share its batch.
+    assert culprit.state == "running" and all(r.state == "queued" for r in innocents)
+    world.die(world.worker_of(culprit))  # it fails alone: the batch's failure is explained
+    assert culprit.isolated and not any(r.suspect for r in innocents)
+    # The innocents now share the next worker, each re-run once; the culprit waits behind
+    # them for an empty worker.
+    worker = world.worker_of(innocents[0])
+    assert all(world.worker_of(r) is worker for r in innocents)
+    assert culprit.state == "queued"
+    for request in innocents:
+        assert [a.outcome for a in request.attempts] == ["collateral"]
+        world.finish(request)
+    assert world.worker_of(culprit) is worker and next(iter(worker.runs.values())).alone
+    world.die(worker)
+    with pytest.raises(PoisonRequest, match="suspect"):
+        culprit.future.result(timeout=0)
 
 
 def test_a_poison_request_fails_as_the_suspect_within_three_attempts() -> None:
