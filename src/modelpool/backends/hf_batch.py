@@ -102,6 +102,11 @@ class BatchEngine:
         # transformers 5.24 renamed the forward's past_key_values to cache.
         parameters = inspect.signature(handler.model.forward).parameters
         self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
+        # Only the last position's logits are read: skip the vocabulary projection of every
+        # other prompt token (generate() does the same).
+        self._last_logits: dict[str, int] = (
+            {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+        )
         self.waiting: list[_Row] = []
         self.rows: list[_Row] = []
         self._cache: Any = None
@@ -238,6 +243,7 @@ class BatchEngine:
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
             use_cache=True,
             **{self._cache_keyword: cache},
+            **self._last_logits,
         )
         tokens = self._choose(admitted, output.logits[:, -1, :])
         keep = [index for index, row in enumerate(admitted) if not self._take(row, tokens[index])]
@@ -286,6 +292,7 @@ class BatchEngine:
             position_ids=mask.sum(-1, keepdim=True) - 1,
             use_cache=True,
             **{self._cache_keyword: self._cache},
+            **self._last_logits,
         )
         self._mask = mask
         tokens = self._choose(self.rows, output.logits[:, -1, :])
