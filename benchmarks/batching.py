@@ -1,32 +1,50 @@
 """Scenario (g) of scripts/bench: in-worker batching against today's one-at-a-time pool.
 
 Closed-loop clients (each sends its next request when the last one ends) at several
-concurrencies, through the pool's public streaming API, on the same model, cores and
-worker count; only ``max_batch_size`` differs between the contenders. Chat prompts of
-mixed lengths, greedy, a fixed number of new tokens. For each contender and
-concurrency: output tokens per second, request latency p50/p99 and time to first token
-p50/p99; the batched pool's figures are printed beside the unbatched pool's with their
-ratios. A static left-padded ``generate()`` batch in-process is the ceiling at the
-highest concurrency::
+concurrencies, on the same model and cores; chat prompts of mixed lengths, greedy, a
+fixed number of new tokens (end-of-sequence suppressed), and for every contender and
+level: output tokens per second, request latency p50/p99 and time to first token
+p50/p99, with ratios against the first contender. In one run:
 
-    python -m benchmarks.batching --concurrency 1 2 4 8 16 --new-tokens 64
+1. **In-process pools** through the public streaming API (``pool.stream``):
+   ``1x1`` (one worker owning every core, ``max_batch_size`` 1: today), ``1x8`` (the
+   same worker batching up to 8) and ``2x1`` (two unbatched workers sharing the cores,
+   today's best use of them without batching).
+2. **The HTTP pair**: modelpool's daemon (``modelpool serve``, one worker,
+   ``max_batch_size`` 8) beside ``transformers serve --continuous-batching``, the
+   anchor users would otherwise pick, both streamed over HTTP by the same client.
+3. **Cancel** one request inside a full batch: time to its end against one step.
+4. **A hang inside a full batch** (the testing backend, a warm spare): what the
+   innocent requests pay (attempts, re-prefills, added latency).
+5. **The ceiling**: one static left-padded ``generate()`` batch, in-process.
+
+::
+
+    python -m benchmarks.batching                       # the whole sweep, 1..16 clients
+    python -m benchmarks.batching --concurrency 1 8 --no-http
     scripts/bench --scenarios g
-
-Not measured here yet: ``transformers serve --continuous-batching`` through HTTP beside
-modelpool's daemon, and the GPU sweep.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from modelpool import ModelPool, PoolConfig
+from modelpool import ModelPool, PoolConfig, PoolError
 
 Json = dict[str, Any]
 
@@ -52,9 +70,30 @@ def percentile(samples: Sequence[float], fraction: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
-def closed_loop(pool: ModelPool, concurrency: int, requests: int, new_tokens: int) -> Json:
-    """``concurrency`` clients share ``requests`` requests; each streams to time its first
-    token. Tokens per second: completion tokens over the wall time of the whole level."""
+@dataclass(frozen=True)
+class Contender:
+    """An in-process pool: ``workers`` x ``max_batch_size``, named like ``1x8``."""
+
+    workers: int
+    batch: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.workers}x{self.batch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Contender:
+        workers, _, batch = text.partition("x")
+        return cls(int(workers), int(batch))
+
+
+OneRequest = Callable[[int], tuple[int, "float | None"]]
+"""Runs request ``index`` to its end; returns (completion tokens, seconds to first token)."""
+
+
+def closed_loop(one_request: OneRequest, concurrency: int, requests: int) -> Json:
+    """``concurrency`` clients share ``requests`` requests, each sending its next one when
+    the last ends. Tokens per second: completion tokens over the wall time of the level."""
     tickets = iter(range(requests))
     lock = threading.Lock()
     latencies: list[float] = []
@@ -69,15 +108,8 @@ def closed_loop(pool: ModelPool, concurrency: int, requests: int, new_tokens: in
             if index is None:
                 return
             began = time.perf_counter()
-            first: float | None = None
             try:
-                stream = pool.stream(
-                    chat_prompt(index), max_new_tokens=new_tokens, min_new_tokens=new_tokens
-                )
-                for _ in stream:
-                    if first is None:
-                        first = time.perf_counter() - began
-                result = stream.result
+                count, first = one_request(index)
             except Exception as exc:  # a failed request is a result, not a crash of the run
                 with lock:
                     errors.append(repr(exc))
@@ -86,7 +118,7 @@ def closed_loop(pool: ModelPool, concurrency: int, requests: int, new_tokens: in
                 latencies.append(time.perf_counter() - began)
                 if first is not None:
                     first_tokens.append(first)
-                tokens[0] += (result.completion_tokens or 0) if result is not None else 0
+                tokens[0] += count
 
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     started = time.perf_counter()
@@ -94,19 +126,113 @@ def closed_loop(pool: ModelPool, concurrency: int, requests: int, new_tokens: in
         thread.start()
     for thread in threads:
         thread.join()
-    wall = time.perf_counter() - started
     return {
         "concurrency": concurrency,
-        "requests": len(latencies),
-        "errors": errors,
-        "wall_s": wall,
+        "wall_s": time.perf_counter() - started,
         "tokens": tokens[0],
-        "tokens_per_s": tokens[0] / wall if wall > 0 else None,
+        "errors": errors,
+        "latencies_s": latencies,
+        "first_tokens_s": first_tokens,
+    }
+
+
+def summarize(runs: Sequence[Json]) -> Json:
+    """Rounds of one contender at one level, pooled: tokens over wall time, percentiles
+    over every request."""
+    wall = sum(run["wall_s"] for run in runs)
+    tokens = sum(run["tokens"] for run in runs)
+    latencies = [value for run in runs for value in run["latencies_s"]]
+    first_tokens = [value for run in runs for value in run["first_tokens_s"]]
+    return {
+        "rounds": len(runs),
+        "requests": len(latencies),
+        "errors": [error for run in runs for error in run["errors"]],
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall if wall > 0 else None,
         "latency_p50_s": percentile(latencies, 0.5),
         "latency_p99_s": percentile(latencies, 0.99),
         "ttft_p50_s": percentile(first_tokens, 0.5),
         "ttft_p99_s": percentile(first_tokens, 0.99),
+        "runs": list(runs),
     }
+
+
+def sweep(
+    requesters: Mapping[str, OneRequest],
+    concurrencies: Sequence[int],
+    requests_per_client: int,
+    rounds: int,
+    log: Any,
+    label: str,
+) -> dict[str, dict[str, Json]]:
+    """Every level on every contender, ``rounds`` times; the contenders' order flips at
+    every level and round so that drift on a shared machine favours nobody."""
+    runs: dict[str, dict[str, list[Json]]] = {name: {} for name in requesters}
+    turn = 0
+    for round_index in range(rounds):
+        for concurrency in concurrencies:
+            names = list(requesters) if turn % 2 == 0 else list(requesters)[::-1]
+            turn += 1
+            for name in names:
+                log(f"(g) {label} {name}, concurrency {concurrency}, round {round_index + 1}")
+                runs[name].setdefault(str(concurrency), []).append(
+                    closed_loop(requesters[name], concurrency, concurrency * requests_per_client)
+                )
+    return {
+        name: {level: summarize(level_runs) for level, level_runs in levels.items()}
+        for name, levels in runs.items()
+    }
+
+
+def pool_request(pool: ModelPool, new_tokens: int) -> OneRequest:
+    def one(index: int) -> tuple[int, float | None]:
+        began = time.perf_counter()
+        first: float | None = None
+        stream = pool.stream(
+            chat_prompt(index), max_new_tokens=new_tokens, min_new_tokens=new_tokens
+        )
+        for _ in stream:
+            if first is None:
+                first = time.perf_counter() - began
+        result = stream.result
+        return (result.completion_tokens or 0) if result is not None else 0, first
+
+    return one
+
+
+def http_request(url: str, body: Callable[[int], Json]) -> OneRequest:
+    """One streamed chat completion; tokens from the usage the server reports."""
+    import httpx
+
+    local = threading.local()
+
+    def one(index: int) -> tuple[int, float | None]:
+        if not hasattr(local, "client"):
+            local.client = httpx.Client(timeout=httpx.Timeout(1800.0, connect=10.0))
+        began = time.perf_counter()
+        first: float | None = None
+        tokens = 0
+        with local.client.stream("POST", url, json=body(index)) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:300]!r}")
+            for line in response.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                if chunk.get("usage"):
+                    tokens = int(chunk["usage"]["completion_tokens"])
+                for choice in chunk.get("choices") or ():
+                    if first is None and (choice.get("delta") or {}).get("content"):
+                        first = time.perf_counter() - began
+        return tokens, first
+
+    return one
 
 
 def cancel_in_full_batch(pool: ModelPool, batch: int, workers: int) -> Json:
@@ -186,63 +312,264 @@ def static_batch_ceiling(
     return {"batch": batch, "wall_s": wall, "tokens_per_s": batch * new_tokens / wall}
 
 
+def hang_in_full_batch(batch: int, tokens: int, delay_s: float, stall_timeout_s: float) -> Json:
+    """The testing backend (every fault can be rehearsed inside a batch): ``batch - 1``
+    innocent requests decode beside one that hangs the step, on one worker with a warm
+    spare. Each innocent's re-prefills are its attempts after the first; its added
+    latency is measured against the same requests in a batch without the hang."""
+    pool = ModelPool(
+        PoolConfig(
+            model="none",
+            backend="testing",
+            workers=1,
+            spares=1,
+            max_batch_size=batch,
+            stall_timeout_s=stall_timeout_s,
+            deadline_s=120.0,
+        )
+    ).start()
+    prompt = f"tokens:{tokens}:{delay_s}"
+    try:
+        clean = [pool.submit(prompt) for _ in range(batch - 1)]
+        clean_latencies = [future.result(timeout=120).latency_s for future in clean]
+        began = time.perf_counter()
+        futures = [pool.submit(prompt) for _ in range(batch - 1)]
+        culprit = pool.submit("hang")
+        outcome = "no error"
+        try:
+            culprit.result(timeout=120)
+        except PoolError as error:
+            outcome = type(error).__name__
+        results = [future.result(timeout=120) for future in futures]
+        wall = time.perf_counter() - began
+        snapshot = pool.stats()
+    finally:
+        pool.close(drain=False, timeout=10.0)
+    expected = "".join(f"t{index} " for index in range(tokens))
+    re_prefills = [result.attempts - 1 for result in results]
+    return {
+        "batch": batch,
+        "tokens": tokens,
+        "step_s": delay_s,
+        "stall_timeout_s": stall_timeout_s,
+        "innocents": len(results),
+        "innocents_correct": sum(result.text == expected for result in results),
+        "re_prefills_max": max(re_prefills),
+        "re_prefills_total": sum(re_prefills),
+        "clean_latency_p50_s": percentile(clean_latencies, 0.5),
+        "hang_latency_p50_s": percentile([r.latency_s for r in results], 0.5),
+        "hang_latency_max_s": max(result.latency_s for result in results),
+        "culprit": outcome,
+        "wall_s": wall,
+        "collateral_retries": snapshot.counters["collateral_retries"],
+        "stalls": snapshot.counters["stalls"],
+    }
+
+
+# ---- the HTTP pair ------------------------------------------------------------------------
+
+
+def _unused_port() -> int:
+    """A port free a moment ago; ``transformers serve`` cannot bind 0 and say which it got."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def http_server(
+    command: Sequence[str], ready_url: str, log_path: Path, ready_timeout_s: float = 600.0
+) -> Iterator[None]:
+    """Start a server, wait for ``ready_url`` to answer 200, stop it (SIGTERM) at the end."""
+    import httpx
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            list(command), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{command[0]} exited: {log_path.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(ready_url, timeout=2.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not ready in {ready_timeout_s}s: {' '.join(command)}")
+            time.sleep(0.2)  # polling a server we do not own for readiness
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def http_pair(
+    model_dir: str,
+    *,
+    batch: int,
+    concurrencies: Sequence[int],
+    new_tokens: int,
+    requests_per_client: int,
+    rounds: int,
+    vocab_size: int,
+    log: Any = print,
+) -> Json:
+    """modelpool's daemon and ``transformers serve --continuous-batching`` through HTTP,
+    interleaved per level. Both get greedy decoding and exactly ``new_tokens`` tokens:
+    modelpool through ``min_tokens``, transformers through a ``generation_config`` whose
+    end-of-sequence id is one the model cannot produce (its vocabulary size)."""
+    mp_port, tf_port = _unused_port(), _unused_port()
+    transformers_cli = Path(sys.executable).with_name("transformers")
+
+    def modelpool_body(index: int) -> Json:
+        return {
+            "model": "bench",
+            "messages": chat_prompt(index),
+            "max_tokens": new_tokens,
+            "min_tokens": new_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    generation = {"max_new_tokens": new_tokens, "do_sample": False, "eos_token_id": vocab_size}
+
+    def transformers_body(index: int) -> Json:
+        return {
+            "model": model_dir,
+            "messages": chat_prompt(index),
+            "stream": True,
+            "generation_config": json.dumps(generation),
+        }
+
+    contenders = {
+        "modelpool": (f"http://127.0.0.1:{mp_port}/v1/chat/completions", modelpool_body),
+        "transformers": (f"http://127.0.0.1:{tf_port}/v1/chat/completions", transformers_body),
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-http-") as scratch:
+        modelpool_command = [
+            sys.executable, "-m", "modelpool", "serve", "--model", model_dir,
+            "--workers", "1", "--max-batch-size", str(batch), "--devices", "cpu",
+            "--deadline", "1800", "--port", str(mp_port), "--log-level", "warning",
+        ]  # fmt: skip
+        transformers_command = [
+            str(transformers_cli), "serve", model_dir, "--continuous-batching",
+            "--device", "cpu", "--host", "127.0.0.1", "--port", str(tf_port),
+        ]  # fmt: skip
+        log(f"(g) HTTP: modelpool serve (1 worker, max_batch_size {batch}) and transformers serve")
+        with (
+            http_server(
+                modelpool_command,
+                f"http://127.0.0.1:{mp_port}/readyz",
+                Path(scratch, "modelpool.log"),
+            ),
+            http_server(
+                transformers_command,
+                f"http://127.0.0.1:{tf_port}/health",
+                Path(scratch, "transformers.log"),
+            ),
+        ):
+            requesters = {name: http_request(*contender) for name, contender in contenders.items()}
+            for requester in requesters.values():
+                requester(0)  # warm-up: the first request pays for lazy set-up
+            results = sweep(requesters, concurrencies, requests_per_client, rounds, log, "HTTP")
+    return {"batch": batch, "contenders": results}
+
+
+# ---- the whole scenario -------------------------------------------------------------------
+
+DEFAULT_CONTENDERS = (Contender(1, 1), Contender(1, 8), Contender(2, 1))
+
+
 def run(
     model_dir: str,
     *,
-    workers: int,
-    batch_sizes: Sequence[int],
+    contenders: Sequence[Contender] = DEFAULT_CONTENDERS,
     concurrencies: Sequence[int],
     new_tokens: int,
     requests_per_client: int,
     dtype: str | None,
     ceiling: bool,
+    rounds: int = 1,
+    http: bool = True,
+    hang: bool = True,
     log: Any = print,
 ) -> Json:
     """Every concurrency level on every contender, the contenders interleaved per level."""
     options: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
-    pools: dict[int, ModelPool] = {}
-    results: dict[str, dict[str, Json]] = {str(size): {} for size in batch_sizes}
+    results: dict[str, dict[str, Json]] = {}
+    cancel: Json | None = None
+    pools: dict[str, ModelPool] = {}
     try:
-        for size in batch_sizes:
-            log(f"(g) starting {workers} worker(s) with max_batch_size={size}")
-            pools[size] = ModelPool(
+        for contender in contenders:
+            log(f"(g) starting pool {contender.name} (workers x max_batch_size)")
+            pools[contender.name] = ModelPool(
                 PoolConfig(
                     model=model_dir,
                     backend="hf",
                     backend_options=options,
-                    workers=workers,
-                    max_batch_size=size,
+                    workers=contender.workers,
+                    max_batch_size=contender.batch,
                     devices=("cpu",),
                     deadline_s=1800.0,
                     max_queue=4096,
                 )
             ).start()
-            pools[size].generate(chat_prompt(0), max_new_tokens=2)
-        for level, concurrency in enumerate(concurrencies):
-            # The order flips every level so drift on a shared machine favours nobody.
-            order = list(batch_sizes) if level % 2 == 0 else list(reversed(batch_sizes))
-            for size in order:
-                log(f"(g) concurrency {concurrency}, max_batch_size={size}")
-                results[str(size)][str(concurrency)] = closed_loop(
-                    pools[size], concurrency, concurrency * requests_per_client, new_tokens
-                )
-        batched = max(batch_sizes)
-        cancel: Json | None = None
-        if batched > 1:
-            log(f"(g) cancel one request in a full batch of {batched}")
-            cancel = cancel_in_full_batch(pools[batched], batched, workers)
+            pools[contender.name].generate(chat_prompt(0), max_new_tokens=2)
+        results = sweep(
+            {
+                contender.name: pool_request(pools[contender.name], new_tokens)
+                for contender in contenders
+            },
+            concurrencies,
+            requests_per_client,
+            rounds,
+            log,
+            "pool",
+        )
+        batched = max(contenders, key=lambda contender: contender.batch)
+        if batched.batch > 1:
+            log(f"(g) cancel one request in a full batch of {batched.batch}")
+            cancel = cancel_in_full_batch(pools[batched.name], batched.batch, batched.workers)
     finally:
         for pool in pools.values():
             pool.close(drain=False, timeout=10.0)
+    top_batch = max(contender.batch for contender in contenders)
     report: Json = {
-        "workers": workers,
         "new_tokens": new_tokens,
         "requests_per_client": requests_per_client,
-        "batch_sizes": list(batch_sizes),
+        "rounds": rounds,
+        "contender_names": [contender.name for contender in contenders],
         "concurrencies": list(concurrencies),
         "contenders": results,
         "cancel_in_batch": cancel,
     }
+    if http and top_batch > 1:
+        from transformers import AutoConfig
+
+        report["http"] = http_pair(
+            model_dir,
+            batch=top_batch,
+            concurrencies=concurrencies,
+            new_tokens=new_tokens,
+            requests_per_client=requests_per_client,
+            rounds=rounds,
+            vocab_size=int(AutoConfig.from_pretrained(model_dir).vocab_size),
+            log=log,
+        )
+    if hang and top_batch > 1:
+        log(f"(g) a hang inside a full batch of {top_batch} (testing backend, warm spare)")
+        report["hang_in_batch"] = hang_in_full_batch(
+            top_batch, tokens=40, delay_s=0.02, stall_timeout_s=0.5
+        )
     if ceiling:
         from modelpool.spawn import usable_cpus
 
@@ -266,43 +593,67 @@ def _ratio(value: float | None, reference: float | None) -> str:
     return f"{value / reference:.2f}x"
 
 
-def markdown(report: Mapping[str, Any]) -> str:
-    """The side-by-side table: every batched contender against the first (unbatched) one."""
-    sizes = [str(size) for size in report["batch_sizes"]]
-    base, others = sizes[0], sizes[1:]
-    contenders = report["contenders"]
-    headers = ["clients", f"tok/s b{base}"]
-    for size in others:
-        headers += [f"tok/s b{size}", "ratio"]
-    headers += [f"latency p50/p99 b{base}"] + [f"b{size}" for size in others]
-    headers += [f"TTFT p50/p99 b{base}"] + [f"b{size}" for size in others]
+def _table(title: str, names: Sequence[str], levels: Sequence[str], data: Json) -> list[str]:
+    """One row per level: tok/s of each contender (ratio against the first), then
+    latency and TTFT p50/p99 of each."""
+    base = names[0]
+    headers = ["clients", f"tok/s {base}"]
+    for name in names[1:]:
+        headers += [f"tok/s {name}", "ratio"]
+    headers += [f"latency p50/p99 {name}" for name in names]
+    headers += [f"TTFT p50/p99 {name}" for name in names]
+
+    def pair(entry: Mapping[str, Any], key: str) -> str:
+        return f"{_fmt(entry.get(key + '_p50_s'))}/{_fmt(entry.get(key + '_p99_s'))}"
+
     rows = []
-    for concurrency in (str(c) for c in report["concurrencies"]):
-        reference = contenders[base].get(concurrency, {})
-        row = [concurrency, _fmt(reference.get("tokens_per_s"), "")]
-        for size in others:
-            entry = contenders[size].get(concurrency, {})
+    for level in levels:
+        reference = data[base].get(level, {})
+        row = [level, _fmt(reference.get("tokens_per_s"), "")]
+        for name in names[1:]:
+            entry = data[name].get(level, {})
             row += [
                 _fmt(entry.get("tokens_per_s"), ""),
                 _ratio(entry.get("tokens_per_s"), reference.get("tokens_per_s")),
             ]
-
-        def pair(entry: Mapping[str, Any], key: str) -> str:
-            return f"{_fmt(entry.get(key + '_p50_s'))}/{_fmt(entry.get(key + '_p99_s'))}"
-
-        row += [pair(reference, "latency")]
-        row += [pair(contenders[size].get(concurrency, {}), "latency") for size in others]
-        row += [pair(reference, "ttft")]
-        row += [pair(contenders[size].get(concurrency, {}), "ttft") for size in others]
+        row += [pair(data[name].get(level, {}), "latency") for name in names]
+        row += [pair(data[name].get(level, {}), "ttft") for name in names]
         rows.append(row)
-    lines = [
-        f"## (g) Batching: {report['workers']} worker(s), max_batch_size "
-        f"{' vs '.join(sizes)}, {report['new_tokens']} new tokens, closed-loop clients",
+    errors = sum(
+        len(data[name].get(level, {}).get("errors", ())) for name in names for level in levels
+    )
+    return [
+        title,
         "",
         "| " + " | ".join(headers) + " |",
         "|" + "|".join("---" for _ in headers) + "|",
         *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+        f"Failed requests: {errors}.",
     ]
+
+
+def markdown(report: Mapping[str, Any]) -> str:
+    """The side-by-side tables: every contender against the first."""
+    levels = [str(level) for level in report["concurrencies"]]
+    lines = _table(
+        f"## (g) Batching: in-process pools (workers x max_batch_size), "
+        f"{report['new_tokens']} new tokens, closed-loop clients, "
+        f"{report.get('rounds', 1)} round(s) pooled",
+        report["contender_names"],
+        levels,
+        report["contenders"],
+    )
+    http = report.get("http")
+    if http:
+        lines.append("")
+        lines += _table(
+            f"### Through HTTP: modelpool serve (1 worker, max_batch_size {http['batch']}) "
+            "against transformers serve --continuous-batching",
+            ["transformers", "modelpool"],
+            levels,
+            http["contenders"],
+        )
     cancel = report.get("cancel_in_batch")
     if cancel:
         lines += [
@@ -311,6 +662,18 @@ def markdown(report: Mapping[str, Any]) -> str:
             f"{_fmt(cancel['cancel_s'])} after pool.cancel(), one decoding step then "
             f"{_fmt(cancel['step_s'])} (target: one step + 10 ms: "
             f"{'met' if cancel['within_step_plus_10ms'] else 'missed'}).",
+        ]
+    hang = report.get("hang_in_batch")
+    if hang:
+        lines += [
+            "",
+            f"A hang inside a full batch of {hang['batch']} (testing backend, "
+            f"{hang['tokens']} tokens at {hang['step_s'] * 1000:.0f} ms a step, stall_timeout_s "
+            f"{hang['stall_timeout_s']}, a warm spare): {hang['innocents_correct']} of "
+            f"{hang['innocents']} innocent requests correct, at most {hang['re_prefills_max']} "
+            f"re-prefill each ({hang['re_prefills_total']} in all); their latency p50 "
+            f"{_fmt(hang['hang_latency_p50_s'])} against {_fmt(hang['clean_latency_p50_s'])} "
+            f"without the hang; the hanging request: {hang['culprit']}.",
         ]
     static = report.get("static_batch")
     if static:
@@ -323,28 +686,43 @@ def markdown(report: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.batching", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.batching",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", default="embedded:smollm2-135m-instruct")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--contenders",
+        nargs="+",
+        default=[contender.name for contender in DEFAULT_CONTENDERS],
+        help="in-process pools as WORKERSxMAX_BATCH_SIZE; the first is the reference",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="repeat the sweep, interleaved, and pool the rounds"
+    )
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--no-ceiling", action="store_true")
+    parser.add_argument("--no-http", action="store_true", help="skip the HTTP pair")
+    parser.add_argument("--no-hang", action="store_true", help="skip the hang in a batch")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
     from modelpool.embedded import resolve_model
 
     report = run(
         resolve_model(args.model),
-        workers=args.workers,
-        batch_sizes=args.batch_sizes,
+        contenders=[Contender.parse(text) for text in args.contenders],
         concurrencies=args.concurrency,
         new_tokens=args.new_tokens,
         requests_per_client=args.requests_per_client,
+        rounds=args.rounds,
         dtype=args.dtype,
         ceiling=not args.no_ceiling,
+        http=not args.no_http,
+        hang=not args.no_hang,
     )
     print(markdown(report))
     if args.json:

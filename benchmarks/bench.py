@@ -2147,19 +2147,19 @@ def _json_default(value: object) -> Any:
 # Entry point.
 
 def scenario_batching(harness: Harness) -> Json:
-    """(g) max_batch_size 1 against 8 on two workers: see benchmarks/batching.py."""
+    """(g) max_batch_size 1 against 8, in-process and through HTTP beside ``transformers
+    serve --continuous-batching``: see benchmarks/batching.py."""
     from benchmarks import batching
 
     quick = harness.settings.quick
     return batching.run(
         harness.model_dir,
-        workers=2,
-        batch_sizes=(1, 8),
         concurrencies=(1, 4, 8) if quick else (1, 2, 4, 8, 16),
         new_tokens=16 if quick else 64,
         requests_per_client=1 if quick else 2,
         dtype=harness.settings.backend_options.get("dtype"),
         ceiling=True,
+        http=not quick,
         log=log,
     )
 
