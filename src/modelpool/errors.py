@@ -33,7 +33,9 @@ Outcome = Literal["ok", "timeout", "crash", "cancelled", "error", "collateral", 
 """What became of one attempt. "collateral": the request's worker died or was killed because of
 something in its batch while the request had shown its caller nothing; it was retried at once
 and the attempt is not charged to its retry budget. "oom": the backend ran out of GPU memory;
-"cuda_error": a CUDA error that leaves the worker's context unusable."""
+"cuda_error": a CUDA error that leaves the worker's context unusable. "ok" and "cancelled" end a
+request with a Result, so they are in the dispatcher's records but never in an error's
+attempts."""
 
 
 @dataclass(frozen=True)

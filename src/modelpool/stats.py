@@ -56,6 +56,10 @@ class WorkerStats:
 
 @dataclass(frozen=True)
 class ReleaseStats:
+    """Memory release checks after worker exits. ``last_freed_mb``: the last checked
+    worker's resident memory (RSS) when it was last sampled, freed with its process; GPU
+    memory still held after an exit is in ``GpuStats.blocked_held_mb`` instead."""
+
     checked: int = 0
     ok: int = 0
     failed: int = 0
