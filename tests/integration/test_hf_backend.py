@@ -379,6 +379,40 @@ def test_scoring_the_prompt_leaves_the_generation_unchanged(
     assert len(scored.prompt_logprobs) == scored.prompt_tokens
 
 
+def test_device_map_and_gguf_file_reach_transformers_or_are_refused_by_name(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded: list[dict[str, Any]] = []
+    tokenizers: list[dict[str, Any]] = []
+    original_model = AutoModelForCausalLM.from_pretrained
+    original_tokenizer = AutoTokenizer.from_pretrained
+
+    def spy_model(model: str, **kwargs: Any) -> Any:
+        loaded.append(kwargs)
+        return original_model(model, **kwargs)
+
+    def spy_tokenizer(model: str, **kwargs: Any) -> Any:
+        tokenizers.append(kwargs)
+        return original_tokenizer(model, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy_model)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy_tokenizer)
+    handler = load(str(tiny_model_dir), device="cpu", dtype="float32", device_map="cpu")
+    assert loaded[-1]["device_map"] == "cpu"
+    assert run(handler, "Hello", max_new_tokens=3)[0].completion_tokens == 3
+    with pytest.raises(ValueError, match="device_map"):
+        load(str(tiny_model_dir), device_map=5)
+    with pytest.raises(ValueError, match="gguf_file"):
+        load(str(tiny_model_dir), gguf_file=3)
+    # A GGUF file is read by the tokenizer and the model alike; one that is not there
+    # fails the load (a worker reports that as ModelLoadFailed).
+    with pytest.raises(Exception, match=r"absent\.gguf"):
+        load(str(tiny_model_dir), gguf_file="absent.gguf")
+    assert tokenizers[-1]["gguf_file"] == "absent.gguf"
+
+
 def test_max_memory_and_a_gpu_group_load_through_accelerate(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

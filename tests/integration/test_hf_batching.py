@@ -8,6 +8,7 @@ float32. Checked on a tiny random model (behaviour) and on the embedded SmolLM2
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,8 @@ from modelpool import ModelPool, PoolConfig
 from modelpool.backends.hf import HFHandler, load
 from modelpool.errors import ContextLengthExceeded
 from modelpool.protocol import Generation, Prompt
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 
 PROMPTS: list[Prompt] = [
     "The capital of France is",
@@ -171,7 +174,12 @@ def test_retire_leaves_the_others_unchanged(tiny: HFHandler) -> None:
 
 def test_pool_of_batching_hf_workers_answers_like_one_at_a_time(tiny_model_dir: Path) -> None:
     options = {"dtype": "float32", "torch_threads": 1}
-    common = {"model": str(tiny_model_dir), "backend": "hf", "backend_options": options}
+    common = {
+        "model": str(tiny_model_dir),
+        "backend": "hf",
+        "backend_options": options,
+        "devices": ("cpu",),
+    }
     expected = [
         load(str(tiny_model_dir), **options).generate(Recorder(p, {"max_new_tokens": 16})).text
         for p in PROMPTS
@@ -210,6 +218,7 @@ def test_a_batched_request_past_the_context_is_refused_alone(tiny_model_dir: Pat
         workers=1,
         max_batch_size=4,
         deadline_s=120,
+        devices=("cpu",),
     )
     with ModelPool(config) as pool:
         short = pool.submit(PROMPTS[0], max_new_tokens=8)

@@ -6,6 +6,7 @@ that blocks stops that thread's loop exactly as a bug there would.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,8 +14,11 @@ from typing import Any
 
 import pytest
 
-from helpers import assert_no_children, make_config, open_pool, wait_until
+from helpers import assert_no_children, make_config, open_pool, slack, wait_until
 from modelpool import ModelPool, PoolConfig
+from modelpool.testing import run_on_dispatcher
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 
 HEARTBEAT_TIMEOUT_S = 1.0
 
@@ -88,14 +92,13 @@ def test_a_failed_pool_is_not_alive() -> None:
     pool = ModelPool(make_config(workers=1))
     pool.start()
     try:
-        loop = pool._loop
-        assert loop is not None
 
         def broken() -> None:
             raise RuntimeError("a bug in the dispatcher")
 
-        loop.post(broken)
-        wait_until(lambda: not loop.thread.is_alive(), timeout=5)
+        dispatcher_thread = run_on_dispatcher(pool, broken)
+        dispatcher_thread.join(slack(5.0))
+        assert not dispatcher_thread.is_alive()
         health = pool.health()
         assert not health.alive
         assert health.state == "failed"

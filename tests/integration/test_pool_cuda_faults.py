@@ -9,10 +9,14 @@ baseline) runs as it would on a GPU, through the backend's hooks.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from helpers import counters, open_pool, wait_counters, wait_idle, wait_until
 from modelpool import BackendError, CudaError, OutOfMemory, RetryPolicy
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 
 GIB = 2**30
 

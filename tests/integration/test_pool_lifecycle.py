@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from helpers import (
     wait_counters,
     wait_idle,
     wait_pids_gone,
+    wait_until,
     workers,
 )
 from modelpool import (
@@ -220,6 +224,31 @@ def test_close_drain_timeout_fails_what_is_left() -> None:
         elapsed = time.monotonic() - started
         assert 0.25 <= elapsed < 3.0, elapsed
         assert isinstance(running.exception(timeout=0), PoolClosed)
+    assert_clean()
+
+
+def test_a_worker_that_does_not_exit_when_asked_is_stopping_then_killed() -> None:
+    # A worker frozen with SIGSTOP cannot read the stop message close() sends it: it shows
+    # "stopping" until the ladder's stop timeout, then is killed, and close() still returns.
+    with open_pool(workers=1, term_grace_s=0.2) as pool:
+        frozen = wait_idle(pool, 1)[0]
+        assert frozen.pid is not None
+        os.kill(frozen.pid, signal.SIGSTOP)
+        closer = threading.Thread(target=pool.close, kwargs={"drain": True, "timeout": 30})
+        closer.start()
+        try:
+            wait_until(
+                lambda: [w for w in workers(pool) if w.pid == frozen.pid and w.state == "stopping"],
+                timeout=slack(5.0),
+                message="the frozen worker shown as stopping",
+            )
+            closer.join(slack(30.0))
+            assert not closer.is_alive(), "close() waited for a worker that never exits"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen.pid, signal.SIGCONT)
+        assert not pid_alive(frozen.pid)
+        assert pool.stats().kill_reasons.get("stop_timeout", 0) >= 1
     assert_clean()
 
 

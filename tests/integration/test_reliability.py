@@ -28,6 +28,8 @@ from helpers import make_config, wait_until
 from modelpool import ModelLoadFailed, ModelPool, WorkerCrashed
 from modelpool.gpu import GpuProbe
 
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

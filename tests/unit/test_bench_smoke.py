@@ -266,3 +266,47 @@ def test_quick_dispatch_run_end_to_end(tmp_path: Path) -> None:
     assert "(b) Dispatch round trip" in (tmp_path / "bench.md").read_text()
     assert "| modelpool |" in done.stdout
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_batching_pools_rounds_and_prints_ratios_against_the_first_contender() -> None:
+    from benchmarks import batching
+
+    def level(wall: float, tokens: int, latencies: list[float]) -> dict[str, Any]:
+        return {
+            "concurrency": 8,
+            "wall_s": wall,
+            "tokens": tokens,
+            "errors": [],
+            "latencies_s": latencies,
+            "first_tokens_s": [0.1 for _ in latencies],
+        }
+
+    pooled = batching.summarize([level(10.0, 640, [9.0, 10.0]), level(10.0, 640, [8.0, 11.0])])
+    assert pooled["tokens_per_s"] == pytest.approx(64.0)
+    assert pooled["requests"] == 4 and pooled["rounds"] == 2
+    assert pooled["latency_p99_s"] == 11.0
+    faster = batching.summarize([level(5.0, 960, [4.0, 5.0])])
+    report = {
+        "new_tokens": 64,
+        "rounds": 2,
+        "concurrencies": [8],
+        "contender_names": ["1x1", "1x8"],
+        "contenders": {"1x1": {"8": pooled}, "1x8": {"8": faster}},
+        "hang_in_batch": {
+            "batch": 8,
+            "tokens": 40,
+            "step_s": 0.02,
+            "stall_timeout_s": 0.5,
+            "innocents": 7,
+            "innocents_correct": 7,
+            "re_prefills_max": 1,
+            "re_prefills_total": 7,
+            "hang_latency_p50_s": 3.5,
+            "clean_latency_p50_s": 0.8,
+            "culprit": "PoisonRequest",
+        },
+    }
+    text = batching.markdown(report)
+    assert "| 8 | 64.0 | 192.0 | 3.00x |" in text
+    assert "at most 1 re-prefill each" in text and "PoisonRequest" in text
+    assert batching.Contender.parse("2x8") == batching.Contender(2, 8)
