@@ -23,6 +23,8 @@ p50/p99, with ratios against the first contender. In one run:
     python -m benchmarks.batching                       # the whole sweep, 1..16 clients
     python -m benchmarks.batching --concurrency 1 8 --no-http
     scripts/bench --scenarios g
+
+Results and the command behind them: README, "Benchmarks", scenario (g).
 """
 
 from __future__ import annotations
@@ -659,8 +661,8 @@ def markdown(report: Mapping[str, Any]) -> str:
         lines += [
             "",
             f"Cancel inside a full batch of {cancel['batch']}: the stream ended "
-            f"{_fmt(cancel['cancel_s'])} after pool.cancel(), one decoding step then "
-            f"{_fmt(cancel['step_s'])} (target: one step + 10 ms: "
+            f"{cancel['cancel_s'] * 1000:.1f} ms after pool.cancel(), one decoding step then "
+            f"{(cancel['step_s'] or 0) * 1000:.1f} ms (target: one step + 10 ms: "
             f"{'met' if cancel['within_step_plus_10ms'] else 'missed'}).",
         ]
     hang = report.get("hang_in_batch")
