@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from helpers import BackendModule, record_children_baseline
+from modelpool import ModelPool
 from modelpool.processes import set_child_subreaper
 from modelpool.tinymodel import build_tiny_model
 
@@ -17,6 +20,42 @@ from modelpool.tinymodel import build_tiny_model
 def _children_baseline() -> None:
     """Leak checks count only the processes the running test started."""
     record_children_baseline()
+
+
+def _device_names(devices: Any) -> Iterator[str]:
+    for entry in devices:
+        if isinstance(entry, str):
+            yield entry
+        else:
+            yield from _device_names(entry)
+
+
+@pytest.fixture(autouse=True)
+def _pools_stay_off_real_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test may depend on whether the host has a GPU: a pool a test starts in this
+    process runs on "cpu", or is given a fake NVML (``gpu_probe=``, the GPU tests). A pool
+    that would look for a real GPU ("auto", "cuda:N") fails here on every host, not only
+    on one with a driver. (Pools in subprocesses and daemons pin ``devices`` the same way:
+    ``helpers.make_config``, ``e2e_support.daemon_config``.)"""
+    probed: weakref.WeakSet[ModelPool] = weakref.WeakSet()
+    original_init = ModelPool.__init__
+    original_start = ModelPool.start
+
+    def init(self: ModelPool, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if kwargs.get("gpu_probe") is not None:
+            probed.add(self)
+
+    def start(self: ModelPool) -> ModelPool:
+        real_gpus = sorted(set(_device_names(self.config.devices)) - {"cpu"})
+        assert self in probed or not real_gpus, (
+            f"a test pool would use real GPUs {real_gpus}: pin devices=('cpu',) "
+            "(helpers.make_config does) or pass a fake NVML as gpu_probe"
+        )
+        return original_start(self)
+
+    monkeypatch.setattr(ModelPool, "__init__", init)
+    monkeypatch.setattr(ModelPool, "start", start)
 
 
 @pytest.fixture(scope="session")
