@@ -328,6 +328,7 @@ def hang_in_full_batch(batch: int, tokens: int, delay_s: float, stall_timeout_s:
             max_batch_size=batch,
             stall_timeout_s=stall_timeout_s,
             deadline_s=120.0,
+            devices=("cpu",),
         )
     ).start()
     prompt = f"tokens:{tokens}:{delay_s}"
