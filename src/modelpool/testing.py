@@ -21,6 +21,10 @@ Commands (``name[:arg[:arg]]``; anything else is echoed back):
 ``segfault``           dereferences NULL
 ``exit:CODE``          ``os._exit(CODE)``
 ``raise:MESSAGE``      raises ``RuntimeError(MESSAGE)``
+``batch_raise:MESSAGE`` batched: raises ``RuntimeError(MESSAGE)`` out of the step, a
+                       shared forward pass that failed with no one request to blame
+                       (every request in the batch is lost with it); one-call: like
+                       ``raise``
 ``hog:MB``             allocates and touches MB megabytes, then hangs
 ``leak:MB``            allocates MB megabytes kept for the worker's life, returns "ok"
 ``crash_once:PATH``    exits if PATH does not exist (creating it first), else "ok"
@@ -53,8 +57,8 @@ as the slowest ``DELAY`` among the requests in it (one shared decoding step),
 and each fault happens inside the batch the way it would on a real model:
 ``hang``, ``hog`` and ``stall`` freeze the whole step (every request in the
 batch stops getting tokens), ``segfault`` and ``exit`` take the worker and its
-batch down, ``raise`` fails only its own request, ``spin`` keeps the loop
-iterating without delivering tokens.
+batch down, ``raise`` fails only its own request, ``batch_raise`` fails the
+step itself, ``spin`` keeps the loop iterating without delivering tokens.
 
 A prompt given as token ids (``TokenIds``) reads as the ids joined by spaces.
 ``logprobs=N`` gives every generated token (each ``tokens`` piece; the whole text
@@ -212,6 +216,9 @@ class FaultBackend:
             delay = max(delay, _SPIN_STEP_S)
         if delay:
             self._pause.wait(delay)
+        failing = next((job for job in self._jobs if job.command == "batch_raise"), None)
+        if failing is not None:
+            raise RuntimeError(failing.argument)
         finished: list[Finished] = []
         for job in list(self._jobs):
             outcome: Generation | str | Exception | None
@@ -251,6 +258,10 @@ class FaultBackend:
         job.pieces.append(piece)
         job.call.emit(piece)
         job.call.delivered()
+        if job.command == "stall" and len(job.pieces) >= job.count:
+            # Hangs right after its last token, as the one-call form does: whoever saw that
+            # token knows the step is already frozen.
+            _block_forever()
         if job.command == "tokens" and len(job.pieces) >= job.count:
             return job.partial("stop")
         return None
@@ -321,7 +332,7 @@ class FaultBackend:
             ctypes.string_at(0)
         if command == "exit":
             os._exit(int(argument or 1))
-        if command == "raise":
+        if command in ("raise", "batch_raise"):
             raise RuntimeError(argument or "requested failure")
         if command == "hog":
             _touch(bytearray(int(float(argument) * 1024 * 1024)))
