@@ -190,6 +190,11 @@ class Dispatcher:
             self._on_done(worker, message[1], message[2], message[3])
         elif kind == "error":
             self._on_error(worker, *message[1:])
+        elif kind == "batch_error":
+            self._on_batch_error(worker, *message[1:])
+        elif kind == "room":
+            worker.kv_free_tokens = message[1]
+            worker.waiting_attempts = frozenset(message[2])
         elif kind == "log":
             _, levelno, name, text = message
             worker_logger.log(
@@ -357,10 +362,12 @@ class Dispatcher:
             and not any(run.alone for run in w.runs.values())
             and not (w.slots > 1 and self.worker_manager.retire_reason(w) is not None)
         ]
+        # A worker whose requests already wait there for KV room would queue a new one
+        # behind them: the request waits in the pool instead, where stats show it, until
+        # some worker has room (one that has rows waiting has rows running, which leave).
+        open_workers = [w for w in open_workers if not w.waiting_attempts]
         if not open_workers:
             return
-        # Least loaded first: a new request starts at once in the emptiest batch.
-        open_workers.sort(key=lambda w: len(w.runs))
         free = {w.id: w.slots - len(w.runs) for w in open_workers}
         suspects = {w.id for w in open_workers if any(r.owner.suspect for r in w.runs.values())}
         assignments: list[tuple[Request, Worker]] = []
@@ -395,8 +402,13 @@ class Dispatcher:
     ) -> Worker | None:
         """The worker ``request`` goes to now, if any. On batched workers an isolated
         request needs an empty worker, and suspects are spread one per worker (see
-        ``_batch_lost``)."""
-        for worker in open_workers:
+        ``_batch_lost``). Least loaded first, counting what this pump already placed, then
+        the most free KV room: a new request starts at once in the emptiest batch, and
+        requests placed together spread over idle workers."""
+        for worker in sorted(
+            open_workers,
+            key=lambda w: (w.slots - free[w.id], -(w.kv_free_tokens or 0)),
+        ):
             if free[worker.id] <= 0 or worker.id == request.last_failed_worker:
                 continue
             if worker.slots > 1:
@@ -534,6 +546,8 @@ class Dispatcher:
         self.timers.cancel(run.deadline_timer)
         self.timers.cancel(run.grace_timer)
         worker.runs.pop(run.attempt_id, None)
+        if run.attempt_id in worker.waiting_attempts:
+            worker.waiting_attempts = worker.waiting_attempts - {run.attempt_id}
         if worker.state not in ("busy", "cancelling"):
             return
         if worker.runs:
@@ -620,6 +634,10 @@ class Dispatcher:
             self.config.cancel_grace_s,
             reason,
         )
+        # Signalled first: a worker on its way out is what tells ``another_worker_exists``
+        # that a replacement will take its slot, so that with one worker and no spare its
+        # batch-mates are retried rather than failed.
+        self.worker_manager.send_signal(worker, signal.SIGTERM, reason)
         if worker.slots > 1:
             self._batch_lost(
                 worker,
@@ -627,7 +645,6 @@ class Dispatcher:
                 f"worker pid {worker.pid} ignored a cancel for {self.config.cancel_grace_s}s",
                 None,
             )
-        self.worker_manager.send_signal(worker, signal.SIGTERM, reason)
 
     def _arm_stall_check(self) -> None:
         assert self.config.stall_timeout_s is not None
@@ -670,20 +687,61 @@ class Dispatcher:
     def _worker_stalled(self, worker: Worker) -> None:
         """A batched worker delivered no token to any of its requests for stall_timeout_s
         (tokens, not loop turns: a livelocked loop still counts as stalled). Its requests
-        are settled as lost with the batch, and the ladder starts at SIGTERM."""
+        are settled as lost with the batch, and the ladder starts at SIGTERM: signalled
+        first, so that its replacement counts as another worker for their retries."""
         self.counters["stalls"] += 1
+        self.worker_manager.send_signal(worker, signal.SIGTERM, "stall")
         self._batch_lost(
             worker,
             "timeout",
             f"worker pid {worker.pid} made no progress for {self.config.stall_timeout_s}s",
             None,
         )
-        self.worker_manager.send_signal(worker, signal.SIGTERM, "stall")
+
+    def _on_batch_error(
+        self,
+        worker: Worker,
+        attempt_ids: list[int],
+        kind: str,
+        text: str,
+        remote_traceback: str,
+        rss_bytes: int,
+        details: Mapping[str, Any],
+    ) -> None:
+        """A batched step failed and the worker could not blame one request: those that
+        were in it are a lost batch (retried as collateral, suspects tracked, as after a
+        death), never each one's charged error. The worker stays warm for the rest."""
+        worker.rss_bytes = rss_bytes
+        runs = [run for i in attempt_ids if (run := self._current_run(worker, i)) is not None]
+        if not runs:
+            return
+        worker.requests += len(runs)
+        self.worker_manager.after_backend_error(worker, kind, text, details)
+        self._batch_lost(
+            worker,
+            _typed_backend_error(worker, kind, text, remote_traceback, details)[0],
+            f"a batched step failed on worker pid {worker.pid}: {text}",
+            None,
+            runs=runs,
+            backend_error=lambda: _typed_backend_error(
+                worker, kind, text, remote_traceback, details
+            )[1],
+        )
+        for run in runs:
+            self._run_ended(worker, run)
 
     def _batch_lost(
-        self, worker: Worker, outcome: Outcome, reason: str, exit_code: int | None
+        self,
+        worker: Worker,
+        outcome: Outcome,
+        reason: str,
+        exit_code: int | None,
+        *,
+        runs: list[Run] | None = None,
+        backend_error: Callable[[], PoolError] | None = None,
     ) -> None:
-        """The batched worker died or is being killed: settle every request it held.
+        """The batched worker died or is being killed: settle every request it held
+        (``runs``: only those of a step that failed in a worker that goes on).
 
         Every request on it is marked as having been in a failed batch (or as having
         failed alone, when it was the only one). A request whose caller has seen nothing
@@ -697,7 +755,7 @@ class Dispatcher:
         culprit and clears the others of that batch, which may then share a worker again
         (``_clear_batch_peers``).
         """
-        runs = list(worker.runs.values())
+        runs = list(worker.runs.values()) if runs is None else runs
         alone = len(runs) == 1
         failed_batch = FailedBatch([run.owner for run in runs if not run.lost])
         for run in runs:
@@ -731,7 +789,9 @@ class Dispatcher:
                 continue
             request = self._end_attempt(run, outcome if alone or streamed else "collateral")
             error: PoolError
-            if outcome == "timeout":
+            if backend_error is not None:
+                error = backend_error()
+            elif outcome == "timeout":
                 error = DeadlineExceeded(reason, partial_text=request.last_partial)
             else:
                 error = WorkerCrashed(f"{reason} while running the request", exit_code=exit_code)
@@ -753,19 +813,24 @@ class Dispatcher:
                     peer.suspected_in.remove(batch)
 
     def _retry_collateral(self, request: Request, worker: Worker, error: PoolError) -> None:
+        """Retry a request its batch took down. Away from a worker on its way out (so it
+        needs another, or that worker's replacement); a worker that goes on, after a step
+        that failed in it, may take it back."""
+        leaving = worker.signalled or worker.state in ("killing", "dead")
         retry = (
             not request.cancel_requested
             and not request.caller_gone
             and not self.closing
             and self.failure is None
             and self.clock() < request.deadline
-            and self.worker_manager.another_worker_exists(worker)
+            and (not leaving or self.worker_manager.another_worker_exists(worker))
         )
         if not retry:
             self._fail(request, error)
             return
         self.counters["collateral_retries"] += 1
-        self._pin_away_from(request, worker, error)
+        if leaving:
+            self._pin_away_from(request, worker, error)
         self._requeue(request)
 
     # ---- retry or fail -------------------------------------------------------------------

@@ -31,6 +31,15 @@ worker -> supervisor::
                                             kind: "invalid" (handler.validate refused),
                                             "context_length" (detail: prompt_tokens,
                                             max_new_tokens, max_model_len) or "backend"
+    ("batch_error", [attempt_id, ...], kind, message, traceback_text, rss_bytes, detail)
+                                            a batched step failed and no one request can
+                                            be blamed: these attempts left the batch
+                                            together (a lost batch, not each one's error);
+                                            the worker goes on with the rest
+    ("room", kv_free_tokens, [attempt_id, ...])
+                                            a batched worker's free KV room and the
+                                            attempts admitted but waiting for room, sent
+                                            after a step that changed them
     ("log", levelno, logger_name, message)  a worker log record
 
 The cancel flags and the progress counters are not messages: they live in a
@@ -154,6 +163,11 @@ class BatchCall(Call, Protocol):
         these. A one-call backend need not: its ``cancelled()`` checks count as progress."""
         ...
 
+    def prefilled(self, tokens: int) -> None:
+        """Count prompt tokens prefilled (a slice of a chunked prefill): progress for the
+        pool's stall clock, so that an honest long prompt is never taken for a stall."""
+        ...
+
 
 class Handler(Protocol):
     """What a backend factory returns: one per worker, loaded once.
@@ -173,6 +187,26 @@ Finished = tuple[BatchCall, Generation | Exception]
 error)."""
 
 
+class RowsLost(Exception):
+    """Raised out of ``BatchedHandler.step``: a forward pass over ``calls`` failed with
+    ``cause`` and no one of them can be blamed. They are out of the backend's batch; every
+    other request it holds goes on. ``finished``: what ended earlier in the same step,
+    answered as a step's return value is."""
+
+    def __init__(
+        self,
+        calls: list[BatchCall],
+        cause: BaseException,
+        finished: list[Finished] | None = None,
+    ) -> None:
+        super().__init__(f"a batched step over {len(calls)} requests failed: {cause!r}")
+        self.calls = calls
+        self.cause = cause
+        self.finished = finished or []
+
+
+
+
 class BatchedHandler(Handler, Protocol):
     """A backend that decodes many requests together (iteration-level batching).
 
@@ -186,9 +220,15 @@ class BatchedHandler(Handler, Protocol):
     - Text goes out through ``call.emit``; every generated token is counted with
       ``call.delivered()``, which is what the pool's stall clock watches.
     - A failure of one request is returned as that request's exception and does
-      not end the others. An exception raised out of ``step`` means the whole
-      batch is lost: the worker answers every admitted request with it and
-      calls ``abort``.
+      not end the others. A forward pass over several rows that fails, where no
+      one row can be blamed, is raised as :class:`RowsLost` naming the requests
+      that were in it (already out of the batch; the others, waiting for room or
+      still prefilling, stay). Any other exception raised out of ``step`` means
+      the backend's state is unknown: every admitted request is lost with the
+      batch and the worker calls ``abort``. Lost requests are not charged with
+      the error: the pool retries them as collateral and tracks suspects.
+    - ``room()``, optional, returns the free KV room in tokens and the requests
+      admitted but waiting for it; the pool places new requests by it.
     - ``retire`` and ``abort`` free what the request held (its KV cache rows).
     - Generation parameters that cannot be honoured per request in a batch are
       never applied to the whole batch nor dropped: such a request waits and

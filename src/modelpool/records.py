@@ -151,6 +151,10 @@ class Worker:
     startup_timer: Timer | None = None
     exit_code: int | None = None
     max_model_len: int | None = None
+    # A batched backend's last room report: free KV room in tokens (None: never reported),
+    # and the attempts it admitted that wait for room before their prefill.
+    kv_free_tokens: int | None = None
+    waiting_attempts: frozenset[int] = frozenset()
 
     def free_slot(self) -> int:
         used = {run.slot for run in self.runs.values()}

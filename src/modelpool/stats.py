@@ -52,6 +52,10 @@ class WorkerStats:
     slots: int = 1
     running: list[str] = field(default_factory=list)
     gpu_mb_by_device: dict[str, float | None] = field(default_factory=dict)
+    # Batched workers: requests sent to it that wait there for KV room (not in ``running``)
+    # and its free KV room in tokens, as the worker last reported it.
+    waiting_for_room: list[str] = field(default_factory=list)
+    kv_free_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,11 @@ from modelpool.protocol import (
     PROTOCOL_VERSION,
     BatchedHandler,
     ControlBlock,
+    Finished,
     Generation,
     Handler,
     Prompt,
+    RowsLost,
     TokenLogprob,
     WorkerSpec,
     encode_frame,
@@ -157,6 +159,9 @@ class WorkerCall:
     def delivered(self, tokens: int = 1) -> None:
         self._control.deliver(self.slot, tokens)
 
+    def prefilled(self, tokens: int) -> None:
+        self._control.bump_progress(tokens)
+
 
 def _leave_channel(root: logging.Logger, forwarding: logging.Handler, channel: _Channel) -> None:
     root.removeHandler(forwarding)
@@ -253,6 +258,15 @@ def _send_failure(
     if isinstance(exc, InvalidRequest):
         channel.send(("error", attempt_id, "invalid", str(exc), "", process_rss_bytes()))
         return
+    kind, text, remote_traceback, details = _describe_failure(exc, handler, baseline)
+    channel.send(("error", attempt_id, kind, text, remote_traceback, process_rss_bytes(), details))
+
+
+def _describe_failure(
+    exc: BaseException, handler: object, baseline: cuda_faults.MemoryBaseline | None = None
+) -> tuple[str, str, str, dict[str, Any]]:
+    """A backend's exception as (kind, text, traceback, details) for an error message; an
+    out-of-memory's memory is recovered first."""
     fault = None if handler is None else cuda_faults.classify(exc, handler)
     text = f"{type(exc).__name__}: {exc}"
     remote_traceback = "".join(traceback.format_exception(exc))
@@ -263,7 +277,7 @@ def _send_failure(
     if fault is not None and fault.kind == "oom" and handler is not None:
         details = (baseline or cuda_faults.MemoryBaseline(None)).recover_after_oom(handler, fault)
     kind = "backend" if fault is None else fault.kind
-    channel.send(("error", attempt_id, kind, text, remote_traceback, process_rss_bytes(), details))
+    return kind, text, remote_traceback, details
 
 
 class _BatchLoop:
@@ -288,6 +302,7 @@ class _BatchLoop:
         self.inbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self.running: dict[int, WorkerCall] = {}
         self.stopping = False
+        self.last_room: tuple[int, list[int]] | None = None
 
     def _read(self) -> None:
         while True:
@@ -358,16 +373,50 @@ class _BatchLoop:
     def _step(self) -> None:
         try:
             finished = self.handler.step()
-        except Exception as exc:
-            # The backend's batch state is unknown: every request in it gets the error.
-            logger.error(
-                "the batched backend's step failed; dropping its %d requests", len(self.running)
-            )
-            for lost in list(self.running):
-                _send_failure(self.channel, lost, exc, self.handler)
-            self.running.clear()
-            self.handler.abort()
+        except RowsLost as lost:
+            # One forward pass over these rows failed; the backend kept the others.
+            self._answer(lost.finished)
+            lost_ids = [getattr(call, "attempt_id", None) for call in lost.calls]
+            self._batch_failed([i for i in lost_ids if i is not None], lost.cause)
             return
+        except Exception as exc:
+            # The backend's batch state is unknown: every request in it is lost with it.
+            self.handler.abort()
+            self._batch_failed(list(self.running), exc)
+            return
+        self._answer(finished)
+        self._report_room()
+
+    def _batch_failed(self, attempt_ids: list[int], exc: BaseException) -> None:
+        """These attempts left the batch together through ``exc``: one ``batch_error``, so
+        the pool settles them as a lost batch (retries, suspects) rather than charging
+        each one the error."""
+        lost = [attempt_id for attempt_id in attempt_ids if self.running.pop(attempt_id, None)]
+        logger.error("a batched step failed for %d request(s): %r", len(lost), exc)
+        kind, text, remote_traceback, details = _describe_failure(exc, self.handler)
+        if lost:
+            self.channel.send(
+                ("batch_error", lost, kind, text, remote_traceback, process_rss_bytes(), details)
+            )
+        self._report_room()
+
+    def _report_room(self) -> None:
+        """Tell the pool the backend's free KV room and who waits for it, when it changed."""
+        room = getattr(self.handler, "room", None)
+        if room is None:
+            return
+        free_tokens, waiting_calls = room()
+        waiting = sorted(
+            attempt_id
+            for call in waiting_calls
+            if (attempt_id := getattr(call, "attempt_id", None)) in self.running
+        )
+        report = (int(free_tokens), waiting)
+        if report != self.last_room:
+            self.last_room = report
+            self.channel.send(("room", report[0], report[1]))
+
+    def _answer(self, finished: list[Finished]) -> None:
         for call, outcome in finished:
             attempt_id = getattr(call, "attempt_id", None)
             if attempt_id is None or self.running.pop(attempt_id, None) is None:

@@ -621,6 +621,8 @@ class WorkerManager:
             if worker.state == "dead":
                 continue
             shown: str = worker.state
+            runs = list(worker.runs.values())
+            waiting = worker.waiting_attempts
             if worker.state == "idle" and worker.role == "spare":
                 shown = "spare"
             workers.append(
@@ -639,9 +641,15 @@ class WorkerManager:
                     slots=worker.slots,
                     running=[
                         run.request.request_id
-                        for run in list(worker.runs.values())
-                        if run.request is not None
+                        for run in runs
+                        if run.request is not None and run.attempt_id not in waiting
                     ],
+                    waiting_for_room=[
+                        run.request.request_id
+                        for run in runs
+                        if run.request is not None and run.attempt_id in waiting
+                    ],
+                    kv_free_tokens=worker.kv_free_tokens,
                     gpu_mb_by_device={
                         device: None if used is None else round(used / 2**20, 1)
                         for device, used in worker.gpu_bytes_by_device.items()

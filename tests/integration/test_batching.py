@@ -227,3 +227,59 @@ def test_a_one_call_backend_keeps_one_request_per_worker(
         assert snapshot.workers[0].slots == 1 and snapshot.capacity == 1
         assert len(running_ids(snapshot.workers)) == 1
         assert [future.result(timeout=10).text for future in futures] == ["p0", "p1", "p2"]
+
+
+# Every way a batch is lost, on the three shapes of pool: one worker and no spare (the
+# replacement is what retries the innocents), one worker and a spare, two workers.
+TOPOLOGIES = [
+    pytest.param(1, 0, id="one-worker-no-spare"),
+    pytest.param(1, 1, id="one-worker-and-a-spare"),
+    pytest.param(2, 0, id="two-workers"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("worker_count", "spares"), TOPOLOGIES)
+@pytest.mark.parametrize("fault", ["hang", "segfault", "ignored_cancel", "batch_raise:boom"])
+def test_no_innocent_is_lost_with_its_batch_on_any_pool_shape(
+    worker_count: int, spares: int, fault: str
+) -> None:
+    # The stall clock is what ends "hang"; an ignored cancel is left to cancel_grace_s.
+    stall = None if fault == "ignored_cancel" else 0.5
+    with open_pool(
+        workers=worker_count,
+        spares=spares,
+        max_batch_size=4,
+        stall_timeout_s=stall,
+        cancel_grace_s=0.3,
+        deadline_s=60,
+    ) as pool:
+        # About a second each: a wide margin for the culprit to join their batch first.
+        innocents = [pool.submit("tokens:100:0.01") for _ in range(3)]
+        wait_running(pool, 3)
+        if fault == "ignored_cancel":
+            # One token (so the worker has admitted it: a cancel that reaches a worker
+            # first is answered without a start), then it hangs in its batch, freezing its
+            # batch-mates, and ignores its cancel.
+            culprit, started, _ = submit_with_chunks(pool, "stall:1")
+            assert started.wait(10)
+            culprit.cancel()
+        else:
+            culprit = pool.submit(fault)
+        results = [future.result(timeout=45) for future in innocents]
+        assert all(result.text == expected_text(100) for result in results)
+        assert all(result.attempts <= 2 for result in results)
+        # The premise: the culprit shared a batch with at least one of them.
+        assert any(result.attempts == 2 for result in results), "no batch-mate was re-run"
+        snapshot = counters(pool)
+        if fault == "ignored_cancel":
+            assert snapshot["cancel_escalations"] == 1
+        elif fault.startswith("batch_raise"):
+            # The step failed in a worker that goes on: its own error once alone, no kill.
+            with pytest.raises(BackendError, match="boom"):
+                culprit.result(timeout=45)
+            assert snapshot["kills"] == 0
+        else:
+            with pytest.raises(PoisonRequest, match="suspect"):
+                culprit.result(timeout=45)
+        assert counters(pool)["completed"] == 3

@@ -15,7 +15,7 @@ import pytest
 
 from modelpool.config import PoolConfig, RetryPolicy
 from modelpool.dispatcher import Dispatcher
-from modelpool.errors import PoisonRequest, WorkerCrashed
+from modelpool.errors import BackendError, PoisonRequest, WorkerCrashed
 from modelpool.protocol import PROTOCOL_VERSION, Generation, WorkerSpec, encode_request
 from modelpool.records import FailedBatch, Request, Worker
 from modelpool.results import PoolFuture
@@ -285,3 +285,110 @@ def test_max_batch_size_one_keeps_the_unbatched_rules() -> None:
     assert [a.outcome for a in request.attempts] == ["crash"]
     assert world.d.counters["retries"] == 1 and world.d.counters["collateral_retries"] == 0
     assert request.batch_failures == 0 and request.alone_failures == 0
+
+
+# ---- issue 26: placement that sees the cache, a lost step, one worker without a spare ------
+
+
+def test_requests_placed_together_spread_over_idle_workers() -> None:
+    world = World(workers=2, batch=4)
+    requests = [world.submit(f"p{index}", pump=False) for index in range(4)]
+    world.d.after_event()
+    loads = sorted(len(w.runs) for w in world.d.workers.values())
+    assert loads == [2, 2], "least loaded first, counting this round's placements"
+    assert all(r.state == "running" for r in requests)
+
+
+def test_a_worker_with_requests_waiting_for_kv_room_gets_no_more_while_another_has_room() -> None:
+    world = World(workers=2, batch=4)
+    long = world.submit("long")
+    crowded = world.worker_of(long)
+    other = next(w for w in world.d.workers.values() if w is not crowded)
+    behind = world.submit("behind")
+    assert world.worker_of(behind) is other
+    third = world.submit("third")
+    assert world.worker_of(third) is crowded, "the premise: it is the least loaded"
+    third_run = third.run
+    assert third_run is not None
+    # The crowded worker says that "third" waits there for KV room.
+    world.d.on_message(crowded, ("room", 10, [third_run.attempt_id]))
+    shown = {w.id: w for w in world.d.snapshot().workers}[crowded.id]
+    assert shown.waiting_for_room == [third.request_id]
+    assert third.request_id not in shown.running and shown.kv_free_tokens == 10
+    fourth = world.submit("fourth")
+    assert world.worker_of(fourth) is other, "not queued behind a request waiting for room"
+    world.d.on_message(
+        other, ("room", 0, [world.procs[other.id].runs and max(world.procs[other.id].runs)])
+    )
+    fifth = world.submit("fifth")
+    assert fifth.state == "queued", "every worker is full: it waits in the pool"
+    world.d.on_message(crowded, ("room", 500, []))
+    world.d.after_event()
+    assert world.worker_of(fifth) is crowded
+
+
+def test_equal_loads_go_to_the_worker_with_more_kv_room() -> None:
+    world = World(workers=2, batch=4)
+    first, second = world.submit("a"), world.submit("b")
+    small, large = world.worker_of(first), world.worker_of(second)
+    world.d.on_message(small, ("room", 40, []))
+    world.d.on_message(large, ("room", 4000, []))
+    assert world.worker_of(world.submit("c")) is large
+
+
+def test_a_failed_step_is_a_lost_batch_on_a_worker_that_stays() -> None:
+    world = World(workers=1, batch=4)
+    requests = [world.submit(f"p{index}") for index in range(3)]
+    worker = world.worker_of(requests[0])
+    lost = [r.run.attempt_id for r in requests[:2] if r.run is not None]
+    for attempt_id in lost:  # the worker dropped them from its batch
+        world.procs[worker.id].runs.pop(attempt_id)
+    world.d.on_message(worker, ("batch_error", lost, "backend", "RuntimeError: boom", "tb", 0, {}))
+    world.d.after_event()
+    assert worker.state in ("idle", "busy") and not world.procs[worker.id].signals
+    for request in requests[:2]:
+        assert [a.outcome for a in request.attempts] == ["collateral"], "never charged"
+        assert request.suspect
+    assert world.d.counters["collateral_retries"] == 2 and world.d.counters["failed"] == 0
+    # One suspect at a time on the only worker, back on the same worker: it stays warm.
+    assert sum(r.state == "running" for r in requests[:2]) == 1
+    assert requests[2].state == "running" and requests[2].attempts == []
+
+
+def test_a_failed_step_of_one_row_is_that_requests_error() -> None:
+    world = World(workers=1, batch=4)
+    alone = world.submit("alone")
+    run = alone.run
+    assert run is not None
+    world.d.on_message(
+        run.worker, ("batch_error", [run.attempt_id], "backend", "RuntimeError: boom", "", 0, {})
+    )
+    with pytest.raises(BackendError, match="boom"):
+        alone.future.result(timeout=0)
+
+
+@pytest.mark.parametrize("fault", ["stall", "ignored_cancel"])
+def test_one_worker_without_a_spare_retries_the_innocents_of_a_killed_batch(fault: str) -> None:
+    world = World(workers=1, batch=4, stall_timeout_s=1.0)
+    innocents = [world.submit(f"innocent{index}") for index in range(3)]
+    culprit = world.submit("culprit")
+    worker = world.worker_of(culprit)
+    if fault == "stall":
+        world.clock.now += 0.3
+        world.d.run_due_timers()
+        world.clock.now += 2.0
+        world.d.run_due_timers()
+    else:
+        world.d.cancel(culprit.request_id, False)
+        world.clock.now += 1.0
+        world.d.run_due_timers()
+    world.d.after_event()
+    assert signal.SIGTERM in world.procs[worker.id].signals
+    for request in innocents:
+        assert not request.future.done(), request.future
+        assert [a.outcome for a in request.attempts] == ["collateral"]
+    assert world.d.counters["collateral_retries"] >= 3
+    world.die(worker, -15)
+    # The replacement takes them, one suspect at a time (the newest of the batch first).
+    replacement = next(w for w in world.d.workers.values() if w.state != "dead")
+    assert replacement is not worker and len(replacement.runs) == 1
