@@ -39,6 +39,7 @@ class Recorder:
     params: dict[str, Any]
     chunks: list[str] = field(default_factory=list)
     tokens: int = 0
+    prefilled_tokens: int = 0
 
     def cancelled(self) -> bool:
         return False
@@ -48,6 +49,9 @@ class Recorder:
 
     def delivered(self, tokens: int = 1) -> None:
         self.tokens += tokens
+
+    def prefilled(self, tokens: int) -> None:
+        self.prefilled_tokens += tokens
 
 
 def run_batched(
@@ -227,3 +231,160 @@ def test_a_batched_request_past_the_context_is_refused_alone(tiny_model_dir: Pat
             long.result(timeout=60)
         assert short.result(timeout=60).completion_tokens == 8
         assert pool.stats().counters["kills"] == 0
+
+
+# ---- chunked prefill, row isolation, generation_config (issue 26) -------------------------
+
+LONG_PROMPT = " ".join(f"word{index}" for index in range(60))
+
+
+def test_a_long_prompt_is_prefilled_in_slices_while_the_batch_keeps_decoding(
+    tiny_model_dir: Path,
+) -> None:
+    handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1, prefill_chunk_tokens=8)
+    long_ids = handler.encode(LONG_PROMPT)[0].tolist()
+    assert len(long_ids) > 4 * 8, "the premise: the prompt needs several slices"
+    running = Recorder(PROMPTS[0], {"max_new_tokens": 64})
+    handler.admit(running)
+    handler.step()
+    assert running.tokens == 2, "prefilled, merged and one decoding step"
+    long = Recorder(LONG_PROMPT, {"max_new_tokens": 8})
+    handler.admit(long)
+    slices = 0
+    while not long.tokens:
+        before = running.tokens
+        handler.step()
+        slices += 1
+        assert running.tokens == before + 1, "a running row gets a token at every slice"
+        assert long.prefilled_tokens == min(8 * slices, len(long_ids))
+    assert slices == -(-len(long_ids) // 8)
+    results: dict[int, Generation] = {}
+    while len(results) < 2:
+        for call, outcome in handler.step():
+            assert isinstance(outcome, Generation), outcome
+            results[id(call)] = outcome
+    alone = handler.generate(Recorder(LONG_PROMPT, {"max_new_tokens": 8}))
+    assert results[id(long)].text == alone.text, "a sliced prefill decodes as one read whole"
+    assert (
+        results[id(running)].text
+        == handler.generate(Recorder(PROMPTS[0], {"max_new_tokens": 64})).text
+    )
+
+
+def test_a_request_cancelled_during_its_prefill_leaves_at_once(tiny_model_dir: Path) -> None:
+    handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1, prefill_chunk_tokens=8)
+    long = Recorder(LONG_PROMPT, {"max_new_tokens": 8})
+    handler.admit(long)
+    handler.step()
+    assert 0 < long.prefilled_tokens < len(handler.encode(LONG_PROMPT)[0])
+    retired = handler.retire(long)
+    assert retired.finish_reason == "cancelled" and retired.text == ""
+    assert handler.step() == [] and handler.room()[0] == handler._batch.kv_cache_tokens
+
+
+def test_a_prefill_that_raises_fails_its_own_request_alone(tmp_path: Path) -> None:
+    from modelpool.tinymodel import build_tiny_model
+
+    # Learned positions: a prompt past the model's 64 positions fails in its prefill (an
+    # IndexError, as an out-of-memory on a long prompt would on a GPU). max_model_len lets
+    # it through to the backend.
+    directory = build_tiny_model(tmp_path / "gpt2", arch="gpt2", context_length=64)
+    handler = load(str(directory), dtype="float32", torch_threads=1, max_model_len=4096)
+    innocents = [
+        Recorder(PROMPTS[0], {"max_new_tokens": 8}),
+        Recorder(PROMPTS[1], {"max_new_tokens": 8}),
+    ]
+    culprit = Recorder(" ".join(["word"] * 100), {"max_new_tokens": 8})
+    for call in [innocents[0], culprit, innocents[1]]:
+        handler.admit(call)
+    outcomes: dict[int, Generation | Exception] = {}
+    for _ in range(64):
+        for call, outcome in handler.step():
+            outcomes[id(call)] = outcome
+        if len(outcomes) == 3:
+            break
+    assert isinstance(outcomes[id(culprit)], Exception)
+    for call in innocents:
+        result = outcomes[id(call)]
+        assert isinstance(result, Generation) and result.completion_tokens == 8, result
+
+
+def test_a_failed_decoding_pass_loses_its_rows_and_keeps_the_waiting_ones(
+    tiny_model_dir: Path,
+) -> None:
+    from modelpool.protocol import RowsLost
+
+    handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1, kv_cache_tokens=64)
+    running = Recorder(PROMPTS[2], {"max_new_tokens": 40})
+    handler.admit(running)
+    handler.step()
+    waiting = Recorder(PROMPTS[0], {"max_new_tokens": 40})
+    handler.admit(waiting)
+    handler.step()
+    waiting_calls = handler.room()[1]
+    assert waiting_calls == [waiting], "the premise: it waits for KV room"
+    model = handler.model
+    original = model.forward
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the decoding pass failed")
+
+    model.forward = broken
+    try:
+        with pytest.raises(RowsLost) as caught:
+            handler.step()
+    finally:
+        model.forward = original
+    assert caught.value.calls == [running]
+    assert handler.room()[1] == [waiting], "the waiting request was not touched"
+    results = []
+    while not results:
+        results = handler.step()
+    assert results[0][0] is waiting and isinstance(results[0][1], Generation)
+
+
+def test_the_models_generation_config_applies_in_the_batch(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    import json
+    import shutil
+
+    directory = tmp_path / "penalised"
+    shutil.copytree(tiny_model_dir, directory)
+    config_path = directory / "generation_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config.update({"repetition_penalty": 1.3, "no_repeat_ngram_size": 2})
+    config_path.write_text(json.dumps(config))
+    handler = load(str(directory), dtype="float32", torch_threads=1)
+    assert handler.batched
+    assert_same_as_alone(handler, {"max_new_tokens": 30})
+    plain = [
+        handler.generate(
+            Recorder(
+                p, {"max_new_tokens": 30, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
+            )
+        )
+        for p in PROMPTS
+    ]
+    penalised = [handler.generate(Recorder(p, {"max_new_tokens": 30})) for p in PROMPTS]
+    assert [g.text for g in plain] != [g.text for g in penalised], (
+        "the premise: the config changes the text"
+    )
+
+    config.update({"suppress_tokens": [5]})
+    config_path.write_text(json.dumps(config))
+    assert not load(str(directory), dtype="float32", torch_threads=1).batched, (
+        "a processor the loop does not apply: one request at a time, never different text"
+    )
+
+
+def test_hf_batch_does_not_import_hf() -> None:
+    import ast
+
+    import modelpool.backends.hf_batch as hf_batch
+
+    tree = ast.parse(Path(hf_batch.__file__).read_text())
+    imported = {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert "modelpool.backends.hf" not in imported

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from modelpool.backends.hf import GENERATION_PARAMS, MAX_STOP_STRINGS, validate
+from modelpool.backends.hf import GENERATION_PARAMS, validate
+from modelpool.backends.hf_text import MAX_STOP_STRINGS
 from modelpool.errors import InvalidRequest
 
 

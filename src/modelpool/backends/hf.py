@@ -43,7 +43,13 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from modelpool.backends.hf_batch import DEFAULT_KV_CACHE_TOKENS, BatchEngine
+from modelpool.backends.hf_batch import (
+    DEFAULT_KV_CACHE_TOKENS,
+    BatchEngine,
+    PrefillChunk,
+    unbatchable_generation_config,
+)
+from modelpool.backends.hf_text import TextProgress, stop_strings
 from modelpool.context import check_max_model_len, context_length, fit_to_context
 from modelpool.errors import InvalidRequest
 from modelpool.protocol import (
@@ -68,7 +74,6 @@ THREADS_ENV = "MODELPOOL_TORCH_THREADS"
 """Torch intra-op threads for a worker when the ``torch_threads`` option is not given."""
 
 DEFAULT_MAX_NEW_TOKENS = 128
-MAX_STOP_STRINGS = 16
 
 GENERATION_PARAMS = frozenset(
     {
@@ -96,6 +101,7 @@ LOAD_OPTIONS = frozenset(
         "torch_threads",
         "chat_template",
         "kv_cache_tokens",
+        "prefill_chunk_tokens",
         "max_model_len",
     }
 )
@@ -103,7 +109,6 @@ _MEMORY_SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$", re
 
 # Set in greedy mode they change nothing but make transformers warn on every request.
 _SAMPLING_ONLY = ("temperature", "top_p", "top_k")
-_INCOMPLETE_CHAR = "\ufffd"
 
 
 def validate(params: Mapping[str, Any]) -> None:
@@ -137,7 +142,7 @@ def validate(params: Mapping[str, Any]) -> None:
     if params.get("do_sample") is True and params.get("temperature") == 0:
         raise InvalidRequest("do_sample=true needs a temperature > 0 (temperature 0 means greedy)")
     if "stop" in params:
-        _stop_strings(params["stop"])
+        stop_strings(params["stop"])
 
 
 def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
@@ -155,7 +160,8 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
     context length in tokens, prompt and completion together; default: the
     model config's ``max_position_embeddings`` or the like) and
     ``kv_cache_tokens`` (the batched form's KV-cache bound, rows x columns of
-    the padded cache; see ``hf_batch``)::
+    the padded cache; see ``hf_batch``) and ``prefill_chunk_tokens`` (the batched
+    form's prompt tokens prefilled per step, or "auto", the default)::
 
         handler = load("/models/smollm2", device="cuda:0", dtype="bfloat16")
         handler = load("/models/smollm2", max_model_len=2048)   # bound memory per request
@@ -196,6 +202,16 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
         or (kv_cache_tokens < 1)
     ):
         raise ValueError(f"kv_cache_tokens must be a positive integer, got {kv_cache_tokens!r}")
+    prefill_chunk_tokens = options.get("prefill_chunk_tokens", "auto")
+    if prefill_chunk_tokens != "auto" and (
+        not isinstance(prefill_chunk_tokens, int)
+        or isinstance(prefill_chunk_tokens, bool)
+        or prefill_chunk_tokens < 1
+    ):
+        raise ValueError(
+            f'prefill_chunk_tokens must be a positive integer or "auto", '
+            f"got {prefill_chunk_tokens!r}"
+        )
     max_model_len = check_max_model_len(options.get("max_model_len"))
     if _looks_like_a_path(model) and not os.path.exists(os.path.expanduser(model)):
         # Said before importing torch (seconds) and in words, rather than as the hub
@@ -233,7 +249,11 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
         tokenizer.chat_template = chat_template
 
     handler = HFHandler(
-        language_model, tokenizer, max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens
+        language_model,
+        tokenizer,
+        max_model_len=max_model_len,
+        kv_cache_tokens=kv_cache_tokens,
+        prefill_chunk_tokens=prefill_chunk_tokens,
     )
     handler.warm_up()
     logger.info(
@@ -265,6 +285,7 @@ class HFHandler:
         *,
         max_model_len: int | None = None,
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+        prefill_chunk_tokens: PrefillChunk = "auto",
     ) -> None:
         # Held as Any: transformers' annotations are partial (untyped methods,
         # decorated ones mypy cannot bind), and every use here is plain.
@@ -275,13 +296,13 @@ class HFHandler:
             tokenizer.pad_token = tokenizer.eos_token
         if model.generation_config.pad_token_id is None:
             model.generation_config.pad_token_id = tokenizer.pad_token_id
-        self._eos_ids = _token_ids(model.generation_config.eos_token_id) | _token_ids(
+        self.eos_ids = _token_ids(model.generation_config.eos_token_id) | _token_ids(
             tokenizer.eos_token_id
         )
         embeddings: Any = self.model.get_input_embeddings()
         self._vocab_size = int(embeddings.num_embeddings)
         self._token_texts: dict[int, str] = {}
-        self._batch = BatchEngine(self, kv_cache_tokens)
+        self._batch = BatchEngine(self, kv_cache_tokens, prefill_chunk_tokens)
         # The batched loop keeps one full-length cache per layer: a model with sliding-window
         # layers would need their masks and crops, so it runs one request at a time.
         config = model.config
@@ -289,10 +310,20 @@ class HFHandler:
         sliding = getattr(config, "sliding_window", None) is not None and getattr(
             config, "use_sliding_window", True
         )
+        # A generation_config processor the loop does not apply would make batched output
+        # differ from generate()'s: such a model runs one request at a time.
+        unbatchable = unbatchable_generation_config(model.generation_config)
+        if unbatchable:
+            logger.warning(
+                "the model's generation_config sets %s, which the batched loop does not "
+                "apply: requests run one at a time",
+                ", ".join(unbatchable),
+            )
         self.batched = (
             not sliding
             and not any("sliding" in str(kind) for kind in layer_types)
             and _cache_has_layers()
+            and not unbatchable
         )
 
     def admit(self, call: BatchCall) -> None:
@@ -311,6 +342,10 @@ class HFHandler:
         """Batched form: forget every request."""
         self._batch.abort()
 
+    def room(self) -> tuple[int, list[BatchCall]]:
+        """Batched form: free KV room in tokens, and the requests waiting for it."""
+        return self._batch.room()
+
     def validate(self, params: Mapping[str, Any]) -> None:
         """The module's :func:`validate`, for callers that hold only the handler."""
         validate(params)
@@ -325,13 +360,13 @@ class HFHandler:
 
         validate(call.params)
         params = dict(call.params)
-        stops = _stop_strings(params.pop("stop", ()))
+        stops = stop_strings(params.pop("stop", ()))
         seed = params.pop("seed", None)
         top_logprobs: int | None = params.pop("logprobs", None)
         prompt_top_logprobs: int | None = params.pop("prompt_logprobs", None)
-        input_ids = self._encode(call.prompt)
+        input_ids = self.encode(call.prompt)
         prompt_tokens = int(input_ids.shape[1])
-        params["max_new_tokens"] = self._new_tokens(call, params, prompt_tokens)
+        params["max_new_tokens"] = self.fit_new_tokens(call, params, prompt_tokens)
         prompt_logprobs = None
         if prompt_top_logprobs is not None:
             prompt_logprobs, prompt_cache = self._prompt_logprobs(input_ids, prompt_top_logprobs)
@@ -349,7 +384,7 @@ class HFHandler:
         # start the stall clock before the one step that cannot be interrupted. A cancel
         # that lands during the prefill stops generation at the first decoding step.
 
-        progress = _Progress(self.tokenizer, call, prompt_tokens, stops)
+        progress = TextProgress(self.tokenizer, call, prompt_tokens, stops)
         if seed is not None:
             torch.manual_seed(seed)
         with torch.inference_mode():
@@ -379,7 +414,7 @@ class HFHandler:
         finish_reason: FinishReason
         if progress.cancelled:
             finish_reason = "cancelled"
-        elif progress.stopped or int(sequences[0, -1]) in self._eos_ids:
+        elif progress.stopped or int(sequences[0, -1]) in self.eos_ids:
             finish_reason = "stop"
         else:
             finish_reason = "length"
@@ -448,7 +483,7 @@ class HFHandler:
             self._token_texts[token_id] = text
         return text
 
-    def _new_tokens(self, call: Call, params: dict[str, Any], prompt_tokens: int) -> int:
+    def fit_new_tokens(self, call: Call, params: dict[str, Any], prompt_tokens: int) -> int:
         """This request's ``max_new_tokens``, fitted to the context; raises if it cannot fit."""
         asked = params.get("max_new_tokens")
         default = DEFAULT_MAX_NEW_TOKENS
@@ -460,7 +495,7 @@ class HFHandler:
             fit_to_context(prompt_tokens, params["min_new_tokens"], self.max_model_len, default=0)
         return new_tokens
 
-    def _encode(self, prompt: Prompt) -> torch.Tensor:
+    def encode(self, prompt: Prompt) -> torch.Tensor:
         import torch
 
         tokenizer = self.tokenizer
@@ -493,116 +528,7 @@ class HFHandler:
         return input_ids.to(self.model.device)
 
 
-class _Progress:
-    """One request's decoding state, driven by generate()'s stopping criterion and streamer.
-
-    Within a decoding step transformers calls the stopping criteria, with the
-    new token already appended, and then the streamer. Decoding in the
-    criterion lets a stop string end generation on the very step that
-    completes it; the streamer then emits whatever became stable.
-
-    The whole generated sequence is decoded each step rather than token by
-    token, because one token may hold half a character (byte-level
-    tokenizers) and a token's leading space can depend on its predecessor.
-    Nothing here raises into transformers (an exception there would skip the
-    streamer's end()): failures are kept in ``error``, generation is stopped,
-    and the handler raises them afterwards.
-    """
-
-    def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        call: Call,
-        prompt_tokens: int,
-        stops: tuple[str, ...],
-    ) -> None:
-        self._tokenizer: Any = tokenizer
-        self._call = call
-        self._prompt_tokens = prompt_tokens
-        self._stops = stops
-        self._decoded = ""
-        self.token_ids: list[int] = []
-        # Everything emitted so far. It is the returned text, so that the text
-        # always equals the chunks joined.
-        self.text = ""
-        self.cancelled = False
-        self.stopped = False
-        self.error: Exception | None = None
-
-    def on_step(self, input_ids: torch.Tensor) -> bool:
-        """Stopping-criterion hook: take this step's token; True ends generation."""
-        if self.error is not None or self.cancelled or self.stopped:
-            return True
-        try:
-            if self._call.cancelled():
-                # The token of this step is dropped: nothing is emitted after a cancel.
-                self.cancelled = True
-                return True
-        except Exception as exc:
-            self.error = exc
-            return True
-        start = self._prompt_tokens + len(self.token_ids)
-        return self.take(input_ids[0, start:].tolist())
-
-    def take(self, new_token_ids: list[int]) -> bool:
-        """Add generated tokens and decode; True once a stop string ended the text."""
-        try:
-            self.token_ids.extend(new_token_ids)
-            decoded = self._tokenizer.decode(
-                self.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-            )
-            cut = self._first_stop(decoded)
-            if cut is not None:
-                decoded = decoded[:cut]
-                self.stopped = True
-            self._decoded = decoded
-        except Exception as exc:
-            self.error = exc
-            return True
-        return self.stopped
-
-    def on_token(self) -> None:
-        """Streamer hook: emit the text that no later token can change."""
-        if self.stopped:
-            self._emit_until(len(self._decoded))
-            return
-        stable = self._decoded.rstrip(_INCOMPLETE_CHAR)
-        self._emit_until(len(stable) - self._stop_prefix_length(stable))
-
-    def flush(self) -> None:
-        """Streamer end hook: emit what was held back, unless the request was cancelled."""
-        if not self.cancelled:
-            self._emit_until(len(self._decoded))
-
-    def _emit_until(self, end: int) -> None:
-        if self.error is not None or end <= len(self.text):
-            return
-        chunk = self._decoded[len(self.text) : end]
-        self.text += chunk
-        try:
-            self._call.emit(chunk)
-        except Exception as exc:
-            self.error = exc
-
-    def _first_stop(self, decoded: str) -> int | None:
-        # Emitted text never holds the start of a stop string (see
-        # _stop_prefix_length), so the search can begin where it ends.
-        start = len(self.text)
-        found = [index for stop in self._stops if (index := decoded.find(stop, start)) >= 0]
-        return min(found) if found else None
-
-    def _stop_prefix_length(self, text: str) -> int:
-        """Length of the longest end of ``text`` that could still grow into a stop string."""
-        longest = 0
-        for stop in self._stops:
-            for length in range(min(len(stop) - 1, len(text) - len(self.text)), longest, -1):
-                if text.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
-
-
-def _hooks(progress: _Progress) -> dict[str, Any]:
+def _hooks(progress: TextProgress) -> dict[str, Any]:
     """generate() keyword arguments that connect it to ``progress``."""
     criteria_type, streamer_type, criteria_list_type = _hook_types()
     return {
@@ -619,7 +545,7 @@ def _hook_types() -> tuple[type[Any], type[Any], type[Any]]:
     from transformers.generation.streamers import BaseStreamer
 
     class ProgressCriteria(StoppingCriteria):
-        def __init__(self, progress: _Progress) -> None:
+        def __init__(self, progress: TextProgress) -> None:
             self.progress = progress
 
         def __call__(
@@ -630,7 +556,7 @@ def _hook_types() -> tuple[type[Any], type[Any], type[Any]]:
             return torch.full((batch,), done, dtype=torch.bool, device=input_ids.device)
 
     class ProgressStreamer(BaseStreamer):
-        def __init__(self, progress: _Progress) -> None:
+        def __init__(self, progress: TextProgress) -> None:
             self.progress = progress
             self.prompt_skipped = False
 
@@ -674,15 +600,6 @@ class _WarmUpCall:
 
     def emit(self, text: str) -> None:
         pass
-
-
-def _stop_strings(value: object) -> tuple[str, ...]:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
-        raise InvalidRequest(f"stop must be a non-empty string or a list of them, got {value!r}")
-    if len(items) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(items)}")
-    return tuple(items)
 
 
 def _check_int(key: str, value: object, *, minimum: int, maximum: int = MAX_INT) -> None:

@@ -2,16 +2,36 @@
 
 :class:`BatchEngine` is what ``HFHandler.admit/step/retire/abort`` drive when
 the pool runs the hf backend with ``max_batch_size`` above 1 (see
-``protocol.BatchedHandler``). Each ``step()``:
+``protocol.BatchedHandler``). A request moves through three lists:
+``waiting`` (admitted by the worker, waiting for KV room), ``prefilling`` (its
+prompt being read, slice by slice, into a cache of its own) and ``rows`` (the
+running batch, one shared left-padded cache). Each ``step()``:
 
-1. prefills the requests admitted since the last step, left-padded to one
-   length, in one forward pass, which gives each its first token;
-2. merges them into the running batch: the narrower of the two caches is
-   left-padded with masked columns, rows are concatenated;
+1. starts the prefill of waiting requests that fit the KV budget, in order;
+2. prefills the next slice of each prefilling request, at most
+   ``prefill_chunk_tokens`` prompt tokens in all (chunked prefill, as vLLM and
+   SGLang do): a long prompt is read over several steps, so the running rows
+   keep their inter-token latency, and cancels, deadlines and disconnects are
+   honoured between slices. Each slice counts as progress for the pool's stall
+   clock. A request whose prompt is read gets its first token and is merged
+   into the running batch: the narrower of the two caches is left-padded with
+   masked columns, rows are concatenated;
 3. runs one decoding step for every running request (one forward pass);
 4. retires every request that ended (EOS, stop string, ``max_new_tokens``),
    dropping its cache rows and any leading columns that are now padding in
    every row.
+
+Faults stay in their row where they can be attributed: a prefill runs one
+request at a time, so its failure (an out-of-memory on a long prompt, say) is
+that request's; so is a failure choosing or emitting one row's token. A
+failure of the shared decoding pass cannot be blamed on one row: those rows
+leave the batch together as ``protocol.RowsLost`` (the pool retries them and
+tracks suspects) while waiting and prefilling requests stay.
+
+``prefill_chunk_tokens`` (a load option): a number of prompt tokens per step,
+or "auto" (the default), which sizes each step's slices from measured costs:
+about one decoding step's time while rows are decoding, about a quarter of a
+second when none is (cancels are still read four times a second).
 
 Why our own loop rather than transformers' ``ContinuousBatchingManager``
 (``generate_batch``): on CPU its paged path measured 33 tok/s against 94 tok/s
@@ -23,51 +43,108 @@ request (``seed``, ``temperature``, ``top_p``, ``top_k``, ``do_sample``,
 ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``,
 ``stop``, ``max_new_tokens``), each request samples from its own
 ``torch.Generator``, and the cache is bounded by ``kv_cache_tokens``.
+The model's ``generation_config`` supplies the defaults ``generate()`` would
+take from it (``repetition_penalty``, ``no_repeat_ngram_size``,
+``min_new_tokens``/``min_length``, the sampling ones); a model whose
+generation_config asks for a processor this loop does not implement
+(:func:`unbatchable_generation_config`) runs one request at a time instead.
 The GPU comparison with the manager is still to be measured.
 
 The rule held to: greedy decoding of a prompt in a batch gives the same tokens
 as the same prompt alone through ``HFHandler.generate`` in float32, on the
 models tested (tests/integration/test_hf_batching.py); padding columns are
-masked out of attention, so only floating-point summation order differs. In
-bfloat16 or float16 that order can flip a near tie, as in any batched server.
+masked out of attention, so only floating-point summation order differs (a
+sliced prefill too). In bfloat16 or float16 that order can flip a near tie, as
+in any batched server.
 
 KV-cache memory: ``kv_cache_tokens`` bounds rows x columns of the padded cache
-(prompt plus every token the running requests may still generate); a request
-that would push the batch past it waits in the worker until rows leave. A
-request alone is always admitted, whatever its size: the bound limits
-batching, never what one request may ask.
+(prompt plus every token the running requests may still generate, prefilling
+ones included); a request that would push the batch past it waits in the
+worker until rows leave, and ``room()`` tells the pool, which places new
+requests elsewhere meanwhile. A request alone is always admitted, whatever its
+size: the bound limits batching, never what one request may ask.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from modelpool.backends.hf_text import TextProgress, stop_strings
 from modelpool.errors import InvalidRequest
-from modelpool.protocol import BatchCall, Finished, FinishReason, Generation
+from modelpool.protocol import BatchCall, Call, Finished, FinishReason, Generation, Prompt, RowsLost
 
 if TYPE_CHECKING:
     import torch
-
-    from modelpool.backends.hf import HFHandler, _Progress
 
 DEFAULT_KV_CACHE_TOKENS = 16384
 """Rows x columns of one worker's padded KV cache when ``kv_cache_tokens`` is not given:
 about 750 MB for SmolLM2-135M in float32 (30 layers x 2 x 3 heads x 64 x 4 bytes a token)."""
 
+PrefillChunk = int | Literal["auto"]
+_AUTO_FIRST_SLICE = 64  # tokens, before any cost is measured
+_AUTO_MIN_SLICE = 16
+_AUTO_MAX_SLICE = 4096
+_AUTO_SOLO_SLICE_S = 0.25  # a slice's target time when no row is decoding
+
 _SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 UNBATCHED_PARAMS = ("logprobs", "prompt_logprobs")
 """Parameters the batched loop does not compute; a request with them is refused."""
 
+# generation_config fields that make generate() add a processor or a search this loop does
+# not implement, with the value that means "off".
+_UNBATCHABLE_GENERATION_CONFIG: dict[str, Any] = {
+    "num_beams": 1,
+    "penalty_alpha": None,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "min_p": None,
+    "encoder_repetition_penalty": 1.0,
+    "exponential_decay_length_penalty": None,
+    "guidance_scale": None,
+    "renormalize_logits": False,
+    "watermarking_config": None,
+}
+
+
+def unbatchable_generation_config(config: Any) -> list[str]:
+    """The fields of a model's generation_config that the batched loop cannot apply as
+    ``generate()`` would (the model then runs one request at a time)."""
+    return [
+        name
+        for name, off in _UNBATCHABLE_GENERATION_CONFIG.items()
+        if getattr(config, name, off) not in (off, None)
+    ]
+
+
+class LoadedModel(Protocol):
+    """What the engine needs of the hf handler (``hf.HFHandler``)."""
+
+    model: Any
+    tokenizer: Any
+    eos_ids: frozenset[int]
+
+    def encode(self, prompt: Prompt) -> torch.Tensor: ...
+
+    def fit_new_tokens(self, call: Call, params: dict[str, Any], prompt_tokens: int) -> int: ...
+
 
 @dataclass(eq=False)
 class _Row:
-    """One request in the batch."""
+    """One request in the engine."""
 
     call: BatchCall
     prompt_ids: list[int]
-    progress: _Progress
+    progress: TextProgress
     max_new_tokens: int
     min_new_tokens: int
     do_sample: bool
@@ -78,6 +155,8 @@ class _Row:
     no_repeat_ngram_size: int
     generator: torch.Generator | None
     finish_reason: FinishReason | None = None
+    cache: Any = None  # its own cache while prefilling
+    prefilled: int = 0  # prompt tokens read into ``cache``
 
     @property
     def generated(self) -> int:
@@ -94,11 +173,17 @@ class _Row:
 class BatchEngine:
     """One worker's running batch; every method runs on the worker loop's thread."""
 
-    def __init__(self, handler: HFHandler, kv_cache_tokens: int) -> None:
+    def __init__(
+        self,
+        handler: LoadedModel,
+        kv_cache_tokens: int,
+        prefill_chunk_tokens: PrefillChunk = "auto",
+    ) -> None:
         import inspect
 
         self.handler = handler
         self.kv_cache_tokens = kv_cache_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         # transformers 5.24 renamed the forward's past_key_values to cache.
         parameters = inspect.signature(handler.model.forward).parameters
         self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
@@ -108,10 +193,14 @@ class BatchEngine:
             {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
         )
         self.waiting: list[_Row] = []
+        self.prefilling: list[_Row] = []
         self.rows: list[_Row] = []
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [rows, columns], 1 where a real token is
         self._last: torch.Tensor | None = None  # [rows], each row's latest token
+        # Measured costs for the "auto" slice size (exponential moving averages).
+        self._decode_step_s: float | None = None
+        self._prefill_token_s: float | None = None
 
     # ---- the BatchedHandler surface ------------------------------------------------------
 
@@ -119,10 +208,11 @@ class BatchEngine:
         self.waiting.append(self._row(call))
 
     def retire(self, call: BatchCall) -> Generation:
-        for row in self.waiting:
-            if row.call is call:
-                self.waiting.remove(row)
-                return row.result("cancelled")
+        for queue in (self.waiting, self.prefilling):
+            for row in queue:
+                if row.call is call:
+                    queue.remove(row)
+                    return row.result("cancelled")
         for index, row in enumerate(self.rows):
             if row.call is call:
                 self._drop([index])
@@ -131,32 +221,37 @@ class BatchEngine:
 
     def abort(self) -> None:
         self.waiting.clear()
-        self.rows.clear()
-        self._cache = self._mask = self._last = None
+        self.prefilling.clear()
+        self._reset_batch()
 
     def step(self) -> list[Finished]:
         import torch
 
         finished: list[Finished] = []
         with torch.inference_mode():
-            admitted = self._admissions()
-            if admitted:
-                self._prefill(admitted, finished)
+            self._start_prefills()
+            if self.prefilling:
+                self._prefill_slices(finished)
             if self.rows:
                 self._decode(finished)
         return finished
 
+    def room(self) -> tuple[int, list[BatchCall]]:
+        """Free KV room in tokens beside the requests already started, and the requests
+        waiting for room."""
+        started = self.rows + self.prefilling
+        used = self._projected(started) if started else 0
+        return max(0, self.kv_cache_tokens - used), [row.call for row in self.waiting]
+
     @property
     def cache_tokens(self) -> int:
-        """Rows x columns of the padded cache now."""
+        """Rows x columns of the padded cache now (prefilling caches not included)."""
         return 0 if self._mask is None else int(self._mask.numel())
 
     # ---- admission -------------------------------------------------------------------------
 
     def _row(self, call: BatchCall) -> _Row:
         import torch
-
-        from modelpool.backends.hf import _Progress, _stop_strings
 
         handler = self.handler
         params = call.params
@@ -167,9 +262,9 @@ class BatchEngine:
                     f"{name} is not supported by the batched hf backend "
                     "(max_batch_size > 1); send it to a pool with max_batch_size = 1"
                 )
-        input_ids = handler._encode(call.prompt)
+        input_ids = handler.encode(call.prompt)
         prompt_ids = [int(token) for token in input_ids[0].tolist()]
-        stops = _stop_strings(params["stop"]) if "stop" in params else ()
+        stops = stop_strings(params["stop"]) if "stop" in params else ()
         config = handler.model.generation_config
         do_sample = params.get("do_sample", params.get("temperature", 0) > 0)
 
@@ -179,6 +274,19 @@ class BatchEngine:
             value = getattr(config, key, None)
             return _SAMPLING_DEFAULTS[key] if value is None else value
 
+        def from_config(key: str, off: Any) -> Any:
+            # What generate() takes from the model's generation_config when the request
+            # does not say.
+            if key in params:
+                return params[key]
+            value = getattr(config, key, None)
+            return off if value is None else value
+
+        # generate() counts min_length over prompt and completion together.
+        min_new_tokens = max(
+            int(from_config("min_new_tokens", 0)),
+            int(getattr(config, "min_length", 0) or 0) - len(prompt_ids),
+        )
         generator = None
         if do_sample:
             generator = torch.Generator(device=handler.model.device)
@@ -189,79 +297,115 @@ class BatchEngine:
         return _Row(
             call=call,
             prompt_ids=prompt_ids,
-            progress=_Progress(handler.tokenizer, call, len(prompt_ids), stops),
+            progress=TextProgress(handler.tokenizer, call, len(prompt_ids), stops),
             # Fitted to the context as the one-call path does; raises ContextLengthExceeded
             # (the worker answers that request alone) when the prompt cannot fit.
-            max_new_tokens=handler._new_tokens(call, dict(params), len(prompt_ids)),
-            min_new_tokens=params.get("min_new_tokens", 0),
+            max_new_tokens=handler.fit_new_tokens(call, dict(params), len(prompt_ids)),
+            min_new_tokens=min_new_tokens,
             do_sample=do_sample,
             temperature=float(sampling("temperature")),
             top_k=int(sampling("top_k") or 0),
             top_p=float(sampling("top_p")),
-            repetition_penalty=float(params.get("repetition_penalty", 1.0)),
-            no_repeat_ngram_size=int(params.get("no_repeat_ngram_size", 0)),
+            repetition_penalty=float(from_config("repetition_penalty", 1.0)),
+            no_repeat_ngram_size=int(from_config("no_repeat_ngram_size", 0)),
             generator=generator,
         )
 
-    def _admissions(self) -> list[_Row]:
-        """Waiting requests that fit the KV budget beside the running ones, in order."""
-        admitted: list[_Row] = []
-        width = 0 if self._mask is None else int(self._mask.shape[1])
-        longest_rest = max((row.remaining for row in self.rows), default=0)
+    @staticmethod
+    def _projected(rows: list[_Row]) -> int:
+        """Rows x columns the padded cache may reach with ``rows`` in it."""
+        width = max(len(row.prompt_ids) + row.generated for row in rows)
+        longest_rest = max(row.remaining for row in rows)
+        return len(rows) * (width + longest_rest)
+
+    def _start_prefills(self) -> None:
+        """Waiting requests that fit the KV budget beside the started ones, in order."""
+        started = self.rows + self.prefilling
         for row in list(self.waiting):
-            count = len(self.rows) + len(admitted) + 1
-            width = max(width, len(row.prompt_ids))
-            longest_rest = max(longest_rest, row.remaining)
-            projected = count * (width + longest_rest)
-            if count > 1 and projected > self.kv_cache_tokens:
+            if started and self._projected([*started, row]) > self.kv_cache_tokens:
                 break
             self.waiting.remove(row)
-            admitted.append(row)
-        return admitted
+            self.prefilling.append(row)
+            started.append(row)
 
     # ---- the forward passes ----------------------------------------------------------------
 
-    def _prefill(self, admitted: list[_Row], finished: list[Finished]) -> None:
+    def _slice_budget(self) -> int:
+        if self.prefill_chunk_tokens != "auto":
+            return self.prefill_chunk_tokens
+        if self._prefill_token_s is None:
+            return _AUTO_FIRST_SLICE
+        target_s = self._decode_step_s if self.rows and self._decode_step_s else None
+        tokens = (target_s or _AUTO_SOLO_SLICE_S) / max(self._prefill_token_s, 1e-7)
+        return int(min(_AUTO_MAX_SLICE, max(_AUTO_MIN_SLICE, tokens)))
+
+    def _prefill_slices(self, finished: list[Finished]) -> None:
+        """The next slice of each prefilling request, in order, within this step's budget.
+        One request per forward pass: a failure is that request's alone."""
+        budget = self._slice_budget()
+        for row in list(self.prefilling):
+            if budget <= 0:
+                break
+            count = min(budget, len(row.prompt_ids) - row.prefilled)
+            budget -= count
+            try:
+                logits = self._prefill_slice(row, count)
+                if logits is None:
+                    continue
+                self.prefilling.remove(row)
+                tokens, failures = self._choose([row], logits)
+                if failures:
+                    raise failures[0]
+                token = tokens[0]
+                if self._take(row, token):
+                    finished.append((row.call, row.result(row.finish_reason or "stop")))
+                    continue
+            except Exception as exc:
+                if row in self.prefilling:
+                    self.prefilling.remove(row)
+                finished.append((row.call, exc))
+                continue
+            self._merge(row, token)
+
+    def _prefill_slice(self, row: _Row, count: int) -> torch.Tensor | None:
+        """Read ``count`` more prompt tokens into the row's cache; the logits of its last
+        position once the whole prompt is read, else None."""
         import torch
         from transformers import DynamicCache
 
-        model = self.handler.model
-        device = model.device
-        width = max(len(row.prompt_ids) for row in admitted)
-        pad = int(self.handler.tokenizer.pad_token_id or 0)
-        input_ids = torch.full((len(admitted), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(admitted), width), dtype=torch.long)
-        for index, row in enumerate(admitted):
-            length = len(row.prompt_ids)
-            input_ids[index, width - length :] = torch.tensor(row.prompt_ids)
-            mask[index, width - length :] = 1
-        input_ids, mask = input_ids.to(device), mask.to(device)
-        cache = DynamicCache()
-        output = model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+        device = self.handler.model.device
+        if row.cache is None:
+            row.cache = DynamicCache()
+        start, end = row.prefilled, row.prefilled + count
+        started = time.perf_counter()
+        output = self.handler.model(
+            input_ids=torch.tensor([row.prompt_ids[start:end]], device=device),
+            attention_mask=torch.ones((1, end), dtype=torch.long, device=device),
+            position_ids=torch.arange(start, end, device=device)[None, :],
             use_cache=True,
-            **{self._cache_keyword: cache},
+            **{self._cache_keyword: row.cache},
             **self._last_logits,
         )
-        tokens = self._choose(admitted, output.logits[:, -1, :])
-        keep = [index for index, row in enumerate(admitted) if not self._take(row, tokens[index])]
-        for index, row in enumerate(admitted):
-            if index not in keep:
-                finished.append((row.call, row.result(row.finish_reason or "stop")))
-        if not keep:
-            return
-        kept = torch.tensor(keep, device=device)
-        cache.batch_select_indices(kept)
-        self._merge([admitted[index] for index in keep], cache, mask[kept], tokens[kept])
+        self._prefill_token_s = _moving_average(
+            self._prefill_token_s, (time.perf_counter() - started) / count
+        )
+        row.prefilled = end
+        row.call.prefilled(count)
+        if end < len(row.prompt_ids):
+            return None
+        logits: torch.Tensor = output.logits[:, -1, :]
+        return logits
 
-    def _merge(self, rows: list[_Row], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
+    def _merge(self, row: _Row, token: torch.Tensor) -> None:
+        """A request whose prompt is read joins the running batch with its cache."""
         import torch
 
+        cache, row.cache = row.cache, None
+        device = self.handler.model.device
+        mask = torch.ones((1, len(row.prompt_ids)), dtype=torch.long, device=device)
+        last = token.reshape(1).to(device)
         if self._cache is None or self._mask is None or self._last is None:
-            self.rows, self._cache, self._mask, self._last = rows, cache, mask, last
-            self._trim()
+            self.rows, self._cache, self._mask, self._last = [row], cache, mask, last
             return
         old_width, new_width = int(self._mask.shape[1]), int(mask.shape[1])
         width = max(old_width, new_width)
@@ -279,39 +423,59 @@ class BatchEngine:
             ]
         )
         self._last = torch.cat([self._last, last])
-        self.rows = self.rows + rows
+        self.rows = [*self.rows, row]
 
     def _decode(self, finished: list[Finished]) -> None:
         import torch
 
         assert self._mask is not None and self._last is not None
         mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
-        output = self.handler.model(
-            input_ids=self._last[:, None],
-            attention_mask=mask,
-            position_ids=mask.sum(-1, keepdim=True) - 1,
-            use_cache=True,
-            **{self._cache_keyword: self._cache},
-            **self._last_logits,
-        )
+        started = time.perf_counter()
+        try:
+            output = self.handler.model(
+                input_ids=self._last[:, None],
+                attention_mask=mask,
+                position_ids=mask.sum(-1, keepdim=True) - 1,
+                use_cache=True,
+                **{self._cache_keyword: self._cache},
+                **self._last_logits,
+            )
+        except Exception as exc:
+            # One pass over every running row: no one of them can be blamed. They leave
+            # together; waiting and prefilling requests stay.
+            lost = [row.call for row in self.rows]
+            self._reset_batch()
+            raise RowsLost(lost, exc, finished) from exc
+        self._decode_step_s = _moving_average(self._decode_step_s, time.perf_counter() - started)
         self._mask = mask
-        tokens = self._choose(self.rows, output.logits[:, -1, :])
+        tokens, failures = self._choose(self.rows, output.logits[:, -1, :])
         self._last = tokens
         ended = []
         for index, row in enumerate(self.rows):
-            if self._take(row, tokens[index]):
+            try:
+                if index in failures:
+                    raise failures[index]
+                done = self._take(row, tokens[index])
+            except Exception as exc:
+                ended.append(index)
+                finished.append((row.call, exc))
+                continue
+            if done:
                 ended.append(index)
                 finished.append((row.call, row.result(row.finish_reason or "stop")))
         if ended:
             self._drop(ended)
+
+    def _reset_batch(self) -> None:
+        self.rows = []
+        self._cache = self._mask = self._last = None
 
     def _drop(self, indices: list[int]) -> None:
         import torch
 
         keep = [index for index in range(len(self.rows)) if index not in indices]
         if not keep:
-            self.rows = []
-            self._cache = self._mask = self._last = None
+            self._reset_batch()
             return
         assert self._mask is not None and self._last is not None
         kept = torch.tensor(keep, device=self._mask.device)
@@ -335,12 +499,13 @@ class BatchEngine:
 
     # ---- per-request token choice and bookkeeping ------------------------------------------
 
-    def _choose(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
-        """Each row's next token, by that row's own parameters."""
-        import torch
-
+    def _choose(
+        self, rows: list[_Row], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[int, Exception]]:
+        """Each row's next token, by that row's own parameters, and the rows whose choice
+        failed (by index), each with its exception: that row's fault alone."""
         tokens = logits.argmax(dim=-1)
-        eos_ids = self.handler._eos_ids
+        failures: dict[int, Exception] = {}
         for index, row in enumerate(rows):
             plain = (
                 not row.do_sample
@@ -350,28 +515,37 @@ class BatchEngine:
             )
             if plain:
                 continue
-            scores = logits[index].float().clone()
-            seen = row.prompt_ids + row.progress.token_ids
-            if row.repetition_penalty != 1.0:
-                ids = torch.tensor(sorted(set(seen)), device=scores.device)
-                picked = scores[ids]
-                scores[ids] = torch.where(
-                    picked < 0, picked * row.repetition_penalty, picked / row.repetition_penalty
-                )
-            if row.no_repeat_ngram_size:
-                banned = _banned_ngram_tokens(seen, row.no_repeat_ngram_size)
-                if banned:
-                    scores[list(banned)] = -math.inf
-            if row.generated < row.min_new_tokens and eos_ids:
-                scores[list(eos_ids)] = -math.inf
-            if not row.do_sample:
-                tokens[index] = scores.argmax()
-                continue
-            tokens[index] = _sample(scores, row)
-        return tokens
+            try:
+                tokens[index] = self._choose_one(row, logits[index])
+            except Exception as exc:
+                failures[index] = exc
+        return tokens, failures
+
+    def _choose_one(self, row: _Row, logits: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        scores = logits.float().clone()
+        seen = row.prompt_ids + row.progress.token_ids
+        if row.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(seen)), device=scores.device)
+            picked = scores[ids]
+            scores[ids] = torch.where(
+                picked < 0, picked * row.repetition_penalty, picked / row.repetition_penalty
+            )
+        if row.no_repeat_ngram_size:
+            banned = _banned_ngram_tokens(seen, row.no_repeat_ngram_size)
+            if banned:
+                scores[list(banned)] = -math.inf
+        eos_ids = self.handler.eos_ids
+        if row.generated < row.min_new_tokens and eos_ids:
+            scores[list(eos_ids)] = -math.inf
+        if not row.do_sample:
+            return scores.argmax()
+        return _sample(scores, row)
 
     def _take(self, row: _Row, token: torch.Tensor) -> bool:
-        """Give ``row`` its token; True when the request has ended."""
+        """Give ``row`` its token; True when the request has ended. Raises what ended the
+        request in error (its stream, its stop strings): that row's fault alone."""
         token_id = int(token)
         progress = row.progress
         progress.take([token_id])
@@ -379,7 +553,7 @@ class BatchEngine:
         progress.on_token()
         if progress.error is not None:
             raise progress.error
-        if progress.stopped or token_id in self.handler._eos_ids:
+        if progress.stopped or token_id in self.handler.eos_ids:
             row.finish_reason = "stop"
         elif row.generated >= row.max_new_tokens:
             row.finish_reason = "length"
@@ -389,6 +563,10 @@ class BatchEngine:
         if progress.error is not None:
             raise progress.error
         return True
+
+
+def _moving_average(previous: float | None, sample: float) -> float:
+    return sample if previous is None else 0.8 * previous + 0.2 * sample
 
 
 def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
