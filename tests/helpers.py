@@ -211,11 +211,13 @@ STATS_KEYS = {
 WORKER_KEYS = {
     "id", "pid", "state", "role", "device", "requests", "uptime_s",
     "rss_mb", "gpu_mb", "gpu_mb_method", "gpu_mb_by_device", "max_model_len", "slots", "running",
+    "waiting_for_room", "kv_free_tokens",
 }  # fmt: skip
 COUNTER_KEYS = {
     "submitted", "completed", "failed", "cancelled", "timeouts", "crashes", "kills",
     "retries", "respawns", "overloaded", "stalls", "cancel_escalations", "recycled",
-    "startup_failures", "collateral_retries", "poison_requests", "cuda_oom", "cuda_errors",
+    "startup_failures", "collateral_retries", "poison_requests", "withdrawn", "cuda_oom",
+    "cuda_errors",
 }  # fmt: skip
 GPU_KEYS = {
     "available", "reason", "devices", "releases", "blocked_devices", "blocked_held_mb",

@@ -193,8 +193,9 @@ class Dispatcher:
         elif kind == "batch_error":
             self._on_batch_error(worker, *message[1:])
         elif kind == "room":
-            worker.kv_free_tokens = message[1]
-            worker.waiting_attempts = frozenset(message[2])
+            self._on_room(worker, message[1], message[2])
+        elif kind == "withdrawn":
+            self._on_withdrawn(worker, message[1])
         elif kind == "log":
             _, levelno, name, text = message
             worker_logger.log(
@@ -508,6 +509,45 @@ class Dispatcher:
             if len(generation.text) > len(sent) and generation.text.startswith(sent):
                 self._deliver_chunk(request, generation.text[len(sent) :])
         self._succeed(request, generation, worker.pid)
+
+    def _on_room(self, worker: Worker, kv_free_tokens: int, waiting: list[int]) -> None:
+        """A batched worker's room report. A request that waits there for KV room while
+        another worker has a free slot and nobody waiting is asked back, to be placed
+        again: it must not wait behind another request's generation."""
+        worker.kv_free_tokens = kv_free_tokens
+        worker.waiting_attempts = frozenset(waiting)
+        if not waiting or worker.io is None:
+            return
+        elsewhere = any(
+            other is not worker
+            and other.state in ("idle", "busy")
+            and other.role == "serving"
+            and len(other.runs) < other.slots
+            and not other.waiting_attempts
+            for other in self.workers.values()
+        )
+        if not elsewhere:
+            return
+        for attempt_id in waiting:
+            run = worker.runs.get(attempt_id)
+            if run is not None and run.request is not None and not run.withdraw_sent:
+                run.withdraw_sent = True
+                worker.io.send(("withdraw", attempt_id))
+
+    def _on_withdrawn(self, worker: Worker, attempt_id: int) -> None:
+        """The worker gave back an unstarted attempt: no attempt is recorded, the request
+        goes back to the front of the queue, to another worker than that one."""
+        run = self._current_run(worker, attempt_id)
+        if run is None:
+            return
+        self._run_ended(worker, run)
+        request = run.request
+        if request is None:
+            return
+        self._end_attempt(run, None)
+        self.counters["withdrawn"] += 1
+        request.last_failed_worker = worker.id
+        self._requeue(request)
 
     def _on_error(
         self,

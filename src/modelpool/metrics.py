@@ -240,6 +240,11 @@ REQUEST_COUNTERS = (
         "Requests failed as the suspect of repeated batch failures (PoisonRequest).",
         "poison_requests",
     ),
+    (
+        "modelpool_requests_withdrawn",
+        "Requests asked back, unstarted, from a worker where they waited for KV room.",
+        "withdrawn",
+    ),
 )
 WORKER_COUNTERS = (
     ("modelpool_worker_crashes", "Workers that died on their own.", "crashes"),

@@ -15,6 +15,8 @@ supervisor -> worker::
                                             the caller's thread (see encode_request); params
                                             are the caller's own: the worker adds the
                                             spec's generation_defaults
+    ("withdraw", attempt_id)                give the attempt back if it still waits for KV
+                                            room (another worker has room for it)
     ("stop",)                               finish and exit (close, recycling)
 
 worker -> supervisor::
@@ -36,6 +38,7 @@ worker -> supervisor::
                                             be blamed: these attempts left the batch
                                             together (a lost batch, not each one's error);
                                             the worker goes on with the rest
+    ("withdrawn", attempt_id)               given back unstarted, after a "withdraw"
     ("room", kv_free_tokens, [attempt_id, ...])
                                             a batched worker's free KV room and the
                                             attempts admitted but waiting for room, sent

@@ -99,6 +99,7 @@ class Run:
     alone: bool = False  # an isolated request: nothing else is admitted beside it
     chunks: list[str] = field(default_factory=list)
     cancel_sent: bool = False
+    withdraw_sent: bool = False  # asked back from a worker where it waits for KV room
     lost: bool = False  # counted against its owner as a failed batch or a failure alone
     deadline_timer: Timer | None = None
     grace_timer: Timer | None = None

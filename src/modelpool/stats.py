@@ -31,6 +31,7 @@ COUNTER_NAMES = (
     "recycled",
     "collateral_retries",
     "poison_requests",
+    "withdrawn",
     "cuda_oom",
     "cuda_errors",
 )

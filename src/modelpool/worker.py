@@ -355,7 +355,24 @@ class _BatchLoop:
                 _send_failure(self.channel, call.attempt_id, exc, self.handler)
                 return True
             self.running[call.attempt_id] = call
+        elif message[0] == "withdraw":
+            self._withdraw(message[1])
         return True
+
+    def _withdraw(self, attempt_id: int) -> None:
+        """Give back an attempt that still waits for KV room; one that started goes on."""
+        call = self.running.get(attempt_id)
+        room = getattr(self.handler, "room", None)
+        if call is None or room is None or call not in room()[1]:
+            return
+        del self.running[attempt_id]
+        try:
+            self.handler.retire(call)
+        except Exception as exc:
+            _send_failure(self.channel, attempt_id, exc, self.handler)
+            return
+        self.channel.send(("withdrawn", attempt_id))
+        self._report_room()
 
     def _retire_cancelled(self) -> None:
         for call in list(self.running.values()):

@@ -388,3 +388,31 @@ def test_hf_batch_does_not_import_hf() -> None:
         node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
     }
     assert "modelpool.backends.hf" not in imported
+
+
+@pytest.mark.slow
+def test_a_short_request_never_waits_for_kv_room_behind_a_long_one(tiny_model_dir: Path) -> None:
+    from helpers import submit_with_chunks
+
+    # The review's reproduction: two workers, a KV bound a long generation nearly fills.
+    # Placed beside it, a short request would wait in that worker for all of it.
+    config = PoolConfig(
+        model=str(tiny_model_dir),
+        backend="hf",
+        backend_options={"dtype": "float32", "torch_threads": 1, "kv_cache_tokens": 250},
+        workers=2,
+        max_batch_size=4,
+        devices=("cpu",),
+        deadline_s=120,
+    )
+    with ModelPool(config) as pool:
+        long, decoding, _ = submit_with_chunks(
+            pool, PROMPTS[0], max_new_tokens=230, min_new_tokens=230
+        )
+        assert decoding.wait(60)  # its worker's KV room is nearly gone now
+        shorts = [pool.submit(PROMPTS[3], max_new_tokens=5) for _ in range(3)]
+        for future in shorts:
+            assert future.result(timeout=60).completion_tokens == 5
+        assert not long.done(), "a short request waited for the long generation"
+        assert long.result(timeout=60).completion_tokens == 230
+        assert all(not w.waiting_for_room for w in pool.stats().workers)

@@ -38,8 +38,11 @@ class Proc:
         self.cancels: list[tuple[int, int]] = []
         self.signals: list[int] = []
         self.progress_count = 0
+        self.withdrawals: list[int] = []
 
     def send(self, message: tuple[Any, ...]) -> None:
+        if message[0] == "withdraw":
+            self.withdrawals.append(message[1])
         if message[0] == "run":
             import pickle
 
@@ -392,3 +395,27 @@ def test_one_worker_without_a_spare_retries_the_innocents_of_a_killed_batch(faul
     # The replacement takes them, one suspect at a time (the newest of the batch first).
     replacement = next(w for w in world.d.workers.values() if w.state != "dead")
     assert replacement is not worker and len(replacement.runs) == 1
+
+
+def test_a_request_waiting_for_room_is_withdrawn_to_a_worker_with_room() -> None:
+    world = World(workers=2, batch=4)
+    long = world.submit("long")
+    crowded = world.worker_of(long)
+    other = next(w for w in world.d.workers.values() if w is not crowded)
+    busy = [world.submit("busy0")]
+    short = world.submit("short")
+    assert world.worker_of(short) is crowded, "the premise: it was placed beside long"
+    busy.append(world.submit("busy1"))
+    run = short.run
+    assert run is not None
+    world.d.on_message(crowded, ("room", 5, [run.attempt_id]))
+    assert world.procs[crowded.id].withdrawals == [run.attempt_id]
+    world.d.on_message(crowded, ("room", 5, [run.attempt_id]))
+    assert world.procs[crowded.id].withdrawals == [run.attempt_id], "asked once"
+    world.procs[crowded.id].runs.pop(run.attempt_id)
+    world.d.on_message(crowded, ("withdrawn", run.attempt_id))
+    world.d.after_event()
+    assert world.worker_of(short) is other
+    assert short.attempts == [], "a withdrawal is no attempt"
+    assert world.d.counters["withdrawn"] == 1
+    assert all(r.state == "running" for r in busy)
