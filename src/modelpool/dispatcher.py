@@ -21,11 +21,15 @@ what they decide: handing requests to workers, what workers send, deadlines and 
 end of the kill ladder, retry or fail, resolution, closing.
 
 Batching (``max_batch_size`` above 1): a worker holds up to ``Worker.slots`` runs;
-``_pump``/``_place`` fill the least-loaded worker first, give an isolated request an
-empty worker and spread suspects one per worker. Deadlines and cancels act on one run
-(its slot's cancel word); ``_worker_stalled`` (no token delivered), an ignored cancel or
-a death settle the whole batch through ``_batch_lost`` (collateral retries, poison
-isolation).
+``_pump`` hands the queue to the rules of ``placement.py`` (least loaded, then most free
+KV room; an isolated request gets an empty worker; suspects are spread one per worker;
+a worker whose requests wait there for KV room takes no more), and ``_on_room`` asks
+back a request that waits for room while another worker has some. Deadlines and
+cancels act on one run (its slot's cancel word); ``_worker_stalled`` (no token
+delivered), an ignored cancel or a death settle the whole batch through ``_batch_lost``
+(collateral retries, poison isolation), after signalling the worker, so that its
+replacement counts as another worker; ``_on_batch_error`` settles the rows of a step
+that failed in a worker that goes on the same way.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from modelpool import placement
 from modelpool.config import PoolConfig
 from modelpool.errors import (
     Attempt,
@@ -352,73 +357,17 @@ class Dispatcher:
     # ---- requests to workers -------------------------------------------------------------
 
     def _pump(self) -> None:
+        """Hand queued requests to workers, by the rules of ``placement.py``."""
         if not self.queue:
             return
-        open_workers = [
-            w
-            for w in self.workers.values()
-            if w.state in ("idle", "busy")
-            and w.role == "serving"
-            and len(w.runs) < w.slots
-            and not any(run.alone for run in w.runs.values())
-            and not (w.slots > 1 and self.worker_manager.retire_reason(w) is not None)
-        ]
-        # A worker whose requests already wait there for KV room would queue a new one
-        # behind them: the request waits in the pool instead, where stats show it, until
-        # some worker has room (one that has rows waiting has rows running, which leave).
-        open_workers = [w for w in open_workers if not w.waiting_attempts]
+        open_workers = placement.open_workers(
+            self.workers.values(), self.worker_manager.retire_reason
+        )
         if not open_workers:
             return
-        free = {w.id: w.slots - len(w.runs) for w in open_workers}
-        suspects = {w.id for w in open_workers if any(r.owner.suspect for r in w.runs.values())}
-        assignments: list[tuple[Request, Worker]] = []
-        # In queue order, stopping as soon as the free slots are spoken for: the cost is
-        # the number of free slots, not the length of the queue.
-        for request in self.queue.values():
-            choice = self._place(request, open_workers, free, suspects)
-            if choice is None:
-                if request.isolated:
-                    # It waits for an empty worker: let one drain rather than starve it.
-                    reserved = next((w for w in open_workers if free[w.id] > 0), None)
-                    if reserved is not None:
-                        free[reserved.id] = 0
-                continue
-            # An isolated request runs alone: nothing else goes to its worker meanwhile.
-            free[choice.id] = 0 if choice.slots > 1 and request.isolated else free[choice.id] - 1
-            if request.suspect:
-                suspects.add(choice.id)
-            assignments.append((request, choice))
-            if not any(free.values()):
-                break
-        for request, worker in assignments:
+        for request, worker in placement.assign(self.queue.values(), open_workers):
             del self.queue[request.request_id]
             self._dispatch(request, worker)
-
-    def _place(
-        self,
-        request: Request,
-        open_workers: list[Worker],
-        free: dict[int, int],
-        suspects: set[int],
-    ) -> Worker | None:
-        """The worker ``request`` goes to now, if any. On batched workers an isolated
-        request needs an empty worker, and suspects are spread one per worker (see
-        ``_batch_lost``). Least loaded first, counting what this pump already placed, then
-        the most free KV room: a new request starts at once in the emptiest batch, and
-        requests placed together spread over idle workers."""
-        for worker in sorted(
-            open_workers,
-            key=lambda w: (w.slots - free[w.id], -(w.kv_free_tokens or 0)),
-        ):
-            if free[worker.id] <= 0 or worker.id == request.last_failed_worker:
-                continue
-            if worker.slots > 1:
-                if request.isolated and (worker.runs or free[worker.id] < worker.slots):
-                    continue
-                if request.suspect and worker.id in suspects:
-                    continue
-            return worker
-        return None
 
     def _dispatch(self, request: Request, worker: Worker) -> None:
         now = self.clock()
@@ -518,15 +467,7 @@ class Dispatcher:
         worker.waiting_attempts = frozenset(waiting)
         if not waiting or worker.io is None:
             return
-        elsewhere = any(
-            other is not worker
-            and other.state in ("idle", "busy")
-            and other.role == "serving"
-            and len(other.runs) < other.slots
-            and not other.waiting_attempts
-            for other in self.workers.values()
-        )
-        if not elsewhere:
+        if not placement.room_elsewhere(worker, self.workers.values()):
             return
         for attempt_id in waiting:
             run = worker.runs.get(attempt_id)
@@ -791,7 +732,7 @@ class Dispatcher:
         alone from then on, and one that then fails alone fails with PoisonRequest. So a
         poison request takes down at most two batches: at most 2 x (max_batch_size - 1)
         innocent requests are re-run, and none is lost. The suspects of one failed batch
-        are spread one per worker (``_place``); the first of them to fail alone is the
+        are spread one per worker (``placement.assign``); the first of them to fail alone is the
         culprit and clears the others of that batch, which may then share a worker again
         (``_clear_batch_peers``).
         """

@@ -28,9 +28,13 @@ Follow one request (each name is a function; the file is in brackets)::
       -> EventLoop.post                               [here]     command deque + wake-up byte
       -> EventLoop.run -> _run_commands               [here]
       -> Dispatcher.submit                            [dispatcher.py]  queue, deadline timer
-      -> Dispatcher.after_event -> _pump -> _dispatch [dispatcher.py]  ("run", ...) to a worker
+      -> Dispatcher.after_event -> _pump              [dispatcher.py]
+      -> placement.open_workers, assign               [placement.py]  which worker takes it
+      -> Dispatcher._dispatch                         [dispatcher.py]  ("run", ...) to a worker
       -> ProcessWorkerIO.send                         [spawn.py]
       -> serve -> _run_attempt                        [worker.py]  the backend generates
+         (batched: _BatchLoop.serve -> _step -> HFHandler.step -> BatchEngine.step
+          [backends/hf_batch.py]: admit, prefill slices, one decoding step)
       -> EventLoop._read                              [here]     frames from the socket
       -> Dispatcher.on_message -> _on_chunk / _on_done [dispatcher.py]
       -> _run_ended -> _succeed -> _finish            [dispatcher.py]

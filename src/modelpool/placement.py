@@ -1,0 +1,100 @@
+"""Where queued requests run: the placement rules, as pure functions over worker records.
+
+The dispatcher calls :func:`open_workers` and :func:`assign` from ``_pump`` after every
+batch of events, and :func:`room_elsewhere` on a batched worker's room report (to ask
+back a request that waits there for KV room). Nothing here changes a record; the
+dispatcher dispatches what :func:`assign` returns.
+
+The rules, in order of precedence:
+
+- Only warm serving workers with a free slot take requests; a batched worker is closed
+  while an isolated request runs alone on it, while it is due for retirement, and while
+  requests sent to it wait there for KV room (a new one would wait behind them: it waits
+  in the pool instead, where stats show it, and goes to the first worker with room).
+- A retry never goes back to the worker it last failed on (``last_failed_worker``).
+- On batched workers an isolated request needs an empty worker (and reserves the next
+  one to drain, so it is not starved), and the suspects of a lost batch are spread one
+  per worker (see ``Dispatcher._batch_lost``).
+- Otherwise least loaded first, counting what this round already placed, then the most
+  free KV room: a new request starts at once in the emptiest batch, and requests placed
+  together spread over idle workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from modelpool.records import Request, Worker
+
+
+def open_workers(
+    workers: Iterable[Worker], retire_reason: Callable[[Worker], str | None]
+) -> list[Worker]:
+    """The workers that may take a request now."""
+    return [
+        worker
+        for worker in workers
+        if worker.state in ("idle", "busy")
+        and worker.role == "serving"
+        and len(worker.runs) < worker.slots
+        and not any(run.alone for run in worker.runs.values())
+        and not (worker.slots > 1 and retire_reason(worker) is not None)
+        # One with requests waiting for KV room has rows running, which will leave.
+        and not worker.waiting_attempts
+    ]
+
+
+def assign(queue: Iterable[Request], candidates: list[Worker]) -> list[tuple[Request, Worker]]:
+    """Queued requests and the worker each goes to, in queue order, stopping as soon as
+    the free slots are spoken for: the cost is the number of free slots, not the length
+    of the queue."""
+    free = {w.id: w.slots - len(w.runs) for w in candidates}
+    suspects = {w.id for w in candidates if any(r.owner.suspect for r in w.runs.values())}
+    assignments: list[tuple[Request, Worker]] = []
+    for request in queue:
+        choice = _choose(request, candidates, free, suspects)
+        if choice is None:
+            if request.isolated:
+                # It waits for an empty worker: let one drain rather than starve it.
+                reserved = next((w for w in candidates if free[w.id] > 0), None)
+                if reserved is not None:
+                    free[reserved.id] = 0
+            continue
+        # An isolated request runs alone: nothing else goes to its worker meanwhile.
+        free[choice.id] = 0 if choice.slots > 1 and request.isolated else free[choice.id] - 1
+        if request.suspect:
+            suspects.add(choice.id)
+        assignments.append((request, choice))
+        if not any(free.values()):
+            break
+    return assignments
+
+
+def room_elsewhere(worker: Worker, workers: Iterable[Worker]) -> bool:
+    """Does another warm serving worker have a free slot and nobody waiting for room?"""
+    return any(
+        other is not worker
+        and other.state in ("idle", "busy")
+        and other.role == "serving"
+        and len(other.runs) < other.slots
+        and not other.waiting_attempts
+        for other in workers
+    )
+
+
+def _choose(
+    request: Request, candidates: list[Worker], free: dict[int, int], suspects: set[int]
+) -> Worker | None:
+    """The worker ``request`` goes to now, if any (see the module docstring)."""
+    for worker in sorted(
+        candidates, key=lambda w: (w.slots - free[w.id], -(w.kv_free_tokens or 0))
+    ):
+        if free[worker.id] <= 0 or worker.id == request.last_failed_worker:
+            continue
+        if worker.slots > 1:
+            if request.isolated and (worker.runs or free[worker.id] < worker.slots):
+                continue
+            if request.suspect and worker.id in suspects:
+                continue
+        return worker
+    return None
