@@ -22,6 +22,7 @@ p50/p99, with ratios against the first contender. In one run:
 
     python -m benchmarks.batching                       # the whole sweep, 1..16 clients
     python -m benchmarks.batching --concurrency 1 8 --no-http
+    python -m benchmarks.batching --long-every 4      # every 4th prompt ~1,000 tokens long
     scripts/bench --scenarios g
 
 Results and the command behind them: README, "Benchmarks", scenario (g).
@@ -63,6 +64,30 @@ QUESTIONS = (
 
 def chat_prompt(index: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": QUESTIONS[index % len(QUESTIONS)]}]
+
+
+LONG_CONTEXT = (
+    "Background notes for the assistant: the harbour opens at dawn, the ferries run every "
+    "hour, the market sells fish, bread and fruit, and the lighthouse keeper logs the wind. "
+)
+
+
+@dataclass(frozen=True)
+class PromptMix:
+    """The sweep's prompts: the chat questions, and every ``long_every``-th one behind a
+    system message of about ``long_tokens`` tokens (0: none), so that long prefills join
+    running batches as they do in real traffic."""
+
+    long_every: int = 0
+    long_tokens: int = 1000
+
+    def chat(self, index: int) -> list[dict[str, str]]:
+        messages = chat_prompt(index)
+        if self.long_every and index % self.long_every == self.long_every - 1:
+            # About 38 tokens a repetition with SmolLM2's tokenizer.
+            context = LONG_CONTEXT * max(1, self.long_tokens // 38)
+            messages = [{"role": "system", "content": context}, *messages]
+        return messages
 
 
 def percentile(samples: Sequence[float], fraction: float) -> float | None:
@@ -187,13 +212,11 @@ def sweep(
     }
 
 
-def pool_request(pool: ModelPool, new_tokens: int) -> OneRequest:
+def pool_request(pool: ModelPool, new_tokens: int, mix: PromptMix) -> OneRequest:
     def one(index: int) -> tuple[int, float | None]:
         began = time.perf_counter()
         first: float | None = None
-        stream = pool.stream(
-            chat_prompt(index), max_new_tokens=new_tokens, min_new_tokens=new_tokens
-        )
+        stream = pool.stream(mix.chat(index), max_new_tokens=new_tokens, min_new_tokens=new_tokens)
         for _ in stream:
             if first is None:
                 first = time.perf_counter() - began
@@ -423,6 +446,7 @@ def http_pair(
     requests_per_client: int,
     rounds: int,
     vocab_size: int,
+    mix: PromptMix,
     log: Any = print,
 ) -> Json:
     """modelpool's daemon and ``transformers serve --continuous-batching`` through HTTP,
@@ -435,7 +459,7 @@ def http_pair(
     def modelpool_body(index: int) -> Json:
         return {
             "model": "bench",
-            "messages": chat_prompt(index),
+            "messages": mix.chat(index),
             "max_tokens": new_tokens,
             "min_tokens": new_tokens,
             "temperature": 0,
@@ -448,7 +472,7 @@ def http_pair(
     def transformers_body(index: int) -> Json:
         return {
             "model": model_dir,
-            "messages": chat_prompt(index),
+            "messages": mix.chat(index),
             "stream": True,
             "generation_config": json.dumps(generation),
         }
@@ -504,6 +528,7 @@ def run(
     rounds: int = 1,
     http: bool = True,
     hang: bool = True,
+    mix: PromptMix = PromptMix(),
     log: Any = print,
 ) -> Json:
     """Every concurrency level on every contender, the contenders interleaved per level."""
@@ -529,7 +554,7 @@ def run(
             pools[contender.name].generate(chat_prompt(0), max_new_tokens=2)
         results = sweep(
             {
-                contender.name: pool_request(pools[contender.name], new_tokens)
+                contender.name: pool_request(pools[contender.name], new_tokens, mix)
                 for contender in contenders
             },
             concurrencies,
@@ -552,6 +577,8 @@ def run(
         "rounds": rounds,
         "contender_names": [contender.name for contender in contenders],
         "concurrencies": list(concurrencies),
+        "long_every": mix.long_every,
+        "long_tokens": mix.long_tokens,
         "contenders": results,
         "cancel_in_batch": cancel,
     }
@@ -566,6 +593,7 @@ def run(
             requests_per_client=requests_per_client,
             rounds=rounds,
             vocab_size=int(AutoConfig.from_pretrained(model_dir).vocab_size),
+            mix=mix,
             log=log,
         )
     if hang and top_batch > 1:
@@ -711,6 +739,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-ceiling", action="store_true")
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP pair")
     parser.add_argument("--no-hang", action="store_true", help="skip the hang in a batch")
+    parser.add_argument(
+        "--long-every",
+        type=int,
+        default=0,
+        help="every Nth prompt carries a long system message (0: none)",
+    )
+    parser.add_argument("--long-tokens", type=int, default=1000)
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
     from modelpool.embedded import resolve_model
@@ -726,6 +761,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ceiling=not args.no_ceiling,
         http=not args.no_http,
         hang=not args.no_hang,
+        mix=PromptMix(args.long_every, args.long_tokens),
     )
     print(markdown(report))
     if args.json:

@@ -20,6 +20,9 @@ hog          ``hog:50``                   ``DeadlineExceeded``
 segfault     ``segfault``                 ``WorkerCrashed`` after max_retries+1 crashes
 exit         ``exit:CODE``                ``WorkerCrashed`` after max_retries+1 crashes
 raise        ``raise:MSG``                ``BackendError`` (not retried)
+batch_raise  ``batch_raise:MSG``          batched: the step fails (no one row to blame),
+                                          its rows are a lost batch on a warm worker; it
+                                          ends ``BackendError`` alone (or the suspect)
 leak         ``leak:25``                  "ok" (and the worker is recycled on RSS)
 crash_once   ``crash_once:PATH``          "ok" on the retry
 invalid      bad parameters / prompt      ``InvalidRequest`` before dispatch
@@ -85,6 +88,7 @@ MIX: dict[str, float] = {
     "segfault": 3,
     "exit": 3,
     "raise": 5,
+    "batch_raise": 3,
     "leak": 5,
     "crash_once": 4,
     "invalid": 3,
@@ -197,6 +201,8 @@ def make_spec(seed: int, index: int, tmpdir: str, mix: dict[str, float]) -> Spec
         spec.prompt = f"exit:{rng.choice((0, 1, 3, 7, 42))}"
     elif kind == "raise":
         spec.prompt = f"raise:chaos-{index}"
+    elif kind == "batch_raise":
+        spec.prompt = f"batch_raise:chaos-{index}"
     elif kind == "leak":
         spec.prompt, spec.expected = "leak:25", "ok"
     elif kind == "crash_once":
@@ -630,6 +636,9 @@ class Harness:
 BATCH_FAULT_KINDS = frozenset({"hang", "hog", "segfault", "exit", "crash_once"})
 """Kinds whose worker dies or is killed: with batching, every request beside them may lose
 an attempt there (retried as "collateral", or failed typed once it streamed text)."""
+LOST_STEP_KINDS = frozenset({"batch_raise"})
+"""Kinds that fail a batched step on a worker that goes on: every request beside them may
+lose an attempt there too."""
 
 
 def check_request(
@@ -645,7 +654,7 @@ def check_request(
     attempt on one of them as it may on a worker the agent struck; a fault request itself
     may end as the suspect (PoisonRequest) after collateral attempts."""
     batched = fault_pids is not None
-    if fault_pids is not None and record.kind not in BATCH_FAULT_KINDS:
+    if fault_pids is not None and record.kind not in BATCH_FAULT_KINDS | LOST_STEP_KINDS:
         struck = struck | fault_pids
     if record.violation:
         return record.violation
@@ -713,7 +722,9 @@ def check_request(
         if outcome == "WorkerCrashed" or (outcome == "DeadlineExceeded" and last_struck):
             return None
         return f"expected WorkerCrashed, got {outcome}"
-    if kind == "raise":
+    if kind == "batch_raise" and batched:
+        return _check_lost_step(record, mine, all_struck)
+    if kind in ("raise", "batch_raise"):
         if outcome == "BackendError":
             if (
                 not attempts
@@ -742,6 +753,30 @@ def check_request(
             return None
         return f"crash_once failed: {outcome} {attempts}"
     return f"unknown kind {kind}"
+
+
+def _check_lost_step(
+    record: Record, mine: list[tuple[int | None, str]], all_struck: bool
+) -> str | None:
+    """A batch_raise under batching: its batches are lost (collateral, on a warm worker)
+    until it runs alone, where its own error is its answer; after two lost batches it
+    runs isolated and fails as the suspect."""
+    outcome, attempts = record.outcome, record.attempts
+    if outcome == "BackendError":
+        if not attempts or attempts[-1][1] != "error":
+            return f"BackendError with attempts {attempts}"
+        if any(a[1] != "collateral" for a in mine if a is not attempts[-1]):
+            return f"a lost step charged a non-collateral attempt: {attempts}"
+        if f"chaos-{record.index}" not in (record.message or ""):
+            return f"BackendError without the raised message: {record.message}"
+        return None
+    if outcome == "PoisonRequest":
+        if any(a[1] not in ("collateral", "error") for a in mine):
+            return f"a lost step's suspect had attempts {record.attempts}"
+        return None
+    if outcome in ("WorkerCrashed", "DeadlineExceeded") and all_struck:
+        return None
+    return f"expected BackendError or PoisonRequest, got {outcome}"
 
 
 def _check_batched_fault(
@@ -1026,7 +1061,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
         fault_pids = {
             pid
             for record in records
-            if record.kind in BATCH_FAULT_KINDS
+            if record.kind in BATCH_FAULT_KINDS | LOST_STEP_KINDS
             for pid, _ in record.attempts
             if pid is not None
         }
