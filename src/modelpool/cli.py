@@ -22,6 +22,7 @@ the extra that provides it.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import ipaddress
 import json
@@ -29,6 +30,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -186,8 +188,11 @@ def _serve(args: argparse.Namespace) -> int:
         ) from None
     _check_embedded_extra(pool_config.model)
     from modelpool.embedded import EmbeddedModelError
-    from modelpool.errors import PoolError
+    from modelpool.errors import PoolError, PreflightError
 
+    # Bound now, listening only once the pool is ready: a port in use is said before
+    # the workers load (minutes for a large model), not after.
+    listener = _bind_port(server_config.host, server_config.port)
     if api_key_from_env(server_config) is None and not _is_loopback(server_config.host):
         env = server_config.api_key_env
         hint = f"set {env}" if env else "set [server] api_key_env and that variable"
@@ -200,11 +205,16 @@ def _serve(args: argparse.Namespace) -> int:
     pool = ModelPool(pool_config)
     previous = _on_signals(_raise_stop)
     server: DrainingServer | None = None
+    preflight_failed = False
     try:
         try:
             # The port opens only after every worker is ready, so a load balancer or a
             # client never reaches a daemon that cannot answer yet.
             pool.start()
+        except PreflightError as exc:
+            # Before any worker started: the one line of any other configuration error.
+            preflight_failed = True
+            raise CliError(str(exc)) from None
         except (PoolError, EmbeddedModelError) as exc:
             logger.error("the pool did not start: %s", exc)
             return 1
@@ -215,7 +225,7 @@ def _serve(args: argparse.Namespace) -> int:
             pool.config.workers,
             model_name,
             server_config.host,
-            server_config.port,
+            listener.getsockname()[1],
         )
         server = DrainingServer(
             uvicorn.Config(
@@ -230,7 +240,7 @@ def _serve(args: argparse.Namespace) -> int:
             ),
             app.state.modelpool,
         )
-        server.run()
+        server.run(sockets=[listener])
     except _StopRequested:
         logger.info("stopped while starting")
     finally:
@@ -239,9 +249,30 @@ def _serve(args: argparse.Namespace) -> int:
         # Drained already when uvicorn waited for its connections; a forced stop
         # fails whatever is left at once.
         pool.close(drain=drain, timeout=5.0 if drain else 0.0)
+        listener.close()
         _restore_signals(previous)
-        logger.info("stopped")
+        if not preflight_failed:
+            logger.info("stopped")
     return 0
+
+
+def _bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (not listening yet), or a one-line CliError."""
+    # As uvicorn binds: IPv6 for an address with a colon, and a port held only by the
+    # TIME_WAIT of a previous run counts as free.
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        hint = (
+            "stop what uses it, or choose another with --port"
+            if exc.errno == errno.EADDRINUSE
+            else "check --host and --port"
+        )
+        raise CliError(f"cannot listen on {host}:{port}: {exc.strerror}: {hint}") from None
+    return listener
 
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -730,9 +730,10 @@ def resolve_devices(
 
     "auto" becomes every CUDA device visible to this process ("cuda:N", N in
     CUDA's visible order) or ["cpu"] when there is none or NVML is
-    unavailable. "cpu", "cuda" (= "cuda:0") and "cuda:N" are kept; with NVML
-    available, N must be below the visible count (ValueError naming the
-    device otherwise). Mixing is allowed; order (and repeats) are kept.
+    unavailable. "cpu", "cuda" (= "cuda:0") and "cuda:N" are kept; N must be
+    below the visible count, and without NVML (no NVIDIA driver) there is no
+    CUDA device at all (ValueError naming the device otherwise). Mixing is
+    allowed; order (and repeats) are kept.
     """
     if isinstance(spec, str):
         spec = [spec]
@@ -748,7 +749,12 @@ def resolve_devices(
         if ordinal is None:
             resolved.append("cpu")
             continue
-        if probe.available and ordinal >= len(visible):
+        if not probe.available:
+            raise ValueError(
+                f"device {device!r} does not exist: no NVIDIA GPU is usable here "
+                f"(NVML: {probe.reason}); use \"cpu\" or \"auto\""
+            )
+        if ordinal >= len(visible):
             raise ValueError(_not_visible(device, len(visible), environ))
         resolved.append(f"cuda:{ordinal}")
     return resolved
@@ -798,7 +804,8 @@ def resolve_worker_devices(
         if "cpu" in flat:
             raise ValueError(
                 "gpus_per_worker: no GPU visible (NVML: "
-                f"{probe.reason}); a worker on 'cpu' cannot own {gpus_per_worker} GPUs"
+                f"{probe.reason}); a worker on 'cpu' cannot own {gpus_per_worker} GPUs: "
+                "set gpus_per_worker = 1"
             )
         usable = len(flat) - len(flat) % gpus_per_worker
         if usable == 0:

@@ -31,6 +31,7 @@ from modelpool.backends import resolve_backend
 from modelpool.config import PoolConfig
 from modelpool.dispatcher import Dispatcher
 from modelpool.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded
+from modelpool.preflight import check_devices, check_model_source
 from modelpool.protocol import Prompt, WorkerSpec, encode_request
 from modelpool.records import GpuWorker, Request, Worker, WorkerIO
 from modelpool.results import PoolFuture, Result
@@ -106,23 +107,27 @@ class ModelPool:
     # ---- life cycle ------------------------------------------------------------------------
 
     def start(self) -> ModelPool:
-        """Start every worker and wait until all are ready; raise ``ModelLoadFailed`` if not."""
+        """Start every worker and wait until all are ready; raise ``ModelLoadFailed`` if not.
+
+        Before any worker starts, the devices and the model are checked once (see
+        :mod:`modelpool.preflight`): ``DeviceError`` (a ``ValueError``) or
+        ``ModelSourceError`` (a ``ModelLoadFailed``) in well under a second."""
         self._check_owner()
         if self._closed:
             raise PoolClosed("the pool is closed")
         if self._loop is None:
-            # Slow work (preparing an embedded model, probing NVML) outside the lock, so
-            # that a close() from another thread is not stuck behind it.
+            # Slow work (preparing an embedded model, probing NVML, fetching a hub model)
+            # outside the lock, so that a close() from another thread is not stuck
+            # behind it. The preflight fails here, in one line, what every worker would
+            # otherwise fail at, in turn, after loading torch.
             config = self.config
+            probe = self._gpu_probe or gpu.GpuProbe()
+            devices = check_devices(config, probe)
             model = _resolve_model(config.model)
             if model != config.model:
                 config = config.replace(model=model)
-            probe = self._gpu_probe or gpu.GpuProbe()
-            devices = gpu.resolve_worker_devices(
-                config.devices,
-                probe,
-                gpus_per_worker=config.gpus_per_worker,
-                slots=config.workers + config.spares,
+            worker_environ = check_model_source(
+                config.model, config.backend, config.backend_options
             )
             with self._start_lock:
                 if self._closed:
@@ -133,6 +138,7 @@ class ModelPool:
                         config,
                         devices,
                         probe,
+                        worker_environ=worker_environ,
                         on_started=self._on_started,
                         on_dequeued=self._on_dequeued,
                     )
