@@ -1,7 +1,9 @@
 """The public face: :class:`ModelPool`, its streams, and what they return.
 
-    with ModelPool(PoolConfig(model="./tiny", workers=2)) as pool:
-        result = pool.generate("Hello", max_new_tokens=16)
+    with ModelPool(PoolConfig(model="./chat-model", workers=2)) as pool:
+        result = pool.generate([{"role": "user", "content": "Hello"}], max_new_tokens=16)
+
+A chat model wants chat messages, as here; a string is raw text with no chat template.
 
 Every method here runs on the caller's thread (or asyncio task) and only hands work
 to the dispatcher thread (``supervisor.EventLoop.post``); the supervisor's docstring
@@ -57,11 +59,15 @@ def _close_live_pools() -> None:
 class ModelPool:
     """A supervised pool of pre-warmed worker processes serving one model.
 
-        with ModelPool(PoolConfig(model="./tiny", workers=2)) as pool:
-            result = pool.generate("Hello", max_new_tokens=16)
-            future = pool.submit("Hello")          # concurrent.futures.Future
-            for chunk in pool.stream("Hello"):     # text as it is generated
+        hello = [{"role": "user", "content": "Hello"}]  # a chat model wants messages
+        with ModelPool(PoolConfig(model="embedded:smollm2-135m-instruct")) as pool:
+            result = pool.generate(hello, max_new_tokens=16)
+            future = pool.submit(hello)            # concurrent.futures.Future
+            for chunk in pool.stream(hello):       # text as it is generated
                 print(chunk, end="")
+            pool.generate("The capital of France is")  # a string: raw text, no chat template
+
+    ``examples/`` in the repository has these, runnable (and run by the tests).
 
     ``start()`` returns once every worker has loaded the model and said ready.
     Every call resolves within its deadline with a :class:`Result` or a
@@ -209,6 +215,10 @@ class ModelPool:
         **gen_kwargs: Any,
     ) -> PoolFuture:
         """Queue a request; returns a future with ``request_id``. Validation errors raise here.
+
+        ``prompt``: chat messages (``[{"role": "user", "content": "Hello"}]``) for a chat
+        model, which renders them with its template; a string is raw text, continued as
+        it is (see :data:`modelpool.protocol.Prompt`).
 
         ``on_chunk(text)`` is called with each chunk as the worker streams it, on the
         dispatcher thread (keep it short; an exception in it is logged and ignored), for
