@@ -416,7 +416,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
             response = client.post(path, json=body)
         except httpx.HTTPError as exc:
             raise CliError(f"{args.url}: {exc}") from None
-    data = _json_or_error(response)
+    data = _json_or_error(response, args.api_key_env)
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -443,7 +443,7 @@ def _stream_remote(
     with client.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             response.read()
-            _json_or_error(response)
+            _json_or_error(response, args.api_key_env)
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -466,14 +466,21 @@ def _stream_remote(
     return 0
 
 
-def _json_or_error(response: Any) -> dict[str, Any]:
+def _json_or_error(response: Any, key_env: str) -> dict[str, Any]:
     try:
         data: dict[str, Any] = response.json()
     except ValueError:
         raise CliError(f"HTTP {response.status_code}: {response.text[:200]}") from None
     if response.status_code != 200:
         error = data.get("error", {}) if isinstance(data, dict) else {}
-        raise CliError(f"HTTP {response.status_code}: {error.get('message', data)}")
+        message = f"HTTP {response.status_code}: {error.get('message', data)}"
+        if response.status_code == 401:
+            sent = "the key in" if os.environ.get(key_env) else "no key: it is read from"
+            message += (
+                f" (this sent {sent} ${key_env}: set it to the daemon's key, "
+                "or name another variable with --api-key-env)"
+            )
+        raise CliError(message)
     return data
 
 
@@ -488,7 +495,7 @@ def _stats(args: argparse.Namespace) -> int:
             response = client.get("/stats")
         except httpx.HTTPError as exc:
             raise CliError(f"{args.url}: {exc}") from None
-    data = _json_or_error(response)
+    data = _json_or_error(response, args.api_key_env)
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
     else:
