@@ -307,7 +307,7 @@ def _generate(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     pool_config, _ = _load_configs(args)
     _check_embedded_extra(pool_config.model)
-    from modelpool.errors import PoolError
+    from modelpool.errors import PoolError, PreflightError
     from modelpool.pool import ModelPool
 
     prompt: Any = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
@@ -346,6 +346,9 @@ def _generate(args: argparse.Namespace) -> int:
                 )
             }
         stats = pool.stats().to_dict()
+    except PreflightError as exc:
+        # Before any worker started: the one line of any other configuration error.
+        raise CliError(str(exc)) from None
     except PoolError as exc:
         print(f"modelpool: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -672,7 +675,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     generate = commands.add_parser(
-        "generate", help="answer one prompt (a local pool, or a daemon with --url)"
+        "generate",
+        help="answer one prompt (a local pool, or a daemon with --url)",
+        description="Answer one prompt, sent as a chat message (--raw: as plain text), "
+        "through a local pool started for it, or through the daemon at --url. Prints the "
+        "answer, a timing line and the pool's stats (--json: one JSON document).",
     )
     generate.add_argument("prompt")
     generate.add_argument("--url", help="send to the daemon at URL instead of starting a pool")
@@ -692,7 +699,12 @@ def build_parser() -> argparse.ArgumentParser:
     with_logging(generate)
     generate.set_defaults(func=_generate, log_level="warning")
 
-    stats = commands.add_parser("stats", help="show a daemon's workers and counters")
+    stats = commands.add_parser(
+        "stats",
+        help="show a daemon's workers and counters",
+        description="Show the workers, counters and latency of the daemon at --url, "
+        "as tables (--json: the raw /stats document).",
+    )
     stats.add_argument("--url", default=DEFAULT_URL, help="daemon URL (default: %(default)s)")
     stats.add_argument("--json", action="store_true", help="print the raw /stats JSON")
     stats.add_argument(

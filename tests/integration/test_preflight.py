@@ -90,7 +90,7 @@ def test_a_directory_without_a_tokenizer_names_what_is_missing(
     assert "config.json" not in message and "weights" not in message, message
 
     line = one_line_error(run_cli("generate", "--model", str(partial), "--devices", "cpu", "hi"))
-    assert line.startswith("modelpool: ModelSourceError: model directory ") and "tokenizer" in line
+    assert line.startswith("modelpool: model directory ") and "tokenizer" in line
 
 
 def test_a_directory_without_config_or_weights_names_both(tmp_path: Path) -> None:
