@@ -524,6 +524,16 @@ def test_resolve_auto_without_driver() -> None:
         resolve_devices(["cuda:3"], probe, NO_CVD)
 
 
+def test_without_nvml_but_with_the_driver_nodes_cuda_devices_are_kept(tmp_path: Path) -> None:
+    """A container given CUDA's libraries but not NVML's: CUDA will say whether N exists."""
+    (tmp_path / "nvidia0").touch()
+    (tmp_path / "nvidiactl").touch()
+    probe = GpuProbe(FakeNvml(init_error=NVMLError_LibraryNotFound()), dev_root=tmp_path)
+    assert probe.driver_nodes and not probe.available
+    assert resolve_devices(["cuda", "cuda:3", "cpu"], probe, NO_CVD) == ["cuda:0", "cuda:3", "cpu"]
+    assert resolve_devices(["auto"], probe, NO_CVD) == ["cpu"]
+
+
 def test_resolve_auto_with_two_gpus() -> None:
     probe = GpuProbe(two_gpus())
     assert resolve_devices(["auto"], probe, NO_CVD) == ["cuda:0", "cuda:1"]
