@@ -163,6 +163,8 @@ def _has_tokenizer(path: Path) -> bool:
 def fetch_from_hub(repo_id: str, gguf_file: str | None) -> Path:
     """Download ``repo_id``'s files a worker reads into the hub cache, once; or find them
     there when offline. ``ModelSourceError`` when neither is possible."""
+    from modelpool.backends.hf import library_logs_through_root
+
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HFValidationError
@@ -170,6 +172,9 @@ def fetch_from_hub(repo_id: str, gguf_file: str | None) -> Path:
         raise ModelSourceError(
             f"model {repo_id!r} is a hub id, and huggingface_hub is not installed"
         ) from None
+    # The hub client's warnings (retries, a slow connection) are said once, here, as
+    # the workers' are (see the hf backend), not twice through two handlers.
+    library_logs_through_root()
     if gguf_file is not None:
         patterns = [*HUB_TEXT_PATTERNS, gguf_file]
     else:
