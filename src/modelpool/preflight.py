@@ -107,7 +107,7 @@ def check_model_source(model: str, backend: str, options: Mapping[str, Any]) -> 
             f"model {model!r} is a file: give the directory that holds it "
             "(and backend_options.gguf_file = the file's name, for a GGUF file)"
         )
-    if looks_like_a_path(model) or _is_not_a_repo_id(model):
+    if _looks_like_a_path(model) or _is_not_a_repo_id(model):
         raise ModelSourceError(
             f"model directory {model!r} does not exist (current directory {os.getcwd()})"
         )
@@ -116,7 +116,8 @@ def check_model_source(model: str, backend: str, options: Mapping[str, Any]) -> 
     return {HUB_OFFLINE_ENV: "1"}
 
 
-def looks_like_a_path(model: str) -> bool:
+def _looks_like_a_path(model: str) -> bool:
+    """As the hf backend tells a path from a hub id (``hf._looks_like_a_path``)."""
     return model.startswith(("/", "./", "../", "~"))
 
 
