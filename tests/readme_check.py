@@ -7,6 +7,9 @@ otherwise, which GitHub does not show::
     <!-- readme-check: skip daemon -->          not run, for the reason named
     <!-- readme-check: in examples/library.py -->  its text is in that file, which
                                                    tests/e2e/test_examples.py runs
+    <!-- readme-check: output previous -->         (before a block right after one that
+                                                   runs) its lines, in order, are lines
+                                                   that block prints
 
 A skip names one of :data:`SKIP_REASONS`; any other word is an error, so that every
 block left unrun says why.
@@ -90,6 +93,12 @@ def marker_problems(blocks: list[Block], root: Path) -> list[str]:
                 problems.append(
                     f"{where}: skip reason {argument!r} is none of {', '.join(SKIP_REASONS)}"
                 )
+        elif verb == "output":
+            shown_for = _previous(blocks, block)
+            if argument != "previous":
+                problems.append(f"{where}: output of {argument!r}? (output previous)")
+            elif shown_for is None or shown_for not in blocks_to_run(blocks):
+                problems.append(f"{where}: output of a block that is not run")
         elif verb == "in":
             path = root / argument
             if not path.is_file():
@@ -97,12 +106,32 @@ def marker_problems(blocks: list[Block], root: Path) -> list[str]:
             elif block.text not in path.read_text(encoding="utf-8"):
                 problems.append(f"{where}: the block is not, as written, in {argument}")
         else:
-            problems.append(f"{where}: unknown marker verb {verb!r} (skip or in)")
+            problems.append(f"{where}: unknown marker verb {verb!r} (skip, in or output)")
     return problems
 
 
 def blocks_to_run(blocks: list[Block]) -> list[Block]:
     return [b for b in blocks if b.language in RUNNABLE and b.marker is None]
+
+
+def _previous(blocks: list[Block], block: Block) -> Block | None:
+    index = blocks.index(block)
+    return blocks[index - 1] if index > 0 else None
+
+
+def expected_output(blocks: list[Block], block: Block) -> list[str] | None:
+    """The lines the README shows ``block`` printing (an ``output previous`` block right
+    after it), or None when it shows none."""
+    index = blocks.index(block)
+    if index + 1 < len(blocks) and blocks[index + 1].marker == ("output", "previous"):
+        return blocks[index + 1].text.splitlines()
+    return None
+
+
+def output_problems(expected: list[str], printed: str) -> list[str]:
+    """The expected lines that the output does not have, in that order."""
+    lines = iter(printed.splitlines())
+    return [line for line in expected if not any(line == got for got in lines)]
 
 
 Measured = float | str | None

@@ -26,8 +26,10 @@ from readme_check import (
     Measured,
     blocks_to_run,
     code_blocks,
+    expected_output,
     figure_problems,
     marker_problems,
+    output_problems,
     within,
     within_factor,
 )
@@ -72,6 +74,9 @@ def test_block_runs_as_written(block: Block) -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"README line {block.line}:\n{output[-3000:]}"
     assert "Traceback" not in output, f"README line {block.line}:\n{output[-3000:]}"
+    shown = expected_output(BLOCKS, block)
+    if shown is not None:
+        assert output_problems(shown, output) == [], f"README line {block.line} printed:\n{output}"
 
 
 # ---- figures ----------------------------------------------------------------------------------

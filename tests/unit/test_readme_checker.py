@@ -8,8 +8,10 @@ from readme_check import (
     Figure,
     blocks_to_run,
     code_blocks,
+    expected_output,
     figure_problems,
     marker_problems,
+    output_problems,
     within,
     within_factor,
 )
@@ -62,7 +64,7 @@ def test_markers_must_name_a_known_reason_and_a_file_holding_the_block(tmp_path:
     ]
     missing = SAMPLE.replace("in example.py", "in gone.py").replace("skip cluster", "run x")
     assert marker_problems(code_blocks(missing), tmp_path) == [
-        "README line 10: unknown marker verb 'run' (skip or in)",
+        "README line 10: unknown marker verb 'run' (skip, in or output)",
         "README line 15: gone.py does not exist",
     ]
 
@@ -104,3 +106,28 @@ def test_exact_and_timed_figures() -> None:
     assert figure_problems(SAMPLE, load, 4.3) == []
     assert figure_problems(SAMPLE, load, 17.0) != []  # four times slower than quoted, and more
     assert figure_problems(SAMPLE.replace("about 4 s", "about 0.5 s"), load, 4.3) != []
+
+
+SHOWN = """```bash
+printf 'a\\nb\\nc\\n'
+```
+
+<!-- readme-check: output previous -->
+```
+a
+c
+```
+"""
+
+
+def test_an_output_block_is_what_the_block_before_it_prints() -> None:
+    blocks = code_blocks(SHOWN)
+    assert marker_problems(blocks, Path(".")) == []
+    assert expected_output(blocks, blocks[0]) == ["a", "c"]
+    assert output_problems(["a", "c"], "a\nb\nc\n") == []
+    assert output_problems(["a", "c"], "c\na\n") == ["c"]  # in order
+    assert output_problems(["a", "d"], "a\nb\nc\n") == ["d"]
+    skipped = "<!-- readme-check: skip slow -->\n" + SHOWN
+    assert marker_problems(code_blocks(skipped), Path(".")) == [
+        "README line 7: output of a block that is not run"
+    ]
