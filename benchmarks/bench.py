@@ -448,7 +448,7 @@ def build_throughput(runs: Mapping[str, Mapping[int, Json]]) -> Json:
 
 
 def evaluate_targets(scenarios: Json) -> list[Json]:
-    """The issue's targets against the measured values (met: None where not measured)."""
+    """The design's targets against the measured values (met: None where not measured)."""
     targets: list[Json] = []
 
     def add(name: str, goal: str, value: float | None, met: bool | None, shown: str) -> None:
@@ -471,7 +471,7 @@ def evaluate_targets(scenarios: Json) -> list[Json]:
     add("b: dispatch p50 at or below the fastest of pebble/loky/PPE",
         f"<= {fmt_seconds(best)}" if best is not None else "<= fastest",
         mine, None if mine is None or best is None else mine <= best, fmt_seconds(mine))
-    add("b: dispatch p50 (issue 2)", "<= 0.2 ms", mine,
+    add("b: dispatch p50, the design target", "<= 0.2 ms", mine,
         None if mine is None else mine <= 0.2e-3, fmt_seconds(mine))
 
     hung = _get(scenarios, "c", "contenders") or {}
@@ -485,7 +485,7 @@ def evaluate_targets(scenarios: Json) -> list[Json]:
         worst, None if worst is None else worst < 0.1, fmt_seconds(worst))
     retry = _get(scenarios, "c", "retry_on_spare", "summary")
     value = _get(retry, "p50") if retry else None
-    add("c: attempt deadline -> retry on a spare, graces 0 (issue 2, p50)", "< 10 ms", value,
+    add("c: attempt deadline -> retry on a spare, graces 0 (p50)", "< 10 ms", value,
         None if value is None else value < 0.01,
         f"{fmt_seconds(value)} (max {fmt_seconds(_get(retry, 'max'))})" if retry else "-")
 

@@ -38,6 +38,18 @@ default_python_version() {
     fi
 }
 
+# The newest pyenv interpreter of version 3.X ($PYENV_ROOT/versions/3.X.*), or nothing.
+pyenv_python() {
+    local version="$1" candidate
+    while read -r candidate; do
+        if [ -n "$candidate" ] && [ "$(python_version "$candidate")" = "$version" ]; then
+            echo "$candidate"
+            return
+        fi
+    done < <(ls -d "${PYENV_ROOT:-$HOME/.pyenv}/versions/$version".*/bin/python"$version" \
+        2>/dev/null | sort -V -r)
+}
+
 # Sets PY_VERSION, VENV and PY for $PYTHON, or exits with the reason. Without $PYTHON it
 # is .venv's own Python (the one a user made it with), or python3 for a new .venv.
 select_python() {
@@ -47,8 +59,18 @@ select_python() {
     fi
     python="${python:-python3}"
     PY_VERSION="$(python_version "$python")"
+    if [ -z "$PY_VERSION" ] && [[ "$python" =~ ^python(3\.[0-9]+)$ ]]; then
+        # Not on PATH: where scripts/test-pythons also looks.
+        local found
+        found="$(pyenv_python "${BASH_REMATCH[1]}")"
+        if [ -n "$found" ]; then
+            python="$found"
+            PY_VERSION="$(python_version "$python")"
+        fi
+    fi
     if [ -z "$PY_VERSION" ]; then
-        echo "bootstrap: cannot run the interpreter '$python'" >&2
+        echo "bootstrap: cannot run the interpreter '$python' (neither on PATH nor under" \
+            "${PYENV_ROOT:-$HOME/.pyenv}/versions)" >&2
         exit 2
     fi
     if ! supported_pythons | grep -qx "$PY_VERSION"; then
@@ -122,10 +144,39 @@ bootstrap() {
     digest="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"
     stamp="$VENV/.modelpool-installed-${extras//,/-}-$digest"
     if [ ! -f "$stamp" ]; then
-        echo "bootstrap: installing modelpool[$extras]" >&2
+        echo "bootstrap: installing modelpool[$extras] into $VENV, once (pip is quiet until" \
+            "it is done; a minute or more the first time): $(extra_packages "$extras")" >&2
         "$PY" -m pip install --quiet -e "$ROOT[$extras]" "torch==$TORCH_PIN"
         touch "$stamp"
     fi
+}
+
+# The packages the extras bring, nested modelpool[...] extras followed, comma-separated:
+# named before an install that may take minutes without a word from pip.
+extra_packages() {
+    "$PY" - "$ROOT/pyproject.toml" "$1" <<'PYTHON'
+import re
+import sys
+import tomllib
+
+with open(sys.argv[1], "rb") as pyproject:
+    extras = tomllib.load(pyproject)["project"]["optional-dependencies"]
+todo, seen, names = sys.argv[2].split(","), set(), []
+while todo:
+    extra = todo.pop(0)
+    if extra in seen or extra not in extras:
+        continue
+    seen.add(extra)
+    for requirement in extras[extra]:
+        nested = re.fullmatch(r"modelpool\[([^\]]+)\]", requirement)
+        if nested:
+            todo.extend(nested.group(1).split(","))
+            continue
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement)
+        if name and name.group(0) not in names:
+            names.append(name.group(0))
+print(", ".join(names))
+PYTHON
 }
 
 # haproxy (Debian package) for scripts/scale-out and its short variant in the tests:

@@ -22,6 +22,7 @@ the extra that provides it.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import ipaddress
 import json
@@ -29,6 +30,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -186,8 +188,11 @@ def _serve(args: argparse.Namespace) -> int:
         ) from None
     _check_embedded_extra(pool_config.model)
     from modelpool.embedded import EmbeddedModelError
-    from modelpool.errors import PoolError
+    from modelpool.errors import PoolError, PreflightError
 
+    # Bound now, listening only once the pool is ready: a port in use is said before
+    # the workers load (minutes for a large model), not after.
+    listener = _bind_port(server_config.host, server_config.port)
     if api_key_from_env(server_config) is None and not _is_loopback(server_config.host):
         env = server_config.api_key_env
         hint = f"set {env}" if env else "set [server] api_key_env and that variable"
@@ -200,11 +205,16 @@ def _serve(args: argparse.Namespace) -> int:
     pool = ModelPool(pool_config)
     previous = _on_signals(_raise_stop)
     server: DrainingServer | None = None
+    preflight_failed = False
     try:
         try:
             # The port opens only after every worker is ready, so a load balancer or a
             # client never reaches a daemon that cannot answer yet.
             pool.start()
+        except PreflightError as exc:
+            # Before any worker started: the one line of any other configuration error.
+            preflight_failed = True
+            raise CliError(str(exc)) from None
         except (PoolError, EmbeddedModelError) as exc:
             logger.error("the pool did not start: %s", exc)
             return 1
@@ -215,7 +225,7 @@ def _serve(args: argparse.Namespace) -> int:
             pool.config.workers,
             model_name,
             server_config.host,
-            server_config.port,
+            listener.getsockname()[1],
         )
         server = DrainingServer(
             uvicorn.Config(
@@ -230,7 +240,7 @@ def _serve(args: argparse.Namespace) -> int:
             ),
             app.state.modelpool,
         )
-        server.run()
+        server.run(sockets=[listener])
     except _StopRequested:
         logger.info("stopped while starting")
     finally:
@@ -239,9 +249,30 @@ def _serve(args: argparse.Namespace) -> int:
         # Drained already when uvicorn waited for its connections; a forced stop
         # fails whatever is left at once.
         pool.close(drain=drain, timeout=5.0 if drain else 0.0)
+        listener.close()
         _restore_signals(previous)
-        logger.info("stopped")
+        if not preflight_failed:
+            logger.info("stopped")
     return 0
+
+
+def _bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (not listening yet), or a one-line CliError."""
+    # As uvicorn binds: IPv6 for an address with a colon, and a port held only by the
+    # TIME_WAIT of a previous run counts as free.
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        hint = (
+            "stop what uses it, or choose another with --port"
+            if exc.errno == errno.EADDRINUSE
+            else "check --host and --port"
+        )
+        raise CliError(f"cannot listen on {host}:{port}: {exc.strerror}: {hint}") from None
+    return listener
 
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -276,7 +307,7 @@ def _generate(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     pool_config, _ = _load_configs(args)
     _check_embedded_extra(pool_config.model)
-    from modelpool.errors import PoolError
+    from modelpool.errors import PoolError, PreflightError
     from modelpool.pool import ModelPool
 
     prompt: Any = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
@@ -315,6 +346,9 @@ def _generate(args: argparse.Namespace) -> int:
                 )
             }
         stats = pool.stats().to_dict()
+    except PreflightError as exc:
+        # Before any worker started: the one line of any other configuration error.
+        raise CliError(str(exc)) from None
     except PoolError as exc:
         print(f"modelpool: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -385,7 +419,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
             response = client.post(path, json=body)
         except httpx.HTTPError as exc:
             raise CliError(f"{args.url}: {exc}") from None
-    data = _json_or_error(response)
+    data = _json_or_error(response, args.api_key_env)
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -412,7 +446,7 @@ def _stream_remote(
     with client.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             response.read()
-            _json_or_error(response)
+            _json_or_error(response, args.api_key_env)
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -435,14 +469,21 @@ def _stream_remote(
     return 0
 
 
-def _json_or_error(response: Any) -> dict[str, Any]:
+def _json_or_error(response: Any, key_env: str) -> dict[str, Any]:
     try:
         data: dict[str, Any] = response.json()
     except ValueError:
         raise CliError(f"HTTP {response.status_code}: {response.text[:200]}") from None
     if response.status_code != 200:
         error = data.get("error", {}) if isinstance(data, dict) else {}
-        raise CliError(f"HTTP {response.status_code}: {error.get('message', data)}")
+        message = f"HTTP {response.status_code}: {error.get('message', data)}"
+        if response.status_code == 401:
+            sent = "the key in" if os.environ.get(key_env) else "no key: it is read from"
+            message += (
+                f" (this sent {sent} ${key_env}: set it to the daemon's key, "
+                "or name another variable with --api-key-env)"
+            )
+        raise CliError(message)
     return data
 
 
@@ -457,7 +498,7 @@ def _stats(args: argparse.Namespace) -> int:
             response = client.get("/stats")
         except httpx.HTTPError as exc:
             raise CliError(f"{args.url}: {exc}") from None
-    data = _json_or_error(response)
+    data = _json_or_error(response, args.api_key_env)
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
     else:
@@ -634,7 +675,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     generate = commands.add_parser(
-        "generate", help="answer one prompt (a local pool, or a daemon with --url)"
+        "generate",
+        help="answer one prompt (a local pool, or a daemon with --url)",
+        description="Answer one prompt, sent as a chat message (--raw: as plain text), "
+        "through a local pool started for it, or through the daemon at --url. Prints the "
+        "answer, a timing line and the pool's stats (--json: one JSON document).",
     )
     generate.add_argument("prompt")
     generate.add_argument("--url", help="send to the daemon at URL instead of starting a pool")
@@ -654,7 +699,12 @@ def build_parser() -> argparse.ArgumentParser:
     with_logging(generate)
     generate.set_defaults(func=_generate, log_level="warning")
 
-    stats = commands.add_parser("stats", help="show a daemon's workers and counters")
+    stats = commands.add_parser(
+        "stats",
+        help="show a daemon's workers and counters",
+        description="Show the workers, counters and latency of the daemon at --url, "
+        "as tables (--json: the raw /stats document).",
+    )
     stats.add_argument("--url", default=DEFAULT_URL, help="daemon URL (default: %(default)s)")
     stats.add_argument("--json", action="store_true", help="print the raw /stats JSON")
     stats.add_argument(

@@ -19,8 +19,14 @@ happened to each try::
     ├── PoolOverloaded
     ├── PoolClosed
     ├── ModelLoadFailed
+    │   └── ModelSourceError  found before any worker started (preflight.py)
+    ├── DeviceError           (also ValueError) found before any worker started
     └── InvalidRequest        (also ValueError)
         └── ContextLengthExceeded
+
+``ModelSourceError`` and ``DeviceError`` are both a ``PreflightError``: the checks
+``ModelPool.start()`` runs before it spawns a worker (:mod:`modelpool.preflight`).
+Their message is one line that names the problem and what to change.
 """
 
 from __future__ import annotations
@@ -189,6 +195,20 @@ class ModelLoadFailed(PoolError):
     def copy(self) -> ModelLoadFailed:
         """The same failure for another caller: each error carries its own ``request_id``."""
         return ModelLoadFailed(self.message, worker_traceback=self.worker_traceback)
+
+
+class PreflightError(PoolError):
+    """A check before any worker started found that the pool cannot run as configured."""
+
+
+class ModelSourceError(PreflightError, ModelLoadFailed):
+    """The model cannot be loaded from where it is said to be: a hub id that is neither
+    cached nor downloadable, or a directory that lacks what a model needs. Also a
+    ``ModelLoadFailed``, which is what the workers would have ended in, later."""
+
+
+class DeviceError(PreflightError, ValueError):
+    """``devices`` or ``gpus_per_worker`` names GPUs this machine does not have."""
 
 
 class InvalidRequest(PoolError, ValueError):

@@ -138,17 +138,28 @@ class GpuProbe:
 
     ``nvml`` is the NVML binding module (``pynvml``) or a stand-in with the same
     function names (tests); None imports ``pynvml``. ``proc_root`` is where
-    holders are looked up when a release check fails.
+    holders are looked up when a release check fails. ``dev_root`` is where the
+    driver's device nodes (``nvidia0``, ``nvidiactl``) are looked for when NVML is
+    unavailable (``driver_nodes``): a container given the compute libraries but
+    not NVML still has a GPU. It defaults to "/dev" with the real NVML only: a
+    stand-in describes a machine of its own.
 
     Thread-safety: NVML itself is thread-safe; the probe's caches are filled
     idempotently, so concurrent readers are harmless.
     """
 
     def __init__(
-        self, nvml: Any | None = None, *, proc_root: str | os.PathLike[str] = "/proc"
+        self,
+        nvml: Any | None = None,
+        *,
+        proc_root: str | os.PathLike[str] = "/proc",
+        dev_root: str | os.PathLike[str] | None = None,
     ) -> None:
         self.available = False
         self.reason = ""
+        if dev_root is None and nvml is None:
+            dev_root = "/dev"
+        self.driver_nodes = dev_root is not None and any(Path(dev_root).glob("nvidia[0-9c]*"))
         self.proc_root = Path(proc_root)
         self._nvml: Any = None
         self._count = 0
@@ -730,9 +741,11 @@ def resolve_devices(
 
     "auto" becomes every CUDA device visible to this process ("cuda:N", N in
     CUDA's visible order) or ["cpu"] when there is none or NVML is
-    unavailable. "cpu", "cuda" (= "cuda:0") and "cuda:N" are kept; with NVML
-    available, N must be below the visible count (ValueError naming the
-    device otherwise). Mixing is allowed; order (and repeats) are kept.
+    unavailable. "cpu", "cuda" (= "cuda:0") and "cuda:N" are kept; N must be
+    below the visible count, and without NVML and without the driver's device
+    nodes there is no CUDA device at all (ValueError naming the device
+    otherwise; with the nodes but not NVML, N is not checked). Mixing is
+    allowed; order (and repeats) are kept.
     """
     if isinstance(spec, str):
         spec = [spec]
@@ -748,7 +761,16 @@ def resolve_devices(
         if ordinal is None:
             resolved.append("cpu")
             continue
-        if probe.available and ordinal >= len(visible):
+        if not probe.available:
+            if probe.driver_nodes:
+                # The driver is there without NVML: CUDA itself will say whether N exists.
+                resolved.append(f"cuda:{ordinal}")
+                continue
+            raise ValueError(
+                f"device {device!r} does not exist: no NVIDIA GPU is usable here "
+                f"(NVML: {probe.reason}; no /dev/nvidia* device); use \"cpu\" or \"auto\""
+            )
+        if ordinal >= len(visible):
             raise ValueError(_not_visible(device, len(visible), environ))
         resolved.append(f"cuda:{ordinal}")
     return resolved
@@ -798,7 +820,8 @@ def resolve_worker_devices(
         if "cpu" in flat:
             raise ValueError(
                 "gpus_per_worker: no GPU visible (NVML: "
-                f"{probe.reason}); a worker on 'cpu' cannot own {gpus_per_worker} GPUs"
+                f"{probe.reason}); a worker on 'cpu' cannot own {gpus_per_worker} GPUs: "
+                "set gpus_per_worker = 1"
             )
         usable = len(flat) - len(flat) % gpus_per_worker
         if usable == 0:

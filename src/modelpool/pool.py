@@ -1,7 +1,9 @@
 """The public face: :class:`ModelPool`, its streams, and what they return.
 
-    with ModelPool(PoolConfig(model="./tiny", workers=2)) as pool:
-        result = pool.generate("Hello", max_new_tokens=16)
+    with ModelPool(PoolConfig(model="./chat-model", workers=2)) as pool:
+        result = pool.generate([{"role": "user", "content": "Hello"}], max_new_tokens=16)
+
+A chat model wants chat messages, as here; a string is raw text with no chat template.
 
 Every method here runs on the caller's thread (or asyncio task) and only hands work
 to the dispatcher thread (``supervisor.EventLoop.post``); the supervisor's docstring
@@ -31,6 +33,7 @@ from modelpool.backends import resolve_backend
 from modelpool.config import PoolConfig
 from modelpool.dispatcher import Dispatcher
 from modelpool.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded
+from modelpool.preflight import check_devices, check_model_source
 from modelpool.protocol import Prompt, WorkerSpec, encode_request
 from modelpool.records import GpuWorker, Request, Worker, WorkerIO
 from modelpool.results import PoolFuture, Result
@@ -56,11 +59,15 @@ def _close_live_pools() -> None:
 class ModelPool:
     """A supervised pool of pre-warmed worker processes serving one model.
 
-        with ModelPool(PoolConfig(model="./tiny", workers=2)) as pool:
-            result = pool.generate("Hello", max_new_tokens=16)
-            future = pool.submit("Hello")          # concurrent.futures.Future
-            for chunk in pool.stream("Hello"):     # text as it is generated
+        hello = [{"role": "user", "content": "Hello"}]  # a chat model wants messages
+        with ModelPool(PoolConfig(model="embedded:smollm2-135m-instruct")) as pool:
+            result = pool.generate(hello, max_new_tokens=16)
+            future = pool.submit(hello)            # concurrent.futures.Future
+            for chunk in pool.stream(hello):       # text as it is generated
                 print(chunk, end="")
+            pool.generate("The capital of France is")  # a string: raw text, no chat template
+
+    ``examples/`` in the repository has these, runnable (and run by the tests).
 
     ``start()`` returns once every worker has loaded the model and said ready.
     Every call resolves within its deadline with a :class:`Result` or a
@@ -106,23 +113,27 @@ class ModelPool:
     # ---- life cycle ------------------------------------------------------------------------
 
     def start(self) -> ModelPool:
-        """Start every worker and wait until all are ready; raise ``ModelLoadFailed`` if not."""
+        """Start every worker and wait until all are ready; raise ``ModelLoadFailed`` if not.
+
+        Before any worker starts, the devices and the model are checked once (see
+        :mod:`modelpool.preflight`): ``DeviceError`` (a ``ValueError``) or
+        ``ModelSourceError`` (a ``ModelLoadFailed``) in well under a second."""
         self._check_owner()
         if self._closed:
             raise PoolClosed("the pool is closed")
         if self._loop is None:
-            # Slow work (preparing an embedded model, probing NVML) outside the lock, so
-            # that a close() from another thread is not stuck behind it.
+            # Slow work (preparing an embedded model, probing NVML, fetching a hub model)
+            # outside the lock, so that a close() from another thread is not stuck
+            # behind it. The preflight fails here, in one line, what every worker would
+            # otherwise fail at, in turn, after loading torch.
             config = self.config
+            probe = self._gpu_probe or gpu.GpuProbe()
+            devices = check_devices(config, probe)
             model = _resolve_model(config.model)
             if model != config.model:
                 config = config.replace(model=model)
-            probe = self._gpu_probe or gpu.GpuProbe()
-            devices = gpu.resolve_worker_devices(
-                config.devices,
-                probe,
-                gpus_per_worker=config.gpus_per_worker,
-                slots=config.workers + config.spares,
+            worker_environ = check_model_source(
+                config.model, config.backend, config.backend_options
             )
             with self._start_lock:
                 if self._closed:
@@ -133,6 +144,7 @@ class ModelPool:
                         config,
                         devices,
                         probe,
+                        worker_environ=worker_environ,
                         on_started=self._on_started,
                         on_dequeued=self._on_dequeued,
                     )
@@ -203,6 +215,10 @@ class ModelPool:
         **gen_kwargs: Any,
     ) -> PoolFuture:
         """Queue a request; returns a future with ``request_id``. Validation errors raise here.
+
+        ``prompt``: chat messages (``[{"role": "user", "content": "Hello"}]``) for a chat
+        model, which renders them with its template; a string is raw text, continued as
+        it is (see :data:`modelpool.protocol.Prompt`).
 
         ``on_chunk(text)`` is called with each chunk as the worker streams it, on the
         dispatcher thread (keep it short; an exception in it is logged and ignored), for

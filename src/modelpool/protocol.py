@@ -98,6 +98,16 @@ class TokenIds:
 
 
 Prompt = str | Sequence[ChatMessage] | TokenIds
+"""What a request asks the model. Which form matters as much as the words:
+
+- a list of chat messages, ``[{"role": "user", "content": "Hello"}]``: rendered with the
+  model's chat template. What a chat (instruct) model such as the embedded default
+  expects; ``modelpool generate`` and ``/v1/chat/completions`` send this.
+- a string, ``"Hello"``: raw text, continued as it is, with no template. Right for a base
+  model or a completion (``/v1/completions``, ``generate --raw``); a chat model given a
+  bare string does not answer it, it rambles on from it.
+- :class:`TokenIds`: token ids, fed to the model as they are.
+"""
 
 
 @dataclass(frozen=True)

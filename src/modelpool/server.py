@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -862,6 +863,14 @@ class DrainingServer(uvicorn.Server):
         self.app_state = state
         self.signals = 0
         self.forced = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if sockets is not None:
+            # The daemon binds its port before the pool loads and hands the socket over;
+            # uvicorn then leaves out its "Uvicorn running on ..." line (it expects its
+            # own process manager to have said it), which says the port now listens.
+            self._log_started_message(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

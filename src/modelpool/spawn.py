@@ -44,6 +44,9 @@ def build_env(device_env: Mapping[str, str], threads_per_worker: int) -> dict[st
     env.setdefault("MKL_NUM_THREADS", threads)
     env.setdefault("MODELPOOL_TORCH_THREADS", threads)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Progress bars come from the supervisor alone (preparing or downloading the model):
+    # one "Loading weights" bar per worker would interleave in the daemon's log.
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     return env
 
 

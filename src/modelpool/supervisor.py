@@ -82,7 +82,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from modelpool import gpu
@@ -158,6 +158,7 @@ class EventLoop:
         devices: list[str],
         probe: gpu.GpuProbe,
         *,
+        worker_environ: Mapping[str, str] | None = None,
         on_started: Callable[[BaseException | None], None],
         on_dequeued: Callable[[], None],
     ) -> None:
@@ -183,6 +184,9 @@ class EventLoop:
         # Devices are mapped once, here: an application that changes CUDA_VISIBLE_DEVICES
         # after start() (to hide the GPU from itself, say) must not remap its workers.
         self.environ = dict(os.environ)
+        # Added to every worker's environment: what the preflight found they need
+        # (HF_HUB_OFFLINE=1 once it has put a hub model in the cache).
+        self.worker_environ = dict(worker_environ or {})
         self.dispatcher = Dispatcher(
             config,
             self,
@@ -376,7 +380,7 @@ class EventLoop:
             if index is not None:
                 worker.gpu_baselines[device] = self.probe.used_bytes(index)
         io = start_worker_process(
-            build_env(device_env, self._threads_per_worker),
+            build_env({**self.worker_environ, **device_env}, self._threads_per_worker),
             self._lifeline_r,
             lambda io: self._want_write(worker, io),
             spec.max_batch_size,

@@ -110,6 +110,23 @@ def test_api_key_is_required_except_for_probes(keyed: Daemon) -> None:
     )
 
 
+def test_the_cli_answered_401_says_which_variable_holds_the_key(keyed: Daemon) -> None:
+    env = {k: v for k, v in os.environ.items() if k != KEY_ENV}
+    stats = [*modelpool_command(), "stats", "--url", keyed.url, "--api-key-env", KEY_ENV]
+    refused = subprocess.run(stats, capture_output=True, text=True, env=env, timeout=60)
+    assert refused.returncode == 1
+    [line] = refused.stderr.splitlines()
+    assert line.startswith("modelpool: HTTP 401: "), line  # then the daemon's own words
+    assert line.endswith(
+        f"(this sent no key: it is read from ${KEY_ENV}: set it to the daemon's key, "
+        "or name another variable with --api-key-env)"
+    ), line
+    allowed = subprocess.run(
+        [*stats, "--json"], capture_output=True, text=True, env={**env, KEY_ENV: KEY}, timeout=60
+    )
+    assert allowed.returncode == 0, allowed.stderr
+
+
 def _stream_text(url: str, prompt: str) -> str:
     text: list[str] = []
     body = {"prompt": prompt, "stream": True}

@@ -7,6 +7,8 @@ never become a character, which is what the streaming checks need.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -440,3 +442,31 @@ def test_max_memory_and_a_gpu_group_load_through_accelerate(
         )
     assert seen[-1]["device_map"] == "auto"
     assert seen[-1]["max_memory"] == {0: 1 << 30, 1: "1GiB"}
+
+
+LIBRARY_WARNINGS = """
+import logging, sys
+logging.basicConfig(stream=sys.stdout, format="root %(name)s: %(message)s")
+from huggingface_hub.utils import logging as hub_logging
+from transformers.utils import logging as transformers_logging
+from modelpool.backends.hf import library_logs_through_root
+library_logs_through_root()
+hub_logging.get_logger("huggingface_hub.file_download").warning("hub warning")
+transformers_logging.get_logger("transformers.modeling_utils").warning("transformers warning")
+"""
+
+
+def test_library_warnings_reach_the_root_handler_once_each() -> None:
+    """In a worker the root handler forwards to the supervisor: huggingface_hub's warnings
+    came out twice (its handler, then the root's) and transformers' bare, unnamed."""
+    result = subprocess.run(
+        [sys.executable, "-c", LIBRARY_WARNINGS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert (result.stdout + result.stderr).splitlines() == [
+        "root huggingface_hub.file_download: hub warning",
+        "root transformers.modeling_utils: transformers warning",
+    ]

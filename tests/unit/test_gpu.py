@@ -518,8 +518,20 @@ def test_holders_are_capped(tmp_path: Path) -> None:
 def test_resolve_auto_without_driver() -> None:
     probe = GpuProbe(FakeNvml(init_error=NVMLError_LibraryNotFound()))
     assert resolve_devices(["auto"], probe, NO_CVD) == ["cpu"]
-    # Explicit devices are kept (not validated) when NVML cannot tell.
+    assert resolve_devices(["cpu"], probe, NO_CVD) == ["cpu"]
+    # No NVIDIA driver, no CUDA device: said before a worker starts, not by torch in each.
+    with pytest.raises(ValueError, match=r"'cuda:3' does not exist: no NVIDIA GPU .*use \"cpu\""):
+        resolve_devices(["cuda:3"], probe, NO_CVD)
+
+
+def test_without_nvml_but_with_the_driver_nodes_cuda_devices_are_kept(tmp_path: Path) -> None:
+    """A container given CUDA's libraries but not NVML's: CUDA will say whether N exists."""
+    (tmp_path / "nvidia0").touch()
+    (tmp_path / "nvidiactl").touch()
+    probe = GpuProbe(FakeNvml(init_error=NVMLError_LibraryNotFound()), dev_root=tmp_path)
+    assert probe.driver_nodes and not probe.available
     assert resolve_devices(["cuda", "cuda:3", "cpu"], probe, NO_CVD) == ["cuda:0", "cuda:3", "cpu"]
+    assert resolve_devices(["auto"], probe, NO_CVD) == ["cpu"]
 
 
 def test_resolve_auto_with_two_gpus() -> None:

@@ -116,3 +116,35 @@ def test_an_unsupported_python_is_refused_with_the_supported_list(checkout: Path
     assert "Python 3.10" in result.stderr
     for version in classifier_versions():
         assert version in result.stderr
+
+
+def test_a_python_named_by_version_is_found_under_pyenv_too(
+    checkout: Path, tmp_path: Path
+) -> None:
+    """PYTHON=python3.X finds $PYENV_ROOT/versions/3.X.*, as scripts/test-pythons does."""
+    absent = [
+        v for v in classifier_versions() if not shutil.which(f"python{v}", path="/usr/bin:/bin")
+    ]
+    if not absent:
+        pytest.skip("every supported version is on /usr/bin here")
+    version = absent[-1]
+    pyenv = tmp_path / "pyenv"
+    found = _fake_python(pyenv / "versions" / f"{version}.1" / "bin" / f"python{version}", version)
+    result = subprocess.run(
+        [
+            "bash",
+            "-c",
+            'source scripts/_bootstrap.sh && select_python && echo "$PY_VERSION $PYTHON_FOR_VENV"',
+        ],
+        cwd=checkout,
+        env={
+            "PATH": f"{checkout / 'bin'}:/usr/bin:/bin",
+            "PYENV_ROOT": str(pyenv),
+            "PYTHON": f"python{version}",
+        },
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.stdout.split() == [version, str(found)], result.stderr

@@ -222,6 +222,7 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    library_logs_through_root()
     if threads is not None:
         torch.set_num_threads(threads)
         try:
@@ -611,6 +612,28 @@ def _token_ids(value: int | list[int] | None) -> frozenset[int]:
     if value is None:
         return frozenset()
     return frozenset([value] if isinstance(value, int) else value)
+
+
+# Libraries that print to stderr through a handler of their own.
+_LIBRARY_LOGGERS = ("huggingface_hub", "transformers")
+
+
+def library_logs_through_root() -> None:
+    """When the root logger has a handler (a worker's forwards each record to the
+    supervisor), send transformers' and huggingface_hub's records through it alone.
+
+    Each library adds its own stderr handler; huggingface_hub also propagates to the root,
+    so in a worker each of its warnings came out twice, and transformers' came out bare,
+    without the worker's name. Called once they are imported (they configure their
+    loggers then)."""
+    if not logging.getLogger().handlers:
+        return  # no root handler: the libraries' own are the only ones that print
+    for name in _LIBRARY_LOGGERS:
+        library = logging.getLogger(name)
+        for handler in list(library.handlers):
+            if type(handler) is logging.StreamHandler:
+                library.removeHandler(handler)
+        library.propagate = True
 
 
 def _looks_like_a_path(model: str) -> bool:
