@@ -25,6 +25,7 @@ Only the public API is used, so the same script measures any checkout: run it wi
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
 import statistics
@@ -66,6 +67,8 @@ class Streamer(threading.Thread):
                 self.times.append(time.perf_counter())
         except PoolError as exc:
             self.error = type(exc).__name__
+        except concurrent.futures.CancelledError:
+            pass  # closed by the benchmark once it has what it measures
         self.ended_at = time.perf_counter()
 
 
@@ -85,10 +88,11 @@ def _pool(model_dir: str, *, batch: int, stall_timeout_s: float | None = None) -
 
 
 def _wait_streaming(streamers: Sequence[Streamer], chunks: int) -> None:
-    deadline = time.monotonic() + 120
-    while any(len(s.times) < chunks for s in streamers):
+    """Until each has ``chunks`` chunks or has ended (a request lost with its worker)."""
+    deadline = time.monotonic() + 300
+    while any(len(s.times) < chunks and s.ended_at is None for s in streamers):
         if time.monotonic() > deadline:
-            raise RuntimeError("the running requests did not start streaming")
+            raise RuntimeError("the running requests did not stream")
         time.sleep(0.01)
 
 
@@ -114,8 +118,7 @@ def inter_token_latency(model_dir: str, prompt_tokens: int) -> Json:
         normal = [
             end - start
             for s in streamers
-            for start, end in _gaps(s.times)[-10:]
-            if end <= submitted
+            for start, end in [gap for gap in _gaps(s.times) if gap[1] <= submitted][-10:]
         ]
         during = [
             end - start
