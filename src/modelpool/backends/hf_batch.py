@@ -29,9 +29,12 @@ leave the batch together as ``protocol.RowsLost`` (the pool retries them and
 tracks suspects) while waiting and prefilling requests stay.
 
 ``prefill_chunk_tokens`` (a load option): a number of prompt tokens per step,
-or "auto" (the default), which sizes each step's slices from measured costs:
-about one decoding step's time while rows are decoding, about a quarter of a
-second when none is (cancels are still read four times a second).
+or "auto" (the default), which sizes each step's slices by timing them: about
+1.5 decoding steps while rows are decoding (so a step lasts about 2.5 normal
+ones while a long prompt is read), about a quarter of a second when none is
+(cancels are still read four times a second). Each slice is its own forward
+pass, so on a CPU a long prompt's time to first token grows while it shares
+the worker with decoding rows: that is the price of their inter-token latency.
 
 Why our own loop rather than transformers' ``ContinuousBatchingManager``
 (``generate_batch``): on CPU its paged path measured 33 tok/s against 94 tok/s
@@ -84,9 +87,10 @@ DEFAULT_KV_CACHE_TOKENS = 16384
 about 750 MB for SmolLM2-135M in float32 (30 layers x 2 x 3 heads x 64 x 4 bytes a token)."""
 
 PrefillChunk = int | Literal["auto"]
-_AUTO_FIRST_SLICE = 64  # tokens, before any cost is measured
+_AUTO_FIRST_SLICE = 64  # tokens, before any slice is timed
 _AUTO_MIN_SLICE = 16
 _AUTO_MAX_SLICE = 4096
+_AUTO_SLICE_OVER_STEP = 1.5  # a slice's target time, in decoding steps, while rows decode
 _AUTO_SOLO_SLICE_S = 0.25  # a slice's target time when no row is decoding
 
 _SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
@@ -198,9 +202,10 @@ class BatchEngine:
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [rows, columns], 1 where a real token is
         self._last: torch.Tensor | None = None  # [rows], each row's latest token
-        # Measured costs for the "auto" slice size (exponential moving averages).
+        # The "auto" slice size, steered by timing each full slice against its target, and
+        # the decoding step's time (an exponential moving average) that sets the target.
+        self._auto_slice = _AUTO_FIRST_SLICE
         self._decode_step_s: float | None = None
-        self._prefill_token_s: float | None = None
 
     # ---- the BatchedHandler surface ------------------------------------------------------
 
@@ -333,11 +338,22 @@ class BatchEngine:
     def _slice_budget(self) -> int:
         if self.prefill_chunk_tokens != "auto":
             return self.prefill_chunk_tokens
-        if self._prefill_token_s is None:
-            return _AUTO_FIRST_SLICE
-        target_s = self._decode_step_s if self.rows and self._decode_step_s else None
-        tokens = (target_s or _AUTO_SOLO_SLICE_S) / max(self._prefill_token_s, 1e-7)
-        return int(min(_AUTO_MAX_SLICE, max(_AUTO_MIN_SLICE, tokens)))
+        return self._auto_slice
+
+    def _steer_slice(self, tokens: int, seconds: float) -> None:
+        """Resize the "auto" slice from a full slice's time against its target: about 1.5
+        decoding steps while rows decode (a step then lasts about 2.5 normal ones), a
+        quarter of a second when none does. Steered by time, not by a per-token cost: a
+        pass has a fixed cost (reading the weights) that small slices would overweight,
+        shrinking the slice further and further."""
+        if self.prefill_chunk_tokens != "auto" or tokens < self._auto_slice:
+            return
+        if self.rows and self._decode_step_s:
+            target_s = _AUTO_SLICE_OVER_STEP * self._decode_step_s
+        else:
+            target_s = _AUTO_SOLO_SLICE_S
+        scale = min(2.0, max(0.5, target_s / max(seconds, 1e-6)))
+        self._auto_slice = int(min(_AUTO_MAX_SLICE, max(_AUTO_MIN_SLICE, tokens * scale)))
 
     def _prefill_slices(self, finished: list[Finished]) -> None:
         """The next slice of each prefilling request, in order, within this step's budget.
@@ -386,9 +402,7 @@ class BatchEngine:
             **{self._cache_keyword: row.cache},
             **self._last_logits,
         )
-        self._prefill_token_s = _moving_average(
-            self._prefill_token_s, (time.perf_counter() - started) / count
-        )
+        self._steer_slice(count, time.perf_counter() - started)
         row.prefilled = end
         row.call.prefilled(count)
         if end < len(row.prompt_ids):
