@@ -218,8 +218,6 @@ class RowsLost(Exception):
         self.finished = finished or []
 
 
-
-
 class BatchedHandler(Handler, Protocol):
     """A backend that decodes many requests together (iteration-level batching).
 
