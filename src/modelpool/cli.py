@@ -178,6 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        from modelpool.http_guard import guarded_protocol, raise_open_files_limit
         from modelpool.pool import ModelPool
         from modelpool.server import DrainingServer, api_key_from_env, create_app
     except ImportError as exc:
@@ -188,7 +189,12 @@ def _serve(args: argparse.Namespace) -> int:
     from modelpool.embedded import EmbeddedModelError
     from modelpool.errors import PoolError
 
-    if api_key_from_env(server_config) is None and not _is_loopback(server_config.host):
+    api_key = api_key_from_env(server_config)
+    if server_config.api_key_env:
+        # Read once, here: the workers (and whatever a model's code runs) never see it.
+        os.environ.pop(server_config.api_key_env, None)
+    raise_open_files_limit(server_config.max_connections)
+    if api_key is None and not _is_loopback(server_config.host):
         env = server_config.api_key_env
         hint = f"set {env}" if env else "set [server] api_key_env and that variable"
         print(
@@ -209,7 +215,7 @@ def _serve(args: argparse.Namespace) -> int:
             logger.error("the pool did not start: %s", exc)
             return 1
         model_name = served_model_name(pool.config, server_config)
-        app = create_app(pool, server_config, model_name)
+        app = create_app(pool, server_config, model_name, api_key=api_key)
         logger.info(
             "pool ready (%d workers, model %s); opening http://%s:%d",
             pool.config.workers,
@@ -225,6 +231,9 @@ def _serve(args: argparse.Namespace) -> int:
                 log_config=None,  # keep our logging setup; uvicorn's loggers propagate to it
                 access_log=False,  # modelpool.access writes one richer line per request
                 lifespan="off",
+                # Header size, count and read timeouts, body read timeouts, and the cap
+                # on connections (http_guard.guarded_protocol); keep-alive stays 5 s.
+                http=guarded_protocol(server_config),
                 # uvicorn takes whole seconds here; round up so a drain is never cut short.
                 timeout_graceful_shutdown=math.ceil(server_config.drain_timeout_s),
             ),

@@ -268,7 +268,7 @@ class ModelPool:
         ``call_soon_threadsafe``. Cancelling the consuming task cancels the request.
         """
         loop = asyncio.get_running_loop()
-        chunks: asyncio.Queue[object] = asyncio.Queue()
+        chunks = StreamBuffer()
 
         def deliver(item: object) -> None:
             try:
@@ -518,10 +518,57 @@ class PoolStream(_Stream, Iterator[str]):
         self.close()
 
 
+class StreamBuffer:
+    """The chunks of one stream that its reader has not taken yet, bounded in count.
+
+    The worker does not wait for the reader (its dispatcher thread serves every request),
+    so a reader slower than the worker gets the text joined: past ``max_items`` waiting
+    chunks, new text is appended to the last one. A stalled reader then holds the text
+    itself, a few bytes per token, instead of one object and one queue entry per token;
+    a reader that keeps up sees every chunk as the worker sent it.
+    """
+
+    def __init__(self, max_items: int = 64) -> None:
+        self.max_items = max_items
+        self._items: collections.deque[object] = collections.deque()
+        self._tail: list[str] = []  # pieces of the last item while text is being joined
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item: object) -> None:
+        if isinstance(item, str) and (self._tail or len(self._items) >= self.max_items):
+            if not self._tail and isinstance(self._items[-1], str):
+                self._tail.append(str(self._items.pop()))
+            if self._tail:
+                self._tail.append(item)
+                if len(self._tail) >= self.max_items:
+                    self._tail[:] = ["".join(self._tail)]
+                self._ready.set()
+                return
+        self._flush_tail()
+        self._items.append(item)
+        self._ready.set()
+
+    def _flush_tail(self) -> None:
+        if self._tail:
+            self._items.append("".join(self._tail))
+            self._tail.clear()
+
+    async def get(self) -> object:
+        while not self._items and not self._tail:
+            self._ready.clear()
+            await self._ready.wait()
+        if not self._items:
+            self._flush_tail()
+        return self._items.popleft()
+
+    def __len__(self) -> int:
+        return len(self._items) + (1 if self._tail else 0)
+
+
 class AsyncPoolStream(_Stream, AsyncIterator[str]):
     """The chunks of one request (``ModelPool.astream``); see :class:`PoolStream`."""
 
-    def __init__(self, future: PoolFuture, chunks: asyncio.Queue[object]) -> None:
+    def __init__(self, future: PoolFuture, chunks: StreamBuffer) -> None:
         super().__init__(future)
         self._chunks = chunks
 

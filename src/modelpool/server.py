@@ -43,7 +43,16 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+)
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -69,10 +78,13 @@ from modelpool.errors import (
     PoolOverloaded,
     WorkerCrashed,
 )
+from modelpool.fair_share import FairShare, Ticket
+from modelpool.http_guard import BrowserGuard, log_path, require_json
 from modelpool.metrics import CONTENT_TYPE, PoolMetrics
 from modelpool.openai_format import Job, choice_logprobs, response_body, total_usage
 from modelpool.openai_request import (
     ApiError,
+    check_budget,
     deadline_from,
     invalid,
     parse_chat,
@@ -97,6 +109,16 @@ RETRY_AFTER_OVERLOADED = 1
 RETRY_AFTER_UNAVAILABLE = 5
 # nginx's convention for "client closed the request": logged, never sent.
 STATUS_CLIENT_GONE = 499
+# Events a streamed answer holds for a client that reads slower than the worker writes:
+# past that, the pool's chunks wait (joined) until the client takes some.
+STREAM_BUFFER_EVENTS = 64
+# Bodies larger than this are parsed and checked off the event loop.
+PARSE_OFF_LOOP_BYTES = 65_536
+# Answers whose runs produced more tokens than this are built and encoded off the loop.
+ENCODE_OFF_LOOP_TOKENS = 4_096
+# The JSON encoder (C, holding the GIL) is given at most this many list items at a time,
+# so that encoding a large answer in a thread never holds the event loop for long.
+JSON_SLICE_ITEMS = 256
 READY_WORKER_STATES = frozenset({"idle", "busy", "spare"})
 
 
@@ -240,11 +262,13 @@ def _sse(payload: Mapping[str, Any] | str) -> bytes:
 
 @dataclass
 class StreamedChoice:
-    """One pool request of a streamed answer: its choice index, prompt and stream."""
+    """One pool request of a streamed answer: its choice index, prompt and pool kwargs,
+    and its stream once its turn came (``FairShare``)."""
 
     index: int
     prompt: Prompt
-    source: AsyncPoolStream
+    params: dict[str, Any]
+    source: AsyncPoolStream | None = None
 
 
 class EventStream(Response):
@@ -266,14 +290,20 @@ class EventStream(Response):
         *,
         model: str,
         on_error: Callable[[PoolError], None],
+        send_timeout_s: float,
+        start: Callable[[StreamedChoice], AbstractAsyncContextManager[AsyncPoolStream]],
+        ticket: Ticket,
     ) -> None:
         super().__init__(status_code=200)
+        self._ticket = ticket
         self._choices = choices
+        self._start_choice = start
         self._job = job
         self._chat = job.chat
         self._model = model
         self._on_error = on_error
-        self._id = f"{'chatcmpl' if job.chat else 'cmpl'}-{choices[0].source.request_id}"
+        self._send_timeout_s = send_timeout_s
+        self._id = ""  # known once a choice has started
         self._created = int(time.time())
         self._complete = False
 
@@ -281,6 +311,10 @@ class EventStream(Response):
         state = scope.setdefault("state", {})
         try:
             finished, _ = await run_unless_disconnected(receive, self._pump(scope, send, state))
+        except SendTimedOut as exc:
+            # The client stopped reading: its request ends here, as a disconnect would.
+            logger.info("%s", exc)
+            finished = False
         except asyncio.CancelledError:
             # The server is stopping (see _generate): end the response with a reason.
             error = _shutting_down()
@@ -296,7 +330,9 @@ class EventStream(Response):
             # Closing a stream cancels its pool request if it is still running; it is a
             # no-op for one that ran to its end.
             for choice in self._choices:
-                await choice.source.aclose()
+                if choice.source is not None:
+                    await choice.source.aclose()
+            self._ticket.close()
         if not finished:
             state["status"] = STATUS_CLIENT_GONE
 
@@ -338,8 +374,15 @@ class EventStream(Response):
         }
 
     async def _pump(self, scope: Scope, send: Send, state: dict[str, Any]) -> None:
-        events: asyncio.Queue[tuple[StreamedChoice, str | Result | PoolError]] = asyncio.Queue()
-        readers = [asyncio.ensure_future(_read_choice(c, events)) for c in self._choices]
+        # Bounded: a client slower than the workers holds the readers (and the pool's
+        # stream buffers join its text) instead of an ever longer queue here.
+        events: asyncio.Queue[tuple[StreamedChoice, str | Result | PoolError]] = asyncio.Queue(
+            STREAM_BUFFER_EVENTS
+        )
+        readers = [
+            asyncio.ensure_future(_read_choice(c, self._start_choice, events))
+            for c in self._choices
+        ]
         try:
             await self._relay(scope, send, state, events)
         finally:
@@ -377,11 +420,13 @@ class EventStream(Response):
                 continue
             results[choice.index] = item
             _note_results(state, results.values())
-            logprobs = choice_logprobs(self._job, choice.prompt, item)
-            final = self._chunk(
-                choice.index, None if self._chat else "", item.finish_reason, logprobs=logprobs
+            final = await _off_loop_if(
+                self._job.logprobs is not None and _answer_tokens(item) > ENCODE_OFF_LOOP_TOKENS,
+                self._final_event,
+                choice,
+                item,
             )
-            await self._send(send, _sse(final))
+            await self._send(send, final)
         if self._job.include_usage:
             usage_chunk = self._chunk(0, None, None)
             usage_chunk["choices"] = []
@@ -391,6 +436,9 @@ class EventStream(Response):
 
     async def _start(self, send: Send, state: dict[str, Any]) -> None:
         """The status line, then per choice the chat role or the echoed prompt."""
+        # A client's runs take their turns in order: the first choice started first.
+        request_id = next(c.source.request_id for c in self._choices if c.source is not None)
+        self._id = f"{'chatcmpl' if self._chat else 'cmpl'}-{request_id}"
         await send(
             {
                 "type": "http.response.start",
@@ -400,7 +448,7 @@ class EventStream(Response):
                     (b"cache-control", b"no-cache"),
                     # Proxies such as nginx would otherwise buffer the whole stream.
                     (b"x-accel-buffering", b"no"),
-                    (b"x-request-id", self._choices[0].source.request_id.encode()),
+                    (b"x-request-id", request_id.encode()),
                 ],
             }
         )
@@ -411,25 +459,46 @@ class EventStream(Response):
             elif self._job.echo and isinstance(choice.prompt, str) and choice.prompt:
                 await self._send(send, _sse(self._chunk(choice.index, choice.prompt, None)))
 
+    def _final_event(self, choice: StreamedChoice, result: Result) -> bytes:
+        """A choice's last event, with the logprobs of all its tokens when asked for."""
+        logprobs = choice_logprobs(self._job, choice.prompt, result)
+        final = self._chunk(
+            choice.index, None if self._chat else "", result.finish_reason, logprobs=logprobs
+        )
+        return b"data: " + json_bytes(final) + b"\n\n"
+
     async def _send(self, send: Send, data: bytes, more: bool = True) -> None:
-        await send({"type": "http.response.body", "body": data, "more_body": more})
+        # uvicorn's send waits while the socket's buffer is full: a client that stops
+        # reading holds only this request, and only for send_timeout_s.
+        try:
+            async with asyncio.timeout(self._send_timeout_s):
+                await send({"type": "http.response.body", "body": data, "more_body": more})
+        except TimeoutError:
+            raise SendTimedOut(
+                f"{self._id}: the client read nothing for {self._send_timeout_s:g} s "
+                "(send_timeout_s); counted as disconnected"
+            ) from None
         self._complete = not more
 
 
 async def _read_choice(
     choice: StreamedChoice,
+    start: Callable[[StreamedChoice], AbstractAsyncContextManager[AsyncPoolStream]],
     events: asyncio.Queue[tuple[StreamedChoice, str | Result | PoolError]],
 ) -> None:
-    """Forward one pool stream's text, then its result or its error, to ``events``."""
+    """Start one choice's pool stream (when its turn comes), forward its text, then its
+    result or its error, to ``events``: waits while ``events`` is full, that is while
+    the client reads slower than the worker."""
     try:
-        async for text in choice.source:
-            events.put_nowait((choice, text))
+        async with start(choice) as source:
+            async for text in source:
+                await events.put((choice, text))
+            result = source.result
     except PoolError as exc:
-        events.put_nowait((choice, exc))
+        await events.put((choice, exc))
         return
-    result = choice.source.result
     assert result is not None  # set once the stream has ended without an error
-    events.put_nowait((choice, result))
+    await events.put((choice, result))
 
 
 def _note_results(state: dict[str, Any], results: Iterable[Result]) -> None:
@@ -442,6 +511,60 @@ def _note_results(state: dict[str, Any], results: Iterable[Result]) -> None:
     )
 
 
+def _answer_tokens(*results: Result) -> int:
+    """Tokens in the answers of ``results``, prompts included (echo): what sizes it."""
+    return sum((r.completion_tokens or 0) + (r.prompt_tokens or 0) for r in results)
+
+
+class SendTimedOut(Exception):
+    """A response could not be sent for ``send_timeout_s``: the client stopped reading."""
+
+
+async def _off_loop_if(condition: bool, work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)``, in a thread when ``condition`` says it is large: Python code in a
+    thread gives the event loop the GIL every few ms (sys.getswitchinterval)."""
+    if condition:
+        return await run_in_threadpool(work, *args)
+    return work(*args)
+
+
+def json_bytes(value: Any) -> bytes:
+    """``value`` as compact JSON (as JSONResponse writes it), encoded a slice at a time:
+    the C encoder holds the GIL for a whole call, so that one call on an answer of tens
+    of megabytes would stop the event loop even from another thread."""
+    parts: list[str] = []
+    _encode_into(value, parts)
+    return "".join(parts).encode()
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _encode_into(value: Any, parts: list[str]) -> None:
+    if isinstance(value, dict):
+        parts.append("{")
+        for number, (key, item) in enumerate(value.items()):
+            parts.append(("," if number else "") + _dumps(str(key)) + ":")
+            _encode_into(item, parts)
+        parts.append("}")
+    elif isinstance(value, list) and len(value) > JSON_SLICE_ITEMS:
+        parts.append("[")
+        for start in range(0, len(value), JSON_SLICE_ITEMS):
+            piece = _dumps(value[start : start + JSON_SLICE_ITEMS])
+            parts.append(("," if start else "") + piece[1:-1])
+        parts.append("]")
+    elif isinstance(value, list):
+        parts.append("[")
+        for number, item in enumerate(value):
+            if number:
+                parts.append(",")
+            _encode_into(item, parts)
+        parts.append("]")
+    else:
+        parts.append(_dumps(value))
+
+
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
@@ -452,16 +575,24 @@ async def _no_receive() -> Message:
 
 class Gate:
     """Pure ASGI middleware (not ``BaseHTTPMiddleware``, which buffers streams and breaks
-    disconnect detection). Checks the key and the declared body size before routing, and
-    writes one access-log line per request when the response is done."""
+    disconnect detection). Checks Host and Origin (``http_guard.BrowserGuard``), answers
+    an allowed origin's CORS preflight, checks the key and the declared body size before
+    routing, and writes one access-log line per request when the response is done."""
 
     def __init__(
-        self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: PoolMetrics
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        metrics: PoolMetrics,
+        guard: BrowserGuard,
     ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.guard = guard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -470,14 +601,30 @@ class Gate:
         started = time.perf_counter()
         state: dict[str, Any] = scope.setdefault("state", {})
         sent_status: list[int] = []
+        headers = dict(scope["headers"])  # ASGI header names are lower-case already
+        origin = headers.get(b"origin")
+        cors = origin is not None and self.guard.origin_allowed(origin)
 
         async def send_and_note(message: Message) -> None:
             if message["type"] == "http.response.start":
                 sent_status.append(message["status"])
+                if cors:
+                    assert origin is not None
+                    cors_headers = self.guard.cors_headers(origin)
+                    message = {**message, "headers": [*message["headers"], *cors_headers]}
             await send(message)
 
         try:
-            refusal = self._refusal(scope)
+            refusal = self.guard.refusal(headers)
+            if refusal is None and cors and scope["method"] == "OPTIONS":
+                # A preflight carries no key: answered before the key is checked.
+                preflight = BrowserGuard.PREFLIGHT_HEADERS
+                await send_and_note(
+                    {"type": "http.response.start", "status": 204, "headers": preflight}
+                )
+                await send({"type": "http.response.body", "body": b""})
+                return
+            refusal = refusal or self._refusal(headers, scope["path"])
             if refusal is not None:
                 await refusal.response()(scope, receive, send_and_note)
             else:
@@ -491,7 +638,7 @@ class Gate:
             access_logger.info(
                 "%s %s %s request_id=%s attempts=%s worker_pid=%s seconds=%.4f",
                 scope["method"],
-                path,
+                log_path(path),
                 status,
                 state.get("request_id") or "-",
                 state.get("attempts") or "-",
@@ -499,9 +646,8 @@ class Gate:
                 seconds,
             )
 
-    def _refusal(self, scope: Scope) -> ApiError | None:
-        headers = dict(scope["headers"])  # ASGI header names are lower-case already
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+    def _refusal(self, headers: Mapping[bytes, bytes], path: str) -> ApiError | None:
+        if self.api_key is not None and path not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             # compare_digest on bytes: constant time in the key's content.
@@ -582,6 +728,7 @@ class ServerState:
     model_name: str
     metrics: PoolMetrics
     started: int
+    fair_share: FairShare
     draining: bool = False
     loop_watch: LoopWatch = field(default_factory=LoopWatch)
 
@@ -593,8 +740,15 @@ def api_key_from_env(server_config: ServerConfig) -> str | None:
     return os.environ.get(server_config.api_key_env) or None
 
 
-def create_app(pool: ModelPool, server_config: ServerConfig, model_name: str) -> FastAPI:
-    """The daemon's ASGI app for a started ``pool``."""
+def create_app(
+    pool: ModelPool,
+    server_config: ServerConfig,
+    model_name: str,
+    *,
+    api_key: str | None = None,
+) -> FastAPI:
+    """The daemon's ASGI app for a started ``pool``. The key is ``api_key``, or else read
+    from the variable ``server_config.api_key_env`` names."""
     metrics = PoolMetrics(pool.stats)
     state = ServerState(
         pool=pool,
@@ -602,14 +756,21 @@ def create_app(pool: ModelPool, server_config: ServerConfig, model_name: str) ->
         model_name=model_name,
         metrics=metrics,
         started=int(time.time()),
+        fair_share=FairShare(
+            capacity=pool.config.workers * pool.config.max_batch_size,
+            max_running=server_config.client_max_running,
+            max_queued=server_config.client_max_queued,
+            max_waiting=pool.config.max_queue,
+        ),
     )
     app = FastAPI(title="modelpool", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.modelpool = state
     app.add_middleware(
         Gate,
-        api_key=api_key_from_env(server_config),
+        api_key=api_key or api_key_from_env(server_config),
         max_body_bytes=server_config.max_body_bytes,
         metrics=metrics,
+        guard=BrowserGuard(server_config),
     )
 
     @app.exception_handler(ApiError)
@@ -695,7 +856,7 @@ def create_app(pool: ModelPool, server_config: ServerConfig, model_name: str) ->
     @app.get("/stats")
     async def stats() -> Response:
         snapshot = await pool.astats()
-        return JSONResponse(snapshot.to_dict())
+        return JSONResponse({**snapshot.to_dict(), "fair_share": state.fair_share.snapshot()})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -769,57 +930,88 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
             code="draining",
             headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE), "Connection": "close"},
         )
+    require_json(request.headers.get("content-type"))
     try:
         raw = await read_body(request, state.config.max_body_bytes)
     except ClientDisconnect:
         return _ClientGone()
-    body = parse_json_object(raw)
-    job = parse_chat(body) if chat else parse_completion(body)
+    body, job = await _off_loop_if(len(raw) > PARSE_OFF_LOOP_BYTES, _parse, raw, chat)
     pool = state.pool
+    check_budget(
+        job,
+        limit=state.config.max_request_tokens,
+        default_max_tokens=pool.config.generation_defaults.get("max_new_tokens", 0),
+    )
     deadline = deadline_from(
         body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
     )
-    # One pool request per choice (n > 1, several prompts), all with the same deadline.
+    # One pool request per choice (n > 1, several prompts), all with the same deadline,
+    # each let into the pool when this client's turn comes.
     runs = job.choices()
+    client = request.client.host if request.client is not None else "-"
+    ticket = state.fair_share.reserve(client, len(runs))
 
     if job.stream:
 
         def note_error(exc: PoolError) -> None:
             _note_attempts(request.scope, exc.request_id, exc.attempts)
 
-        streamed: list[StreamedChoice] = []
-        try:
-            for index, prompt, params in runs:
-                source = pool.astream(prompt, deadline_s=deadline, **params)
-                streamed.append(StreamedChoice(index, prompt, source))
-        except BaseException:
-            # A later choice was refused (overloaded, say): the earlier ones stop too.
-            for choice in streamed:
-                await choice.source.aclose()
-            raise
-        return EventStream(streamed, job, model=state.model_name, on_error=note_error)
+        @contextlib.asynccontextmanager
+        async def start(choice: StreamedChoice) -> AsyncIterator[AsyncPoolStream]:
+            async with ticket.slot(deadline) as left_s:
+                choice.source = pool.astream(choice.prompt, deadline_s=left_s, **choice.params)
+                yield choice.source
+
+        return EventStream(
+            [StreamedChoice(index, prompt, params) for index, prompt, params in runs],
+            job,
+            model=state.model_name,
+            on_error=note_error,
+            send_timeout_s=state.config.send_timeout_s,
+            start=start,
+            ticket=ticket,
+        )
+
+    async def run(prompt: Prompt, params: dict[str, Any]) -> Result:
+        async with ticket.slot(deadline) as left_s:
+            return await pool.agenerate(prompt, deadline_s=left_s, **params)
 
     try:
         finished, results = await run_unless_disconnected(
-            request.receive,
-            _all_or_none(
-                [
-                    pool.agenerate(prompt, deadline_s=deadline, **params)
-                    for _, prompt, params in runs
-                ]
-            ),
+            request.receive, _all_or_none([run(prompt, params) for _, prompt, params in runs])
         )
     except asyncio.CancelledError:
         # Only the server cancels a handler: the drain timeout passed or a second signal
         # forced the exit. The pool requests are cancelled already; answering says why
         # (uvicorn would send a bare 500). Not re-raised, so that the answer goes out.
         raise _shutting_down() from None
+    finally:
+        ticket.close()
     if not finished or results is None:
         return _ClientGone()
     by_index = {index: result for (index, _, _), result in zip(runs, results, strict=True)}
     _note_results(request.scope.setdefault("state", {}), results)
-    body_out = response_body(job, by_index, state.model_name, int(time.time()))
-    return JSONResponse(body_out, headers={"X-Request-Id": results[0].request_id})
+    content = await _off_loop_if(
+        _answer_tokens(*results) > ENCODE_OFF_LOOP_TOKENS,
+        _render,
+        job,
+        by_index,
+        state.model_name,
+    )
+    return Response(
+        content,
+        media_type="application/json",
+        headers={"X-Request-Id": results[0].request_id},
+    )
+
+
+def _parse(raw: bytes, chat: bool) -> tuple[dict[str, Any], Job]:
+    body = parse_json_object(raw)
+    return body, parse_chat(body) if chat else parse_completion(body)
+
+
+def _render(job: Job, by_index: dict[int, Result], model: str) -> bytes:
+    return json_bytes(response_body(job, by_index, model, int(time.time())))
 
 
 async def _all_or_none(work: list[Coroutine[Any, Any, Result]]) -> list[Result]:

@@ -72,7 +72,9 @@ def test_overload_is_429_with_retry_after(one_slot: Daemon) -> None:
         try:
             assert started.wait(slack(5)), "the long request did not start"
             queued = executor.submit(httpx.post, url, json={"prompt": "echo:queued"}, timeout=30)
-            wait_for(one_slot.stats, lambda s: s["queue_depth"] == 1, 5.0, "one queued")
+            # Runs past the pool's capacity wait in the daemon (fair share between
+            # clients), bounded by the pool's max_queue all the same.
+            wait_for(one_slot.stats, lambda s: s["fair_share"]["waiting"] == 1, 5.0, "one queued")
             rejected = httpx.post(url, json={"prompt": "echo:third"}, timeout=30)
         finally:
             release.set()
@@ -81,7 +83,6 @@ def test_overload_is_429_with_retry_after(one_slot: Daemon) -> None:
         assert rejected.json()["error"]["code"] == "pool_overloaded"
         assert running.result() == 200
         assert queued.result().json()["choices"][0]["text"] == "queued"
-    assert one_slot.stats()["counters"]["overloaded"] == 1
     one_slot.wait_settled(1)
 
 
