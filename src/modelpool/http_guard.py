@@ -1,9 +1,10 @@
 """What the daemon checks before a request reaches a route: the HTTP limits of a server
 that faces untrusted clients, and the browser-safety checks of one on loopback.
 
-``server.Gate`` (the ASGI middleware) asks :class:`BrowserGuard` about each request's
-``Host`` and ``Origin``; ``cli.py`` runs uvicorn with :func:`guarded_protocol`, which
-bounds what one connection may hold before the app sees it::
+:class:`Gate` (the daemon's ASGI middleware: key, body size, access log) asks
+:class:`BrowserGuard` about each request's ``Host`` and ``Origin``; ``cli.py`` runs
+uvicorn with :func:`guarded_protocol`, which bounds what one connection may hold
+before the app sees it::
 
     guard = BrowserGuard(ServerConfig())          # loopback names, no CORS
     guard.refusal(headers)                        # None, or an ApiError (403)
@@ -18,20 +19,28 @@ long as the client likes.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import ipaddress
 import json
 import logging
 import resource
+import time
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from modelpool.config import ServerConfig
-from modelpool.openai_request import ApiError
+from modelpool.metrics import PoolMetrics
+from modelpool.openai_request import ApiError, invalid
 
 logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("modelpool.access")
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 # Headers a browser may send on a cross-origin call, and answer headers it may read.
 CORS_ALLOWED_HEADERS = b"authorization, content-type, x-request-timeout"
@@ -162,6 +171,111 @@ def log_path(path: str) -> str:
     """``path`` as the access log writes it: percent-encoded, so that a decoded ``%0a`` or
     an escape sequence in a URL cannot forge a log line or drive a terminal."""
     return urllib.parse.quote(path, safe=_LOG_PATH_SAFE)
+
+
+# --------------------------------------------------------------------------------------------
+# Middleware: Host, Origin, auth, body size, access log, request-duration histogram
+
+
+class Gate:
+    """Pure ASGI middleware (not ``BaseHTTPMiddleware``, which buffers streams and breaks
+    disconnect detection). Checks Host and Origin (:class:`BrowserGuard`), answers
+    an allowed origin's CORS preflight, checks the key and the declared body size before
+    routing, and writes one access-log line per request when the response is done."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        metrics: PoolMetrics,
+        guard: BrowserGuard,
+    ) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+        self.guard = guard
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        state: dict[str, Any] = scope.setdefault("state", {})
+        sent_status: list[int] = []
+        headers = dict(scope["headers"])  # ASGI header names are lower-case already
+        origin = headers.get(b"origin")
+        cors = origin is not None and self.guard.origin_allowed(origin)
+
+        async def send_and_note(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                sent_status.append(message["status"])
+                if cors:
+                    assert origin is not None
+                    cors_headers = self.guard.cors_headers(origin)
+                    message = {**message, "headers": [*message["headers"], *cors_headers]}
+            await send(message)
+
+        try:
+            refusal = self.guard.refusal(headers)
+            if refusal is None and cors and scope["method"] == "OPTIONS":
+                # A preflight carries no key: answered before the key is checked.
+                preflight = BrowserGuard.PREFLIGHT_HEADERS
+                await send_and_note(
+                    {"type": "http.response.start", "status": 204, "headers": preflight}
+                )
+                await send({"type": "http.response.body", "body": b""})
+                return
+            refusal = refusal or self._refusal(headers, scope["path"])
+            if refusal is not None:
+                await refusal.response()(scope, receive, send_and_note)
+            else:
+                await self.app(scope, receive, send_and_note)
+        finally:
+            seconds = time.perf_counter() - started
+            status = state.get("status") or (sent_status[0] if sent_status else 500)
+            path = scope["path"]
+            if path in GENERATION_PATHS:
+                self.metrics.observe_request(seconds)
+            access_logger.info(
+                "%s %s %s request_id=%s attempts=%s worker_pid=%s seconds=%.4f",
+                scope["method"],
+                log_path(path),
+                status,
+                state.get("request_id") or "-",
+                state.get("attempts") or "-",
+                state.get("worker_pid") or "-",
+                seconds,
+            )
+
+    def _refusal(self, headers: Mapping[bytes, bytes], path: str) -> ApiError | None:
+        if self.api_key is not None and path not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            # compare_digest on bytes: constant time in the key's content.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                return ApiError(
+                    401,
+                    "missing or invalid API key (Authorization: Bearer KEY)",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                return invalid("Content-Length is not a number", code="invalid_header")
+            if declared > self.max_body_bytes:
+                return ApiError(
+                    413,
+                    f"request body is larger than {self.max_body_bytes} bytes",
+                    code="request_too_large",
+                )
+        return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -62,7 +61,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from modelpool.config import ServerConfig
 from modelpool.errors import (
@@ -79,14 +78,19 @@ from modelpool.errors import (
     WorkerCrashed,
 )
 from modelpool.fair_share import FairShare, Ticket
-from modelpool.http_guard import BrowserGuard, log_path, require_json
+from modelpool.http_guard import BrowserGuard, Gate, require_json
 from modelpool.metrics import CONTENT_TYPE, PoolMetrics
-from modelpool.openai_format import Job, choice_logprobs, response_body, total_usage
+from modelpool.openai_format import (
+    Job,
+    choice_logprobs,
+    json_bytes,
+    response_body,
+    total_usage,
+)
 from modelpool.openai_request import (
     ApiError,
     check_budget,
     deadline_from,
-    invalid,
     parse_chat,
     parse_completion,
     parse_json_object,
@@ -97,12 +101,9 @@ if TYPE_CHECKING:
     from modelpool.pool import AsyncPoolStream, ModelPool, Result
 
 logger = logging.getLogger(__name__)
-access_logger = logging.getLogger("modelpool.access")
 
 T = TypeVar("T")
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # Seconds a client should wait before trying again: an overloaded queue drains
 # quickly; a pool that is not ready is starting or respawning workers.
 RETRY_AFTER_OVERLOADED = 1
@@ -116,9 +117,6 @@ STREAM_BUFFER_EVENTS = 64
 PARSE_OFF_LOOP_BYTES = 65_536
 # Answers whose runs produced more tokens than this are built and encoded off the loop.
 ENCODE_OFF_LOOP_TOKENS = 4_096
-# The JSON encoder (C, holding the GIL) is given at most this many list items at a time,
-# so that encoding a large answer in a thread never holds the event loop for long.
-JSON_SLICE_ITEMS = 256
 READY_WORKER_STATES = frozenset({"idle", "busy", "spare"})
 
 
@@ -528,150 +526,8 @@ async def _off_loop_if(condition: bool, work: Callable[..., T], *args: Any) -> T
     return work(*args)
 
 
-def json_bytes(value: Any) -> bytes:
-    """``value`` as compact JSON (as JSONResponse writes it), encoded a slice at a time:
-    the C encoder holds the GIL for a whole call, so that one call on an answer of tens
-    of megabytes would stop the event loop even from another thread."""
-    parts: list[str] = []
-    _encode_into(value, parts)
-    return "".join(parts).encode()
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-
-
-def _encode_into(value: Any, parts: list[str]) -> None:
-    if isinstance(value, dict):
-        parts.append("{")
-        for number, (key, item) in enumerate(value.items()):
-            parts.append(("," if number else "") + _dumps(str(key)) + ":")
-            _encode_into(item, parts)
-        parts.append("}")
-    elif isinstance(value, list) and len(value) > JSON_SLICE_ITEMS:
-        parts.append("[")
-        for start in range(0, len(value), JSON_SLICE_ITEMS):
-            piece = _dumps(value[start : start + JSON_SLICE_ITEMS])
-            parts.append(("," if start else "") + piece[1:-1])
-        parts.append("]")
-    elif isinstance(value, list):
-        parts.append("[")
-        for number, item in enumerate(value):
-            if number:
-                parts.append(",")
-            _encode_into(item, parts)
-        parts.append("]")
-    else:
-        parts.append(_dumps(value))
-
-
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
-
-
-# --------------------------------------------------------------------------------------------
-# Middleware: auth, body size, access log, request-duration histogram
-
-
-class Gate:
-    """Pure ASGI middleware (not ``BaseHTTPMiddleware``, which buffers streams and breaks
-    disconnect detection). Checks Host and Origin (``http_guard.BrowserGuard``), answers
-    an allowed origin's CORS preflight, checks the key and the declared body size before
-    routing, and writes one access-log line per request when the response is done."""
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        api_key: str | None,
-        max_body_bytes: int,
-        metrics: PoolMetrics,
-        guard: BrowserGuard,
-    ) -> None:
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-        self.metrics = metrics
-        self.guard = guard
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        state: dict[str, Any] = scope.setdefault("state", {})
-        sent_status: list[int] = []
-        headers = dict(scope["headers"])  # ASGI header names are lower-case already
-        origin = headers.get(b"origin")
-        cors = origin is not None and self.guard.origin_allowed(origin)
-
-        async def send_and_note(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                sent_status.append(message["status"])
-                if cors:
-                    assert origin is not None
-                    cors_headers = self.guard.cors_headers(origin)
-                    message = {**message, "headers": [*message["headers"], *cors_headers]}
-            await send(message)
-
-        try:
-            refusal = self.guard.refusal(headers)
-            if refusal is None and cors and scope["method"] == "OPTIONS":
-                # A preflight carries no key: answered before the key is checked.
-                preflight = BrowserGuard.PREFLIGHT_HEADERS
-                await send_and_note(
-                    {"type": "http.response.start", "status": 204, "headers": preflight}
-                )
-                await send({"type": "http.response.body", "body": b""})
-                return
-            refusal = refusal or self._refusal(headers, scope["path"])
-            if refusal is not None:
-                await refusal.response()(scope, receive, send_and_note)
-            else:
-                await self.app(scope, receive, send_and_note)
-        finally:
-            seconds = time.perf_counter() - started
-            status = state.get("status") or (sent_status[0] if sent_status else 500)
-            path = scope["path"]
-            if path in GENERATION_PATHS:
-                self.metrics.observe_request(seconds)
-            access_logger.info(
-                "%s %s %s request_id=%s attempts=%s worker_pid=%s seconds=%.4f",
-                scope["method"],
-                log_path(path),
-                status,
-                state.get("request_id") or "-",
-                state.get("attempts") or "-",
-                state.get("worker_pid") or "-",
-                seconds,
-            )
-
-    def _refusal(self, headers: Mapping[bytes, bytes], path: str) -> ApiError | None:
-        if self.api_key is not None and path not in OPEN_PATHS:
-            given = headers.get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            # compare_digest on bytes: constant time in the key's content.
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                return ApiError(
-                    401,
-                    "missing or invalid API key (Authorization: Bearer KEY)",
-                    type="authentication_error",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-        length = headers.get(b"content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                return invalid("Content-Length is not a number", code="invalid_header")
-            if declared > self.max_body_bytes:
-                return ApiError(
-                    413,
-                    f"request body is larger than {self.max_body_bytes} bytes",
-                    code="request_too_large",
-                )
-        return None
 
 
 # --------------------------------------------------------------------------------------------
