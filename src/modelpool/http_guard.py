@@ -333,6 +333,7 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
             if self.reading_head and not closing and self.head_bytes > config.max_header_bytes:
                 self._refuse(431, f"request head is larger than {config.max_header_bytes} bytes")
             if self.header_count > config.max_headers and not self.transport.is_closing():
+                # The head is still incomplete: refused before more of it is parsed.
                 self._refuse(431, f"more than {config.max_headers} request headers")
 
         def on_message_begin(self) -> None:
@@ -351,7 +352,8 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
 
         def on_headers_complete(self) -> None:
             if self.header_count > config.max_headers:
-                return  # refused once the parser returns (data_received)
+                self._refuse(431, f"more than {config.max_headers} request headers")
+                return
             self.reading_head = False
             self._disarm()
             if self.over_capacity:
@@ -365,9 +367,14 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
             super().on_headers_complete()
             self._arm(config.body_timeout_s, "stopped sending the request body")
 
+        def on_body(self, body: bytes) -> None:
+            if not self.transport.is_closing():  # not for a request refused here
+                super().on_body(body)
+
         def on_message_complete(self) -> None:
             self._disarm()
-            super().on_message_complete()
+            if not self.transport.is_closing():
+                super().on_message_complete()
 
         def _arm(self, seconds: float, why: str) -> None:
             self._disarm()
