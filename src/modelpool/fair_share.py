@@ -7,6 +7,13 @@ runs into the pool at once and holds the rest here; whenever a run ends, the nex
 of the next client in turn goes in (round robin between clients, first come first
 served within one). A client is its address: every client shares the one API key.
 
+Runs are not preempted, so round robin alone would let a client whose runs are long
+fill every worker between two requests of a client whose runs are short, which would
+then wait a whole long run each time. So a free place in the pool is held back for each
+other active client that has nothing running (one that sent a request within
+``ACTIVE_WINDOW_S``): a client with runs in the pool takes another only when more
+places are free than that. A client alone uses the whole pool.
+
 Each client may hold ``max_running`` runs in the pool and ``max_queued`` more waiting;
 a request that would take it past that is refused at once (429 ``client_limit``, with
 Retry-After), and so is one that would make the runs waiting here, all clients
@@ -35,6 +42,9 @@ from modelpool.openai_request import ApiError
 
 # Seconds a refused client should wait: runs of the testing or a real model end quickly.
 RETRY_AFTER_S = 1
+# A client that sent a request this recently counts as active though it has nothing in
+# flight now (a client sending one request after another is between two of them).
+ACTIVE_WINDOW_S = 1.0
 
 
 class FairShare:
@@ -52,6 +62,8 @@ class FairShare:
         # Clients with runs waiting, in turn order; each with its runs, oldest first.
         self._waiters: dict[str, collections.deque[asyncio.Future[None]]] = {}
         self._in_pool = 0
+        self._last_active: dict[str, float] = {}
+        self._recheck: asyncio.TimerHandle | None = None
 
     def reserve(self, client: str, runs: int) -> Ticket:
         """Room for ``runs`` more runs of ``client``, or a 429 saying which bound it met."""
@@ -77,6 +89,7 @@ class FairShare:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         self._reserved[client] += runs
+        self._last_active[client] = time.monotonic()
         return Ticket(self, client, runs)
 
     def snapshot(self) -> dict[str, Any]:
@@ -113,7 +126,24 @@ class FairShare:
             raise
 
     def _may_run(self, client: str) -> bool:
-        return self._in_pool < self.capacity and self._running[client] < self.max_running
+        free = self.capacity - self._in_pool
+        running = self._running[client]
+        if free <= 0 or running >= self.max_running:
+            return False
+        return running == 0 or free > self._held_back(client)
+
+    def _held_back(self, client: str) -> int:
+        """Places kept free for the other active clients that have nothing running."""
+        now = time.monotonic()
+        held = 0
+        for other, seen in list(self._last_active.items()):
+            if other in self._running or other in self._reserved:
+                held += other != client and other not in self._running
+            elif now - seen > ACTIVE_WINDOW_S:
+                del self._last_active[other]
+            else:
+                held += other != client
+        return held
 
     def _take(self, client: str) -> None:
         self._running[client] += 1
@@ -124,12 +154,19 @@ class FairShare:
         if self._running[client] <= 0:
             del self._running[client]
         self._in_pool -= 1
+        self._last_active[client] = time.monotonic()
         self._admit()
 
     def _admit(self) -> None:
         while self._in_pool < self.capacity:
             client = next((c for c in self._waiters if self._may_run(c)), None)
             if client is None:
+                if self._waiters and self._recheck is None:
+                    # Held back for clients that may have gone: look again once they
+                    # no longer count as active.
+                    self._recheck = asyncio.get_running_loop().call_later(
+                        ACTIVE_WINDOW_S, self._recheck_now
+                    )
                 return
             waiters = self._waiters.pop(client)
             turn = waiters.popleft()
@@ -137,6 +174,11 @@ class FairShare:
                 self._waiters[client] = waiters  # to the back of the turn order
             self._take(client)
             turn.set_result(None)
+
+
+    def _recheck_now(self) -> None:
+        self._recheck = None
+        self._admit()
 
 
 class Ticket:

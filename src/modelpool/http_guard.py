@@ -49,6 +49,8 @@ CORS_MAX_AGE_S = 600
 # Characters left as they are in a logged path (uvicorn's own access log quotes the same
 # way): everything else, control characters above all, is percent-encoded.
 _LOG_PATH_SAFE = "/:@!$&'()*+,;=-._~"
+# How long a connection past max_connections may take to send its head (seconds).
+OVER_CAPACITY_HEAD_S = 1.0
 # File descriptors the daemon needs besides its connections: workers' pipes, logs,
 # the model files a worker inherits while it starts.
 _SPARE_FILES = 256
@@ -317,7 +319,9 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
             self.reading_head = True
             self.over_capacity = len(self.connections) > config.max_connections
             self.guard_timer: asyncio.TimerHandle | None = None
-            self._arm(config.header_timeout_s, "sent no complete request head")
+            # Past the cap, a connection holds its file descriptor only briefly.
+            seconds = OVER_CAPACITY_HEAD_S if self.over_capacity else config.header_timeout_s
+            self._arm(min(seconds, config.header_timeout_s), "sent no complete request head")
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -188,7 +188,13 @@ def _lone_surrogate_at(value: object, path: str) -> str | None:
                     return f"{where}.{key!r}" if where else repr(key)
                 stack.append((child, f"{where}.{key}" if where else key))
         elif isinstance(item, list):
-            stack.extend((child, f"{where}[{index}]") for index, child in enumerate(item))
+            # Only what can hold text: a long list of numbers (token ids, say) costs no
+            # path string per item.
+            stack.extend(
+                (child, f"{where}[{index}]")
+                for index, child in enumerate(item)
+                if isinstance(child, (str, dict, list))
+            )
     return None
 
 
