@@ -264,29 +264,35 @@ def test_connections_past_max_connections_get_503(pool: ModelPool) -> None:
 # ---- fair share -----------------------------------------------------------------------------
 
 
-def _client(served: Served, address: str) -> httpx.Client:
+def _client(served: Served, address: str, timeout: float = 30.0) -> httpx.Client:
     """A client from its own loopback address: the daemon tells clients apart by address."""
     transport = httpx.HTTPTransport(local_address=address)
-    return httpx.Client(base_url=served.url, transport=transport, timeout=slack(30))
+    return httpx.Client(base_url=served.url, transport=transport, timeout=timeout)
 
 
 @pytest.mark.slow
 def test_runs_enter_the_pool_round_robin_between_clients(pool: ModelPool) -> None:
     with (
         serving(pool) as served,
-        _client(served, "127.0.0.2") as abusive,
+        _client(served, "127.0.0.2", timeout=3.0) as abusive,
         _client(served, "127.0.0.3") as ordinary,
     ):
-        burst = {"prompt": "tokens:10:0.05", "n": 16}  # 16 runs of 0.5 s on 2 workers
+        burst = {"prompt": "tokens:20:0.05", "n": 16}  # 16 runs of 1 s on 2 workers
         with threading_call(abusive.post, COMPLETIONS, json=burst) as flood:
             wait_for(pool.stats, lambda s: s.running == 2, slack(5), "the burst to take the pool")
-            started = time.monotonic()
-            ordinary.post(COMPLETIONS, json={"prompt": "echo:x"}).raise_for_status()
-            waited = time.monotonic() - started
-        assert flood.result().status_code == 200
-    # Behind one abusive run (0.5 s), not behind the whole burst (4 s) as first come,
-    # first served would have it.
-    assert waited < 2.0, waited
+            waits = []
+            for _ in range(4):
+                started = time.monotonic()
+                ordinary.post(COMPLETIONS, json={"prompt": "echo:x"}).raise_for_status()
+                waits.append(time.monotonic() - started)
+        # The abusive client gave up (and so cancelled its runs) after 3 s.
+        with pytest.raises(httpx.ReadTimeout):
+            flood.result()
+    # The first waited for one abusive run to end (1 s), not for the burst (8 s) as first
+    # come, first served would have it; the next ones found a place held back for them.
+    assert waits[0] < 2.0, waits
+    assert max(waits[1:]) < 0.5, waits
+    wait_for(pool.stats, lambda s: s.running == 0, slack(5), "the burst to be cancelled")
 
 
 def test_a_client_past_its_share_gets_429(pool: ModelPool) -> None:
