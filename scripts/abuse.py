@@ -227,14 +227,14 @@ def _count(statuses: list[str]) -> dict[str, int]:
 
 
 def attack_noread(url: str, stop: threading.Event) -> dict[str, Any]:
-    """Review 1: streams of a million tokens whose client never reads (4 KB receive
+    """Review 1: streams of 250,000 tokens whose client never reads (4 KB receive
     buffer), held open for the phase. n=4 as in the review is over the budget now."""
     refused = httpx.post(
         url + "/v1/completions",
-        json={"prompt": "tokens:1000000:0", "max_tokens": 1000000, "n": 4, "stream": True},
+        json={"prompt": "tokens:250000:0", "max_tokens": 250000, "n": 4, "stream": True},
         timeout=30,
     ).status_code
-    body = b'{"prompt":"tokens:1000000:0","max_tokens":1000000,"stream":true}'
+    body = b'{"prompt":"tokens:250000:0","max_tokens":250000,"stream":true}'
     socks = []
     for _ in range(4):
         sock = _sock(url, rcvbuf=4096)
@@ -251,7 +251,7 @@ def attack_big_answer(url: str, stop: threading.Event) -> dict[str, Any]:
     largest answer the budget allows, sent again and again by two clients."""
     review = {"prompt": "x" * 8000, "n": 32, "echo": True, "logprobs": 20, "max_tokens": 1}
     first = httpx.post(url + "/v1/completions", json=review, timeout=60).status_code
-    allowed = {"prompt": "x" * 20000, "n": 8, "echo": True, "logprobs": 5, "max_tokens": 1}
+    allowed = {"prompt": "x" * 20000, "n": 2, "echo": True, "logprobs": 5, "max_tokens": 1}
     statuses: list[str] = []
     sizes: list[int] = []
 

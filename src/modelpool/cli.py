@@ -59,6 +59,8 @@ _BUILT_IN = PoolConfig(model=DEFAULT_MODEL)
 _BUILT_IN_SERVER = ServerConfig()
 DEFAULT_KEY_ENV = "MODELPOOL_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# The daemon's GIL switch interval (seconds): see _serve.
+GIL_SWITCH_INTERVAL_S = 0.001
 
 
 class CliError(Exception):
@@ -194,6 +196,10 @@ def _serve(args: argparse.Namespace) -> int:
         # Read once, here: the workers (and whatever a model's code runs) never see it.
         os.environ.pop(server_config.api_key_env, None)
     raise_open_files_limit(server_config.max_connections)
+    # Threads building large answers, and the dispatcher thread, hold the GIL for up to
+    # this long before the event loop may take it back: 5 ms by default, which a request
+    # that waits on the GIL a dozen times pays a dozen times.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     if api_key is None and not _is_loopback(server_config.host):
         env = server_config.api_key_env
         hint = f"set {env}" if env else "set [server] api_key_env and that variable"

@@ -218,7 +218,7 @@ class ServerConfig:
     cors_allowed_origins: tuple[str, ...] = ()
     # The most a request may ask of the pool: n x (prompt + max_tokens) x (1 + logprobs),
     # the prompt counted in characters (token ids: in ids). It bounds the answer's size.
-    max_request_tokens: int = 1_048_576
+    max_request_tokens: int = 262_144
     # Fair share between clients (by address): runs a client may have admitted to the
     # pool (None: the pool's capacity) and waiting behind them; past that, 429.
     client_max_running: int | None = None

@@ -7,7 +7,7 @@ client sent::
     body = parse_json_object(raw)
     job = parse_chat(body)  # or parse_completion(body)
     deadline_s = deadline_from(body, request.headers, default_s=60.0, cap_s=None)
-    check_budget(job, limit=1_048_576, default_max_tokens=128)
+    check_budget(job, limit=262_144, default_max_tokens=128)
 
 Bodies are checked field by field rather than by pydantic models: every rejection
 names the OpenAI field (the pool's own messages name its kwargs, e.g.

@@ -188,7 +188,7 @@ def test_a_client_that_stops_reading_stalls_only_its_own_request(pool: ModelPool
         stalled = socket.socket()
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         stalled.connect(("127.0.0.1", served.port))
-        body = b'{"prompt":"tokens:1000000:0","max_tokens":1000000,"stream":true}'
+        body = b'{"prompt":"tokens:250000:0","max_tokens":250000,"stream":true}'
         stalled.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             b"Content-Type: application/json\r\nContent-Length: "
