@@ -100,7 +100,7 @@ class BrowserGuard:
         else:
             # Bound elsewhere, the daemon is meant to be reached under names it cannot
             # know (a pod address, a load balancer's); the API key protects it there.
-            self.any_host = not is_loopback_name(host_name(config.host))
+            self.any_host = not is_loopback_name(config.host.strip("[]").lower())
             self.hosts = frozenset()
             self.loopback_hosts = not self.any_host
         self.origins = frozenset(
