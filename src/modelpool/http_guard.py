@@ -308,7 +308,10 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
       and their count (431, closed), checked before more is parsed, since httptools
       builds a header value by concatenation (quadratic in its size);
     - ``max_connections``: a request on a connection past that many gets 503 with
-      Retry-After and the connection is closed, so that file descriptors never run out.
+      Retry-After and the connection is closed, so that file descriptors never run out;
+    - ``send_timeout_s``: a connection whose client reads nothing of a pending answer
+      for that long is aborted (a whole answer, not only a stream, would otherwise sit
+      in the transport's buffer for as long as the client likes).
     """
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -319,13 +322,38 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
             self.reading_head = True
             self.over_capacity = len(self.connections) > config.max_connections
             self.guard_timer: asyncio.TimerHandle | None = None
+            self.write_timer: asyncio.TimerHandle | None = None
             # Past the cap, a connection holds its file descriptor only briefly.
             seconds = OVER_CAPACITY_HEAD_S if self.over_capacity else config.header_timeout_s
             self._arm(min(seconds, config.header_timeout_s), "sent no complete request head")
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._disarm_write()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self.write_timer is None:
+                self.write_timer = self.loop.call_later(config.send_timeout_s, self._stalled)
+
+        def resume_writing(self) -> None:
+            self._disarm_write()
+            super().resume_writing()
+
+        def _disarm_write(self) -> None:
+            if self.write_timer is not None:
+                self.write_timer.cancel()
+                self.write_timer = None
+
+        def _stalled(self) -> None:
+            self.write_timer = None
+            logger.info(
+                "aborting a connection from %s: its client read nothing for %g s (send_timeout_s)",
+                _peer(self.client),
+                config.send_timeout_s,
+            )
+            self.transport.abort()
 
         def data_received(self, data: bytes) -> None:
             if self.reading_head:

@@ -189,13 +189,7 @@ def test_a_client_that_stops_reading_stalls_only_its_own_request(pool: ModelPool
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         stalled.connect(("127.0.0.1", served.port))
         body = b'{"prompt":"tokens:250000:0","max_tokens":250000,"stream":true}'
-        stalled.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            b"Content-Type: application/json\r\nContent-Length: "
-            + str(len(body)).encode()
-            + b"\r\n\r\n"
-            + body
-        )
+        stalled.sendall(_post_head(body) + body)
         give_up = time.monotonic() + slack(10)
         try:
             # Never read: the daemon's send waits, then times out; the run is cancelled
@@ -212,6 +206,32 @@ def test_a_client_that_stops_reading_stalls_only_its_own_request(pool: ModelPool
         lambda s: all(w.state == "idle" for w in s.workers),
         slack(5),
         "the workers to be idle",
+    )
+
+
+def test_a_client_that_reads_no_answer_is_disconnected_after_send_timeout(
+    pool: ModelPool,
+) -> None:
+    with serving(pool, send_timeout_s=0.5) as served:
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", served.port))
+        # A 3.5 MB answer, which the daemon's socket buffers cannot take at once.
+        body = b'{"prompt":"' + b"x" * 20000 + b'","n":2,"echo":true,"logprobs":5,"max_tokens":1}'
+        with stalled:
+            stalled.sendall(_post_head(body) + body)
+            state = served.server.server_state
+            wait_for(lambda: len(state.connections), lambda n: n == 1, slack(5), "the request")
+            # Never read: the daemon aborts the connection instead of holding the answer.
+            wait_for(lambda: len(state.connections), lambda n: n == 0, slack(10), "the abort")
+
+
+def _post_head(body: bytes) -> bytes:
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
     )
 
 
