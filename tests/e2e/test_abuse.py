@@ -10,6 +10,7 @@ the pool round robin between clients.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -224,6 +225,40 @@ def test_a_client_that_reads_no_answer_is_disconnected_after_send_timeout(
             wait_for(lambda: len(state.connections), lambda n: n == 1, slack(5), "the request")
             # Never read: the daemon aborts the connection instead of holding the answer.
             wait_for(lambda: len(state.connections), lambda n: n == 0, slack(10), "the abort")
+
+
+def test_a_large_answer_is_built_and_encoded_off_the_event_loop(
+    pool: ModelPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import modelpool.openai_format
+    import modelpool.server
+
+    built_on_loop: list[bool] = []
+    slices: list[int] = []
+    build, dumps = modelpool.server.response_body, modelpool.openai_format._dumps
+
+    def recording_build(*args: Any, **kwargs: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+            built_on_loop.append(True)
+        except RuntimeError:
+            built_on_loop.append(False)
+        return build(*args, **kwargs)
+
+    def recording_dumps(value: Any) -> str:
+        slices.append(len(value) if isinstance(value, list) else 1)
+        return dumps(value)
+
+    monkeypatch.setattr(modelpool.server, "response_body", recording_build)
+    monkeypatch.setattr(modelpool.openai_format, "_dumps", recording_dumps)
+    big = {"prompt": "x" * 20000, "n": 2, "echo": True, "logprobs": 5, "max_tokens": 1}
+    with serving(pool) as served:
+        answer = served.http.post(COMPLETIONS, json=big)
+    assert answer.status_code == 200
+    assert len(answer.json()["choices"][0]["logprobs"]["tokens"]) == 20001
+    assert built_on_loop == [False]
+    # No single call to the C encoder is given more than a slice of a long list.
+    assert max(slices) <= 256
 
 
 def _post_head(body: bytes) -> bytes:
