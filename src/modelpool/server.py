@@ -20,8 +20,10 @@ in ``openai_format``.
 
 Status codes: 400 invalid (``context_length_exceeded`` when the prompt and
 ``max_tokens`` do not fit the model's context, which ``/v1/models`` reports as
-``max_model_len``), 401 missing/bad key, 404/405 unknown route or
-method, 413 body too large, 429 ``PoolOverloaded``, 503 ``PoolClosed`` /
+``max_model_len``; ``request_too_expensive`` past ``max_request_tokens``), 401
+missing/bad key, 403 Host or Origin not allowed (``http_guard``), 404/405 unknown
+route or method, 413 body too large, 415 body not declared JSON, 429
+``PoolOverloaded`` or a client past its share (``fair_share``), 503 ``PoolClosed`` /
 ``ModelLoadFailed`` / draining, 504 ``DeadlineExceeded``, 502 ``WorkerCrashed``
 and ``CudaError``, 507 ``OutOfMemory`` (CUDA), 500 only for ``BackendError``
 (the model code raised) or a bug here. Every error says ``x-should-retry``
@@ -30,7 +32,9 @@ applied its own retry policy already.
 
 A client that disconnects cancels its request in the worker: a task waits on
 the ASGI ``receive`` channel for ``http.disconnect`` (no polling) and cancels
-the generation, whose cancellation the pool forwards to the worker.
+the generation, whose cancellation the pool forwards to the worker. A client that
+stops reading a stream is treated the same after ``send_timeout_s``: the stream's
+events wait in a bounded queue, and each is sent only once the socket took the last.
 """
 
 from __future__ import annotations
