@@ -295,9 +295,11 @@ class EventStream(Response):
         send_timeout_s: float,
         start: Callable[[StreamedChoice], AbstractAsyncContextManager[AsyncPoolStream]],
         ticket: Ticket,
+        heavy_work: asyncio.Semaphore,
     ) -> None:
         super().__init__(status_code=200)
         self._ticket = ticket
+        self._heavy_work = heavy_work
         self._choices = choices
         self._start_choice = start
         self._job = job
@@ -424,6 +426,7 @@ class EventStream(Response):
             _note_results(state, results.values())
             final = await _off_loop_if(
                 self._job.logprobs is not None and _answer_tokens(item) > ENCODE_OFF_LOOP_TOKENS,
+                self._heavy_work,
                 self._final_event,
                 choice,
                 item,
@@ -522,11 +525,16 @@ class SendTimedOut(Exception):
     """A response could not be sent for ``send_timeout_s``: the client stopped reading."""
 
 
-async def _off_loop_if(condition: bool, work: Callable[..., T], *args: Any) -> T:
+async def _off_loop_if(
+    condition: bool, one_at_a_time: asyncio.Semaphore, work: Callable[..., T], *args: Any
+) -> T:
     """``work(*args)``, in a thread when ``condition`` says it is large: Python code in a
-    thread gives the event loop the GIL every few ms (sys.getswitchinterval)."""
+    thread gives the event loop the GIL every millisecond (sys.getswitchinterval). One
+    such thread at a time, so that the loop shares the GIL with one, not with as many
+    as clients send large requests (and only one large answer is being built)."""
     if condition:
-        return await run_in_threadpool(work, *args)
+        async with one_at_a_time:
+            return await run_in_threadpool(work, *args)
     return work(*args)
 
 
@@ -589,6 +597,8 @@ class ServerState:
     metrics: PoolMetrics
     started: int
     fair_share: FairShare
+    # Parsing and building large bodies and answers, in a thread, one at a time.
+    heavy_work: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     draining: bool = False
     loop_watch: LoopWatch = field(default_factory=LoopWatch)
 
@@ -795,7 +805,9 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
         raw = await read_body(request, state.config.max_body_bytes)
     except ClientDisconnect:
         return _ClientGone()
-    body, job = await _off_loop_if(len(raw) > PARSE_OFF_LOOP_BYTES, _parse, raw, chat)
+    body, job = await _off_loop_if(
+        len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, _parse, raw, chat
+    )
     pool = state.pool
     check_budget(
         job,
@@ -830,6 +842,7 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
             send_timeout_s=state.config.send_timeout_s,
             start=start,
             ticket=ticket,
+            heavy_work=state.heavy_work,
         )
 
     async def run(prompt: Prompt, params: dict[str, Any]) -> Result:
@@ -853,6 +866,7 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
     _note_results(request.scope.setdefault("state", {}), results)
     content = await _off_loop_if(
         _answer_tokens(*results) > ENCODE_OFF_LOOP_TOKENS,
+        state.heavy_work,
         _render,
         job,
         by_index,
