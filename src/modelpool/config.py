@@ -223,7 +223,8 @@ class ServerConfig:
     # pool (None: the pool's capacity) and waiting behind them; past that, 429.
     client_max_running: int | None = None
     client_max_queued: int = 256
-    # A streamed answer the client stops reading for this long ends as a disconnect.
+    # A connection whose client reads nothing of its answer for this long is aborted
+    # (a stream's run is cancelled, as on a disconnect).
     send_timeout_s: float = 30.0
     # HTTP limits (nginx-like): a request head, the gap between two body reads, the
     # request line and headers together, the header count, and open connections.
