@@ -119,7 +119,7 @@ class FairShare:
                 self._release(client)  # admitted just as it was cancelled
             else:
                 waiters = self._waiters.get(client)
-                if waiters is not None:
+                if waiters is not None and turn in waiters:
                     waiters.remove(turn)
                     if not waiters:
                         del self._waiters[client]
@@ -172,6 +172,9 @@ class FairShare:
             turn = waiters.popleft()
             if waiters:
                 self._waiters[client] = waiters  # to the back of the turn order
+            if turn.cancelled():
+                # Its task was cancelled and has not run since: it takes no place.
+                continue
             self._take(client)
             turn.set_result(None)
 

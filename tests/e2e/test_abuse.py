@@ -343,6 +343,14 @@ def test_runs_enter_the_pool_round_robin_between_clients(pool: ModelPool) -> Non
         # The abusive client gave up (and so cancelled its runs) after 3 s.
         with pytest.raises(httpx.ReadTimeout):
             flood.result()
+        # Every place it held or reserved is given back.
+        empty = {"in_pool": 0, "waiting": 0, "clients": 0}
+        wait_for(
+            lambda: served.http.get("/stats").json()["fair_share"],
+            lambda share: {key: share[key] for key in empty} == empty,
+            slack(5),
+            "the fair share to be empty",
+        )
     # The first waited for one abusive run to end (1 s), not for the burst (8 s) as first
     # come, first served would have it; the next ones found a place held back for them.
     assert waits[0] < 2.0, waits
