@@ -439,7 +439,9 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
                 headers = {"Retry-After": str(retry_after)} if retry_after else None
                 error = ApiError(status, message, code=_CODES[status], headers=headers)
                 self.transport.write(raw_response(error))
-            logger.info("closing a connection from %s: %s", _peer(self.client), message)
+            # Debug, not info: an attacker opens these by the thousand, and a log line
+            # each would amplify the attack onto the disk.
+            logger.debug("closing a connection from %s: %s", _peer(self.client), message)
             self.transport.close()
 
     return GuardedHttpToolsProtocol
