@@ -61,6 +61,8 @@ _BUILT_IN = PoolConfig(model=DEFAULT_MODEL)
 _BUILT_IN_SERVER = ServerConfig()
 DEFAULT_KEY_ENV = "MODELPOOL_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# The daemon's GIL switch interval (seconds): see _serve.
+GIL_SWITCH_INTERVAL_S = 0.001
 
 
 class CliError(Exception):
@@ -180,6 +182,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        from modelpool.http_guard import guarded_protocol, raise_open_files_limit
         from modelpool.pool import ModelPool
         from modelpool.server import DrainingServer, api_key_from_env, create_app
     except ImportError as exc:
@@ -190,10 +193,19 @@ def _serve(args: argparse.Namespace) -> int:
     from modelpool.embedded import EmbeddedModelError
     from modelpool.errors import PoolError, PreflightError
 
+    api_key = api_key_from_env(server_config)
+    if server_config.api_key_env:
+        # Read once, here: the workers (and whatever a model's code runs) never see it.
+        os.environ.pop(server_config.api_key_env, None)
+    raise_open_files_limit(server_config.max_connections)
+    # Threads building large answers, and the dispatcher thread, hold the GIL for up to
+    # this long before the event loop may take it back: 5 ms by default, which a request
+    # that waits on the GIL a dozen times pays a dozen times.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # Bound now, listening only once the pool is ready: a port in use is said before
     # the workers load (minutes for a large model), not after.
     listener = _bind_port(server_config.host, server_config.port)
-    if api_key_from_env(server_config) is None and not _is_loopback(server_config.host):
+    if api_key is None and not _is_loopback(server_config.host):
         env = server_config.api_key_env
         hint = f"set {env}" if env else "set [server] api_key_env and that variable"
         print(
@@ -219,7 +231,7 @@ def _serve(args: argparse.Namespace) -> int:
             logger.error("the pool did not start: %s", exc)
             return 1
         model_name = served_model_name(pool.config, server_config)
-        app = create_app(pool, server_config, model_name)
+        app = create_app(pool, server_config, model_name, api_key=api_key)
         logger.info(
             "pool ready (%d workers, model %s); opening http://%s:%d",
             pool.config.workers,
@@ -235,6 +247,9 @@ def _serve(args: argparse.Namespace) -> int:
                 log_config=None,  # keep our logging setup; uvicorn's loggers propagate to it
                 access_log=False,  # modelpool.access writes one richer line per request
                 lifespan="off",
+                # Header size, count and read timeouts, body read timeouts, and the cap
+                # on connections (http_guard.guarded_protocol); keep-alive stays 5 s.
+                http=guarded_protocol(server_config),
                 # uvicorn takes whole seconds here; round up so a drain is never cut short.
                 timeout_graceful_shutdown=math.ceil(server_config.drain_timeout_s),
             ),

@@ -211,6 +211,28 @@ class ServerConfig:
     model_name: str | None = None
     # /healthz fails when the server's own event loop runs a timer this late (seconds).
     max_event_loop_lag_s: float = 5.0
+    # Browser safety (README, Security): the Host names served (None: loopback names when
+    # bound to a loopback address, any name otherwise; "*" is any), and the web origins
+    # that may call the daemon (CORS; empty: a request with an Origin header is refused).
+    allowed_hosts: tuple[str, ...] | None = None
+    cors_allowed_origins: tuple[str, ...] = ()
+    # The most a request may ask of the pool: n x (prompt + max_tokens) x (1 + logprobs),
+    # the prompt counted in characters (token ids: in ids). It bounds the answer's size.
+    max_request_tokens: int = 262_144
+    # Fair share between clients (by address): runs a client may have admitted to the
+    # pool (None: the pool's capacity) and waiting behind them; past that, 429.
+    client_max_running: int | None = None
+    client_max_queued: int = 256
+    # A connection whose client reads nothing of its answer for this long is aborted
+    # (a stream's run is cancelled, as on a disconnect).
+    send_timeout_s: float = 30.0
+    # HTTP limits (nginx-like): a request head, the gap between two body reads, the
+    # request line and headers together, the header count, and open connections.
+    header_timeout_s: float = 20.0
+    body_timeout_s: float = 20.0
+    max_header_bytes: int = 32_768
+    max_headers: int = 100
+    max_connections: int = 1000
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -231,6 +253,22 @@ class ServerConfig:
         if self.model_name is not None and not isinstance(self.model_name, str):
             raise ValueError(f"server.model_name must be a string, got {self.model_name!r}")
         _check_number("server.max_event_loop_lag_s", self.max_event_loop_lag_s, allow_zero=False)
+        object.__setattr__(
+            self, "allowed_hosts", _optional_names("server.allowed_hosts", self.allowed_hosts)
+        )
+        object.__setattr__(
+            self,
+            "cors_allowed_origins",
+            _optional_names("server.cors_allowed_origins", self.cors_allowed_origins) or (),
+        )
+        _check_int("server.max_request_tokens", self.max_request_tokens, minimum=1)
+        _check_int("server.client_max_running", self.client_max_running, minimum=1, optional=True)
+        _check_int("server.client_max_queued", self.client_max_queued, minimum=0)
+        for name in ("send_timeout_s", "header_timeout_s", "body_timeout_s"):
+            _check_number(f"server.{name}", getattr(self, name), allow_zero=False)
+        _check_int("server.max_header_bytes", self.max_header_bytes, minimum=1024)
+        _check_int("server.max_headers", self.max_headers, minimum=8)
+        _check_int("server.max_connections", self.max_connections, minimum=1)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> ServerConfig:
@@ -238,6 +276,18 @@ class ServerConfig:
         if not isinstance(table, Mapping):
             raise ValueError("[server] must be a table")
         return cls(**_known(table, cls, "server"))
+
+
+def _optional_names(name: str, value: object) -> tuple[str, ...] | None:
+    """A list of non-empty strings as a tuple (TOML gives a list), or None."""
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of strings, got {value!r}")
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"{name}: {item!r} is not a non-empty string")
+    return tuple(value)
 
 
 def _check_devices(devices: object) -> tuple[DeviceEntry, ...]:

@@ -20,6 +20,7 @@ with ``echo`` putting the prompt's tokens first (the very first has a null logpr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -229,3 +230,46 @@ def response_body(job: Job, results: dict[int, Result], model: str, created: int
         "choices": choices,
         "usage": total_usage(job, results),
     }
+
+
+# The JSON encoder (C, holding the GIL) is given at most this many list items at a time,
+# so that encoding a large answer in a thread never holds the event loop for long.
+JSON_SLICE_ITEMS = 256
+
+
+def json_bytes(value: Any) -> bytes:
+    """``value`` as compact JSON (as JSONResponse writes it), encoded a slice at a time:
+    the C encoder holds the GIL for a whole call, so that one call on an answer of tens
+    of megabytes would stop the event loop even from another thread."""
+    parts: list[str] = []
+    _encode_into(value, parts)
+    return "".join(parts).encode()
+
+
+def _dumps(value: Any) -> str:
+    text: str = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text
+
+
+def _encode_into(value: Any, parts: list[str]) -> None:
+    if isinstance(value, dict):
+        parts.append("{")
+        for number, (key, item) in enumerate(value.items()):
+            parts.append(("," if number else "") + _dumps(str(key)) + ":")
+            _encode_into(item, parts)
+        parts.append("}")
+    elif isinstance(value, list) and len(value) > JSON_SLICE_ITEMS:
+        parts.append("[")
+        for start in range(0, len(value), JSON_SLICE_ITEMS):
+            piece = _dumps(value[start : start + JSON_SLICE_ITEMS])
+            parts.append(("," if start else "") + piece[1:-1])
+        parts.append("]")
+    elif isinstance(value, list):
+        parts.append("[")
+        for number, item in enumerate(value):
+            if number:
+                parts.append(",")
+            _encode_into(item, parts)
+        parts.append("]")
+    else:
+        parts.append(_dumps(value))

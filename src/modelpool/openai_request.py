@@ -7,6 +7,7 @@ client sent::
     body = parse_json_object(raw)
     job = parse_chat(body)  # or parse_completion(body)
     deadline_s = deadline_from(body, request.headers, default_s=60.0, cap_s=None)
+    check_budget(job, limit=262_144, default_max_tokens=128)
 
 Bodies are checked field by field rather than by pydantic models: every rejection
 names the OpenAI field (the pool's own messages name its kwargs, e.g.
@@ -41,19 +42,19 @@ TIMEOUT_HEADER = "x-request-timeout"
 SHOULD_RETRY_HEADER = "x-should-retry"
 RETRYABLE_STATUSES = frozenset({429, 503})
 
-# Fields accepted without effect: they do not change what is generated.
-_IGNORED_FIELDS = frozenset(
-    {
-        "model",
-        "user",
-        "metadata",
-        "store",
-        "service_tier",
-        "safety_identifier",
-        "prompt_cache_key",
-        "parallel_tool_calls",
-    }
+# Fields accepted without effect: they do not change what is generated. Each is held to
+# OpenAI's own shape and size (a megabyte array there would cost the event loop its
+# parsing and checking, for nothing).
+_IGNORED_STRINGS = frozenset(
+    {"model", "user", "service_tier", "safety_identifier", "prompt_cache_key"}
 )
+_IGNORED_BOOLS = frozenset({"store", "parallel_tool_calls"})
+_IGNORED_FIELDS = _IGNORED_STRINGS | _IGNORED_BOOLS | {"metadata"}
+MAX_IGNORED_STRING = 512
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+# OpenAI's bound on the legacy completions ``logprobs`` (chat's top_logprobs allows 20).
+MAX_LEGACY_LOGPROBS = 5
 _COMMON_FIELDS = frozenset(
     {
         "max_tokens",
@@ -187,7 +188,13 @@ def _lone_surrogate_at(value: object, path: str) -> str | None:
                     return f"{where}.{key!r}" if where else repr(key)
                 stack.append((child, f"{where}.{key}" if where else key))
         elif isinstance(item, list):
-            stack.extend((child, f"{where}[{index}]") for index, child in enumerate(item))
+            # Only what can hold text: a long list of numbers (token ids, say) costs no
+            # path string per item.
+            stack.extend(
+                (child, f"{where}[{index}]")
+                for index, child in enumerate(item)
+                if isinstance(child, (str, dict, list))
+            )
     return None
 
 
@@ -195,8 +202,39 @@ def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
     for name in body:
         if name not in allowed and name not in _IGNORED_FIELDS:
             raise invalid(f"unsupported field {name!r}", param=name, code="unsupported_field")
-    if "model" in body and body["model"] is not None and not isinstance(body["model"], str):
-        raise invalid("model must be a string", param="model")
+    check_ignored_fields(body)
+
+
+def check_ignored_fields(body: Mapping[str, Any]) -> None:
+    """The accepted-but-ignored fields have OpenAI's shapes and sizes: short strings,
+    booleans, and ``metadata`` as at most 16 short string pairs."""
+    for name in _IGNORED_STRINGS & body.keys():
+        value = body[name]
+        if value is not None and (not isinstance(value, str) or len(value) > MAX_IGNORED_STRING):
+            raise invalid(
+                f"{name} must be a string of at most {MAX_IGNORED_STRING} characters", name
+            )
+    for name in _IGNORED_BOOLS & body.keys():
+        if body[name] is not None and not isinstance(body[name], bool):
+            raise invalid(f"{name} must be true or false", param=name)
+    metadata = body.get("metadata")
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
+        raise invalid(
+            f"metadata must be an object of at most {MAX_METADATA_PAIRS} pairs", "metadata"
+        )
+    for key, value in metadata.items():
+        if (
+            len(key) > MAX_METADATA_KEY
+            or not isinstance(value, str)
+            or len(value) > MAX_IGNORED_STRING
+        ):
+            raise invalid(
+                f"metadata: keys of at most {MAX_METADATA_KEY} characters, string values of "
+                f"at most {MAX_IGNORED_STRING}",
+                param="metadata",
+            )
 
 
 def _opt_int(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
@@ -311,7 +349,10 @@ def _include_usage(body: Mapping[str, Any]) -> bool:
 def deadline_from(
     body: Mapping[str, Any], headers: Mapping[str, str], default_s: float, cap_s: float | None
 ) -> float:
-    """Body ``timeout`` wins over the header; both are capped by the server's maximum."""
+    """Body ``timeout`` wins over the header. Either is capped at ``cap_s`` (the server's
+    ``max_request_timeout_s``) or, when the operator set none, at ``default_s`` (the
+    pool's ``deadline_s``): a client may ask for less time than the operator's deadline,
+    never for more unless the operator allows it."""
     value: object = body.get("timeout")
     name = "timeout"
     if value is None and TIMEOUT_HEADER in headers:
@@ -325,7 +366,7 @@ def deadline_from(
     if not is_number(value) or value <= 0:  # type: ignore[operator]
         raise invalid(f"{name} must be a number of seconds > 0, got {value!r}", param=name)
     seconds = float(value)  # type: ignore[arg-type]
-    return min(seconds, cap_s) if cap_s is not None else seconds
+    return min(seconds, cap_s if cap_s is not None else default_s)
 
 
 def _choice_count(body: Mapping[str, Any], prompts: int) -> tuple[int, int]:
@@ -383,8 +424,10 @@ def parse_completion(body: Mapping[str, Any]) -> Job:
     _unsupported_unless(suffix in (None, ""), "suffix", "insertion is not supported")
     echo = bool(_opt_bool(body, "echo"))
     logprobs = _opt_int(body, "logprobs", 0)
-    if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
-        raise invalid(f"logprobs must be <= {MAX_TOP_LOGPROBS}, got {logprobs}", param="logprobs")
+    if logprobs is not None and logprobs > MAX_LEGACY_LOGPROBS:
+        raise invalid(
+            f"logprobs must be <= {MAX_LEGACY_LOGPROBS}, got {logprobs}", param="logprobs"
+        )
     max_tokens = _opt_int(body, "max_tokens", 0)
     if max_tokens == 0 and not echo:
         raise invalid("max_tokens 0 only makes sense with echo (scoring the prompt)", "max_tokens")
@@ -520,3 +563,37 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
         logprobs=logprobs,
         chat=True,
     )
+
+
+def _prompt_size(prompt: Prompt) -> int:
+    """A prompt's size in the budget's units: token ids, or characters (a bound on the
+    tokens of a text for the usual tokenizers, and known without the model)."""
+    if isinstance(prompt, TokenIds):
+        return len(prompt.ids)
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(message["content"]) for message in prompt)
+
+
+def request_cost(job: Job, default_max_tokens: int) -> int:
+    """n x (prompt + max_tokens) x (1 + logprobs), summed over the prompts: what bounds
+    the work and the size of the answer (each token of it carries its alternatives)."""
+    max_tokens = job.params.get("max_new_tokens", default_max_tokens)
+    per_token = 1 + (job.logprobs or 0)
+    return sum(
+        job.runs_per_prompt * (_prompt_size(prompt) + max_tokens) * per_token
+        for prompt in job.prompts
+    )
+
+
+def check_budget(job: Job, *, limit: int, default_max_tokens: int) -> None:
+    """400 ``request_too_expensive`` past the server's ``max_request_tokens``."""
+    cost = request_cost(job, default_max_tokens)
+    if cost > limit:
+        raise invalid(
+            f"the request asks for {cost} token units, more than max_request_tokens ({limit}): "
+            "n x (prompt + max_tokens) x (1 + logprobs); ask for fewer choices, tokens or "
+            "logprobs",
+            param="n" if job.runs_per_prompt > 1 else "max_tokens",
+            code="request_too_expensive",
+        )

@@ -280,20 +280,13 @@ class ModelPool:
     ) -> AsyncPoolStream:
         """asyncio version of :meth:`stream`: ``async for chunk in pool.astream(...)``.
 
-        No thread per stream: chunks reach the event loop through
-        ``call_soon_threadsafe``. Cancelling the consuming task cancels the request.
+        No thread per stream: chunks reach the event loop through a
+        :class:`StreamBuffer`, which wakes the loop once per batch of chunks rather than
+        once per chunk. Cancelling the consuming task cancels the request.
         """
-        loop = asyncio.get_running_loop()
-        chunks: asyncio.Queue[object] = asyncio.Queue()
-
-        def deliver(item: object) -> None:
-            try:
-                loop.call_soon_threadsafe(chunks.put_nowait, item)
-            except RuntimeError:
-                pass  # The event loop is closed; nobody is listening any more.
-
-        future = self._submit(prompt, deadline_s, gen_kwargs, deliver)
-        future.add_done_callback(lambda _: deliver(_END))
+        chunks = StreamBuffer(asyncio.get_running_loop())
+        future = self._submit(prompt, deadline_s, gen_kwargs, chunks.put_threadsafe)
+        future.add_done_callback(lambda _: chunks.put_threadsafe(_END))
         return AsyncPoolStream(future, chunks)
 
     def health(self) -> PoolHealth:
@@ -534,10 +527,81 @@ class PoolStream(_Stream, Iterator[str]):
         self.close()
 
 
+class StreamBuffer:
+    """The chunks of one stream that its reader has not taken yet, bounded in count.
+
+    Filled from the dispatcher thread, read on the event loop. The loop is woken once
+    for all the chunks that arrive before it runs (a callback per chunk would flood it
+    when a worker is fast: hundreds of thousands a second, still running after the
+    reader has gone). The worker does not wait for the reader (the dispatcher thread
+    serves every request), so a reader slower than the worker gets the text joined:
+    past ``max_items`` waiting chunks, new text is appended to the last one. A stalled
+    reader then holds the text itself, a few bytes per token, instead of one object per
+    token; a reader that keeps up sees every chunk as the worker sent it.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_items: int = 64) -> None:
+        self.max_items = max_items
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: collections.deque[object] = collections.deque()
+        self._tail: list[str] = []  # pieces of the last item while text is being joined
+        self._ready = asyncio.Event()
+        self._wake_pending = False
+
+    def put_threadsafe(self, item: object) -> None:
+        """Add ``item`` (text, or the end marker); from any thread."""
+        with self._lock:
+            self._put(item)
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        try:
+            self._loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:
+            pass  # The event loop is closed; nobody is listening any more.
+
+    def _put(self, item: object) -> None:
+        if isinstance(item, str) and (self._tail or len(self._items) >= self.max_items):
+            if not self._tail and isinstance(self._items[-1], str):
+                self._tail.append(str(self._items.pop()))
+            if self._tail:
+                self._tail.append(item)
+                if len(self._tail) >= self.max_items:
+                    self._tail[:] = ["".join(self._tail)]
+                return
+        self._flush_tail()
+        self._items.append(item)
+
+    def _flush_tail(self) -> None:
+        if self._tail:
+            self._items.append("".join(self._tail))
+            self._tail.clear()
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._wake_pending = False
+        self._ready.set()
+
+    async def get(self) -> object:
+        while True:
+            with self._lock:
+                if not self._items:
+                    self._flush_tail()
+                if self._items:
+                    return self._items.popleft()
+                self._ready.clear()
+            await self._ready.wait()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items) + (1 if self._tail else 0)
+
+
 class AsyncPoolStream(_Stream, AsyncIterator[str]):
     """The chunks of one request (``ModelPool.astream``); see :class:`PoolStream`."""
 
-    def __init__(self, future: PoolFuture, chunks: asyncio.Queue[object]) -> None:
+    def __init__(self, future: PoolFuture, chunks: StreamBuffer) -> None:
         super().__init__(future)
         self._chunks = chunks
 

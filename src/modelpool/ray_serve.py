@@ -107,8 +107,14 @@ class PoolReplica:
     """
 
     def __init__(self, pool_config: PoolConfig, server_config: ServerConfig) -> None:
+        from modelpool.server import api_key_from_env
+
         self.pool = ModelPool(pool_config)
         self.server_config = server_config
+        # Read once, as the daemon does: the workers started below never see the key.
+        self.api_key = api_key_from_env(server_config)
+        if server_config.api_key_env:
+            os.environ.pop(server_config.api_key_env, None)
         # Blocks this replica's construction until every worker is ready: Ray sends it
         # no request before that, exactly like the daemon, whose port opens then.
         self.pool.start()
@@ -150,7 +156,7 @@ def build_app(
 
     class ModelPoolDeployment(PoolReplica):
         def __serve_build_asgi_app__(self) -> Any:
-            return create_app(self.pool, self.server_config, model_name)
+            return create_app(self.pool, self.server_config, model_name, api_key=self.api_key)
 
         async def __del__(self) -> None:
             # Ray calls this on a graceful stop, once the replica has no request left

@@ -20,8 +20,10 @@ in ``openai_format``.
 
 Status codes: 400 invalid (``context_length_exceeded`` when the prompt and
 ``max_tokens`` do not fit the model's context, which ``/v1/models`` reports as
-``max_model_len``), 401 missing/bad key, 404/405 unknown route or
-method, 413 body too large, 429 ``PoolOverloaded``, 503 ``PoolClosed`` /
+``max_model_len``; ``request_too_expensive`` past ``max_request_tokens``), 401
+missing/bad key, 403 Host or Origin not allowed (``http_guard``), 404/405 unknown
+route or method, 413 body too large, 415 body not declared JSON, 429
+``PoolOverloaded`` or a client past its share (``fair_share``), 503 ``PoolClosed`` /
 ``ModelLoadFailed`` / draining, 504 ``DeadlineExceeded``, 502 ``WorkerCrashed``
 and ``CudaError``, 507 ``OutOfMemory`` (CUDA), 500 only for ``BackendError``
 (the model code raised) or a bug here. Every error says ``x-should-retry``
@@ -30,21 +32,31 @@ applied its own retry policy already.
 
 A client that disconnects cancels its request in the worker: a task waits on
 the ASGI ``receive`` channel for ``http.disconnect`` (no polling) and cancels
-the generation, whose cancellation the pool forwards to the worker.
+the generation, whose cancellation the pool forwards to the worker. A client that
+stops reading a stream is treated the same after ``send_timeout_s``: the stream's
+events wait in a bounded queue, and each is sent only once the socket took the last.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+)
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -54,7 +66,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from modelpool.config import ServerConfig
 from modelpool.errors import (
@@ -70,12 +82,20 @@ from modelpool.errors import (
     PoolOverloaded,
     WorkerCrashed,
 )
+from modelpool.fair_share import FairShare, Ticket
+from modelpool.http_guard import BrowserGuard, Gate, require_json
 from modelpool.metrics import CONTENT_TYPE, PoolMetrics
-from modelpool.openai_format import Job, choice_logprobs, response_body, total_usage
+from modelpool.openai_format import (
+    Job,
+    choice_logprobs,
+    json_bytes,
+    response_body,
+    total_usage,
+)
 from modelpool.openai_request import (
     ApiError,
+    check_budget,
     deadline_from,
-    invalid,
     parse_chat,
     parse_completion,
     parse_json_object,
@@ -86,18 +106,22 @@ if TYPE_CHECKING:
     from modelpool.pool import AsyncPoolStream, ModelPool, Result
 
 logger = logging.getLogger(__name__)
-access_logger = logging.getLogger("modelpool.access")
 
 T = TypeVar("T")
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # Seconds a client should wait before trying again: an overloaded queue drains
 # quickly; a pool that is not ready is starting or respawning workers.
 RETRY_AFTER_OVERLOADED = 1
 RETRY_AFTER_UNAVAILABLE = 5
 # nginx's convention for "client closed the request": logged, never sent.
 STATUS_CLIENT_GONE = 499
+# Events a streamed answer holds for a client that reads slower than the worker writes:
+# past that, the pool's chunks wait (joined) until the client takes some.
+STREAM_BUFFER_EVENTS = 64
+# Bodies larger than this are parsed and checked off the event loop.
+PARSE_OFF_LOOP_BYTES = 65_536
+# Answers whose runs produced more tokens than this are built and encoded off the loop.
+ENCODE_OFF_LOOP_TOKENS = 4_096
 READY_WORKER_STATES = frozenset({"idle", "busy", "spare"})
 
 
@@ -241,11 +265,13 @@ def _sse(payload: Mapping[str, Any] | str) -> bytes:
 
 @dataclass
 class StreamedChoice:
-    """One pool request of a streamed answer: its choice index, prompt and stream."""
+    """One pool request of a streamed answer: its choice index, prompt and pool kwargs,
+    and its stream once its turn came (``FairShare``)."""
 
     index: int
     prompt: Prompt
-    source: AsyncPoolStream
+    params: dict[str, Any]
+    source: AsyncPoolStream | None = None
 
 
 class EventStream(Response):
@@ -267,14 +293,22 @@ class EventStream(Response):
         *,
         model: str,
         on_error: Callable[[PoolError], None],
+        send_timeout_s: float,
+        start: Callable[[StreamedChoice], AbstractAsyncContextManager[AsyncPoolStream]],
+        ticket: Ticket,
+        heavy_work: asyncio.Semaphore,
     ) -> None:
         super().__init__(status_code=200)
+        self._ticket = ticket
+        self._heavy_work = heavy_work
         self._choices = choices
+        self._start_choice = start
         self._job = job
         self._chat = job.chat
         self._model = model
         self._on_error = on_error
-        self._id = f"{'chatcmpl' if job.chat else 'cmpl'}-{choices[0].source.request_id}"
+        self._send_timeout_s = send_timeout_s
+        self._id = ""  # known once a choice has started
         self._created = int(time.time())
         self._complete = False
 
@@ -282,6 +316,10 @@ class EventStream(Response):
         state = scope.setdefault("state", {})
         try:
             finished, _ = await run_unless_disconnected(receive, self._pump(scope, send, state))
+        except SendTimedOut as exc:
+            # The client stopped reading: its request ends here, as a disconnect would.
+            logger.info("%s", exc)
+            finished = False
         except asyncio.CancelledError:
             # The server is stopping (see _generate): end the response with a reason.
             error = _shutting_down()
@@ -297,7 +335,9 @@ class EventStream(Response):
             # Closing a stream cancels its pool request if it is still running; it is a
             # no-op for one that ran to its end.
             for choice in self._choices:
-                await choice.source.aclose()
+                if choice.source is not None:
+                    await choice.source.aclose()
+            self._ticket.close()
         if not finished:
             state["status"] = STATUS_CLIENT_GONE
 
@@ -339,8 +379,15 @@ class EventStream(Response):
         }
 
     async def _pump(self, scope: Scope, send: Send, state: dict[str, Any]) -> None:
-        events: asyncio.Queue[tuple[StreamedChoice, str | Result | PoolError]] = asyncio.Queue()
-        readers = [asyncio.ensure_future(_read_choice(c, events)) for c in self._choices]
+        # Bounded: a client slower than the workers holds the readers (and the pool's
+        # stream buffers join its text) instead of an ever longer queue here.
+        events: asyncio.Queue[tuple[StreamedChoice, str | Result | PoolError]] = asyncio.Queue(
+            STREAM_BUFFER_EVENTS
+        )
+        readers = [
+            asyncio.ensure_future(_read_choice(c, self._start_choice, events))
+            for c in self._choices
+        ]
         try:
             await self._relay(scope, send, state, events)
         finally:
@@ -378,11 +425,14 @@ class EventStream(Response):
                 continue
             results[choice.index] = item
             _note_results(state, results.values())
-            logprobs = choice_logprobs(self._job, choice.prompt, item)
-            final = self._chunk(
-                choice.index, None if self._chat else "", item.finish_reason, logprobs=logprobs
+            final = await _off_loop_if(
+                self._job.logprobs is not None and _answer_tokens(item) > ENCODE_OFF_LOOP_TOKENS,
+                self._heavy_work,
+                self._final_event,
+                choice,
+                item,
             )
-            await self._send(send, _sse(final))
+            await self._send(send, final)
         if self._job.include_usage:
             usage_chunk = self._chunk(0, None, None)
             usage_chunk["choices"] = []
@@ -392,6 +442,9 @@ class EventStream(Response):
 
     async def _start(self, send: Send, state: dict[str, Any]) -> None:
         """The status line, then per choice the chat role or the echoed prompt."""
+        # A client's runs take their turns in order: the first choice started first.
+        request_id = next(c.source.request_id for c in self._choices if c.source is not None)
+        self._id = f"{'chatcmpl' if self._chat else 'cmpl'}-{request_id}"
         await send(
             {
                 "type": "http.response.start",
@@ -401,7 +454,7 @@ class EventStream(Response):
                     (b"cache-control", b"no-cache"),
                     # Proxies such as nginx would otherwise buffer the whole stream.
                     (b"x-accel-buffering", b"no"),
-                    (b"x-request-id", self._choices[0].source.request_id.encode()),
+                    (b"x-request-id", request_id.encode()),
                 ],
             }
         )
@@ -412,25 +465,46 @@ class EventStream(Response):
             elif self._job.echo and isinstance(choice.prompt, str) and choice.prompt:
                 await self._send(send, _sse(self._chunk(choice.index, choice.prompt, None)))
 
+    def _final_event(self, choice: StreamedChoice, result: Result) -> bytes:
+        """A choice's last event, with the logprobs of all its tokens when asked for."""
+        logprobs = choice_logprobs(self._job, choice.prompt, result)
+        final = self._chunk(
+            choice.index, None if self._chat else "", result.finish_reason, logprobs=logprobs
+        )
+        return b"data: " + json_bytes(final) + b"\n\n"
+
     async def _send(self, send: Send, data: bytes, more: bool = True) -> None:
-        await send({"type": "http.response.body", "body": data, "more_body": more})
+        # uvicorn's send waits while the socket's buffer is full: a client that stops
+        # reading holds only this request, and only for send_timeout_s.
+        try:
+            async with asyncio.timeout(self._send_timeout_s):
+                await send({"type": "http.response.body", "body": data, "more_body": more})
+        except TimeoutError:
+            raise SendTimedOut(
+                f"{self._id}: the client read nothing for {self._send_timeout_s:g} s "
+                "(send_timeout_s); counted as disconnected"
+            ) from None
         self._complete = not more
 
 
 async def _read_choice(
     choice: StreamedChoice,
+    start: Callable[[StreamedChoice], AbstractAsyncContextManager[AsyncPoolStream]],
     events: asyncio.Queue[tuple[StreamedChoice, str | Result | PoolError]],
 ) -> None:
-    """Forward one pool stream's text, then its result or its error, to ``events``."""
+    """Start one choice's pool stream (when its turn comes), forward its text, then its
+    result or its error, to ``events``: waits while ``events`` is full, that is while
+    the client reads slower than the worker."""
     try:
-        async for text in choice.source:
-            events.put_nowait((choice, text))
+        async with start(choice) as source:
+            async for text in source:
+                await events.put((choice, text))
+            result = source.result
     except PoolError as exc:
-        events.put_nowait((choice, exc))
+        await events.put((choice, exc))
         return
-    result = choice.source.result
     assert result is not None  # set once the stream has ended without an error
-    events.put_nowait((choice, result))
+    await events.put((choice, result))
 
 
 def _note_results(state: dict[str, Any], results: Iterable[Result]) -> None:
@@ -443,90 +517,30 @@ def _note_results(state: dict[str, Any], results: Iterable[Result]) -> None:
     )
 
 
+def _answer_tokens(*results: Result) -> int:
+    """Tokens in the answers of ``results``, prompts included (echo): what sizes it."""
+    return sum((r.completion_tokens or 0) + (r.prompt_tokens or 0) for r in results)
+
+
+class SendTimedOut(Exception):
+    """A response could not be sent for ``send_timeout_s``: the client stopped reading."""
+
+
+async def _off_loop_if(
+    condition: bool, one_at_a_time: asyncio.Semaphore, work: Callable[..., T], *args: Any
+) -> T:
+    """``work(*args)``, in a thread when ``condition`` says it is large: Python code in a
+    thread gives the event loop the GIL every millisecond (sys.getswitchinterval). One
+    such thread at a time, so that the loop shares the GIL with one, not with as many
+    as clients send large requests (and only one large answer is being built)."""
+    if condition:
+        async with one_at_a_time:
+            return await run_in_threadpool(work, *args)
+    return work(*args)
+
+
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
-
-
-# --------------------------------------------------------------------------------------------
-# Middleware: auth, body size, access log, request-duration histogram
-
-
-class Gate:
-    """Pure ASGI middleware (not ``BaseHTTPMiddleware``, which buffers streams and breaks
-    disconnect detection). Checks the key and the declared body size before routing, and
-    writes one access-log line per request when the response is done."""
-
-    def __init__(
-        self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: PoolMetrics
-    ) -> None:
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        state: dict[str, Any] = scope.setdefault("state", {})
-        sent_status: list[int] = []
-
-        async def send_and_note(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                sent_status.append(message["status"])
-            await send(message)
-
-        try:
-            refusal = self._refusal(scope)
-            if refusal is not None:
-                await refusal.response()(scope, receive, send_and_note)
-            else:
-                await self.app(scope, receive, send_and_note)
-        finally:
-            seconds = time.perf_counter() - started
-            status = state.get("status") or (sent_status[0] if sent_status else 500)
-            path = scope["path"]
-            if path in GENERATION_PATHS:
-                self.metrics.observe_request(seconds)
-            access_logger.info(
-                "%s %s %s request_id=%s attempts=%s worker_pid=%s seconds=%.4f",
-                scope["method"],
-                path,
-                status,
-                state.get("request_id") or "-",
-                state.get("attempts") or "-",
-                state.get("worker_pid") or "-",
-                seconds,
-            )
-
-    def _refusal(self, scope: Scope) -> ApiError | None:
-        headers = dict(scope["headers"])  # ASGI header names are lower-case already
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
-            given = headers.get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            # compare_digest on bytes: constant time in the key's content.
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                return ApiError(
-                    401,
-                    "missing or invalid API key (Authorization: Bearer KEY)",
-                    type="authentication_error",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-        length = headers.get(b"content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                return invalid("Content-Length is not a number", code="invalid_header")
-            if declared > self.max_body_bytes:
-                return ApiError(
-                    413,
-                    f"request body is larger than {self.max_body_bytes} bytes",
-                    code="request_too_large",
-                )
-        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -583,6 +597,9 @@ class ServerState:
     model_name: str
     metrics: PoolMetrics
     started: int
+    fair_share: FairShare
+    # Parsing and building large bodies and answers, in a thread, one at a time.
+    heavy_work: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     draining: bool = False
     loop_watch: LoopWatch = field(default_factory=LoopWatch)
 
@@ -594,8 +611,15 @@ def api_key_from_env(server_config: ServerConfig) -> str | None:
     return os.environ.get(server_config.api_key_env) or None
 
 
-def create_app(pool: ModelPool, server_config: ServerConfig, model_name: str) -> FastAPI:
-    """The daemon's ASGI app for a started ``pool``."""
+def create_app(
+    pool: ModelPool,
+    server_config: ServerConfig,
+    model_name: str,
+    *,
+    api_key: str | None = None,
+) -> FastAPI:
+    """The daemon's ASGI app for a started ``pool``. The key is ``api_key``, or else read
+    from the variable ``server_config.api_key_env`` names."""
     metrics = PoolMetrics(pool.stats)
     state = ServerState(
         pool=pool,
@@ -603,14 +627,21 @@ def create_app(pool: ModelPool, server_config: ServerConfig, model_name: str) ->
         model_name=model_name,
         metrics=metrics,
         started=int(time.time()),
+        fair_share=FairShare(
+            capacity=pool.config.workers * pool.config.max_batch_size,
+            max_running=server_config.client_max_running,
+            max_queued=server_config.client_max_queued,
+            max_waiting=pool.config.max_queue,
+        ),
     )
     app = FastAPI(title="modelpool", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.modelpool = state
     app.add_middleware(
         Gate,
-        api_key=api_key_from_env(server_config),
+        api_key=api_key or api_key_from_env(server_config),
         max_body_bytes=server_config.max_body_bytes,
         metrics=metrics,
+        guard=BrowserGuard(server_config),
     )
 
     @app.exception_handler(ApiError)
@@ -696,7 +727,7 @@ def create_app(pool: ModelPool, server_config: ServerConfig, model_name: str) ->
     @app.get("/stats")
     async def stats() -> Response:
         snapshot = await pool.astats()
-        return JSONResponse(snapshot.to_dict())
+        return JSONResponse({**snapshot.to_dict(), "fair_share": state.fair_share.snapshot()})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -770,57 +801,92 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
             code="draining",
             headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE), "Connection": "close"},
         )
+    require_json(request.headers.get("content-type"))
     try:
         raw = await read_body(request, state.config.max_body_bytes)
     except ClientDisconnect:
         return _ClientGone()
-    body = parse_json_object(raw)
-    job = parse_chat(body) if chat else parse_completion(body)
+    body, job = await _off_loop_if(
+        len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, _parse, raw, chat
+    )
     pool = state.pool
+    check_budget(
+        job,
+        limit=state.config.max_request_tokens,
+        default_max_tokens=pool.config.generation_defaults.get("max_new_tokens", 0),
+    )
     deadline = deadline_from(
         body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
     )
-    # One pool request per choice (n > 1, several prompts), all with the same deadline.
+    # One pool request per choice (n > 1, several prompts), all with the same deadline,
+    # each let into the pool when this client's turn comes.
     runs = job.choices()
+    client = request.client.host if request.client is not None else "-"
+    ticket = state.fair_share.reserve(client, len(runs))
 
     if job.stream:
 
         def note_error(exc: PoolError) -> None:
             _note_attempts(request.scope, exc.request_id, exc.attempts)
 
-        streamed: list[StreamedChoice] = []
-        try:
-            for index, prompt, params in runs:
-                source = pool.astream(prompt, deadline_s=deadline, **params)
-                streamed.append(StreamedChoice(index, prompt, source))
-        except BaseException:
-            # A later choice was refused (overloaded, say): the earlier ones stop too.
-            for choice in streamed:
-                await choice.source.aclose()
-            raise
-        return EventStream(streamed, job, model=state.model_name, on_error=note_error)
+        @contextlib.asynccontextmanager
+        async def start(choice: StreamedChoice) -> AsyncIterator[AsyncPoolStream]:
+            async with ticket.slot(deadline) as left_s:
+                choice.source = pool.astream(choice.prompt, deadline_s=left_s, **choice.params)
+                yield choice.source
+
+        return EventStream(
+            [StreamedChoice(index, prompt, params) for index, prompt, params in runs],
+            job,
+            model=state.model_name,
+            on_error=note_error,
+            send_timeout_s=state.config.send_timeout_s,
+            start=start,
+            ticket=ticket,
+            heavy_work=state.heavy_work,
+        )
+
+    async def run(prompt: Prompt, params: dict[str, Any]) -> Result:
+        async with ticket.slot(deadline) as left_s:
+            return await pool.agenerate(prompt, deadline_s=left_s, **params)
 
     try:
         finished, results = await run_unless_disconnected(
-            request.receive,
-            _all_or_none(
-                [
-                    pool.agenerate(prompt, deadline_s=deadline, **params)
-                    for _, prompt, params in runs
-                ]
-            ),
+            request.receive, _all_or_none([run(prompt, params) for _, prompt, params in runs])
         )
     except asyncio.CancelledError:
         # Only the server cancels a handler: the drain timeout passed or a second signal
         # forced the exit. The pool requests are cancelled already; answering says why
         # (uvicorn would send a bare 500). Not re-raised, so that the answer goes out.
         raise _shutting_down() from None
+    finally:
+        ticket.close()
     if not finished or results is None:
         return _ClientGone()
     by_index = {index: result for (index, _, _), result in zip(runs, results, strict=True)}
     _note_results(request.scope.setdefault("state", {}), results)
-    body_out = response_body(job, by_index, state.model_name, int(time.time()))
-    return JSONResponse(body_out, headers={"X-Request-Id": results[0].request_id})
+    content = await _off_loop_if(
+        _answer_tokens(*results) > ENCODE_OFF_LOOP_TOKENS,
+        state.heavy_work,
+        _render,
+        job,
+        by_index,
+        state.model_name,
+    )
+    return Response(
+        content,
+        media_type="application/json",
+        headers={"X-Request-Id": results[0].request_id},
+    )
+
+
+def _parse(raw: bytes, chat: bool) -> tuple[dict[str, Any], Job]:
+    body = parse_json_object(raw)
+    return body, parse_chat(body) if chat else parse_completion(body)
+
+
+def _render(job: Job, by_index: dict[int, Result], model: str) -> bytes:
+    return json_bytes(response_body(job, by_index, model, int(time.time())))
 
 
 async def _all_or_none(work: list[Coroutine[Any, Any, Result]]) -> list[Result]:

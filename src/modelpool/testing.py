@@ -33,7 +33,9 @@ Commands (``name[:arg[:arg]]``; anything else is echoed back):
 ``pid``                returns the worker's pid
 ``spin``               never finishes and never produces a token, but (batched)
                        keeps its decoding loop turning: a livelock
-``env:NAME``           returns the worker's environment variable NAME ("" if unset)
+``env:NAME``           returns the worker's environment variable NAME ("" if unset);
+                       only with the load option ``env_command = true`` (a test's),
+                       since the testing backend is a flag of the production daemon
 ``device``             returns the ``device`` the worker's backend was loaded with
 ``cuda_oom:BYTES[:MB]`` raises a simulated CUDA out-of-memory (torch's class name
                        and message) for an allocation of BYTES; MB megabytes of
@@ -67,7 +69,8 @@ ones); ``prompt_logprobs=N`` scores the prompt the same way, one token per
 character (per id for token ids), the first with no logprob. ``max_new_tokens=0``
 with ``prompt_logprobs`` returns no text.
 
-Load-time options (``backend_options``): ``load_delay_s`` (sleep before ready),
+Load-time options (``backend_options``): ``env_command`` (allow ``env:NAME``),
+``load_delay_s`` (sleep before ready),
 ``fail_load`` (raise during load), ``exit_on_load`` (``os._exit`` during load),
 ``exit_after_load_s`` (``os._exit(1)`` that many seconds after a successful load: a
 worker that says ready and dies), ``max_model_len`` (a context length, so that
@@ -171,7 +174,10 @@ class FaultBackend:
     """The handler; one per worker. Implements both backend forms; its device memory is
     simulated (see the CUDA commands)."""
 
-    def __init__(self, device: str = "cpu", max_model_len: int | None = None) -> None:
+    def __init__(
+        self, device: str = "cpu", max_model_len: int | None = None, env_command: bool = False
+    ) -> None:
+        self.env_command = env_command
         self._leaked: list[bytearray] = []
         self.max_model_len = max_model_len
         self.device = device
@@ -358,6 +364,8 @@ class FaultBackend:
 
     def _device_command(self, command: str, argument: str) -> str:
         if command == "env":
+            if not self.env_command:
+                raise RuntimeError("env: is off (testing backend option env_command = true)")
             return os.environ.get(argument, "")
         if command == "device":
             return self.device
@@ -465,7 +473,14 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
     ``device`` command."""
     unknown = sorted(
         set(options)
-        - {"load_delay_s", "fail_load", "exit_on_load", "exit_after_load_s", "max_model_len"}
+        - {
+            "env_command",
+            "load_delay_s",
+            "fail_load",
+            "exit_on_load",
+            "exit_after_load_s",
+            "max_model_len",
+        }
     )
     if unknown:
         raise ValueError(f"unknown testing backend option {unknown[0]!r}")
@@ -478,7 +493,7 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
         raise RuntimeError(f"testing backend asked to fail its load: {options['fail_load']}")
     if options.get("exit_after_load_s") is not None:
         threading.Timer(float(options["exit_after_load_s"]), os._exit, args=(1,)).start()
-    return FaultBackend(device, max_model_len)
+    return FaultBackend(device, max_model_len, env_command=options.get("env_command") is True)
 
 
 def run_on_dispatcher(pool: ModelPool, action: Callable[[], None]) -> threading.Thread:

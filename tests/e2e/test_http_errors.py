@@ -14,6 +14,7 @@ from helpers import slack
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+JSON = {"Content-Type": "application/json"}
 
 
 def _error(response: httpx.Response, status: int) -> dict[str, Any]:
@@ -27,7 +28,7 @@ def _error(response: httpx.Response, status: int) -> dict[str, Any]:
 
 def test_malformed_json_is_400(http: httpx.Client) -> None:
     for raw in (b"{bad", b"", b"\xff\xfe\x00", b"[1, 2]", b'{"prompt": NaN}', b"[" * 60_000):
-        error = _error(http.post(COMPLETIONS, content=raw), 400)
+        error = _error(http.post(COMPLETIONS, content=raw, headers=JSON), 400)
         assert error["code"] == "invalid_json"
 
 
@@ -109,7 +110,7 @@ def test_body_too_large_is_413(http: httpx.Client) -> None:
             yield b"x" * 8192
         yield b'"}'
 
-    _error(http.post(COMPLETIONS, content=chunked()), 413)
+    _error(http.post(COMPLETIONS, content=chunked(), headers=JSON), 413)
     assert http.post(COMPLETIONS, json={"prompt": "echo:still fine"}).status_code == 200
 
 
@@ -187,7 +188,7 @@ def test_rejected_requests_kill_no_worker(http: httpx.Client, daemon: Daemon) ->
     before = daemon.wait_settled(2)
     for body in ({"prompt": 1}, {"prompt": "x", "n": 0}, {"prompt": "x", "max_tokens": -1}):
         http.post(COMPLETIONS, json=body)
-    http.post(COMPLETIONS, content=b"{")
+    http.post(COMPLETIONS, content=b"{", headers=JSON)
     after = daemon.stats()
     assert {w["pid"] for w in after["workers"]} == {w["pid"] for w in before["workers"]}
     assert after["counters"]["kills"] == before["counters"]["kills"]

@@ -65,7 +65,8 @@ def _body(route: str) -> st.SearchStrategy[dict[str, Any]]:
 def _post(client: httpx.Client, route: str, body: dict[str, Any]) -> httpx.Response:
     raw = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
     path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
-    with client.stream("POST", path, content=raw) as response:
+    headers = {"Content-Type": "application/json"}
+    with client.stream("POST", path, content=raw, headers=headers) as response:
         response.read()
         return response
 

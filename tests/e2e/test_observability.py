@@ -22,8 +22,10 @@ def test_health_and_readiness(http: httpx.Client) -> None:
 
 def test_stats_is_the_pools_stats_dict(http: httpx.Client) -> None:
     """/stats carries PoolStats.to_dict() over the wire: the same documented keys (their
-    values are checked against a pool in test_pool_core)."""
-    assert_documented_stats_keys(http.get("/stats").json())
+    values are checked against a pool in test_pool_core), and the daemon's fair share."""
+    data = http.get("/stats").json()
+    assert set(data.pop("fair_share")) == {"capacity", "in_pool", "waiting", "clients"}
+    assert_documented_stats_keys(data)
 
 
 def test_metrics_parse_and_name_everything(http: httpx.Client) -> None:

@@ -273,7 +273,7 @@ def group_pool(nvml: GroupNvml, **overrides: Any) -> ModelPool:
 
 def test_a_worker_owns_its_group_and_sees_exactly_its_gpus() -> None:
     nvml = GroupNvml()
-    with group_pool(nvml, workers=1, spares=1) as pool:
+    with group_pool(nvml, workers=1, spares=1, backend_options={"env_command": True}) as pool:
         by_device = {w.device: w for w in pool.stats().workers}
         assert sorted(by_device) == ["cuda:0,cuda:1", "cuda:2,cuda:3"]  # the spare has a group
         served = pool.generate("env:CUDA_VISIBLE_DEVICES")

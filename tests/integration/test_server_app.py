@@ -23,10 +23,12 @@ from modelpool.metrics import PoolMetrics
 from modelpool.server import create_app
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
+LOOPBACK = "http://127.0.0.1"
 
 
 def client_for(pool: ModelPool) -> TestClient:
-    return TestClient(create_app(pool, ServerConfig(), "test-model"))
+    # A loopback Host: the daemon refuses other names (DNS rebinding).
+    return TestClient(create_app(pool, ServerConfig(), "test-model"), base_url=LOOPBACK)
 
 
 @pytest.fixture
@@ -56,7 +58,7 @@ def test_readyz_is_503_with_retry_after_while_the_pool_starts(starting_pool: Mod
 def test_draining_is_503_with_retry_after_for_readyz_and_requests() -> None:
     with open_pool(workers=1) as pool:
         app = create_app(pool, ServerConfig(), "test-model")
-        client = TestClient(app)
+        client = TestClient(app, base_url=LOOPBACK)
         assert client.get("/readyz").status_code == 200
         app.state.modelpool.draining = True  # what the first SIGTERM/SIGINT sets
         ready = client.get("/readyz")

@@ -269,3 +269,32 @@ def test_invalid_toml_is_a_value_error_naming_the_file(tmp_path: Path) -> None:
     assert str(path) in str(info.value)
     with pytest.raises(ValueError, match="invalid TOML"):
         ServerConfig.from_toml(path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("allowed_hosts", "localhost"),
+        ("allowed_hosts", [""]),
+        ("cors_allowed_origins", [1]),
+        ("max_request_tokens", 0),
+        ("client_max_running", 0),
+        ("client_max_queued", -1),
+        ("send_timeout_s", 0),
+        ("header_timeout_s", -1.0),
+        ("body_timeout_s", "20"),
+        ("max_header_bytes", 100),
+        ("max_headers", 2),
+        ("max_connections", 0),
+    ],
+)
+def test_the_daemons_limits_are_validated_naming_the_key(key: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"server.{key}"):
+        ServerConfig(**{key: value})
+
+
+def test_host_and_origin_lists_read_from_toml_as_tuples(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[server]\nallowed_hosts = ["a.example"]\ncors_allowed_origins = []\n')
+    server = ServerConfig.from_toml(path)
+    assert server.allowed_hosts == ("a.example",) and server.cors_allowed_origins == ()

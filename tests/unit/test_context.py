@@ -150,3 +150,12 @@ def test_modelpool_stats_shows_the_context_length() -> None:
     assert ["context length", "8192 tokens"] in rows
     _, _, rows = _stats_tables({"max_model_len": None})[0]
     assert ["context length", "-"] in rows
+
+
+def test_the_testing_backend_reads_the_environment_only_when_a_test_enables_it() -> None:
+    # The testing backend is a flag of the production daemon: env: must not be a way to
+    # read a worker's environment there (issue 25).
+    with pytest.raises(RuntimeError, match="env_command"):
+        load_testing().generate(Call("env:PATH"))
+    enabled = load_testing(env_command=True).generate(Call("env:PATH"))
+    assert enabled and enabled != "env:PATH"

@@ -116,6 +116,11 @@ def test_deadline_sources_and_cap() -> None:
     assert deadline_from({"timeout": 5}, {"x-request-timeout": "9"}, 60.0, None) == 5.0
     assert deadline_from({}, {"x-request-timeout": "9"}, 60.0, None) == 9.0
     assert deadline_from({"timeout": 500}, {}, 60.0, 120.0) == 120.0
+    # A client may ask for less than the operator's deadline_s, never for more unless
+    # max_request_timeout_s allows it (issue 25: one client held the pool for 40 s).
+    assert deadline_from({"timeout": 40}, {}, 5.0, None) == 5.0
+    assert deadline_from({}, {"x-request-timeout": "30"}, 5.0, None) == 5.0
+    assert deadline_from({"timeout": 40}, {}, 5.0, 60.0) == 40.0
     for body, headers in (
         ({"timeout": "5"}, {}),
         ({"timeout": 0}, {}),

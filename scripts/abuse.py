@@ -1,0 +1,550 @@
+"""Run the security review's attacks against a live daemon and measure what they cost others.
+
+Run through ``scripts/abuse``. It starts ``modelpool serve`` (the testing backend,
+2 workers, no API key: the default on loopback, where every attack is open) on a free
+127.0.0.1 port, then for each attack in turn measures three phases, ``--phase`` seconds
+each: before, during, after. Throughout, three ordinary clients (each from its own
+loopback address, since the daemon tells clients apart by address) send short
+completions one after another, and a prober asks ``/healthz`` every 0.2 s on a kept-alive
+connection and samples the daemon's RSS (its own process, not the workers). It prints
+per attack and phase the ordinary clients' p50 latency, the daemon's peak RSS and the
+worst ``/healthz`` latency and event-loop lag, with ratios to the "before" phase (each
+attack has a fresh daemon), and what the attacker got. Goals (issue 25): ``/healthz``
+< 1 s, RSS < 2x idle, ordinary p50 < 1.5x baseline. Bounded: every attack stops after
+its phase, and the script after all of them (about 4 x phase + 5 s per attack). Exits 1
+if a goal was missed.
+
+    scripts/abuse [--phase 6] [--only noread,fairness] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+CONFIG = """\
+model = "none"
+backend = "testing"
+workers = 2
+devices = ["cpu"]
+deadline_s = 30.0
+
+[generation_defaults]
+max_new_tokens = 64
+
+[server]
+host = "127.0.0.1"
+port = {port}
+api_key_env = "MODELPOOL_ABUSE_UNSET_KEY"
+drain_timeout_s = 5.0
+"""
+ORDINARY_ADDRESSES = ("127.0.0.10", "127.0.0.11", "127.0.0.12")
+ORDINARY_PROMPT = {"prompt": "tokens:5:0.01"}  # about 50 ms of worker time
+# Between two requests of an ordinary client: three of them then use about a third of
+# the two workers, so that the baseline is not a saturated pool already.
+ORDINARY_THINK_S = 0.2
+# An abusive client gives up (and so disconnects, which cancels its runs) after this.
+ATTACKER_TIMEOUT_S = 5.0
+ATTACKER = "127.0.0.2"
+GOALS = {"healthz_s": 1.0, "rss_ratio": 2.0, "p50_ratio": 1.5}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def start_daemon(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    config = workdir / "abuse.toml"
+    config.write_text(CONFIG.format(port=port))
+    log = open(workdir / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it
+    process = subprocess.Popen(
+        [sys.executable, "-m", "modelpool", "serve", "--config", str(config)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={k: v for k, v in os.environ.items() if k != "MODELPOOL_ABUSE_UNSET_KEY"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the daemon exited:\n{(workdir / 'daemon.log').read_text()[-3000:]}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                return process, url
+        time.sleep(0.05)
+    process.kill()
+    raise SystemExit("the daemon was not ready within 60 s")
+
+
+# ---- measuring -----------------------------------------------------------------------------
+
+
+@dataclass
+class Samples:
+    latencies: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    healthz_s: list[float] = field(default_factory=list)
+    lag_s: list[float] = field(default_factory=list)
+    rss_mb: list[float] = field(default_factory=list)
+
+
+class Observer:
+    """Ordinary clients and the prober, recording into the current phase's Samples."""
+
+    def __init__(self, url: str, daemon_pid: int) -> None:
+        self.url = url
+        self.daemon = psutil.Process(daemon_pid)
+        self.current = Samples()
+        self.stop = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._ordinary, args=(address,), daemon=True)
+            for address in ORDINARY_ADDRESSES
+        ]
+        self.threads.append(threading.Thread(target=self._probe, daemon=True))
+
+    def __enter__(self) -> Observer:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(30)
+
+    def phase(self) -> Samples:
+        """Start a new phase; the samples of the one that ended."""
+        ended, self.current = self.current, Samples()
+        return ended
+
+    def _ordinary(self, address: str) -> None:
+        transport = httpx.HTTPTransport(local_address=address)
+        with httpx.Client(base_url=self.url, transport=transport, timeout=60) as client:
+            while not self.stop.is_set():
+                samples = self.current
+                started = time.perf_counter()
+                try:
+                    response = client.post("/v1/completions", json=ORDINARY_PROMPT)
+                    outcome = "ok" if response.status_code == 200 else str(response.status_code)
+                except httpx.HTTPError as exc:
+                    outcome = type(exc).__name__
+                if outcome == "ok":
+                    samples.latencies.append(time.perf_counter() - started)
+                else:
+                    samples.errors[outcome] = samples.errors.get(outcome, 0) + 1
+                self.stop.wait(ORDINARY_THINK_S)
+
+    def _probe(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=120) as client:
+            while not self.stop.wait(0.2):
+                samples = self.current
+                with contextlib.suppress(psutil.Error):
+                    samples.rss_mb.append(self.daemon.memory_info().rss / 2**20)
+                started = time.perf_counter()
+                try:
+                    response = client.get("/healthz")
+                    samples.lag_s.append(float(response.json().get("event_loop_lag_s", 0.0)))
+                except (httpx.HTTPError, ValueError):
+                    samples.lag_s.append(float("nan"))
+                samples.healthz_s.append(time.perf_counter() - started)
+
+
+def summary(samples: Samples, baseline: dict[str, float]) -> dict[str, Any]:
+    p50 = statistics.median(samples.latencies) if samples.latencies else float("nan")
+    rss = max(samples.rss_mb, default=float("nan"))
+    return {
+        "p50_ms": p50 * 1000,
+        "p50_ratio": p50 / baseline["p50"] if baseline else 1.0,
+        "rss_mb": rss,
+        "rss_ratio": rss / baseline["rss"] if baseline else 1.0,
+        "healthz_s": max(samples.healthz_s, default=float("nan")),
+        "lag_s": max(samples.lag_s, default=float("nan")),
+        "ordinary_ok": len(samples.latencies),
+        "ordinary_errors": dict(samples.errors),
+    }
+
+
+# ---- attacks -------------------------------------------------------------------------------
+# Each runs until ``stop`` is set (the end of its "during" phase) and returns what it got.
+
+Attack = Callable[[str, threading.Event], dict[str, Any]]
+
+
+def _sock(url: str, rcvbuf: int | None = None) -> socket.socket:
+    port = int(url.rsplit(":", 1)[1])
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.bind((ATTACKER, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def _post_head(body: bytes, content_length: int | None = None) -> bytes:
+    length = len(body) if content_length is None else content_length
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: " + str(length).encode() + b"\r\n\r\n"
+    )
+
+
+def _status(sock: socket.socket) -> str:
+    sock.settimeout(5)
+    try:
+        head = sock.recv(64)
+    except OSError as exc:
+        return type(exc).__name__
+    return head[9:12].decode() if head.startswith(b"HTTP/1.1 ") else ("closed" if not head else "?")
+
+
+def _count(statuses: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for status in statuses:
+        counts[status] = counts.get(status, 0) + 1
+    return counts
+
+
+def attack_noread(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 1: streams of 250,000 tokens whose client never reads (4 KB receive
+    buffer), held open for the phase. n=4 as in the review is over the budget now."""
+    refused = httpx.post(
+        url + "/v1/completions",
+        json={"prompt": "tokens:250000:0", "max_tokens": 250000, "n": 4, "stream": True},
+        timeout=30,
+    ).status_code
+    body = b'{"prompt":"tokens:250000:0","max_tokens":250000,"stream":true}'
+    socks = []
+    for _ in range(4):
+        sock = _sock(url, rcvbuf=4096)
+        sock.sendall(_post_head(body) + body)
+        socks.append(sock)
+    stop.wait()
+    for sock in socks:
+        sock.close()
+    return {"n=4 request": refused, "streams held": len(socks)}
+
+
+def attack_big_answer(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 2: the 8 KB body answered with 82 MB (n=32, echo, logprobs=20), then the
+    largest answer the budget allows, sent again and again by two clients."""
+    review = {"prompt": "x" * 8000, "n": 32, "echo": True, "logprobs": 20, "max_tokens": 1}
+    first = httpx.post(url + "/v1/completions", json=review, timeout=60).status_code
+    allowed = {"prompt": "x" * 20000, "n": 2, "echo": True, "logprobs": 5, "max_tokens": 1}
+    statuses: list[str] = []
+    sizes: list[int] = []
+
+    def loop() -> None:
+        transport = httpx.HTTPTransport(local_address=ATTACKER)
+        with httpx.Client(base_url=url, transport=transport, timeout=60) as client:
+            while not stop.is_set():
+                response = client.post("/v1/completions", json=allowed)
+                statuses.append(str(response.status_code))
+                sizes.append(len(response.content))
+
+    threads = [threading.Thread(target=loop) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {
+        "review's request": first,
+        "budget-sized answers": _count(statuses),
+        "MB each": round(max(sizes, default=0) / 2**20, 1),
+    }
+
+
+def attack_fairness(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 3: n=128 with its own timeout of 40 s, sent again and again by two clients
+    of one address: one address against three ordinary ones."""
+    burst = {"prompt": "tokens:20:0.05", "n": 128, "timeout": 40}
+    statuses: list[str] = []
+
+    def loop() -> None:
+        transport = httpx.HTTPTransport(local_address=ATTACKER)
+        with httpx.Client(base_url=url, transport=transport, timeout=ATTACKER_TIMEOUT_S) as client:
+            while not stop.is_set():
+                try:
+                    statuses.append(str(client.post("/v1/completions", json=burst).status_code))
+                except httpx.TimeoutException:
+                    statuses.append("gave up")  # and disconnected: its runs are cancelled
+                if statuses[-1] == "429":
+                    stop.wait(1.0)  # Retry-After
+
+    threads = [threading.Thread(target=loop) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"bursts": _count(statuses)}
+
+
+def _hold(url: str, stop: threading.Event, count: int, first: bytes, drip: bytes) -> dict[str, Any]:
+    socks: list[socket.socket] = []
+    failed = 0
+    for _ in range(count):
+        try:
+            sock = _sock(url)
+            if first:
+                sock.sendall(first)
+            socks.append(sock)
+        except OSError:
+            failed += 1
+    while not stop.wait(1.0):
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                if drip:
+                    sock.send(drip)
+    # Still open at the end of the phase: the server did not close them.
+    open_count = 0
+    for sock in socks:
+        sock.setblocking(False)
+        try:
+            sock.recv(1)  # an answer (408) or the end: the server closed it
+        except BlockingIOError:
+            open_count += 1
+        except OSError:
+            pass
+        sock.close()
+    return {"connections": count, "refused at connect": failed, "still open at end": open_count}
+
+
+def attack_idle(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 4: 1,100 plain TCP connections that send nothing."""
+    return _hold(url, stop, 1100, b"", b"")
+
+
+def attack_slow_headers(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 4: 500 connections sending a header a byte a second."""
+    return _hold(url, stop, 500, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ", b"x")
+
+
+def attack_slow_body(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 4: 300 bodies declared 1 MB, 64 KB sent, then a byte a second."""
+    head = _post_head(b"", content_length=1_000_000) + b'{"prompt":"' + b"x" * 65536
+    return _hold(url, stop, 300, head, b"x")
+
+
+def attack_big_headers(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 5: 8 parallel requests with a 64 MB header, again and again."""
+    statuses: list[str] = []
+    chunk = b"x" * 2**20
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                sock = _sock(url)
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ")
+                for _ in range(64):
+                    sock.sendall(chunk)
+                sock.sendall(b"\r\n\r\n")
+                statuses.append(_status(sock))
+            except OSError as exc:
+                statuses.append(type(exc).__name__)  # closed under us: refused early
+            finally:
+                sock.close()
+
+    threads = [threading.Thread(target=loop) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"big heads": _count(statuses)}
+
+
+def attack_ignored_fields(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 9: 4 clients sending a near-1 MB metadata array of small ints."""
+    body = json.dumps({"prompt": "echo:x", "metadata": {"k": [1] * 300_000}}).encode()
+    statuses: list[str] = []
+
+    def loop() -> None:
+        transport = httpx.HTTPTransport(local_address=ATTACKER)
+        with httpx.Client(base_url=url, transport=transport, timeout=60) as client:
+            while not stop.is_set():
+                response = client.post(
+                    "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+                )
+                statuses.append(str(response.status_code))
+
+    threads = [threading.Thread(target=loop) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"requests": _count(statuses)}
+
+
+def attack_browser(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 6: what a web page (CSRF) and DNS rebinding send, again and again."""
+    body = b'{"prompt":"echo:pwned","max_tokens":4}'
+    port = url.rsplit(":", 1)[1]
+    seen: dict[str, str] = {}
+    with httpx.Client(base_url=url, timeout=10) as client:
+        while not stop.wait(0.1):
+            seen["text/plain"] = str(
+                client.post(
+                    "/v1/completions",
+                    content=body,
+                    headers={"Content-Type": "text/plain;charset=UTF-8"},
+                ).status_code
+            )
+            seen["rebound Host"] = str(
+                client.get(
+                    "/stats", headers={"Host": f"rebind.attacker.example:{port}"}
+                ).status_code
+            )
+            seen["foreign Origin"] = str(
+                client.post(
+                    "/v1/completions",
+                    content=body,
+                    headers={"Content-Type": "application/json", "Origin": "http://evil.example"},
+                ).status_code
+            )
+    return seen
+
+
+ATTACKS: dict[str, Attack] = {
+    "noread": attack_noread,
+    "big-answer": attack_big_answer,
+    "fairness": attack_fairness,
+    "idle-conns": attack_idle,
+    "slow-headers": attack_slow_headers,
+    "slow-body": attack_slow_body,
+    "big-headers": attack_big_headers,
+    "ignored-fields": attack_ignored_fields,
+    "browser": attack_browser,
+}
+
+
+@contextlib.contextmanager
+def running(attack: Attack, url: str) -> Iterator[Callable[[], dict[str, Any]]]:
+    stop = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome.update(attack(url, stop))
+        except Exception as exc:  # the attack's own failure is reported, not fatal
+            outcome["attack failed"] = repr(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    try:
+        yield lambda: outcome
+    finally:
+        stop.set()
+        thread.join(120)
+
+
+def run(phase_s: float, only: list[str]) -> list[dict[str, Any]]:
+    """Each attack on a fresh daemon, so that none inherits another's memory; the ratios
+    are to that daemon's own "before" phase (its idle RSS, its ordinary p50)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
+    rows: list[dict[str, Any]] = []
+    for name in only:
+        with tempfile.TemporaryDirectory(prefix="modelpool-abuse-") as tmp:
+            process, url = start_daemon(Path(tmp))
+            try:
+                with Observer(url, process.pid) as observer:
+                    time.sleep(phase_s)  # warm up: imports, connections, first dispatches
+                    observer.phase()
+                    time.sleep(phase_s)
+                    before = observer.phase()
+                    baseline = {
+                        "p50": statistics.median(before.latencies),
+                        "rss": max(before.rss_mb),
+                    }
+                    with running(ATTACKS[name], url) as outcome:
+                        time.sleep(phase_s)
+                        during = observer.phase()
+                    observer.phase()  # the attack's teardown belongs to no phase
+                    time.sleep(phase_s)
+                    after = observer.phase()
+            finally:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+        for label, samples in (("before", before), ("during", during), ("after", after)):
+            rows.append({"attack": name, "phase": label, **summary(samples, baseline)})
+        rows[-2]["attacker got"] = outcome()
+        print(f"{name}: done", file=sys.stderr, flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| attack | phase | ordinary p50 ms (x base) | daemon RSS MB (x idle) "
+        "| /healthz worst s | loop lag worst s | ordinary ok / errors | attacker got |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        errors = ", ".join(f"{k} {v}" for k, v in row["ordinary_errors"].items()) or "0"
+        got = row.get("attacker got")
+        lines.append(
+            f"| {row['attack']} | {row['phase']} "
+            f"| {row['p50_ms']:.0f} ({row['p50_ratio']:.2f}) "
+            f"| {row['rss_mb']:.0f} ({row['rss_ratio']:.2f}) "
+            f"| {row['healthz_s']:.3f} | {row['lag_s']:.3f} "
+            f"| {row['ordinary_ok']} / {errors} "
+            f"| {json.dumps(got, separators=(', ', ': ')) if got else ''} |"
+        )
+    return "\n".join(lines)
+
+
+def missed_goals(rows: list[dict[str, Any]]) -> list[str]:
+    missed = []
+    for row in rows:
+        where = f"{row['attack']} {row['phase']}"
+        if not row["healthz_s"] < GOALS["healthz_s"]:
+            missed.append(f"{where}: /healthz {row['healthz_s']:.2f} s")
+        if not row["rss_ratio"] < GOALS["rss_ratio"]:
+            missed.append(f"{where}: RSS {row['rss_ratio']:.2f}x idle")
+        if not row["p50_ratio"] < GOALS["p50_ratio"]:
+            missed.append(f"{where}: ordinary p50 {row['p50_ratio']:.2f}x baseline")
+    return missed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="scripts/abuse", description=__doc__.split("\n")[0])
+    parser.add_argument("--phase", type=float, default=6.0, help="seconds per phase (6)")
+    parser.add_argument("--only", default=",".join(ATTACKS), help="attacks to run, comma-separated")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args()
+    only = [name for name in args.only.split(",") if name]
+    unknown = sorted(set(only) - set(ATTACKS))
+    if unknown:
+        parser.error(f"unknown attack {unknown[0]!r} (known: {', '.join(ATTACKS)})")
+    rows = run(args.phase, only)
+    print(json.dumps(rows, indent=2) if args.json else table(rows))
+    missed = missed_goals(rows)
+    for line in missed:
+        print(f"goal missed: {line}", file=sys.stderr)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Fair share of the pool between the daemon's clients.
+
+The pool's queue is first come, first served: one request with ``n=128`` puts 128 runs
+ahead of everyone else's, and a client that keeps sending such requests starves the
+others. So the daemon lets at most the pool's capacity (workers x max_batch_size) of
+runs into the pool at once and holds the rest here; whenever a run ends, the next run
+of the next client in turn goes in (round robin between clients, first come first
+served within one). A client is its address: every client shares the one API key.
+
+Runs are not preempted, so round robin alone would let a client whose runs are long
+fill every worker between two requests of a client whose runs are short, which would
+then wait a whole long run each time. So a free place in the pool is held back for each
+other active client that has nothing running (one that sent a request within
+``ACTIVE_WINDOW_S``): a client with runs in the pool takes another only when more
+places are free than that. A client alone uses the whole pool.
+
+Each client may hold ``max_running`` runs in the pool and ``max_queued`` more waiting;
+a request that would take it past that is refused at once (429 ``client_limit``, with
+Retry-After), and so is one that would make the runs waiting here, all clients
+together, more than the pool's ``max_queue`` (429 ``pool_overloaded``)::
+
+    share = FairShare(capacity=2, max_running=None, max_queued=256, max_waiting=1024)
+    ticket = share.reserve("10.0.0.7", runs=4)        # or ApiError 429
+    try:
+        async with ticket.slot(deadline_s=30.0) as left_s:
+            await pool.agenerate(prompt, deadline_s=left_s)
+    finally:
+        ticket.close()                               # unused reservations go back
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from modelpool.errors import DeadlineExceeded
+from modelpool.openai_request import ApiError
+
+# Seconds a refused client should wait: runs of the testing or a real model end quickly.
+RETRY_AFTER_S = 1
+# A client that sent a request this recently counts as active though it has nothing in
+# flight now (a client sending one request after another is between two of them).
+ACTIVE_WINDOW_S = 1.0
+
+
+class FairShare:
+    """Round-robin admission of runs into the pool, with per-client bounds."""
+
+    def __init__(
+        self, *, capacity: int, max_running: int | None, max_queued: int, max_waiting: int
+    ) -> None:
+        self.capacity = capacity
+        self.max_running = min(max_running or capacity, capacity)
+        self.max_queued = max_queued
+        self.max_waiting = max_waiting
+        self._running: collections.Counter[str] = collections.Counter()
+        self._reserved: collections.Counter[str] = collections.Counter()
+        # Clients with runs waiting, in turn order; each with its runs, oldest first.
+        self._waiters: dict[str, collections.deque[asyncio.Future[None]]] = {}
+        self._in_pool = 0
+        self._last_active: dict[str, float] = {}
+        self._recheck: asyncio.TimerHandle | None = None
+
+    def reserve(self, client: str, runs: int) -> Ticket:
+        """Room for ``runs`` more runs of ``client``, or a 429 saying which bound it met."""
+        held = self._running[client] + self._reserved[client]
+        if held + runs > self.max_running + self.max_queued:
+            raise ApiError(
+                429,
+                f"this client has {held} runs in flight or waiting; {runs} more would pass "
+                f"its share ({self.max_running} running + {self.max_queued} waiting: "
+                "[server] client_max_running, client_max_queued)",
+                type="rate_limit_error",
+                code="client_limit",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        waiting = sum(self._reserved.values())
+        if waiting + runs > self.max_waiting + self.capacity - self._in_pool:
+            raise ApiError(
+                429,
+                f"{waiting} runs are waiting for a worker; {runs} more would pass max_queue "
+                f"({self.max_waiting})",
+                type="overloaded_error",
+                code="pool_overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self._reserved[client] += runs
+        self._last_active[client] = time.monotonic()
+        return Ticket(self, client, runs)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What ``/stats`` shows under ``fair_share``."""
+        return {
+            "capacity": self.capacity,
+            "in_pool": self._in_pool,
+            "waiting": sum(len(waiters) for waiters in self._waiters.values()),
+            "clients": len(set(self._running) | set(self._reserved)),
+        }
+
+    def _unreserve(self, client: str, runs: int) -> None:
+        self._reserved[client] -= runs
+        if self._reserved[client] <= 0:
+            del self._reserved[client]
+
+    async def _acquire(self, client: str) -> None:
+        if client not in self._waiters and self._may_run(client):
+            self._take(client)
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(client, collections.deque()).append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self._release(client)  # admitted just as it was cancelled
+            else:
+                waiters = self._waiters.get(client)
+                if waiters is not None and turn in waiters:
+                    waiters.remove(turn)
+                    if not waiters:
+                        del self._waiters[client]
+            raise
+
+    def _may_run(self, client: str) -> bool:
+        free = self.capacity - self._in_pool
+        running = self._running[client]
+        if free <= 0 or running >= self.max_running:
+            return False
+        return running == 0 or free > self._held_back(client)
+
+    def _held_back(self, client: str) -> int:
+        """Places kept free for the other active clients that have nothing running."""
+        now = time.monotonic()
+        held = 0
+        for other, seen in list(self._last_active.items()):
+            if other in self._running or other in self._reserved:
+                held += other != client and other not in self._running
+            elif now - seen > ACTIVE_WINDOW_S:
+                del self._last_active[other]
+            else:
+                held += other != client
+        return held
+
+    def _take(self, client: str) -> None:
+        self._running[client] += 1
+        self._in_pool += 1
+
+    def _release(self, client: str) -> None:
+        self._running[client] -= 1
+        if self._running[client] <= 0:
+            del self._running[client]
+        self._in_pool -= 1
+        self._last_active[client] = time.monotonic()
+        self._admit()
+
+    def _admit(self) -> None:
+        while self._in_pool < self.capacity:
+            client = next((c for c in self._waiters if self._may_run(c)), None)
+            if client is None:
+                if self._waiters and self._recheck is None:
+                    # Held back for clients that may have gone: look again once they
+                    # no longer count as active.
+                    self._recheck = asyncio.get_running_loop().call_later(
+                        ACTIVE_WINDOW_S, self._recheck_now
+                    )
+                return
+            waiters = self._waiters.pop(client)
+            turn = waiters.popleft()
+            if waiters:
+                self._waiters[client] = waiters  # to the back of the turn order
+            if turn.cancelled():
+                # Its task was cancelled and has not run since: it takes no place.
+                continue
+            self._take(client)
+            turn.set_result(None)
+
+
+    def _recheck_now(self) -> None:
+        self._recheck = None
+        self._admit()
+
+
+class Ticket:
+    """One request's reserved runs; each run takes one ``slot``."""
+
+    def __init__(self, share: FairShare, client: str, runs: int) -> None:
+        self._share = share
+        self._client = client
+        self._unclaimed = runs
+
+    @contextlib.asynccontextmanager
+    async def slot(self, deadline_s: float) -> AsyncIterator[float]:
+        """Wait for this client's turn, then hold a place in the pool; yields the seconds
+        left of ``deadline_s`` (the wait counts). DeadlineExceeded if none are left."""
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(deadline_s):
+                await self._share._acquire(self._client)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the deadline ({deadline_s:g} s) passed while the request waited for its "
+                "turn (fair share between clients)"
+            ) from None
+        self._claim()
+        try:
+            yield max(deadline_s - (time.monotonic() - started), 0.001)
+        finally:
+            self._share._release(self._client)
+
+    def _claim(self) -> None:
+        if self._unclaimed > 0:
+            self._unclaimed -= 1
+            self._share._unreserve(self._client, 1)
+
+    def close(self) -> None:
+        """Give back the runs that never took a slot (the request ended first)."""
+        if self._unclaimed > 0:
+            self._share._unreserve(self._client, self._unclaimed)
+            self._unclaimed = 0

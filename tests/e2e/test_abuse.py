@@ -1,0 +1,413 @@
+"""The daemon under abuse (issue 25, the security review): each attack it measured, refused
+or contained, on a real uvicorn server on 127.0.0.1 run in this process (the daemon's
+app and HTTP protocol, over a testing pool of 2 workers).
+
+README, Security: a page in a browser cannot drive the daemon (Content-Type, Host,
+Origin); a request's cost is bounded up front; a client that stops reading a stream
+holds only its own request; connections have size, time and count limits; runs enter
+the pool round robin between clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from e2e_support import wait_for
+
+from helpers import open_pool, slack
+from modelpool import ModelPool
+from modelpool.config import ServerConfig
+from modelpool.http_guard import guarded_protocol
+from modelpool.server import create_app
+
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ModelPool]:
+    with open_pool(workers=2, deadline_s=30.0) as started:
+        yield started
+
+
+class Served:
+    """The daemon's app on uvicorn with the daemon's guarded protocol, in a thread."""
+
+    def __init__(self, pool: ModelPool, config: ServerConfig) -> None:
+        app = create_app(pool, config, "testing")
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=0,
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+                http=guarded_protocol(config),
+            )
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.port = 0
+        self.http: httpx.Client  # a client of this server, while it serves
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=slack(5))
+
+
+@contextlib.contextmanager
+def serving(pool: ModelPool, **settings: Any) -> Iterator[Served]:
+    served = Served(pool, ServerConfig(port=0, **settings))
+    served.thread.start()
+    try:
+        wait_for(lambda: served.server.started, bool, 10, "uvicorn to start")
+        served.port = served.server.servers[0].sockets[0].getsockname()[1]
+        with httpx.Client(base_url=served.url, timeout=slack(10)) as served.http:
+            yield served
+    finally:
+        served.server.should_exit = True
+        served.thread.join(10)
+
+
+def _error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    return error
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+# ---- browser safety -------------------------------------------------------------------------
+
+
+def test_json_routes_refuse_a_body_not_declared_json(pool: ModelPool) -> None:
+    body = b'{"prompt": "echo:pwned", "max_tokens": 4}'
+    with serving(pool) as served:
+        http = served.http
+        # What a web page may send cross-site without a preflight.
+        for content_type in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded"):
+            refused = http.post(COMPLETIONS, content=body, headers={"Content-Type": content_type})
+            assert _error(refused, 415)["code"] == "unsupported_media_type"
+        assert _error(http.post(COMPLETIONS, content=body), 415)["code"] == "unsupported_media_type"
+        ok = http.post(
+            COMPLETIONS, content=body, headers={"Content-Type": "application/json; charset=utf-8"}
+        )
+        assert ok.json()["choices"][0]["text"] == "pwned"
+
+
+def test_a_host_that_is_not_served_is_refused(pool: ModelPool) -> None:
+    with serving(pool) as served:
+        http = served.http
+        # DNS rebinding: the attacker's name now points at 127.0.0.1.
+        rebound = {"Host": f"rebind.attacker.example:{served.port}"}
+        refused = http.post(COMPLETIONS, json={"prompt": "echo:x"}, headers=rebound)
+        assert _error(refused, 403)["code"] == "host_not_allowed"
+        assert http.get("/stats", headers=rebound).status_code == 403
+        for host in ("localhost", "127.0.0.1", "[::1]", "app.localhost"):
+            assert http.get("/v1/models", headers={"Host": f"{host}:{served.port}"}).is_success
+    with serving(pool, allowed_hosts=["models.example"]) as served:
+        http = served.http
+        assert http.get("/v1/models", headers={"Host": "models.example"}).is_success
+        assert http.get("/v1/models", headers={"Host": "localhost"}).status_code == 403
+
+
+def test_cross_origin_requests_are_refused_unless_allowed(pool: ModelPool) -> None:
+    body = {"prompt": "echo:x"}
+    with serving(pool) as served:
+        http = served.http
+        evil = {"Origin": "http://evil.example"}
+        assert _error(http.post(COMPLETIONS, json=body, headers=evil), 403)["code"] == (
+            "origin_not_allowed"
+        )
+    app = "https://app.example"
+    with serving(pool, cors_allowed_origins=[app], api_key_env="MODELPOOL_E2E_ABUSE_KEY") as served:
+        http = served.http
+        preflight = http.options(
+            COMPLETIONS,
+            headers={
+                "Origin": app,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        )
+        assert preflight.status_code == 204
+        assert preflight.headers["access-control-allow-origin"] == app
+        assert "authorization" in preflight.headers["access-control-allow-headers"]
+        allowed = http.post(COMPLETIONS, json=body, headers={"Origin": app})
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == app
+        other = http.post(COMPLETIONS, json=body, headers={"Origin": "https://other.example"})
+        assert other.status_code == 403
+        assert "access-control-allow-origin" not in other.headers
+
+
+# ---- the cost of one request ----------------------------------------------------------------
+
+
+def test_a_request_past_its_budget_is_refused_up_front(pool: ModelPool) -> None:
+    submitted = pool.stats().counters["submitted"]
+    with serving(pool) as served:
+        http = served.http
+        # The review's 8 KB body that was answered with 82 MB.
+        big = {"prompt": "x" * 8000, "n": 32, "echo": True, "logprobs": 5, "max_tokens": 1}
+        error = _error(http.post(COMPLETIONS, json=big), 400)
+        assert error["code"] == "request_too_expensive"
+        assert "max_request_tokens" in error["message"] and error["param"] == "n"
+        legacy = {"prompt": "echo:x", "logprobs": 6}
+        assert _error(http.post(COMPLETIONS, json=legacy), 400)["param"] == "logprobs"
+        ignored = {"prompt": "echo:x", "metadata": {"k": list(range(10_000))}}
+        assert _error(http.post(COMPLETIONS, json=ignored), 400)["param"] == "metadata"
+        fine = {"prompt": "echo:x", "metadata": {"k": "v"}, "user": "u1", "logprobs": 5}
+        assert http.post(COMPLETIONS, json=fine).status_code == 200
+    assert pool.stats().counters["submitted"] == submitted + 1
+
+
+# ---- backpressure ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_client_that_stops_reading_stalls_only_its_own_request(pool: ModelPool) -> None:
+    cancelled = pool.stats().counters["cancelled"]
+    with serving(pool, send_timeout_s=1.0) as served:
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", served.port))
+        body = b'{"prompt":"tokens:250000:0","max_tokens":250000,"stream":true}'
+        stalled.sendall(_post_head(body) + body)
+        give_up = time.monotonic() + slack(10)
+        try:
+            # Never read: the daemon's send waits, then times out; the run is cancelled
+            # and its worker serves others, while everyone else was served all along.
+            http = served.http
+            while pool.stats().counters["cancelled"] == cancelled:
+                assert http.get("/healthz").elapsed.total_seconds() < 1.0
+                assert http.post(COMPLETIONS, json={"prompt": "echo:x"}).is_success
+                assert time.monotonic() < give_up, "the stalled stream was not cancelled"
+        finally:
+            stalled.close()
+    wait_for(
+        pool.stats,
+        lambda s: all(w.state == "idle" for w in s.workers),
+        slack(5),
+        "the workers to be idle",
+    )
+
+
+def test_a_client_that_reads_no_answer_is_disconnected_after_send_timeout(
+    pool: ModelPool,
+) -> None:
+    with serving(pool, send_timeout_s=0.5) as served:
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", served.port))
+        # A 3.5 MB answer, which the daemon's socket buffers cannot take at once.
+        body = b'{"prompt":"' + b"x" * 20000 + b'","n":2,"echo":true,"logprobs":5,"max_tokens":1}'
+        with stalled:
+            stalled.sendall(_post_head(body) + body)
+            state = served.server.server_state
+            wait_for(lambda: len(state.connections), lambda n: n == 1, slack(5), "the request")
+            # Never read: the daemon aborts the connection instead of holding the answer.
+            wait_for(lambda: len(state.connections), lambda n: n == 0, slack(10), "the abort")
+
+
+def test_a_large_answer_is_built_and_encoded_off_the_event_loop(
+    pool: ModelPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import modelpool.openai_format
+    import modelpool.server
+
+    built_on_loop: list[bool] = []
+    slices: list[int] = []
+    build, dumps = modelpool.server.response_body, modelpool.openai_format._dumps
+
+    def recording_build(*args: Any, **kwargs: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+            built_on_loop.append(True)
+        except RuntimeError:
+            built_on_loop.append(False)
+        return build(*args, **kwargs)
+
+    def recording_dumps(value: Any) -> str:
+        slices.append(len(value) if isinstance(value, list) else 1)
+        return dumps(value)
+
+    monkeypatch.setattr(modelpool.server, "response_body", recording_build)
+    monkeypatch.setattr(modelpool.openai_format, "_dumps", recording_dumps)
+    big = {"prompt": "x" * 20000, "n": 2, "echo": True, "logprobs": 5, "max_tokens": 1}
+    with serving(pool) as served:
+        answer = served.http.post(COMPLETIONS, json=big)
+    assert answer.status_code == 200
+    assert len(answer.json()["choices"][0]["logprobs"]["tokens"]) == 20001
+    assert built_on_loop == [False]
+    # No single call to the C encoder is given more than a slice of a long list.
+    assert max(slices) <= 256
+
+
+def _post_head(body: bytes) -> bytes:
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+    )
+
+
+# ---- connections ----------------------------------------------------------------------------
+
+
+def test_request_heads_past_the_limits_are_431(pool: ModelPool) -> None:
+    with serving(pool, max_header_bytes=16_384, max_headers=50) as served:
+        http = served.http
+        huge = http.get("/healthz", headers={"X-Big": "x" * 1_000_000})
+        assert _error(huge, 431)["code"] == "request_header_fields_too_large"
+        many = http.get("/healthz", headers={f"X-H{i}": "1" for i in range(60)})
+        assert _error(many, 431)["code"] == "request_header_fields_too_large"
+        assert http.get("/healthz", headers={"X-Fine": "x" * 8000}).status_code == 200
+
+
+def test_connections_that_stall_are_answered_408_and_closed(pool: ModelPool) -> None:
+    with serving(pool, header_timeout_s=0.3, body_timeout_s=0.3) as served:
+        idle = served.connect()
+        slow_head = served.connect()
+        slow_head.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        slow_body = served.connect()
+        slow_body.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+        )
+        for sock in (idle, slow_head, slow_body):
+            with sock:
+                answer = _answer(sock)  # returns once the server has closed it
+                assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        http = served.http
+        assert http.get("/healthz").status_code == 200
+
+
+def test_connections_past_max_connections_get_503(pool: ModelPool) -> None:
+    with serving(pool, max_connections=3) as served:
+        held = [served.connect() for _ in range(3)]
+        try:
+            http = served.http
+            refused = http.get("/healthz")
+            assert _error(refused, 503)["code"] == "too_many_connections"
+            assert int(refused.headers["retry-after"]) >= 1
+        finally:
+            for sock in held:
+                sock.close()
+        http = served.http
+        wait_for(lambda: http.get("/healthz").status_code, lambda s: s == 200, 5, "a slot")
+
+
+# ---- fair share -----------------------------------------------------------------------------
+
+
+def _client(served: Served, address: str, timeout: float = 30.0) -> httpx.Client:
+    """A client from its own loopback address: the daemon tells clients apart by address."""
+    transport = httpx.HTTPTransport(local_address=address)
+    return httpx.Client(base_url=served.url, transport=transport, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_runs_enter_the_pool_round_robin_between_clients(pool: ModelPool) -> None:
+    with (
+        serving(pool) as served,
+        _client(served, "127.0.0.2", timeout=3.0) as abusive,
+        _client(served, "127.0.0.3") as ordinary,
+    ):
+        burst = {"prompt": "tokens:20:0.05", "n": 16}  # 16 runs of 1 s on 2 workers
+        with threading_call(abusive.post, COMPLETIONS, json=burst) as flood:
+            wait_for(pool.stats, lambda s: s.running == 2, slack(5), "the burst to take the pool")
+            waits = []
+            for _ in range(4):
+                started = time.monotonic()
+                ordinary.post(COMPLETIONS, json={"prompt": "echo:x"}).raise_for_status()
+                waits.append(time.monotonic() - started)
+        # The abusive client gave up (and so cancelled its runs) after 3 s.
+        with pytest.raises(httpx.ReadTimeout):
+            flood.result()
+        # Every place it held or reserved is given back.
+        empty = {"in_pool": 0, "waiting": 0, "clients": 0}
+        wait_for(
+            lambda: served.http.get("/stats").json()["fair_share"],
+            lambda share: {key: share[key] for key in empty} == empty,
+            slack(5),
+            "the fair share to be empty",
+        )
+    # The first waited for one abusive run to end (1 s), not for the burst (8 s) as first
+    # come, first served would have it; the next ones found a place held back for them.
+    assert waits[0] < 2.0, waits
+    assert max(waits[1:]) < 0.5, waits
+    wait_for(pool.stats, lambda s: s.running == 0, slack(5), "the burst to be cancelled")
+
+
+def test_a_client_past_its_share_gets_429(pool: ModelPool) -> None:
+    with serving(pool, client_max_running=1, client_max_queued=2) as served:
+        http = served.http
+        refused = http.post(COMPLETIONS, json={"prompt": "echo:x", "n": 4})
+        assert _error(refused, 429)["code"] == "client_limit"
+        assert int(refused.headers["retry-after"]) >= 1
+        assert http.post(COMPLETIONS, json={"prompt": "echo:x", "n": 3}).status_code == 200
+
+
+class _Call:
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+@contextlib.contextmanager
+def threading_call(function: Any, *args: Any, **kwargs: Any) -> Iterator[_Call]:
+    """``function(*args, **kwargs)`` in a thread for the block; joined at its end."""
+    call = _Call()
+
+    def target() -> None:
+        try:
+            call.value = function(*args, **kwargs)
+        except BaseException as exc:  # re-raised by result()
+            call.error = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    try:
+        yield call
+    finally:
+        thread.join(slack(30))
+
+
+# ---- the access log -------------------------------------------------------------------------
+
+
+def test_the_logged_path_cannot_forge_a_line(
+    pool: ModelPool, caplog: pytest.LogCaptureFixture
+) -> None:
+    forged = "/x%0a2026-12-01 INFO modelpool.access: POST /v1/completions 200%1b[2J"
+    with serving(pool) as served, caplog.at_level("INFO", logger="modelpool.access"):
+        http = served.http
+        http.get(forged)
+    lines = [r.getMessage() for r in caplog.records if r.name == "modelpool.access"]
+    assert len(lines) == 1, lines
+    assert "\n" not in lines[0] and "\x1b" not in lines[0]
+    assert "/x%0A2026-12-01" in lines[0]
