@@ -30,8 +30,8 @@ tracks suspects) while waiting and prefilling requests stay.
 
 ``prefill_chunk_tokens`` (a load option): a number of prompt tokens per step,
 or "auto" (the default), which sizes each step's slices by timing them: about
-1.5 decoding steps while rows are decoding (so a step lasts about 2.5 normal
-ones while a long prompt is read), about a quarter of a second when none is
+one decoding step while rows are decoding (so a step lasts about twice a normal
+one while a long prompt is read), about a quarter of a second when none is
 (cancels are still read four times a second). Each slice is its own forward
 pass, so on a CPU a long prompt's time to first token grows while it shares
 the worker with decoding rows: that is the price of their inter-token latency.
@@ -90,7 +90,7 @@ PrefillChunk = int | Literal["auto"]
 _AUTO_FIRST_SLICE = 64  # tokens, before any slice is timed
 _AUTO_MIN_SLICE = 16
 _AUTO_MAX_SLICE = 4096
-_AUTO_SLICE_OVER_STEP = 1.5  # a slice's target time, in decoding steps, while rows decode
+_AUTO_SLICE_OVER_STEP = 1.0  # a slice's target time, in decoding steps, while rows decode
 _AUTO_SOLO_SLICE_S = 0.25  # a slice's target time when no row is decoding
 
 _SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
@@ -341,8 +341,8 @@ class BatchEngine:
         return self._auto_slice
 
     def _steer_slice(self, tokens: int, seconds: float) -> None:
-        """Resize the "auto" slice from a full slice's time against its target: about 1.5
-        decoding steps while rows decode (a step then lasts about 2.5 normal ones), a
+        """Resize the "auto" slice from a full slice's time against its target: about one
+        decoding step while rows decode (a step then lasts about two normal ones), a
         quarter of a second when none does. Steered by time, not by a per-token cost: a
         pass has a fixed cost (reading the weights) that small slices would overweight,
         shrinking the slice further and further."""
