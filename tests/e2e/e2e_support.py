@@ -115,9 +115,7 @@ class Daemon:
     """One ``modelpool serve`` process; its stderr goes to ``log_path``. ``port`` (and
     ``url``) are known once it is listening (``wait_listening``)."""
 
-    def __init__(
-        self, process: subprocess.Popen[bytes], log_path: Path, config_path: Path
-    ) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], log_path: Path, config_path: Path) -> None:
         self.process = process
         self.config_path = config_path
         self.port = 0
