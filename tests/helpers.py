@@ -65,6 +65,7 @@ def slack(seconds: float) -> float:
 # it needs it with ``assert_outlasts``.
 LONG_TOKENS = 100_000
 LONG = f"tokens:{LONG_TOKENS}:0.01"
+UNCAPPED = {"max_new_tokens": LONG_TOKENS}  # pool.submit(LONG, **UNCAPPED)
 
 
 def runs_for(prompt: str, *, max_new_tokens: int | None, deadline_s: float) -> float:
