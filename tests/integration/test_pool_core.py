@@ -18,9 +18,12 @@ import psutil
 import pytest
 
 from helpers import (
+    LONG,
+    UNCAPPED,
     BackendModule,
     assert_documented_stats_keys,
     assert_no_children,
+    assert_outlasts,
     counters,
     make_config,
     open_pool,
@@ -171,7 +174,9 @@ def test_deadline_on_a_cooperative_backend_keeps_the_worker_warm() -> None:
         pid = workers(pool)[0].pid
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded) as info:
-            pool.generate("tokens:1000:0.01", deadline_s=0.3)
+            # Uncapped: the generation default ended it in 1.28 s, a deadline that came
+            # that late on a busy machine found it finished.
+            pool.generate(LONG, deadline_s=0.3, **UNCAPPED)
         assert time.monotonic() - started < slack(0.8)
         assert info.value.partial_text.startswith("t0 t1 ")
         assert [a.outcome for a in info.value.attempts] == ["timeout"]
@@ -190,7 +195,7 @@ def test_cooperative_attempt_timeout_is_retried_on_another_warm_worker() -> None
         pids = {w.pid for w in workers(pool)}
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded) as info:
-            pool.generate("tokens:1000:0.01")
+            pool.generate(LONG, **UNCAPPED)  # every attempt runs to its timeout
         assert time.monotonic() - started < slack(2.0)
         attempts = info.value.attempts
         assert [a.outcome for a in attempts] == ["timeout", "timeout"]
@@ -220,8 +225,10 @@ def test_single_worker_hang_is_retried_on_the_replacement() -> None:
 
 
 def test_request_that_times_out_in_the_queue() -> None:
-    with open_pool(workers=1) as pool:
-        busy = pool.submit("tokens:1000:0.01")
+    with open_pool(workers=1, deadline_s=60.0) as pool:
+        # The worker stays busy until the test cancels it: through wait_busy and the bound.
+        assert_outlasts(pool.config, LONG, 5 + slack(0.8), **UNCAPPED)
+        busy = pool.submit(LONG, **UNCAPPED)
         wait_busy(pool, 1)
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded) as info:
@@ -465,7 +472,9 @@ def test_idle_worker_death_is_just_a_respawn() -> None:
 
 def test_backpressure_raises_pool_overloaded_at_once() -> None:
     with open_pool(workers=1, max_queue=1) as pool:
-        busy = pool.submit("tokens:1000:0.01")
+        # The worker stays busy until the test cancels it (else "queued" runs and there is room).
+        assert_outlasts(pool.config, LONG, 5 + slack(0.1), **UNCAPPED)
+        busy = pool.submit(LONG, **UNCAPPED)
         wait_busy(pool, 1)
         queued = pool.submit("echo:queued")
         started = time.monotonic()
