@@ -146,8 +146,11 @@ class Daemon:
         pool = PoolConfig.from_toml(self.config_path)
         server = ServerConfig.from_toml(self.config_path)
         limit = body.get("max_tokens", pool.generation_defaults.get("max_new_tokens"))
+        limit = body.get("max_completion_tokens", limit)
         deadline = deadline_from(body, headers or {}, pool.deadline_s, server.max_request_timeout_s)
-        return runs_for(body["prompt"], max_new_tokens=limit, deadline_s=deadline)
+        # The testing backend reads a chat's last message.
+        prompt = body["prompt"] if "prompt" in body else body["messages"][-1]["content"]
+        return runs_for(prompt, max_new_tokens=limit, deadline_s=deadline)
 
     def assert_outlasts(
         self,
