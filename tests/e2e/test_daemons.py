@@ -24,7 +24,7 @@ from e2e_support import (
     wait_for,
 )
 
-from helpers import LONG, LONG_TOKENS, pid_alive, slack
+from helpers import FAR_DEADLINE_S, LONG, LONG_TOKENS, pid_alive, slack
 
 # The daemons' generation default (64 tokens) would end LONG in under a second.
 LONG_BODY = {"prompt": LONG, "max_tokens": LONG_TOKENS}
@@ -37,7 +37,7 @@ def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """One worker and a queue of one; a deadline far past any test's waits (LONG_BODY)."""
     daemon = start_daemon(
         tmp_path_factory.mktemp("one-slot"),
-        daemon_config(workers=1, max_queue=1, deadline_s=600.0),
+        daemon_config(workers=1, max_queue=1, deadline_s=FAR_DEADLINE_S),
     )
     yield daemon
     assert daemon.stop() == 0
@@ -340,7 +340,7 @@ def test_sigint_first_drains_and_the_drain_timeout_cuts_a_request_short(tmp_path
     drain_timeout_s is cut at the timeout (503 shutting_down) and the daemon exits 0."""
     drain_s = 1.0
     daemon = start_daemon(
-        tmp_path, daemon_config(deadline_s=600.0, server={"drain_timeout_s": drain_s})
+        tmp_path, daemon_config(deadline_s=FAR_DEADLINE_S, server={"drain_timeout_s": drain_s})
     )
     # The request must still run when the drain ends, as late as this test accepts that
     # (after wait_busy and the exit bound below), or it answers 200 by itself: with the

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from helpers import (
+    FAR_DEADLINE_S,
     LONG,
     UNCAPPED,
     BackendModule,
@@ -225,7 +226,7 @@ def test_single_worker_hang_is_retried_on_the_replacement() -> None:
 
 
 def test_request_that_times_out_in_the_queue() -> None:
-    with open_pool(workers=1, deadline_s=60.0) as pool:
+    with open_pool(workers=1, deadline_s=FAR_DEADLINE_S) as pool:
         # The worker stays busy until the test cancels it: through wait_busy and the bound.
         assert_outlasts(pool.config, LONG, 5 + slack(0.8), **UNCAPPED)
         busy = pool.submit(LONG, **UNCAPPED)

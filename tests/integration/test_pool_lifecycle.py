@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    FAR_DEADLINE_S,
     LONG,
     UNCAPPED,
     VENV_PYTHON,
@@ -221,8 +222,8 @@ def test_close_without_drain_fails_in_flight_requests_promptly() -> None:
 def test_close_drain_timeout_fails_what_is_left() -> None:
     with open_pool(workers=1, cancel_grace_s=0.3, term_grace_s=0.3) as pool:
         # Longer than the drain, however late close() gets to end it.
-        assert_outlasts(pool.config, LONG, 5 + slack(3.0), deadline_s=60.0, **UNCAPPED)
-        running = pool.submit(LONG, deadline_s=60.0, **UNCAPPED)
+        assert_outlasts(pool.config, LONG, 5 + slack(3.0), deadline_s=FAR_DEADLINE_S, **UNCAPPED)
+        running = pool.submit(LONG, deadline_s=FAR_DEADLINE_S, **UNCAPPED)
         wait_busy(pool, 1)
         started = time.monotonic()
         pool.close(drain=True, timeout=0.3)
