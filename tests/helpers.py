@@ -65,7 +65,7 @@ def slack(seconds: float) -> float:
 # it needs it with ``assert_outlasts``.
 LONG_TOKENS = 100_000
 LONG = f"tokens:{LONG_TOKENS}:0.01"
-UNCAPPED = {"max_new_tokens": LONG_TOKENS}  # pool.submit(LONG, **UNCAPPED)
+UNCAPPED: dict[str, Any] = {"max_new_tokens": LONG_TOKENS}  # pool.submit(LONG, **UNCAPPED)
 # A deadline past every wait of a test, slack included: only the test ends the request.
 FAR_DEADLINE_S = 600.0
 

@@ -145,7 +145,7 @@ class Daemon:
         gives it (the client's ``timeout`` as the daemon caps it, else ``deadline_s``)."""
         pool = PoolConfig.from_toml(self.config_path)
         server = ServerConfig.from_toml(self.config_path)
-        limit = body.get("max_tokens", pool.generation_defaults.get("max_new_tokens"))
+        limit: int | None = body.get("max_tokens", pool.generation_defaults.get("max_new_tokens"))
         limit = body.get("max_completion_tokens", limit)
         deadline = deadline_from(body, headers or {}, pool.deadline_s, server.max_request_timeout_s)
         # The testing backend reads a chat's last message.

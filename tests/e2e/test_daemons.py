@@ -188,9 +188,10 @@ def test_sigterm_when_idle_exits_quickly_with_no_worker_left(tmp_path: Path) -> 
 
 
 def _completion_text(daemon: Daemon, stream: bool) -> tuple[int, str]:
-    # Two minutes of tokens: far past every (slack-scaled) bound below, so a daemon that
-    # waits for the request instead of stopping fails the test.
-    body = {"prompt": "tokens:600:0.2", "stream": stream}
+    # Far past every (slack-scaled) bound below, so a daemon that waits for the request
+    # instead of stopping fails the test (tokens:600:0.2 promised two minutes; the 64-token
+    # default and the 10 s deadline ended it in 10 s).
+    body = {**LONG_BODY, "stream": stream}
     with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=60) as response:
         return response.status_code, response.read().decode()
 
@@ -206,8 +207,12 @@ def test_second_signal_stops_at_once(tmp_path: Path, stream: bool) -> None:
     (no_uvloop / "__init__.py").write_text("raise ImportError('uvloop hidden by the test')\n")
     path = os.pathsep.join(filter(None, [str(no_uvloop.parent), os.environ.get("PYTHONPATH")]))
     daemon = start_daemon(
-        tmp_path, daemon_config(server={"drain_timeout_s": 60.0}), env={"PYTHONPATH": path}
+        tmp_path,
+        daemon_config(deadline_s=FAR_DEADLINE_S, server={"drain_timeout_s": FAR_DEADLINE_S}),
+        env={"PYTHONPATH": path},
     )
+    # Still running when the second signal comes, after the waits below.
+    daemon.assert_outlasts(LONG_BODY, slack(5.0) + 10.0 + slack(5.0))
     try:
         pids = daemon.worker_pids()
         with concurrent.futures.ThreadPoolExecutor(1) as executor:
