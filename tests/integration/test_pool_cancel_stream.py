@@ -302,8 +302,14 @@ def test_cancel_of_a_backend_that_ignores_the_flag_is_escalated(
     backend = "testing" if prompt.startswith("stall") else backend_module(EMIT_HANG_BACKEND)
     cancel_grace, term_grace = 0.3, 0.3
     with open_pool(
-        workers=1, backend=backend, cancel_grace_s=cancel_grace, term_grace_s=term_grace
+        workers=1,
+        backend=backend,
+        cancel_grace_s=cancel_grace,
+        term_grace_s=term_grace,
+        # The ladder climbed must be the cancel's: no deadline within the waits below.
+        deadline_s=FAR_DEADLINE_S,
     ) as pool:
+        assert pool.config.deadline_s > 5 + 5 + 5
         future, first_chunk, _ = submit_with_chunks(pool, prompt)
         assert first_chunk.wait(5)
         pid = wait_busy(pool, 1)[0].pid
