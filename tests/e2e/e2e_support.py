@@ -142,7 +142,8 @@ class Daemon:
     ) -> float:
         """``helpers.runs_for`` for a completion ``body`` sent to this daemon: its
         ``max_tokens`` else the config's generation default, and the deadline the daemon
-        gives it (the client's ``timeout`` as the daemon caps it, else ``deadline_s``)."""
+        gives it (the client's ``timeout`` as the daemon caps it, else ``deadline_s``).
+        Read from the config file: flags and environment a test passes are not applied."""
         pool = PoolConfig.from_toml(self.config_path)
         server = ServerConfig.from_toml(self.config_path)
         limit: int | None = body.get("max_tokens", pool.generation_defaults.get("max_new_tokens"))
