@@ -142,7 +142,7 @@ def test_sigterm_drains_a_long_request_then_exits_0(tmp_path: Path) -> None:
     # The drain must outlast the 2 s requests however slow the machine makes them (the
     # daemons' 10 s would not under the stress mode's slack): it costs nothing, as the
     # daemon exits once they are served.
-    drain_s = 60.0
+    drain_s = FAR_DEADLINE_S
     daemon = start_daemon(tmp_path, daemon_config(server={"drain_timeout_s": drain_s}))
     body = {"prompt": "tokens:40:0.05"}
     assert daemon.request_runs_for(body) == pytest.approx(2.0), "40 tokens, not capped"
