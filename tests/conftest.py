@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,37 @@ from helpers import BackendModule, record_children_baseline
 from modelpool import ModelPool
 from modelpool.processes import set_child_subreaper
 from modelpool.tinymodel import build_tiny_model
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--shuffle-files",
+        metavar="SEED",
+        type=int,
+        default=None,
+        help="run the test files in an order shuffled with SEED; the tests of a file keep "
+        "their order, so that module-scoped daemons and pools are still built once "
+        "(scripts/test --stress)",
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    seed = config.getoption("shuffle_files")
+    return None if seed is None else f"test files shuffled: --shuffle-files={seed}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A file order no test may depend on: one left behind by a file, or needed from an
+    earlier one, shows up as a failure that the seed reproduces."""
+    seed = config.getoption("shuffle_files")
+    if seed is None:
+        return
+    files: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+    order = list(files)
+    random.Random(seed).shuffle(order)
+    items[:] = [item for path in order for item in files[path]]
 
 
 @pytest.fixture(autouse=True)

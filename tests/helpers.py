@@ -55,6 +55,63 @@ def slack(seconds: float) -> float:
     return seconds * TIME_SLACK
 
 
+# ---- how long a testing-backend request runs -------------------------------------------------
+
+# A request that runs until the test stops it (cancel, close, drain, a deadline it sets),
+# once nothing caps it: 1000 s of tokens. Defaults elsewhere cap it silently: the generation
+# default max_new_tokens (PoolConfig's 128, the e2e daemons' 64: then it is over in about a
+# second) and the deadline (make_config's and the daemons' 10 s). A test that needs it
+# running passes ``max_new_tokens=LONG_TOKENS`` (``max_tokens`` over HTTP) and states how long
+# it needs it with ``assert_outlasts``.
+LONG_TOKENS = 100_000
+LONG = f"tokens:{LONG_TOKENS}:0.01"
+UNCAPPED: dict[str, Any] = {"max_new_tokens": LONG_TOKENS}  # pool.submit(LONG, **UNCAPPED)
+# A deadline past every wait of a test, slack included: only the test ends the request.
+FAR_DEADLINE_S = 600.0
+
+
+def runs_for(prompt: str, *, max_new_tokens: int | None, deadline_s: float) -> float:
+    """The least time the testing backend takes over ``prompt`` before the request ends
+    without being stopped: ``tokens:N:DELAY`` emits min(N, ``max_new_tokens``) tokens, each
+    after DELAY seconds (load only makes it slower); ``hang``, ``stall``, ``spin`` and
+    ``hog`` never end by themselves; anything else ends at once. The deadline ends them all."""
+    command, _, argument = prompt.partition(":")
+    own = 0.0
+    if command == "tokens":
+        count_text, _, delay_text = argument.partition(":")
+        count = int(count_text or 16)
+        if max_new_tokens is not None:
+            count = min(count, max_new_tokens)
+        own = count * float(delay_text or 0)
+    elif command in ("hang", "stall", "spin", "hog"):
+        own = math.inf
+    return min(own, deadline_s)
+
+
+def request_runs_for(config: PoolConfig, prompt: str, **params: Any) -> float:
+    """``runs_for`` in a pool with ``config`` for ``pool.submit(prompt, **params)``: the
+    request's own ``max_new_tokens`` else the generation default, its own ``deadline_s``
+    else the pool's, and an attempt timeout ends the attempt that runs it."""
+    limit = params.get("max_new_tokens", config.generation_defaults.get("max_new_tokens"))
+    deadline = params.get("deadline_s", config.deadline_s)
+    if config.attempt_timeout_s is not None:
+        deadline = min(deadline, config.attempt_timeout_s)
+    return runs_for(prompt, max_new_tokens=limit, deadline_s=deadline)
+
+
+def assert_outlasts(config: PoolConfig, prompt: str, seconds: float, **params: Any) -> None:
+    """The premise of a test that needs ``pool.submit(prompt, **params)`` still running
+    ``seconds`` after it starts (an upper bound of the test's own waits, slack included):
+    a default that shortens the request fails the test here, not by timing later."""
+    lasts = request_runs_for(config, prompt, **params)
+    limit = params.get("max_new_tokens", config.generation_defaults.get("max_new_tokens"))
+    assert lasts >= seconds, (
+        f"false premise: {prompt!r} must run for {seconds:.1f} s, but max_new_tokens={limit}, "
+        f"deadline_s={params.get('deadline_s', config.deadline_s)} and "
+        f"attempt_timeout_s={config.attempt_timeout_s} end it after {lasts:.1f} s"
+    )
+
+
 class WaitTimeout(AssertionError):
     pass
 

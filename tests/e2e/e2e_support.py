@@ -24,7 +24,10 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers import slack, toml_value, wait_until
+from helpers import runs_for, slack, toml_value, wait_until
+from modelpool import PoolConfig
+from modelpool.config import ServerConfig
+from modelpool.openai_request import deadline_from
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 60.0
@@ -112,8 +115,9 @@ class Daemon:
     """One ``modelpool serve`` process; its stderr goes to ``log_path``. ``port`` (and
     ``url``) are known once it is listening (``wait_listening``)."""
 
-    def __init__(self, process: subprocess.Popen[bytes], log_path: Path) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], log_path: Path, config_path: Path) -> None:
         self.process = process
+        self.config_path = config_path
         self.port = 0
         self.url = ""
         self.log_path = log_path
@@ -132,6 +136,36 @@ class Daemon:
 
     def worker_pids(self) -> set[int]:
         return {w["pid"] for w in self.stats()["workers"] if w["pid"] is not None}
+
+    def request_runs_for(
+        self, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+    ) -> float:
+        """``helpers.runs_for`` for a completion ``body`` sent to this daemon: its
+        ``max_tokens`` else the config's generation default, and the deadline the daemon
+        gives it (the client's ``timeout`` as the daemon caps it, else ``deadline_s``).
+        Read from the config file: flags and environment a test passes are not applied."""
+        pool = PoolConfig.from_toml(self.config_path)
+        server = ServerConfig.from_toml(self.config_path)
+        limit: int | None = body.get("max_tokens", pool.generation_defaults.get("max_new_tokens"))
+        limit = body.get("max_completion_tokens", limit)
+        deadline = deadline_from(body, headers or {}, pool.deadline_s, server.max_request_timeout_s)
+        # The testing backend reads a chat's last message.
+        prompt = body["prompt"] if "prompt" in body else body["messages"][-1]["content"]
+        return runs_for(prompt, max_new_tokens=limit, deadline_s=deadline)
+
+    def assert_outlasts(
+        self,
+        body: Mapping[str, Any],
+        seconds: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        """The premise of a test that needs ``body`` still running ``seconds`` after the
+        daemon starts it: a default in the config that shortens it fails the test here."""
+        lasts = self.request_runs_for(body, headers)
+        assert lasts >= seconds, (
+            f"false premise: {body} must run for {seconds:.1f} s, but {self.config_path}'s "
+            f"generation default and deadline end it after {lasts:.1f} s"
+        )
 
     def wait_listening(self, timeout: float = READY_TIMEOUT_S) -> int:
         """Wait for the log line with the bound port (the pool has started by then)."""
@@ -227,7 +261,7 @@ def start_daemon(
             cwd=cwd or REPO,
             env={**os.environ, **(env or {})},
         )
-    daemon = Daemon(process, log_path)
+    daemon = Daemon(process, log_path, config_path)
     try:
         daemon.wait_ready(ready_timeout)
     except BaseException:

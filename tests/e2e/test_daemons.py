@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,18 +24,20 @@ from e2e_support import (
     wait_for,
 )
 
-from helpers import pid_alive, slack
+from helpers import FAR_DEADLINE_S, LONG, LONG_TOKENS, pid_alive, slack
 
-LONG = "tokens:1000:0.02"  # 20 s unless cancelled
+# The daemons' generation default (64 tokens) would end LONG in under a second.
+LONG_BODY = {"prompt": LONG, "max_tokens": LONG_TOKENS}
 KEY_ENV = "MODELPOOL_E2E_KEY"
 KEY = "s3cret-key-for-tests"
 
 
 @pytest.fixture(scope="module")
 def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """One worker and a queue of one."""
+    """One worker and a queue of one; a deadline far past any test's waits (LONG_BODY)."""
     daemon = start_daemon(
-        tmp_path_factory.mktemp("one-slot"), daemon_config(workers=1, max_queue=1)
+        tmp_path_factory.mktemp("one-slot"),
+        daemon_config(workers=1, max_queue=1, deadline_s=FAR_DEADLINE_S),
     )
     yield daemon
     assert daemon.stop() == 0
@@ -53,10 +56,12 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     assert daemon.stop() == 0
 
 
-def hold_a_stream(url: str, prompt: str, started: threading.Event, release: threading.Event) -> int:
-    """Stream ``prompt``, signal after the first chunk, hang up once ``release`` is set (the
+def hold_a_stream(
+    url: str, body: dict[str, Any], started: threading.Event, release: threading.Event
+) -> int:
+    """Stream ``body``, signal after the first chunk, hang up once ``release`` is set (the
     disconnect cancels the request): a worker kept busy for exactly as long as a test needs."""
-    body = {"prompt": prompt, "stream": True}
+    body = {**body, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
         for line in response.iter_lines():  # a chunk every few ms: release is seen at once
             if line.startswith("data: "):
@@ -68,15 +73,23 @@ def hold_a_stream(url: str, prompt: str, started: threading.Event, release: thre
 
 def test_overload_is_429_with_retry_after(one_slot: Daemon) -> None:
     url = one_slot.url + "/v1/completions"
+    # The running request must still hold the one worker when the third arrives (else the
+    # queued one starts and the third is queued, not refused): through every wait below.
+    one_slot.assert_outlasts(LONG_BODY, slack(5) + slack(5.0) + 30)
     started, release = threading.Event(), threading.Event()
     with concurrent.futures.ThreadPoolExecutor(2) as executor:
-        running = executor.submit(hold_a_stream, one_slot.url, LONG, started, release)
+        running = executor.submit(hold_a_stream, one_slot.url, LONG_BODY, started, release)
         try:
             assert started.wait(slack(5)), "the long request did not start"
             queued = executor.submit(httpx.post, url, json={"prompt": "echo:queued"}, timeout=30)
             # Runs past the pool's capacity wait in the daemon (fair share between
             # clients), bounded by the pool's max_queue all the same.
-            wait_for(one_slot.stats, lambda s: s["fair_share"]["waiting"] == 1, 5.0, "one queued")
+            wait_for(
+                one_slot.stats,
+                lambda s: s["fair_share"]["waiting"] == 1,
+                slack(5.0),
+                "one queued",
+            )
             rejected = httpx.post(url, json={"prompt": "echo:third"}, timeout=30)
         finally:
             release.set()
@@ -154,21 +167,27 @@ def _stream_text(url: str, prompt: str) -> str:
 
 
 def post_completion(
-    executor: concurrent.futures.Executor, daemon: Daemon, prompt: str
+    executor: concurrent.futures.Executor, daemon: Daemon, body: dict[str, Any]
 ) -> concurrent.futures.Future[httpx.Response]:
     """POST a completion in the background; the test waits for it to run (``wait_busy``)."""
-    body = {"prompt": prompt}
     return executor.submit(httpx.post, daemon.url + "/v1/completions", json=body, timeout=60)
 
 
 def test_sigterm_drains_a_long_request_then_exits_0(tmp_path: Path) -> None:
-    daemon = start_daemon(tmp_path, daemon_config())
+    # The drain must outlast the 2 s requests however slow the machine makes them (the
+    # daemons' 10 s would not under the stress mode's slack): it costs nothing, as the
+    # daemon exits once they are served.
+    drain_s = FAR_DEADLINE_S
+    daemon = start_daemon(tmp_path, daemon_config(server={"drain_timeout_s": drain_s}))
+    body = {"prompt": "tokens:40:0.05"}
+    assert daemon.request_runs_for(body) == pytest.approx(2.0), "40 tokens, not capped"
+    assert drain_s > slack(2.0) + slack(5.0)
     try:
         pids = daemon.worker_pids()
         assert len(pids) == 2
         expected = "".join(f"t{i} " for i in range(40))
         with concurrent.futures.ThreadPoolExecutor(2) as executor:
-            pending = post_completion(executor, daemon, "tokens:40:0.05")
+            pending = post_completion(executor, daemon, body)
             streaming = executor.submit(_stream_text, daemon.url, "tokens:40:0.05")
             daemon.wait_busy(2)
             daemon.process.send_signal(signal.SIGTERM)
@@ -180,9 +199,12 @@ def test_sigterm_drains_a_long_request_then_exits_0(tmp_path: Path) -> None:
     finally:
         daemon.stop(signal.SIGKILL)
     assert not [pid for pid in pids if pid_alive(pid)]
-    log = daemon.log()
-    assert "draining" in log
-    assert "POST /v1/completions 200" in log
+    # Both requests were still in flight at SIGTERM (else nothing was drained): their
+    # access-log lines, written as each ends, come after the drain began.
+    before, drained, after = daemon.log().partition("SIGTERM: draining")
+    assert drained, daemon.log()[-4000:]
+    assert "POST /v1/completions" not in before
+    assert after.count("POST /v1/completions 200") == 2, after
 
 
 def test_sigterm_when_idle_exits_quickly_with_no_worker_left(tmp_path: Path) -> None:
@@ -201,9 +223,10 @@ def test_sigterm_when_idle_exits_quickly_with_no_worker_left(tmp_path: Path) -> 
 
 
 def _completion_text(daemon: Daemon, stream: bool) -> tuple[int, str]:
-    # Two minutes of tokens: far past every (slack-scaled) bound below, so a daemon that
-    # waits for the request instead of stopping fails the test.
-    body = {"prompt": "tokens:600:0.2", "stream": stream}
+    # Far past every (slack-scaled) bound below, so a daemon that waits for the request
+    # instead of stopping fails the test (tokens:600:0.2 promised two minutes; the 64-token
+    # default and the 10 s deadline ended it in 10 s).
+    body = {**LONG_BODY, "stream": stream}
     with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=60) as response:
         return response.status_code, response.read().decode()
 
@@ -219,8 +242,12 @@ def test_second_signal_stops_at_once(tmp_path: Path, stream: bool) -> None:
     (no_uvloop / "__init__.py").write_text("raise ImportError('uvloop hidden by the test')\n")
     path = os.pathsep.join(filter(None, [str(no_uvloop.parent), os.environ.get("PYTHONPATH")]))
     daemon = start_daemon(
-        tmp_path, daemon_config(server={"drain_timeout_s": 60.0}), env={"PYTHONPATH": path}
+        tmp_path,
+        daemon_config(deadline_s=FAR_DEADLINE_S, server={"drain_timeout_s": FAR_DEADLINE_S}),
+        env={"PYTHONPATH": path},
     )
+    # Still running when the second signal comes, after the waits below.
+    daemon.assert_outlasts(LONG_BODY, slack(5.0) + 10.0 + slack(5.0))
     try:
         pids = daemon.worker_pids()
         with concurrent.futures.ThreadPoolExecutor(1) as executor:
@@ -288,6 +315,9 @@ def configured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         tmp_path_factory.mktemp("configured"),
         daemon_config(
             workers=2,
+            # Past the 30 s a client asks for below, so that what cuts it is the cap, not
+            # the deadline (a daemon may cap a client's timeout at deadline_s as well).
+            deadline_s=60.0,
             server={"model_name": "promised-model", "max_request_timeout_s": 1.0},
         ),
         args=("--workers", "1", "--spares", "1"),
@@ -311,12 +341,15 @@ def test_model_name_from_toml_is_served(configured: Daemon) -> None:
 
 @pytest.mark.parametrize("how", ["body", "header"])
 def test_max_request_timeout_caps_what_a_client_asks_for(configured: Daemon, how: str) -> None:
-    body: dict[str, object] = {"prompt": LONG}
+    body: dict[str, Any] = dict(LONG_BODY)
     headers = {}
     if how == "body":
         body["timeout"] = 30
     else:
         headers["X-Request-Timeout"] = "30"
+    # Only the 1 s cap ends it: its tokens run far past every bound here (with the 64-token
+    # default they were over by themselves in 0.6 s, before the cap).
+    assert configured.request_runs_for(body, headers) == 1.0
     started = time.monotonic()
     reply = httpx.post(configured.url + "/v1/completions", json=body, headers=headers, timeout=60)
     elapsed = time.monotonic() - started
@@ -345,11 +378,18 @@ def test_access_log_line_has_every_field(configured: Daemon) -> None:
 def test_sigint_first_drains_and_the_drain_timeout_cuts_a_request_short(tmp_path: Path) -> None:
     """SIGINT as the first signal drains like SIGTERM; a request longer than
     drain_timeout_s is cut at the timeout (503 shutting_down) and the daemon exits 0."""
-    daemon = start_daemon(tmp_path, daemon_config(server={"drain_timeout_s": 1.0}))
+    drain_s = 1.0
+    daemon = start_daemon(
+        tmp_path, daemon_config(deadline_s=FAR_DEADLINE_S, server={"drain_timeout_s": drain_s})
+    )
+    # The request must still run when the drain ends, as late as this test accepts that
+    # (after wait_busy and the exit bound below), or it answers 200 by itself: with the
+    # daemons' 64-token default it was over in 1.3 s, just past the drain when idle.
+    daemon.assert_outlasts(LONG_BODY, slack(5.0) + slack(4.0))
     try:
         pids = daemon.worker_pids()
         with concurrent.futures.ThreadPoolExecutor(1) as executor:
-            pending = post_completion(executor, daemon, LONG)
+            pending = post_completion(executor, daemon, LONG_BODY)
             daemon.wait_busy(1)
             started = time.monotonic()
             daemon.process.send_signal(signal.SIGINT)
@@ -359,7 +399,7 @@ def test_sigint_first_drains_and_the_drain_timeout_cuts_a_request_short(tmp_path
         assert response.status_code == 503, response.text
         assert response.json()["error"]["code"] == "shutting_down"
         assert response.headers["retry-after"]
-        assert 1.0 <= elapsed < slack(4.0), elapsed  # the 1 s drain, not the 20 s request
+        assert drain_s <= elapsed < slack(4.0), elapsed  # the drain, not the request
     finally:
         daemon.stop(signal.SIGKILL)
     assert not [pid for pid in pids if pid_alive(pid)]

@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 from e2e_support import wait_for
 
-from helpers import make_config
+from helpers import LONG, UNCAPPED, make_config
 from modelpool import ModelPool, ServerConfig
 from modelpool.server import create_app
 
@@ -102,7 +102,11 @@ def test_healthz_fails_while_the_dispatcher_is_wedged(
             entered.set()
             release.wait(30)
 
-    pool.submit("tokens:3:0.1").add_done_callback(block)
+    # Attached while the request runs (it runs until cancelled: no race with its end), so
+    # that the callback runs on the dispatcher thread when the cancel resolves it.
+    future = pool.submit(LONG, **UNCAPPED)
+    future.add_done_callback(block)
+    assert pool.cancel(future.request_id)
     assert entered.wait(10)
     try:
         failed = wait_for(

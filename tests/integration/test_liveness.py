@@ -14,7 +14,15 @@ from typing import Any
 
 import pytest
 
-from helpers import assert_no_children, make_config, open_pool, slack, wait_until
+from helpers import (
+    LONG,
+    UNCAPPED,
+    assert_no_children,
+    make_config,
+    open_pool,
+    slack,
+    wait_until,
+)
 from modelpool import ModelPool, PoolConfig
 from modelpool.testing import run_on_dispatcher
 
@@ -40,8 +48,11 @@ def wedge_dispatcher(pool: ModelPool) -> threading.Event:
         entered.set()
         release.wait(30)
 
-    # Long enough that the callback is attached before the result arrives.
-    pool.submit("tokens:3:0.1").add_done_callback(block)
+    # Attached while the request runs (it runs until cancelled: no race with its end),
+    # so that the callback runs on the dispatcher thread when the cancel resolves it.
+    future = pool.submit(LONG, **UNCAPPED)
+    future.add_done_callback(block)
+    assert pool.cancel(future.request_id)
     assert entered.wait(10), "the callback never ran on the dispatcher thread"
     return release
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import sys
 import threading
 import time
@@ -12,8 +13,13 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    FAR_DEADLINE_S,
     IGNORES_FLAG_AND_SIGTERM,
+    LONG,
+    LONG_TOKENS,
+    UNCAPPED,
     BackendModule,
+    assert_outlasts,
     counters,
     open_pool,
     pid_alive,
@@ -31,8 +37,6 @@ from helpers import (
 from modelpool import DeadlineExceeded, RetryPolicy, WorkerCrashed
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
-
-LONG = "tokens:1000:0.01"  # ten seconds if nobody stops it
 
 # A backend for the streaming-crash cases: "emit2_exit" streams two chunks and dies;
 # "crash_first:PATH" dies before any chunk the first time (PATH marks it), then streams.
@@ -88,7 +92,8 @@ def factory(model="", device="cpu", **options):
 
 def test_pool_cancel_of_running_request_keeps_worker_warm() -> None:
     with open_pool(workers=1) as pool:
-        future, first_chunk, _ = submit_with_chunks(pool, LONG)
+        assert_outlasts(pool.config, LONG, 5 + 5, **UNCAPPED)  # the waits before the cancel
+        future, first_chunk, _ = submit_with_chunks(pool, LONG, **UNCAPPED)
         assert first_chunk.wait(5), "no chunk within 5 s"
         busy_pid = wait_busy(pool, 1)[0].pid
         before = counters(pool)
@@ -101,7 +106,7 @@ def test_pool_cancel_of_running_request_keeps_worker_warm() -> None:
 
         assert result.finish_reason == "cancelled"
         assert result.text.startswith("t0 ")
-        assert len(result.text.split()) < 1000
+        assert len(result.text.split()) < LONG_TOKENS
         assert result.request_id == future.request_id
         assert result.worker_pid == busy_pid
         assert latency < slack(0.2), latency
@@ -124,7 +129,8 @@ def test_pool_cancel_of_unknown_request_is_false() -> None:
 
 def test_future_cancel_while_running() -> None:
     with open_pool(workers=1) as pool:
-        future = pool.submit(LONG)
+        assert_outlasts(pool.config, LONG, 5, **UNCAPPED)  # wait_busy, then the cancel
+        future = pool.submit(LONG, **UNCAPPED)
         busy_pid = wait_busy(pool, 1)[0].pid
         started = time.monotonic()
         assert future.cancel() is True
@@ -141,9 +147,10 @@ def test_future_cancel_while_running() -> None:
 
 def test_asyncio_task_cancel_reaches_the_worker() -> None:
     with open_pool(workers=1) as pool:
+        assert_outlasts(pool.config, LONG, 5, **UNCAPPED)  # wait_busy, then the cancel
 
         async def scenario() -> float:
-            task = asyncio.create_task(pool.agenerate(LONG))
+            task = asyncio.create_task(pool.agenerate(LONG, **UNCAPPED))
             await asyncio.sleep(0)  # let the task submit
             busy_pid = wait_busy(pool, 1)[0].pid
             started = time.monotonic()
@@ -170,10 +177,12 @@ def test_asyncio_task_cancel_reaches_the_worker() -> None:
 
 
 def test_breaking_out_of_stream_cancels_the_request() -> None:
-    with open_pool(workers=1) as pool:
+    with open_pool(workers=1, deadline_s=FAR_DEADLINE_S) as pool:
+        # Still running when the stream is left (else it completes, not cancelled).
+        assert_outlasts(pool.config, LONG, slack(1.0), **UNCAPPED)
         pid = workers(pool)[0].pid
         received = []
-        for chunk in pool.stream(LONG):
+        for chunk in pool.stream(LONG, **UNCAPPED):
             received.append(chunk)
             if len(received) == 3:
                 break
@@ -189,20 +198,22 @@ def test_breaking_out_of_stream_cancels_the_request() -> None:
 
 @pytest.mark.parametrize("how", ["aclose", "break"])
 def test_leaving_async_stream_cancels_the_request(how: str) -> None:
-    with open_pool(workers=1) as pool:
+    with open_pool(workers=1, deadline_s=FAR_DEADLINE_S) as pool:
+        # Still running when the stream is left (else it completes, not cancelled).
+        assert_outlasts(pool.config, LONG, slack(1.0), **UNCAPPED)
         pid = workers(pool)[0].pid
 
         async def scenario() -> list[str]:
             received: list[str] = []
             if how == "aclose":
-                stream = pool.astream(LONG)
+                stream = pool.astream(LONG, **UNCAPPED)
                 async for chunk in stream:
                     received.append(chunk)
                     if len(received) == 3:
                         break
                 await stream.aclose()
             else:
-                async for chunk in pool.astream(LONG):
+                async for chunk in pool.astream(LONG, **UNCAPPED):
                     received.append(chunk)
                     if len(received) == 3:
                         break
@@ -228,7 +239,9 @@ def test_leaving_async_stream_cancels_the_request(how: str) -> None:
 
 def test_hundred_requests_cancelled_all_resolve() -> None:
     with open_pool(workers=2, max_queue=200) as pool:
-        futures = [pool.submit(LONG) for _ in range(100)]
+        # The two running must not finish before their cancel: wait_busy, then 100 cancels.
+        assert_outlasts(pool.config, LONG, 5 + 5, **UNCAPPED)
+        futures = [pool.submit(LONG, **UNCAPPED) for _ in range(100)]
         wait_busy(pool, 2)
         # Newest first, so the two running ones go last and nothing queued gets dispatched
         # in between; even indices through pool.cancel, odd ones through future.cancel.
@@ -268,8 +281,9 @@ def test_future_cancelled_while_running_is_seen_by_concurrent_futures_wait() -> 
     # is CANCELLED_AND_NOTIFIED (set_running_or_notify_cancel); a plain Future.cancel() leaves
     # it CANCELLED, so a caller waiting on a cancelled PoolFuture would wait forever.
     with open_pool(workers=1) as pool:
-        running = pool.submit(LONG)
-        queued = pool.submit(LONG)
+        assert_outlasts(pool.config, LONG, 5, **UNCAPPED)  # wait_busy, then the cancel
+        running = pool.submit(LONG, **UNCAPPED)
+        queued = pool.submit(LONG, **UNCAPPED)
         wait_busy(pool, 1)
         assert running.cancel() is True
         assert queued.cancel() is True
@@ -288,8 +302,14 @@ def test_cancel_of_a_backend_that_ignores_the_flag_is_escalated(
     backend = "testing" if prompt.startswith("stall") else backend_module(EMIT_HANG_BACKEND)
     cancel_grace, term_grace = 0.3, 0.3
     with open_pool(
-        workers=1, backend=backend, cancel_grace_s=cancel_grace, term_grace_s=term_grace
+        workers=1,
+        backend=backend,
+        cancel_grace_s=cancel_grace,
+        term_grace_s=term_grace,
+        # The ladder climbed must be the cancel's: no deadline within the waits below.
+        deadline_s=FAR_DEADLINE_S,
     ) as pool:
+        assert pool.config.deadline_s > 5 + 5 + 5
         future, first_chunk, _ = submit_with_chunks(pool, prompt)
         assert first_chunk.wait(5)
         pid = wait_busy(pool, 1)[0].pid
@@ -315,8 +335,13 @@ def test_cancel_of_a_backend_that_ignores_the_flag_is_escalated(
 
 
 def test_stall_ends_the_request_long_before_its_deadline() -> None:
+    # A deadline past the bound below, whatever the slack: only the stall may end it in time.
+    assert slack(2.0) < FAR_DEADLINE_S
     with open_pool(
-        workers=1, stall_timeout_s=0.3, deadline_s=10.0, retry=RetryPolicy(max_retries=0)
+        workers=1,
+        stall_timeout_s=0.3,
+        deadline_s=FAR_DEADLINE_S,
+        retry=RetryPolicy(max_retries=0),
     ) as pool:
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded) as info:
@@ -420,10 +445,12 @@ def test_stream_of_crash_once_testing_prompt_is_retried(tmp_path: Path) -> None:
 
 def test_stream_deadline_raises_after_the_chunks_it_yielded() -> None:
     with open_pool(workers=1) as pool:
+        # Only the 0.3 s deadline may end it, however late it fires within the bound below.
+        assert_outlasts(pool.config, LONG, slack(1.0), deadline_s=math.inf, **UNCAPPED)
         received: list[str] = []
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded) as info:
-            for chunk in pool.stream(LONG, deadline_s=0.3):
+            for chunk in pool.stream(LONG, deadline_s=0.3, **UNCAPPED):
                 received.append(chunk)
         assert time.monotonic() - started < slack(1.0)
         assert len(received) >= 2

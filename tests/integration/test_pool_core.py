@@ -18,9 +18,13 @@ import psutil
 import pytest
 
 from helpers import (
+    FAR_DEADLINE_S,
+    LONG,
+    UNCAPPED,
     BackendModule,
     assert_documented_stats_keys,
     assert_no_children,
+    assert_outlasts,
     counters,
     make_config,
     open_pool,
@@ -171,7 +175,9 @@ def test_deadline_on_a_cooperative_backend_keeps_the_worker_warm() -> None:
         pid = workers(pool)[0].pid
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded) as info:
-            pool.generate("tokens:1000:0.01", deadline_s=0.3)
+            # Uncapped: the generation default ended it in 1.28 s, a deadline that came
+            # that late on a busy machine found it finished.
+            pool.generate(LONG, deadline_s=0.3, **UNCAPPED)
         assert time.monotonic() - started < slack(0.8)
         assert info.value.partial_text.startswith("t0 t1 ")
         assert [a.outcome for a in info.value.attempts] == ["timeout"]
@@ -190,7 +196,7 @@ def test_cooperative_attempt_timeout_is_retried_on_another_warm_worker() -> None
         pids = {w.pid for w in workers(pool)}
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded) as info:
-            pool.generate("tokens:1000:0.01")
+            pool.generate(LONG, **UNCAPPED)  # every attempt runs to its timeout
         assert time.monotonic() - started < slack(2.0)
         attempts = info.value.attempts
         assert [a.outcome for a in attempts] == ["timeout", "timeout"]
@@ -204,13 +210,15 @@ def test_cooperative_attempt_timeout_is_retried_on_another_warm_worker() -> None
 def test_single_worker_hang_is_retried_on_the_replacement() -> None:
     # One slot: the hung worker is killed and replaced; the replacement is "another worker",
     # and 4+ s of deadline plus one retry remain, so the request must get its second attempt.
+    # The deadline is scaled like any bound: on a busy machine the replacement can take
+    # seconds to start, and the second attempt's timeout, not the deadline, ends the test.
     with open_pool(
         workers=1,
         attempt_timeout_s=0.3,
         cancel_grace_s=0.2,
         term_grace_s=0.2,
         retry=RetryPolicy(max_retries=1),
-        deadline_s=5.0,
+        deadline_s=slack(5.0),
     ) as pool:
         with pytest.raises(DeadlineExceeded) as info:
             pool.generate("hang")
@@ -220,8 +228,10 @@ def test_single_worker_hang_is_retried_on_the_replacement() -> None:
 
 
 def test_request_that_times_out_in_the_queue() -> None:
-    with open_pool(workers=1) as pool:
-        busy = pool.submit("tokens:1000:0.01")
+    with open_pool(workers=1, deadline_s=FAR_DEADLINE_S) as pool:
+        # The worker stays busy until the test cancels it: through wait_busy and the bound.
+        assert_outlasts(pool.config, LONG, 5 + slack(0.8), **UNCAPPED)
+        busy = pool.submit(LONG, **UNCAPPED)
         wait_busy(pool, 1)
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded) as info:
@@ -465,7 +475,9 @@ def test_idle_worker_death_is_just_a_respawn() -> None:
 
 def test_backpressure_raises_pool_overloaded_at_once() -> None:
     with open_pool(workers=1, max_queue=1) as pool:
-        busy = pool.submit("tokens:1000:0.01")
+        # The worker stays busy until the test cancels it (else "queued" runs and there is room).
+        assert_outlasts(pool.config, LONG, 5 + slack(0.1), **UNCAPPED)
+        busy = pool.submit(LONG, **UNCAPPED)
         wait_busy(pool, 1)
         queued = pool.submit("echo:queued")
         started = time.monotonic()

@@ -17,8 +17,12 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    FAR_DEADLINE_S,
+    LONG,
+    UNCAPPED,
     VENV_PYTHON,
     BackendModule,
+    assert_outlasts,
     counters,
     describe,
     make_config,
@@ -45,8 +49,6 @@ from modelpool import (
 )
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
-
-LONG = "tokens:1000:0.01"
 
 NO_GUARD_SCRIPT = """\
 from modelpool import ModelPool, PoolConfig
@@ -182,11 +184,12 @@ def test_close_is_idempotent_and_calls_after_close_raise_pool_closed() -> None:
 
 def test_close_drain_lets_in_flight_requests_finish() -> None:
     with open_pool(workers=1) as pool:
-        running = pool.submit("tokens:20:0.02")
+        running = pool.submit("tokens:20:0.05")  # 1 s: still running at close (asserted)
         wait_busy(pool, 1)
         queued = pool.submit("echo:queued")
+        assert not running.done(), "it ended before close: nothing was drained"
         started = time.monotonic()
-        pool.close(drain=True, timeout=10)
+        pool.close(drain=True, timeout=slack(10.0))
         print(f"close(drain=True) took {time.monotonic() - started:.2f}s")
         assert running.done() and queued.done()
         result = running.result()
@@ -199,7 +202,8 @@ def test_close_drain_lets_in_flight_requests_finish() -> None:
 
 def test_close_without_drain_fails_in_flight_requests_promptly() -> None:
     with open_pool(workers=1, cancel_grace_s=0.3, term_grace_s=0.3) as pool:
-        running, first_chunk, _ = submit_with_chunks(pool, LONG)
+        assert_outlasts(pool.config, LONG, 5, **UNCAPPED)  # still running at close
+        running, first_chunk, _ = submit_with_chunks(pool, LONG, **UNCAPPED)
         assert first_chunk.wait(5)
         queued = pool.submit("echo:queued")
         started = time.monotonic()
@@ -217,12 +221,14 @@ def test_close_without_drain_fails_in_flight_requests_promptly() -> None:
 
 def test_close_drain_timeout_fails_what_is_left() -> None:
     with open_pool(workers=1, cancel_grace_s=0.3, term_grace_s=0.3) as pool:
-        running = pool.submit(LONG)
+        # Longer than the drain, however late close() gets to end it.
+        assert_outlasts(pool.config, LONG, 5 + slack(3.0), deadline_s=FAR_DEADLINE_S, **UNCAPPED)
+        running = pool.submit(LONG, deadline_s=FAR_DEADLINE_S, **UNCAPPED)
         wait_busy(pool, 1)
         started = time.monotonic()
         pool.close(drain=True, timeout=0.3)
         elapsed = time.monotonic() - started
-        assert 0.25 <= elapsed < 3.0, elapsed
+        assert 0.25 <= elapsed < slack(3.0), elapsed
         assert isinstance(running.exception(timeout=0), PoolClosed)
     assert_clean()
 

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from helpers import (
+    LONG,
+    UNCAPPED,
     BackendModule,
     assert_no_children,
     make_config,
@@ -113,7 +115,7 @@ def test_generate_inside_a_callback_is_refused_and_the_pool_goes_on() -> None:
         # Still running when the callback is attached (it ends at its 0.5 s deadline), so the
         # callback runs on the dispatcher thread; one attached to a done future would run
         # here, in the caller's thread, where generate() is allowed.
-        pool.submit("tokens:1000:0.01", deadline_s=0.5).add_done_callback(callback)
+        pool.submit(LONG, deadline_s=0.5, **UNCAPPED).add_done_callback(callback)
         assert done.wait(slack(5))
         assert seen and "callback" in str(seen[0])
         assert pool.generate("echo:after", deadline_s=2).text == "after"

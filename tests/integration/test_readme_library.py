@@ -18,8 +18,12 @@ import psutil
 import pytest
 
 from helpers import (
+    FAR_DEADLINE_S,
     IGNORES_FLAG_AND_SIGTERM,
+    LONG,
+    UNCAPPED,
     BackendModule,
+    assert_outlasts,
     open_pool,
     slack,
     submit_with_chunks,
@@ -32,8 +36,6 @@ from modelpool import DeadlineExceeded, InvalidRequest, ModelPool, PoolConfig, R
 from modelpool.stats import PoolStats
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
-
-LONG = "tokens:1000:0.01"  # 10 s unless cancelled
 
 
 # ---- PoolStream / AsyncPoolStream -----------------------------------------------------------
@@ -71,7 +73,9 @@ def test_astream_request_id_at_once_and_result_once_exhausted() -> None:
 
 
 def test_cancelling_the_task_that_consumes_an_astream_cancels_the_request() -> None:
-    with open_pool(workers=1) as pool:
+    with open_pool(workers=1, deadline_s=FAR_DEADLINE_S) as pool:
+        # Still running when the task is cancelled (else it completes): the first chunk's wait.
+        assert_outlasts(pool.config, LONG, slack(5), **UNCAPPED)
         pid = workers(pool)[0].pid
 
         async def scenario() -> list[str]:
@@ -79,7 +83,7 @@ def test_cancelling_the_task_that_consumes_an_astream_cancels_the_request() -> N
             first = asyncio.Event()
 
             async def consume() -> None:
-                async for chunk in pool.astream(LONG):
+                async for chunk in pool.astream(LONG, **UNCAPPED):
                     received.append(chunk)
                     first.set()
 
@@ -176,7 +180,7 @@ def test_a_stream_that_yielded_is_not_retried_after_an_attempt_timeout() -> None
     ) as pool:
         received: list[str] = []
         with pytest.raises(DeadlineExceeded) as info:
-            for chunk in pool.stream(LONG):
+            for chunk in pool.stream(LONG, **UNCAPPED):  # until its attempt timeout
                 received.append(chunk)
         assert received, "the stream yielded nothing before the timeout"
         assert [a.outcome for a in info.value.attempts] == ["timeout"]
@@ -235,8 +239,10 @@ def test_kill_reasons_count_the_workers_signalled_by_reason() -> None:
             pool.generate("stall:1", deadline_s=10.0)
         wait_counters(pool, kills=2, respawns=2)
         assert pool.stats().kill_reasons == {"timeout": 1, "stall": 1}
-    with open_pool(workers=1, **ladder) as pool:
+    with open_pool(workers=1, deadline_s=FAR_DEADLINE_S, **ladder) as pool:
         # Emits "t0 " (so the backend is running), then ignores the flag: the cancel escalates.
+        # The kill is the cancel's only if the deadline does not come first.
+        assert_outlasts(pool.config, "stall:1", slack(5) + slack(5))
         future, first_chunk, _ = submit_with_chunks(pool, "stall:1")
         assert first_chunk.wait(slack(5))
         assert pool.cancel(future.request_id)
@@ -293,7 +299,10 @@ def test_a_worker_on_the_ladder_shows_cancelling_then_killing(
         backend=backend_module(IGNORES_FLAG_AND_SIGTERM),
         cancel_grace_s=1.0,
         term_grace_s=1.0,
+        # Past the waits below, so that the ladder climbed is the cancel's, not a deadline's.
+        deadline_s=FAR_DEADLINE_S,
     ) as pool:
+        assert pool.config.deadline_s > 3 * slack(5)
         future, first_chunk, _ = submit_with_chunks(pool, "x")
         assert first_chunk.wait(slack(5))
         pid = workers(pool)[0].pid
