@@ -31,8 +31,8 @@ tracks suspects) while waiting and prefilling requests stay.
 ``prefill_chunk_tokens`` (a load option): a number of prompt tokens per step,
 or "auto" (the default), which sizes each step's slices by timing them: about
 one decoding step while rows are decoding (so a step lasts about twice a normal
-one while a long prompt is read), about a quarter of a second when none is
-(cancels are still read four times a second). Each slice is its own forward
+one while a long prompt is read), about a second when none is (cancels are
+still read every second). Each slice is its own forward
 pass, so on a CPU a long prompt's time to first token grows while it shares
 the worker with decoding rows: that is the price of their inter-token latency.
 
@@ -87,11 +87,11 @@ DEFAULT_KV_CACHE_TOKENS = 16384
 about 750 MB for SmolLM2-135M in float32 (30 layers x 2 x 3 heads x 64 x 4 bytes a token)."""
 
 PrefillChunk = int | Literal["auto"]
-_AUTO_FIRST_SLICE = 64  # tokens, before any slice is timed
 _AUTO_MIN_SLICE = 16
 _AUTO_MAX_SLICE = 4096
 _AUTO_SLICE_OVER_STEP = 1.0  # a slice's target time, in decoding steps, while rows decode
-_AUTO_SOLO_SLICE_S = 0.25  # a slice's target time when no row is decoding
+_AUTO_SOLO_SLICE_S = 1.0  # a slice's target time when no row is decoding
+_AUTO_FIRST_SOLO_SLICE = 128  # tokens, before a slice alone is timed
 
 _SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 UNBATCHED_PARAMS = ("logprobs", "prompt_logprobs")
@@ -202,9 +202,11 @@ class BatchEngine:
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [rows, columns], 1 where a real token is
         self._last: torch.Tensor | None = None  # [rows], each row's latest token
-        # The "auto" slice size, steered by timing each full slice against its target, and
-        # the decoding step's time (an exponential moving average) that sets the target.
-        self._auto_slice = _AUTO_FIRST_SLICE
+        # The "auto" slice sizes beside decoding rows and alone, each steered by timing its
+        # full slices against its target; beside rows it starts small, so the first slice
+        # costs the running rows little. The decoding step's time (an exponential moving
+        # average) sets the target beside rows.
+        self._auto_slice = {True: _AUTO_MIN_SLICE, False: _AUTO_FIRST_SOLO_SLICE}
         self._decode_step_s: float | None = None
 
     # ---- the BatchedHandler surface ------------------------------------------------------
@@ -338,22 +340,24 @@ class BatchEngine:
     def _slice_budget(self) -> int:
         if self.prefill_chunk_tokens != "auto":
             return self.prefill_chunk_tokens
-        return self._auto_slice
+        return self._auto_slice[bool(self.rows)]
 
     def _steer_slice(self, tokens: int, seconds: float) -> None:
         """Resize the "auto" slice from a full slice's time against its target: about one
         decoding step while rows decode (a step then lasts about two normal ones), a
-        quarter of a second when none does. Steered by time, not by a per-token cost: a
-        pass has a fixed cost (reading the weights) that small slices would overweight,
-        shrinking the slice further and further."""
-        if self.prefill_chunk_tokens != "auto" or tokens < self._auto_slice:
+        second when none does. Steered by time, not by a per-token cost: a pass has a
+        fixed cost (reading the weights) that small slices would overweight, shrinking the
+        slice further and further."""
+        beside_rows = bool(self.rows)
+        if self.prefill_chunk_tokens != "auto" or tokens < self._auto_slice[beside_rows]:
             return
-        if self.rows and self._decode_step_s:
+        if beside_rows and self._decode_step_s:
             target_s = _AUTO_SLICE_OVER_STEP * self._decode_step_s
         else:
             target_s = _AUTO_SOLO_SLICE_S
         scale = min(2.0, max(0.5, target_s / max(seconds, 1e-6)))
-        self._auto_slice = int(min(_AUTO_MAX_SLICE, max(_AUTO_MIN_SLICE, tokens * scale)))
+        resized = int(min(_AUTO_MAX_SLICE, max(_AUTO_MIN_SLICE, tokens * scale)))
+        self._auto_slice[beside_rows] = resized
 
     def _prefill_slices(self, finished: list[Finished]) -> None:
         """The next slice of each prefilling request, in order, within this step's budget.
