@@ -96,16 +96,22 @@ def _wait_streaming(streamers: Sequence[Streamer], chunks: int) -> None:
         time.sleep(0.01)
 
 
+def _start_running(pool: ModelPool, count: int) -> list[Streamer]:
+    """``count`` running requests, each past its first dozen chunks."""
+    streamers = [Streamer(pool, index) for index in range(count)]
+    for streamer in streamers:
+        streamer.start()
+    _wait_streaming(streamers, 12)
+    return streamers
+
+
 def _gaps(times: Sequence[float]) -> list[tuple[float, float]]:
     return list(itertools.pairwise(times))
 
 
 def inter_token_latency(model_dir: str, prompt_tokens: int) -> Json:
     with _pool(model_dir, batch=8) as pool:
-        streamers = [Streamer(pool, index) for index in range(RUNNING_ROWS)]
-        for streamer in streamers:
-            streamer.start()
-        _wait_streaming(streamers, 12)
+        streamers = _start_running(pool, RUNNING_ROWS)
         submitted = time.perf_counter()
         long = pool.stream(long_prompt(prompt_tokens), max_new_tokens=4)
         first: float | None = None
@@ -140,10 +146,7 @@ def inter_token_latency(model_dir: str, prompt_tokens: int) -> Json:
 
 def cancel_during_prefill(model_dir: str, prompt_tokens: int) -> Json:
     with _pool(model_dir, batch=8) as pool:
-        streamers = [Streamer(pool, index) for index in range(RUNNING_ROWS)]
-        for streamer in streamers:
-            streamer.start()
-        _wait_streaming(streamers, 12)
+        streamers = _start_running(pool, RUNNING_ROWS)
         long = pool.submit(long_prompt(prompt_tokens), max_new_tokens=4)
         # A benchmark may place an event in time: a quarter of a second into the prefill.
         time.sleep(0.25)
@@ -172,10 +175,7 @@ def cancel_during_prefill(model_dir: str, prompt_tokens: int) -> Json:
 
 def honest_prompt_under_stall_clock(model_dir: str, prompt_tokens: int) -> Json:
     with _pool(model_dir, batch=4, stall_timeout_s=4.0) as pool:
-        streamers = [Streamer(pool, index) for index in range(2)]
-        for streamer in streamers:
-            streamer.start()
-        _wait_streaming(streamers, 12)
+        streamers = _start_running(pool, 2)
         began = time.perf_counter()
         outcome = "ok"
         try:
