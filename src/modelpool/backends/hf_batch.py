@@ -92,6 +92,7 @@ _AUTO_MAX_SLICE = 4096
 _AUTO_SLICE_OVER_STEP = 1.0  # a slice's target time, in decoding steps, while rows decode
 _AUTO_SOLO_SLICE_S = 1.0  # a slice's target time when no row is decoding
 _AUTO_FIRST_SOLO_SLICE = 128  # tokens, before a slice alone is timed
+_AUTO_WHOLE_PROMPT = 128  # a prompt (or a rest of one) this short is read in one pass
 
 _SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 UNBATCHED_PARAMS = ("logprobs", "prompt_logprobs")
@@ -361,31 +362,103 @@ class BatchEngine:
 
     def _prefill_slices(self, finished: list[Finished]) -> None:
         """The next slice of each prefilling request, in order, within this step's budget.
-        One request per forward pass: a failure is that request's alone."""
+        Fresh short prompts (read whole in "auto" mode: a pass has a fixed cost, reading
+        the weights, that slicing them would multiply) are read together in one
+        left-padded pass; if that pass fails, each is read again alone, so that a fault
+        is still one request's. Longer prompts are read one per pass."""
         budget = self._slice_budget()
-        for row in list(self.prefilling):
+        together: list[_Row] = []
+        alone: list[tuple[_Row, int]] = []
+        for row in self.prefilling:
             if budget <= 0:
                 break
-            count = min(budget, len(row.prompt_ids) - row.prefilled)
+            rest = len(row.prompt_ids) - row.prefilled
+            whole = self.prefill_chunk_tokens == "auto" and rest <= _AUTO_WHOLE_PROMPT
+            count = rest if whole else min(budget, rest)
             budget -= count
+            if whole and row.prefilled == 0:
+                together.append(row)
+            else:
+                alone.append((row, count))
+        if len(together) > 1 and self._prefill_together(together, finished):
+            together = []
+        for row, count in [(row, len(row.prompt_ids)) for row in together] + alone:
+            self._prefill_alone(row, count, finished)
+
+    def _prefill_together(self, rows: list[_Row], finished: list[Finished]) -> bool:
+        """Read the whole prompts of ``rows`` in one left-padded pass and give each its first
+        token; False, with nothing changed, when the pass itself failed."""
+        import torch
+        from transformers import DynamicCache
+
+        device = self.handler.model.device
+        width = max(len(row.prompt_ids) for row in rows)
+        pad = int(self.handler.tokenizer.pad_token_id or 0)
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for index, row in enumerate(rows):
+            length = len(row.prompt_ids)
+            input_ids[index, width - length :] = torch.tensor(row.prompt_ids)
+            mask[index, width - length :] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        cache = DynamicCache()
+        try:
+            output = self.handler.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                use_cache=True,
+                **{self._cache_keyword: cache},
+                **self._last_logits,
+            )
+        except Exception:
+            return False
+        for row in rows:
+            self.prefilling.remove(row)
+            row.call.prefilled(len(row.prompt_ids))
+        tokens, failures = self._choose(rows, output.logits[:, -1, :])
+        keep = []
+        for index, row in enumerate(rows):
             try:
-                logits = self._prefill_slice(row, count)
-                if logits is None:
-                    continue
-                self.prefilling.remove(row)
-                tokens, failures = self._choose([row], logits)
-                if failures:
-                    raise failures[0]
-                token = tokens[0]
-                if self._take(row, token):
+                if index in failures:
+                    raise failures[index]
+                if self._take(row, tokens[index]):
                     finished.append((row.call, row.result(row.finish_reason or "stop")))
                     continue
             except Exception as exc:
-                if row in self.prefilling:
-                    self.prefilling.remove(row)
                 finished.append((row.call, exc))
                 continue
-            self._merge(row, token)
+            keep.append(index)
+        if keep:
+            kept = torch.tensor(keep, device=device)
+            cache.batch_select_indices(kept)
+            self._merge([rows[index] for index in keep], cache, mask[kept], tokens[kept])
+        return True
+
+    def _prefill_alone(self, row: _Row, count: int, finished: list[Finished]) -> None:
+        """The next ``count`` prompt tokens of ``row`` in a pass of its own; once its prompt
+        is read, its first token, and it joins the batch."""
+        import torch
+
+        try:
+            logits = self._prefill_slice(row, count)
+            if logits is None:
+                return
+            self.prefilling.remove(row)
+            tokens, failures = self._choose([row], logits)
+            if failures:
+                raise failures[0]
+            if self._take(row, tokens[0]):
+                finished.append((row.call, row.result(row.finish_reason or "stop")))
+                return
+        except Exception as exc:
+            if row in self.prefilling:
+                self.prefilling.remove(row)
+            finished.append((row.call, exc))
+            return
+        cache, row.cache = row.cache, None
+        mask = torch.ones((1, len(row.prompt_ids)), dtype=torch.long, device=tokens.device)
+        self._merge([row], cache, mask, tokens[:1])
 
     def _prefill_slice(self, row: _Row, count: int) -> torch.Tensor | None:
         """Read ``count`` more prompt tokens into the row's cache; the logits of its last
@@ -414,16 +487,13 @@ class BatchEngine:
         logits: torch.Tensor = output.logits[:, -1, :]
         return logits
 
-    def _merge(self, row: _Row, token: torch.Tensor) -> None:
-        """A request whose prompt is read joins the running batch with its cache."""
+    def _merge(self, rows: list[_Row], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
+        """Requests whose prompts are read join the running batch with their cache rows."""
         import torch
 
-        cache, row.cache = row.cache, None
-        device = self.handler.model.device
-        mask = torch.ones((1, len(row.prompt_ids)), dtype=torch.long, device=device)
-        last = token.reshape(1).to(device)
         if self._cache is None or self._mask is None or self._last is None:
-            self.rows, self._cache, self._mask, self._last = [row], cache, mask, last
+            self.rows, self._cache, self._mask, self._last = rows, cache, mask, last
+            self._trim()
             return
         old_width, new_width = int(self._mask.shape[1]), int(mask.shape[1])
         width = max(old_width, new_width)
@@ -441,7 +511,7 @@ class BatchEngine:
             ]
         )
         self._last = torch.cat([self._last, last])
-        self.rows = [*self.rows, row]
+        self.rows = [*self.rows, *rows]
 
     def _decode(self, finished: list[Finished]) -> None:
         import torch
