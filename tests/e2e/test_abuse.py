@@ -184,21 +184,26 @@ def test_a_request_past_its_budget_is_refused_up_front(pool: ModelPool) -> None:
 
 @pytest.mark.slow
 def test_a_client_that_stops_reading_stalls_only_its_own_request(pool: ModelPool) -> None:
-    cancelled = pool.stats().counters["cancelled"]
-    with serving(pool, send_timeout_s=1.0) as served:
+    before = pool.stats().counters
+    # The premise: the stream is far larger than the socket buffers can take (loopback
+    # buffers autotune to several MB), so the daemon's send must wait; 5M tokens are about
+    # 40 MB. The test's own budget lets it through.
+    with serving(pool, send_timeout_s=1.0, max_request_tokens=10_000_000) as served:
         stalled = socket.socket()
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         stalled.connect(("127.0.0.1", served.port))
-        body = b'{"prompt":"tokens:250000:0","max_tokens":250000,"stream":true}'
+        body = b'{"prompt":"tokens:5000000:0","max_tokens":5000000,"stream":true}'
         stalled.sendall(_post_head(body) + body)
         give_up = time.monotonic() + slack(10)
         try:
             # Never read: the daemon's send waits, then times out; the run is cancelled
             # and its worker serves others, while everyone else was served all along.
             http = served.http
-            while pool.stats().counters["cancelled"] == cancelled:
+            while pool.stats().counters["cancelled"] == before["cancelled"]:
                 assert http.get("/healthz").elapsed.total_seconds() < 1.0
                 assert http.post(COMPLETIONS, json={"prompt": "echo:x"}).is_success
+                ended = pool.stats().counters
+                assert ended["failed"] == before["failed"], "the stalled stream failed"
                 assert time.monotonic() < give_up, "the stalled stream was not cancelled"
         finally:
             stalled.close()
