@@ -367,19 +367,25 @@ class BatchEngine:
         left-padded pass; if that pass fails, each is read again alone, so that a fault
         is still one request's. Longer prompts are read one per pass."""
         budget = self._slice_budget()
+        # Fresh short prompts share one pass up to this many tokens; with no row decoding
+        # there is no one's latency to protect, and all of them do.
+        group_budget = max(budget, _AUTO_WHOLE_PROMPT) if self.rows else None
         together: list[_Row] = []
         alone: list[tuple[_Row, int]] = []
         for row in self.prefilling:
-            if budget <= 0:
-                break
             rest = len(row.prompt_ids) - row.prefilled
             whole = self.prefill_chunk_tokens == "auto" and rest <= _AUTO_WHOLE_PROMPT
+            if whole and row.prefilled == 0 and (group_budget is None or group_budget > 0):
+                together.append(row)
+                budget -= rest
+                if group_budget is not None:
+                    group_budget -= rest
+                continue
+            if budget <= 0:
+                break
             count = rest if whole else min(budget, rest)
             budget -= count
-            if whole and row.prefilled == 0:
-                together.append(row)
-            else:
-                alone.append((row, count))
+            alone.append((row, count))
         if len(together) > 1 and self._prefill_together(together, finished):
             together = []
         for row, count in [(row, len(row.prompt_ids)) for row in together] + alone:
