@@ -467,7 +467,9 @@ class Dispatcher:
         worker.waiting_attempts = frozenset(waiting)
         if not waiting or worker.io is None:
             return
-        if not placement.room_elsewhere(worker, self.workers.values()):
+        if not placement.room_elsewhere(
+            worker, self.workers.values(), self.worker_manager.retire_reason
+        ):
             return
         for attempt_id in waiting:
             run = worker.runs.get(attempt_id)

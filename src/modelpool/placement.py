@@ -70,16 +70,11 @@ def assign(queue: Iterable[Request], candidates: list[Worker]) -> list[tuple[Req
     return assignments
 
 
-def room_elsewhere(worker: Worker, workers: Iterable[Worker]) -> bool:
-    """Does another warm serving worker have a free slot and nobody waiting for room?"""
-    return any(
-        other is not worker
-        and other.state in ("idle", "busy")
-        and other.role == "serving"
-        and len(other.runs) < other.slots
-        and not other.waiting_attempts
-        for other in workers
-    )
+def room_elsewhere(
+    worker: Worker, workers: Iterable[Worker], retire_reason: Callable[[Worker], str | None]
+) -> bool:
+    """Could another worker take a request now (see :func:`open_workers`)?"""
+    return any(other is not worker for other in open_workers(workers, retire_reason))
 
 
 def _choose(
