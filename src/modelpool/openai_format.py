@@ -20,11 +20,13 @@ with ``echo`` putting the prompt's tokens first (the very first has a null logpr
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from modelpool.logprob_columns import TokenLogprobs
 from modelpool.protocol import Prompt, TokenIds, TokenLogprob
 
 if TYPE_CHECKING:
@@ -124,7 +126,7 @@ def keep_best(job: Job, results: dict[int, Result]) -> dict[int, Result]:
 
 
 def _summed_logprob(result: Result) -> float:
-    return sum(entry.logprob or 0.0 for entry in result.logprobs or [])
+    return TokenLogprobs.of(result.logprobs or []).summed_logprob()
 
 
 def prompt_text(prompt: Prompt, result: Result | None) -> str:
@@ -133,51 +135,60 @@ def prompt_text(prompt: Prompt, result: Result | None) -> str:
         return prompt
     if result is None or result.prompt_logprobs is None:
         return ""
-    return "".join(entry.token for entry in result.prompt_logprobs)
+    return TokenLogprobs.of(result.prompt_logprobs).text()
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object; ``offset`` is where the first token's
-    text starts in the choice's text (streamed chunks carry the offsets of the whole)."""
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
+    text starts in the choice's text (streamed chunks carry the offsets of the whole).
+    Built a column at a time: an echoed prompt may have tens of thousands of entries."""
+    columns = TokenLogprobs.of(entries)
+    tokens = columns.tokens()
+    token_logprobs = columns.logprob_values()
+    texts, values, bounds = columns.alternative_columns()
     top_logprobs: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
-    for entry in entries:
-        tokens.append(entry.token)
-        token_logprobs.append(entry.logprob)
-        text_offset.append(offset)
-        offset += len(entry.token)
-        if entry.logprob is None:
+    for token, logprob, start, end in zip(
+        tokens, token_logprobs, bounds[:-1], bounds[1:], strict=True
+    ):
+        if logprob is None:
             top_logprobs.append(None)
             continue
-        top: dict[str, float] = {}
-        for _, token, logprob in entry.top:
-            top.setdefault(token, logprob)
+        top = dict(zip(texts[start:end], values[start:end], strict=True))
+        if len(top) < end - start:
+            # Two alternatives with one text (undecodable bytes): the likelier one's.
+            top = {}
+            for text, value in zip(texts[start:end], values[start:end], strict=True):
+                top.setdefault(text, value)
         # OpenAI: "the logprob of the sampled token is always returned".
-        top.setdefault(entry.token, entry.logprob)
+        top.setdefault(token, logprob)
         top_logprobs.append(top)
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": top_logprobs,
-        "text_offset": text_offset,
+        "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=offset))
+        if tokens
+        else [],
     }
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
     """The chat ``logprobs`` object: ``{"content": [...], "refusal": None}``."""
+    columns = TokenLogprobs.of(entries)
+    texts, values, bounds = columns.alternative_columns()
     content = [
         {
-            "token": entry.token,
-            "logprob": entry.logprob,
-            "bytes": list(entry.token.encode()),
+            "token": token,
+            "logprob": logprob,
+            "bytes": list(token.encode()),
             "top_logprobs": [
-                {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-                for _, token, logprob in entry.top
+                {"token": text, "logprob": value, "bytes": list(text.encode())}
+                for text, value in zip(texts[start:end], values[start:end], strict=True)
             ],
         }
-        for entry in entries
+        for token, logprob, start, end in zip(
+            columns.tokens(), columns.logprob_values(), bounds[:-1], bounds[1:], strict=True
+        )
     ]
     return {"content": content, "refusal": None}
 
@@ -186,11 +197,12 @@ def choice_logprobs(job: Job, prompt: Prompt, result: Result) -> dict[str, Any] 
     """The whole ``logprobs`` object of one choice; None when the client asked for none."""
     if job.logprobs is None:
         return None
-    generated = result.logprobs or []
+    generated = TokenLogprobs.of(result.logprobs or [])
     if job.chat:
         return chat_logprobs(generated)
     if job.echo:
-        return completion_logprobs([*(result.prompt_logprobs or []), *generated])
+        prompt_entries = TokenLogprobs.of(result.prompt_logprobs or [])
+        return completion_logprobs(TokenLogprobs.joined([prompt_entries, generated]))
     return completion_logprobs(generated)
 
 
