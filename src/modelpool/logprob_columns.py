@@ -195,6 +195,30 @@ class TokenLogprobs(Sequence[TokenLogprob]):
         triples = list(zip(self._top_ids, texts, logprobs, strict=True))
         return [tuple(triples[start:end]) for start, end in itertools.pairwise(bounds)]
 
+    def windows(self, size: int) -> Iterator[TokenLogprobs]:
+        """The entries ``size`` at a time, each window a TokenLogprobs of its own."""
+        text_at = top_at = top_text_at = 0
+        for start in range(0, len(self), size):
+            end = start + size
+            text_lengths = self._text_lengths[start:end]
+            top_counts = self._top_counts[start:end]
+            top_end = top_at + sum(top_counts)
+            top_text_lengths = self._top_text_lengths[top_at:top_end]
+            text_end = text_at + sum(text_lengths)
+            top_text_end = top_text_at + sum(top_text_lengths)
+            yield TokenLogprobs(
+                self._ids[start:end],
+                self._text[text_at:text_end],
+                text_lengths,
+                self._logprobs[start:end],
+                top_counts,
+                self._top_ids[top_at:top_end],
+                self._top_text[top_text_at:top_text_end],
+                top_text_lengths,
+                self._top_logprobs[top_at:top_end],
+            )
+            text_at, top_at, top_text_at = text_end, top_end, top_text_end
+
     # ---- Sequence -------------------------------------------------------------------------
 
     def __len__(self) -> int:
