@@ -135,31 +135,6 @@ class TokenLogprobs(Sequence[TokenLogprob]):
             [logprob for _, _, logprob in top],
         )
 
-    @classmethod
-    def joined(cls, parts: Sequence[TokenLogprobs]) -> TokenLogprobs:
-        """One sequence of ``parts``' entries in order (echo: the prompt's, then the
-        generated ones), joined column by column."""
-        if len(parts) == 1:
-            return parts[0]
-
-        def column(name: str, typecode: str) -> Any:
-            joined = array(typecode)
-            for part in parts:
-                joined += getattr(part, name)
-            return joined
-
-        return cls(
-            column("_ids", "q"),
-            "".join(part._text for part in parts),
-            column("_text_lengths", "L"),
-            column("_logprobs", "d"),
-            column("_top_counts", "L"),
-            column("_top_ids", "q"),
-            "".join(part._top_text for part in parts),
-            column("_top_text_lengths", "L"),
-            column("_top_logprobs", "d"),
-        )
-
     # ---- columns ------------------------------------------------------------------------
 
     def tokens(self) -> list[str]:

@@ -138,9 +138,10 @@ def prompt_text(prompt: Prompt, result: Result | None) -> str:
     return TokenLogprobs.of(result.prompt_logprobs).text()
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object; ``offset`` is where the first token's
-    text starts in the choice's text (streamed chunks carry the offsets of the whole).
+def completion_logprobs(*parts: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object of ``parts``' entries in order (echo:
+    the prompt's, then the generated ones); ``offset`` is where the first token's text
+    starts in the choice's text (streamed chunks carry the offsets of the whole).
 
     An echoed prompt may have tens of thousands of entries: each list is encoded to JSON
     a window of entries at a time, so that the daemon never holds more than a window's
@@ -153,7 +154,8 @@ def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dic
         "top_logprobs": [],
         "text_offset": [],
     }
-    for window in TokenLogprobs.of(entries).windows(JSON_SLICE_ITEMS):
+    windows = (TokenLogprobs.of(part).windows(JSON_SLICE_ITEMS) for part in parts)
+    for window in itertools.chain.from_iterable(windows):
         tokens = window.tokens()
         token_logprobs = window.logprob_values()
         text_offset = list(itertools.accumulate(map(len, tokens), initial=offset))
@@ -213,12 +215,11 @@ def choice_logprobs(job: Job, prompt: Prompt, result: Result) -> dict[str, Any] 
     """The whole ``logprobs`` object of one choice; None when the client asked for none."""
     if job.logprobs is None:
         return None
-    generated = TokenLogprobs.of(result.logprobs or [])
+    generated = result.logprobs or []
     if job.chat:
         return chat_logprobs(generated)
     if job.echo:
-        prompt_entries = TokenLogprobs.of(result.prompt_logprobs or [])
-        return completion_logprobs(TokenLogprobs.joined([prompt_entries, generated]))
+        return completion_logprobs(result.prompt_logprobs or [], generated)
     return completion_logprobs(generated)
 
 
