@@ -155,13 +155,13 @@ class TokenLogprobs(Sequence[TokenLogprob]):
         """Every entry's token text, joined."""
         return self._text
 
-    def alternative_columns(self) -> tuple[list[str], array[float], list[int]]:
+    def alternative_columns(self) -> tuple[list[str], list[float], list[int]]:
         """Every alternative's token text and logprob, entry after entry, and where each
         entry's start in them (one more: the end of the last)."""
         text = self._top_text
         starts = _offsets(self._top_text_lengths)
         texts = [text[start:end] for start, end in itertools.pairwise(starts)]
-        return texts, self._top_logprobs, _offsets(self._top_counts)
+        return texts, self._top_logprobs.tolist(), _offsets(self._top_counts)
 
     def alternatives(self) -> list[tuple[tuple[int, str, float], ...]]:
         """Each entry's alternatives as ``TokenLogprob.top`` has them: (token id, token
