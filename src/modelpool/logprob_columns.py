@@ -56,7 +56,9 @@ class TokenLogprobs(Sequence[TokenLogprob]):
         "_top_text_lengths",
         "_top_logprobs",
     )
-    __slots__ = COLUMNS
+    # Besides the columns: where each entry's text, alternatives and their texts start,
+    # made on the first read by index (so that reading entry after entry stays linear).
+    __slots__ = (*COLUMNS, "_starts")
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class TokenLogprobs(Sequence[TokenLogprob]):
         self._top_text = top_text
         self._top_text_lengths = top_text_lengths
         self._top_logprobs = top_logprobs
+        self._starts: tuple[list[int], list[int], list[int]] | None = None
 
     @classmethod
     def from_columns(
@@ -209,25 +212,25 @@ class TokenLogprobs(Sequence[TokenLogprob]):
         if isinstance(index, slice):
             return [self[position] for position in range(*index.indices(len(self)))]
         position = range(len(self))[index]  # IndexError past the end; negatives count back
-        text_start = sum(self._text_lengths[:position])
-        token = self._text[text_start : text_start + self._text_lengths[position]]
-        top_start = sum(self._top_counts[:position])
-        top_end = top_start + self._top_counts[position]
-        top_text_start = sum(self._top_text_lengths[:top_start])
-        alternatives = []
-        for alternative in range(top_start, top_end):
-            length = self._top_text_lengths[alternative]
-            alternative_text = self._top_text[top_text_start : top_text_start + length]
-            top_text_start += length
-            alternatives.append(
-                (self._top_ids[alternative], alternative_text, self._top_logprobs[alternative])
+        if self._starts is None:
+            self._starts = (
+                _offsets(self._text_lengths),
+                _offsets(self._top_counts),
+                _offsets(self._top_text_lengths),
             )
+        text_starts, top_starts, top_text_starts = self._starts
+        token = self._text[text_starts[position] : text_starts[position + 1]]
+        alternatives = tuple(
+            (
+                self._top_ids[alternative],
+                self._top_text[top_text_starts[alternative] : top_text_starts[alternative + 1]],
+                self._top_logprobs[alternative],
+            )
+            for alternative in range(top_starts[position], top_starts[position + 1])
+        )
         logprob = self._logprobs[position]
         return TokenLogprob(
-            self._ids[position],
-            token,
-            None if math.isnan(logprob) else logprob,
-            tuple(alternatives),
+            self._ids[position], token, None if math.isnan(logprob) else logprob, alternatives
         )
 
     def __iter__(self) -> Iterator[TokenLogprob]:

@@ -58,6 +58,7 @@ def test_windows_keep_every_entry_in_order() -> None:
     windows = list(columns.windows(256))
     assert [len(window) for window in windows] == [256, 256, 256, 235]
     assert [entry for window in windows for entry in window] == entries
+    assert [columns[position] for position in range(len(columns))] == entries
 
 
 def test_a_workers_result_crosses_the_pipe_in_a_few_pickle_operations() -> None:
