@@ -316,18 +316,26 @@ def _hold(url: str, stop: threading.Event, count: int, first: bytes, drip: bytes
             with contextlib.suppress(OSError):
                 if drip:
                     sock.send(drip)
-    # Still open at the end of the phase: the server did not close them.
+    # Still open at the end of the phase: the server did not close them; the others were
+    # answered (408, 503) or closed.
     open_count = 0
+    answered: list[str] = []
     for sock in socks:
         sock.setblocking(False)
         try:
-            sock.recv(1)  # an answer (408) or the end: the server closed it
+            head = sock.recv(64)
+            answered.append(head[9:12].decode() if head.startswith(b"HTTP/1.1 ") else "closed")
         except BlockingIOError:
             open_count += 1
-        except OSError:
-            pass
+        except OSError as exc:
+            answered.append(type(exc).__name__)
         sock.close()
-    return {"connections": count, "refused at connect": failed, "still open at end": open_count}
+    return {
+        "connections": count,
+        "refused at connect": failed,
+        "still open at end": open_count,
+        "answered": _count(answered),
+    }
 
 
 def attack_idle(url: str, stop: threading.Event) -> dict[str, Any]:

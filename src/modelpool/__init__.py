@@ -28,6 +28,7 @@ _EXPORTS = {
     "Generation": "modelpool.protocol",
     "TokenIds": "modelpool.protocol",
     "TokenLogprob": "modelpool.protocol",
+    "TokenLogprobs": "modelpool.logprob_columns",
     "PoolHealth": "modelpool.stats",
     "PoolStats": "modelpool.stats",
     "Attempt": "modelpool.errors",
@@ -77,6 +78,7 @@ __all__ = [
     "ServerConfig",
     "TokenIds",
     "TokenLogprob",
+    "TokenLogprobs",
     "WorkerCrashed",
     "__version__",
 ]
@@ -101,6 +103,7 @@ if TYPE_CHECKING:
         PreflightError,
         WorkerCrashed,
     )
+    from modelpool.logprob_columns import TokenLogprobs
     from modelpool.pool import AsyncPoolStream, ModelPool, PoolFuture, PoolStream, Result
     from modelpool.protocol import Generation, TokenIds, TokenLogprob
     from modelpool.stats import PoolHealth, PoolStats

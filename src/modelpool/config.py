@@ -233,6 +233,9 @@ class ServerConfig:
     max_header_bytes: int = 32_768
     max_headers: int = 100
     max_connections: int = 1000
+    # Bytes of request bodies still being received, all connections together: past it,
+    # the connection whose body grew gets 503 (a body that arrives whole never counts).
+    max_pending_body_bytes: int = 8_388_608
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -269,6 +272,13 @@ class ServerConfig:
         _check_int("server.max_header_bytes", self.max_header_bytes, minimum=1024)
         _check_int("server.max_headers", self.max_headers, minimum=8)
         _check_int("server.max_connections", self.max_connections, minimum=1)
+        _check_int("server.max_pending_body_bytes", self.max_pending_body_bytes, minimum=1)
+        if self.max_pending_body_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"server.max_pending_body_bytes ({self.max_pending_body_bytes}) must be at "
+                f"least server.max_body_bytes ({self.max_body_bytes}): one body alone would "
+                "be refused"
+            )
 
     @classmethod
     def from_toml(cls, path: str | Path) -> ServerConfig:

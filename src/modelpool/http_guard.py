@@ -27,7 +27,7 @@ import resource
 import time
 import urllib.parse
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -309,14 +309,23 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
       builds a header value by concatenation (quadratic in its size);
     - ``max_connections``: a request on a connection past that many gets 503 with
       Retry-After and the connection is closed, so that file descriptors never run out;
+    - ``max_pending_body_bytes``: the bytes of bodies still being received, all
+      connections together (:class:`PendingBodies`); the connection whose body takes
+      them past it gets 503 with Retry-After and is closed;
     - ``send_timeout_s``: a connection whose client reads nothing of a pending answer
       for that long is aborted (a whole answer, not only a stream, would otherwise sit
       in the transport's buffer for as long as the client likes).
     """
 
+    pending_bodies = PendingBodies(config.max_pending_body_bytes)
+
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        # Shared by every connection of the server this class is given to.
+        pending_bodies: ClassVar[PendingBodies]
+
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self.body_bytes = 0  # of the request body being received, counted as pending
             self.head_bytes = 0
             self.header_count = 0
             self.reading_head = True
@@ -330,6 +339,7 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             self._disarm_write()
+            self._body_received()
             super().connection_lost(exc)
 
         def pause_writing(self) -> None:
@@ -367,6 +377,16 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
             if self.header_count > config.max_headers and not self.transport.is_closing():
                 # The head is still incomplete: refused before more of it is parsed.
                 self._refuse(431, f"more than {config.max_headers} request headers")
+            # Checked once what was read is parsed: a body that came whole is no longer
+            # pending, so a small request is never refused for others' slow bodies.
+            if self.body_bytes and pending_bodies.over() and not self.transport.is_closing():
+                self._refuse(
+                    503,
+                    f"the server holds {config.max_pending_body_bytes} bytes of request "
+                    "bodies still being received ([server] max_pending_body_bytes)",
+                    code="too_many_pending_bodies",
+                    retry_after=1,
+                )
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -401,12 +421,20 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
 
         def on_body(self, body: bytes) -> None:
             if not self.transport.is_closing():  # not for a request refused here
+                self.body_bytes += len(body)
+                pending_bodies.add(len(body))
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
             self._disarm()
+            self._body_received()
             if not self.transport.is_closing():
                 super().on_message_complete()
+
+        def _body_received(self) -> None:
+            """The body is whole (the app's now, bounded by max_body_bytes) or gone."""
+            pending_bodies.add(-self.body_bytes)
+            self.body_bytes = 0
 
         def _arm(self, seconds: float, why: str) -> None:
             self._disarm()
@@ -427,8 +455,16 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
                 return
             self._refuse(408, f"the client {why} within the time allowed")
 
-        def _refuse(self, status: int, message: str, retry_after: int | None = None) -> None:
+        def _refuse(
+            self,
+            status: int,
+            message: str,
+            *,
+            code: str | None = None,
+            retry_after: int | None = None,
+        ) -> None:
             self._disarm()
+            self._body_received()
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:
                 # The app has the request: it sees a disconnect; any answer it started
@@ -437,14 +473,32 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
                 cycle.message_event.set()
             if cycle is None or cycle.response_complete or not cycle.response_started:
                 headers = {"Retry-After": str(retry_after)} if retry_after else None
-                error = ApiError(status, message, code=_CODES[status], headers=headers)
+                error = ApiError(status, message, code=code or _CODES[status], headers=headers)
                 self.transport.write(raw_response(error))
             # Debug, not info: an attacker opens these by the thousand, and a log line
             # each would amplify the attack onto the disk.
             logger.debug("closing a connection from %s: %s", _peer(self.client), message)
             self.transport.close()
 
+    GuardedHttpToolsProtocol.pending_bodies = pending_bodies
     return GuardedHttpToolsProtocol
+
+
+class PendingBodies:
+    """The bytes of request bodies received but not yet complete, all connections of a
+    server together. Each waits for the rest of its body (``body_timeout_s`` between two
+    reads), so without a bound on the sum a few hundred slow bodies hold their bytes
+    for as long as the timeout lets them: the daemon's memory, not the client's."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.total = 0
+
+    def add(self, count: int) -> None:
+        self.total += count
+
+    def over(self) -> bool:
+        return self.total > self.limit
 
 
 _CODES = {

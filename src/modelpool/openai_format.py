@@ -20,11 +20,13 @@ with ``echo`` putting the prompt's tokens first (the very first has a null logpr
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from modelpool.logprob_columns import TokenLogprobs
 from modelpool.protocol import Prompt, TokenIds, TokenLogprob
 
 if TYPE_CHECKING:
@@ -124,7 +126,7 @@ def keep_best(job: Job, results: dict[int, Result]) -> dict[int, Result]:
 
 
 def _summed_logprob(result: Result) -> float:
-    return sum(entry.logprob or 0.0 for entry in result.logprobs or [])
+    return TokenLogprobs.of(result.logprobs or []).summed_logprob()
 
 
 def prompt_text(prompt: Prompt, result: Result | None) -> str:
@@ -133,53 +135,80 @@ def prompt_text(prompt: Prompt, result: Result | None) -> str:
         return prompt
     if result is None or result.prompt_logprobs is None:
         return ""
-    return "".join(entry.token for entry in result.prompt_logprobs)
+    return TokenLogprobs.of(result.prompt_logprobs).text()
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object; ``offset`` is where the first token's
-    text starts in the choice's text (streamed chunks carry the offsets of the whole)."""
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
-    for entry in entries:
-        tokens.append(entry.token)
-        token_logprobs.append(entry.logprob)
-        text_offset.append(offset)
-        offset += len(entry.token)
-        if entry.logprob is None:
-            top_logprobs.append(None)
-            continue
-        top: dict[str, float] = {}
-        for _, token, logprob in entry.top:
-            top.setdefault(token, logprob)
-        # OpenAI: "the logprob of the sampled token is always returned".
-        top.setdefault(entry.token, entry.logprob)
-        top_logprobs.append(top)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": text_offset,
+def completion_logprobs(*parts: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object of ``parts``' entries in order (echo:
+    the prompt's, then the generated ones); ``offset`` is where the first token's text
+    starts in the choice's text (streamed chunks carry the offsets of the whole).
+
+    An echoed prompt may have tens of thousands of entries: each list is encoded to JSON
+    a window of entries at a time, so that the daemon never holds more than a window's
+    Python objects (a dict per entry of every list whole would be ten times the answer's
+    size), and comes back as an :class:`EncodedArray`, which ``json_bytes`` writes as is.
+    """
+    lists: dict[str, list[str]] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
     }
+    windows = (TokenLogprobs.of(part).windows(JSON_SLICE_ITEMS) for part in parts)
+    for window in itertools.chain.from_iterable(windows):
+        tokens = window.tokens()
+        token_logprobs = window.logprob_values()
+        text_offset = list(itertools.accumulate(map(len, tokens), initial=offset))
+        offset = text_offset.pop()
+        texts, values, bounds = window.alternative_columns()
+        top_logprobs: list[dict[str, float] | None] = []
+        for token, logprob, start, end in zip(
+            tokens, token_logprobs, bounds[:-1], bounds[1:], strict=True
+        ):
+            if logprob is None:
+                top_logprobs.append(None)
+                continue
+            top = dict(zip(texts[start:end], values[start:end], strict=True))
+            if len(top) < end - start:
+                # Two alternatives with one text (undecodable bytes): the likelier one's.
+                top = {}
+                for text, value in zip(texts[start:end], values[start:end], strict=True):
+                    top.setdefault(text, value)
+            # OpenAI: "the logprob of the sampled token is always returned".
+            top.setdefault(token, logprob)
+            top_logprobs.append(top)
+        for name, items in (
+            ("tokens", tokens),
+            ("token_logprobs", token_logprobs),
+            ("top_logprobs", top_logprobs),
+            ("text_offset", text_offset),
+        ):
+            lists[name].append(_dumps(items)[1:-1])
+    return {name: EncodedArray(pieces) for name, pieces in lists.items()}
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-    """The chat ``logprobs`` object: ``{"content": [...], "refusal": None}``."""
-    content = [
-        {
-            "token": entry.token,
-            "logprob": entry.logprob,
-            "bytes": list(entry.token.encode()),
-            "top_logprobs": [
-                {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-                for _, token, logprob in entry.top
-            ],
-        }
-        for entry in entries
-    ]
-    return {"content": content, "refusal": None}
+    """The chat ``logprobs`` object: ``{"content": [...], "refusal": None}``, its content
+    encoded a window of entries at a time (see completion_logprobs)."""
+    pieces: list[str] = []
+    for window in TokenLogprobs.of(entries).windows(JSON_SLICE_ITEMS):
+        texts, values, bounds = window.alternative_columns()
+        content = [
+            {
+                "token": token,
+                "logprob": logprob,
+                "bytes": list(token.encode()),
+                "top_logprobs": [
+                    {"token": text, "logprob": value, "bytes": list(text.encode())}
+                    for text, value in zip(texts[start:end], values[start:end], strict=True)
+                ],
+            }
+            for token, logprob, start, end in zip(
+                window.tokens(), window.logprob_values(), bounds[:-1], bounds[1:], strict=True
+            )
+        ]
+        pieces.append(_dumps(content)[1:-1])
+    return {"content": EncodedArray(pieces), "refusal": None}
 
 
 def choice_logprobs(job: Job, prompt: Prompt, result: Result) -> dict[str, Any] | None:
@@ -190,7 +219,7 @@ def choice_logprobs(job: Job, prompt: Prompt, result: Result) -> dict[str, Any] 
     if job.chat:
         return chat_logprobs(generated)
     if job.echo:
-        return completion_logprobs([*(result.prompt_logprobs or []), *generated])
+        return completion_logprobs(result.prompt_logprobs or [], generated)
     return completion_logprobs(generated)
 
 
@@ -237,13 +266,25 @@ def response_body(job: Job, results: dict[int, Result], model: str, created: int
 JSON_SLICE_ITEMS = 256
 
 
+class EncodedArray:
+    """A JSON array encoded already: ``pieces`` are its items' JSON, each piece some
+    items joined by commas. ``json_bytes`` writes it as it is."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+
 def json_bytes(value: Any) -> bytes:
     """``value`` as compact JSON (as JSONResponse writes it), encoded a slice at a time:
     the C encoder holds the GIL for a whole call, so that one call on an answer of tens
     of megabytes would stop the event loop even from another thread."""
     parts: list[str] = []
     _encode_into(value, parts)
-    return "".join(parts).encode()
+    text = "".join(parts)
+    parts.clear()  # before encoding: the answer is held twice at most, not three times
+    return text.encode()
 
 
 def _dumps(value: Any) -> str:
@@ -252,7 +293,12 @@ def _dumps(value: Any) -> str:
 
 
 def _encode_into(value: Any, parts: list[str]) -> None:
-    if isinstance(value, dict):
+    if isinstance(value, EncodedArray):
+        parts.append("[")
+        for number, piece in enumerate(value.pieces):
+            parts.append("," + piece if number else piece)
+        parts.append("]")
+    elif isinstance(value, dict):
         parts.append("{")
         for number, (key, item) in enumerate(value.items()):
             parts.append(("," if number else "") + _dumps(str(key)) + ":")

@@ -29,6 +29,7 @@ worker -> supervisor::
     ("load_failed", traceback_text)         backend could not load; the worker exits
     ("chunk", attempt_id, text)             streamed text
     ("done", attempt_id, Generation, rss_bytes)
+                                            its logprobs as TokenLogprobs columns
     ("error", attempt_id, kind, message, traceback_text, rss_bytes[, detail])
                                             kind: "invalid" (handler.validate refused),
                                             "context_length" (detail: prompt_tokens,
@@ -80,7 +81,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 FinishReason = Literal["stop", "length", "cancelled"]
 ChatMessage = Mapping[str, str]
@@ -134,15 +135,17 @@ class Generation:
 
     ``logprobs`` (one per generated token) is set when the request asked for
     ``logprobs=N``, ``prompt_logprobs`` (one per prompt token) for ``prompt_logprobs=N``;
-    both are None otherwise.
+    both are None otherwise. A backend returns a list of :class:`TokenLogprob` or, built
+    from its own columns, a ``modelpool.logprob_columns.TokenLogprobs``; the worker sends
+    either as the latter (columns, not objects: see that module).
     """
 
     text: str
     finish_reason: FinishReason = "stop"
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
+    logprobs: Sequence[TokenLogprob] | None = None
+    prompt_logprobs: Sequence[TokenLogprob] | None = None
 
 
 class Call(Protocol):

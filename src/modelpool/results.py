@@ -7,7 +7,7 @@ caller's thread only waits on it or cancels it.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from modelpool.errors import PoolError
@@ -27,9 +27,10 @@ class Result:
     queue_s: float
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    # Set when the request asked for logprobs / prompt_logprobs (see protocol.Generation).
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
+    # Set when the request asked for logprobs / prompt_logprobs (see protocol.Generation):
+    # from a worker, a TokenLogprobs (columns; a TokenLogprob is made as one is read).
+    logprobs: Sequence[TokenLogprob] | None = None
+    prompt_logprobs: Sequence[TokenLogprob] | None = None
 
 
 class PoolFuture(concurrent.futures.Future[Result]):

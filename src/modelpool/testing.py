@@ -106,6 +106,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelpool.context import check_max_model_len, fit_to_context
 from modelpool.errors import InvalidRequest, PoolError
+from modelpool.logprob_columns import TokenLogprobs
 from modelpool.protocol import (
     BatchCall,
     Call,
@@ -113,7 +114,6 @@ from modelpool.protocol import (
     Generation,
     Prompt,
     TokenIds,
-    TokenLogprob,
 )
 from modelpool.validation import check_generation_params
 
@@ -296,20 +296,16 @@ class FaultBackend:
         generation = Generation(output) if isinstance(output, str) else output
         if top is not None:
             pieces = _pieces(generation.text) if _command(call) == "tokens" else [generation.text]
-            generation.logprobs = [
-                _scored(index, piece, top) for index, piece in enumerate(pieces) if piece
-            ]
+            generation.logprobs = _scored(
+                [(index, piece) for index, piece in enumerate(pieces) if piece], top
+            )
         if prompt_top is not None:
             prompt = call.prompt
             if isinstance(prompt, TokenIds):
                 tokens = [(token_id, f"<{token_id}>") for token_id in prompt.ids]
             else:
                 tokens = [(ord(char), char) for char in _prompt_text(prompt)]
-            generation.prompt_logprobs = [
-                _scored(token_id, token, prompt_top) for token_id, token in tokens
-            ]
-            if tokens:
-                generation.prompt_logprobs[0] = TokenLogprob(tokens[0][0], tokens[0][1], None)
+            generation.prompt_logprobs = _scored(tokens, prompt_top, first_scored=False)
             generation.prompt_tokens = len(tokens)
         return generation
 
@@ -422,10 +418,30 @@ def _pieces(text: str) -> list[str]:
     return [word + " " for word in text.split(" ") if word]
 
 
-def _scored(token_id: int, token: str, top: int) -> TokenLogprob:
-    alternatives = [(token_id, token, TOKEN_LOGPROB)]
-    alternatives += [(-1 - rank, f"<alt{rank}>", -2.0 - rank) for rank in range(1, top)]
-    return TokenLogprob(token_id, token, TOKEN_LOGPROB, tuple(alternatives[:top]))
+def _scored(tokens: list[tuple[int, str]], top: int, *, first_scored: bool = True) -> TokenLogprobs:
+    """Each (id, text) scored TOKEN_LOGPROB with ``top`` alternatives: itself, then made-up
+    ones; built as columns, as a real backend would from its tensors. A prompt's first
+    token (``first_scored=False``) has no logprob and no alternatives."""
+    made_up = [(-1 - rank, f"<alt{rank}>", -2.0 - rank) for rank in range(1, top)]
+    counts = [min(top, 1 + len(made_up))] * len(tokens)
+    logprobs: list[float | None] = [TOKEN_LOGPROB] * len(tokens)
+    if tokens and not first_scored:
+        counts[0] = 0
+        logprobs[0] = None
+    alternatives = [
+        alternative
+        for (token_id, token), count in zip(tokens, counts, strict=True)
+        for alternative in [(token_id, token, TOKEN_LOGPROB), *made_up][:count]
+    ]
+    return TokenLogprobs.from_columns(
+        [token_id for token_id, _ in tokens],
+        [token for _, token in tokens],
+        logprobs,
+        counts,
+        [token_id for token_id, _, _ in alternatives],
+        [token for _, token, _ in alternatives],
+        [logprob for _, _, logprob in alternatives],
+    )
 
 
 def _emit_tokens(

@@ -47,6 +47,7 @@ from modelpool import cuda_faults
 from modelpool.backends import import_backend
 from modelpool.context import check_max_model_len
 from modelpool.errors import ContextLengthExceeded, InvalidRequest
+from modelpool.logprob_columns import TokenLogprobs
 from modelpool.processes import process_rss_bytes
 from modelpool.protocol import (
     PROTOCOL_VERSION,
@@ -481,12 +482,16 @@ def _normalise(output: object) -> Generation:
     )
 
 
-def _plain_logprobs(entries: object, name: str) -> list[TokenLogprob] | None:
-    if entries is None:
-        return None
+def _plain_logprobs(entries: object, name: str) -> TokenLogprobs | None:
+    """As columns: a list of objects would cost the supervisor's dispatcher thread one
+    long unpickling that holds the GIL (see logprob_columns)."""
+    if entries is None or isinstance(entries, TokenLogprobs):
+        return entries
     if not isinstance(entries, list) or not all(isinstance(e, TokenLogprob) for e in entries):
-        raise TypeError(f"Generation.{name} must be a list of TokenLogprob or None")
-    return entries
+        raise TypeError(
+            f"Generation.{name} must be a list of TokenLogprob, a TokenLogprobs or None"
+        )
+    return TokenLogprobs.of(entries)
 
 
 def serve(channel: _Channel, control: ControlBlock) -> int:

@@ -43,6 +43,7 @@ class Served:
 
     def __init__(self, pool: ModelPool, config: ServerConfig) -> None:
         app = create_app(pool, config, "testing")
+        self.protocol = guarded_protocol(config)
         self.server = uvicorn.Server(
             uvicorn.Config(
                 app,
@@ -51,7 +52,7 @@ class Served:
                 log_config=None,
                 access_log=False,
                 lifespan="off",
-                http=guarded_protocol(config),
+                http=self.protocol,
             )
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -266,12 +267,11 @@ def test_a_large_answer_is_built_and_encoded_off_the_event_loop(
     assert max(slices) <= 256
 
 
-def _post_head(body: bytes) -> bytes:
+def _post_head(body: bytes, content_length: int | None = None) -> bytes:
+    length = len(body) if content_length is None else content_length
     return (
         b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        b"Content-Type: application/json\r\nContent-Length: "
-        + str(len(body)).encode()
-        + b"\r\n\r\n"
+        b"Content-Type: application/json\r\nContent-Length: " + str(length).encode() + b"\r\n\r\n"
     )
 
 
@@ -319,6 +319,37 @@ def test_connections_past_max_connections_get_503(pool: ModelPool) -> None:
                 sock.close()
         http = served.http
         wait_for(lambda: http.get("/healthz").status_code, lambda s: s == 200, 5, "a slot")
+
+
+def test_bodies_still_being_received_are_bounded_all_connections_together(
+    pool: ModelPool,
+) -> None:
+    # Bodies declared 100,000 bytes, 64 KiB sent, never finished: two fit in 150,000.
+    head = _post_head(b"", content_length=100_000)
+    part = b'{"prompt":"' + b"x" * 65_536
+    limits = {"max_body_bytes": 100_000, "max_pending_body_bytes": 150_000}
+    with serving(pool, **limits) as served:
+        pending = served.protocol.pending_bodies
+        held = [served.connect(), served.connect()]
+        try:
+            for sock in held:
+                sock.sendall(head + part)
+            wait_for(lambda: pending.total, lambda n: n >= 2 * len(part), slack(5), "2 bodies")
+            # A body that comes whole is never pending: others' slow bodies cost it nothing.
+            ordinary = served.http.post(COMPLETIONS, json={"prompt": "echo:ok"})
+            assert ordinary.json()["choices"][0]["text"] == "ok"
+            with served.connect() as third:
+                third.sendall(head + part)
+                answer = _answer(third)  # returns once the server has closed it
+            assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+            assert b"too_many_pending_bodies" in answer and b"retry-after: 1" in answer.lower()
+        finally:
+            for sock in held:
+                sock.close()
+        # Closed, their bytes are no longer held against anyone.
+        wait_for(lambda: pending.total, lambda n: n == 0, slack(5), "the bodies released")
+        whole = served.http.post(COMPLETIONS, json={"prompt": "echo:" + "y" * 90_000})
+        assert whole.status_code == 200
 
 
 # ---- fair share -----------------------------------------------------------------------------
