@@ -11,7 +11,7 @@ client sent::
 
 Bodies are checked field by field rather than by pydantic models: every rejection
 names the OpenAI field (the pool's own messages name its kwargs, e.g.
-``max_new_tokens``), and a field we cannot honour (``tools``, penalties...) is a 400,
+``max_new_tokens``), and a field we cannot honour (``suffix``, ``audio``...) is a 400,
 never ignored. ``COMPLETION_FIELDS`` and ``CHAT_FIELDS`` name the fields each
 route acts on (a few more, such as ``user``, are accepted and ignored); the
 response shapes are built in ``openai_format``.
@@ -31,7 +31,14 @@ from fastapi.responses import JSONResponse
 
 from modelpool.openai_format import MAX_CHOICES, Job
 from modelpool.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
-from modelpool.validation import MAX_INT, is_int, is_number
+from modelpool.validation import (
+    MAX_INT,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_PENALTY,
+    is_int,
+    is_number,
+)
 
 TIMEOUT_HEADER = "x-request-timeout"
 # Whether a client should send a failed request again, said on every error answer in
@@ -273,15 +280,7 @@ def _unsupported_unless(condition: bool, name: str, why: str) -> None:
 
 
 def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any]:
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _opt_number(body, name)
-        _unsupported_unless(value in (None, 0), name, "penalties are not supported (use 0)")
-    logit_bias = body.get("logit_bias")
-    _unsupported_unless(
-        logit_bias is None or logit_bias == {}, "logit_bias", "logit_bias is not supported"
-    )
-
-    params: dict[str, Any] = {}
+    params: dict[str, Any] = _penalty_params(body)
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
     # vLLM's extension, which load generators use to fix the output length: end-of-sequence
@@ -319,6 +318,45 @@ def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str,
             params["stop"] = list(stop)
     elif stop is not None:
         raise invalid("stop must be a string or a list of strings", param="stop")
+    return params
+
+
+def _penalty_params(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``presence_penalty``, ``frequency_penalty`` (numbers in [-2, 2]) and ``logit_bias``
+    (token id strings -> biases in [-100, 100]) as the pool's kwargs; zeros are left out."""
+    params: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _opt_number(body, name)
+        if value is not None and abs(value) > MAX_PENALTY:
+            raise invalid(
+                f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}", name
+            )
+        if value:
+            params[name] = value
+    bias = body.get("logit_bias")
+    if bias is None:
+        return params
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise invalid(
+            f"logit_bias must be an object of at most {MAX_LOGIT_BIAS_TOKENS} token ids",
+            "logit_bias",
+        )
+    by_token: dict[int, float] = {}
+    for token, value in bias.items():
+        if not token.isdecimal() or not is_int(int(token), minimum=0):
+            raise invalid(
+                f"logit_bias keys must be token ids (decimal integers >= 0), got {token!r}",
+                "logit_bias",
+            )
+        if not is_number(value) or abs(value) > MAX_LOGIT_BIAS:
+            raise invalid(
+                f"logit_bias[{token!r}] must be a number in "
+                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r}",
+                "logit_bias",
+            )
+        by_token[int(token)] = float(value)
+    if by_token:
+        params["logit_bias"] = by_token
     return params
 
 

@@ -120,8 +120,20 @@ from modelpool.validation import check_generation_params
 if TYPE_CHECKING:
     from modelpool.pool import ModelPool
 
+# The penalties are accepted (and checked) without effect: this backend has no scores.
 ACCEPTED_PARAMS = frozenset(
-    {"max_new_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "prompt_logprobs"}
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "logprobs",
+        "prompt_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+    }
 )
 TOKEN_LOGPROB = -0.25
 

@@ -49,6 +49,7 @@ from modelpool.backends.hf_batch import (
     PrefillChunk,
     unbatchable_generation_config,
 )
+from modelpool.backends.hf_penalties import PENALTY_PARAMS, Penalties, logits_processor
 from modelpool.backends.hf_text import TextProgress, stop_strings
 from modelpool.context import check_max_model_len, context_length, fit_to_context
 from modelpool.errors import InvalidRequest
@@ -89,6 +90,7 @@ GENERATION_PARAMS = frozenset(
         "seed",
         "logprobs",
         "prompt_logprobs",
+        *PENALTY_PARAMS,
     }
 )
 LOAD_OPTIONS = frozenset(
@@ -301,7 +303,7 @@ class HFHandler:
             tokenizer.eos_token_id
         )
         embeddings: Any = self.model.get_input_embeddings()
-        self._vocab_size = int(embeddings.num_embeddings)
+        self.vocab_size = int(embeddings.num_embeddings)
         self._token_texts: dict[int, str] = {}
         self._batch = BatchEngine(self, kv_cache_tokens, prefill_chunk_tokens)
         # The batched loop keeps one full-length cache per layer: a model with sliding-window
@@ -365,8 +367,13 @@ class HFHandler:
         seed = params.pop("seed", None)
         top_logprobs: int | None = params.pop("logprobs", None)
         prompt_top_logprobs: int | None = params.pop("prompt_logprobs", None)
+        penalties = Penalties.from_params(params, self.vocab_size)
+        for name in PENALTY_PARAMS:
+            params.pop(name, None)
         input_ids = self.encode(call.prompt)
         prompt_tokens = int(input_ids.shape[1])
+        if penalties.active:
+            params["logits_processor"] = [logits_processor(penalties, prompt_tokens)]
         params["max_new_tokens"] = self.fit_new_tokens(call, params, prompt_tokens)
         prompt_logprobs = None
         if prompt_top_logprobs is not None:
@@ -502,11 +509,11 @@ class HFHandler:
         tokenizer = self.tokenizer
         input_ids: torch.Tensor
         if isinstance(prompt, TokenIds):
-            too_large = [token_id for token_id in prompt.ids if token_id >= self._vocab_size]
+            too_large = [token_id for token_id in prompt.ids if token_id >= self.vocab_size]
             if too_large:
                 raise InvalidRequest(
                     f"token id {too_large[0]} is outside this model's vocabulary "
-                    f"(ids 0 to {self._vocab_size - 1})"
+                    f"(ids 0 to {self.vocab_size - 1})"
                 )
             input_ids = torch.tensor([prompt.ids])
         elif isinstance(prompt, str):

@@ -44,7 +44,8 @@ otherwise, it applies ``do_sample`` and the seed to the whole batch, and one
 failing request ends its whole thread. Here every sampling parameter is per
 request (``seed``, ``temperature``, ``top_p``, ``top_k``, ``do_sample``,
 ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``,
-``stop``, ``max_new_tokens``), each request samples from its own
+``stop``, ``max_new_tokens``, ``presence_penalty``, ``frequency_penalty``,
+``logit_bias``), each request samples from its own
 ``torch.Generator``, and the cache is bounded by ``kv_cache_tokens``.
 The model's ``generation_config`` supplies the defaults ``generate()`` would
 take from it (``repetition_penalty``, ``no_repeat_ngram_size``,
@@ -75,6 +76,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from modelpool.backends.hf_penalties import Penalties
 from modelpool.backends.hf_text import TextProgress, stop_strings
 from modelpool.errors import InvalidRequest
 from modelpool.protocol import BatchCall, Call, Finished, FinishReason, Generation, Prompt, RowsLost
@@ -137,6 +139,7 @@ class LoadedModel(Protocol):
     model: Any
     tokenizer: Any
     eos_ids: frozenset[int]
+    vocab_size: int
 
     def encode(self, prompt: Prompt) -> torch.Tensor: ...
 
@@ -158,6 +161,7 @@ class _Row:
     top_p: float
     repetition_penalty: float
     no_repeat_ngram_size: int
+    penalties: Penalties
     generator: torch.Generator | None
     finish_reason: FinishReason | None = None
     cache: Any = None  # its own cache while prefilling
@@ -316,6 +320,7 @@ class BatchEngine:
             top_p=float(sampling("top_p")),
             repetition_penalty=float(from_config("repetition_penalty", 1.0)),
             no_repeat_ngram_size=int(from_config("no_repeat_ngram_size", 0)),
+            penalties=Penalties.from_params(params, handler.vocab_size),
             generator=generator,
         )
 
@@ -605,6 +610,7 @@ class BatchEngine:
                 not row.do_sample
                 and row.repetition_penalty == 1.0
                 and row.no_repeat_ngram_size == 0
+                and not row.penalties.active
                 and row.generated >= row.min_new_tokens
             )
             if plain:
@@ -633,6 +639,8 @@ class BatchEngine:
         eos_ids = self.handler.eos_ids
         if row.generated < row.min_new_tokens and eos_ids:
             scores[list(eos_ids)] = -math.inf
+        if row.penalties.active:
+            row.penalties.apply(scores, row.progress.token_ids)
         if not row.do_sample:
             return scores.argmax()
         return _sample(scores, row)
