@@ -31,6 +31,13 @@ from fastapi.responses import JSONResponse
 
 from modelpool.openai_format import MAX_CHOICES, Job
 from modelpool.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
+from modelpool.tools import (
+    ToolPlan,
+    ToolRequestError,
+    chat_message,
+    fill_result_names,
+    parse_tool_request,
+)
 from modelpool.validation import (
     MAX_INT,
     MAX_LOGIT_BIAS,
@@ -55,7 +62,7 @@ RETRYABLE_STATUSES = frozenset({429, 503})
 _IGNORED_STRINGS = frozenset(
     {"model", "user", "service_tier", "safety_identifier", "prompt_cache_key"}
 )
-_IGNORED_BOOLS = frozenset({"store", "parallel_tool_calls"})
+_IGNORED_BOOLS = frozenset({"store"})
 _IGNORED_FIELDS = _IGNORED_STRINGS | _IGNORED_BOOLS | {"metadata"}
 MAX_IGNORED_STRING = 512
 MAX_METADATA_PAIRS = 16
@@ -87,6 +94,7 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "top_logprobs",
     "tools",
     "tool_choice",
+    "parallel_tool_calls",
     "functions",
     "function_call",
     "response_format",
@@ -96,9 +104,15 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "reasoning_effort",
     "web_search_options",
 }
-# Chat roles a plain chat template understands; "developer" is OpenAI's newer
-# name for "system" and is passed on as such.
-_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+# Chat roles; "developer" is OpenAI's newer name for "system" and is passed on as such;
+# "tool" (and the legacy "function") carry a tool's result (see modelpool.tools).
+_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+# The message keys each role may carry beside role and content.
+_MESSAGE_KEYS: dict[str, frozenset[str]] = {
+    "assistant": frozenset({"name", "tool_calls", "function_call", "refusal"}),
+    "tool": frozenset({"tool_call_id", "name"}),
+    "function": frozenset({"name"}),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -529,7 +543,7 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
         raise invalid("missing field 'messages'", param="messages", code="missing_field")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", param="messages")
-    prompt: list[Mapping[str, str]] = []
+    prompt: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if not isinstance(message, dict):
@@ -545,19 +559,15 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
                 code="unsupported_value",
             )
         for key in message:
-            if key not in ("role", "content", "name"):
+            if key not in ("role", "content", "name") and key not in _MESSAGE_KEYS.get(role, ()):
                 raise invalid(
                     f"{where}.{key} is not supported",
                     param=f"{where}.{key}",
                     code="unsupported_field",
                 )
-        content = _message_content(message.get("content"), index)
-        prompt.append({"role": "system" if role == "developer" else role, "content": content})
-
-    for name in ("tools", "functions"):
-        _unsupported_unless(not body.get(name), name, "tool calling is not supported")
-    for name in ("tool_choice", "function_call"):
-        _unsupported_unless(body.get(name) in (None, "none"), name, "tool calling is not supported")
+        prompt.append(_chat_message(message, role, index))
+    fill_result_names(prompt)
+    plan = _tool_plan(body)
     response_format = body.get("response_format")
     _unsupported_unless(
         response_format is None or response_format == {"type": "text"},
@@ -591,6 +601,9 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
     params = _common_params(body, max_completion if max_tokens is None else max_tokens)
     if logprobs is not None:
         params["logprobs"] = logprobs
+    if plan is not None and plan.choice != "none":
+        params["tools"] = plan.template_tools()
+        params["grammar"] = plan.grammar()
     n, _ = _choice_count({"n": body.get("n")}, 1)
     return Job(
         [prompt],
@@ -600,7 +613,33 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
         include_usage=_include_usage(body),
         logprobs=logprobs,
         chat=True,
+        tools=plan,
     )
+
+
+def _chat_message(message: Mapping[str, Any], role: str, index: int) -> dict[str, Any]:
+    """One message in the pool's form; tool calls and results through ``modelpool.tools``."""
+    content = message.get("content")
+    where = f"messages[{index}]"
+    calls = "tool_calls" in message or "function_call" in message
+    if content is None and role == "assistant" and calls:
+        content = ""  # OpenAI's null content beside the calls
+    text = _message_content(content, index)
+    try:
+        converted = chat_message(message, where, text)
+    except ToolRequestError as exc:
+        raise invalid(str(exc), param=exc.param) from None
+    if converted is not None:
+        return converted
+    return {"role": "system" if role == "developer" else role, "content": text}
+
+
+def _tool_plan(body: Mapping[str, Any]) -> ToolPlan | None:
+    """``tools``/``tool_choice``/``parallel_tool_calls`` (or ``functions``/``function_call``)."""
+    try:
+        return parse_tool_request(body)
+    except ToolRequestError as exc:
+        raise invalid(str(exc), param=exc.param) from None
 
 
 def _prompt_size(prompt: Prompt) -> int:

@@ -120,7 +120,8 @@ from modelpool.validation import check_generation_params
 if TYPE_CHECKING:
     from modelpool.pool import ModelPool
 
-# The penalties are accepted (and checked) without effect: this backend has no scores.
+# The penalties are accepted (and checked) without effect: this backend has no scores;
+# so are tools (the echo command writes a call as a model would).
 ACCEPTED_PARAMS = frozenset(
     {
         "max_new_tokens",
@@ -133,6 +134,7 @@ ACCEPTED_PARAMS = frozenset(
         "presence_penalty",
         "frequency_penalty",
         "logit_bias",
+        "tools",
     }
 )
 TOKEN_LOGPROB = -0.25

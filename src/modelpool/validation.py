@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -123,7 +124,7 @@ def check_prompt(prompt: object) -> Prompt:
         )
     if all(isinstance(item, int) for item in prompt):
         return _token_ids(prompt)
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     for index, message in enumerate(prompt):
         if not isinstance(message, Mapping):
             raise InvalidRequest(f"prompt[{index}] must be a mapping with 'role' and 'content'")
@@ -132,8 +133,37 @@ def check_prompt(prompt: object) -> Prompt:
             raise InvalidRequest(f"prompt[{index}].role must be a non-empty string")
         if not isinstance(content, str):
             raise InvalidRequest(f"prompt[{index}].content must be a string")
-        messages.append({"role": str(role), "content": str(content)})
+        copy: dict[str, Any] = {"role": str(role), "content": str(content)}
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                copy[key] = str(message[key])
+        if message.get("tool_calls") is not None:
+            copy["tool_calls"] = _tool_calls(message["tool_calls"], index)
+        messages.append(copy)
     return messages
+
+
+def _tool_calls(calls: object, index: int) -> list[dict[str, Any]]:
+    """An assistant message's calls: ``[{"id", "type", "function": {"name", "arguments"}}]``
+    with the arguments as a JSON object (what chat templates print), copied as JSON."""
+    where = f"prompt[{index}].tool_calls"
+    try:
+        copied = json.loads(json.dumps(calls))
+    except (TypeError, ValueError):
+        raise InvalidRequest(f"{where} must be JSON data") from None
+    if not isinstance(copied, list):
+        raise InvalidRequest(f"{where} must be a list")
+    for call in copied:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (
+            isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), dict)
+        ):
+            raise InvalidRequest(
+                f"{where}: each call must be {{'function': {{'name': str, 'arguments': dict}}}}"
+            )
+    return copied
 
 
 def _token_ids(ids: object) -> TokenIds:

@@ -63,6 +63,7 @@ from modelpool.protocol import (
     TokenIds,
     TokenLogprob,
 )
+from modelpool.tools import render_chat
 from modelpool.validation import MAX_INT, check_generation_params, is_int, is_number
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ GENERATION_PARAMS = frozenset(
         "logprobs",
         "prompt_logprobs",
         *PENALTY_PARAMS,
+        "tools",
     }
 )
 LOAD_OPTIONS = frozenset(
@@ -370,7 +372,7 @@ class HFHandler:
         penalties = Penalties.from_params(params, self.vocab_size)
         for name in PENALTY_PARAMS:
             params.pop(name, None)
-        input_ids = self.encode(call.prompt)
+        input_ids = self.encode(call.prompt, params.pop("tools", None))
         prompt_tokens = int(input_ids.shape[1])
         if penalties.active:
             params["logits_processor"] = [logits_processor(penalties, prompt_tokens)]
@@ -503,7 +505,9 @@ class HFHandler:
             fit_to_context(prompt_tokens, params["min_new_tokens"], self.max_model_len, default=0)
         return new_tokens
 
-    def encode(self, prompt: Prompt) -> torch.Tensor:
+    def encode(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> torch.Tensor:
+        """The prompt's token ids; a chat prompt offers ``tools`` (OpenAI's shape) to the
+        model (see ``modelpool.tools.render_chat``)."""
         import torch
 
         tokenizer = self.tokenizer
@@ -524,9 +528,14 @@ class HFHandler:
                     "this model's tokenizer has no chat template: send a string prompt, "
                     "or give the hf backend a chat_template option"
                 )
-            text = tokenizer.apply_chat_template(
-                [dict(message) for message in prompt], add_generation_prompt=True, tokenize=False
-            )
+            if tools or any(len(message) > 2 for message in prompt):
+                text = render_chat(tokenizer, prompt, tools)
+            else:
+                text = tokenizer.apply_chat_template(
+                    [dict(message) for message in prompt],
+                    add_generation_prompt=True,
+                    tokenize=False,
+                )
             # The template writes its own special tokens (BOS included).
             input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         if input_ids.shape[1] == 0:

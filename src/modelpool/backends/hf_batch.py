@@ -141,7 +141,7 @@ class LoadedModel(Protocol):
     eos_ids: frozenset[int]
     vocab_size: int
 
-    def encode(self, prompt: Prompt) -> torch.Tensor: ...
+    def encode(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> torch.Tensor: ...
 
     def fit_new_tokens(self, call: Call, params: dict[str, Any], prompt_tokens: int) -> int: ...
 
@@ -274,7 +274,7 @@ class BatchEngine:
                     f"{name} is not supported by the batched hf backend "
                     "(max_batch_size > 1); send it to a pool with max_batch_size = 1"
                 )
-        input_ids = handler.encode(call.prompt)
+        input_ids = handler.encode(call.prompt, params.get("tools"))
         prompt_ids = [int(token) for token in input_ids[0].tolist()]
         stops = stop_strings(params["stop"]) if "stop" in params else ()
         config = handler.model.generation_config
