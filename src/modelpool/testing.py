@@ -73,6 +73,9 @@ constrained (there is no tokenizer). What the compilation does is said in the gr
                            the worker stays warm)
 ``compile_segfault``       dereferences NULL on the compiling thread (the
                            worker dies, with its batch)
+``compile_wedge``          blocks in C holding the GIL, as an engine that
+                           forgot to release it would: the whole worker
+                           stops (a stall, then a kill)
 ``compile_error``          fails, as a grammar the engine refuses does
 =========================  ==================================================
 
@@ -180,6 +183,8 @@ def rehearse_compile(text: str) -> str:
         _block_forever()
     if "compile_segfault" in text:
         ctypes.string_at(0)
+    if "compile_wedge" in text:
+        ctypes.PyDLL(None).pause()  # PyDLL: the call keeps the GIL
     if "compile_error" in text:
         raise GrammarError("the grammar cannot be compiled: compile_error (rehearsed)")
     sleep = _COMPILE_SLEEP.search(text)
