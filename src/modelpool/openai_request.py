@@ -29,8 +29,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from modelpool.errors import GrammarError
 from modelpool.openai_format import MAX_CHOICES, Job
 from modelpool.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
+from modelpool.structured import GUIDED_FIELDS, grammar_for_body
 from modelpool.tools import (
     ToolPlan,
     ToolRequestError,
@@ -85,6 +87,10 @@ _COMMON_FIELDS = frozenset(
         "logit_bias",
         "logprobs",
         "timeout",
+        # Structured outputs (modelpool.structured): OpenAI's, and vLLM's extensions.
+        "response_format",
+        "structured_outputs",
+        *GUIDED_FIELDS,
     }
 )
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of"}
@@ -97,7 +103,6 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "parallel_tool_calls",
     "functions",
     "function_call",
-    "response_format",
     "modalities",
     "audio",
     "prediction",
@@ -294,7 +299,7 @@ def _unsupported_unless(condition: bool, name: str, why: str) -> None:
 
 
 def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any]:
-    params: dict[str, Any] = _penalty_params(body)
+    params: dict[str, Any] = {**_penalty_params(body), **structured_params(body)}
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
     # vLLM's extension, which load generators use to fix the output length: end-of-sequence
@@ -372,6 +377,16 @@ def _penalty_params(body: Mapping[str, Any]) -> dict[str, Any]:
     if by_token:
         params["logit_bias"] = by_token
     return params
+
+
+def structured_params(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"grammar": ...}`` for a body that asks for structured output, else ``{}``; a
+    constraint the grammar engine cannot honour is a 400 whose ``param`` points at it."""
+    try:
+        grammar = grammar_for_body(body)
+    except GrammarError as exc:
+        raise invalid(exc.message, param=exc.param, code="unsupported_value") from exc
+    return {} if grammar is None else {"grammar": grammar}
 
 
 def _stream_flag(body: Mapping[str, Any]) -> bool:
@@ -568,12 +583,6 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
         prompt.append(_chat_message(message, role, index))
     fill_result_names(prompt)
     plan = _tool_plan(body)
-    response_format = body.get("response_format")
-    _unsupported_unless(
-        response_format is None or response_format == {"type": "text"},
-        "response_format",
-        "only {'type': 'text'} is supported",
-    )
     modalities = body.get("modalities")
     _unsupported_unless(
         modalities is None or modalities == ["text"], "modalities", "only text output is supported"
@@ -602,6 +611,13 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
     if logprobs is not None:
         params["logprobs"] = logprobs
     if plan is not None and plan.choice != "none":
+        if "grammar" in params:
+            raise invalid(
+                "response_format (or a guided field) and tool calling cannot both constrain "
+                "one answer: send tool_choice 'none' or no response_format",
+                param="response_format",
+                code="unsupported_value",
+            )
         params["tools"] = plan.template_tools()
         params["grammar"] = plan.grammar()
     n, _ = _choice_count({"n": body.get("n")}, 1)

@@ -33,7 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from modelpool.errors import InvalidRequest
+from modelpool.errors import GrammarError, InvalidRequest
+from modelpool.structured import json_schema_grammar_fragment
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -69,6 +70,7 @@ class Tool:
     name: str
     description: str
     parameters: dict[str, Any]
+    fragment: str  # the parameters as an llguidance grammar expression (checked)
 
 
 @dataclass(frozen=True)
@@ -122,14 +124,9 @@ class ToolPlan:
         for index, tool in enumerate(offered):
             head = json.dumps(f'{{"name": "{tool.name}", "arguments": ')
             lines.append(
-                f'call_{index}: {head} {schema_fragment(tool.parameters)} "}}{CALL_CLOSE}"'
+                f'call_{index}: {head} {tool.fragment} "}}{CALL_CLOSE}"'
             )
         return "\n".join(lines) + "\n"
-
-
-def schema_fragment(schema: Mapping[str, Any]) -> str:
-    """A JSON schema as an llguidance grammar fragment."""
-    return "%json " + json.dumps(schema, separators=(",", ":"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,7 +191,12 @@ def _tool(item: object, where: str, legacy: bool) -> Tool:
         raise ToolRequestError(
             f"{where}.parameters is not a valid JSON schema: {exc.message}", f"{where}.parameters"
         ) from None
-    return Tool(name, description, parameters)
+    try:
+        fragment = json_schema_grammar_fragment(parameters, param=f"{where}.parameters")
+    except GrammarError as exc:
+        # A keyword the grammar engine cannot honour: refused, naming it and its path.
+        raise ToolRequestError(exc.message, exc.param or f"{where}.parameters") from None
+    return Tool(name, description, parameters, fragment)
 
 
 def _choice(value: object, where: str, names: list[str], legacy: bool) -> tuple[Choice, str | None]:

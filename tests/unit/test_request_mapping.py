@@ -100,7 +100,10 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
         ({"messages": USER, "logit_bias": {"5": 100.5}}, "logit_bias"),
         ({"messages": USER, "n": 0}, "n"),
         ({"messages": USER, "suffix": "y"}, "suffix"),
-        ({"messages": USER, "tools": [TOOL]}, "tools"),
+        ({"messages": USER, "tools": [TOOL, TOOL]}, "tools"),
+        ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"messages": USER, "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": USER, "tools": [TOOL], "tool_choice": "any"}, "tool_choice"),
         ({"messages": USER, "bogus": 1}, "bogus"),
     ],
 )
