@@ -123,9 +123,7 @@ class ToolPlan:
         lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(offered))))
         for index, tool in enumerate(offered):
             head = json.dumps(f'{{"name": "{tool.name}", "arguments": ')
-            lines.append(
-                f'call_{index}: {head} {tool.fragment} "}}{CALL_CLOSE}"'
-            )
+            lines.append(f'call_{index}: {head} {tool.fragment} "}}{CALL_CLOSE}"')
         return "\n".join(lines) + "\n"
 
 
@@ -422,7 +420,9 @@ class CallReader:
                 continue
             start = self._buffer.find(CALL_OPEN)
             if start >= 0:
-                self._content(self._buffer[:start], events)
+                before = self._buffer[:start]
+                if not self.calls or before.strip():  # the separator between calls is not content
+                    self._content(before, events)
                 self._buffer = self._buffer[start + len(CALL_OPEN) :]
                 self._in_call = True
                 continue
