@@ -75,9 +75,13 @@ def test_wrong_types_are_400_naming_the_field(
         ("logprobs", "yes"),
         ("top_logprobs", 3),  # without logprobs: true
         ("top_logprobs", 21),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "auto"),
-        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function", "function": {"name": "not a name"}}]),
+        ("tool_choice", "auto"),  # without tools
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"schema": {"properties": {"a": {"not": {}}}}}},
+        ),
+        ("response_format", {"type": "xml"}),
         ("presence_penalty", 2.5),
         ("logit_bias", {"50256": -101}),
         ("stream_options", {"include_obfuscation": True}),
