@@ -618,8 +618,7 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
                 param="response_format",
                 code="unsupported_value",
             )
-        params["tools"] = plan.template_tools()
-        params["grammar"] = plan.grammar()
+        params.update(plan.pool_params())
     n, _ = _choice_count({"n": body.get("n")}, 1)
     return Job(
         [prompt],

@@ -100,6 +100,18 @@ class ToolPlan:
             for tool in self.tools
         ]
 
+    def pool_params(self) -> dict[str, Any]:
+        """The pool's keyword arguments for this plan: the tools to render and the
+        grammar (none for ``none``: then the tools are not offered either)::
+
+            plan = parse_tool_request({"tools": [...], "tool_choice": "required"})
+            result = pool.generate(messages, **plan.pool_params())
+            content, calls = read_answer(plan, result.text)
+        """
+        if self.choice == "none":
+            return {}
+        return {"tools": self.template_tools(), "grammar": self.grammar()}
+
     def grammar(self) -> str | None:
         """The llguidance grammar (Lark syntax) of this request's output; None for
         ``none`` (unconstrained, and the answer is text)."""
