@@ -497,7 +497,8 @@ class EventStream(Response):
             if isinstance(event, str):
                 await self._send(send, _sse(self._chunk(choice.index, event, None)))
                 continue
-            number = len(self._call_readers[choice.index].calls) - 1
+            # Its place among the choice's calls (one feed may finish several).
+            number = self._call_readers[choice.index].calls.index(event)
             for delta in tools.call_deltas(plan, event, number):
                 chunk = self._chunk(choice.index, None, None, tool_delta=delta)
                 await self._send(send, _sse(chunk))

@@ -243,6 +243,23 @@ def test_auto_call_and_text_streamed_and_whole(echo_client: openai.OpenAI) -> No
     )
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
+    # Two calls in one piece of streamed text: each its own index, id first.
+    second = written.replace("get_weather", "get_time").replace('"Oslo","days":2', '"Lima"')
+    asked = [{"role": "user", "content": "echo:" + written + "\n" + second}]
+    stream = echo_client.chat.completions.create(
+        model="m", messages=asked, tools=[WEATHER, TIME], stream=True
+    )
+    calls = [d for c in stream if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name if d.function else None) for d in calls if d.id] == [
+        (0, "get_weather"),
+        (1, "get_time"),
+    ]
+    by_index = {
+        index: "".join(d.function.arguments or "" for d in calls if d.index == index and d.function)
+        for index in (0, 1)
+    }
+    assert valid_arguments("get_time", by_index[1]) == {"city": "Lima"}
+
     # A call that does not validate is never passed on as one: it stays text.
     broken = written.replace('"days":2', '"days":9')
     asked = [{"role": "user", "content": "echo:" + broken}]
