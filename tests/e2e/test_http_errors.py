@@ -52,7 +52,8 @@ def test_malformed_json_is_400(http: httpx.Client) -> None:
         (CHAT, {"messages": []}, "messages"),
         (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
         (CHAT, {"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
-        (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         (
             CHAT,
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
