@@ -341,6 +341,22 @@ def template_features(tokenizer: Any) -> TemplateFeatures:
     return features
 
 
+def check_template_tools(tools: object) -> None:
+    """The pool's ``tools`` keyword is OpenAI's list of function tools (what
+    :meth:`ToolPlan.template_tools` gives); refused before dispatch otherwise."""
+    valid = isinstance(tools, list) and all(
+        isinstance(tool, dict)
+        and isinstance(tool.get("function"), dict)
+        and isinstance(tool["function"].get("name"), str)
+        for tool in tools
+    )
+    if not valid:
+        raise InvalidRequest(
+            "tools must be a list of {'type': 'function', 'function': {'name': ..., "
+            "'parameters': ...}} (see modelpool.tools.ToolPlan.pool_params)"
+        )
+
+
 def render_chat(
     tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None
 ) -> str:

@@ -245,3 +245,13 @@ def test_rendering_uses_the_template_tools_or_the_generic_preamble(tiny_model_di
     assert text.startswith("system: You can call functions")
     assert '"name": "get_weather"' in text
     assert CALL_OPEN + '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+
+
+def test_the_pool_refuses_a_malformed_tools_keyword_before_dispatch() -> None:
+    from modelpool.backends.hf import validate
+    from modelpool.errors import InvalidRequest
+
+    validate(plan().pool_params())
+    for tools in ("get_weather", [{"name": "get_weather"}], [{"function": {}}]):
+        with pytest.raises(InvalidRequest, match="tools must be"):
+            validate({"tools": tools})

@@ -70,7 +70,7 @@ from modelpool.protocol import (
     TokenIds,
     TokenLogprob,
 )
-from modelpool.tools import render_chat
+from modelpool.tools import check_template_tools, render_chat
 from modelpool.validation import MAX_INT, check_generation_params, is_int, is_number
 
 if TYPE_CHECKING:
@@ -157,6 +157,8 @@ def validate(params: Mapping[str, Any]) -> None:
     if "stop" in params:
         stop_strings(params["stop"])
     check_grammar_params(params)
+    if params.get("tools") is not None:
+        check_template_tools(params["tools"])
 
 
 def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
