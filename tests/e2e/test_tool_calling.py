@@ -68,8 +68,10 @@ def valid_arguments(name: str, arguments: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def hf_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Daemon]:
+    # Generous bounds: they catch a hung daemon; on a busy shared machine a call of ~80
+    # byte-level tokens can take tens of seconds.
     config = daemon_config(
-        model=str(tiny_model_dir), backend="hf", workers=1, max_batch_size=4, deadline_s=60.0
+        model=str(tiny_model_dir), backend="hf", workers=1, max_batch_size=4, deadline_s=180.0
     )
     daemon = start_daemon(tmp_path_factory.mktemp("tools"), config, ready_timeout=300.0)
     yield daemon
@@ -79,7 +81,7 @@ def hf_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) ->
 @pytest.fixture(scope="module")
 def client(hf_daemon: Daemon) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(
-        base_url=hf_daemon.url + "/v1", api_key="unused", max_retries=0, timeout=60.0
+        base_url=hf_daemon.url + "/v1", api_key="unused", max_retries=0, timeout=180.0
     ) as opened:
         yield opened
 
