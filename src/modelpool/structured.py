@@ -224,8 +224,18 @@ def json_schema_grammar_fragment(schema: object, *, param: str) -> str:
     if not isinstance(schema, Mapping) and not isinstance(schema, bool):
         raise GrammarError(f"{param} must be a JSON schema (an object)", param=param)
     compact: Any = schema
-    if isinstance(schema, Mapping) and "x-guidance" not in schema:
-        compact = {**schema, "x-guidance": _COMPACT}
+    if isinstance(schema, Mapping):
+        options = dict(_COMPACT)
+        if _one_of_is_discriminated(schema):
+            # Each branch fixes the discriminator to its own value: no output can match two
+            # branches, so oneOf means anyOf here (pydantic writes unions with a
+            # discriminator this way).
+            options["coerce_one_of"] = True
+        given = schema.get("x-guidance")
+        compact = {
+            **schema,
+            "x-guidance": {**options, **(given if isinstance(given, Mapping) else {})},
+        }
     try:
         text = json.dumps(compact, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -290,6 +300,15 @@ _EXCERPT_LINE = re.compile(r"^\s+\d+ \|")
 
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
+# llguidance's messages that name a keyword without saying where it is.
+_KEYWORD_MESSAGES = (
+    ("oneOf constraints are not supported", "oneOf"),
+    ("min/maxProperties only supported", "minProperties"),
+    ("min/maxProperties only supported", "maxProperties"),
+    ("patternProperty regexes", "patternProperties"),
+    ("circular references with sibling keys", "$ref"),
+    ("is not present in a registry", "$ref"),
+)
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (.+)$")
 _MISSING_POINTER = re.compile(r"Pointer '(.*)' does not exist")
 
@@ -309,11 +328,21 @@ def _locate(schema: object, message: str) -> tuple[list[str], str | None]:
         matchers.append(("$ref", lambda sub: sub.get("$ref") == ref))
     elif "regex" in message:
         matchers.append(("pattern", lambda sub: _bad_pattern(sub.get("pattern"))))
+    else:
+        for text, key in _KEYWORD_MESSAGES:
+            if text in message:
+                matchers.append((key, lambda sub, key=key: key in sub))
     for keyword, found in matchers:
         for where, subschema in _subschemas(schema, []):
             if found(subschema):
                 return where, keyword
     return [], None
+
+
+def _one_of_is_discriminated(schema: object) -> bool:
+    """Does every ``oneOf`` in ``schema`` come with an OpenAPI ``discriminator``?"""
+    one_ofs = [sub for _, sub in _subschemas(schema, []) if "oneOf" in sub]
+    return bool(one_ofs) and all("discriminator" in sub for sub in one_ofs)
 
 
 def _bad_pattern(pattern: object) -> bool:
@@ -349,11 +378,10 @@ _JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "bool
 
 
 def _looks_like_a_schema(value: Mapping[str, Any]) -> bool:
-    kind = value.get("type")
+    kind = value.get("type", "object")
     if isinstance(kind, str):
         return kind in _JSON_TYPES
-    schema_keys = {"type", "properties", "$schema", "$ref", "anyOf", "oneOf", "allOf", "enum"}
-    return bool(schema_keys & set(value))
+    return isinstance(kind, list)  # {"type": ["string", "null"]}
 
 
 def _only_keys(value: Mapping[str, Any], allowed: tuple[str, ...], param: str) -> None:
