@@ -92,7 +92,8 @@ def prompt_for(schema: Any) -> list[dict[str, str]]:
 
 
 def check_output(schema: Any, text: str) -> str:
-    """"valid", "invalid" or "unchecked" (jsonschema cannot check this schema)."""
+    """The output's status: "valid", "invalid", or "unchecked" (jsonschema cannot check
+    this schema)."""
     import jsonschema
 
     try:
