@@ -91,7 +91,7 @@ def child(engine: str, model: str) -> None:
             mask_s = compile_one(Path(line.strip()).read_text())
             answer: dict[str, Any] = {"status": "compiled", "mask_s": mask_s}
         except Exception as exc:
-            answer = {"status": "refused", "reason": f"{type(exc).__name__}: {exc}"[:80]}
+            answer = {"status": "refused", "reason": str(exc).strip()[:80]}
         answer["compile_s"] = time.perf_counter() - started - answer.get("mask_s", 0.0)
         print(json.dumps(answer), flush=True)
 
@@ -146,7 +146,7 @@ def run_engine(engine: str, model: str, paths: list[Path], timeout_s: float) -> 
             compile_s.append(answer["compile_s"])
             mask_s.append(answer["mask_s"])
         else:
-            reasons[answer["reason"].split(":")[0]] += 1
+            reasons[answer["reason"].split(":")[0][:40]] += 1
     worker.close()
     return {"counts": counts, "reasons": reasons, "compile_s": compile_s, "mask_s": mask_s}
 
