@@ -195,7 +195,10 @@ def _structured_kind(kind: str, value: object, *, param: str) -> str:
     if kind == "regex":
         if not isinstance(value, str):
             raise GrammarError(f"{param} must be a regular expression string", param=param)
-        text = f"start: /{llguidance.regex_to_lark(value, '')}/"
+        try:
+            text = f"start: /{llguidance.regex_to_lark(value, '')}/"
+        except ValueError as exc:
+            raise GrammarError(f"{param}: {exc}", param=param) from exc
         return check_grammar(text, param=param)
     if kind == "choice":
         if (
@@ -238,8 +241,8 @@ def json_schema_grammar_fragment(schema: object, *, param: str) -> str:
         }
     try:
         text = json.dumps(compact, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise GrammarError(f"{param} is not JSON: {exc}", param=param) from exc
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise GrammarError(f"{param} is not JSON: {exc!r:.200}", param=param) from exc
     fragment = f"%json {text}"
     _check_schema(f"start: {fragment}", schema, param)
     return fragment
@@ -355,23 +358,29 @@ def _bad_pattern(pattern: object) -> bool:
 
 
 def _subschemas(schema: object, where: list[str]) -> Iterator[tuple[list[str], Mapping[str, Any]]]:
-    """Every subschema of ``schema`` with its path, the schema itself first."""
-    if not isinstance(schema, Mapping):
-        return
-    yield where, schema
-    for keyword in _ONE_SCHEMA:
-        if isinstance(schema.get(keyword), Mapping):
-            yield from _subschemas(schema[keyword], [*where, keyword])
-    for keyword in _SCHEMA_MAPS:
-        children = schema.get(keyword)
-        if isinstance(children, Mapping):
-            for name, child in children.items():
-                yield from _subschemas(child, [*where, keyword, str(name)])
-    for keyword in _SCHEMA_LISTS:
-        children = schema.get(keyword)
-        if isinstance(children, list):
-            for index, child in enumerate(children):
-                yield from _subschemas(child, [*where, f"{keyword}[{index}]"])
+    """Every subschema of ``schema`` with its path, depth first, the schema itself first
+    (a stack rather than recursion: a schema may nest deeper than Python recurses)."""
+    stack: list[tuple[list[str], object]] = [(where, schema)]
+    while stack:
+        path, node = stack.pop()
+        if not isinstance(node, Mapping):
+            continue
+        yield path, node
+        children: list[tuple[list[str], object]] = []
+        for keyword in _ONE_SCHEMA:
+            if isinstance(node.get(keyword), Mapping):
+                children.append(([*path, keyword], node[keyword]))
+        for keyword in _SCHEMA_MAPS:
+            named = node.get(keyword)
+            if isinstance(named, Mapping):
+                children += [([*path, keyword, str(name)], child) for name, child in named.items()]
+        for keyword in _SCHEMA_LISTS:
+            listed = node.get(keyword)
+            if isinstance(listed, list):
+                children += [
+                    ([*path, f"{keyword}[{index}]"], child) for index, child in enumerate(listed)
+                ]
+        stack.extend(reversed(children))
 
 
 _JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
