@@ -5,12 +5,13 @@ grammar text, and what llguidance cannot honour is refused naming the keyword an
 from __future__ import annotations
 
 import json
-from typing import Any
+import sys
+from typing import Any, Literal
 
 import pydantic
 import pytest
 
-from modelpool.errors import GrammarError, InvalidRequest
+from modelpool.errors import GrammarEngineMissing, GrammarError, InvalidRequest
 from modelpool.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM
 from modelpool.openai_request import ApiError, parse_chat, parse_completion
 from modelpool.structured import (
@@ -187,3 +188,31 @@ def test_http_bodies_carry_the_grammar_or_a_400_pointing_into_the_schema() -> No
         )
     assert caught.value.status == 400
     assert caught.value.param == "response_format.json_schema.schema.properties.x.format"
+
+
+def test_one_of_is_refused_unless_a_discriminator_makes_it_exclusive() -> None:
+    class Cat(pydantic.BaseModel):
+        kind: Literal["cat"]
+        lives: int
+
+    class Dog(pydantic.BaseModel):
+        kind: Literal["dog"]
+        good: bool
+
+    class Pet(pydantic.BaseModel):
+        pet: Cat | Dog = pydantic.Field(discriminator="kind")
+
+    assert '"coerce_one_of": true' in (grammar_for_response_format(Pet) or "")
+    overlapping = {"properties": {"n": {"oneOf": [{"type": "integer"}, {"minimum": 0}]}}}
+    with pytest.raises(GrammarError) as caught:
+        grammar_for_response_format(overlapping)
+    assert caught.value.param == "response_format.properties.n.oneOf"
+
+
+def test_without_llguidance_a_constrained_request_is_a_typed_refusal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance raises
+    with pytest.raises(GrammarEngineMissing, match=r"modelpool\[structured\]"):
+        constrain({"response_format": SCHEMA}, 5.0)
+    assert constrain({"max_new_tokens": 4}, 5.0) == {"max_new_tokens": 4}

@@ -19,6 +19,10 @@ log probability and its N likeliest alternatives (``Generation.logprobs``);
 (``max_new_tokens=0`` then scores the prompt alone). Neither costs anything
 when not asked for: only then does generate() keep each step's logits.
 
+``grammar`` (llguidance grammar text, see :mod:`modelpool.grammar`) constrains the
+output: compiled within ``grammar_compile_timeout_s`` on a thread of its own, then
+applied as a logits processor before generate()'s sampling warpers.
+
 Every step checks ``call.cancelled()`` and ends generation cleanly when it
 turns true; text is handed to ``call.emit`` as soon as it is stable (never
 half a character, never the start of a stop string), and the chunks joined

@@ -21,6 +21,13 @@ running batch, one shared left-padded cache). Each ``step()``:
    dropping its cache rows and any leading columns that are now padding in
    every row.
 
+A request with a grammar (structured outputs, :mod:`modelpool.grammar`) first waits in
+``compiling`` while its grammar compiles on a thread of its own; the batch goes on
+decoding meanwhile, and one whose compilation fails or outlasts its bound ends alone.
+Once running, its row's mask is computed on a helper thread while the forward pass runs
+and applied to its logits before its own penalties and sampling; it ends as soon as its
+grammar is complete.
+
 Faults stay in their row where they can be attributed: a prefill runs one
 request at a time, so its failure (an out-of-memory on a long prompt, say) is
 that request's; so is a failure choosing or emitting one row's token. A
