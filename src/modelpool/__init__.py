@@ -47,6 +47,9 @@ _EXPORTS = {
     "DeviceError": "modelpool.errors",
     "InvalidRequest": "modelpool.errors",
     "ContextLengthExceeded": "modelpool.errors",
+    "GrammarError": "modelpool.errors",
+    "GrammarCompileTimeout": "modelpool.errors",
+    "GrammarEngineMissing": "modelpool.errors",
 }
 
 __all__ = [
@@ -58,6 +61,9 @@ __all__ = [
     "DeadlineExceeded",
     "DeviceError",
     "Generation",
+    "GrammarCompileTimeout",
+    "GrammarEngineMissing",
+    "GrammarError",
     "InvalidRequest",
     "ModelLoadFailed",
     "ModelPool",
@@ -92,6 +98,9 @@ if TYPE_CHECKING:
         CudaError,
         DeadlineExceeded,
         DeviceError,
+        GrammarCompileTimeout,
+        GrammarEngineMissing,
+        GrammarError,
         InvalidRequest,
         ModelLoadFailed,
         ModelSourceError,

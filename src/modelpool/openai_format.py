@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelpool.logprob_columns import TokenLogprobs
 from modelpool.protocol import Prompt, TokenIds, TokenLogprob
+from modelpool.tools import ToolPlan, answer_message
 
 if TYPE_CHECKING:
     from modelpool.results import Result
@@ -57,6 +58,7 @@ class Job:
     logprobs: int | None = None
     echo: bool = False
     chat: bool = False
+    tools: ToolPlan | None = None
 
     @property
     def runs_per_prompt(self) -> int:
@@ -231,11 +233,15 @@ def response_body(job: Job, results: dict[int, Result], model: str, created: int
         prompt = job.prompts[index // job.n]
         logprobs = choice_logprobs(job, prompt, result)
         if job.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": result.text}
+            finish_reason: str | None = result.finish_reason
+            if job.tools is not None:
+                message, finish_reason = answer_message(job.tools, result.text, finish_reason)
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": result.text},
-                    "finish_reason": result.finish_reason,
+                    "message": message,
+                    "finish_reason": finish_reason,
                     "logprobs": logprobs,
                 }
             )

@@ -11,7 +11,7 @@ client sent::
 
 Bodies are checked field by field rather than by pydantic models: every rejection
 names the OpenAI field (the pool's own messages name its kwargs, e.g.
-``max_new_tokens``), and a field we cannot honour (``tools``, penalties...) is a 400,
+``max_new_tokens``), and a field we cannot honour (``suffix``, ``audio``...) is a 400,
 never ignored. ``COMPLETION_FIELDS`` and ``CHAT_FIELDS`` name the fields each
 route acts on (a few more, such as ``user``, are accepted and ignored); the
 response shapes are built in ``openai_format``.
@@ -29,9 +29,25 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from modelpool.errors import GrammarError
 from modelpool.openai_format import MAX_CHOICES, Job
 from modelpool.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
-from modelpool.validation import MAX_INT, is_int, is_number
+from modelpool.structured import GUIDED_FIELDS, grammar_for_body
+from modelpool.tools import (
+    ToolPlan,
+    ToolRequestError,
+    chat_message,
+    fill_result_names,
+    parse_tool_request,
+)
+from modelpool.validation import (
+    MAX_INT,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_PENALTY,
+    is_int,
+    is_number,
+)
 
 TIMEOUT_HEADER = "x-request-timeout"
 # Whether a client should send a failed request again, said on every error answer in
@@ -48,7 +64,7 @@ RETRYABLE_STATUSES = frozenset({429, 503})
 _IGNORED_STRINGS = frozenset(
     {"model", "user", "service_tier", "safety_identifier", "prompt_cache_key"}
 )
-_IGNORED_BOOLS = frozenset({"store", "parallel_tool_calls"})
+_IGNORED_BOOLS = frozenset({"store"})
 _IGNORED_FIELDS = _IGNORED_STRINGS | _IGNORED_BOOLS | {"metadata"}
 MAX_IGNORED_STRING = 512
 MAX_METADATA_PAIRS = 16
@@ -71,6 +87,10 @@ _COMMON_FIELDS = frozenset(
         "logit_bias",
         "logprobs",
         "timeout",
+        # Structured outputs (modelpool.structured): OpenAI's, and vLLM's extensions.
+        "response_format",
+        "structured_outputs",
+        *GUIDED_FIELDS,
     }
 )
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of"}
@@ -80,18 +100,24 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "top_logprobs",
     "tools",
     "tool_choice",
+    "parallel_tool_calls",
     "functions",
     "function_call",
-    "response_format",
     "modalities",
     "audio",
     "prediction",
     "reasoning_effort",
     "web_search_options",
 }
-# Chat roles a plain chat template understands; "developer" is OpenAI's newer
-# name for "system" and is passed on as such.
-_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+# Chat roles; "developer" is OpenAI's newer name for "system" and is passed on as such;
+# "tool" (and the legacy "function") carry a tool's result (see modelpool.tools).
+_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+# The message keys each role may carry beside role and content.
+_MESSAGE_KEYS: dict[str, frozenset[str]] = {
+    "assistant": frozenset({"name", "tool_calls", "function_call", "refusal"}),
+    "tool": frozenset({"tool_call_id", "name"}),
+    "function": frozenset({"name"}),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,15 +299,7 @@ def _unsupported_unless(condition: bool, name: str, why: str) -> None:
 
 
 def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any]:
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _opt_number(body, name)
-        _unsupported_unless(value in (None, 0), name, "penalties are not supported (use 0)")
-    logit_bias = body.get("logit_bias")
-    _unsupported_unless(
-        logit_bias is None or logit_bias == {}, "logit_bias", "logit_bias is not supported"
-    )
-
-    params: dict[str, Any] = {}
+    params: dict[str, Any] = {**_penalty_params(body), **structured_params(body)}
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
     # vLLM's extension, which load generators use to fix the output length: end-of-sequence
@@ -320,6 +338,55 @@ def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str,
     elif stop is not None:
         raise invalid("stop must be a string or a list of strings", param="stop")
     return params
+
+
+def _penalty_params(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``presence_penalty``, ``frequency_penalty`` (numbers in [-2, 2]) and ``logit_bias``
+    (token id strings -> biases in [-100, 100]) as the pool's kwargs; zeros are left out."""
+    params: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _opt_number(body, name)
+        if value is not None and abs(value) > MAX_PENALTY:
+            raise invalid(
+                f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}", name
+            )
+        if value:
+            params[name] = value
+    bias = body.get("logit_bias")
+    if bias is None:
+        return params
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise invalid(
+            f"logit_bias must be an object of at most {MAX_LOGIT_BIAS_TOKENS} token ids",
+            "logit_bias",
+        )
+    by_token: dict[int, float] = {}
+    for token, value in bias.items():
+        if not token.isdecimal() or not is_int(int(token), minimum=0):
+            raise invalid(
+                f"logit_bias keys must be token ids (decimal integers >= 0), got {token!r}",
+                "logit_bias",
+            )
+        if not is_number(value) or abs(value) > MAX_LOGIT_BIAS:
+            raise invalid(
+                f"logit_bias[{token!r}] must be a number in "
+                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r}",
+                "logit_bias",
+            )
+        by_token[int(token)] = float(value)
+    if by_token:
+        params["logit_bias"] = by_token
+    return params
+
+
+def structured_params(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"grammar": ...}`` for a body that asks for structured output, else ``{}``; a
+    constraint the grammar engine cannot honour is a 400 whose ``param`` points at it."""
+    try:
+        grammar = grammar_for_body(body)
+    except GrammarError as exc:
+        raise invalid(exc.message, param=exc.param, code="unsupported_value") from exc
+    return {} if grammar is None else {"grammar": grammar}
 
 
 def _stream_flag(body: Mapping[str, Any]) -> bool:
@@ -491,7 +558,7 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
         raise invalid("missing field 'messages'", param="messages", code="missing_field")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", param="messages")
-    prompt: list[Mapping[str, str]] = []
+    prompt: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if not isinstance(message, dict):
@@ -507,25 +574,15 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
                 code="unsupported_value",
             )
         for key in message:
-            if key not in ("role", "content", "name"):
+            if key not in ("role", "content", "name") and key not in _MESSAGE_KEYS.get(role, ()):
                 raise invalid(
                     f"{where}.{key} is not supported",
                     param=f"{where}.{key}",
                     code="unsupported_field",
                 )
-        content = _message_content(message.get("content"), index)
-        prompt.append({"role": "system" if role == "developer" else role, "content": content})
-
-    for name in ("tools", "functions"):
-        _unsupported_unless(not body.get(name), name, "tool calling is not supported")
-    for name in ("tool_choice", "function_call"):
-        _unsupported_unless(body.get(name) in (None, "none"), name, "tool calling is not supported")
-    response_format = body.get("response_format")
-    _unsupported_unless(
-        response_format is None or response_format == {"type": "text"},
-        "response_format",
-        "only {'type': 'text'} is supported",
-    )
+        prompt.append(_chat_message(message, role, index))
+    fill_result_names(prompt)
+    plan = _tool_plan(body)
     modalities = body.get("modalities")
     _unsupported_unless(
         modalities is None or modalities == ["text"], "modalities", "only text output is supported"
@@ -553,6 +610,15 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
     params = _common_params(body, max_completion if max_tokens is None else max_tokens)
     if logprobs is not None:
         params["logprobs"] = logprobs
+    if plan is not None and plan.choice != "none":
+        if "grammar" in params:
+            raise invalid(
+                "response_format (or a guided field) and tool calling cannot both constrain "
+                "one answer: send tool_choice 'none' or no response_format",
+                param="response_format",
+                code="unsupported_value",
+            )
+        params.update(plan.pool_params())
     n, _ = _choice_count({"n": body.get("n")}, 1)
     return Job(
         [prompt],
@@ -562,7 +628,33 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
         include_usage=_include_usage(body),
         logprobs=logprobs,
         chat=True,
+        tools=plan,
     )
+
+
+def _chat_message(message: Mapping[str, Any], role: str, index: int) -> dict[str, Any]:
+    """One message in the pool's form; tool calls and results through ``modelpool.tools``."""
+    content = message.get("content")
+    where = f"messages[{index}]"
+    calls = "tool_calls" in message or "function_call" in message
+    if content is None and role == "assistant" and calls:
+        content = ""  # OpenAI's null content beside the calls
+    text = _message_content(content, index)
+    try:
+        converted = chat_message(message, where, text)
+    except ToolRequestError as exc:
+        raise invalid(str(exc), param=exc.param) from None
+    if converted is not None:
+        return converted
+    return {"role": "system" if role == "developer" else role, "content": text}
+
+
+def _tool_plan(body: Mapping[str, Any]) -> ToolPlan | None:
+    """``tools``/``tool_choice``/``parallel_tool_calls`` (or ``functions``/``function_call``)."""
+    try:
+        return parse_tool_request(body)
+    except ToolRequestError as exc:
+        raise invalid(str(exc), param=exc.param) from None
 
 
 def _prompt_size(prompt: Prompt) -> int:

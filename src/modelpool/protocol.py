@@ -84,7 +84,9 @@ from typing import Any, Literal, Protocol
 PROTOCOL_VERSION = 4
 
 FinishReason = Literal["stop", "length", "cancelled"]
-ChatMessage = Mapping[str, str]
+ChatMessage = Mapping[str, Any]
+"""``{"role", "content"}`` strings; in tool calling an assistant message may carry
+``tool_calls`` and a ``tool`` message ``tool_call_id`` and ``name`` (see ``tools``)."""
 
 MAX_TOP_LOGPROBS = 20
 """The most alternatives a request may ask for per token (``logprobs``, ``prompt_logprobs``)."""

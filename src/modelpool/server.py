@@ -68,12 +68,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive, Scope, Send
 
+from modelpool import tools
 from modelpool.config import ServerConfig
 from modelpool.errors import (
     BackendError,
     ContextLengthExceeded,
     CudaError,
     DeadlineExceeded,
+    GrammarCompileTimeout,
+    GrammarError,
     InvalidRequest,
     ModelLoadFailed,
     OutOfMemory,
@@ -145,6 +148,14 @@ def pool_error_to_api(error: PoolError) -> ApiError:
             max_model_len=error.max_model_len,
         )
         return ApiError(400, error.message, code="context_length_exceeded", extra=extra)
+    if isinstance(error, GrammarCompileTimeout):
+        return ApiError(
+            400, error.message, code="grammar_compile_timeout", param=error.param, extra=extra
+        )
+    if isinstance(error, GrammarError):
+        return ApiError(
+            400, error.message, code="unsupported_value", param=error.param, extra=extra
+        )
     if isinstance(error, InvalidRequest):
         return ApiError(400, error.message, code="invalid_value", extra=extra)
     if isinstance(error, PoolOverloaded):
@@ -311,6 +322,10 @@ class EventStream(Response):
         self._id = ""  # known once a choice has started
         self._created = int(time.time())
         self._complete = False
+        # Tool calling: each choice's text read into content and calls as it streams.
+        self._call_readers = {
+            choice.index: tools.CallReader(job.tools) for choice in choices if job.tools
+        }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = scope.setdefault("state", {})
@@ -348,9 +363,10 @@ class EventStream(Response):
         finish_reason: str | None,
         role: bool = False,
         logprobs: dict[str, Any] | None = None,
+        tool_delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if self._chat:
-            delta: dict[str, Any] = {}
+            delta: dict[str, Any] = dict(tool_delta or {})
             if role:
                 delta["role"] = "assistant"
             if text is not None:
@@ -420,9 +436,15 @@ class EventStream(Response):
                 await self._start(send, state)
                 started = True
             if isinstance(item, str):
-                if item:
+                reader = self._call_readers.get(choice.index)
+                if reader is not None:
+                    await self._send_tool_events(send, choice, reader.feed(item))
+                elif item:
                     await self._send(send, _sse(self._chunk(choice.index, item, None)))
                 continue
+            reader = self._call_readers.get(choice.index)
+            if reader is not None:
+                await self._send_tool_events(send, choice, reader.finish())
             results[choice.index] = item
             _note_results(state, results.values())
             final = await _off_loop_if(
@@ -465,11 +487,30 @@ class EventStream(Response):
             elif self._job.echo and isinstance(choice.prompt, str) and choice.prompt:
                 await self._send(send, _sse(self._chunk(choice.index, choice.prompt, None)))
 
+    async def _send_tool_events(
+        self, send: Send, choice: StreamedChoice, events: list[tools.Event]
+    ) -> None:
+        """A tool-calling choice's content, and each whole call as OpenAI streams it."""
+        plan = self._job.tools
+        assert plan is not None
+        for event in events:
+            if isinstance(event, str):
+                await self._send(send, _sse(self._chunk(choice.index, event, None)))
+                continue
+            # Its place among the choice's calls (one feed may finish several).
+            number = self._call_readers[choice.index].calls.index(event)
+            for delta in tools.call_deltas(plan, event, number):
+                chunk = self._chunk(choice.index, None, None, tool_delta=delta)
+                await self._send(send, _sse(chunk))
+
     def _final_event(self, choice: StreamedChoice, result: Result) -> bytes:
         """A choice's last event, with the logprobs of all its tokens when asked for."""
         logprobs = choice_logprobs(self._job, choice.prompt, result)
+        finish_reason: str | None = result.finish_reason
+        if self._job.tools is not None and self._call_readers[choice.index].calls:
+            finish_reason = "function_call" if self._job.tools.legacy else "tool_calls"
         final = self._chunk(
-            choice.index, None if self._chat else "", result.finish_reason, logprobs=logprobs
+            choice.index, None if self._chat else "", finish_reason, logprobs=logprobs
         )
         return b"data: " + json_bytes(final) + b"\n\n"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -12,6 +13,10 @@ from modelpool.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
 # The widest integer any backend is asked to take (a C int64: torch, numpy, CUDA); a
 # larger one would fail inside a worker, or with OverflowError, instead of here.
 MAX_INT = 2**63 - 1
+# OpenAI's ranges for its penalties and its bound on logit_bias's entries.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 300
 
 
 def is_number(value: object) -> bool:
@@ -65,6 +70,39 @@ def check_generation_params(params: Mapping[str, Any], *, where: str = "") -> No
         value = params["top_p"]
         if not is_number(value) or not 0 < value <= 1:
             raise InvalidRequest(f"{prefix}top_p must be in (0, 1], got {value!r}")
+    _check_penalties(params, prefix)
+
+
+def _check_penalties(params: Mapping[str, Any], prefix: str) -> None:
+    """OpenAI's ranges: penalties in [-2, 2], ``logit_bias`` token id -> bias in [-100, 100]
+    (ids as ints or as decimal strings, OpenAI's JSON form)."""
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = params.get(key)
+        if value is not None and (not is_number(value) or abs(value) > MAX_PENALTY):
+            raise InvalidRequest(
+                f"{prefix}{key} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                f"got {value!r}"
+            )
+    bias = params.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, Mapping) or len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequest(
+            f"{prefix}logit_bias must map at most {MAX_LOGIT_BIAS_TOKENS} token ids to biases"
+        )
+    for token, value in bias.items():
+        token_ok = is_int(token, minimum=0) or (
+            isinstance(token, str) and token.isdecimal() and is_int(int(token), minimum=0)
+        )
+        if not token_ok:
+            raise InvalidRequest(
+                f"{prefix}logit_bias keys must be token ids (integers >= 0), got {token!r}"
+            )
+        if not is_number(value) or abs(value) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(
+                f"{prefix}logit_bias[{token!r}] must be a number in "
+                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r}"
+            )
 
 
 def check_prompt(prompt: object) -> Prompt:
@@ -86,7 +124,7 @@ def check_prompt(prompt: object) -> Prompt:
         )
     if all(isinstance(item, int) for item in prompt):
         return _token_ids(prompt)
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     for index, message in enumerate(prompt):
         if not isinstance(message, Mapping):
             raise InvalidRequest(f"prompt[{index}] must be a mapping with 'role' and 'content'")
@@ -95,8 +133,37 @@ def check_prompt(prompt: object) -> Prompt:
             raise InvalidRequest(f"prompt[{index}].role must be a non-empty string")
         if not isinstance(content, str):
             raise InvalidRequest(f"prompt[{index}].content must be a string")
-        messages.append({"role": str(role), "content": str(content)})
+        copy: dict[str, Any] = {"role": str(role), "content": str(content)}
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                copy[key] = str(message[key])
+        if message.get("tool_calls") is not None:
+            copy["tool_calls"] = _tool_calls(message["tool_calls"], index)
+        messages.append(copy)
     return messages
+
+
+def _tool_calls(calls: object, index: int) -> list[dict[str, Any]]:
+    """An assistant message's calls: ``[{"id", "type", "function": {"name", "arguments"}}]``
+    with the arguments as a JSON object (what chat templates print), copied as JSON."""
+    where = f"prompt[{index}].tool_calls"
+    try:
+        copied = json.loads(json.dumps(calls))
+    except (TypeError, ValueError):
+        raise InvalidRequest(f"{where} must be JSON data") from None
+    if not isinstance(copied, list):
+        raise InvalidRequest(f"{where} must be a list")
+    for call in copied:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (
+            isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), dict)
+        ):
+            raise InvalidRequest(
+                f"{where}: each call must be {{'function': {{'name': str, 'arguments': dict}}}}"
+            )
+    return copied
 
 
 def _token_ids(ids: object) -> TokenIds:

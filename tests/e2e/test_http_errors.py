@@ -52,7 +52,8 @@ def test_malformed_json_is_400(http: httpx.Client) -> None:
         (CHAT, {"messages": []}, "messages"),
         (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
         (CHAT, {"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
-        (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         (
             CHAT,
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -75,11 +76,15 @@ def test_wrong_types_are_400_naming_the_field(
         ("logprobs", "yes"),
         ("top_logprobs", 3),  # without logprobs: true
         ("top_logprobs", 21),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "auto"),
-        ("response_format", {"type": "json_object"}),
-        ("presence_penalty", 0.5),
-        ("logit_bias", {"50256": -100}),
+        ("tools", [{"type": "function", "function": {"name": "not a name"}}]),
+        ("tool_choice", "auto"),  # without tools
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"schema": {"properties": {"a": {"not": {}}}}}},
+        ),
+        ("response_format", {"type": "xml"}),
+        ("presence_penalty", 2.5),
+        ("logit_bias", {"50256": -101}),
         ("stream_options", {"include_obfuscation": True}),
         ("no_such_field", 1),
     ],

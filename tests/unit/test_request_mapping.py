@@ -94,11 +94,16 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
             "messages[0].tool_calls",
         ),
         ({"messages": USER, "stream_options": {"include_usage": False}}, "stream_options"),
-        ({"messages": USER, "frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": USER, "frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"messages": USER, "presence_penalty": -3}, "presence_penalty"),
+        ({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {"5": 100.5}}, "logit_bias"),
         ({"messages": USER, "n": 0}, "n"),
         ({"messages": USER, "suffix": "y"}, "suffix"),
-        ({"messages": USER, "tools": [TOOL]}, "tools"),
+        ({"messages": USER, "tools": [TOOL, TOOL]}, "tools"),
+        ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"messages": USER, "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": USER, "tools": [TOOL], "tool_choice": "any"}, "tool_choice"),
         ({"messages": USER, "bogus": 1}, "bogus"),
     ],
 )
@@ -196,3 +201,19 @@ def test_cli_helpers() -> None:
     pool = PoolConfig(model="embedded:smollm2-135m-instruct", backend="testing")
     assert served_model_name(pool, ServerConfig()) == "smollm2-135m-instruct"
     assert served_model_name(pool, ServerConfig(model_name="named")) == "named"
+
+
+def test_penalties_and_logit_bias_become_pool_kwargs() -> None:
+    job = parse_chat(
+        {
+            "messages": USER,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -2,
+            "logit_bias": {"50256": -100, "7": 2.5},
+        }
+    )
+    assert job.params == {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -2.0,
+        "logit_bias": {50256: -100.0, 7: 2.5},
+    }
