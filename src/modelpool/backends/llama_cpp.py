@@ -409,7 +409,10 @@ class Runtime:
         max_sequences = min(settings.max_sequences, int(llama.llama_max_parallel_sequences()))
         batch_capacity = settings.prefill_chunk_tokens + max_sequences
         context_params = llama.llama_context_default_params()
-        context_params.n_ctx = kv_cells
+        # Never fewer cells than one step's batch: llama.cpp sizes its outputs from the
+        # batch and aborts the process when the context is smaller. The admission
+        # budget stays kv_cells.
+        context_params.n_ctx = max(kv_cells, batch_capacity)
         context_params.n_batch = batch_capacity
         context_params.n_ubatch = min(batch_capacity, 512)
         context_params.n_seq_max = max_sequences
