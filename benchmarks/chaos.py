@@ -28,6 +28,18 @@ crash_once   ``crash_once:PATH``          "ok" on the retry
 invalid      bad parameters / prompt      ``InvalidRequest`` before dispatch
 ===========  ===========================  ==========================================
 
+``--grammar`` mixes structured-output compilations in (the testing backend rehearses
+them, see :mod:`modelpool.testing`):
+
+================  ==================================  ====================================
+grammar           ``echo:<id>``, a grammar that       the id (compiled off the loop,
+                  compiles in 10 ms (shared or new)   cached or not)
+grammar_hang      a grammar whose compilation hangs   ``GrammarCompileTimeout`` past
+                                                      ``grammar_compile_timeout_s``, not
+                                                      retried, the worker still warm
+grammar_segfault  a compilation that segfaults        as ``segfault``
+================  ==================================  ====================================
+
 A request may deviate from its expected outcome only where the agent struck
 the workers of its attempts (the pids it killed or stopped are recorded and
 compared with the error's ``attempts``). At the end the harness checks: no
@@ -67,6 +79,7 @@ from modelpool.config import PoolConfig, RetryPolicy
 from modelpool.errors import (
     BackendError,
     DeadlineExceeded,
+    GrammarCompileTimeout,
     InvalidRequest,
     PoolError,
     WorkerCrashed,
@@ -93,6 +106,8 @@ MIX: dict[str, float] = {
     "crash_once": 4,
     "invalid": 3,
 }
+GRAMMAR_MIX: dict[str, float] = {"grammar": 8, "grammar_hang": 3, "grammar_segfault": 2}
+GRAMMAR_COMPILE_TIMEOUT_S = 0.3
 FAULT_DEADLINE_S = 2.0  # the pool's default deadline: what hang and hog requests run under
 LONG_DEADLINE_S = 20.0  # everything that should finish gets room for queueing and retries
 ATTEMPT_TIMEOUT_S = 2.0  # catches a frozen (SIGSTOPped) worker; a normal request is retried
@@ -159,6 +174,10 @@ class Record:
     violation: str | None = None
 
 
+def mix_for(args: argparse.Namespace) -> dict[str, float]:
+    return {**MIX, **GRAMMAR_MIX} if getattr(args, "grammar", False) else MIX
+
+
 def make_spec(seed: int, index: int, tmpdir: str, mix: dict[str, float]) -> Spec:
     rng = random.Random(seed * 1_000_003 + index)
     kind = rng.choices(list(mix), weights=list(mix.values()))[0]
@@ -197,6 +216,18 @@ def make_spec(seed: int, index: int, tmpdir: str, mix: dict[str, float]) -> Spec
         spec.deadline_s, spec.pass_deadline = FAULT_DEADLINE_S, False
     elif kind == "segfault":
         spec.prompt = "segfault"
+    elif kind == "grammar":
+        ident = f"g{seed}-{index}-{rng.getrandbits(32):08x}"
+        spec.prompt, spec.expected = f"echo:{ident}", ident
+        # Half share one text (the worker's cache answers), half are new to it.
+        text = "shared" if rng.random() < 0.5 else ident
+        spec.params = {"grammar": f'start: "compile_sleep:0.01 {text}"'}
+    elif kind == "grammar_hang":
+        spec.prompt = "echo:x"
+        spec.params = {"grammar": f'start: "compile_hang {index}"'}
+    elif kind == "grammar_segfault":
+        spec.prompt = "echo:x"
+        spec.params = {"grammar": f'start: "compile_segfault {index}"'}
     elif kind == "exit":
         spec.prompt = f"exit:{rng.choice((0, 1, 3, 7, 42))}"
     elif kind == "raise":
@@ -392,7 +423,7 @@ class Harness:
                 break
             if end is not None and time.monotonic() >= end:
                 break
-            spec = make_spec(args.seed, index, self.tmpdir, MIX)
+            spec = make_spec(args.seed, index, self.tmpdir, mix_for(args))
             target = self.thread_q if spec.side == "thread" else self.task_q
             while not self.halt.is_set():
                 try:
@@ -476,6 +507,8 @@ class Harness:
             record = self._new_record(spec)
             try:
                 self._run_sync(spec, record)
+            except GrammarCompileTimeout as exc:  # a refusal after dispatch, by the worker
+                _error_record(record, exc)
             except InvalidRequest as exc:
                 record.outcome = "rejected:InvalidRequest"
                 record.message = str(exc)[:160]
@@ -558,6 +591,8 @@ class Harness:
             record = self._new_record(spec)
             try:
                 await self._run_async(spec, record)
+            except GrammarCompileTimeout as exc:  # a refusal after dispatch, by the worker
+                _error_record(record, exc)
             except InvalidRequest as exc:
                 record.outcome = "rejected:InvalidRequest"
                 record.message = str(exc)[:160]
@@ -633,7 +668,9 @@ class Harness:
 # Checks.
 
 
-BATCH_FAULT_KINDS = frozenset({"hang", "hog", "segfault", "exit", "crash_once"})
+BATCH_FAULT_KINDS = frozenset(
+    {"hang", "hog", "segfault", "exit", "crash_once", "grammar_segfault"}
+)
 """Kinds whose worker dies or is killed: with batching, every request beside them may lose
 an attempt there (retried as "collateral", or failed typed once it streamed text)."""
 LOST_STEP_KINDS = frozenset({"batch_raise"})
@@ -683,12 +720,14 @@ def check_request(
     typed: tuple[str, ...] = ("WorkerCrashed", "DeadlineExceeded", "BackendError")
     if batched:
         typed += ("PoisonRequest",)
+    if record.kind == "grammar_hang":
+        typed += ("GrammarCompileTimeout",)
     if is_error and outcome not in typed:
         return f"untyped or unexpected error {outcome}: {record.message}"
     if batched and kind in BATCH_FAULT_KINDS and (kind != "crash_once" or is_error):
         return _check_batched_fault(record, mine, last_struck)
 
-    if kind in ("normal", "slow", "leak", "stream"):
+    if kind in ("normal", "slow", "leak", "stream", "grammar"):
         if outcome == "ok":
             return None if match == "full" else f"wrong result {shown}"
         if is_error:
@@ -714,7 +753,13 @@ def check_request(
         if outcome == "WorkerCrashed" and last_struck:
             return None
         return f"expected DeadlineExceeded, got {outcome}"
-    if kind in ("segfault", "exit"):
+    if kind == "grammar_hang":
+        if outcome == "GrammarCompileTimeout":
+            return None if not mine else f"a compile timeout charged attempts {attempts}"
+        if is_error and last_struck:
+            return None
+        return f"expected GrammarCompileTimeout, got {outcome}"
+    if kind in ("segfault", "exit", "grammar_segfault"):
         if any(a[1] != "crash" for a in mine):
             return f"a crash request had a non-crash attempt: {attempts}"
         if len(attempts) != max_attempts:
@@ -943,6 +988,7 @@ def build_config(args: argparse.Namespace) -> PoolConfig:
         retry=RetryPolicy(max_retries=2, on=("timeout", "crash")),
         max_queue=100_000,
         max_requests_per_worker=40,
+        grammar_compile_timeout_s=GRAMMAR_COMPILE_TIMEOUT_S,
         max_worker_rss_mb=60.0,
         gpu_release_timeout_s=2.0,
         startup_failures_before_giving_up=5,
@@ -1073,7 +1119,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
                 fault_pids.add(int(text))
     bad: Counter[str] = Counter()
     for record in records:
-        expected = make_spec(args.seed, record.index, tmp.name, MIX).expected
+        expected = make_spec(args.seed, record.index, tmp.name, mix_for(args)).expected
         problem = check_request(record, expected, struck, max_attempts, fault_pids)
         record.violation = problem
         if problem:
@@ -1140,7 +1186,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
         "violations": violations,
         "args": vars(args),
         "config": {k: v for k, v in asdict(config).items()},
-        "mix": MIX,
+        "mix": mix_for(args),
         "figures": {
             "requests": len(records),
             "outcomes": dict(outcomes),
@@ -1212,6 +1258,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=1,
         help="requests per worker at once (batching; the fault backend batches too)",
+    )
+    parser.add_argument(
+        "--grammar",
+        action="store_true",
+        help="mix structured-output compilations in: honest, hanging and crashing ones",
     )
     parser.add_argument("--threads", type=int, default=8, help="client threads")
     parser.add_argument("--tasks", type=int, default=8, help="client asyncio tasks")

@@ -46,6 +46,9 @@ _EXPORTS = {
     "DeviceError": "modelpool.errors",
     "InvalidRequest": "modelpool.errors",
     "ContextLengthExceeded": "modelpool.errors",
+    "GrammarError": "modelpool.errors",
+    "GrammarCompileTimeout": "modelpool.errors",
+    "GrammarEngineMissing": "modelpool.errors",
 }
 
 __all__ = [
@@ -57,6 +60,9 @@ __all__ = [
     "DeadlineExceeded",
     "DeviceError",
     "Generation",
+    "GrammarCompileTimeout",
+    "GrammarEngineMissing",
+    "GrammarError",
     "InvalidRequest",
     "ModelLoadFailed",
     "ModelPool",
@@ -90,6 +96,9 @@ if TYPE_CHECKING:
         CudaError,
         DeadlineExceeded,
         DeviceError,
+        GrammarCompileTimeout,
+        GrammarEngineMissing,
+        GrammarError,
         InvalidRequest,
         ModelLoadFailed,
         ModelSourceError,

@@ -131,6 +131,9 @@ class PoolConfig:
     # gone round its loop for this long. 10 s plus a Kubernetes liveness probe's default
     # period (10 s) keeps a wedge's first failed probe within 20 s, its restart within 40 s.
     heartbeat_timeout_s: float = 10.0
+    # A structured-output request's grammar compiles within this, inside its deadline;
+    # past it the request fails with GrammarCompileTimeout and the worker stays warm.
+    grammar_compile_timeout_s: float = 5.0
     generation_defaults: dict[str, Any] = field(default_factory=lambda: {"max_new_tokens": 128})
 
     def __post_init__(self) -> None:
@@ -173,6 +176,7 @@ class PoolConfig:
             "startup_failures_before_giving_up", self.startup_failures_before_giving_up, minimum=1
         )
         _check_number("heartbeat_timeout_s", self.heartbeat_timeout_s, allow_zero=False)
+        _check_number("grammar_compile_timeout_s", self.grammar_compile_timeout_s, allow_zero=False)
         if not isinstance(self.generation_defaults, Mapping):
             raise ValueError(
                 f"generation_defaults must be a table, got {self.generation_defaults!r}"

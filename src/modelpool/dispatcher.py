@@ -60,6 +60,7 @@ from modelpool.errors import (
     PoolError,
     WorkerCrashed,
 )
+from modelpool.grammar import grammar_refusal
 from modelpool.protocol import Generation
 from modelpool.records import (
     DispatcherIO,
@@ -513,11 +514,11 @@ class Dispatcher:
         request = run.request
         if request is None:
             return
-        if kind in ("invalid", "context_length"):
+        if kind in ("invalid", "context_length", "grammar"):
             # A refusal is the request's fault, not the attempt's: no failed attempt is
             # recorded and nothing is retried (another worker would refuse it the same way).
             self._end_attempt(run, None)
-            self._fail(request, _refusal(text, detail if isinstance(detail, tuple) else None))
+            self._fail(request, _refusal(text, detail))
             return
         outcome, error = _typed_backend_error(worker, kind, text, remote_traceback, details)
         self._end_attempt(run, outcome)
@@ -1028,8 +1029,13 @@ class Dispatcher:
             self.on_started(error)
 
 
-def _refusal(text: str, detail: tuple[int, int | None, int] | None) -> InvalidRequest:
-    """The typed error for a worker's refusal; ``detail`` carries a context refusal's numbers."""
+def _refusal(
+    text: str, detail: tuple[int, int | None, int] | Mapping[str, Any] | None
+) -> InvalidRequest:
+    """The typed error for a worker's refusal; ``detail`` carries a context refusal's numbers
+    or a grammar refusal's bound, param and keyword."""
+    if isinstance(detail, Mapping):
+        return grammar_refusal(text, detail)
     if detail is None:
         return InvalidRequest(text)
     prompt_tokens, max_new_tokens, max_model_len = detail

@@ -22,7 +22,10 @@ happened to each try::
     │   └── ModelSourceError  found before any worker started (preflight.py)
     ├── DeviceError           (also ValueError) found before any worker started
     └── InvalidRequest        (also ValueError)
-        └── ContextLengthExceeded
+        ├── ContextLengthExceeded
+        └── GrammarError          a response_format or grammar that cannot be honoured
+            ├── GrammarCompileTimeout   its compilation outlasted grammar_compile_timeout_s
+            └── GrammarEngineMissing    llguidance is not installed
 
 ``ModelSourceError`` and ``DeviceError`` are both a ``PreflightError``: the checks
 ``ModelPool.start()`` runs before it spawns a worker (:mod:`modelpool.preflight`).
@@ -262,3 +265,46 @@ def context_length_message(
         f"{max_new_tokens} for the completion). Please reduce the length of the prompt "
         "or max_new_tokens."
     )
+
+
+class GrammarError(InvalidRequest):
+    """A structured-output constraint (``response_format``, ``grammar``) that the grammar
+    engine cannot honour: refused, never ignored.
+
+    ``param`` says where in the request (``"response_format.json_schema.schema.properties.x
+    .format"``), ``keyword`` the JSON-schema keyword refused when one is to blame.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        keyword: str | None = None,
+        request_id: str | None = None,
+        attempts: Sequence[Attempt] = (),
+    ) -> None:
+        super().__init__(message, request_id=request_id, attempts=attempts)
+        self.param = param
+        self.keyword = keyword
+
+
+class GrammarCompileTimeout(GrammarError):
+    """The grammar did not compile within ``grammar_compile_timeout_s`` (``bound_s``). The
+    worker stays warm: the compilation runs off its decoding loop, which never waited."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        bound_s: float,
+        param: str | None = None,
+        request_id: str | None = None,
+        attempts: Sequence[Attempt] = (),
+    ) -> None:
+        super().__init__(message, param=param, request_id=request_id, attempts=attempts)
+        self.bound_s = bound_s
+
+
+class GrammarEngineMissing(GrammarError):
+    """Structured outputs need llguidance (``pip install 'modelpool[structured]'``)."""

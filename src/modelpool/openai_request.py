@@ -29,8 +29,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from modelpool.errors import GrammarError
 from modelpool.openai_format import MAX_CHOICES, Job
 from modelpool.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
+from modelpool.structured import GUIDED_FIELDS, grammar_for_body
 from modelpool.validation import MAX_INT, is_int, is_number
 
 TIMEOUT_HEADER = "x-request-timeout"
@@ -71,6 +73,10 @@ _COMMON_FIELDS = frozenset(
         "logit_bias",
         "logprobs",
         "timeout",
+        # Structured outputs (modelpool.structured): OpenAI's, and vLLM's extensions.
+        "response_format",
+        "structured_outputs",
+        *GUIDED_FIELDS,
     }
 )
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of"}
@@ -82,7 +88,6 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "tool_choice",
     "functions",
     "function_call",
-    "response_format",
     "modalities",
     "audio",
     "prediction",
@@ -281,7 +286,7 @@ def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str,
         logit_bias is None or logit_bias == {}, "logit_bias", "logit_bias is not supported"
     )
 
-    params: dict[str, Any] = {}
+    params: dict[str, Any] = structured_params(body)
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
     # vLLM's extension, which load generators use to fix the output length: end-of-sequence
@@ -320,6 +325,16 @@ def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str,
     elif stop is not None:
         raise invalid("stop must be a string or a list of strings", param="stop")
     return params
+
+
+def structured_params(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"grammar": ...}`` for a body that asks for structured output, else ``{}``; a
+    constraint the grammar engine cannot honour is a 400 whose ``param`` points at it."""
+    try:
+        grammar = grammar_for_body(body)
+    except GrammarError as exc:
+        raise invalid(exc.message, param=exc.param, code="unsupported_value") from exc
+    return {} if grammar is None else {"grammar": grammar}
 
 
 def _stream_flag(body: Mapping[str, Any]) -> bool:
@@ -520,12 +535,6 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
         _unsupported_unless(not body.get(name), name, "tool calling is not supported")
     for name in ("tool_choice", "function_call"):
         _unsupported_unless(body.get(name) in (None, "none"), name, "tool calling is not supported")
-    response_format = body.get("response_format")
-    _unsupported_unless(
-        response_format is None or response_format == {"type": "text"},
-        "response_format",
-        "only {'type': 'text'} is supported",
-    )
     modalities = body.get("modalities")
     _unsupported_unless(
         modalities is None or modalities == ["text"], "modalities", "only text output is supported"

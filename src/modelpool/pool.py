@@ -38,6 +38,7 @@ from modelpool.protocol import Prompt, WorkerSpec, encode_request
 from modelpool.records import GpuWorker, Request, Worker, WorkerIO
 from modelpool.results import PoolFuture, Result
 from modelpool.stats import PoolHealth, PoolStats
+from modelpool.structured import constrain
 from modelpool.supervisor import EventLoop
 from modelpool.validation import check_deadline, check_generation_params, check_prompt
 
@@ -224,6 +225,12 @@ class ModelPool:
         dispatcher thread (keep it short; an exception in it is logged and ignored), for
         a caller that wants the future and the chunks both. Such a request is a stream:
         once a chunk was delivered it is not retried after a crash or timeout.
+
+        ``response_format`` constrains the output (``{"type": "json_object"}``, OpenAI's
+        ``{"type": "json_schema", "json_schema": {...}}``, a bare JSON schema or a pydantic
+        model class; see :mod:`modelpool.structured`), as ``grammar`` does with llguidance
+        grammar text. A schema the grammar engine cannot honour raises ``GrammarError``
+        here, naming the keyword and its path.
         """
         return self._submit(prompt, deadline_s, gen_kwargs, on_chunk)
 
@@ -396,6 +403,7 @@ class ModelPool:
             deadline_s = self.config.deadline_s
         else:
             check_deadline(deadline_s)
+        gen_kwargs = constrain(gen_kwargs, self.config.grammar_compile_timeout_s)
         params = {**self.config.generation_defaults, **gen_kwargs}
         check_generation_params(params)
         if self._backend_validate is not None:

@@ -74,6 +74,8 @@ from modelpool.errors import (
     ContextLengthExceeded,
     CudaError,
     DeadlineExceeded,
+    GrammarCompileTimeout,
+    GrammarError,
     InvalidRequest,
     ModelLoadFailed,
     OutOfMemory,
@@ -145,6 +147,14 @@ def pool_error_to_api(error: PoolError) -> ApiError:
             max_model_len=error.max_model_len,
         )
         return ApiError(400, error.message, code="context_length_exceeded", extra=extra)
+    if isinstance(error, GrammarCompileTimeout):
+        return ApiError(
+            400, error.message, code="grammar_compile_timeout", param=error.param, extra=extra
+        )
+    if isinstance(error, GrammarError):
+        return ApiError(
+            400, error.message, code="unsupported_value", param=error.param, extra=extra
+        )
     if isinstance(error, InvalidRequest):
         return ApiError(400, error.message, code="invalid_value", extra=extra)
     if isinstance(error, PoolOverloaded):

@@ -62,6 +62,25 @@ batch stops getting tokens), ``segfault`` and ``exit`` take the worker and its
 batch down, ``raise`` fails only its own request, ``batch_raise`` fails the
 step itself, ``spin`` keeps the loop iterating without delivering tokens.
 
+A request with a ``grammar`` (``response_format`` and the like) has its grammar "compiled"
+the way the hf backend compiles one, on a thread of its own within
+``grammar_compile_timeout_s``, cached by text, solo and in a batch; the output is not
+constrained (there is no tokenizer). What the compilation does is said in the grammar text:
+
+=========================  ==================================================
+``compile_sleep:SECONDS``  takes SECONDS, then succeeds
+``compile_hang``           never finishes (its request fails past the bound;
+                           the worker stays warm)
+``compile_segfault``       dereferences NULL on the compiling thread (the
+                           worker dies, with its batch)
+``compile_wedge``          blocks in C holding the GIL, as an engine that
+                           forgot to release it would: the whole worker
+                           stops (a stall, then a kill)
+``compile_error``          fails, as a grammar the engine refuses does
+=========================  ==================================================
+
+e.g. ``pool.generate("echo:x", grammar='start: "compile_hang"')``.
+
 A prompt given as token ids (``TokenIds``) reads as the ids joined by spaces.
 ``logprobs=N`` gives every generated token (each ``tokens`` piece; the whole text
 otherwise) the logprob -0.25, with N alternatives (itself first, then made-up
@@ -95,6 +114,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,7 +125,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from modelpool.context import check_max_model_len, fit_to_context
-from modelpool.errors import InvalidRequest, PoolError
+from modelpool.errors import GrammarError, InvalidRequest, PoolError
+from modelpool.grammar import (
+    COMPILE_TIMEOUT_PARAM,
+    GRAMMAR_PARAM,
+    GrammarCompiler,
+    PendingGrammar,
+    check_grammar_params,
+    compile_bound,
+    wait_for_any,
+)
 from modelpool.protocol import (
     BatchCall,
     Call,
@@ -121,7 +150,17 @@ if TYPE_CHECKING:
     from modelpool.pool import ModelPool
 
 ACCEPTED_PARAMS = frozenset(
-    {"max_new_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "prompt_logprobs"}
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "logprobs",
+        "prompt_logprobs",
+        GRAMMAR_PARAM,
+        COMPILE_TIMEOUT_PARAM,
+    }
 )
 TOKEN_LOGPROB = -0.25
 
@@ -132,6 +171,26 @@ def validate(params: dict[str, Any]) -> None:
     unknown = sorted(set(params) - ACCEPTED_PARAMS)
     if unknown:
         raise InvalidRequest(f"unknown generation parameter {unknown[0]!r} for the testing backend")
+    check_grammar_params(params)
+
+
+_COMPILE_SLEEP = re.compile(r"compile_sleep:([0-9.]+)")
+
+
+def rehearse_compile(text: str) -> str:
+    """The testing backend's grammar "compiler": does what the grammar text says."""
+    if "compile_hang" in text:
+        _block_forever()
+    if "compile_segfault" in text:
+        ctypes.string_at(0)
+    if "compile_wedge" in text:
+        ctypes.PyDLL(None).pause()  # PyDLL: the call keeps the GIL
+    if "compile_error" in text:
+        raise GrammarError("the grammar cannot be compiled: compile_error (rehearsed)")
+    sleep = _COMPILE_SLEEP.search(text)
+    if sleep:
+        threading.Event().wait(float(sleep.group(1)))
+    return text
 
 
 SIMULATED_WEIGHTS_BYTES = 100 * 1024 * 1024
@@ -150,6 +209,7 @@ class _Job:
     delay: float = 0.0
     pieces: list[str] = field(default_factory=list)
     whole: bool = False
+    grammar: PendingGrammar[str] | None = None  # while its grammar compiles
 
     def partial(self, finish_reason: Any) -> Generation:
         return Generation("".join(self.pieces), finish_reason, None, len(self.pieces))
@@ -186,6 +246,7 @@ class FaultBackend:
         self.poisoned = False
         self._jobs: list[_Job] = []
         self._pause = threading.Event()
+        self.grammars: GrammarCompiler[str] = GrammarCompiler(rehearse_compile)
 
     def device_memory_allocated(self) -> int:
         return self.allocated_bytes
@@ -214,19 +275,41 @@ class FaultBackend:
             job.delay = float(delay_text or 0)
         elif command == "stall":
             job.count = int(argument or 1)
+        if call.params.get(GRAMMAR_PARAM) is not None:
+            job.grammar = self.grammars.start(
+                call.params[GRAMMAR_PARAM], compile_bound(call.params)
+            )
         self._jobs.append(job)
 
     def step(self) -> list[Finished]:
-        delay = max((job.delay for job in self._jobs if job.command == "tokens"), default=0.0)
-        if any(job.command == "spin" for job in self._jobs):
+        finished: list[Finished] = []
+        compiling = [job.grammar for job in self._jobs if job.grammar is not None]
+        if compiling and len(compiling) == len(self._jobs):
+            wait_for_any(compiling, _SPIN_STEP_S * 10)  # nothing else to do: no spinning
+        for job in list(self._jobs):
+            if job.grammar is None or not job.grammar.ready():
+                continue
+            try:
+                job.grammar.result()
+            except Exception as exc:
+                self._jobs.remove(job)
+                finished.append((job.call, exc))
+                continue
+            job.grammar = None
+        finished += self._step_jobs([job for job in self._jobs if job.grammar is None])
+        return finished
+
+    def _step_jobs(self, jobs: list[_Job]) -> list[Finished]:
+        delay = max((job.delay for job in jobs if job.command == "tokens"), default=0.0)
+        if any(job.command == "spin" for job in jobs):
             delay = max(delay, _SPIN_STEP_S)
         if delay:
             self._pause.wait(delay)
-        failing = next((job for job in self._jobs if job.command == "batch_raise"), None)
+        failing = next((job for job in jobs if job.command == "batch_raise"), None)
         if failing is not None:
             raise RuntimeError(failing.argument)
         finished: list[Finished] = []
-        for job in list(self._jobs):
+        for job in jobs:
             outcome: Generation | str | Exception | None
             try:
                 outcome = self._advance(job)
@@ -288,6 +371,10 @@ class FaultBackend:
         return limit, prompt_tokens
 
     def generate(self, call: Call) -> str | Generation:
+        if call.params.get(GRAMMAR_PARAM) is not None:
+            pending = self.grammars.start(call.params[GRAMMAR_PARAM], compile_bound(call.params))
+            if pending.wait(call.cancelled) is None:
+                return Generation("", "cancelled", None, 0)
         output = self._run(call)
         top = call.params.get("logprobs")
         prompt_top = call.params.get("prompt_logprobs")

@@ -46,7 +46,7 @@ from typing import Any
 from modelpool import cuda_faults
 from modelpool.backends import import_backend
 from modelpool.context import check_max_model_len
-from modelpool.errors import ContextLengthExceeded, InvalidRequest
+from modelpool.errors import ContextLengthExceeded, GrammarError, InvalidRequest
 from modelpool.processes import process_rss_bytes
 from modelpool.protocol import (
     PROTOCOL_VERSION,
@@ -253,6 +253,17 @@ def _send_failure(
         detail = (exc.prompt_tokens, exc.max_new_tokens, exc.max_model_len)
         channel.send(
             ("error", attempt_id, "context_length", str(exc), "", process_rss_bytes(), detail)
+        )
+        return
+    if isinstance(exc, GrammarError):
+        # Typed on the other side too: the pool's caller learns the bound or the keyword.
+        grammar_detail = {
+            "bound_s": getattr(exc, "bound_s", None),
+            "param": exc.param,
+            "keyword": exc.keyword,
+        }
+        channel.send(
+            ("error", attempt_id, "grammar", str(exc), "", process_rss_bytes(), grammar_detail)
         )
         return
     if isinstance(exc, InvalidRequest):

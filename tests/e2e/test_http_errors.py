@@ -77,7 +77,11 @@ def test_wrong_types_are_400_naming_the_field(
         ("top_logprobs", 21),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "auto"),
-        ("response_format", {"type": "json_object"}),
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"schema": {"properties": {"a": {"not": {}}}}}},
+        ),
+        ("response_format", {"type": "xml"}),
         ("presence_penalty", 0.5),
         ("logit_bias", {"50256": -100}),
         ("stream_options", {"include_obfuscation": True}),

@@ -19,6 +19,10 @@ log probability and its N likeliest alternatives (``Generation.logprobs``);
 (``max_new_tokens=0`` then scores the prompt alone). Neither costs anything
 when not asked for: only then does generate() keep each step's logits.
 
+``grammar`` (llguidance grammar text, see :mod:`modelpool.grammar`) constrains the
+output: compiled within ``grammar_compile_timeout_s`` on a thread of its own, then
+applied as a logits processor before generate()'s sampling warpers.
+
 Every step checks ``call.cancelled()`` and ends generation cleanly when it
 turns true; text is handed to ``call.emit`` as soon as it is stable (never
 half a character, never the start of a stop string), and the chunks joined
@@ -52,6 +56,13 @@ from modelpool.backends.hf_batch import (
 from modelpool.backends.hf_text import TextProgress, stop_strings
 from modelpool.context import check_max_model_len, context_length, fit_to_context
 from modelpool.errors import InvalidRequest
+from modelpool.grammar import (
+    COMPILE_TIMEOUT_PARAM,
+    GRAMMAR_PARAM,
+    LLGuidanceGrammars,
+    RowGrammar,
+    check_grammar_params,
+)
 from modelpool.protocol import (
     BatchCall,
     Call,
@@ -89,6 +100,8 @@ GENERATION_PARAMS = frozenset(
         "seed",
         "logprobs",
         "prompt_logprobs",
+        GRAMMAR_PARAM,
+        COMPILE_TIMEOUT_PARAM,
     }
 )
 LOAD_OPTIONS = frozenset(
@@ -143,6 +156,7 @@ def validate(params: Mapping[str, Any]) -> None:
         raise InvalidRequest("do_sample=true needs a temperature > 0 (temperature 0 means greedy)")
     if "stop" in params:
         stop_strings(params["stop"])
+    check_grammar_params(params)
 
 
 def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
@@ -303,6 +317,8 @@ class HFHandler:
         embeddings: Any = self.model.get_input_embeddings()
         self._vocab_size = int(embeddings.num_embeddings)
         self._token_texts: dict[int, str] = {}
+        # llguidance is imported (and the tokenizer's view made) on the first grammar.
+        self.grammars = LLGuidanceGrammars(tokenizer, self._vocab_size, self.eos_ids)
         self._batch = BatchEngine(self, kv_cache_tokens, prefill_chunk_tokens)
         # The batched loop keeps one full-length cache per layer: a model with sliding-window
         # layers would need their masks and crops, so it runs one request at a time.
@@ -365,9 +381,19 @@ class HFHandler:
         seed = params.pop("seed", None)
         top_logprobs: int | None = params.pop("logprobs", None)
         prompt_top_logprobs: int | None = params.pop("prompt_logprobs", None)
+        grammar_text = params.pop(GRAMMAR_PARAM, None)
+        params.pop(COMPILE_TIMEOUT_PARAM, None)
         input_ids = self.encode(call.prompt)
         prompt_tokens = int(input_ids.shape[1])
         params["max_new_tokens"] = self.fit_new_tokens(call, params, prompt_tokens)
+        processors: list[Any] = []
+        if grammar_text is not None:
+            # Compiled on a thread of its own within its bound; the cancel flag is read
+            # meanwhile.
+            compiled = self.grammars.start(call.params).wait(call.cancelled)
+            if compiled is None:
+                return Generation("", "cancelled", prompt_tokens, 0)
+            processors.append(_grammar_processor(self.grammars, self.grammars.row(compiled)))
         prompt_logprobs = None
         if prompt_top_logprobs is not None:
             prompt_logprobs, prompt_cache = self._prompt_logprobs(input_ids, prompt_top_logprobs)
@@ -393,7 +419,7 @@ class HFHandler:
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 **_generation_kwargs(params),
-                **_hooks(progress),
+                **_hooks(progress, processors),
             )
         # Idempotent after the streamer's end(); keeps the returned text whole
         # should a generation path ever skip end().
@@ -529,13 +555,42 @@ class HFHandler:
         return input_ids.to(self.model.device)
 
 
-def _hooks(progress: TextProgress) -> dict[str, Any]:
-    """generate() keyword arguments that connect it to ``progress``."""
+def _hooks(progress: TextProgress, processors: list[Any]) -> dict[str, Any]:
+    """generate() keyword arguments that connect it to ``progress`` (and to a grammar's
+    logits processor: generate() runs such processors before its sampling warpers)."""
+    from transformers import LogitsProcessorList
+
     criteria_type, streamer_type, criteria_list_type = _hook_types()
-    return {
+    hooks = {
         "stopping_criteria": criteria_list_type([criteria_type(progress)]),
         "streamer": streamer_type(progress),
     }
+    if processors:
+        hooks["logits_processor"] = LogitsProcessorList(processors)
+    return hooks
+
+
+def _grammar_processor(grammars: LLGuidanceGrammars, grammar: RowGrammar) -> Any:
+    """A generate() logits processor that allows only the tokens ``grammar`` allows: it
+    advances the grammar by each token generate() chose, then masks the next step's."""
+
+    class GrammarProcessor:
+        def __init__(self) -> None:
+            self.prompt_tokens: int | None = None
+            self.bitmask = grammars.new_bitmask(1)
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if self.prompt_tokens is None:
+                self.prompt_tokens = int(input_ids.shape[1])
+            else:
+                grammar.take(int(input_ids[0, -1]))
+            failures = grammars.fill_masks([(0, grammar)], self.bitmask)
+            if failures:
+                raise failures[0]
+            grammars.apply(scores, self.bitmask, [0])
+            return scores
+
+    return GrammarProcessor()
 
 
 @functools.cache

@@ -21,6 +21,13 @@ running batch, one shared left-padded cache). Each ``step()``:
    dropping its cache rows and any leading columns that are now padding in
    every row.
 
+A request with a grammar (structured outputs, :mod:`modelpool.grammar`) first waits in
+``compiling`` while its grammar compiles on a thread of its own; the batch goes on
+decoding meanwhile, and one whose compilation fails or outlasts its bound ends alone.
+Once running, its row's mask is computed on a helper thread while the forward pass runs
+and applied to its logits before its own penalties and sampling; it ends as soon as its
+grammar is complete.
+
 Faults stay in their row where they can be attributed: a prefill runs one
 request at a time, so its failure (an out-of-memory on a long prompt, say) is
 that request's; so is a failure choosing or emitting one row's token. A
@@ -72,14 +79,24 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from modelpool.backends.hf_text import TextProgress, stop_strings
 from modelpool.errors import InvalidRequest
+from modelpool.grammar import (
+    GRAMMAR_PARAM,
+    LLGuidanceGrammars,
+    PendingGrammar,
+    RowGrammar,
+    wait_for_any,
+)
 from modelpool.protocol import BatchCall, Call, Finished, FinishReason, Generation, Prompt, RowsLost
 
 if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
 
 DEFAULT_KV_CACHE_TOKENS = 16384
@@ -137,6 +154,7 @@ class LoadedModel(Protocol):
     model: Any
     tokenizer: Any
     eos_ids: frozenset[int]
+    grammars: LLGuidanceGrammars
 
     def encode(self, prompt: Prompt) -> torch.Tensor: ...
 
@@ -162,6 +180,8 @@ class _Row:
     finish_reason: FinishReason | None = None
     cache: Any = None  # its own cache while prefilling
     prefilled: int = 0  # prompt tokens read into ``cache``
+    pending_grammar: PendingGrammar[Any] | None = None  # its grammar, while it compiles
+    grammar: RowGrammar | None = None  # its grammar state, once compiled
 
     @property
     def generated(self) -> int:
@@ -197,8 +217,10 @@ class BatchEngine:
         self._last_logits: dict[str, int] = (
             {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
         )
+        self.compiling: list[_Row] = []  # their grammar compiles (off this thread)
         self.waiting: list[_Row] = []
         self.prefilling: list[_Row] = []
+        self._mask_thread: ThreadPoolExecutor | None = None
         self.rows: list[_Row] = []
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [rows, columns], 1 where a real token is
@@ -213,10 +235,16 @@ class BatchEngine:
     # ---- the BatchedHandler surface ------------------------------------------------------
 
     def admit(self, call: BatchCall) -> None:
-        self.waiting.append(self._row(call))
+        row = self._row(call)
+        if call.params.get(GRAMMAR_PARAM) is None:
+            self.waiting.append(row)
+            return
+        # Compiled on a thread of its own: the running rows go on decoding meanwhile.
+        row.pending_grammar = self.handler.grammars.start(call.params)
+        self.compiling.append(row)
 
     def retire(self, call: BatchCall) -> Generation:
-        for queue in (self.waiting, self.prefilling):
+        for queue in (self.compiling, self.waiting, self.prefilling):
             for row in queue:
                 if row.call is call:
                     queue.remove(row)
@@ -228,6 +256,7 @@ class BatchEngine:
         return Generation("", "cancelled", None, 0)
 
     def abort(self) -> None:
+        self.compiling.clear()
         self.waiting.clear()
         self.prefilling.clear()
         self._reset_batch()
@@ -237,11 +266,20 @@ class BatchEngine:
 
         finished: list[Finished] = []
         with torch.inference_mode():
+            if self.compiling:
+                self._settle_grammars(finished)
             self._start_prefills()
             if self.prefilling:
                 self._prefill_slices(finished)
             if self.rows:
                 self._decode(finished)
+        if self.compiling and not finished and not (self.waiting or self.prefilling or self.rows):
+            # Only compilations to wait for: wait on them (briefly, so that cancels are
+            # still read) rather than spin.
+            wait_for_any(
+                [row.pending_grammar for row in self.compiling if row.pending_grammar],
+                _COMPILE_WAIT_S,
+            )
         return finished
 
     def room(self) -> tuple[int, list[BatchCall]]:
@@ -325,6 +363,23 @@ class BatchEngine:
         width = max(len(row.prompt_ids) + row.generated for row in rows)
         longest_rest = max(row.remaining for row in rows)
         return len(rows) * (width + longest_rest)
+
+    def _settle_grammars(self, finished: list[Finished]) -> None:
+        """Rows whose grammar compiled wait for KV room; those whose compilation failed or
+        outlasted its bound end with that error (theirs alone)."""
+        now = time.monotonic()
+        for row in list(self.compiling):
+            pending = row.pending_grammar
+            if pending is None or not pending.ready(now):
+                continue
+            self.compiling.remove(row)
+            row.pending_grammar = None
+            try:
+                row.grammar = self.handler.grammars.row(pending.result())
+            except Exception as exc:
+                finished.append((row.call, exc))
+                continue
+            self.waiting.append(row)
 
     def _start_prefills(self) -> None:
         """Waiting requests that fit the KV budget beside the started ones, in order."""
@@ -524,6 +579,9 @@ class BatchEngine:
 
         assert self._mask is not None and self._last is not None
         mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
+        # The grammar masks are computed while the forward pass runs (llguidance releases
+        # the GIL): they depend only on the tokens already taken.
+        masks = self._masks_beside_forward()
         started = time.perf_counter()
         try:
             output = self.handler.model(
@@ -542,7 +600,9 @@ class BatchEngine:
             raise RowsLost(lost, exc, finished) from exc
         self._decode_step_s = _moving_average(self._decode_step_s, time.perf_counter() - started)
         self._mask = mask
-        tokens, failures = self._choose(self.rows, output.logits[:, -1, :])
+        tokens, failures = self._choose(
+            self.rows, output.logits[:, -1, :], None if masks is None else masks.result()
+        )
         self._last = tokens
         ended = []
         for index, row in enumerate(self.rows):
@@ -593,14 +653,46 @@ class BatchEngine:
 
     # ---- per-request token choice and bookkeeping ------------------------------------------
 
+    def _masks_beside_forward(self) -> Future[GrammarMasks] | None:
+        """The running rows' grammar masks, computed on a thread of their own."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        constrained = _constrained(self.rows)
+        if not constrained:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="modelpool-masks")
+        grammars = self.handler.grammars
+        bitmask = grammars.new_bitmask(len(self.rows))
+
+        def fill() -> GrammarMasks:
+            return bitmask, grammars.fill_masks(constrained, bitmask)
+
+        return self._mask_thread.submit(fill)
+
     def _choose(
-        self, rows: list[_Row], logits: torch.Tensor
+        self, rows: list[_Row], logits: torch.Tensor, masks: GrammarMasks | None = None
     ) -> tuple[torch.Tensor, dict[int, Exception]]:
         """Each row's next token, by that row's own parameters, and the rows whose choice
-        failed (by index), each with its exception: that row's fault alone."""
-        tokens = logits.argmax(dim=-1)
+        failed (by index), each with its exception: that row's fault alone. A row with a
+        grammar chooses among the tokens its grammar allows (``masks``: computed already,
+        else here)."""
         failures: dict[int, Exception] = {}
+        constrained = _constrained(rows)
+        if constrained:
+            grammars = self.handler.grammars
+            if masks is None:
+                bitmask = grammars.new_bitmask(len(rows))
+                masks = bitmask, grammars.fill_masks(constrained, bitmask)
+            bitmask, failures = masks
+            failures = dict(failures)
+            allowed = [index for index, _ in constrained if index not in failures]
+            if allowed:
+                grammars.apply(logits, bitmask, allowed)
+        tokens = logits.argmax(dim=-1)
         for index, row in enumerate(rows):
+            if index in failures:
+                continue
             plain = (
                 not row.do_sample
                 and row.repetition_penalty == 1.0
@@ -633,6 +725,10 @@ class BatchEngine:
         eos_ids = self.handler.eos_ids
         if row.generated < row.min_new_tokens and eos_ids:
             scores[list(eos_ids)] = -math.inf
+        if row.grammar is not None and not bool(torch.isfinite(scores).any()):
+            # The penalties forbade every token the grammar allows: the grammar wins (a
+            # promised JSON must still close).
+            scores = logits.float().clone()
         if not row.do_sample:
             return scores.argmax()
         return _sample(scores, row)
@@ -647,7 +743,8 @@ class BatchEngine:
         progress.on_token()
         if progress.error is not None:
             raise progress.error
-        if progress.stopped or token_id in self.handler.eos_ids:
+        grammar_complete = row.grammar is not None and row.grammar.take(token_id)
+        if progress.stopped or token_id in self.handler.eos_ids or grammar_complete:
             row.finish_reason = "stop"
         elif row.generated >= row.max_new_tokens:
             row.finish_reason = "length"
@@ -657,6 +754,15 @@ class BatchEngine:
         if progress.error is not None:
             raise progress.error
         return True
+
+
+GrammarMasks = tuple["torch.Tensor", dict[int, Exception]]
+"""A step's grammar masks (one row of bits per batch row) and the rows whose mask failed."""
+_COMPILE_WAIT_S = 0.05
+
+
+def _constrained(rows: list[_Row]) -> list[tuple[int, RowGrammar]]:
+    return [(index, row.grammar) for index, row in enumerate(rows) if row.grammar is not None]
 
 
 def _moving_average(previous: float | None, sample: float) -> float:

@@ -1,0 +1,269 @@
+"""Structured outputs, the worker's side: compile a grammar off the decoding loop, within a
+bound, and hold each row's grammar state while it decodes.
+
+A constrained request carries ``params["grammar"]``: llguidance grammar text (its Lark-like
+syntax, JSON schemas embedded with ``%json {...}``), built and checked by the supervisor
+(:mod:`modelpool.structured`). In the worker:
+
+- :class:`GrammarCompiler` compiles each grammar text once, on a thread of its own, and
+  caches the result by text. The decoding loop never waits on a compilation: a batched row
+  whose grammar is not ready yet waits beside the batch, which goes on decoding; a one-call
+  request polls its cancel flag while it waits. A compilation still running after the
+  request's ``grammar_compile_timeout_s`` fails that request with
+  :class:`~modelpool.errors.GrammarCompileTimeout`; the worker stays warm (the thread is
+  left to finish or hang on its own; a later request for the same text waits on the same
+  compilation, never starts a second one).
+- :class:`LLGuidanceGrammars` is the hf backend's engine: the tokenizer's llguidance view
+  (made on the first compilation, about a second for a 50k vocabulary), one compiled
+  ``LLMatcher`` per grammar text, a fresh copy of it per row (:class:`RowGrammar`), and the
+  token masks applied to the logits before the token is chosen. The end-of-sequence token
+  is allowed only where the grammar accepts, and a row ends ("stop") as soon as its grammar
+  is complete.
+
+A grammar engine that crashes or wedges the worker process is a worker crash or a stall
+like any other: the pool's poison isolation and collateral retries apply.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from modelpool.errors import GrammarCompileTimeout, GrammarEngineMissing, GrammarError
+
+if TYPE_CHECKING:
+    import torch
+
+GRAMMAR_PARAM = "grammar"
+"""The request parameter holding the grammar text (absent or None: unconstrained)."""
+COMPILE_TIMEOUT_PARAM = "grammar_compile_timeout_s"
+"""The request parameter holding its compilation bound (the pool sets it from its config)."""
+DEFAULT_COMPILE_TIMEOUT_S = 5.0
+DEFAULT_CACHE_SIZE = 256
+_POLL_S = 0.05  # how often a one-call request waiting for its grammar reads its cancel flag
+
+Compiled = TypeVar("Compiled")
+
+
+@dataclass(eq=False)
+class PendingGrammar(Generic[Compiled]):
+    """One request's wait for its grammar: ready, failed, or past its bound."""
+
+    text: str
+    future: Future[Compiled]
+    started: float
+    bound_s: float
+
+    def ready(self, now: float | None = None) -> bool:
+        """Done (compiled or failed) or past its bound: :meth:`result` answers at once."""
+        if self.future.done():
+            return True
+        return (time.monotonic() if now is None else now) - self.started >= self.bound_s
+
+    def result(self) -> Compiled:
+        """The compiled grammar; raises its compile error, or GrammarCompileTimeout once past
+        the bound. Call only when :meth:`ready`."""
+        if not self.future.done():
+            raise GrammarCompileTimeout(
+                f"the grammar did not compile within grammar_compile_timeout_s = "
+                f"{self.bound_s:g} s",
+                bound_s=self.bound_s,
+                param=COMPILE_TIMEOUT_PARAM,
+            )
+        return self.future.result()
+
+    def wait(self, cancelled: Callable[[], bool]) -> Compiled | None:
+        """Block until :meth:`ready`, reading ``cancelled`` meanwhile; None if cancelled."""
+        while not self.ready():
+            if cancelled():
+                return None
+            left = self.bound_s - (time.monotonic() - self.started)
+            wait([self.future], timeout=max(0.0, min(_POLL_S, left)))
+        return self.result()
+
+
+class GrammarCompiler(Generic[Compiled]):
+    """Compiles grammar texts on threads of their own; results cached by text (LRU).
+
+    ``compile(text)`` returns the compiled form or raises (a ``GrammarError`` for a grammar
+    the engine refuses). Threads rather than a fixed pool: a compilation that never ends
+    must not hold up the ones after it.
+    """
+
+    def __init__(
+        self, compile: Callable[[str], Compiled], cache_size: int = DEFAULT_CACHE_SIZE
+    ) -> None:
+        self._compile = compile
+        self._cache: OrderedDict[str, Future[Compiled]] = OrderedDict()
+        self._cache_size = cache_size
+        self.compilations = 0  # compilations started (cache misses)
+
+    def start(self, text: str, bound_s: float) -> PendingGrammar[Compiled]:
+        future = self._cache.get(text)
+        if future is None:
+            future = Future()
+            self.compilations += 1
+            threading.Thread(
+                target=self._run, args=(text, future), name="modelpool-grammar", daemon=True
+            ).start()
+            self._cache[text] = future
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(text)
+        return PendingGrammar(text, future, time.monotonic(), bound_s)
+
+    def _run(self, text: str, future: Future[Compiled]) -> None:
+        try:
+            future.set_result(self._compile(text))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+
+def check_grammar_params(params: Mapping[str, Any]) -> None:
+    """The grammar parameters' types (cheap; the supervisor checks the grammar itself)."""
+    grammar = params.get(GRAMMAR_PARAM)
+    if grammar is not None and (not isinstance(grammar, str) or not grammar.strip()):
+        raise GrammarError(
+            f"{GRAMMAR_PARAM} must be llguidance grammar text, got {grammar!r:.80}",
+            param=GRAMMAR_PARAM,
+        )
+    bound = params.get(COMPILE_TIMEOUT_PARAM)
+    if bound is not None and (
+        isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound > 0
+    ):
+        raise GrammarError(
+            f"{COMPILE_TIMEOUT_PARAM} must be a number of seconds > 0, got {bound!r}",
+            param=COMPILE_TIMEOUT_PARAM,
+        )
+
+
+def compile_bound(params: Mapping[str, Any]) -> float:
+    bound = params.get(COMPILE_TIMEOUT_PARAM)
+    return DEFAULT_COMPILE_TIMEOUT_S if bound is None else float(bound)
+
+
+def wait_for_any(pending: Iterable[PendingGrammar[Any]], timeout_s: float) -> None:
+    """Block until one of ``pending`` compiles or ``timeout_s`` passes: what a batched
+    loop with nothing else to do waits on instead of spinning."""
+    futures = [grammar.future for grammar in pending]
+    if futures:
+        wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+
+class RowGrammar:
+    """One request's grammar state: a fresh matcher of its compiled grammar."""
+
+    def __init__(self, matcher: Any, eos_ids: frozenset[int]) -> None:
+        self.matcher = matcher
+        self.eos_ids = eos_ids
+
+    def fill_mask(self, bitmask: torch.Tensor, index: int) -> None:
+        """Write the allowed next tokens into ``bitmask[index]`` (one bit per token id)."""
+        row = bitmask[index]
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        if self.matcher.is_error():
+            raise GrammarError(f"grammar: {self.matcher.get_error()}")
+
+    def take(self, token_id: int) -> bool:
+        """Advance by the chosen token; True once the grammar is complete (the row ends)."""
+        if token_id in self.eos_ids:
+            return True
+        if not self.matcher.consume_token(token_id):
+            raise GrammarError(f"grammar: token {token_id} refused: {self.matcher.get_error()}")
+        return bool(self.matcher.is_stopped())
+
+
+class LLGuidanceGrammars:
+    """The hf backend's grammar engine: llguidance over the model's tokenizer."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: frozenset[int]) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self._tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
+        self.compiler: GrammarCompiler[Any] = GrammarCompiler(self._compile)
+        self._words = (vocab_size + 31) // 32
+        self._shifts: torch.Tensor | None = None
+
+    def _llg_tokenizer(self) -> Any:
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=sorted(self.eos_ids)
+                )
+            return self._tokenizer
+
+    def _compile(self, text: str) -> Any:
+        llguidance = import_llguidance()
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), text)
+        if matcher.is_error():
+            raise GrammarError(f"the grammar cannot be compiled: {matcher.get_error()}")
+        return matcher
+
+    def start(self, params: dict[str, Any]) -> PendingGrammar[Any]:
+        return self.compiler.start(params[GRAMMAR_PARAM], compile_bound(params))
+
+    def row(self, compiled: Any) -> RowGrammar:
+        return RowGrammar(compiled.deep_copy(), self.eos_ids)
+
+    def new_bitmask(self, rows: int) -> torch.Tensor:
+        import torch
+
+        return torch.full((rows, self._words), -1, dtype=torch.int32)
+
+    def fill_masks(
+        self, grammars: list[tuple[int, RowGrammar]], bitmask: torch.Tensor
+    ) -> dict[int, Exception]:
+        """Each row's mask into ``bitmask[index]``; the rows whose grammar failed, by index
+        (llguidance drops the GIL while it computes, so this runs beside a forward pass)."""
+        failures: dict[int, Exception] = {}
+        for index, grammar in grammars:
+            try:
+                grammar.fill_mask(bitmask, index)
+            except Exception as exc:
+                failures[index] = exc
+        return failures
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int]) -> None:
+        """Set the logits of the tokens ``bitmask`` forbids to -inf, for rows ``indices``."""
+        import torch
+
+        if self._shifts is None:
+            self._shifts = torch.arange(32, dtype=torch.int32)
+        picked = bitmask[indices]
+        bits = ((picked.unsqueeze(-1) >> self._shifts) & 1).reshape(len(indices), -1)
+        allowed = bits[:, : logits.shape[-1]].bool().to(logits.device)
+        if allowed.shape[-1] < logits.shape[-1]:
+            allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - allowed.shape[-1]))
+        rows = torch.tensor(indices, device=logits.device)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def grammar_refusal(text: str, detail: Mapping[str, Any]) -> GrammarError:
+    """The supervisor's typed error for a worker's grammar refusal (see worker.py)."""
+    bound_s = detail.get("bound_s")
+    if bound_s is not None:
+        return GrammarCompileTimeout(text, bound_s=float(bound_s), param=detail.get("param"))
+    return GrammarError(text, param=detail.get("param"), keyword=detail.get("keyword"))
+
+
+def import_llguidance() -> Any:
+    """llguidance, or GrammarEngineMissing saying how to install it."""
+    try:
+        import llguidance
+    except ImportError as exc:
+        raise GrammarEngineMissing(
+            "structured outputs need the llguidance grammar engine: "
+            "pip install 'modelpool[structured]'",
+            param="response_format",
+        ) from exc
+    return llguidance
