@@ -7,6 +7,7 @@ a second); the pool tests share one pool of one batched worker.
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -328,3 +329,28 @@ def test_pool_batches_concurrent_requests(pool: ModelPool, handler: LlamaCppHand
         thread.join(60)
     assert answers == expected
     assert pool.stats().workers[0].max_model_len == 8192
+
+
+# ---- structured outputs ---------------------------------------------------------------------
+
+JSON_GRAMMAR = (
+    'start: %json {"type": "object", "properties": {"answer": {"type": "integer"}}, '
+    '"required": ["answer"], "additionalProperties": false}'
+)
+
+
+def test_grammar_constrains_alone_and_in_a_batch(handler: LlamaCppHandler) -> None:
+    pytest.importorskip("llguidance", reason="structured outputs need modelpool[structured]")
+    choice, chunks = alone(
+        handler, "Is the sky blue? Answer:", max_new_tokens=8, grammar='start: "yes" | "no"'
+    )
+    assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+    assert "".join(chunks) == choice.text
+    constrained = Recorder(
+        [{"role": "user", "content": "What is 2 + 2? Answer in JSON."}],
+        {"max_new_tokens": 40, "grammar": JSON_GRAMMAR},
+    )
+    free = Recorder("1, 2, 3, 4,", {"max_new_tokens": 10})
+    results = run_batched(handler, [constrained, free])
+    assert set(json.loads(results[0].text)) == {"answer"}
+    assert results[1].text == alone(handler, "1, 2, 3, 4,", max_new_tokens=10)[0].text

@@ -46,7 +46,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +61,15 @@ from modelpool.backends.llama_cpp_engine import (
     run_alone,
 )
 from modelpool.context import check_max_model_len, fit_to_context
-from modelpool.errors import InvalidRequest
+from modelpool.errors import GrammarError, InvalidRequest
+from modelpool.grammar import (
+    GRAMMAR_PARAM,
+    GrammarCompiler,
+    PendingGrammar,
+    RowGrammar,
+    compile_bound,
+    import_llguidance,
+)
 from modelpool.protocol import BatchCall, Call, Finished, Generation, Prompt, TokenIds
 
 if TYPE_CHECKING:
@@ -573,6 +583,13 @@ class LlamaCppHandler:
         self._bos = int(llama.llama_vocab_bos(runtime.vocab))
         self._eos = int(llama.llama_vocab_eos(runtime.vocab))
         self._render: Any = None
+        self._grammars: LlamaGrammars | None = None
+
+    def grammars(self) -> LlamaGrammars:
+        """The grammar engine, made on the first constrained request."""
+        if self._grammars is None:
+            self._grammars = LlamaGrammars(self.runtime)
+        return self._grammars
 
     # ---- one-call form -----------------------------------------------------------------------
 
@@ -653,6 +670,61 @@ class LlamaCppHandler:
             eos_token=self.runtime.special_text(self._eos),
         )
         return text
+
+
+class LlamaGrammars:
+    """Structured outputs on llama.cpp: the hf backend's llguidance grammars
+    (``modelpool.grammar``), with llguidance's tokenizer made from the GGUF's own
+    vocabulary (``llguidance.llamacpp``, about a second, on the first compilation) and the
+    masks applied in numpy to each constrained row's logits."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+        self._tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
+        self.compiler: GrammarCompiler[Any] = GrammarCompiler(self._compile)
+        self._words = (runtime.n_vocab + 31) // 32
+
+    def _llg_tokenizer(self) -> Any:
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                import_llguidance()
+                llamacpp = importlib.import_module("llguidance.llamacpp")
+                with warnings.catch_warnings():
+                    # It reads each token's attributes through a binding that
+                    # llama-cpp-python marks deprecated: one warning per token otherwise.
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    self._tokenizer = llamacpp.lltokenizer_from_vocab(
+                        self._runtime.vocab,
+                        n_vocab=self._runtime.n_vocab,
+                        eos_token=sorted(self._runtime.end_id_set),
+                    )
+            return self._tokenizer
+
+    def _compile(self, text: str) -> Any:
+        llguidance = import_llguidance()
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), text)
+        if matcher.is_error():
+            raise GrammarError(f"the grammar cannot be compiled: {matcher.get_error()}")
+        return matcher
+
+    def start(self, params: dict[str, Any]) -> PendingGrammar[Any]:
+        return self.compiler.start(params[GRAMMAR_PARAM], compile_bound(params))
+
+    def row(self, compiled: Any) -> RowGrammar:
+        return RowGrammar(compiled.deep_copy(), self._runtime.end_id_set)
+
+    def allowed(self, grammar: RowGrammar) -> npt.NDArray[np.bool_]:
+        """The tokens ``grammar`` allows next, one bool per vocabulary entry."""
+        import numpy as np
+
+        bits = np.full(self._words, -1, dtype=np.int32)
+        grammar.matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        if grammar.matcher.is_error():
+            raise GrammarError(f"grammar: {grammar.matcher.get_error()}")
+        unpacked = np.unpackbits(bits.view(np.uint8), bitorder="little")
+        allowed: npt.NDArray[np.bool_] = unpacked[: self._runtime.n_vocab].astype(bool)
+        return allowed
 
 
 def _compile_template(template: str) -> Any:

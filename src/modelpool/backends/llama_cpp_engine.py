@@ -31,12 +31,14 @@ several rows cannot be blamed on one: they leave together as
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from modelpool.backends.hf_text import TextProgress, stop_strings
 from modelpool.backends.llama_cpp_sampling import Sampling, choose_token, token_logprob
+from modelpool.grammar import GRAMMAR_PARAM, PendingGrammar, RowGrammar, wait_for_any
 from modelpool.protocol import (
     BatchCall,
     Call,
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
+_COMPILE_WAIT_S = 0.05  # with only grammars compiling, a step waits this long for one
 
 
 class Runtime(Protocol):
@@ -76,12 +79,24 @@ class Runtime(Protocol):
     def decoder(self) -> Any: ...
 
 
+class Grammars(Protocol):
+    """What the engine needs of the grammar engine (``llama_cpp.LlamaGrammars``)."""
+
+    def start(self, params: dict[str, Any]) -> PendingGrammar[Any]: ...
+
+    def row(self, compiled: Any) -> RowGrammar: ...
+
+    def allowed(self, grammar: RowGrammar) -> npt.NDArray[np.bool_]: ...
+
+
 class Encoder(Protocol):
     """What the engine needs of the handler: prompts as token ids, the context fit."""
 
     def encode(self, prompt: Prompt) -> list[int]: ...
 
     def fit_new_tokens(self, call: Call, params: dict[str, Any], prompt_tokens: int) -> int: ...
+
+    def grammars(self) -> Grammars: ...
 
 
 class DecodeFailed(RuntimeError):
@@ -105,6 +120,8 @@ class _Row:
     pending: int = -1  # the latest token, decoded at the next step
     finish_reason: FinishReason | None = None
     seen: list[int] = field(default_factory=list)
+    pending_grammar: PendingGrammar[Any] | None = None  # its grammar, while it compiles
+    grammar: RowGrammar | None = None  # its grammar state, once compiled
 
     @property
     def generated(self) -> int:
@@ -142,6 +159,7 @@ class LlamaEngine:
         self.encoder = encoder
         self.kv_cells = kv_cells
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.compiling: list[_Row] = []  # their grammar compiles (off this thread)
         self.waiting: list[_Row] = []
         self.prefilling: list[_Row] = []
         self.rows: list[_Row] = []
@@ -150,10 +168,16 @@ class LlamaEngine:
     # ---- the BatchedHandler surface ------------------------------------------------------
 
     def admit(self, call: BatchCall) -> None:
-        self.waiting.append(self._row(call))
+        row = self._row(call)
+        if call.params.get(GRAMMAR_PARAM) is None:
+            self.waiting.append(row)
+            return
+        # Compiled on a thread of its own: the running rows go on decoding meanwhile.
+        row.pending_grammar = self.encoder.grammars().start(call.params)
+        self.compiling.append(row)
 
     def retire(self, call: BatchCall) -> Generation:
-        for queue in (self.waiting, self.prefilling, self.rows):
+        for queue in (self.compiling, self.waiting, self.prefilling, self.rows):
             for row in queue:
                 if row.call is call:
                     queue.remove(row)
@@ -164,6 +188,7 @@ class LlamaEngine:
     def abort(self) -> None:
         for row in self.prefilling + self.rows:
             self._release(row)
+        self.compiling.clear()
         self.waiting.clear()
         self.prefilling.clear()
         self.rows.clear()
@@ -176,6 +201,8 @@ class LlamaEngine:
 
     def step(self) -> list[Finished]:
         finished: list[Finished] = []
+        if self.compiling:
+            self._settle_grammars(finished)
         self._start_prefills()
         decoding = list(self.rows)
         tokens: list[int] = []
@@ -204,6 +231,11 @@ class LlamaEngine:
                 seq_ids.append(row.seq_id)
                 outputs.append(every or (position == last and row.max_new_tokens > 0))
         if not tokens:
+            if self.compiling and not finished:
+                # Only compilations to wait for: wait on them (briefly, so that cancels
+                # are still read) rather than spin.
+                pending = [row.pending_grammar for row in self.compiling if row.pending_grammar]
+                wait_for_any(pending, _COMPILE_WAIT_S)
             return finished
         code = self.runtime.decode(tokens, positions, seq_ids, outputs)
         if code != 0:
@@ -241,6 +273,23 @@ class LlamaEngine:
             logprobs=None if top_logprobs is None else [],
             seen=list(prompt_ids),
         )
+
+    def _settle_grammars(self, finished: list[Finished]) -> None:
+        """Rows whose grammar compiled wait for KV room; those whose compilation failed or
+        outlasted its bound end with that error (theirs alone)."""
+        now = time.monotonic()
+        for row in list(self.compiling):
+            pending = row.pending_grammar
+            if pending is None or not pending.ready(now):
+                continue
+            self.compiling.remove(row)
+            row.pending_grammar = None
+            try:
+                row.grammar = self.encoder.grammars().row(pending.result())
+            except Exception as exc:
+                finished.append((row.call, exc))
+                continue
+            self.waiting.append(row)
 
     def _start_prefills(self) -> None:
         started = sum(row.reserved for row in self.prefilling + self.rows)
@@ -301,8 +350,11 @@ class LlamaEngine:
     def _take(self, row: _Row, logits: npt.NDArray[np.float32]) -> bool:
         """Choose ``row``'s token from ``logits`` and hand it on; True when the row ended."""
         runtime = self.runtime
+        allowed = None
+        if row.grammar is not None:
+            allowed = self.encoder.grammars().allowed(row.grammar)
         token_id = choose_token(
-            logits, row.sampling, row.seen, row.generated, runtime.end_ids, row.rng
+            logits, row.sampling, row.seen, row.generated, runtime.end_ids, row.rng, allowed
         )
         if row.top_logprobs is not None and row.logprobs is not None:
             row.logprobs.append(
@@ -315,7 +367,8 @@ class LlamaEngine:
         progress.on_token()
         if progress.error is not None:
             raise progress.error
-        if progress.stopped or token_id in runtime.end_id_set:
+        grammar_complete = row.grammar is not None and row.grammar.take(token_id)
+        if progress.stopped or token_id in runtime.end_id_set or grammar_complete:
             row.finish_reason = "stop"
         elif row.generated >= row.max_new_tokens:
             row.finish_reason = "length"

@@ -74,15 +74,19 @@ def choose_token(
     generated: int,
     end_ids: npt.NDArray[np.int64],
     rng: np.random.Generator | None,
+    allowed: npt.NDArray[np.bool_] | None = None,
 ) -> int:
     """The next token for one row. ``logits`` may be llama.cpp's own buffer: it is not
     written to. ``seen``: prompt and generated tokens; ``end_ids``: the end-of-generation
-    tokens that ``min_new_tokens`` holds back."""
+    tokens that ``min_new_tokens`` holds back; ``allowed``: the tokens a grammar allows
+    (None: every token)."""
     import numpy as np
 
-    if sampling.is_plain_greedy(generated):
+    if allowed is None and sampling.is_plain_greedy(generated):
         return int(logits.argmax())
     scores = np.array(logits, dtype=np.float32, copy=True)
+    if allowed is not None:
+        scores[~allowed] = -math.inf
     if sampling.repetition_penalty != 1.0:
         ids = np.fromiter(set(seen), dtype=np.int64)
         picked = scores[ids]
@@ -94,6 +98,10 @@ def choose_token(
             scores[list(banned)] = -math.inf
     if generated < sampling.min_new_tokens and end_ids.size:
         scores[end_ids] = -math.inf
+    if allowed is not None and not np.isfinite(scores).any():
+        # The penalties forbade every token the grammar allows: the grammar wins (a
+        # promised JSON must still close), as on the hf backend.
+        scores = np.where(allowed, logits, -math.inf).astype(np.float32)
     if not sampling.do_sample:
         return int(scores.argmax())
     assert rng is not None, "a sampling row has its generator"
