@@ -660,7 +660,7 @@ def _backend_validator(backend: str) -> Callable[[dict[str, Any]], None] | None:
     try:
         module = importlib.import_module(module_name)
     except ImportError:
-        if backend in ("hf", "testing"):
+        if backend in ("hf", "llama_cpp", "testing"):
             raise
         return None  # A custom backend may only be importable inside a worker.
     validate: Callable[[dict[str, Any]], None] | None = getattr(module, "validate", None)
