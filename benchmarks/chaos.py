@@ -191,7 +191,12 @@ LLAMA_MIX: dict[str, float] = {"normal": 40, "slow": 15, "stream": 15, "cancel":
 COUNT_PROMPT = "1, 2, 3, 4,"
 STOP_AT = (6, 8, 10, 12, 16)  # normal, slow and stream requests stop at " N,"
 CANCEL_STOP_AT = 40  # long enough to be cancelled on the way
-LLAMA_ATTEMPT_TIMEOUT_S = 15.0  # a real count takes seconds on a loaded CPU
+# A real count takes seconds on a loaded CPU, and a collateral retry starts it again; a
+# cancel is honoured at the next decoding step, which can take longer than the fault
+# backend's 0.2 s grace when the cores are shared.
+LLAMA_ATTEMPT_TIMEOUT_S = 30.0
+LLAMA_DEADLINE_S = 60.0
+LLAMA_CANCEL_GRACE_S = 2.0
 
 
 def real_texts(model_dir: str) -> dict[int, str]:
@@ -232,6 +237,7 @@ def spec_for(args: argparse.Namespace, index: int, tmpdir: str) -> Spec:
     spec.prompt = COUNT_PROMPT
     spec.params = {"max_new_tokens": 200, "stop": [f" {stop_at},"]}
     spec.expected = texts[stop_at]
+    spec.deadline_s = LLAMA_DEADLINE_S
     return spec
 
 
@@ -1054,6 +1060,7 @@ def build_config(args: argparse.Namespace) -> PoolConfig:
             backend="llama_cpp",
             backend_options={"threads": 1},
             attempt_timeout_s=LLAMA_ATTEMPT_TIMEOUT_S,
+            cancel_grace_s=LLAMA_CANCEL_GRACE_S,
             max_worker_rss_mb=None,  # a real model's worker is far above the fault backend's
         )
     return config

@@ -5,9 +5,10 @@
 ``admit``/``step``/``retire``/``abort``; the one-call form, ``generate``, is the
 same loop with one request in it, so both forms choose the same tokens.
 
-A request moves through three lists: ``waiting`` (admitted, waiting for KV room
-or a free sequence id), ``prefilling`` (its prompt being read) and ``rows``
-(decoding). Each request is its own llama.cpp sequence (``seq_id``) in one
+A request moves through these lists: ``compiling`` (a constrained request while
+its grammar compiles off the loop, see ``modelpool.grammar``), ``waiting``
+(admitted, waiting for KV room or a free sequence id), ``prefilling`` (its prompt
+being read) and ``rows`` (decoding). Each request is its own llama.cpp sequence (``seq_id``) in one
 unified KV cache of ``kv_cells`` cells; its cells are removed
 (``llama_memory_seq_rm``) the moment it ends, is retired or lost. Each
 ``step()``:
