@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from collections import Counter
@@ -153,7 +154,7 @@ def end_to_end(
         deadline_s=args.deadline_s,
         grammar_compile_timeout_s=args.compile_timeout_s,
         max_queue=len(chosen) + 1,
-        backend_options={"dtype": "float32"},
+        backend_options={"dtype": "float32", "torch_threads": args.torch_threads},
     )
     tallies: dict[str, SplitTally] = {}
     started = time.perf_counter()
@@ -175,8 +176,9 @@ def end_to_end(
             tally = tallies[split]
             try:
                 result = future.result()
-            except (GrammarCompileTimeout, DeadlineExceeded):
+            except (GrammarCompileTimeout, DeadlineExceeded) as exc:
                 tally.counts["timeout"] += 1
+                tally.reasons[type(exc).__name__] += 1
                 continue
             except PoolError as exc:
                 tally.counts["failed"] += 1
@@ -193,7 +195,7 @@ def end_to_end(
 
 
 def print_table(tallies: dict[str, SplitTally], columns: Sequence[str]) -> None:
-    header = f"| split | schemas | {' | '.join(columns)} | refused for (top 3) |"
+    header = f"| split | schemas | {' | '.join(columns)} | why refused, timed out, failed (top 3) |"
     print(header)
     print("|" + "---|" * (len(columns) + 3))
     total: Counter[str] = Counter()
@@ -231,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="max_batch_size")
     parser.add_argument("--deadline-s", type=float, default=600.0)
     parser.add_argument("--compile-timeout-s", type=float, default=5.0)
+    parser.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     chosen = sample(args.checkout, None if args.all else args.per_split, args.seed)
     print(f"{len(chosen)} schemas from {args.checkout}")

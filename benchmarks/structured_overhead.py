@@ -20,6 +20,7 @@ Results and the command behind them: README, "Structured outputs".
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import uuid
@@ -98,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=48, help="tokens per request")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--ttft-samples", type=int, default=5)
+    parser.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     print(f"model {args.model}, {args.tokens} tokens a request, {args.rounds} rounds\n")
     first: list[float] = []
@@ -112,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_batch_size=batch,
             devices=("cpu",),
             deadline_s=600.0,
-            backend_options={"dtype": "float32"},
+            backend_options={"dtype": "float32", "torch_threads": args.torch_threads},
         )
         with ModelPool(config) as pool:
             tokens_per_s(pool, batch, 4, True)  # the tokenizer's llguidance view, once
