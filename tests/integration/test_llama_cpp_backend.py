@@ -354,3 +354,35 @@ def test_grammar_constrains_alone_and_in_a_batch(handler: LlamaCppHandler) -> No
     results = run_batched(handler, [constrained, free])
     assert set(json.loads(results[0].text)) == {"answer"}
     assert results[1].text == alone(handler, "1, 2, 3, 4,", max_new_tokens=10)[0].text
+
+
+def test_penalties_bias_and_batched_alike(handler: LlamaCppHandler) -> None:
+    prompt = "The capital of France is"
+    greedy_id = handler.encode(alone(handler, prompt, max_new_tokens=1)[0].text)[-1]
+    banned, _ = alone(handler, prompt, max_new_tokens=1, logit_bias={str(greedy_id): -100})
+    assert handler.encode(banned.text)[-1] != greedy_id
+    forced_id = handler.encode(" banana")[-1]
+    forced, _ = alone(handler, prompt, max_new_tokens=3, logit_bias={str(forced_id): 100})
+    assert forced.text == handler.runtime.token_text(forced_id) * 3
+    counting = "1, 2, 3, 4,"
+    plain, _ = alone(handler, counting, max_new_tokens=16)
+    # Settings whose every choice wins by a clear margin: llama.cpp's logits move a
+    # little with the batch's size, so a near tie could fall either way in a batch.
+    penalised_params = {"max_new_tokens": 16, "frequency_penalty": 1.0, "presence_penalty": 1.0}
+    penalised, _ = alone(handler, counting, **penalised_params)
+    assert penalised.text != plain.text  # "," and " " repeat: the penalties move the text
+    calls = [
+        Recorder(counting, dict(penalised_params)),
+        Recorder(prompt, {"max_new_tokens": 3, "logit_bias": {str(forced_id): 100}}),
+        Recorder(counting, {"max_new_tokens": 16}),
+    ]
+    results = run_batched(handler, calls)
+    assert [results[index].text for index in range(3)] == [
+        penalised.text,
+        forced.text,
+        plain.text,
+    ]
+    with pytest.raises(InvalidRequest, match="outside this model's vocabulary"):
+        alone(handler, prompt, max_new_tokens=1, logit_bias={str(10**7): 5})
+    with pytest.raises(InvalidRequest, match="tools"):
+        handler.validate({"tools": [{"type": "function", "function": {"name": "f"}}]})

@@ -33,6 +33,7 @@ class FakeRuntime:
     removed: list[int] = field(default_factory=list)
     end_ids: Any = field(default_factory=lambda: np.array([END], dtype=np.int64))
     end_id_set: frozenset[int] = frozenset({END})
+    n_vocab: int = 64
     _first: dict[int, int] = field(default_factory=dict)
     _said: dict[int, int] = field(default_factory=dict)
 
@@ -232,3 +233,22 @@ def test_placement_refuses_what_cannot_run() -> None:
         placement("cuda:0", {}, gpu_offload=False)
     with pytest.raises(ValueError, match="one proportion"):
         placement("cuda:0,cuda:1", {"tensor_split": [1]}, gpu_offload=True)
+
+
+def test_openai_penalties_in_numpy_match_the_torch_definition() -> None:
+    import torch
+
+    from modelpool.backends.hf_penalties import Penalties
+
+    penalties = Penalties(presence=0.5, frequency=0.25, bias=((1, -3.0), (4, 2.0)))
+    logits = np.linspace(-1.0, 1.0, 6, dtype=np.float32)
+    generated = [2, 2, 3]
+    expected = penalties.apply(torch.tensor(logits), generated).numpy()
+    assert np.allclose(penalties.apply_numpy(logits.copy(), generated), expected)
+    ends = np.array([], dtype=np.int64)
+    # Bias -100 bans the greedy token; the penalties count generated tokens, not the prompt.
+    banned = Sampling(penalties=Penalties(bias=((5, -100.0),)))
+    assert choose_token(logits, banned, [], 0, ends, None) == 4
+    repeated = Sampling(penalties=Penalties(frequency=10.0))
+    assert choose_token(logits, repeated, [5], 0, ends, None) == 5
+    assert choose_token(logits, repeated, [0, 5], 1, ends, None) == 4

@@ -1,5 +1,7 @@
 """OpenAI's ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``, applied to a
-row's next-token scores in both forms of the hf backend.
+row's next-token scores in both forms of the hf backend (torch, :meth:`Penalties.apply`)
+and in the llama_cpp backend (numpy, :meth:`Penalties.apply_numpy`): one definition,
+one validation, for every backend.
 
 OpenAI's definitions, over the tokens generated so far (the prompt does not count)::
 
@@ -21,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 from modelpool.errors import InvalidRequest
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
     import torch
 
 PENALTY_PARAMS = ("presence_penalty", "frequency_penalty", "logit_bias")
@@ -69,6 +73,20 @@ class Penalties:
             ids = torch.tensor([token_id for token_id, _ in self.bias], device=scores.device)
             values = torch.tensor([value for _, value in self.bias], device=scores.device)
             scores[ids] += values.to(scores.dtype)
+        return scores
+
+    def apply_numpy(
+        self, scores: npt.NDArray[np.float32], generated: list[int]
+    ) -> npt.NDArray[np.float32]:
+        """:meth:`apply` on a numpy row (the llama_cpp backend's logits), in place."""
+        import numpy as np
+
+        if generated and (self.presence or self.frequency):
+            ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+            scores[ids] -= (self.frequency * counts + self.presence).astype(scores.dtype)
+        if self.bias:
+            ids = np.fromiter((token_id for token_id, _ in self.bias), dtype=np.int64)
+            scores[ids] += np.fromiter((value for _, value in self.bias), dtype=scores.dtype)
         return scores
 
 

@@ -12,8 +12,10 @@ The pool runs it as ``backend="llama_cpp"`` (install ``modelpool[llama]``; see t
 it when there are several). The request parameters and their meaning are the
 hf backend's (``hf.GENERATION_PARAMS``): greedy unless the request samples,
 ``temperature``/``top_p``/``top_k``/``seed``, ``repetition_penalty``,
-``no_repeat_ngram_size``, ``min_new_tokens``, ``stop``, ``logprobs`` and
-``prompt_logprobs`` (both forms), token-id prompts. Chat messages are rendered
+``no_repeat_ngram_size``, ``min_new_tokens``, ``presence_penalty``,
+``frequency_penalty``, ``logit_bias``, ``stop``, grammars, ``logprobs`` and
+``prompt_logprobs`` (both forms), token-id prompts; ``tools`` is refused
+(``InvalidRequest``), never ignored. Chat messages are rendered
 with the GGUF's own chat template (``tokenizer.chat_template``) unless the
 ``chat_template`` option gives one. A request that does not fit the context
 (``max_model_len``, default the model's training context) is refused with
@@ -116,6 +118,13 @@ def validate(params: Mapping[str, Any]) -> None:
         raise InvalidRequest(
             f"unknown generation parameter(s) for the llama_cpp backend: {', '.join(unknown)}; "
             f"allowed: {', '.join(sorted(GENERATION_PARAMS))}"
+        )
+    if params.get("tools") is not None:
+        # The GGUF's template is rendered by our own Jinja without the tool definitions:
+        # refused rather than answered as if no tools had been offered.
+        raise InvalidRequest(
+            "tools: the llama_cpp backend does not offer tools to the model; "
+            "use the hf backend, or describe the tools in the prompt"
         )
     hf.validate(params)
 

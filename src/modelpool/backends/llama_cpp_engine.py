@@ -64,6 +64,7 @@ class Runtime(Protocol):
 
     end_ids: npt.NDArray[np.int64]
     end_id_set: frozenset[int]
+    n_vocab: int
 
     def decode(
         self, tokens: list[int], positions: list[int], seq_ids: list[int], outputs: list[bool]
@@ -256,7 +257,7 @@ class LlamaEngine:
         params = call.params
         prompt_ids = self.encoder.encode(call.prompt)
         stops = stop_strings(params["stop"]) if "stop" in params else ()
-        sampling = Sampling.from_params(params)
+        sampling = Sampling.from_params(params, self.runtime.n_vocab)
         rng = None
         if sampling.do_sample:
             rng = np.random.default_rng(params.get("seed"))

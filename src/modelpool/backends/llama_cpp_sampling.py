@@ -3,8 +3,10 @@
 The same parameters, with the same meaning, as the hf backend's batched loop
 (``hf_batch``): greedy unless the request samples (``do_sample``, or a
 ``temperature`` above 0), then temperature, top-k, top-p in that order;
-``repetition_penalty`` (CTRL's, as transformers applies it), ``no_repeat_ngram_size``
-and ``min_new_tokens`` (end-of-generation tokens masked until then) in both modes.
+``repetition_penalty`` (CTRL's, as transformers applies it), ``no_repeat_ngram_size``,
+``min_new_tokens`` (end-of-generation tokens masked until then) and OpenAI's
+``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (the hf backend's
+:class:`~modelpool.backends.hf_penalties.Penalties`, applied in numpy) in both modes.
 Each request samples from its own generator, seeded by its ``seed``, so a row's
 tokens never depend on the other rows of a batch.
 
@@ -16,9 +18,10 @@ request without a sampler object per row, and keeps logprobs exactly the model's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from modelpool.backends.hf_penalties import Penalties
 from modelpool.protocol import TokenLogprob
 
 if TYPE_CHECKING:
@@ -43,9 +46,12 @@ class Sampling:
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
     min_new_tokens: int = 0
+    penalties: Penalties = field(default_factory=Penalties)
 
     @classmethod
-    def from_params(cls, params: dict[str, Any]) -> Sampling:
+    def from_params(cls, params: dict[str, Any], vocab_size: int) -> Sampling:
+        """Read from a request's validated params; a ``logit_bias`` id outside the
+        vocabulary raises :class:`~modelpool.errors.InvalidRequest` (as on hf)."""
         do_sample = bool(params.get("do_sample", params.get("temperature", 0) > 0))
         return cls(
             do_sample=do_sample,
@@ -55,6 +61,7 @@ class Sampling:
             repetition_penalty=float(params.get("repetition_penalty", 1.0)),
             no_repeat_ngram_size=int(params.get("no_repeat_ngram_size", 0)),
             min_new_tokens=int(params.get("min_new_tokens", 0)),
+            penalties=Penalties.from_params(params, vocab_size),
         )
 
     def is_plain_greedy(self, generated: int) -> bool:
@@ -63,6 +70,7 @@ class Sampling:
             not self.do_sample
             and self.repetition_penalty == 1.0
             and self.no_repeat_ngram_size == 0
+            and not self.penalties.active
             and generated >= self.min_new_tokens
         )
 
@@ -98,6 +106,9 @@ def choose_token(
             scores[list(banned)] = -math.inf
     if generated < sampling.min_new_tokens and end_ids.size:
         scores[end_ids] = -math.inf
+    if sampling.penalties.active:
+        # OpenAI's penalties count the generated tokens only: the tail of ``seen``.
+        sampling.penalties.apply_numpy(scores, seen[len(seen) - generated :] if generated else [])
     if allowed is not None and not np.isfinite(scores).any():
         # The penalties forbade every token the grammar allows: the grammar wins (a
         # promised JSON must still close), as on the hf backend.
