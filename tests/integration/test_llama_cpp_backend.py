@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
 from helpers import FakeCall, skip_unless_pypi
@@ -23,6 +24,7 @@ from modelpool.backends import llama_cpp
 from modelpool.backends.llama_cpp import LlamaCppHandler, load
 from modelpool.errors import ContextLengthExceeded, InvalidRequest, ModelLoadFailed
 from modelpool.protocol import Generation, Prompt, TokenIds
+from modelpool.tools import parse_tool_request, read_answer
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes"),
@@ -384,5 +386,39 @@ def test_penalties_bias_and_batched_alike(handler: LlamaCppHandler) -> None:
     ]
     with pytest.raises(InvalidRequest, match="outside this model's vocabulary"):
         alone(handler, prompt, max_new_tokens=1, logit_bias={str(10**7): 5})
-    with pytest.raises(InvalidRequest, match="tools"):
-        handler.validate({"tools": [{"type": "function", "function": {"name": "f"}}]})
+
+
+def test_tools_are_offered_and_every_call_validates(handler: LlamaCppHandler) -> None:
+    """The GGUF's template gets the tools the way hf's does (``tools.render_chat``) and a
+    required call is held to its tool's schema, alone and in a batch."""
+    pytest.importorskip("llguidance", reason="structured outputs need modelpool[structured]")
+    weather = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    plan = parse_tool_request(
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "get_weather", "parameters": weather}}
+            ],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+        }
+    )
+    assert plan is not None
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    offered = handler.render_chat(messages, plan.template_tools())
+    assert "get_weather" in offered and "get_weather" not in handler.render_chat(messages)
+    params = {"max_new_tokens": 48, **plan.pool_params()}
+    handler.validate(params)
+    solo, _ = alone(handler, messages, **params)
+    batched = run_batched(
+        handler, [Recorder(messages, dict(params)), Recorder("1, 2, 3,", {"max_new_tokens": 6})]
+    )
+    for text in (solo.text, batched[0].text):
+        content, calls = read_answer(plan, text)
+        assert content is None and len(calls) == 1, text
+        assert calls[0].name == "get_weather"
+        jsonschema.validate(json.loads(calls[0].arguments), weather)

@@ -14,11 +14,12 @@ hf backend's (``hf.GENERATION_PARAMS``): greedy unless the request samples,
 ``temperature``/``top_p``/``top_k``/``seed``, ``repetition_penalty``,
 ``no_repeat_ngram_size``, ``min_new_tokens``, ``presence_penalty``,
 ``frequency_penalty``, ``logit_bias``, ``stop``, grammars, ``logprobs`` and
-``prompt_logprobs`` (both forms), token-id prompts; ``tools`` is refused
-(``InvalidRequest``), never ignored. Chat messages are rendered
-with the GGUF's own chat template (``tokenizer.chat_template``) unless the
-``chat_template`` option gives one. A request that does not fit the context
-(``max_model_len``, default the model's training context) is refused with
+``prompt_logprobs`` (both forms), token-id prompts, ``tools`` (offered through
+``modelpool.tools.render_chat`` as on hf, each call constrained by its grammar).
+Chat messages are rendered with the GGUF's own chat template
+(``tokenizer.chat_template``) unless the ``chat_template`` option gives one. A
+request that does not fit the context (``max_model_len``, default the model's
+training context) is refused with
 ``ContextLengthExceeded`` before its prefill, as on hf.
 
 Both backend forms run the same loop (``llama_cpp_engine``): ``generate`` is one
@@ -73,6 +74,7 @@ from modelpool.grammar import (
     import_llguidance,
 )
 from modelpool.protocol import BatchCall, Call, Finished, Generation, Prompt, TokenIds
+from modelpool.tools import render_chat
 
 if TYPE_CHECKING:
     import numpy as np
@@ -118,13 +120,6 @@ def validate(params: Mapping[str, Any]) -> None:
         raise InvalidRequest(
             f"unknown generation parameter(s) for the llama_cpp backend: {', '.join(unknown)}; "
             f"allowed: {', '.join(sorted(GENERATION_PARAMS))}"
-        )
-    if params.get("tools") is not None:
-        # The GGUF's template is rendered by our own Jinja without the tool definitions:
-        # refused rather than answered as if no tools had been offered.
-        raise InvalidRequest(
-            "tools: the llama_cpp backend does not offer tools to the model; "
-            "use the hf backend, or describe the tools in the prompt"
         )
     hf.validate(params)
 
@@ -643,7 +638,9 @@ class LlamaCppHandler:
             fit_to_context(prompt_tokens, params["min_new_tokens"], self.max_model_len, default=0)
         return new_tokens
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt's token ids; a chat prompt offers ``tools`` (OpenAI's shape) to the
+        model as the hf backend does (``modelpool.tools.render_chat``)."""
         runtime = self.runtime
         if isinstance(prompt, TokenIds):
             outside = [token for token in prompt.ids if not 0 <= token < runtime.n_vocab]
@@ -657,26 +654,49 @@ class LlamaCppHandler:
             ids = runtime.tokenize(prompt, add_special=True)
         else:
             # The template writes its own special tokens (BOS included).
-            ids = runtime.tokenize(self.render_chat(prompt), add_special=False)
+            ids = runtime.tokenize(self.render_chat(prompt, tools), add_special=False)
         if not ids:
             if self._bos < 0:
                 raise InvalidRequest("the prompt is empty and the model has no BOS token")
             ids = [self._bos]
         return ids
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         if self.chat_template is None:
             raise InvalidRequest(
                 "this GGUF has no chat template: send a string prompt, or give the "
                 "llama_cpp backend a chat_template option"
             )
+        if tools or any(len(message) > 2 for message in messages):
+            # Tool definitions, calls and results: the one renderer both backends share.
+            return render_chat(self, messages, tools)
+        return self.apply_chat_template(
+            [dict(message) for message in messages], add_generation_prompt=True, tokenize=False
+        )
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tokenize: bool,
+        **template_variables: Any,
+    ) -> str:
+        """The GGUF's chat template rendered as a transformers tokenizer's
+        ``apply_chat_template(..., tokenize=False)`` renders it (what
+        ``modelpool.tools.render_chat`` calls, ``tools=`` included)."""
+        if tokenize or self.chat_template is None:
+            raise ValueError("apply_chat_template here renders text from the chat template")
         if self._render is None:
             self._render = _compile_template(self.chat_template)
         text: str = self._render(
-            messages=[dict(message) for message in messages],
-            add_generation_prompt=True,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
             bos_token=self.runtime.special_text(self._bos),
             eos_token=self.runtime.special_text(self._eos),
+            **template_variables,
         )
         return text
 

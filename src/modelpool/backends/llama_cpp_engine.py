@@ -94,7 +94,7 @@ class Grammars(Protocol):
 class Encoder(Protocol):
     """What the engine needs of the handler: prompts as token ids, the context fit."""
 
-    def encode(self, prompt: Prompt) -> list[int]: ...
+    def encode(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]: ...
 
     def fit_new_tokens(self, call: Call, params: dict[str, Any], prompt_tokens: int) -> int: ...
 
@@ -255,7 +255,7 @@ class LlamaEngine:
         import numpy as np
 
         params = call.params
-        prompt_ids = self.encoder.encode(call.prompt)
+        prompt_ids = self.encoder.encode(call.prompt, params.get("tools"))
         stops = stop_strings(params["stop"]) if "stop" in params else ()
         sampling = Sampling.from_params(params, self.runtime.n_vocab)
         rng = None
