@@ -30,6 +30,11 @@ class Result:
     # Set when the request asked for logprobs / prompt_logprobs (see protocol.Generation).
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Prompt tokens read from the worker's prefix cache rather than prefilled (0: none,
+    # or a backend without one).
+    cached_tokens: int = 0
+    # ModelPool.tokenize's answer.
+    token_ids: list[int] | None = None
 
 
 class PoolFuture(concurrent.futures.Future[Result]):

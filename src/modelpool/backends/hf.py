@@ -18,6 +18,8 @@ log probability and its N likeliest alternatives (``Generation.logprobs``);
 ``prompt_logprobs=N`` scores the prompt's tokens too, with one forward pass
 (``max_new_tokens=0`` then scores the prompt alone). Neither costs anything
 when not asked for: only then does generate() keep each step's logits.
+``ignore_eos=True`` (vLLM's, which load generators send to fix output lengths)
+generates past the end-of-sequence token up to ``max_new_tokens``.
 
 Every step checks ``call.cancelled()`` and ends generation cleanly when it
 turns true; text is handed to ``call.emit`` as soon as it is stable (never
@@ -40,7 +42,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from modelpool.backends.hf_batch import (
@@ -61,6 +63,7 @@ from modelpool.protocol import (
     Prompt,
     TokenIds,
     TokenLogprob,
+    note_prompt,
 )
 from modelpool.validation import MAX_INT, check_generation_params, is_int, is_number
 
@@ -89,6 +92,7 @@ GENERATION_PARAMS = frozenset(
         "seed",
         "logprobs",
         "prompt_logprobs",
+        "ignore_eos",
     }
 )
 LOAD_OPTIONS = frozenset(
@@ -365,6 +369,10 @@ class HFHandler:
         seed = params.pop("seed", None)
         top_logprobs: int | None = params.pop("logprobs", None)
         prompt_top_logprobs: int | None = params.pop("prompt_logprobs", None)
+        ignore_eos = params.pop("ignore_eos", False)
+        if ignore_eos:
+            # No end-of-sequence id: generate() stops at max_new_tokens or a stop string.
+            params["eos_token_id"] = None
         input_ids = self.encode(call.prompt)
         prompt_tokens = int(input_ids.shape[1])
         params["max_new_tokens"] = self.fit_new_tokens(call, params, prompt_tokens)
@@ -386,6 +394,7 @@ class HFHandler:
         # that lands during the prefill stops generation at the first decoding step.
 
         progress = TextProgress(self.tokenizer, call, prompt_tokens, stops)
+        note_prompt(call, prompt_tokens, 0)
         if seed is not None:
             torch.manual_seed(seed)
         with torch.inference_mode():
@@ -415,7 +424,7 @@ class HFHandler:
         finish_reason: FinishReason
         if progress.cancelled:
             finish_reason = "cancelled"
-        elif progress.stopped or int(sequences[0, -1]) in self.eos_ids:
+        elif progress.stopped or (not ignore_eos and int(sequences[0, -1]) in self.eos_ids):
             finish_reason = "stop"
         else:
             finish_reason = "length"
@@ -496,18 +505,32 @@ class HFHandler:
             fit_to_context(prompt_tokens, params["min_new_tokens"], self.max_model_len, default=0)
         return new_tokens
 
-    def encode(self, prompt: Prompt) -> torch.Tensor:
+    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
+        """The token ids a generation of ``prompt`` feeds the model (``/tokenize``)."""
+        ids: list[int] = self.encode(prompt, add_generation_prompt)[0].tolist()
+        return ids
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens included (``/detokenize``)."""
+        self._check_vocabulary(token_ids)
+        text: str = self.tokenizer.decode(token_ids, clean_up_tokenization_spaces=False)
+        return text
+
+    def _check_vocabulary(self, token_ids: Sequence[int]) -> None:
+        too_large = [token_id for token_id in token_ids if token_id >= self._vocab_size]
+        if too_large:
+            raise InvalidRequest(
+                f"token id {too_large[0]} is outside this model's vocabulary "
+                f"(ids 0 to {self._vocab_size - 1})"
+            )
+
+    def encode(self, prompt: Prompt, add_generation_prompt: bool = True) -> torch.Tensor:
         import torch
 
         tokenizer = self.tokenizer
         input_ids: torch.Tensor
         if isinstance(prompt, TokenIds):
-            too_large = [token_id for token_id in prompt.ids if token_id >= self._vocab_size]
-            if too_large:
-                raise InvalidRequest(
-                    f"token id {too_large[0]} is outside this model's vocabulary "
-                    f"(ids 0 to {self._vocab_size - 1})"
-                )
+            self._check_vocabulary(prompt.ids)
             input_ids = torch.tensor([prompt.ids])
         elif isinstance(prompt, str):
             input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
@@ -518,7 +541,9 @@ class HFHandler:
                     "or give the hf backend a chat_template option"
                 )
             text = tokenizer.apply_chat_template(
-                [dict(message) for message in prompt], add_generation_prompt=True, tokenize=False
+                [dict(message) for message in prompt],
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
             )
             # The template writes its own special tokens (BOS included).
             input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -565,6 +590,7 @@ def _hook_types() -> tuple[type[Any], type[Any], type[Any]]:
             # generate() hands over the prompt first; the token itself is read
             # by the criterion, which sees it earlier in the same step.
             if self.prompt_skipped:
+                self.progress.deliver()
                 self.progress.on_token()
             self.prompt_skipped = True
 

@@ -44,7 +44,7 @@ otherwise, it applies ``do_sample`` and the seed to the whole batch, and one
 failing request ends its whole thread. Here every sampling parameter is per
 request (``seed``, ``temperature``, ``top_p``, ``top_k``, ``do_sample``,
 ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``,
-``stop``, ``max_new_tokens``), each request samples from its own
+``stop``, ``max_new_tokens``, ``ignore_eos``), each request samples from its own
 ``torch.Generator``, and the cache is bounded by ``kv_cache_tokens``.
 The model's ``generation_config`` supplies the defaults ``generate()`` would
 take from it (``repetition_penalty``, ``no_repeat_ngram_size``,
@@ -159,6 +159,7 @@ class _Row:
     repetition_penalty: float
     no_repeat_ngram_size: int
     generator: torch.Generator | None
+    ignore_eos: bool = False
     finish_reason: FinishReason | None = None
     cache: Any = None  # its own cache while prefilling
     prefilled: int = 0  # prompt tokens read into ``cache``
@@ -317,6 +318,7 @@ class BatchEngine:
             repetition_penalty=float(from_config("repetition_penalty", 1.0)),
             no_repeat_ngram_size=int(from_config("no_repeat_ngram_size", 0)),
             generator=generator,
+            ignore_eos=params.get("ignore_eos") is True,
         )
 
     @staticmethod
@@ -647,7 +649,7 @@ class BatchEngine:
         progress.on_token()
         if progress.error is not None:
             raise progress.error
-        if progress.stopped or token_id in self.handler.eos_ids:
+        if progress.stopped or (not row.ignore_eos and token_id in self.handler.eos_ids):
             row.finish_reason = "stop"
         elif row.generated >= row.max_new_tokens:
             row.finish_reason = "length"
