@@ -33,6 +33,7 @@ from modelpool.backends import resolve_backend
 from modelpool.config import PoolConfig
 from modelpool.dispatcher import Dispatcher
 from modelpool.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded
+from modelpool.prefixes import prompt_fingerprints
 from modelpool.preflight import check_devices, check_model_source
 from modelpool.protocol import (
     DetokenizeRequest,
@@ -443,8 +444,10 @@ class ModelPool:
         counted: bool = False,
     ) -> PoolFuture:
         """``counted``: ``on_chunk(text, counts)`` gets each chunk's ``TokenCounts`` too."""
+        fingerprints: tuple[int, ...] = ()
         if not isinstance(prompt, (TokenizeRequest, DetokenizeRequest)):
             prompt = check_prompt(prompt)
+            fingerprints = prompt_fingerprints(prompt)
         if deadline_s is None:
             deadline_s = self.config.deadline_s
         else:
@@ -491,6 +494,7 @@ class ModelPool:
             deadline=now + deadline_s,
             on_chunk=on_chunk,
             counted_chunks=counted,
+            prefix_fingerprints=fingerprints,
         )
         self._futures[request_id] = future
         if not loop.post(loop.dispatcher.submit, request):

@@ -50,6 +50,8 @@ class Request:
     submitted_at: float
     deadline: float
     on_chunk: Callable[..., None] | None = None
+    # The prompt's prefix fingerprints (modelpool.prefixes), for placement by prefix cache.
+    prefix_fingerprints: tuple[int, ...] = ()
     counted_chunks: bool = False  # on_chunk(text, TokenCounts | None) rather than on_chunk(text)
     state: RequestState = "new"
     attempts: list[Attempt] = field(default_factory=list)

@@ -70,6 +70,7 @@ size: the bound limits batching, never what one request may ask.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -77,10 +78,23 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from modelpool.backends.hf_text import TextProgress, stop_strings
 from modelpool.errors import InvalidRequest
-from modelpool.protocol import BatchCall, Call, Finished, FinishReason, Generation, Prompt, RowsLost
+from modelpool.protocol import (
+    BatchCall,
+    Call,
+    Finished,
+    FinishReason,
+    Generation,
+    Prompt,
+    RowsLost,
+    note_prompt,
+)
 
 if TYPE_CHECKING:
     import torch
+
+    from modelpool.backends.prefix_cache import PrefixCache
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_TOKENS = 16384
 """Rows x columns of one worker's padded KV cache when ``kv_cache_tokens`` is not given:
@@ -138,9 +152,20 @@ class LoadedModel(Protocol):
     tokenizer: Any
     eos_ids: frozenset[int]
 
+    prefix_cache: PrefixCache | None
+
     def encode(self, prompt: Prompt) -> torch.Tensor: ...
 
     def fit_new_tokens(self, call: Call, params: dict[str, Any], prompt_tokens: int) -> int: ...
+
+    def remember(
+        self,
+        prompt: Prompt,
+        token_ids: list[int],
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        answer_text: str,
+        answer_ids: list[int],
+    ) -> None: ...
 
 
 @dataclass(eq=False)
@@ -163,6 +188,7 @@ class _Row:
     finish_reason: FinishReason | None = None
     cache: Any = None  # its own cache while prefilling
     prefilled: int = 0  # prompt tokens read into ``cache``
+    cached_tokens: int = 0  # of those, taken from the prefix cache
 
     @property
     def generated(self) -> int:
@@ -173,7 +199,13 @@ class _Row:
         return max(0, self.max_new_tokens - self.generated)
 
     def result(self, finish_reason: FinishReason) -> Generation:
-        return Generation(self.progress.text, finish_reason, len(self.prompt_ids), self.generated)
+        return Generation(
+            self.progress.text,
+            finish_reason,
+            len(self.prompt_ids),
+            self.generated,
+            cached_tokens=self.cached_tokens,
+        )
 
 
 class BatchEngine:
@@ -337,6 +369,36 @@ class BatchEngine:
             self.waiting.remove(row)
             self.prefilling.append(row)
             started.append(row)
+            self._reuse_prefix(row)
+
+    def _reuse_prefix(self, row: _Row) -> None:
+        """Start the row's prefill cache from the longest cached prefix of its prompt."""
+        cache = self.handler.prefix_cache
+        found = None if cache is None else cache.lookup(row.prompt_ids)
+        if found is not None:
+            row.cache, row.prefilled = found
+            row.cached_tokens = row.prefilled
+        note_prompt(row.call, len(row.prompt_ids), row.cached_tokens)
+
+    def _remember(self, index: int, row: _Row) -> None:
+        """Keep a finished row's KV (its prompt and answer) in the prefix cache."""
+        assert self._mask is not None
+        if self.handler.prefix_cache is None:
+            return
+        try:
+            held = int(self._mask[index].sum())
+            start = int(self._mask.shape[1]) - held  # left-padded: its columns are the last
+            row_columns = (slice(index, index + 1), slice(None), slice(start, None))
+            layers = [
+                (layer.keys[row_columns], layer.values[row_columns])
+                for layer in self._cache.layers
+            ]
+            answer = row.progress.token_ids
+            ids = (row.prompt_ids + answer)[:held]
+            self.handler.remember(row.call.prompt, ids, layers, row.progress.text, answer)
+        except Exception:
+            # The cache only saves work: failing to fill it must not fail the batch.
+            logger.warning("could not keep a finished request's KV", exc_info=True)
 
     # ---- the forward passes ----------------------------------------------------------------
 
@@ -559,6 +621,7 @@ class BatchEngine:
             if done:
                 ended.append(index)
                 finished.append((row.call, row.result(row.finish_reason or "stop")))
+                self._remember(index, row)
         if ended:
             self._drop(ended)
 
