@@ -162,7 +162,7 @@ def per_turn(run: Json) -> dict[int, Json]:
 
 
 def later_turns(run: Json, key: str) -> float:
-    return statistics.mean(record[key] for record in run["turns"] if record["turn"] > 1)
+    return statistics.fmean(record[key] for record in run["turns"] if record["turn"] > 1)
 
 
 def hit_rate(run: Json) -> Json:
@@ -193,12 +193,12 @@ def landed_on_cache(run: Json) -> float:
 def cache_blind() -> Iterator[None]:
     """Requests submitted meanwhile carry no prefix fingerprints: placement cannot see
     the cache (the workers still keep and use one)."""
-    original = modelpool.pool.prompt_fingerprints
-    modelpool.pool.prompt_fingerprints = lambda prompt: ()
+    original = getattr(modelpool.pool, "prompt_fingerprints")  # noqa: B009
+    setattr(modelpool.pool, "prompt_fingerprints", lambda prompt: ())  # noqa: B010
     try:
         yield
     finally:
-        modelpool.pool.prompt_fingerprints = original
+        setattr(modelpool.pool, "prompt_fingerprints", original)  # noqa: B010
 
 
 def start_pool(model: str, workers: int, batch: int, cache_bytes: int, threads: int) -> ModelPool:
