@@ -60,7 +60,7 @@ from modelpool.errors import (
     PoolError,
     WorkerCrashed,
 )
-from modelpool.protocol import Generation, TokenCounts
+from modelpool.protocol import Generation, PrefixCacheReport, TokenCounts
 from modelpool.records import (
     DispatcherIO,
     FailedBatch,
@@ -201,7 +201,7 @@ class Dispatcher:
             self._on_room(worker, message[1], message[2])
         elif kind == "withdrawn":
             self._on_withdrawn(worker, message[1])
-        elif kind == "prefix_cache":
+        elif kind == "prefix_cache" and isinstance(message[1], PrefixCacheReport):
             worker.prefix_cache = message[1]
         elif kind == "log":
             _, levelno, name, text = message

@@ -60,6 +60,11 @@ masked out of attention, so only floating-point summation order differs (a
 sliced prefill too). In bfloat16 or float16 that order can flip a near tie, as
 in any batched server.
 
+The prefix cache (``prefix_cache``, the handler's) touches the loop at two points:
+when a request's prefill starts, the longest cached prefix of its prompt becomes the
+start of its prefill cache (it prefills only the rest); when a row finishes, its
+columns (prompt and answer) are copied out of the batch's cache into the prefix cache.
+
 KV-cache memory: ``kv_cache_tokens`` bounds rows x columns of the padded cache
 (prompt plus every token the running requests may still generate, prefilling
 ones included); a request that would push the batch past it waits in the
