@@ -3,7 +3,7 @@
 An agent-like workload: a system prompt of about 1,000 tokens (instructions and tool
 definitions), ``--clients`` clients each running a ``--turns``-turn conversation, every
 turn sent with the conversation so far, streamed, greedy, a fixed answer length
-(``ignore_eos``). In one run:
+(``ignore_eos``), up to ``--think-s`` seconds of tool time between turns. In one run:
 
 1. **Cache on vs off**, one batched worker: time to first token and total latency per
    turn, the ratio on/off for turns 2 and later (target <= 0.25), and the hit rate
@@ -96,13 +96,17 @@ def system_prompt(target_chars: int = 4_200) -> str:
 
 
 def conversation(
-    pool: ModelPool, client: int, turns: int, system: str, new_tokens: int
+    pool: ModelPool, client: int, turns: int, system: str, new_tokens: int, think_s: float
 ) -> list[Json]:
     """One client's turns, each sent with the conversation so far; per turn: time to
-    first token, latency, prompt and cached tokens, the worker that answered."""
+    first token, latency, prompt and cached tokens, the worker that answered. Between
+    turns the agent "runs a tool" for 0 to ``think_s`` seconds (a fixed pattern), so the
+    clients do not move in lockstep."""
     messages = [{"role": "system", "content": system}]
     records = []
     for turn in range(turns):
+        if turn:
+            time.sleep(think_s * ((client * 7 + turn * 3) % 4) / 3)
         question = QUESTIONS[(client + turn) % len(QUESTIONS)]
         messages.append({"role": "user", "content": f"(client {client}) {question}"})
         began = time.perf_counter()
@@ -128,13 +132,15 @@ def conversation(
     return records
 
 
-def agents(pool: ModelPool, clients: int, turns: int, system: str, new_tokens: int) -> Json:
+def agents(
+    pool: ModelPool, clients: int, turns: int, system: str, new_tokens: int, think_s: float
+) -> Json:
     """``clients`` conversations at once; every turn's record, and the wall time."""
     records: list[Json] = []
     lock = threading.Lock()
 
     def client(number: int) -> None:
-        found = conversation(pool, number, turns, system, new_tokens)
+        found = conversation(pool, number, turns, system, new_tokens, think_s)
         with lock:
             records.extend(found)
 
@@ -245,13 +251,16 @@ def run(args: argparse.Namespace, log: Any = print) -> Json:
     report: Json = {"clients": args.clients, "turns": args.turns, "new_tokens": args.new_tokens}
     on_bytes = args.cache_mib * 2**20
 
+    def workload(pool: ModelPool) -> Json:
+        return agents(pool, args.clients, args.turns, system, args.new_tokens, args.think_s)
+
     for name, cache_bytes in () if args.no_agents else (("off", 0), ("on", on_bytes)):
         log(f"agents, one worker x {args.clients}, cache {name}")
         pool = start_pool(model, 1, args.clients, cache_bytes, args.threads)
         try:
             system_message = [{"role": "system", "content": system}]
             report["system_prompt_tokens"] = len(pool.tokenize(system_message))
-            run_data = agents(pool, args.clients, args.turns, system, args.new_tokens)
+            run_data = workload(pool)
             report[f"one_worker_cache_{name}"] = {
                 **run_data,
                 "per_turn": per_turn(run_data),
@@ -274,9 +283,9 @@ def run(args: argparse.Namespace, log: Any = print) -> Json:
             try:
                 if name == "blind":
                     with cache_blind():
-                        run_data = agents(pool, args.clients, args.turns, system, args.new_tokens)
+                        run_data = workload(pool)
                 else:
-                    run_data = agents(pool, args.clients, args.turns, system, args.new_tokens)
+                    run_data = workload(pool)
             finally:
                 pool.close()
             report[f"two_workers_{name}"] = {
@@ -378,6 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--system-chars", type=int, default=4_200)
     parser.add_argument("--cache-mib", type=int, default=512)
+    parser.add_argument(
+        "--think-s", type=float, default=2.0, help="an agent's tool time between turns, at most"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads of one worker")
     parser.add_argument("--no-agents", action="store_true", help="skip cache on vs off")
     parser.add_argument("--no-placement", action="store_true", help="skip the two workers")
