@@ -61,7 +61,7 @@ from modelpool.errors import (
     WorkerCrashed,
 )
 from modelpool.grammar import grammar_refusal
-from modelpool.protocol import Generation
+from modelpool.protocol import Generation, PrefixCacheReport, TokenCounts
 from modelpool.records import (
     DispatcherIO,
     FailedBatch,
@@ -191,7 +191,7 @@ class Dispatcher:
     def on_message(self, worker: Worker, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "chunk":
-            self._on_chunk(worker, message[1], message[2])
+            self._on_chunk(worker, *message[1:])
         elif kind == "done":
             self._on_done(worker, message[1], message[2], message[3])
         elif kind == "error":
@@ -202,6 +202,8 @@ class Dispatcher:
             self._on_room(worker, message[1], message[2])
         elif kind == "withdrawn":
             self._on_withdrawn(worker, message[1])
+        elif kind == "prefix_cache" and isinstance(message[1], PrefixCacheReport):
+            worker.prefix_cache = message[1]
         elif kind == "log":
             _, levelno, name, text = message
             worker_logger.log(
@@ -417,20 +419,27 @@ class Dispatcher:
     def _current_run(self, worker: Worker, attempt_id: int) -> Run | None:
         return worker.runs.get(attempt_id)
 
-    def _on_chunk(self, worker: Worker, attempt_id: int, text: str) -> None:
+    def _on_chunk(
+        self, worker: Worker, attempt_id: int, text: str, counts: TokenCounts | None = None
+    ) -> None:
         run = self._current_run(worker, attempt_id)
         if run is None:
             return
         run.chunks.append(text)
         if run.request is not None:
-            self._deliver_chunk(run.request, text)
+            self._deliver_chunk(run.request, text, counts)
 
-    def _deliver_chunk(self, request: Request, text: str) -> None:
+    def _deliver_chunk(
+        self, request: Request, text: str, counts: TokenCounts | None = None
+    ) -> None:
         if request.on_chunk is None or request.caller_gone:
             return
         request.streamed = True
         try:
-            request.on_chunk(text)
+            if request.counted_chunks:
+                request.on_chunk(text, counts)
+            else:
+                request.on_chunk(text)
         except Exception:
             logger.exception(
                 "request %s: the stream consumer's callback failed", request.request_id
@@ -963,6 +972,8 @@ class Dispatcher:
             completion_tokens=generation.completion_tokens,
             logprobs=generation.logprobs,
             prompt_logprobs=generation.prompt_logprobs,
+            cached_tokens=generation.cached_tokens or 0,
+            token_ids=generation.token_ids,
         )
 
     def _fail(self, request: Request, error: PoolError) -> None:

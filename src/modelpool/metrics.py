@@ -124,6 +124,8 @@ def stats_families(stats: PoolStats) -> Iterator[Metric]:
             rss.add_metric([str(worker.id), worker.device], worker.rss_mb * _MIB)
     yield rss
 
+    yield from _prefix_cache_families(stats)
+
     kills = CounterMetricFamily(
         "modelpool_worker_kills",
         "Workers the pool signalled to stop, by reason.",
@@ -271,6 +273,33 @@ WORKER_COUNTERS = (
         "cuda_errors",
     ),
 )
+
+
+def _prefix_cache_families(stats: PoolStats) -> Iterator[Metric]:
+    """Each worker's prefix cache (hf backend), as it last reported it."""
+    held = GaugeMetricFamily(
+        "modelpool_prefix_cache_bytes",
+        "KV bytes each worker's prefix cache holds.",
+        labels=["worker"],
+    )
+    counters = {
+        name: CounterMetricFamily(f"modelpool_prefix_cache_{name}", text, labels=["worker"])
+        for name, text in (
+            ("lookups", "Requests that looked for a cached prefix, by worker."),
+            ("hits", "Requests that reused a cached prefix, by worker."),
+            ("evictions", "Entries dropped to stay within the bound, by worker."),
+            ("cached_tokens", "Prompt tokens read from the prefix cache, by worker."),
+        )
+    }
+    for worker in stats.workers:
+        cache = worker.prefix_cache
+        if cache is None:
+            continue
+        held.add_metric([str(worker.id)], cache.bytes)
+        for name, family in counters.items():
+            family.add_metric([str(worker.id)], getattr(cache, name))
+    yield held
+    yield from counters.values()
 
 
 def _counters(

@@ -55,6 +55,7 @@ class Job:
     best_of: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage on every streamed chunk (vLLM's option)
     logprobs: int | None = None
     echo: bool = False
     chat: bool = False
@@ -86,7 +87,11 @@ class Job:
         return runs
 
 
-def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str, int | None]:
+def usage(
+    prompt_tokens: int | None, completion_tokens: int | None, cached_tokens: int = 0
+) -> dict[str, Any]:
+    """OpenAI's usage object. ``prompt_tokens_details.cached_tokens`` is always there (0
+    without a cache hit): clients compute their cache hit rate from it."""
     # A backend that cannot count says None; the client sees null rather than a made-up 0.
     total = (
         None
@@ -97,15 +102,17 @@ def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": total,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
-def total_usage(job: Job, results: dict[int, Result]) -> dict[str, int | None]:
+def total_usage(job: Job, results: dict[int, Result]) -> dict[str, Any]:
     """Prompt tokens once per prompt, completion tokens of every run (best_of included)."""
     per_prompt = job.runs_per_prompt
-    prompt_counts = [results[index].prompt_tokens for index in results if index % per_prompt == 0]
+    firsts = [results[index] for index in results if index % per_prompt == 0]
     completion_counts = [result.completion_tokens for result in results.values()]
-    return usage(_sum(prompt_counts), _sum(completion_counts))
+    cached = sum(result.cached_tokens for result in firsts)
+    return usage(_sum([r.prompt_tokens for r in firsts]), _sum(completion_counts), cached)
 
 
 def _sum(counts: Sequence[int | None]) -> int | None:

@@ -91,6 +91,7 @@ _COMMON_FIELDS = frozenset(
         "response_format",
         "structured_outputs",
         *GUIDED_FIELDS,
+        "ignore_eos",
     }
 )
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of"}
@@ -311,6 +312,10 @@ def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str,
                 f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens"
             )
         params["min_new_tokens"] = min_tokens
+    # vLLM's too (guidellm and genai-perf send it): generate past end-of-sequence up to
+    # max_tokens, so that every answer has the length the benchmark asked for.
+    if _opt_bool(body, "ignore_eos"):
+        params["ignore_eos"] = True
     temperature = _opt_number(body, "temperature")
     if temperature is not None:
         if temperature < 0:
@@ -400,17 +405,18 @@ def _stream_flag(body: Mapping[str, Any]) -> bool:
         if not isinstance(options, dict):
             raise invalid("stream_options must be an object", param="stream_options")
         for key, value in options.items():
+            # continuous_usage_stats (vLLM's): usage on every chunk, as benchmarks read it.
             _unsupported_unless(
-                key == "include_usage" and isinstance(value, bool),
+                key in ("include_usage", "continuous_usage_stats") and isinstance(value, bool),
                 f"stream_options.{key}",
                 "not supported when streaming",
             )
     return stream
 
 
-def _include_usage(body: Mapping[str, Any]) -> bool:
+def _include_usage(body: Mapping[str, Any], key: str = "include_usage") -> bool:
     options = body.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True
+    return isinstance(options, dict) and options.get(key) is True
 
 
 def deadline_from(
@@ -523,6 +529,7 @@ def parse_completion(body: Mapping[str, Any]) -> Job:
         best_of=best_of,
         stream=stream,
         include_usage=_include_usage(body),
+        continuous_usage=_include_usage(body, "continuous_usage_stats"),
         logprobs=logprobs,
         echo=echo,
     )
@@ -626,6 +633,7 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
         n=n,
         stream=_stream_flag(body),
         include_usage=_include_usage(body),
+        continuous_usage=_include_usage(body, "continuous_usage_stats"),
         logprobs=logprobs,
         chat=True,
         tools=plan,

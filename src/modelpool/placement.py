@@ -15,16 +15,26 @@ The rules, in order of precedence:
 - On batched workers an isolated request needs an empty worker (and reserves the next
   one to drain, so it is not starved), and the suspects of a lost batch are spread one
   per worker (see ``Dispatcher._batch_lost``).
-- Otherwise least loaded first, counting what this round already placed, then the most
-  free KV room: a new request starts at once in the emptiest batch, and requests placed
-  together spread over idle workers.
+- Otherwise the worker whose prefix cache holds the longest part of the request's prompt
+  (its last report's fingerprints, ``modelpool.prefixes``), unless it runs more than
+  ``PREFIX_LOAD_SLACK`` requests beyond the least loaded; then the least loaded first,
+  counting what this round already placed, then the most free KV room: a new request
+  starts at once in the emptiest batch, and requests placed together spread over idle
+  workers. The workers report their fingerprints after every change, evictions
+  included, so the pool never prefers a worker for what it has dropped; a worker that
+  is replaced starts with no report, as its cache starts empty.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from modelpool.prefixes import matched_units
 from modelpool.records import Request, Worker
+
+PREFIX_LOAD_SLACK = 1
+"""A worker holding a request's prefix takes it while running at most this many requests
+more than the least loaded one: the prefill it saves is worth a slot, not a queue."""
 
 
 def open_workers(
@@ -77,13 +87,21 @@ def room_elsewhere(
     return any(other is not worker for other in open_workers(workers, retire_reason))
 
 
+def prefix_held(request: Request, worker: Worker) -> int:
+    """How many leading units of the request's prompt (messages, text or id blocks: see
+    ``modelpool.prefixes``) the worker's prefix cache holds, as it last reported."""
+    report = worker.prefix_cache
+    if report is None or not request.prefix_fingerprints:
+        return 0
+    return matched_units(request.prefix_fingerprints, report.fingerprints)
+
+
 def _choose(
     request: Request, candidates: list[Worker], free: dict[int, int], suspects: set[int]
 ) -> Worker | None:
     """The worker ``request`` goes to now, if any (see the module docstring)."""
-    for worker in sorted(
-        candidates, key=lambda w: (w.slots - free[w.id], -(w.kv_free_tokens or 0))
-    ):
+    eligible = []
+    for worker in candidates:
         if free[worker.id] <= 0 or worker.id == request.last_failed_worker:
             continue
         if worker.slots > 1:
@@ -91,5 +109,14 @@ def _choose(
                 continue
             if request.suspect and worker.id in suspects:
                 continue
-        return worker
-    return None
+        eligible.append(worker)
+    if not eligible:
+        return None
+    least = min(worker.slots - free[worker.id] for worker in eligible)
+
+    def preference(worker: Worker) -> tuple[int, int, int]:
+        load = worker.slots - free[worker.id]
+        held = prefix_held(request, worker) if load <= least + PREFIX_LOAD_SLACK else 0
+        return (-held, load, -(worker.kv_free_tokens or 0))
+
+    return min(eligible, key=preference)

@@ -33,8 +33,17 @@ from modelpool.backends import resolve_backend
 from modelpool.config import PoolConfig
 from modelpool.dispatcher import Dispatcher
 from modelpool.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded
+from modelpool.prefixes import prompt_fingerprints
 from modelpool.preflight import check_devices, check_model_source
-from modelpool.protocol import Prompt, WorkerSpec, encode_request
+from modelpool.protocol import (
+    DetokenizeRequest,
+    Prompt,
+    TokenCounts,
+    TokenIds,
+    TokenizeRequest,
+    WorkerSpec,
+    encode_request,
+)
 from modelpool.records import GpuWorker, Request, Worker, WorkerIO
 from modelpool.results import PoolFuture, Result
 from modelpool.stats import PoolHealth, PoolStats
@@ -292,9 +301,50 @@ class ModelPool:
         once per chunk. Cancelling the consuming task cancels the request.
         """
         chunks = StreamBuffer(asyncio.get_running_loop())
-        future = self._submit(prompt, deadline_s, gen_kwargs, chunks.put_threadsafe)
+        future = self._submit(prompt, deadline_s, gen_kwargs, chunks.put_threadsafe, counted=True)
         future.add_done_callback(lambda _: chunks.put_threadsafe(_END))
         return AsyncPoolStream(future, chunks)
+
+    def tokenize(
+        self, prompt: Prompt, *, add_generation_prompt: bool = True, deadline_s: float | None = None
+    ) -> list[int]:
+        """The token ids a worker feeds the model for ``prompt``: its own tokenizer and chat
+        template, as a generation's prompt is read (and counted against the context)::
+
+            pool.tokenize([{"role": "user", "content": "Hello"}])   # [1, 9690, 198, ...]
+
+        It is a pool request (queued, placed, answered by a worker between two decoding
+        steps), so it waits its turn behind a one-call worker's running generation.
+        ``add_generation_prompt=False`` renders chat messages without the assistant's
+        opening."""
+        future = self._tokenizer_request(
+            TokenizeRequest(check_prompt(prompt), bool(add_generation_prompt)), deadline_s
+        )
+        return list(future.result().token_ids or [])
+
+    def detokenize(self, token_ids: list[int], *, deadline_s: float | None = None) -> str:
+        """The text of ``token_ids`` in the model's tokenizer (a worker's)."""
+        request = DetokenizeRequest(_checked_ids(token_ids))
+        return self._tokenizer_request(request, deadline_s).result().text
+
+    async def atokenize(
+        self, prompt: Prompt, *, add_generation_prompt: bool = True, deadline_s: float | None = None
+    ) -> list[int]:
+        """asyncio version of :meth:`tokenize`."""
+        request = TokenizeRequest(check_prompt(prompt), bool(add_generation_prompt))
+        result = await asyncio.wrap_future(self._tokenizer_request(request, deadline_s))
+        return list(result.token_ids or [])
+
+    async def adetokenize(self, token_ids: list[int], *, deadline_s: float | None = None) -> str:
+        """asyncio version of :meth:`detokenize`."""
+        request = DetokenizeRequest(_checked_ids(token_ids))
+        result = await asyncio.wrap_future(self._tokenizer_request(request, deadline_s))
+        return result.text
+
+    def _tokenizer_request(
+        self, request: TokenizeRequest | DetokenizeRequest, deadline_s: float | None
+    ) -> PoolFuture:
+        return self._submit(request, deadline_s, {}, None)
 
     def health(self) -> PoolHealth:
         """Is the pool alive? Cheap and never waits on the dispatcher thread, so that a
@@ -393,12 +443,18 @@ class ModelPool:
 
     def _submit(
         self,
-        prompt: Prompt,
+        prompt: Prompt | TokenizeRequest | DetokenizeRequest,
         deadline_s: float | None,
         gen_kwargs: dict[str, Any],
-        on_chunk: Callable[[Any], None] | None,
+        on_chunk: Callable[..., None] | None,
+        *,
+        counted: bool = False,
     ) -> PoolFuture:
-        prompt = check_prompt(prompt)
+        """``counted``: ``on_chunk(text, counts)`` gets each chunk's ``TokenCounts`` too."""
+        fingerprints: tuple[int, ...] = ()
+        if not isinstance(prompt, (TokenizeRequest, DetokenizeRequest)):
+            prompt = check_prompt(prompt)
+            fingerprints = prompt_fingerprints(prompt)
         if deadline_s is None:
             deadline_s = self.config.deadline_s
         else:
@@ -445,6 +501,8 @@ class ModelPool:
             submitted_at=now,
             deadline=now + deadline_s,
             on_chunk=on_chunk,
+            counted_chunks=counted,
+            prefix_fingerprints=fingerprints,
         )
         self._futures[request_id] = future
         if not loop.post(loop.dispatcher.submit, request):
@@ -546,21 +604,27 @@ class StreamBuffer:
     past ``max_items`` waiting chunks, new text is appended to the last one. A stalled
     reader then holds the text itself, a few bytes per token, instead of one object per
     token; a reader that keeps up sees every chunk as the worker sent it.
+
+    Each chunk keeps the worker's token counts as of that chunk (``TokenCounts``, when the
+    backend gives them; a joined chunk those of its last piece): ``taken_counts`` is the
+    count of the chunk :meth:`get` returned last.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, max_items: int = 64) -> None:
         self.max_items = max_items
         self._loop = loop
         self._lock = threading.Lock()
-        self._items: collections.deque[object] = collections.deque()
+        self._items: collections.deque[tuple[object, TokenCounts | None]] = collections.deque()
         self._tail: list[str] = []  # pieces of the last item while text is being joined
+        self._tail_counts: TokenCounts | None = None
         self._ready = asyncio.Event()
         self._wake_pending = False
+        self.taken_counts: TokenCounts | None = None
 
-    def put_threadsafe(self, item: object) -> None:
-        """Add ``item`` (text, or the end marker); from any thread."""
+    def put_threadsafe(self, item: object, counts: TokenCounts | None = None) -> None:
+        """Add ``item`` (text, or the end marker) and its token counts; from any thread."""
         with self._lock:
-            self._put(item)
+            self._put(item, counts)
             if self._wake_pending:
                 return
             self._wake_pending = True
@@ -569,21 +633,23 @@ class StreamBuffer:
         except RuntimeError:
             pass  # The event loop is closed; nobody is listening any more.
 
-    def _put(self, item: object) -> None:
+    def _put(self, item: object, counts: TokenCounts | None) -> None:
         if isinstance(item, str) and (self._tail or len(self._items) >= self.max_items):
-            if not self._tail and isinstance(self._items[-1], str):
-                self._tail.append(str(self._items.pop()))
+            if not self._tail and isinstance(self._items[-1][0], str):
+                last, self._tail_counts = self._items.pop()
+                self._tail.append(str(last))
             if self._tail:
                 self._tail.append(item)
+                self._tail_counts = counts or self._tail_counts
                 if len(self._tail) >= self.max_items:
                     self._tail[:] = ["".join(self._tail)]
                 return
         self._flush_tail()
-        self._items.append(item)
+        self._items.append((item, counts))
 
     def _flush_tail(self) -> None:
         if self._tail:
-            self._items.append("".join(self._tail))
+            self._items.append(("".join(self._tail), self._tail_counts))
             self._tail.clear()
 
     def _wake(self) -> None:
@@ -597,7 +663,10 @@ class StreamBuffer:
                 if not self._items:
                     self._flush_tail()
                 if self._items:
-                    return self._items.popleft()
+                    item, counts = self._items.popleft()
+                    if counts is not None:
+                        self.taken_counts = counts
+                    return item
                 self._ready.clear()
             await self._ready.wait()
 
@@ -612,6 +681,12 @@ class AsyncPoolStream(_Stream, AsyncIterator[str]):
     def __init__(self, future: PoolFuture, chunks: StreamBuffer) -> None:
         super().__init__(future)
         self._chunks = chunks
+
+    @property
+    def token_counts(self) -> TokenCounts | None:
+        """The worker's token counts as of the chunk returned last (None when its backend
+        does not count)."""
+        return self._chunks.taken_counts
 
     def __aiter__(self) -> AsyncPoolStream:
         return self
@@ -637,6 +712,13 @@ class AsyncPoolStream(_Stream, AsyncIterator[str]):
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _checked_ids(token_ids: object) -> tuple[int, ...]:
+    prompt = check_prompt(list(token_ids) if isinstance(token_ids, (list, tuple)) else token_ids)
+    if not isinstance(prompt, TokenIds):
+        raise InvalidRequest("token_ids must be a non-empty list of token ids")
+    return prompt.ids
 
 
 def _set_if_pending(future: asyncio.Future[PoolStats], stats: PoolStats) -> None:

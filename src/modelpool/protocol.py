@@ -27,7 +27,8 @@ worker -> supervisor::
                                             slots: how many attempts it runs at once
                                             (1 for a one-call backend)
     ("load_failed", traceback_text)         backend could not load; the worker exits
-    ("chunk", attempt_id, text)             streamed text
+    ("chunk", attempt_id, text, counts)     streamed text; counts: the attempt's TokenCounts
+                                            so far, or None when its backend does not say
     ("done", attempt_id, Generation, rss_bytes)
                                             its logprobs as TokenLogprobs columns
     ("error", attempt_id, kind, message, traceback_text, rss_bytes[, detail])
@@ -45,6 +46,8 @@ worker -> supervisor::
                                             attempts admitted but waiting for room, sent
                                             after a step that changed them
     ("log", levelno, logger_name, message)  a worker log record
+    ("prefix_cache", PrefixCacheReport)     the backend's prefix cache, after a request that
+                                            changed it (placement and stats read it)
 
 The cancel flags and the progress counters are not messages: they live in a
 small shared memory block (see ``ControlBlock``) so that the hot check in the
@@ -148,6 +151,57 @@ class Generation:
     completion_tokens: int | None = None
     logprobs: Sequence[TokenLogprob] | None = None
     prompt_logprobs: Sequence[TokenLogprob] | None = None
+    # Prompt tokens whose KV came from the backend's prefix cache (not prefilled again).
+    cached_tokens: int | None = None
+    # A tokenize request's answer: the prompt's token ids (see TokenizeRequest).
+    token_ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """An attempt's tokens so far, sent with each streamed chunk: its prompt's tokens, the
+    tokens generated, and the prompt tokens read from the prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """Not a generation: the worker answers with the token ids its backend would feed the
+    model for ``prompt`` (``Generation.token_ids``; ``prompt_tokens`` their count), through
+    the same path, chat template included, as a generation's prompt. With
+    ``add_generation_prompt`` False, chat messages are rendered without the assistant's
+    opening (what vLLM's /tokenize takes)."""
+
+    prompt: Prompt
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    """Not a generation: the worker answers with the text of ``ids`` (``Generation.text``)."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PrefixCacheReport:
+    """A worker's prefix cache as it last reported it (``handler.prefix_cache_report()``).
+
+    ``fingerprints``: the prefix fingerprints (``modelpool.prefixes``) of the prompts whose
+    KV it holds, so that the pool can send a request where its prefix is cached; sent
+    again on every change, evictions included, so it never names what is gone."""
+
+    bytes: int = 0
+    limit_bytes: int = 0
+    entries: int = 0
+    hits: int = 0
+    lookups: int = 0
+    evictions: int = 0
+    cached_tokens: int = 0
+    fingerprints: frozenset[int] = frozenset()
 
 
 class Call(Protocol):
@@ -171,6 +225,14 @@ class Call(Protocol):
     def emit(self, text: str) -> None:
         """Send a chunk of generated text to the caller as soon as it exists."""
         ...
+
+
+def note_prompt(call: Call, prompt_tokens: int, cached_tokens: int) -> None:
+    """Tell ``call`` its prompt's size and how much of it came from the prefix cache, when
+    it takes it (a pool's call does, for the token counts of its streamed chunks)."""
+    note = getattr(call, "note_prompt", None)
+    if note is not None:
+        note(prompt_tokens, cached_tokens)
 
 
 class BatchCall(Call, Protocol):
@@ -291,7 +353,9 @@ def encode_frame(message: tuple[Any, ...]) -> bytes:
     return _FRAME_HEADER.pack(len(payload)) + payload
 
 
-def encode_request(prompt: Prompt, params: dict[str, Any]) -> bytes:
+def encode_request(
+    prompt: Prompt | TokenizeRequest | DetokenizeRequest, params: dict[str, Any]
+) -> bytes:
     """The run payload. Pickled on the caller's thread so that an argument that cannot be
     pickled is the caller's error, and the dispatcher and every retry reuse the bytes."""
     return pickle.dumps((prompt, params), protocol=pickle.HIGHEST_PROTOCOL)

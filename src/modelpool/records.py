@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from modelpool.errors import Attempt, PoolError
-from modelpool.protocol import WorkerSpec
+from modelpool.protocol import PrefixCacheReport, WorkerSpec
 from modelpool.results import PoolFuture
 
 RequestState = Literal["new", "queued", "backoff", "running", "done"]
@@ -49,7 +49,10 @@ class Request:
     future: PoolFuture
     submitted_at: float
     deadline: float
-    on_chunk: Callable[[str], None] | None = None
+    on_chunk: Callable[..., None] | None = None
+    # The prompt's prefix fingerprints (modelpool.prefixes), for placement by prefix cache.
+    prefix_fingerprints: tuple[int, ...] = ()
+    counted_chunks: bool = False  # on_chunk(text, TokenCounts | None) rather than on_chunk(text)
     state: RequestState = "new"
     attempts: list[Attempt] = field(default_factory=list)
     run: Run | None = None
@@ -156,6 +159,8 @@ class Worker:
     # and the attempts it admitted that wait for room before their prefill.
     kv_free_tokens: int | None = None
     waiting_attempts: frozenset[int] = frozenset()
+    # Its backend's prefix cache as last reported (None: it has none, or said nothing yet).
+    prefix_cache: PrefixCacheReport | None = None
 
     def free_slot(self) -> int:
         used = {run.slot for run in self.runs.values()}

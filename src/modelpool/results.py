@@ -31,6 +31,11 @@ class Result:
     # from a worker, a TokenLogprobs (columns; a TokenLogprob is made as one is read).
     logprobs: Sequence[TokenLogprob] | None = None
     prompt_logprobs: Sequence[TokenLogprob] | None = None
+    # Prompt tokens read from the worker's prefix cache rather than prefilled (0: none,
+    # or a backend without one).
+    cached_tokens: int = 0
+    # ModelPool.tokenize's answer.
+    token_ids: list[int] | None = None
 
 
 class PoolFuture(concurrent.futures.Future[Result]):

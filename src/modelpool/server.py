@@ -94,6 +94,7 @@ from modelpool.openai_format import (
     json_bytes,
     response_body,
     total_usage,
+    usage,
 )
 from modelpool.openai_request import (
     ApiError,
@@ -103,7 +104,8 @@ from modelpool.openai_request import (
     parse_completion,
     parse_json_object,
 )
-from modelpool.protocol import Prompt
+from modelpool.openai_tokenize import parse_detokenize, parse_tokenize, tokenize_body
+from modelpool.protocol import Prompt, TokenCounts
 
 if TYPE_CHECKING:
     from modelpool.pool import AsyncPoolStream, ModelPool, Result
@@ -285,6 +287,14 @@ class StreamedChoice:
     source: AsyncPoolStream | None = None
 
 
+@dataclass(frozen=True)
+class StreamedText:
+    """A chunk of one choice's text and its worker's token counts as of that chunk."""
+
+    text: str
+    counts: TokenCounts | None
+
+
 class EventStream(Response):
     """A completion streamed as server-sent events, one pool stream per choice.
 
@@ -397,8 +407,8 @@ class EventStream(Response):
     async def _pump(self, scope: Scope, send: Send, state: dict[str, Any]) -> None:
         # Bounded: a client slower than the workers holds the readers (and the pool's
         # stream buffers join its text) instead of an ever longer queue here.
-        events: asyncio.Queue[tuple[StreamedChoice, str | Result | PoolError]] = asyncio.Queue(
-            STREAM_BUFFER_EVENTS
+        events: asyncio.Queue[tuple[StreamedChoice, StreamedText | Result | PoolError]] = (
+            asyncio.Queue(STREAM_BUFFER_EVENTS)
         )
         readers = [
             asyncio.ensure_future(_read_choice(c, self._start_choice, events))
@@ -416,7 +426,7 @@ class EventStream(Response):
         scope: Scope,
         send: Send,
         state: dict[str, Any],
-        events: asyncio.Queue[tuple[StreamedChoice, str | Result | PoolError]],
+        events: asyncio.Queue[tuple[StreamedChoice, StreamedText | Result | PoolError]],
     ) -> None:
         results: dict[int, Result] = {}
         started = False
@@ -435,12 +445,14 @@ class EventStream(Response):
             if not started:
                 await self._start(send, state)
                 started = True
-            if isinstance(item, str):
+            if isinstance(item, StreamedText):
                 reader = self._call_readers.get(choice.index)
                 if reader is not None:
-                    await self._send_tool_events(send, choice, reader.feed(item))
-                elif item:
-                    await self._send(send, _sse(self._chunk(choice.index, item, None)))
+                    await self._send_tool_events(send, choice, reader.feed(item.text))
+                elif item.text:
+                    chunk = self._chunk(choice.index, item.text, None)
+                    self._add_usage(chunk, item.counts)
+                    await self._send(send, _sse(chunk))
                 continue
             reader = self._call_readers.get(choice.index)
             if reader is not None:
@@ -483,9 +495,32 @@ class EventStream(Response):
         state["status"] = 200
         for choice in self._choices:
             if self._chat:
-                await self._send(send, _sse(self._chunk(choice.index, "", None, role=True)))
+                chunk = self._chunk(choice.index, "", None, role=True)
             elif self._job.echo and isinstance(choice.prompt, str) and choice.prompt:
-                await self._send(send, _sse(self._chunk(choice.index, choice.prompt, None)))
+                chunk = self._chunk(choice.index, choice.prompt, None)
+            else:
+                continue
+            self._add_usage(chunk, None if choice.source is None else choice.source.token_counts)
+            await self._send(send, _sse(chunk))
+
+    def _add_usage(
+        self, chunk: dict[str, Any], counts: TokenCounts | None, result: Result | None = None
+    ) -> None:
+        """``continuous_usage_stats``: the choice's token counts on every chunk, as its
+        worker counted them when it sent that text (null where its backend does not)."""
+        if not self._job.continuous_usage:
+            return
+        if result is not None:
+            chunk["usage"] = usage(
+                result.prompt_tokens, result.completion_tokens, result.cached_tokens
+            )
+            return
+        if counts is None:
+            chunk["usage"] = usage(None, None)
+        else:
+            chunk["usage"] = usage(
+                counts.prompt_tokens, counts.completion_tokens, counts.cached_tokens
+            )
 
     async def _send_tool_events(
         self, send: Send, choice: StreamedChoice, events: list[tools.Event]
@@ -512,6 +547,7 @@ class EventStream(Response):
         final = self._chunk(
             choice.index, None if self._chat else "", finish_reason, logprobs=logprobs
         )
+        self._add_usage(final, None, result)
         return b"data: " + json_bytes(final) + b"\n\n"
 
     async def _send(self, send: Send, data: bytes, more: bool = True) -> None:
@@ -531,7 +567,7 @@ class EventStream(Response):
 async def _read_choice(
     choice: StreamedChoice,
     start: Callable[[StreamedChoice], AbstractAsyncContextManager[AsyncPoolStream]],
-    events: asyncio.Queue[tuple[StreamedChoice, str | Result | PoolError]],
+    events: asyncio.Queue[tuple[StreamedChoice, StreamedText | Result | PoolError]],
 ) -> None:
     """Start one choice's pool stream (when its turn comes), forward its text, then its
     result or its error, to ``events``: waits while ``events`` is full, that is while
@@ -539,7 +575,7 @@ async def _read_choice(
     try:
         async with start(choice) as source:
             async for text in source:
-                await events.put((choice, text))
+                await events.put((choice, StreamedText(text, source.token_counts)))
             result = source.result
     except PoolError as exc:
         await events.put((choice, exc))
@@ -793,6 +829,24 @@ def create_app(
         snapshot = await pool.astats()
         return _model_card(state, snapshot.max_model_len)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await _read_json(request, state)
+        job = parse_tokenize(body)
+        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
+        tokens = await pool.atokenize(
+            job.prompt, add_generation_prompt=job.add_generation_prompt, deadline_s=deadline
+        )
+        snapshot = await pool.astats()
+        return JSONResponse(tokenize_body(tokens, snapshot.max_model_len))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        tokens = parse_detokenize(await _read_json(request, state))
+        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
+        text = await pool.adetokenize(tokens, deadline_s=deadline) if tokens else ""
+        return JSONResponse({"prompt": text})
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _generate(request, state, chat=False)
@@ -833,7 +887,7 @@ def _shutting_down() -> ApiError:
     )
 
 
-async def _generate(request: Request, state: ServerState, *, chat: bool) -> Response:
+def _check_not_draining(state: ServerState) -> None:
     if state.draining:
         raise ApiError(
             503,
@@ -842,6 +896,20 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
             code="draining",
             headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE), "Connection": "close"},
         )
+
+
+async def _read_json(request: Request, state: ServerState) -> dict[str, Any]:
+    """A small JSON body (the tokenizer routes'), parsed off the loop when large."""
+    _check_not_draining(state)
+    require_json(request.headers.get("content-type"))
+    raw = await read_body(request, state.config.max_body_bytes)
+    return await _off_loop_if(
+        len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, parse_json_object, raw
+    )
+
+
+async def _generate(request: Request, state: ServerState, *, chat: bool) -> Response:
+    _check_not_draining(state)
     require_json(request.headers.get("content-type"))
     try:
         raw = await read_body(request, state.config.max_body_bytes)

@@ -38,6 +38,19 @@ COUNTER_NAMES = (
 
 
 @dataclass(frozen=True)
+class PrefixCacheStats:
+    """A worker's prefix cache as it last reported it (hf backend; see the README)."""
+
+    bytes: int
+    limit_bytes: int
+    entries: int
+    hits: int
+    lookups: int
+    evictions: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     id: int
     pid: int | None
@@ -57,6 +70,8 @@ class WorkerStats:
     # and its free KV room in tokens, as the worker last reported it.
     waiting_for_room: list[str] = field(default_factory=list)
     kv_free_tokens: int | None = None
+    # None: its backend keeps no prefix cache, or has not reported one yet.
+    prefix_cache: PrefixCacheStats | None = None
 
 
 @dataclass(frozen=True)

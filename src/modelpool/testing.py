@@ -14,7 +14,9 @@ Commands (``name[:arg[:arg]]``; anything else is echoed back):
 ``echo:TEXT``          returns TEXT
 ``tokens:N[:DELAY]``   emits N tokens ``"t0 t1 ..."``, DELAY seconds apart,
                        checking the cancel flag before each; honours
-                       ``max_new_tokens`` (finish_reason "length")
+                       ``max_new_tokens`` (finish_reason "length"); the Nth
+                       token is its end of sequence: with ``ignore_eos`` it
+                       goes on to ``max_new_tokens``
 ``hang[:term]``        never returns, never checks the flag; ignores SIGTERM
                        unless ``:term`` is given
 ``stall:N``            emits N tokens, then hangs without progress
@@ -82,6 +84,7 @@ constrained (there is no tokenizer). What the compilation does is said in the gr
 e.g. ``pool.generate("echo:x", grammar='start: "compile_hang"')``.
 
 A prompt given as token ids (``TokenIds``) reads as the ids joined by spaces.
+``tokenize`` gives one id per character (its code point), ``detokenize`` the reverse.
 ``logprobs=N`` gives every generated token (each ``tokens`` piece; the whole text
 otherwise) the logprob -0.25, with N alternatives (itself first, then made-up
 ones); ``prompt_logprobs=N`` scores the prompt the same way, one token per
@@ -140,9 +143,11 @@ from modelpool.protocol import (
     BatchCall,
     Call,
     Finished,
+    FinishReason,
     Generation,
     Prompt,
     TokenIds,
+    note_prompt,
 )
 from modelpool.validation import check_generation_params
 
@@ -166,6 +171,7 @@ ACCEPTED_PARAMS = frozenset(
         "tools",
         GRAMMAR_PARAM,
         COMPILE_TIMEOUT_PARAM,
+        "ignore_eos",
     }
 )
 TOKEN_LOGPROB = -0.25
@@ -264,6 +270,18 @@ class FaultBackend:
         if self.poisoned:
             raise RuntimeError(STICKY_MESSAGE)
 
+    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
+        """One id per character (its code point), as ``prompt_logprobs`` scores a prompt;
+        chat messages as the text of the last one; token ids as they are."""
+        if isinstance(prompt, TokenIds):
+            return list(prompt.ids)
+        return [ord(char) for char in _prompt_text(prompt)]
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        if any(token_id > sys.maxunicode for token_id in token_ids):
+            raise InvalidRequest(f"token ids are code points here (at most {sys.maxunicode})")
+        return "".join(chr(token_id) for token_id in token_ids)
+
     # ---- batched form ------------------------------------------------------------------
 
     def admit(self, call: BatchCall) -> None:
@@ -271,13 +289,14 @@ class FaultBackend:
         text = _prompt_text(prompt)
         command, _, argument = text.partition(":")
         job = _Job(call, command, argument, self._fit(call)[0])
+        note_prompt(call, count_tokens(prompt), 0)
         # Log probabilities come from the one-call path: such a request runs whole in one step.
         job.whole = any(
             call.params.get(name) is not None for name in ("logprobs", "prompt_logprobs")
         )
         if command == "tokens":
             count_text, _, delay_text = argument.partition(":")
-            job.count = int(count_text or 16)
+            job.count = _token_count(count_text, job.limit, call.params)
             job.delay = float(delay_text or 0)
         elif command == "stall":
             job.count = int(argument or 1)
@@ -351,14 +370,14 @@ class FaultBackend:
             return job.partial("length")
         piece = f"t{index} "
         job.pieces.append(piece)
-        job.call.emit(piece)
         job.call.delivered()
+        job.call.emit(piece)
         if job.command == "stall" and len(job.pieces) >= job.count:
             # Hangs right after its last token, as the one-call form does: whoever saw that
             # token knows the step is already frozen.
             _block_forever()
         if job.command == "tokens" and len(job.pieces) >= job.count:
-            return job.partial("stop")
+            return job.partial(_tokens_end(job.limit, job.call.params))
         return None
 
     # ---- one-call form -----------------------------------------------------------------
@@ -541,10 +560,12 @@ def _emit_tokens(
     call: Call, argument: str, limit: int | None, prompt_tokens: int | None
 ) -> Generation:
     count_text, _, delay_text = argument.partition(":")
-    count = int(count_text or 16)
+    count = _token_count(count_text, limit, call.params)
     delay = float(delay_text or 0)
     pieces: list[str] = []
     pause = threading.Event()
+    note_prompt(call, count_tokens(call.prompt) if prompt_tokens is None else prompt_tokens, 0)
+    delivered = getattr(call, "delivered", None)
     for index in range(count):
         if call.cancelled():
             return Generation("".join(pieces), "cancelled", prompt_tokens, len(pieces))
@@ -554,8 +575,25 @@ def _emit_tokens(
             pause.wait(delay)
         piece = f"t{index} "
         pieces.append(piece)
+        if delivered is not None:
+            delivered()
         call.emit(piece)
-    return Generation("".join(pieces), "stop", prompt_tokens, len(pieces))
+    return Generation("".join(pieces), _tokens_end(limit, call.params), prompt_tokens, len(pieces))
+
+
+def _token_count(count_text: str, limit: int | None, params: dict[str, Any]) -> int:
+    """Tokens a ``tokens:N`` request emits before its end of sequence: N, or with
+    ``ignore_eos`` (as vLLM's) its ``max_new_tokens`` when it has one."""
+    count = int(count_text or 16)
+    if params.get("ignore_eos") is True and limit is not None:
+        return limit
+    return count
+
+
+def _tokens_end(limit: int | None, params: dict[str, Any]) -> FinishReason:
+    """A ``tokens`` request that emitted all its tokens: at its end of sequence ("stop"),
+    or at ``max_new_tokens`` when ``ignore_eos`` took it there."""
+    return "length" if params.get("ignore_eos") is True and limit is not None else "stop"
 
 
 def _first_time(marker: str) -> bool:

@@ -358,7 +358,10 @@ def check_template_tools(tools: object) -> None:
 
 
 def render_chat(
-    tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool = True,
 ) -> str:
     """The prompt text of a conversation, with ``tools`` offered to the model."""
     features = template_features(tokenizer)
@@ -375,7 +378,7 @@ def render_chat(
         else:
             rendered.insert(0, {"role": "system", "content": preamble})
     text: str = tokenizer.apply_chat_template(
-        rendered, add_generation_prompt=True, tokenize=False, **kwargs
+        rendered, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
     )
     return text
 

@@ -70,6 +70,10 @@ def check_generation_params(params: Mapping[str, Any], *, where: str = "") -> No
         value = params["top_p"]
         if not is_number(value) or not 0 < value <= 1:
             raise InvalidRequest(f"{prefix}top_p must be in (0, 1], got {value!r}")
+    if "ignore_eos" in params and not isinstance(params["ignore_eos"], bool):
+        raise InvalidRequest(
+            f"{prefix}ignore_eos must be true or false, got {params['ignore_eos']!r}"
+        )
     _check_penalties(params, prefix)
 
 

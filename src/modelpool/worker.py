@@ -53,11 +53,15 @@ from modelpool.protocol import (
     PROTOCOL_VERSION,
     BatchedHandler,
     ControlBlock,
+    DetokenizeRequest,
     Finished,
     Generation,
     Handler,
+    PrefixCacheReport,
     Prompt,
     RowsLost,
+    TokenCounts,
+    TokenizeRequest,
     TokenLogprob,
     WorkerSpec,
     encode_frame,
@@ -113,9 +117,12 @@ class WorkerCall:
     """
 
     __slots__ = (
+        "_cached_tokens",
         "_channel",
         "_checks_count",
+        "_completion_tokens",
         "_control",
+        "_prompt_tokens",
         "attempt_id",
         "defaulted",
         "params",
@@ -143,6 +150,9 @@ class WorkerCall:
         self._control = control
         self._channel = channel
         self._checks_count = checks_count
+        self._prompt_tokens: int | None = None
+        self._cached_tokens = 0
+        self._completion_tokens = 0
 
     def cancelled(self) -> bool:
         if self._checks_count:
@@ -155,10 +165,21 @@ class WorkerCall:
         if text:
             if self._checks_count:
                 self._control.bump_progress()
-            self._channel.send(("chunk", self.attempt_id, text))
+            counts = None
+            if self._prompt_tokens is not None:
+                counts = TokenCounts(
+                    self._prompt_tokens, self._completion_tokens, self._cached_tokens
+                )
+            self._channel.send(("chunk", self.attempt_id, text, counts))
 
     def delivered(self, tokens: int = 1) -> None:
+        self._completion_tokens += tokens
         self._control.deliver(self.slot, tokens)
+
+    def note_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """The backend read the prompt: its streamed chunks carry token counts from now."""
+        self._prompt_tokens = prompt_tokens
+        self._cached_tokens = cached_tokens
 
     def prefilled(self, tokens: int) -> None:
         self._control.bump_progress(tokens)
@@ -210,6 +231,9 @@ def _read_attempt(
             ("done", attempt_id, Generation("", "cancelled", None, 0), process_rss_bytes())
         )
         return None
+    if isinstance(prompt, (TokenizeRequest, DetokenizeRequest)):
+        _answer_tokenizer_request(handler, attempt_id, prompt, channel)
+        return None
     params = {**defaults, **own_params}
     defaulted = frozenset(defaults.keys() - own_params.keys())
     validate = getattr(handler, "validate", None)
@@ -222,6 +246,50 @@ def _read_attempt(
     return WorkerCall(
         attempt_id, slot, prompt, params, control, channel, defaulted, checks_count=checks_count
     )
+
+
+def _answer_tokenizer_request(
+    handler: Handler,
+    attempt_id: int,
+    request: TokenizeRequest | DetokenizeRequest,
+    channel: _Channel,
+) -> None:
+    """Tokenize or detokenize with the backend's own tokenizer (the one its generations
+    use), between two generation steps: cheap, and never admitted into a batch."""
+    name = "tokenize" if isinstance(request, TokenizeRequest) else "detokenize"
+    method = getattr(handler, name, None)
+    if method is None:
+        text = f"this backend ({type(handler).__name__}) does not {name}"
+        channel.send(("error", attempt_id, "invalid", text, "", process_rss_bytes()))
+        return
+    try:
+        if isinstance(request, TokenizeRequest):
+            ids = [int(token) for token in method(request.prompt, request.add_generation_prompt)]
+            answer = Generation("", "stop", len(ids), 0, token_ids=ids)
+        else:
+            answer = Generation(str(method(list(request.ids))), "stop", len(request.ids), 0)
+    except Exception as exc:
+        _send_failure(channel, attempt_id, exc, handler)
+        return
+    channel.send(("done", attempt_id, answer, process_rss_bytes()))
+
+
+class _PrefixCacheReporter:
+    """Sends the backend's prefix cache report (``handler.prefix_cache_report()``) after a
+    request, when it changed: the pool places requests and shows stats by it."""
+
+    def __init__(self, handler: object, channel: _Channel) -> None:
+        self._report = getattr(handler, "prefix_cache_report", None)
+        self._channel = channel
+        self._last: PrefixCacheReport | None = None
+
+    def __call__(self) -> None:
+        if self._report is None:
+            return
+        report = self._report()
+        if report is not None and report != self._last:
+            self._last = report
+            self._channel.send(("prefix_cache", report))
 
 
 def _run_attempt(
@@ -315,6 +383,7 @@ class _BatchLoop:
         self.running: dict[int, WorkerCall] = {}
         self.stopping = False
         self.last_room: tuple[int, list[int]] | None = None
+        self.report_prefix_cache = _PrefixCacheReporter(handler, channel)
 
     def _read(self) -> None:
         while True:
@@ -415,6 +484,8 @@ class _BatchLoop:
             return
         self._answer(finished)
         self._report_room()
+        if finished:
+            self.report_prefix_cache()
 
     def _batch_failed(self, attempt_ids: list[int], exc: BaseException) -> None:
         """These attempts left the batch together through ``exc``: one ``batch_error``, so
@@ -490,6 +561,8 @@ def _normalise(output: object) -> Generation:
         None if output.completion_tokens is None else int(output.completion_tokens),
         _plain_logprobs(output.logprobs, "logprobs"),
         _plain_logprobs(output.prompt_logprobs, "prompt_logprobs"),
+        None if output.cached_tokens is None else int(output.cached_tokens),
+        None if output.token_ids is None else [int(token) for token in output.token_ids],
     )
 
 
@@ -542,12 +615,14 @@ def serve(channel: _Channel, control: ControlBlock) -> int:
         batched: BatchedHandler = handler  # type: ignore[assignment]
         return _BatchLoop(batched, channel, control, spec.generation_defaults).serve()
 
+    report_prefix_cache = _PrefixCacheReporter(handler, channel)
     while True:
         message = channel.recv()
         if message is None or message[0] == "stop":
             return 0
         if message[0] == "run":
             _run_attempt(handler, message, control, channel, spec.generation_defaults, baseline)
+            report_prefix_cache()
 
 
 def main(argv: list[str] | None = None) -> None:

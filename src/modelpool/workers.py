@@ -43,9 +43,9 @@ from typing import Any, Protocol
 from modelpool.config import PoolConfig
 from modelpool.errors import ModelLoadFailed
 from modelpool.gpu import group_devices
-from modelpool.protocol import PROTOCOL_VERSION, WorkerSpec
+from modelpool.protocol import PROTOCOL_VERSION, PrefixCacheReport, WorkerSpec
 from modelpool.records import DispatcherIO, TimerHeap, Worker, describe_exit
-from modelpool.stats import DeviceStats, GpuStats, ReleaseStats, WorkerStats
+from modelpool.stats import DeviceStats, GpuStats, PrefixCacheStats, ReleaseStats, WorkerStats
 
 # The records keep the dispatcher's logger: this is its worker side, and logging set up
 # for "modelpool.dispatcher" must still see them.
@@ -650,6 +650,7 @@ class WorkerManager:
                         if run.request is not None and run.attempt_id in waiting
                     ],
                     kv_free_tokens=worker.kv_free_tokens,
+                    prefix_cache=_prefix_cache_stats(worker.prefix_cache),
                     gpu_mb_by_device={
                         device: None if used is None else round(used / 2**20, 1)
                         for device, used in worker.gpu_bytes_by_device.items()
@@ -673,6 +674,20 @@ class WorkerManager:
                 device: list(lines) for device, lines in sorted(self.blocked_holders.items())
             },
         )
+
+
+def _prefix_cache_stats(report: PrefixCacheReport | None) -> PrefixCacheStats | None:
+    if report is None:
+        return None
+    return PrefixCacheStats(
+        bytes=report.bytes,
+        limit_bytes=report.limit_bytes,
+        entries=report.entries,
+        hits=report.hits,
+        lookups=report.lookups,
+        evictions=report.evictions,
+        cached_tokens=report.cached_tokens,
+    )
 
 
 def pool_device(worker: Worker, local: object) -> str | None:

@@ -171,6 +171,17 @@ def test_token_ids_prompt_and_bad_ids(handler: LlamaCppHandler) -> None:
         alone(handler, TokenIds((1, 10**7)), max_new_tokens=2)
 
 
+def test_tokenize_and_detokenize_are_the_generation_path(handler: LlamaCppHandler) -> None:
+    messages = [{"role": "user", "content": "Hi there"}]
+    with_opening = handler.tokenize(messages)
+    without = handler.tokenize(messages, add_generation_prompt=False)
+    assert with_opening == handler.encode(messages)
+    assert len(without) < len(with_opening) and with_opening[: len(without)] == without
+    assert handler.detokenize(handler.tokenize("Hello, world")).endswith("Hello, world")
+    with pytest.raises(InvalidRequest, match="outside this model's vocabulary"):
+        handler.detokenize([10**7])
+
+
 def test_context_limit_refuses_like_hf(gguf_dir: Path) -> None:
     small = load(str(gguf_dir), threads=1, max_model_len=32)
     assert small.max_model_len == 32

@@ -83,7 +83,7 @@ class Decoder:
 class Encoder:
     max_model_len = 64
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
         assert isinstance(prompt, TokenIds)
         return list(prompt.ids)
 

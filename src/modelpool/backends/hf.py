@@ -18,6 +18,8 @@ log probability and its N likeliest alternatives (``Generation.logprobs``);
 ``prompt_logprobs=N`` scores the prompt's tokens too, with one forward pass
 (``max_new_tokens=0`` then scores the prompt alone). Neither costs anything
 when not asked for: only then does generate() keep each step's logits.
+``ignore_eos=True`` (vLLM's, which load generators send to fix output lengths)
+generates past the end-of-sequence token up to ``max_new_tokens``.
 
 ``grammar`` (llguidance grammar text, see :mod:`modelpool.grammar`) constrains the
 output: compiled within ``grammar_compile_timeout_s`` on a thread of its own, then
@@ -39,12 +41,13 @@ Importing this module costs nothing heavy: the supervisor imports it for
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from modelpool.backends.hf_batch import (
@@ -55,6 +58,7 @@ from modelpool.backends.hf_batch import (
 )
 from modelpool.backends.hf_penalties import PENALTY_PARAMS, Penalties, logits_processor
 from modelpool.backends.hf_text import TextProgress, stop_strings
+from modelpool.backends.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from modelpool.context import check_max_model_len, context_length, fit_to_context
 from modelpool.errors import InvalidRequest
 from modelpool.grammar import (
@@ -64,15 +68,18 @@ from modelpool.grammar import (
     RowGrammar,
     check_grammar_params,
 )
+from modelpool.prefixes import answered_fingerprints
 from modelpool.protocol import (
     BatchCall,
     Call,
     Finished,
     FinishReason,
     Generation,
+    PrefixCacheReport,
     Prompt,
     TokenIds,
     TokenLogprob,
+    note_prompt,
 )
 from modelpool.tools import check_template_tools, render_chat
 from modelpool.validation import MAX_INT, check_generation_params, is_int, is_number
@@ -106,6 +113,7 @@ GENERATION_PARAMS = frozenset(
         "tools",
         GRAMMAR_PARAM,
         COMPILE_TIMEOUT_PARAM,
+        "ignore_eos",
     }
 )
 LOAD_OPTIONS = frozenset(
@@ -120,6 +128,7 @@ LOAD_OPTIONS = frozenset(
         "kv_cache_tokens",
         "prefill_chunk_tokens",
         "max_model_len",
+        "prefix_cache_bytes",
     }
 )
 _MEMORY_SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$", re.IGNORECASE)
@@ -180,8 +189,11 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
     context length in tokens, prompt and completion together; default: the
     model config's ``max_position_embeddings`` or the like) and
     ``kv_cache_tokens`` (the batched form's KV-cache bound, rows x columns of
-    the padded cache; see ``hf_batch``) and ``prefill_chunk_tokens`` (the batched
-    form's prompt tokens prefilled per step, or "auto", the default)::
+    the padded cache; see ``hf_batch``), ``prefill_chunk_tokens`` (the batched
+    form's prompt tokens prefilled per step, or "auto", the default) and
+    ``prefix_cache_bytes`` (the bound of the worker's prefix cache, bytes or a size such
+    as "512MiB"; 0 turns it off; default ``DEFAULT_PREFIX_CACHE_BYTES``, see
+    ``prefix_cache``)::
 
         handler = load("/models/smollm2", device="cuda:0", dtype="bfloat16")
         handler = load("/models/smollm2", max_model_len=2048)   # bound memory per request
@@ -233,6 +245,9 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
             f"got {prefill_chunk_tokens!r}"
         )
     max_model_len = check_max_model_len(options.get("max_model_len"))
+    prefix_cache_bytes = _byte_size(
+        "prefix_cache_bytes", options.get("prefix_cache_bytes", DEFAULT_PREFIX_CACHE_BYTES)
+    )
     if _looks_like_a_path(model) and not os.path.exists(os.path.expanduser(model)):
         # Said before importing torch (seconds) and in words, rather than as the hub
         # client's "Repo id must be in the form ..." for a path that is simply missing.
@@ -275,6 +290,7 @@ def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
         max_model_len=max_model_len,
         kv_cache_tokens=kv_cache_tokens,
         prefill_chunk_tokens=prefill_chunk_tokens,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
     handler.warm_up()
     logger.info(
@@ -307,6 +323,7 @@ class HFHandler:
         max_model_len: int | None = None,
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
         prefill_chunk_tokens: PrefillChunk = "auto",
+        prefix_cache_bytes: int = 0,
     ) -> None:
         # Held as Any: transformers' annotations are partial (untyped methods,
         # decorated ones mypy cannot bind), and every use here is plain.
@@ -342,12 +359,23 @@ class HFHandler:
                 "apply: requests run one at a time",
                 ", ".join(unbatchable),
             )
-        self.batched = (
+        full_attention = (
             not sliding
             and not any("sliding" in str(kind) for kind in layer_types)
             and _cache_has_layers()
-            and not unbatchable
         )
+        self.batched = full_attention and not unbatchable
+        # KV keyed by token ids alone fits only a model whose KV depends on nothing else:
+        # no adapters (PEFT), full-attention layers whose caches are never cropped.
+        adapters = bool(getattr(model, "peft_config", None))
+        self.prefix_cache = (
+            PrefixCache(prefix_cache_bytes)
+            if prefix_cache_bytes > 0 and full_attention and not adapters
+            else None
+        )
+        # transformers 5.24 renamed generate()'s past_key_values to cache, as the forward's.
+        forward = inspect.signature(model.forward).parameters
+        self._cache_keyword = "cache" if "cache" in forward else "past_key_values"
 
     def admit(self, call: BatchCall) -> None:
         """Batched form: queue ``call``; it is prefilled at the next :meth:`step`."""
@@ -368,6 +396,29 @@ class HFHandler:
     def room(self) -> tuple[int, list[BatchCall]]:
         """Batched form: free KV room in tokens, and the requests waiting for it."""
         return self._batch.room()
+
+    def prefix_cache_report(self) -> PrefixCacheReport | None:
+        """The prefix cache's size, counters and fingerprints (None: it is off)."""
+        return None if self.prefix_cache is None else self.prefix_cache.report()
+
+    def remember(
+        self,
+        prompt: Prompt,
+        token_ids: list[int],
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        answer_text: str,
+        answer_ids: list[int],
+    ) -> None:
+        """Keep the KV of a finished request's prompt and answer (``token_ids``, as many as
+        ``layers`` hold) in the prefix cache, with the fingerprints the pool places by."""
+        if self.prefix_cache is None:
+            return
+        try:
+            fingerprints = answered_fingerprints(prompt, answer_text, answer_ids)
+            self.prefix_cache.insert(token_ids, layers, fingerprints)
+        except Exception:
+            # The cache only saves work: failing to fill it must not fail the request.
+            logger.warning("could not keep a finished request's KV", exc_info=True)
 
     def validate(self, params: Mapping[str, Any]) -> None:
         """The module's :func:`validate`, for callers that hold only the handler."""
@@ -392,6 +443,10 @@ class HFHandler:
             params.pop(name, None)
         grammar_text = params.pop(GRAMMAR_PARAM, None)
         params.pop(COMPILE_TIMEOUT_PARAM, None)
+        ignore_eos = params.pop("ignore_eos", False)
+        if ignore_eos:
+            # No end-of-sequence id: generate() stops at max_new_tokens or a stop string.
+            params["eos_token_id"] = None
         input_ids = self.encode(call.prompt, params.pop("tools", None))
         prompt_tokens = int(input_ids.shape[1])
         params["max_new_tokens"] = self.fit_new_tokens(call, params, prompt_tokens)
@@ -424,6 +479,9 @@ class HFHandler:
         # that lands during the prefill stops generation at the first decoding step.
 
         progress = TextProgress(self.tokenizer, call, prompt_tokens, stops)
+        prompt_ids: list[int] = input_ids[0].tolist()
+        kv, cached_tokens = self._prefix_kv(prompt_ids, params, prompt_top_logprobs is None)
+        note_prompt(call, prompt_tokens, cached_tokens)
         if seed is not None:
             torch.manual_seed(seed)
         with torch.inference_mode():
@@ -438,6 +496,16 @@ class HFHandler:
         progress.flush()
         if progress.error is not None:
             raise progress.error
+        if kv is not None:
+            held = [(layer.keys, layer.values) for layer in kv.layers]
+            all_ids = prompt_ids + progress.token_ids
+            self.remember(
+                call.prompt,
+                all_ids[: kv.get_seq_length()],
+                held,
+                progress.text,
+                progress.token_ids,
+            )
         logprobs = None
         if top_logprobs is not None:
             sequences = output.sequences
@@ -453,7 +521,7 @@ class HFHandler:
         finish_reason: FinishReason
         if progress.cancelled:
             finish_reason = "cancelled"
-        elif progress.stopped or int(sequences[0, -1]) in self.eos_ids:
+        elif progress.stopped or (not ignore_eos and int(sequences[0, -1]) in self.eos_ids):
             finish_reason = "stop"
         else:
             finish_reason = "length"
@@ -464,7 +532,22 @@ class HFHandler:
             len(progress.token_ids),
             logprobs,
             prompt_logprobs,
+            cached_tokens,
         )
+
+    def _prefix_kv(
+        self, prompt_ids: list[int], params: dict[str, Any], usable: bool
+    ) -> tuple[Any, int]:
+        """The cache generate() starts from (the longest cached prefix of the prompt, or an
+        empty one to keep after) in ``params``, and the prompt tokens it already holds."""
+        from transformers import DynamicCache
+
+        if self.prefix_cache is None or not usable:
+            return None, 0
+        found = self.prefix_cache.lookup(prompt_ids)
+        kv, cached_tokens = found if found is not None else (DynamicCache(), 0)
+        params[self._cache_keyword] = kv
+        return kv, cached_tokens
 
     def _prompt_logprobs(
         self, input_ids: torch.Tensor, top: int
@@ -534,7 +617,32 @@ class HFHandler:
             fit_to_context(prompt_tokens, params["min_new_tokens"], self.max_model_len, default=0)
         return new_tokens
 
-    def encode(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> torch.Tensor:
+    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
+        """The token ids a generation of ``prompt`` feeds the model (``/tokenize``)."""
+        input_ids = self.encode(prompt, add_generation_prompt=add_generation_prompt)
+        ids: list[int] = input_ids[0].tolist()
+        return ids
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens included (``/detokenize``)."""
+        self._check_vocabulary(token_ids)
+        text: str = self.tokenizer.decode(token_ids, clean_up_tokenization_spaces=False)
+        return text
+
+    def _check_vocabulary(self, token_ids: Sequence[int]) -> None:
+        too_large = [token_id for token_id in token_ids if token_id >= self.vocab_size]
+        if too_large:
+            raise InvalidRequest(
+                f"token id {too_large[0]} is outside this model's vocabulary "
+                f"(ids 0 to {self.vocab_size - 1})"
+            )
+
+    def encode(
+        self,
+        prompt: Prompt,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> torch.Tensor:
         """The prompt's token ids; a chat prompt offers ``tools`` (OpenAI's shape) to the
         model (see ``modelpool.tools.render_chat``)."""
         import torch
@@ -542,12 +650,7 @@ class HFHandler:
         tokenizer = self.tokenizer
         input_ids: torch.Tensor
         if isinstance(prompt, TokenIds):
-            too_large = [token_id for token_id in prompt.ids if token_id >= self.vocab_size]
-            if too_large:
-                raise InvalidRequest(
-                    f"token id {too_large[0]} is outside this model's vocabulary "
-                    f"(ids 0 to {self.vocab_size - 1})"
-                )
+            self._check_vocabulary(prompt.ids)
             input_ids = torch.tensor([prompt.ids])
         elif isinstance(prompt, str):
             input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
@@ -558,11 +661,11 @@ class HFHandler:
                     "or give the hf backend a chat_template option"
                 )
             if tools or any(len(message) > 2 for message in prompt):
-                text = render_chat(tokenizer, prompt, tools)
+                text = render_chat(tokenizer, prompt, tools, add_generation_prompt)
             else:
                 text = tokenizer.apply_chat_template(
                     [dict(message) for message in prompt],
-                    add_generation_prompt=True,
+                    add_generation_prompt=add_generation_prompt,
                     tokenize=False,
                 )
             # The template writes its own special tokens (BOS included).
@@ -639,6 +742,7 @@ def _hook_types() -> tuple[type[Any], type[Any], type[Any]]:
             # generate() hands over the prompt first; the token itself is read
             # by the criterion, which sees it earlier in the same step.
             if self.prompt_skipped:
+                self.progress.deliver()
                 self.progress.on_token()
             self.prompt_skipped = True
 
@@ -725,6 +829,30 @@ def _thread_count(option: object) -> int | None:
     if not from_env.isdigit() or int(from_env) < 1:
         raise ValueError(f"{THREADS_ENV} must be a positive integer, got {from_env!r}")
     return int(from_env)
+
+
+_SIZE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def _byte_size(name: str, option: object) -> int:
+    """Bytes, from an int or a size such as "512MiB"."""
+    if isinstance(option, int) and not isinstance(option, bool) and option >= 0:
+        return option
+    text = option.strip() if isinstance(option, str) else ""
+    match = _MEMORY_SIZE.match(text)
+    if match is None:
+        raise ValueError(f"{name} must be bytes or a size like '512MiB', got {option!r}")
+    return int(float(text[: match.start(2)]) * _SIZE_UNITS[match.group(2).lower()])
 
 
 def _max_memory(option: object) -> dict[int | str, int | str] | None:

@@ -52,7 +52,7 @@ failing request ends its whole thread. Here every sampling parameter is per
 request (``seed``, ``temperature``, ``top_p``, ``top_k``, ``do_sample``,
 ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``,
 ``stop``, ``max_new_tokens``, ``presence_penalty``, ``frequency_penalty``,
-``logit_bias``), each request samples from its own
+``logit_bias``, ``ignore_eos``), each request samples from its own
 ``torch.Generator``, and the cache is bounded by ``kv_cache_tokens``.
 The model's ``generation_config`` supplies the defaults ``generate()`` would
 take from it (``repetition_penalty``, ``no_repeat_ngram_size``,
@@ -68,6 +68,11 @@ masked out of attention, so only floating-point summation order differs (a
 sliced prefill too). In bfloat16 or float16 that order can flip a near tie, as
 in any batched server.
 
+The prefix cache (``prefix_cache``, the handler's) touches the loop at two points:
+when a request's prefill starts, the longest cached prefix of its prompt becomes the
+start of its prefill cache (it prefills only the rest); when a row finishes, its
+columns (prompt and answer) are copied out of the batch's cache into the prefix cache.
+
 KV-cache memory: ``kv_cache_tokens`` bounds rows x columns of the padded cache
 (prompt plus every token the running requests may still generate, prefilling
 ones included); a request that would push the batch past it waits in the
@@ -78,6 +83,7 @@ size: the bound limits batching, never what one request may ask.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from concurrent.futures import Future
@@ -94,12 +100,25 @@ from modelpool.grammar import (
     RowGrammar,
     wait_for_any,
 )
-from modelpool.protocol import BatchCall, Call, Finished, FinishReason, Generation, Prompt, RowsLost
+from modelpool.protocol import (
+    BatchCall,
+    Call,
+    Finished,
+    FinishReason,
+    Generation,
+    Prompt,
+    RowsLost,
+    note_prompt,
+)
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
+
+    from modelpool.backends.prefix_cache import PrefixCache
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_TOKENS = 16384
 """Rows x columns of one worker's padded KV cache when ``kv_cache_tokens`` is not given:
@@ -159,9 +178,20 @@ class LoadedModel(Protocol):
     vocab_size: int
     grammars: LLGuidanceGrammars
 
+    prefix_cache: PrefixCache | None
+
     def encode(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> torch.Tensor: ...
 
     def fit_new_tokens(self, call: Call, params: dict[str, Any], prompt_tokens: int) -> int: ...
+
+    def remember(
+        self,
+        prompt: Prompt,
+        token_ids: list[int],
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        answer_text: str,
+        answer_ids: list[int],
+    ) -> None: ...
 
 
 @dataclass(eq=False)
@@ -181,11 +211,13 @@ class _Row:
     no_repeat_ngram_size: int
     penalties: Penalties
     generator: torch.Generator | None
+    ignore_eos: bool = False
     finish_reason: FinishReason | None = None
     cache: Any = None  # its own cache while prefilling
     prefilled: int = 0  # prompt tokens read into ``cache``
     pending_grammar: PendingGrammar[Any] | None = None  # its grammar, while it compiles
     grammar: RowGrammar | None = None  # its grammar state, once compiled
+    cached_tokens: int = 0  # of those, taken from the prefix cache
 
     @property
     def generated(self) -> int:
@@ -196,7 +228,13 @@ class _Row:
         return max(0, self.max_new_tokens - self.generated)
 
     def result(self, finish_reason: FinishReason) -> Generation:
-        return Generation(self.progress.text, finish_reason, len(self.prompt_ids), self.generated)
+        return Generation(
+            self.progress.text,
+            finish_reason,
+            len(self.prompt_ids),
+            self.generated,
+            cached_tokens=self.cached_tokens,
+        )
 
 
 class BatchEngine:
@@ -360,6 +398,7 @@ class BatchEngine:
             no_repeat_ngram_size=int(from_config("no_repeat_ngram_size", 0)),
             penalties=Penalties.from_params(params, handler.vocab_size),
             generator=generator,
+            ignore_eos=params.get("ignore_eos") is True,
         )
 
     @staticmethod
@@ -395,6 +434,36 @@ class BatchEngine:
             self.waiting.remove(row)
             self.prefilling.append(row)
             started.append(row)
+            self._reuse_prefix(row)
+
+    def _reuse_prefix(self, row: _Row) -> None:
+        """Start the row's prefill cache from the longest cached prefix of its prompt."""
+        cache = self.handler.prefix_cache
+        found = None if cache is None else cache.lookup(row.prompt_ids)
+        if found is not None:
+            row.cache, row.prefilled = found
+            row.cached_tokens = row.prefilled
+        note_prompt(row.call, len(row.prompt_ids), row.cached_tokens)
+
+    def _remember(self, index: int, row: _Row) -> None:
+        """Keep a finished row's KV (its prompt and answer) in the prefix cache."""
+        assert self._mask is not None
+        if self.handler.prefix_cache is None:
+            return
+        try:
+            held = int(self._mask[index].sum())
+            start = int(self._mask.shape[1]) - held  # left-padded: its columns are the last
+            row_columns = (slice(index, index + 1), slice(None), slice(start, None))
+            layers = [
+                (layer.keys[row_columns], layer.values[row_columns])
+                for layer in self._cache.layers
+            ]
+            answer = row.progress.token_ids
+            ids = (row.prompt_ids + answer)[:held]
+            self.handler.remember(row.call.prompt, ids, layers, row.progress.text, answer)
+        except Exception:
+            # The cache only saves work: failing to fill it must not fail the batch.
+            logger.warning("could not keep a finished request's KV", exc_info=True)
 
     # ---- the forward passes ----------------------------------------------------------------
 
@@ -622,6 +691,7 @@ class BatchEngine:
             if done:
                 ended.append(index)
                 finished.append((row.call, row.result(row.finish_reason or "stop")))
+                self._remember(index, row)
         if ended:
             self._drop(ended)
 
@@ -752,7 +822,8 @@ class BatchEngine:
         if progress.error is not None:
             raise progress.error
         grammar_complete = row.grammar is not None and row.grammar.take(token_id)
-        if progress.stopped or token_id in self.handler.eos_ids or grammar_complete:
+        ended = not row.ignore_eos and token_id in self.handler.eos_ids
+        if progress.stopped or ended or grammar_complete:
             row.finish_reason = "stop"
         elif row.generated >= row.max_new_tokens:
             row.finish_reason = "length"

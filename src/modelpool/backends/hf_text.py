@@ -87,6 +87,13 @@ class TextProgress:
             return True
         return self.stopped
 
+    def deliver(self) -> None:
+        """Count a generated token with the call, when it counts them (a pool's call does:
+        its streamed chunks carry the count)."""
+        delivered = getattr(self._call, "delivered", None)
+        if delivered is not None:
+            delivered()
+
     def on_token(self) -> None:
         """Streamer hook: emit the text that no later token can change."""
         if self.stopped:

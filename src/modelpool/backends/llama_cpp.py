@@ -638,23 +638,43 @@ class LlamaCppHandler:
             fit_to_context(prompt_tokens, params["min_new_tokens"], self.max_model_len, default=0)
         return new_tokens
 
-    def encode(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
+        """The token ids a generation of ``prompt`` feeds the model (``/tokenize``)."""
+        return self.encode(prompt, add_generation_prompt=add_generation_prompt)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens included (``/detokenize``)."""
+        self._check_vocabulary(token_ids)
+        runtime = self.runtime
+        text = b"".join(runtime.piece(token_id) for token_id in token_ids)
+        return text.decode("utf-8", errors="replace")
+
+    def _check_vocabulary(self, token_ids: Sequence[int]) -> None:
+        outside = [token for token in token_ids if not 0 <= token < self.runtime.n_vocab]
+        if outside:
+            raise InvalidRequest(
+                f"token id {outside[0]} is outside this model's vocabulary "
+                f"(ids 0 to {self.runtime.n_vocab - 1})"
+            )
+
+    def encode(
+        self,
+        prompt: Prompt,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
         """The prompt's token ids; a chat prompt offers ``tools`` (OpenAI's shape) to the
         model as the hf backend does (``modelpool.tools.render_chat``)."""
         runtime = self.runtime
         if isinstance(prompt, TokenIds):
-            outside = [token for token in prompt.ids if not 0 <= token < runtime.n_vocab]
-            if outside:
-                raise InvalidRequest(
-                    f"token id {outside[0]} is outside this model's vocabulary "
-                    f"(ids 0 to {runtime.n_vocab - 1})"
-                )
+            self._check_vocabulary(prompt.ids)
             ids = list(prompt.ids)
         elif isinstance(prompt, str):
             ids = runtime.tokenize(prompt, add_special=True)
         else:
             # The template writes its own special tokens (BOS included).
-            ids = runtime.tokenize(self.render_chat(prompt, tools), add_special=False)
+            text = self.render_chat(prompt, tools, add_generation_prompt)
+            ids = runtime.tokenize(text, add_special=False)
         if not ids:
             if self._bos < 0:
                 raise InvalidRequest("the prompt is empty and the model has no BOS token")
@@ -662,7 +682,10 @@ class LlamaCppHandler:
         return ids
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
         if self.chat_template is None:
             raise InvalidRequest(
@@ -671,9 +694,11 @@ class LlamaCppHandler:
             )
         if tools or any(len(message) > 2 for message in messages):
             # Tool definitions, calls and results: the one renderer both backends share.
-            return render_chat(self, messages, tools)
+            return render_chat(self, messages, tools, add_generation_prompt)
         return self.apply_chat_template(
-            [dict(message) for message in messages], add_generation_prompt=True, tokenize=False
+            [dict(message) for message in messages],
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
         )
 
     def apply_chat_template(
