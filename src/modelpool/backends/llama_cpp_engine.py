@@ -364,16 +364,14 @@ class LlamaEngine:
         found = None
         if cache is not None and row.prompt_top_logprobs is None:
             found = cache.lookup(row.prompt_ids)
-        if found is not None:
+        if cache is not None and found is not None:
             entry, length = found
             if self._free_seq_ids:
                 row.seq_id = self._free_seq_ids.pop()
                 self.runtime.copy_prefix(entry.seq_id, row.seq_id, length)
             else:
                 # No sequence id to copy into: the request takes the entry's own.
-                row.seq_id = entry.seq_id
-                assert cache is not None
-                cache.take(entry)
+                row.seq_id = cache.take(entry)
                 self.runtime.trim_sequence(row.seq_id, length)
             row.prefilled = row.cached_tokens = length
         else:
