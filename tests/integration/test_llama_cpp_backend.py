@@ -394,6 +394,23 @@ def test_pool_batches_concurrent_requests(pool: ModelPool, handler: LlamaCppHand
     assert pool.stats().workers[0].max_model_len == 8192
 
 
+@pytest.mark.slow
+def test_pool_answers_cached_tokens_and_reports_the_cache(pool: ModelPool) -> None:
+    turn = [
+        {"role": "system", "content": "You answer about fruit. " * 20},
+        {"role": "user", "content": "Apples?"},
+    ]
+    one = pool.generate(turn, max_new_tokens=4)
+    turn += [{"role": "assistant", "content": one.text}, {"role": "user", "content": "Pears?"}]
+    two = pool.generate(turn, max_new_tokens=4)
+    assert one.cached_tokens == 0 and one.prompt_tokens is not None
+    assert two.cached_tokens is not None and two.cached_tokens >= one.prompt_tokens
+    # The worker reports its cache after an answer: one more answer orders it before.
+    pool.generate("Hi", max_new_tokens=1)
+    report = pool.stats().workers[0].prefix_cache
+    assert report is not None and report.hits >= 1 and 0 < report.bytes <= report.limit_bytes
+
+
 # ---- structured outputs ---------------------------------------------------------------------
 
 JSON_GRAMMAR = (
