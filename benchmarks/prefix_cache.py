@@ -1,4 +1,4 @@
-"""Prefix caching for agents (issue 28): the hf backend's prefix cache, side by side.
+"""Prefix caching for agents (issue 28): a backend's prefix cache, side by side.
 
 An agent-like workload: a system prompt of about 1,000 tokens (instructions and tool
 definitions), ``--clients`` clients each running a ``--turns``-turn conversation, every
@@ -20,6 +20,10 @@ turn sent with the conversation so far, streamed, greedy, a fixed answer length
 
     python -m benchmarks.prefix_cache                     # all three, a few minutes on CPU
     python -m benchmarks.prefix_cache --clients 2 --turns 3 --no-sweep
+    python -m benchmarks.prefix_cache --backend llama_cpp --no-placement --no-sweep
+
+``--backend llama_cpp`` runs the embedded model's GGUF with its default prefix cache
+bound (half of the KV cells) against ``prefix_cache_tokens=0``.
 
 Results and the command behind them: README, "Benchmarks", prefix caching.
 """
@@ -207,12 +211,21 @@ def cache_blind() -> Iterator[None]:
         setattr(modelpool.pool, "prompt_fingerprints", original)  # noqa: B010
 
 
-def start_pool(model: str, workers: int, batch: int, cache_bytes: int, threads: int) -> ModelPool:
-    options = {"dtype": "float32", "prefix_cache_bytes": cache_bytes, "torch_threads": threads}
+def start_pool(
+    backend: str, model: str, workers: int, batch: int, cache_bytes: int, threads: int
+) -> ModelPool:
+    options: Json = {
+        "dtype": "float32",
+        "prefix_cache_bytes": cache_bytes,
+        "torch_threads": threads,
+    }
+    if backend == "llama_cpp":
+        # On: the backend's default bound (half of the KV cells); off: none.
+        options = {"threads": threads} | ({} if cache_bytes else {"prefix_cache_tokens": 0})
     pool = ModelPool(
         PoolConfig(
             model=model,
-            backend="hf",
+            backend=backend,
             backend_options=options,
             workers=workers,
             max_batch_size=batch,
@@ -246,7 +259,7 @@ def distinct_request(pool: ModelPool, new_tokens: int) -> Any:
 
 
 def run(args: argparse.Namespace, log: Any = print) -> Json:
-    model = modelpool.pool._resolve_model(args.model, "hf")
+    model = modelpool.pool._resolve_model(args.model, args.backend)
     system = system_prompt(args.system_chars)
     report: Json = {"clients": args.clients, "turns": args.turns, "new_tokens": args.new_tokens}
     on_bytes = args.cache_mib * 2**20
@@ -256,7 +269,7 @@ def run(args: argparse.Namespace, log: Any = print) -> Json:
 
     for name, cache_bytes in () if args.no_agents else (("off", 0), ("on", on_bytes)):
         log(f"agents, one worker x {args.clients}, cache {name}")
-        pool = start_pool(model, 1, args.clients, cache_bytes, args.threads)
+        pool = start_pool(args.backend, model, 1, args.clients, cache_bytes, args.threads)
         try:
             system_message = [{"role": "system", "content": system}]
             report["system_prompt_tokens"] = len(pool.tokenize(system_message))
@@ -279,7 +292,7 @@ def run(args: argparse.Namespace, log: Any = print) -> Json:
     if not args.no_placement:
         for name in ("blind", "aware"):
             log(f"agents, two workers, cache on, placement {name}")
-            pool = start_pool(model, 2, args.clients, on_bytes, 1)
+            pool = start_pool(args.backend, model, 2, args.clients, on_bytes, 1)
             try:
                 if name == "blind":
                     with cache_blind():
@@ -296,7 +309,7 @@ def run(args: argparse.Namespace, log: Any = print) -> Json:
 
     if not args.no_sweep:
         pools = {
-            name: start_pool(model, 1, 8, cache_bytes, args.threads)
+            name: start_pool(args.backend, model, 1, 8, cache_bytes, args.threads)
             for name, cache_bytes in (("off", 0), ("on", on_bytes))
         }
         try:
@@ -381,6 +394,7 @@ def _rest(report: Json) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=["hf", "llama_cpp"], default="hf")
     parser.add_argument("--model", default="embedded:smollm2-135m-instruct")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--turns", type=int, default=5)
@@ -390,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--think-s", type=float, default=2.0, help="an agent's tool time between turns, at most"
     )
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of one worker")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads of one worker")
     parser.add_argument("--no-agents", action="store_true", help="skip cache on vs off")
     parser.add_argument("--no-placement", action="store_true", help="skip the two workers")
     parser.add_argument("--no-sweep", action="store_true", help="skip the distinct sweep")

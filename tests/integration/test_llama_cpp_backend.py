@@ -218,7 +218,9 @@ def test_batched_rows_match_alone_and_free_their_cells(handler: LlamaCppHandler)
     for index, call in enumerate(calls):
         assert "".join(call.chunks) == results[index].text
         assert call.tokens == results[index].completion_tokens
-        assert call.prefilled_tokens == results[index].prompt_tokens
+        # The alone runs left the longer prompts in the prefix cache: the rest is read.
+        cached = results[index].cached_tokens or 0
+        assert call.prefilled_tokens + cached == results[index].prompt_tokens
     free, waiting = handler.room()
     assert free == handler.runtime.kv_cells and waiting == []
 
@@ -263,6 +265,54 @@ def test_kv_budget_makes_requests_wait(gguf_dir: Path) -> None:
     while done < 2:
         done += len(tight.step())
     assert tight.room() == (64, [])
+
+
+# ---- the prefix cache -----------------------------------------------------------------------
+
+
+def test_prefix_cache_second_turn_equals_cache_off(
+    handler: LlamaCppHandler, gguf_dir: Path
+) -> None:
+    system = {"role": "system", "content": "You are a careful assistant. " * 30}
+    first_turn = [system, {"role": "user", "content": "Name a fruit."}]
+    cache_off = load(str(gguf_dir), threads=1, kv_cache_tokens=8192, prefix_cache_tokens=0)
+    assert cache_off.prefix_cache_report() is None
+    answers = []
+    for backend in (handler, cache_off):
+        first, _ = alone(backend, first_turn, max_new_tokens=8)
+        second_turn = [
+            *first_turn,
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "And a vegetable?"},
+        ]
+        second, _ = alone(backend, second_turn, max_new_tokens=8)
+        answers.append((first.text, second.text, second.cached_tokens))
+    (on_first, on_second, on_cached), (off_first, off_second, off_cached) = answers
+    assert (on_first, on_second) == (off_first, off_second)
+    assert on_cached and on_cached > 200 and off_cached == 0
+    report = handler.prefix_cache_report()
+    assert report is not None and report.hits >= 1 and report.fingerprints
+
+
+def test_prefix_cache_stays_in_its_bound_and_gives_way(gguf_dir: Path) -> None:
+    small = load(
+        str(gguf_dir), threads=1, max_model_len=128, kv_cache_tokens=128, prefix_cache_tokens=64
+    )
+    for index in range(12):
+        story = f"Story {index}: in a small village by the sea there lived an old fisherman who"
+        alone(small, story, max_new_tokens=2)
+        report = small.prefix_cache_report()
+        assert report is not None and report.bytes <= report.limit_bytes
+    assert report.evictions > 0
+    # A request reserving over 100 of the 128 cells: the cached ones give way at its start.
+    call = Recorder("Once upon a time", {"max_new_tokens": 100})
+    small.admit(call)
+    small.step()
+    assert small.room()[1] == [] and small.room()[0] < 28
+    after = small.prefix_cache_report()
+    assert after is not None and after.evictions > report.evictions
+    while not small.step():
+        pass
 
 
 # ---- loading --------------------------------------------------------------------------------
@@ -342,6 +392,23 @@ def test_pool_batches_concurrent_requests(pool: ModelPool, handler: LlamaCppHand
         thread.join(60)
     assert answers == expected
     assert pool.stats().workers[0].max_model_len == 8192
+
+
+@pytest.mark.slow
+def test_pool_answers_cached_tokens_and_reports_the_cache(pool: ModelPool) -> None:
+    turn = [
+        {"role": "system", "content": "You answer about fruit. " * 20},
+        {"role": "user", "content": "Apples?"},
+    ]
+    one = pool.generate(turn, max_new_tokens=4)
+    turn += [{"role": "assistant", "content": one.text}, {"role": "user", "content": "Pears?"}]
+    two = pool.generate(turn, max_new_tokens=4)
+    assert one.cached_tokens == 0 and one.prompt_tokens is not None
+    assert two.cached_tokens is not None and two.cached_tokens >= one.prompt_tokens
+    # The worker reports its cache after an answer: one more answer orders it before.
+    pool.generate("Hi", max_new_tokens=1)
+    report = pool.stats().workers[0].prefix_cache
+    assert report is not None and report.hits >= 1 and 0 < report.bytes <= report.limit_bytes
 
 
 # ---- structured outputs ---------------------------------------------------------------------

@@ -31,6 +31,8 @@ class FakeRuntime:
     decode_code: int = 0
     batches: list[list[tuple[int, int, int, bool]]] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
+    trims: list[tuple[int, int]] = field(default_factory=list)
     end_ids: Any = field(default_factory=lambda: np.array([END], dtype=np.int64))
     end_id_set: frozenset[int] = frozenset({END})
     n_vocab: int = 64
@@ -58,6 +60,15 @@ class FakeRuntime:
 
     def remove_sequence(self, seq_id: int) -> None:
         self.removed.append(seq_id)
+
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        self.copies.append((source, target, length))
+        self._first[target] = self._first[source]
+        self._said[target] = 0
+
+    def trim_sequence(self, seq_id: int, length: int) -> None:
+        self.trims.append((seq_id, length))
+        self._said[seq_id] = 0
 
     def clear(self) -> None:
         self.removed.append(-1)
@@ -167,6 +178,59 @@ def test_long_prompt_is_read_in_slices_beside_a_decoding_row() -> None:
     assert long_prompt.prefilled_tokens == 7
     result = ended[id(long_prompt)]
     assert isinstance(result, Generation) and result.text == "a"
+
+
+PREFIX = (3, *([5] * 19))  # 20 tokens: one whole index block and some
+
+
+def test_prefix_cache_keeps_a_finished_sequence_and_copies_its_prefix() -> None:
+    runtime = FakeRuntime({3: [4, 4, END]})
+    engine = engine_for(runtime, prefix_cache_tokens=40)
+    first = Recorder(TokenIds(PREFIX), {"max_new_tokens": 5})
+    engine.admit(first)
+    drain(engine)
+    # Ended normally: its sequence stays, holding the prompt and the answer but "END".
+    assert runtime.removed == [] and engine.prefix_cache is not None
+    assert engine.prefix_cache.cells == 22
+    assert engine.room() == (64, [])  # cached cells give way: they count as free
+    second = Recorder(TokenIds((*PREFIX, 4, 4, 6)), {"max_new_tokens": 5})
+    engine.admit(second)
+    result = drain(engine)[id(second)]
+    assert isinstance(result, Generation) and result.cached_tokens == 22
+    assert runtime.copies == [(0, 1, 22)]
+    # Only the rest of the prompt was read, from position 22 on, in the new sequence.
+    assert [(pos, seq) for _, pos, seq, _ in runtime.batches[3]] == [(22, 1)]
+    assert second.prefilled_tokens == 1
+    # The second sequence holds all of the first's ids and more: the first is freed.
+    assert runtime.removed == [0] and len(engine.prefix_cache) == 1
+    report = engine.prefix_cache_report()
+    assert report is not None and (report.hits, report.lookups) == (1, 2)
+    assert report.cached_tokens == 22 and report.entries == 1
+
+
+def test_prefix_cache_gives_way_to_requests_and_stays_in_its_bound() -> None:
+    runtime = FakeRuntime({3: [4] * 40, 6: [END]})
+    engine = engine_for(runtime, kv_cells=64, max_sequences=2, prefix_cache_tokens=45)
+    cache = engine.prefix_cache
+    assert cache is not None
+    for start in range(10):
+        engine.admit(Recorder(TokenIds((6, start, *([5] * 20))), {"max_new_tokens": 1}))
+        drain(engine)
+        assert cache.cells <= 45
+    assert len(cache) == 2 and cache.evictions == 8
+    # A request reserving 40 cells: the cached 44 give way before it starts.
+    engine.admit(Recorder(TokenIds((3, 3)), {"max_new_tokens": 38}))
+    engine.step()
+    assert engine.rows and cache.cells + 40 <= 64 and cache.evictions == 9
+    drain(engine)
+    # One sequence id and a cached prefix: the request takes the entry's own sequence.
+    single = engine_for(FakeRuntime({3: [4, END]}), max_sequences=1, prefix_cache_tokens=40)
+    for prompt in (PREFIX, (*PREFIX, 4, 6)):
+        single.admit(Recorder(TokenIds(prompt), {"max_new_tokens": 4}))
+        drain(single)
+    runtime_one = single.runtime
+    assert isinstance(runtime_one, FakeRuntime)
+    assert runtime_one.copies == [] and runtime_one.trims == [(0, 21)]
 
 
 def test_a_failed_decode_over_several_rows_loses_them_together() -> None:

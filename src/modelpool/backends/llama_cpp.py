@@ -73,7 +73,15 @@ from modelpool.grammar import (
     compile_bound,
     import_llguidance,
 )
-from modelpool.protocol import BatchCall, Call, Finished, Generation, Prompt, TokenIds
+from modelpool.protocol import (
+    BatchCall,
+    Call,
+    Finished,
+    Generation,
+    PrefixCacheReport,
+    Prompt,
+    TokenIds,
+)
 from modelpool.tools import render_chat
 
 if TYPE_CHECKING:
@@ -92,6 +100,7 @@ LOAD_OPTIONS = frozenset(
         "kv_cache_tokens",
         "prefill_chunk_tokens",
         "max_sequences",
+        "prefix_cache_tokens",
         "n_gpu_layers",
         "main_gpu",
         "split_mode",
@@ -221,6 +230,7 @@ class _Options:
     prefill_chunk_tokens: int
     max_sequences: int
     use_mmap: bool
+    prefix_cache_tokens: int | None
 
 
 def _options(options: Mapping[str, Any]) -> _Options:
@@ -239,6 +249,15 @@ def _options(options: Mapping[str, Any]) -> _Options:
     kv_cache_tokens = options.get("kv_cache_tokens")
     if kv_cache_tokens is not None:
         kv_cache_tokens = _positive("kv_cache_tokens", kv_cache_tokens)
+    prefix_cache_tokens = options.get("prefix_cache_tokens")
+    if prefix_cache_tokens is not None and (
+        not isinstance(prefix_cache_tokens, int)
+        or isinstance(prefix_cache_tokens, bool)
+        or prefix_cache_tokens < 0
+    ):
+        raise ValueError(
+            f"prefix_cache_tokens must be a non-negative integer, got {prefix_cache_tokens!r}"
+        )
     return _Options(
         threads=_threads(options.get("threads")),
         chat_template=chat_template,
@@ -252,6 +271,7 @@ def _options(options: Mapping[str, Any]) -> _Options:
             "max_sequences", options.get("max_sequences", DEFAULT_MAX_SEQUENCES)
         ),
         use_mmap=use_mmap,
+        prefix_cache_tokens=prefix_cache_tokens,
     )
 
 
@@ -336,7 +356,9 @@ def load(model: str, device: str = "cpu", **options: Any) -> LlamaCppHandler:
     ``kv_cache_tokens`` (KV cells of the worker, all its requests together; default
     and minimum ``max_model_len``), ``prefill_chunk_tokens`` (prompt tokens read per
     step, default 512), ``max_sequences`` (requests one worker may hold at once,
-    default 64), ``use_mmap`` (default true), and the placement ones
+    default 64), ``prefix_cache_tokens`` (KV cells the prefix cache may keep of
+    finished requests, default half of the KV cells, 0 turns it off; see
+    ``llama_cpp_prefix``), ``use_mmap`` (default true), and the placement ones
     (:func:`placement`): ``n_gpu_layers``, ``main_gpu``, ``split_mode``,
     ``tensor_split``::
 
@@ -488,6 +510,32 @@ class Runtime:
     def remove_sequence(self, seq_id: int) -> None:
         self.llama.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        # In the unified cache the cells are shared between the sequences, not copied.
+        self.llama.llama_memory_seq_cp(self.memory, source, target, 0, length)
+
+    def trim_sequence(self, seq_id: int, length: int) -> None:
+        self.llama.llama_memory_seq_rm(self.memory, seq_id, length, -1)
+
+    def cell_bytes(self) -> int:
+        """Bytes of one KV cell, every layer's keys and values (f16, llama.cpp's default)."""
+        llama, model = self.llama, self.model
+        heads = int(llama.llama_model_n_head(model))
+        head_dim = int(llama.llama_model_n_embd(model)) // max(1, heads)
+        kv_width = head_dim * int(llama.llama_model_n_head_kv(model))
+        return 2 * int(llama.llama_model_n_layer(model)) * kv_width * 2
+
+    def prefix_cacheable(self) -> bool:
+        """Whether a prefix of a sequence's cells holds all its prefix's state: not for
+        recurrent or hybrid models (a state, not cells per position) nor sliding-window
+        attention (cells out of the window are dropped)."""
+        llama, model = self.llama, self.model
+        return not (
+            llama.llama_model_is_recurrent(model)
+            or llama.llama_model_is_hybrid(model)
+            or int(llama.llama_model_n_swa(model)) > 0
+        )
+
     def clear(self) -> None:
         self.llama.llama_memory_clear(self.memory, True)
 
@@ -569,6 +617,16 @@ class _Detokenizer:
         return b"".join(piece(token_id) for token_id in token_ids).decode("utf-8", errors="replace")
 
 
+def _prefix_cache_tokens(runtime: Runtime, settings: _Options) -> int:
+    """The prefix cache's bound in cells: the option, else half of the KV cells; 0 (off)
+    for models whose prefix cells do not hold their prefix's whole state."""
+    if not runtime.prefix_cacheable():
+        return 0
+    if settings.prefix_cache_tokens is None:
+        return runtime.kv_cells // 2
+    return min(settings.prefix_cache_tokens, runtime.kv_cells)
+
+
 class LlamaCppHandler:
     """A loaded GGUF model; made by :func:`load`. Both backend forms, one engine."""
 
@@ -582,6 +640,8 @@ class LlamaCppHandler:
             kv_cells=runtime.kv_cells,
             max_sequences=runtime.max_sequences,
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
+            prefix_cache_tokens=_prefix_cache_tokens(runtime, settings),
+            cell_bytes=runtime.cell_bytes(),
         )
         llama = runtime.llama
         self._bos = int(llama.llama_vocab_bos(runtime.vocab))
@@ -624,6 +684,10 @@ class LlamaCppHandler:
 
     def room(self) -> tuple[int, list[BatchCall]]:
         return self._engine.room()
+
+    def prefix_cache_report(self) -> PrefixCacheReport | None:
+        """The prefix cache's size, counters and fingerprints (None: it is off)."""
+        return self._engine.prefix_cache_report()
 
     # ---- what the engine asks --------------------------------------------------------------
 
@@ -873,6 +937,7 @@ def probe_decode(path: str, n_gpu_layers: int) -> None:
         prefill_chunk_tokens=8,
         max_sequences=1,
         use_mmap=True,
+        prefix_cache_tokens=0,
     )
     runtime = Runtime.open(llama, Path(path), layout, settings)
     code = runtime.decode([max(0, int(llama.llama_vocab_bos(runtime.vocab)))], [0], [0], [True])

@@ -27,33 +27,47 @@ Faults stay in their row where they can be attributed: a failure choosing or
 emitting one row's token is that request's. A ``llama_decode`` that fails over
 several rows cannot be blamed on one: they leave together as
 ``protocol.RowsLost`` while waiting requests stay.
+
+With a prefix cache (``prefix_cache_tokens`` above 0, see ``llama_cpp_prefix``), a
+request that ends normally leaves its sequence to the cache instead of removing it, and
+a request starting its prefill takes the longest cached prefix of its prompt into its
+own sequence (``llama_memory_seq_cp``) and reads only the rest. Cached cells count
+against ``kv_cells`` beside the started requests' reservations, and entries are evicted
+the moment a request needs their cells or sequence id.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from modelpool.backends.hf_text import TextProgress, stop_strings
+from modelpool.backends.llama_cpp_prefix import SequencePrefixCache
 from modelpool.backends.llama_cpp_sampling import Sampling, choose_token, token_logprob
 from modelpool.grammar import GRAMMAR_PARAM, PendingGrammar, RowGrammar, wait_for_any
+from modelpool.prefixes import answered_fingerprints
 from modelpool.protocol import (
     BatchCall,
     Call,
     Finished,
     FinishReason,
     Generation,
+    PrefixCacheReport,
     Prompt,
     RowsLost,
     TokenLogprob,
+    note_prompt,
 )
 
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
 _COMPILE_WAIT_S = 0.05  # with only grammars compiling, a step waits this long for one
@@ -73,6 +87,14 @@ class Runtime(Protocol):
     def logits(self, index: int) -> npt.NDArray[np.float32]: ...
 
     def remove_sequence(self, seq_id: int) -> None: ...
+
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Give sequence ``target`` the cells of ``source``'s positions [0, length)."""
+        ...
+
+    def trim_sequence(self, seq_id: int, length: int) -> None:
+        """Remove sequence ``seq_id``'s cells from position ``length`` on."""
+        ...
 
     def clear(self) -> None: ...
 
@@ -122,6 +144,7 @@ class _Row:
     pending: int = -1  # the latest token, decoded at the next step
     finish_reason: FinishReason | None = None
     seen: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens whose cells came from the prefix cache
     pending_grammar: PendingGrammar[Any] | None = None  # its grammar, while it compiles
     grammar: RowGrammar | None = None  # its grammar state, once compiled
 
@@ -142,7 +165,14 @@ class _Row:
             self.generated,
             self.logprobs,
             self.prompt_logprobs,
+            cached_tokens=self.cached_tokens,
         )
+
+    def held_ids(self) -> list[int]:
+        """The token ids whose cells the row's sequence holds: its prompt and its answer
+        but the last token, which was chosen and never decoded."""
+        answer = self.progress.token_ids
+        return self.prompt_ids + answer[: max(0, len(answer) - 1)]
 
 
 class LlamaEngine:
@@ -156,6 +186,8 @@ class LlamaEngine:
         kv_cells: int,
         max_sequences: int,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        prefix_cache_tokens: int = 0,
+        cell_bytes: int = 0,
     ) -> None:
         self.runtime = runtime
         self.encoder = encoder
@@ -166,6 +198,11 @@ class LlamaEngine:
         self.prefilling: list[_Row] = []
         self.rows: list[_Row] = []
         self._free_seq_ids = list(range(max_sequences - 1, -1, -1))
+        self.prefix_cache = (
+            SequencePrefixCache(prefix_cache_tokens, cell_bytes, self._free_sequence)
+            if prefix_cache_tokens > 0
+            else None
+        )
 
     # ---- the BatchedHandler surface ------------------------------------------------------
 
@@ -195,11 +232,17 @@ class LlamaEngine:
         self.prefilling.clear()
         self.rows.clear()
         self.runtime.clear()
+        if self.prefix_cache is not None:
+            self._free_seq_ids.extend(self.prefix_cache.drop_all())
 
     def room(self) -> tuple[int, list[BatchCall]]:
-        """Free KV cells beside the started requests, and the requests waiting for room."""
+        """Free KV cells beside the started requests, and the requests waiting for room.
+        Cached cells count as free: a starting request evicts them at once."""
         used = sum(row.reserved for row in self.prefilling + self.rows)
         return max(0, self.kv_cells - used), [row.call for row in self.waiting]
+
+    def prefix_cache_report(self) -> PrefixCacheReport | None:
+        return None if self.prefix_cache is None else self.prefix_cache.report()
 
     def step(self) -> list[Finished]:
         finished: list[Finished] = []
@@ -295,14 +338,47 @@ class LlamaEngine:
 
     def _start_prefills(self) -> None:
         started = sum(row.reserved for row in self.prefilling + self.rows)
+        cache = self.prefix_cache
         for row in list(self.waiting):
             alone = not self.prefilling and not self.rows
-            if not self._free_seq_ids or (not alone and started + row.reserved > self.kv_cells):
+            if not alone and started + row.reserved > self.kv_cells:
+                break
+            if cache is not None:
+                # Cached cells give way to the request: they never hold its room.
+                while started + row.reserved + cache.cells > self.kv_cells and cache.evict():
+                    pass
+                if not self._free_seq_ids and not len(cache):
+                    break
+            elif not self._free_seq_ids:
                 break
             self.waiting.remove(row)
-            row.seq_id = self._free_seq_ids.pop()
             self.prefilling.append(row)
             started += row.reserved
+            self._take_sequence(row)
+
+    def _take_sequence(self, row: _Row) -> None:
+        """Give ``row`` a sequence id, starting it with the cells of the longest cached
+        prefix of its prompt when there is one (not for prompt logprobs: every prompt
+        position's logits are read)."""
+        cache = self.prefix_cache
+        found = None
+        if cache is not None and row.prompt_top_logprobs is None:
+            found = cache.lookup(row.prompt_ids)
+        if cache is not None and found is not None:
+            entry, length = found
+            if self._free_seq_ids:
+                row.seq_id = self._free_seq_ids.pop()
+                self.runtime.copy_prefix(entry.seq_id, row.seq_id, length)
+            else:
+                # No sequence id to copy into: the request takes the entry's own.
+                row.seq_id = cache.take(entry)
+                self.runtime.trim_sequence(row.seq_id, length)
+            row.prefilled = row.cached_tokens = length
+        else:
+            if not self._free_seq_ids and cache is not None:
+                cache.evict()
+            row.seq_id = self._free_seq_ids.pop()
+        note_prompt(row.call, len(row.prompt_ids), row.cached_tokens)
 
     # ---- after the decode ------------------------------------------------------------------
 
@@ -315,7 +391,7 @@ class LlamaEngine:
             finished.append((row.call, exc))
             return
         if ended:
-            self._end(row)
+            self._end(row, keep=True)
             finished.append((row.call, row.result(row.finish_reason or "stop")))
 
     def _next(self, row: _Row, index: int) -> bool:
@@ -382,10 +458,21 @@ class LlamaEngine:
             raise progress.error
         return True
 
-    def _end(self, row: _Row) -> None:
+    def _end(self, row: _Row, *, keep: bool = False) -> None:
+        """Take ``row`` out of the loop; ``keep``: it ended normally, and its cells may
+        stay in the prefix cache."""
         for queue in (self.prefilling, self.rows):
             if row in queue:
                 queue.remove(row)
+        if keep and self.prefix_cache is not None and row.seq_id >= 0:
+            try:
+                answer = row.progress.token_ids
+                fingerprints = answered_fingerprints(row.call.prompt, row.progress.text, answer)
+                if self.prefix_cache.insert(row.seq_id, row.held_ids(), fingerprints):
+                    row.seq_id = -1
+            except Exception:
+                # The cache only saves work: failing to fill it must not fail the request.
+                logger.warning("could not keep a finished request's KV", exc_info=True)
         self._release(row)
 
     def _release(self, row: _Row) -> None:
@@ -393,6 +480,9 @@ class LlamaEngine:
         if row.seq_id < 0:
             return
         seq_id, row.seq_id = row.seq_id, -1
+        self._free_sequence(seq_id)
+
+    def _free_sequence(self, seq_id: int) -> None:
         self.runtime.remove_sequence(seq_id)
         self._free_seq_ids.append(seq_id)
 

@@ -102,8 +102,8 @@ class PrefixCache:
         of these is dropped (this one holds all of it); ids already held are only touched."""
         if len(ids) < BLOCK_TOKENS or self.limit_bytes <= 0:
             return
-        block_keys = _block_keys(ids)
-        for key in self._sharing(block_keys):
+        chain = block_keys(ids)
+        for key in self._sharing(chain):
             held = self._entries[key].ids
             if len(held) >= len(ids) and held[: len(ids)] == tuple(ids):
                 self._entries.move_to_end(key)
@@ -112,7 +112,7 @@ class PrefixCache:
         nbytes = sum(keys.nbytes + values.nbytes for keys, values in owned)
         if nbytes > self.limit_bytes:
             return
-        for key in list(self._sharing(block_keys)):
+        for key in list(self._sharing(chain)):
             held = self._entries[key].ids
             if len(held) < len(ids) and tuple(ids[: len(held)]) == held:
                 self._remove(key)
@@ -121,8 +121,8 @@ class PrefixCache:
             self.evictions += 1
         key = self._next_key
         self._next_key += 1
-        self._entries[key] = _Entry(tuple(ids), owned, nbytes, fingerprints, block_keys)
-        for block_key in block_keys:
+        self._entries[key] = _Entry(tuple(ids), owned, nbytes, fingerprints, chain)
+        for block_key in chain:
             self._by_block.setdefault(block_key, set()).add(key)
         self.bytes += nbytes
 
@@ -155,14 +155,14 @@ class PrefixCache:
     def _longest(self, ids: list[int], limit: int) -> tuple[int, int] | None:
         """The entry holding the longest prefix of ``ids[:limit]`` and its length."""
         candidates: set[int] = set()
-        for block_key in _block_keys(ids[:limit]):
+        for block_key in block_keys(ids[:limit]):
             sharing = self._by_block.get(block_key)
             if not sharing:
                 break
             candidates = sharing
         best: tuple[int, int] | None = None
         for key in list(candidates)[:_CANDIDATES_COMPARED]:
-            length = _common_prefix(self._entries[key].ids, ids, limit)
+            length = common_prefix(self._entries[key].ids, ids, limit)
             if length >= BLOCK_TOKENS and (best is None or length > best[1]):
                 best = (key, length)
         return best
@@ -178,7 +178,7 @@ class PrefixCache:
         self.bytes -= entry.nbytes
 
 
-def _block_keys(ids: list[int]) -> tuple[int, ...]:
+def block_keys(ids: list[int]) -> tuple[int, ...]:
     """A chain hash per whole block: key k stands for ids[: (k + 1) * BLOCK_TOKENS]."""
     keys = []
     previous = 0
@@ -188,7 +188,7 @@ def _block_keys(ids: list[int]) -> tuple[int, ...]:
     return tuple(keys)
 
 
-def _common_prefix(held: tuple[int, ...], ids: list[int], limit: int) -> int:
+def common_prefix(held: tuple[int, ...], ids: list[int], limit: int) -> int:
     length = 0
     for mine, theirs in zip(held, ids[:limit], strict=False):
         if mine != theirs:
