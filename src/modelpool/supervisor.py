@@ -25,16 +25,20 @@ Data flow::
 Follow one request (each name is a function; the file is in brackets)::
 
     ModelPool.submit -> ModelPool._submit             [pool.py]  validate, encode, max_queue
+      (response_format -> grammar text               [structured.py]; tools: [tools.py])
       -> EventLoop.post                               [here]     command deque + wake-up byte
       -> EventLoop.run -> _run_commands               [here]
       -> Dispatcher.submit                            [dispatcher.py]  queue, deadline timer
       -> Dispatcher.after_event -> _pump              [dispatcher.py]
       -> placement.open_workers, assign               [placement.py]  which worker takes it
+         (KV room, running rows, the longest cached prefix: [prefixes.py])
       -> Dispatcher._dispatch                         [dispatcher.py]  ("run", ...) to a worker
       -> ProcessWorkerIO.send                         [spawn.py]
       -> serve -> _run_attempt                        [worker.py]  the backend generates
          (batched: _BatchLoop.serve -> _step -> HFHandler.step -> BatchEngine.step
-          [backends/hf_batch.py]: admit, prefill slices, one decoding step)
+          [backends/hf_batch.py]: admit, prefix cache [backends/prefix_cache.py],
+          prefill slices, one decoding step, each row's grammar mask [grammar.py];
+          on llama.cpp: LlamaCppHandler.step -> Engine.step [backends/llama_cpp_engine.py])
       -> EventLoop._read                              [here]     frames from the socket
       -> Dispatcher.on_message -> _on_chunk / _on_done [dispatcher.py]
       -> _run_ended -> _succeed -> _finish            [dispatcher.py]
