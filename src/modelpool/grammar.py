@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from modelpool.errors import GrammarCompileTimeout, GrammarEngineMissing, GrammarError
 
@@ -177,6 +177,40 @@ class RowGrammar:
         if not self.matcher.consume_token(token_id):
             raise GrammarError(f"grammar: token {token_id} refused: {self.matcher.get_error()}")
         return bool(self.matcher.is_stopped())
+
+
+class CompilingRow(Protocol):
+    """A batched loop's row whose grammar may still be compiling (both backends' rows)."""
+
+    pending_grammar: PendingGrammar[Any] | None
+    grammar: RowGrammar | None
+
+
+Row = TypeVar("Row", bound=CompilingRow)
+
+
+def settle_compiled(
+    compiling: list[Row], make_row: Callable[[Any], RowGrammar]
+) -> tuple[list[Row], list[tuple[Row, Exception]]]:
+    """Take out of ``compiling`` the rows whose grammar is done: those that now hold their
+    matcher (they go on to wait for KV room), and those whose compilation failed or
+    outlasted its bound, each with its error (theirs alone)."""
+    now = time.monotonic()
+    ready: list[Row] = []
+    failed: list[tuple[Row, Exception]] = []
+    for row in list(compiling):
+        pending = row.pending_grammar
+        if pending is None or not pending.ready(now):
+            continue
+        compiling.remove(row)
+        row.pending_grammar = None
+        try:
+            row.grammar = make_row(pending.result())
+        except Exception as exc:
+            failed.append((row, exc))
+            continue
+        ready.append(row)
+    return ready, failed
 
 
 class LLGuidanceGrammars:

@@ -98,6 +98,7 @@ from modelpool.grammar import (
     LLGuidanceGrammars,
     PendingGrammar,
     RowGrammar,
+    settle_compiled,
     wait_for_any,
 )
 from modelpool.protocol import (
@@ -411,19 +412,9 @@ class BatchEngine:
     def _settle_grammars(self, finished: list[Finished]) -> None:
         """Rows whose grammar compiled wait for KV room; those whose compilation failed or
         outlasted its bound end with that error (theirs alone)."""
-        now = time.monotonic()
-        for row in list(self.compiling):
-            pending = row.pending_grammar
-            if pending is None or not pending.ready(now):
-                continue
-            self.compiling.remove(row)
-            row.pending_grammar = None
-            try:
-                row.grammar = self.handler.grammars.row(pending.result())
-            except Exception as exc:
-                finished.append((row.call, exc))
-                continue
-            self.waiting.append(row)
+        ready, failed = settle_compiled(self.compiling, self.handler.grammars.row)
+        self.waiting.extend(ready)
+        finished.extend((row.call, error) for row, error in failed)
 
     def _start_prefills(self) -> None:
         """Waiting requests that fit the KV budget beside the started ones, in order."""

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -48,7 +47,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from modelpool.backends.hf_text import TextProgress, stop_strings
 from modelpool.backends.llama_cpp_prefix import SequencePrefixCache
 from modelpool.backends.llama_cpp_sampling import Sampling, choose_token, token_logprob
-from modelpool.grammar import GRAMMAR_PARAM, PendingGrammar, RowGrammar, wait_for_any
+from modelpool.grammar import (
+    GRAMMAR_PARAM,
+    PendingGrammar,
+    RowGrammar,
+    settle_compiled,
+    wait_for_any,
+)
 from modelpool.prefixes import answered_fingerprints
 from modelpool.protocol import (
     BatchCall,
@@ -322,19 +327,9 @@ class LlamaEngine:
     def _settle_grammars(self, finished: list[Finished]) -> None:
         """Rows whose grammar compiled wait for KV room; those whose compilation failed or
         outlasted its bound end with that error (theirs alone)."""
-        now = time.monotonic()
-        for row in list(self.compiling):
-            pending = row.pending_grammar
-            if pending is None or not pending.ready(now):
-                continue
-            self.compiling.remove(row)
-            row.pending_grammar = None
-            try:
-                row.grammar = self.encoder.grammars().row(pending.result())
-            except Exception as exc:
-                finished.append((row.call, exc))
-                continue
-            self.waiting.append(row)
+        ready, failed = settle_compiled(self.compiling, self.encoder.grammars().row)
+        self.waiting.extend(ready)
+        finished.extend((row.call, error) for row, error in failed)
 
     def _start_prefills(self) -> None:
         started = sum(row.reserved for row in self.prefilling + self.rows)
