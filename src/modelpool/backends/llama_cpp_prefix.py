@@ -25,9 +25,11 @@ from dataclasses import dataclass
 
 from modelpool.backends.prefix_cache import (
     BLOCK_TOKENS,
-    MAX_REPORTED_FINGERPRINTS,
     block_keys,
-    common_prefix,
+    index,
+    longest_held,
+    recent_fingerprints,
+    unindex,
 )
 from modelpool.protocol import PrefixCacheReport
 
@@ -65,25 +67,14 @@ class SequencePrefixCache:
         """The entry holding the longest prefix of ``ids`` (at most all but the last id)
         and that prefix's length; None when nothing useful is held. Counts a hit."""
         self.lookups += 1
-        limit = len(ids) - 1
-        candidates: set[int] = set()
-        for key in block_keys(ids[:limit]):
-            sharing = self._by_block.get(key)
-            if not sharing:
-                break
-            candidates = sharing
-        best: tuple[CachedSequence, int] | None = None
-        for seq_id in candidates:
-            entry = self._entries[seq_id]
-            length = common_prefix(entry.ids, ids, limit)
-            if length >= BLOCK_TOKENS and (best is None or length > best[1]):
-                best = (entry, length)
-        if best is None:
+        found = longest_held(self._entries, self._by_block, ids)
+        if found is None:
             return None
-        self._entries.move_to_end(best[0].seq_id)
+        seq_id, length = found
+        self._entries.move_to_end(seq_id)
         self.hits += 1
-        self.cached_tokens += best[1]
-        return best
+        self.cached_tokens += length
+        return self._entries[seq_id], length
 
     def take(self, entry: CachedSequence) -> int:
         """Hand ``entry``'s sequence over to a request as it is (its cells stay): the
@@ -113,8 +104,7 @@ class SequencePrefixCache:
         while self.cells + len(ids) > self.limit_cells:
             self.evict()
         self._entries[seq_id] = CachedSequence(seq_id, tuple(ids), fingerprints, keys)
-        for key in keys:
-            self._by_block.setdefault(key, set()).add(seq_id)
+        index(self._by_block, seq_id, keys)
         self.cells += len(ids)
         return True
 
@@ -138,11 +128,6 @@ class SequencePrefixCache:
         return seq_ids
 
     def report(self) -> PrefixCacheReport:
-        fingerprints: set[int] = set()
-        for entry in reversed(self._entries.values()):
-            if len(fingerprints) + len(entry.fingerprints) > MAX_REPORTED_FINGERPRINTS:
-                break
-            fingerprints.update(entry.fingerprints)
         return PrefixCacheReport(
             bytes=self.cells * self.cell_bytes,
             limit_bytes=self.limit_cells * self.cell_bytes,
@@ -151,15 +136,10 @@ class SequencePrefixCache:
             lookups=self.lookups,
             evictions=self.evictions,
             cached_tokens=self.cached_tokens,
-            fingerprints=frozenset(fingerprints),
+            fingerprints=recent_fingerprints(self._entries.values()),
         )
 
     def _forget(self, seq_id: int) -> None:
         entry = self._entries.pop(seq_id)
-        for key in entry.block_keys:
-            sharing = self._by_block.get(key)
-            if sharing is not None:
-                sharing.discard(seq_id)
-                if not sharing:
-                    del self._by_block[key]
+        unindex(self._by_block, seq_id, entry.block_keys)
         self.cells -= len(entry.ids)

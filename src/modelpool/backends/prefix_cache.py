@@ -27,8 +27,9 @@ At least one prompt token is always left to prefill: its logits choose the first
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from modelpool.protocol import PrefixCacheReport
 
@@ -77,7 +78,7 @@ class PrefixCache:
         from transformers import DynamicCache
 
         self.lookups += 1
-        found = self._longest(ids, len(ids) - 1)
+        found = longest_held(self._entries, self._by_block, ids, _CANDIDATES_COMPARED)
         if found is None:
             return None
         key, length = found
@@ -122,8 +123,7 @@ class PrefixCache:
         key = self._next_key
         self._next_key += 1
         self._entries[key] = _Entry(tuple(ids), owned, nbytes, fingerprints, chain)
-        for block_key in chain:
-            self._by_block.setdefault(block_key, set()).add(key)
+        index(self._by_block, key, chain)
         self.bytes += nbytes
 
     def clear(self) -> None:
@@ -132,11 +132,6 @@ class PrefixCache:
         self.bytes = 0
 
     def report(self) -> PrefixCacheReport:
-        fingerprints: set[int] = set()
-        for entry in reversed(self._entries.values()):
-            if len(fingerprints) + len(entry.fingerprints) > MAX_REPORTED_FINGERPRINTS:
-                break
-            fingerprints.update(entry.fingerprints)
         return PrefixCacheReport(
             bytes=self.bytes,
             limit_bytes=self.limit_bytes,
@@ -145,37 +140,78 @@ class PrefixCache:
             lookups=self.lookups,
             evictions=self.evictions,
             cached_tokens=self.cached_tokens,
-            fingerprints=frozenset(fingerprints),
+            fingerprints=recent_fingerprints(self._entries.values()),
         )
 
     def _sharing(self, block_keys: tuple[int, ...]) -> set[int]:
         """Entries that share at least the first block with ids of these block keys."""
         return set(self._by_block.get(block_keys[0], ())) if block_keys else set()
 
-    def _longest(self, ids: list[int], limit: int) -> tuple[int, int] | None:
-        """The entry holding the longest prefix of ``ids[:limit]`` and its length."""
-        candidates: set[int] = set()
-        for block_key in block_keys(ids[:limit]):
-            sharing = self._by_block.get(block_key)
-            if not sharing:
-                break
-            candidates = sharing
-        best: tuple[int, int] | None = None
-        for key in list(candidates)[:_CANDIDATES_COMPARED]:
-            length = common_prefix(self._entries[key].ids, ids, limit)
-            if length >= BLOCK_TOKENS and (best is None or length > best[1]):
-                best = (key, length)
-        return best
-
     def _remove(self, key: int) -> None:
         entry = self._entries.pop(key)
-        for block_key in entry.block_keys:
-            sharing = self._by_block.get(block_key)
-            if sharing is not None:
-                sharing.discard(key)
-                if not sharing:
-                    del self._by_block[block_key]
+        unindex(self._by_block, key, entry.block_keys)
         self.bytes -= entry.nbytes
+
+
+class HeldPrefix(Protocol):
+    """What the shared index functions read of an entry of either backend's cache."""
+
+    @property
+    def ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def fingerprints(self) -> tuple[int, ...]: ...
+
+
+def longest_held(
+    entries: Mapping[int, HeldPrefix],
+    by_block: Mapping[int, set[int]],
+    ids: list[int],
+    compared: int | None = None,
+) -> tuple[int, int] | None:
+    """The key of the entry holding the longest prefix of ``ids`` (at most all but its last
+    id: that one's logits choose the first new token) and the prefix's length; at most
+    ``compared`` candidates are compared token by token (all when None)."""
+    limit = len(ids) - 1
+    candidates: set[int] = set()
+    for block_key in block_keys(ids[:limit]):
+        sharing = by_block.get(block_key)
+        if not sharing:
+            break
+        candidates = sharing
+    best: tuple[int, int] | None = None
+    for key in list(candidates)[:compared]:
+        length = common_prefix(entries[key].ids, ids, limit)
+        if length >= BLOCK_TOKENS and (best is None or length > best[1]):
+            best = (key, length)
+    return best
+
+
+def index(by_block: dict[int, set[int]], key: int, chain: tuple[int, ...]) -> None:
+    """Record entry ``key`` under each block key of its ids."""
+    for block_key in chain:
+        by_block.setdefault(block_key, set()).add(key)
+
+
+def unindex(by_block: dict[int, set[int]], key: int, chain: tuple[int, ...]) -> None:
+    """Forget entry ``key`` under each block key of its ids."""
+    for block_key in chain:
+        sharing = by_block.get(block_key)
+        if sharing is not None:
+            sharing.discard(key)
+            if not sharing:
+                del by_block[block_key]
+
+
+def recent_fingerprints(entries: Iterable[HeldPrefix]) -> frozenset[int]:
+    """The fingerprints a report carries: the most recently used entries' first, up to
+    ``MAX_REPORTED_FINGERPRINTS`` (``entries`` in LRU order, oldest first)."""
+    fingerprints: set[int] = set()
+    for entry in reversed(list(entries)):
+        if len(fingerprints) + len(entry.fingerprints) > MAX_REPORTED_FINGERPRINTS:
+            break
+        fingerprints.update(entry.fingerprints)
+    return frozenset(fingerprints)
 
 
 def block_keys(ids: list[int]) -> tuple[int, ...]:
