@@ -233,6 +233,20 @@ def test_prefix_cache_gives_way_to_requests_and_stays_in_its_bound() -> None:
     assert runtime_one.copies == [] and runtime_one.trims == [(0, 21)]
 
 
+def test_ignore_eos_runs_a_row_to_max_new_tokens_past_its_end_token() -> None:
+    runtime = FakeRuntime({3: [3, END, 4, END, 4, 4]})
+    engine = engine_for(runtime)
+    ignoring = Recorder(TokenIds((3,)), {"max_new_tokens": 5, "ignore_eos": True})
+    stopping = Recorder(TokenIds((3, 5)), {"max_new_tokens": 5})
+    engine.admit(ignoring)
+    engine.admit(stopping)
+    ended = drain(engine)
+    longer, shorter = ended[id(ignoring)], ended[id(stopping)]
+    assert isinstance(longer, Generation) and isinstance(shorter, Generation)
+    assert longer.completion_tokens == 5 and longer.finish_reason == "length"
+    assert shorter.completion_tokens == 2 and shorter.finish_reason == "stop"
+
+
 def test_a_failed_decode_over_several_rows_loses_them_together() -> None:
     runtime = FakeRuntime({3: [3] * 10, 4: [4] * 10})
     engine = engine_for(runtime)

@@ -13,7 +13,7 @@ it when there are several). The request parameters and their meaning are the
 hf backend's (``hf.GENERATION_PARAMS``): greedy unless the request samples,
 ``temperature``/``top_p``/``top_k``/``seed``, ``repetition_penalty``,
 ``no_repeat_ngram_size``, ``min_new_tokens``, ``presence_penalty``,
-``frequency_penalty``, ``logit_bias``, ``stop``, grammars, ``logprobs`` and
+``frequency_penalty``, ``logit_bias``, ``ignore_eos``, ``stop``, grammars, ``logprobs`` and
 ``prompt_logprobs`` (both forms), token-id prompts, ``tools`` (offered through
 ``modelpool.tools.render_chat`` as on hf, each call constrained by its grammar).
 Chat messages are rendered with the GGUF's own chat template

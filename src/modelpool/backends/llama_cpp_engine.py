@@ -441,7 +441,8 @@ class LlamaEngine:
         if progress.error is not None:
             raise progress.error
         grammar_complete = row.grammar is not None and row.grammar.take(token_id)
-        if progress.stopped or token_id in runtime.end_id_set or grammar_complete:
+        ended = token_id in runtime.end_id_set and not row.sampling.ignore_eos
+        if progress.stopped or ended or grammar_complete:
             row.finish_reason = "stop"
         elif row.generated >= row.max_new_tokens:
             row.finish_reason = "length"

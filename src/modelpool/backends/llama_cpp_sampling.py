@@ -47,6 +47,7 @@ class Sampling:
     no_repeat_ngram_size: int = 0
     min_new_tokens: int = 0
     penalties: Penalties = field(default_factory=Penalties)
+    ignore_eos: bool = False  # vLLM's: an end-of-generation token does not end the request
 
     @classmethod
     def from_params(cls, params: dict[str, Any], vocab_size: int) -> Sampling:
@@ -62,6 +63,7 @@ class Sampling:
             no_repeat_ngram_size=int(params.get("no_repeat_ngram_size", 0)),
             min_new_tokens=int(params.get("min_new_tokens", 0)),
             penalties=Penalties.from_params(params, vocab_size),
+            ignore_eos=params.get("ignore_eos") is True,
         )
 
     def is_plain_greedy(self, generated: int) -> bool:
