@@ -9,7 +9,7 @@ float32. Checked on a tiny random model (behaviour) and on the embedded SmolLM2
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,6 +250,7 @@ def test_a_long_prompt_is_prefilled_in_slices_while_the_batch_keeps_decoding(
     assert running.tokens == 2, "prefilled, merged and one decoding step"
     long = Recorder(LONG_PROMPT, {"max_new_tokens": 8})
     handler.admit(long)
+    passes = count_passes(handler)
     slices = 0
     while not long.tokens:
         before = running.tokens
@@ -257,6 +258,7 @@ def test_a_long_prompt_is_prefilled_in_slices_while_the_batch_keeps_decoding(
         slices += 1
         assert running.tokens == before + 1, "a running row gets a token at every slice"
         assert long.prefilled_tokens == min(8 * slices, len(long_ids))
+        assert passes() == slices, "each slice rides on the decoding step's pass"
     assert slices == -(-len(long_ids) // 8)
     results: dict[int, Generation] = {}
     while len(results) < 2:
@@ -269,6 +271,66 @@ def test_a_long_prompt_is_prefilled_in_slices_while_the_batch_keeps_decoding(
         results[id(running)].text
         == handler.generate(Recorder(PROMPTS[0], {"max_new_tokens": 64})).text
     )
+
+
+def count_passes(handler: HFHandler) -> Callable[[], int]:
+    """Count the model's forward passes from now on (the handler's model is wrapped)."""
+    model = handler.model
+    original = model.forward
+    calls: list[dict[str, Any]] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    model.forward = counted
+    return lambda: len(calls)
+
+
+def test_a_failed_fused_pass_is_undone_and_read_apart(tiny_model_dir: Path) -> None:
+    handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1, prefill_chunk_tokens=8)
+    running = Recorder(PROMPTS[2], {"max_new_tokens": 24})
+    long = Recorder(LONG_PROMPT, {"max_new_tokens": 8})
+    handler.admit(running)
+    handler.step()
+    handler.admit(long)
+    model = handler.model
+    original = model.forward
+    failed: list[int] = []
+
+    def fused_pass_fails_every_other_time(*args: Any, **kwargs: Any) -> Any:
+        # The fused pass is the one packing rows and slice into one sequence (no cache of
+        # its own); it fails after some layers have appended to both caches.
+        if kwargs.get("use_cache") is False and len(failed) % 2 == 0:
+            failed.append(1)
+            layers = model.model.layers
+            layer_forward = layers[-1].forward
+
+            def broken(*layer_args: Any, **layer_kwargs: Any) -> Any:
+                raise RuntimeError("out of memory in the last layer")
+
+            layers[-1].forward = broken
+            try:
+                return original(*args, **kwargs)
+            finally:
+                layers[-1].forward = layer_forward
+        if kwargs.get("use_cache") is False:
+            failed.append(0)
+        return original(*args, **kwargs)
+
+    model.forward = fused_pass_fails_every_other_time
+    results: dict[int, Generation] = {}
+    try:
+        while len(results) < 2:
+            for call, outcome in handler.step():
+                assert isinstance(outcome, Generation), outcome
+                results[id(call)] = outcome
+    finally:
+        model.forward = original
+    assert failed.count(1) >= 2 and failed.count(0) >= 1, "the premise: fused passes ran and failed"
+    for call in (running, long):
+        alone = handler.generate(Recorder(call.prompt, dict(call.params)))
+        assert results[id(call)].text == alone.text, call.prompt
 
 
 def test_a_request_cancelled_during_its_prefill_leaves_at_once(tiny_model_dir: Path) -> None:

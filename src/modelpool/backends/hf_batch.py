@@ -16,7 +16,11 @@ running batch, one shared left-padded cache). Each ``step()``:
    clock. A request whose prompt is read gets its first token and is merged
    into the running batch: the narrower of the two caches is left-padded with
    masked columns, rows are concatenated;
-3. runs one decoding step for every running request (one forward pass);
+3. runs one decoding step for every running request (one forward pass); the
+   first long prompt's slice rides on that same pass (``hf_fused``: the rows'
+   tokens and the slice's go through the weights together as one packed
+   sequence, attention is split), so a slice costs its tokens, not a pass's
+   fixed cost;
 4. retires every request that ended (EOS, stop string, ``max_new_tokens``),
    dropping its cache rows and any leading columns that are now padding in
    every row.
@@ -30,18 +34,23 @@ grammar is complete.
 
 Faults stay in their row where they can be attributed: a prefill runs one
 request at a time, so its failure (an out-of-memory on a long prompt, say) is
-that request's; so is a failure choosing or emitting one row's token. A
+that request's (a failed fused pass is undone, and its slice and the decoding
+step run apart, so this holds there too); so is a failure choosing or emitting
+one row's token. A
 failure of the shared decoding pass cannot be blamed on one row: those rows
 leave the batch together as ``protocol.RowsLost`` (the pool retries them and
 tracks suspects) while waiting and prefilling requests stay.
 
 ``prefill_chunk_tokens`` (a load option): a number of prompt tokens per step,
-or "auto" (the default), which sizes each step's slices by timing them: about
-one decoding step while rows are decoding (so a step lasts about twice a normal
-one while a long prompt is read), about a second when none is (cancels are
-still read every second). Each slice is its own forward
-pass, so on a CPU a long prompt's time to first token grows while it shares
-the worker with decoding rows: that is the price of their inter-token latency.
+or "auto" (the default), which sizes each step's slices by timing them: what a
+slice adds to a step is about 1.3 decoding steps (the median of the recent ones)
+while rows are decoding, so a step lasts about 2.3 normal ones while a long prompt
+is read (under 3, the bound kept); about a second when none is (cancels are still read every
+second). A long prompt's time to first token grows while it shares the worker
+with decoding rows: that is the price of their inter-token latency. A model the
+fused pass does not fit (attention not dispatched through transformers'
+interface, a sliding window) reads each slice in a pass of its own, which on a
+CPU costs about one more decoding step per slice.
 
 Why our own loop rather than transformers' ``ContinuousBatchingManager``
 (``generate_batch``): on CPU its paged path measured 33 tok/s against 94 tok/s
@@ -85,11 +94,14 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from modelpool.backends.hf_fused import FusionUnsupported, fusable, fused_forward
 from modelpool.backends.hf_penalties import Penalties
 from modelpool.backends.hf_text import TextProgress, stop_strings
 from modelpool.errors import InvalidRequest
@@ -128,10 +140,12 @@ about 750 MB for SmolLM2-135M in float32 (30 layers x 2 x 3 heads x 64 x 4 bytes
 PrefillChunk = int | Literal["auto"]
 _AUTO_MIN_SLICE = 16
 _AUTO_MAX_SLICE = 4096
-_AUTO_SLICE_OVER_STEP = 1.0  # a slice's target time, in decoding steps, while rows decode
+_AUTO_SLICE_OVER_STEP = 1.3  # what a slice adds to a step beside rows, in decoding steps
 _AUTO_SOLO_SLICE_S = 1.0  # a slice's target time when no row is decoding
 _AUTO_FIRST_SOLO_SLICE = 128  # tokens, before a slice alone is timed
 _AUTO_WHOLE_PROMPT = 128  # a prompt (or a rest of one) this short is read in one pass
+_STEPS_TIMED = 16  # plain decoding steps whose median sets the slice's target beside rows
+_AUTO_SLICE_GROWTH = 1.25  # beside rows, a slice grows at most this much a step (rows pay)
 
 _SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 UNBATCHED_PARAMS = ("logprobs", "prompt_logprobs")
@@ -270,10 +284,14 @@ class BatchEngine:
         self._last: torch.Tensor | None = None  # [rows], each row's latest token
         # The "auto" slice sizes beside decoding rows and alone, each steered by timing its
         # full slices against its target; beside rows it starts small, so the first slice
-        # costs the running rows little. The decoding step's time (an exponential moving
-        # average) sets the target beside rows.
+        # costs the running rows little. The decoding step's time (the median of the last
+        # plain steps: an average was raised by a few slow first steps, and the slices
+        # grew where they should have shrunk) sets the target beside rows.
         self._auto_slice = {True: _AUTO_MIN_SLICE, False: _AUTO_FIRST_SOLO_SLICE}
-        self._decode_step_s: float | None = None
+        self._decode_steps_s: deque[float] = deque(maxlen=_STEPS_TIMED)
+        # A slice beside decoding rows rides on their step's forward pass (hf_fused) when
+        # the model allows it; else it is a pass of its own.
+        self._fuse = fusable(handler.model)
 
     # ---- the BatchedHandler surface ------------------------------------------------------
 
@@ -312,10 +330,11 @@ class BatchEngine:
             if self.compiling:
                 self._settle_grammars(finished)
             self._start_prefills()
-            if self.prefilling:
-                self._prefill_slices(finished)
+            beside = self._prefill_slices(finished) if self.prefilling else None
             if self.rows:
-                self._decode(finished)
+                self._decode(finished, beside)
+            elif beside is not None:
+                self._prefill_alone(*beside, finished)
         if self.compiling and not finished and not (self.waiting or self.prefilling or self.rows):
             # Only compilations to wait for: wait on them (briefly, so that cancels are
             # still read) rather than spin.
@@ -463,38 +482,55 @@ class BatchEngine:
             return self.prefill_chunk_tokens
         return self._auto_slice[bool(self.rows)]
 
+    @property
+    def _decode_step_s(self) -> float | None:
+        return statistics.median(self._decode_steps_s) if self._decode_steps_s else None
+
     def _steer_slice(self, tokens: int, seconds: float) -> None:
-        """Resize the "auto" slice from a full slice's time against its target: about one
-        decoding step while rows decode (a step then lasts about two normal ones), a
-        second when none does. Steered by time, not by a per-token cost: a pass has a
-        fixed cost (reading the weights) that small slices would overweight, shrinking the
-        slice further and further."""
+        """Resize the "auto" slice from a full slice's time (what it added to the step,
+        when it rode on one) against its target: 1.3 decoding steps while rows decode
+        (a step then lasts about 2.3 normal ones: more came within noise of the 3 the
+        running rows' inter-token latency is held under, less lengthens the long
+        prompt's hold on its slot), a second when none does.
+        Steered by time, not by a per-token cost: a pass has a fixed cost (reading the
+        weights) that small slices would overweight, shrinking the slice further and
+        further."""
         beside_rows = bool(self.rows)
         if self.prefill_chunk_tokens != "auto" or tokens < self._auto_slice[beside_rows]:
             return
-        if beside_rows and self._decode_step_s:
-            target_s = _AUTO_SLICE_OVER_STEP * self._decode_step_s
-        else:
-            target_s = _AUTO_SOLO_SLICE_S
-        scale = min(2.0, max(0.5, target_s / max(seconds, 1e-6)))
+        step_s = self._decode_step_s
+        target_s = _AUTO_SLICE_OVER_STEP * step_s if beside_rows and step_s else _AUTO_SOLO_SLICE_S
+        growth = _AUTO_SLICE_GROWTH if beside_rows else 2.0
+        scale = min(growth, max(0.5, target_s / max(seconds, 1e-6)))
         resized = int(min(_AUTO_MAX_SLICE, max(_AUTO_MIN_SLICE, tokens * scale)))
         self._auto_slice[beside_rows] = resized
 
-    def _prefill_slices(self, finished: list[Finished]) -> None:
+    def _prefill_slices(self, finished: list[Finished]) -> tuple[_Row, int] | None:
         """The next slice of each prefilling request, in order, within this step's budget.
         Fresh short prompts (read whole in "auto" mode: a pass has a fixed cost, reading
         the weights, that slicing them would multiply) are read together in one
         left-padded pass; if that pass fails, each is read again alone, so that a fault
-        is still one request's. Longer prompts are read one per pass."""
+        is still one request's. Longer prompts are read one per pass, except the first,
+        which is returned (row, tokens) to ride on the decoding step's pass when rows
+        decode and the model allows it."""
         budget = self._slice_budget()
         # Fresh short prompts share one pass up to this many tokens; with no row decoding
         # there is no one's latency to protect, and all of them do.
         group_budget = max(budget, _AUTO_WHOLE_PROMPT) if self.rows else None
+        # The short rest of a long prompt is read whole too (one pass's fixed cost saved),
+        # unless it rides on the decoding step's pass: there it costs only its tokens, and
+        # the budget keeps the step short (read whole, the last 115 tokens of a
+        # 1,000-token prompt made a step 8 times a normal one).
+        fused = bool(self.rows) and self._fuse
         together: list[_Row] = []
         alone: list[tuple[_Row, int]] = []
         for row in self.prefilling:
             rest = len(row.prompt_ids) - row.prefilled
-            whole = self.prefill_chunk_tokens == "auto" and rest <= _AUTO_WHOLE_PROMPT
+            whole = (
+                self.prefill_chunk_tokens == "auto"
+                and rest <= _AUTO_WHOLE_PROMPT
+                and (row.prefilled == 0 or not fused)
+            )
             if whole and row.prefilled == 0 and (group_budget is None or group_budget > 0):
                 together.append(row)
                 budget -= rest
@@ -508,8 +544,10 @@ class BatchEngine:
             alone.append((row, count))
         if len(together) > 1 and self._prefill_together(together, finished):
             together = []
+        beside = alone.pop(0) if alone and fused else None
         for row, count in [(row, len(row.prompt_ids)) for row in together] + alone:
             self._prefill_alone(row, count, finished)
+        return beside
 
     def _prefill_together(self, rows: list[_Row], finished: list[Finished]) -> bool:
         """Read the whole prompts of ``rows`` in one left-padded pass and give each its first
@@ -564,13 +602,22 @@ class BatchEngine:
     def _prefill_alone(self, row: _Row, count: int, finished: list[Finished]) -> None:
         """The next ``count`` prompt tokens of ``row`` in a pass of its own; once its prompt
         is read, its first token, and it joins the batch."""
-        import torch
-
         try:
             logits = self._prefill_slice(row, count)
-            if logits is None:
-                return
+        except Exception as exc:
             self.prefilling.remove(row)
+            finished.append((row.call, exc))
+            return
+        if logits is not None:
+            self._prefilled(row, logits, finished)
+
+    def _prefilled(self, row: _Row, logits: torch.Tensor, finished: list[Finished]) -> None:
+        """``row``'s prompt is read (``logits``: its last position's): its first token, and
+        it joins the batch."""
+        import torch
+
+        self.prefilling.remove(row)
+        try:
             tokens, failures = self._choose([row], logits)
             if failures:
                 raise failures[0]
@@ -578,8 +625,6 @@ class BatchEngine:
                 finished.append((row.call, row.result(row.finish_reason or "stop")))
                 return
         except Exception as exc:
-            if row in self.prefilling:
-                self.prefilling.remove(row)
             finished.append((row.call, exc))
             return
         cache, row.cache = row.cache, None
@@ -639,7 +684,62 @@ class BatchEngine:
         self._last = torch.cat([self._last, last])
         self.rows = [*self.rows, *rows]
 
-    def _decode(self, finished: list[Finished]) -> None:
+    def _decode(self, finished: list[Finished], beside: tuple[_Row, int] | None) -> None:
+        """One decoding step for every running row, with the slice ``beside`` in the same
+        pass when one is given. If that fused pass fails, the slice is read in a pass of
+        its own and the step runs alone, so that a fault is still one request's or the
+        batch's."""
+        if beside is not None:
+            if self._fuse and self._decode_with_slice(*beside, finished):
+                return
+            self._prefill_alone(*beside, finished)
+        if self.rows:
+            self._decode_step(finished)
+
+    def _decode_with_slice(self, row: _Row, count: int, finished: list[Finished]) -> bool:
+        """The fused pass (hf_fused): False, with nothing changed, when it failed."""
+        import torch
+        from transformers import DynamicCache
+
+        assert self._mask is not None and self._last is not None
+        mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
+        if row.cache is None:
+            row.cache = DynamicCache()
+        start, end = row.prefilled, row.prefilled + count
+        masks = self._masks_beside_forward()
+        started = time.perf_counter()
+        try:
+            logits = fused_forward(
+                self.handler.model,
+                batch_cache=self._cache,
+                batch_mask=mask,
+                last_tokens=self._last,
+                slice_cache=row.cache,
+                read=start,
+                slice_ids=row.prompt_ids[start:end],
+                slice_logits=end == len(row.prompt_ids),
+            )
+        except FusionUnsupported as exc:
+            logger.info("prefill slices get passes of their own with this model: %s", exc)
+            self._fuse = False
+            return False
+        except Exception:
+            # The step runs again apart, with masks of its own (these are discarded).
+            return False
+        step_s = self._decode_step_s
+        if step_s is not None:
+            # What the slice added to the step is what its size is steered by.
+            self._steer_slice(count, time.perf_counter() - started - step_s)
+        row.prefilled = end
+        row.call.prefilled(count)
+        rows = len(self.rows)
+        self._mask = mask
+        self._decoded(logits[:rows], finished, masks)
+        if end == len(row.prompt_ids):
+            self._prefilled(row, logits[rows:], finished)
+        return True
+
+    def _decode_step(self, finished: list[Finished]) -> None:
         import torch
 
         assert self._mask is not None and self._last is not None
@@ -663,10 +763,16 @@ class BatchEngine:
             lost = [row.call for row in self.rows]
             self._reset_batch()
             raise RowsLost(lost, exc, finished) from exc
-        self._decode_step_s = _moving_average(self._decode_step_s, time.perf_counter() - started)
+        self._decode_steps_s.append(time.perf_counter() - started)
         self._mask = mask
+        self._decoded(output.logits[:, -1, :], finished, masks)
+
+    def _decoded(
+        self, logits: torch.Tensor, finished: list[Finished], masks: Future[GrammarMasks] | None
+    ) -> None:
+        """Every running row's next token from its ``logits``; rows that ended leave."""
         tokens, failures = self._choose(
-            self.rows, output.logits[:, -1, :], None if masks is None else masks.result()
+            self.rows, logits, None if masks is None else masks.result()
         )
         self._last = tokens
         ended = []
@@ -833,10 +939,6 @@ _COMPILE_WAIT_S = 0.05
 
 def _constrained(rows: list[_Row]) -> list[tuple[int, RowGrammar]]:
     return [(index, row.grammar) for index, row in enumerate(rows) if row.grammar is not None]
-
-
-def _moving_average(previous: float | None, sample: float) -> float:
-    return sample if previous is None else 0.8 * previous + 0.2 * sample
 
 
 def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
