@@ -23,6 +23,8 @@ p50/p99, with ratios against the first contender. In one run:
     python -m benchmarks.batching                       # the whole sweep, 1..16 clients
     python -m benchmarks.batching --concurrency 1 8 --no-http
     python -m benchmarks.batching --long-every 4      # every 4th prompt ~1,000 tokens long
+    python -m benchmarks.batching --contenders 1x8:4096 1x8 --concurrency 8 --long-every 4
+                                                      # chunked prefill off, then on
     scripts/bench --scenarios g
 
 Results and the command behind them: README, "Benchmarks", scenario (g).
@@ -99,19 +101,24 @@ def percentile(samples: Sequence[float], fraction: float) -> float | None:
 
 @dataclass(frozen=True)
 class Contender:
-    """An in-process pool: ``workers`` x ``max_batch_size``, named like ``1x8``."""
+    """An in-process pool: ``workers`` x ``max_batch_size``, named like ``1x8``; ``1x8:4096``
+    also sets ``prefill_chunk_tokens`` (4096: whole prompts read at once, no chunked
+    prefill), so that the loop with and without it run side by side."""
 
     workers: int
     batch: int
+    prefill_chunk_tokens: int | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.workers}x{self.batch}"
+        chunk = "" if self.prefill_chunk_tokens is None else f":{self.prefill_chunk_tokens}"
+        return f"{self.workers}x{self.batch}{chunk}"
 
     @classmethod
     def parse(cls, text: str) -> Contender:
-        workers, _, batch = text.partition("x")
-        return cls(int(workers), int(batch))
+        shape, _, chunk = text.partition(":")
+        workers, _, batch = shape.partition("x")
+        return cls(int(workers), int(batch), int(chunk) if chunk else None)
 
 
 OneRequest = Callable[[int], tuple[int, "float | None"]]
@@ -395,7 +402,7 @@ def hang_in_full_batch(batch: int, tokens: int, delay_s: float, stall_timeout_s:
 # ---- the HTTP pair ------------------------------------------------------------------------
 
 
-def _unused_port() -> int:
+def unused_port() -> int:
     """A port free a moment ago; ``transformers serve`` cannot bind 0 and say which it got."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -453,7 +460,7 @@ def http_pair(
     interleaved per level. Both get greedy decoding and exactly ``new_tokens`` tokens:
     modelpool through ``min_tokens``, transformers through a ``generation_config`` whose
     end-of-sequence id is one the model cannot produce (its vocabulary size)."""
-    mp_port, tf_port = _unused_port(), _unused_port()
+    mp_port, tf_port = unused_port(), unused_port()
     transformers_cli = Path(sys.executable).with_name("transformers")
 
     def modelpool_body(index: int) -> Json:
@@ -526,19 +533,25 @@ def run(
     dtype: str | None,
     ceiling: bool,
     rounds: int = 1,
+    backend_options: Mapping[str, Any] | None = None,
     http: bool = True,
     hang: bool = True,
     mix: PromptMix = PromptMix(),
     log: Any = print,
 ) -> Json:
     """Every concurrency level on every contender, the contenders interleaved per level."""
-    options: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
+    common_options: dict[str, Any] = dict(backend_options or {})
+    if dtype is not None:
+        common_options["dtype"] = dtype
     results: dict[str, dict[str, Json]] = {}
     cancel: Json | None = None
     pools: dict[str, ModelPool] = {}
     try:
         for contender in contenders:
             log(f"(g) starting pool {contender.name} (workers x max_batch_size)")
+            options = dict(common_options)
+            if contender.prefill_chunk_tokens is not None:
+                options["prefill_chunk_tokens"] = contender.prefill_chunk_tokens
             pools[contender.name] = ModelPool(
                 PoolConfig(
                     model=model_dir,
@@ -578,6 +591,7 @@ def run(
         "contender_names": [contender.name for contender in contenders],
         "concurrencies": list(concurrencies),
         "long_every": mix.long_every,
+        "backend_options": common_options,
         "long_tokens": mix.long_tokens,
         "contenders": results,
         "cancel_in_batch": cancel,
@@ -716,6 +730,14 @@ def markdown(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _backend_option(text: str) -> tuple[str, Any]:
+    key, _, value = text.partition("=")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.batching",
@@ -746,6 +768,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="every Nth prompt carries a long system message (0: none)",
     )
     parser.add_argument("--long-tokens", type=int, default=1000)
+    parser.add_argument(
+        "--backend-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a backend option for every in-process pool, VALUE in JSON where it parses "
+        "(e.g. prefix_cache_bytes=0: every long prompt read in full)",
+    )
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
     from modelpool.embedded import resolve_model
@@ -762,6 +792,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         http=not args.no_http,
         hang=not args.no_hang,
         mix=PromptMix(args.long_every, args.long_tokens),
+        backend_options=dict(_backend_option(text) for text in args.backend_option),
     )
     print(markdown(report))
     if args.json:
