@@ -37,7 +37,8 @@ Follow one request (each name is a function; the file is in brackets)::
       -> serve -> _run_attempt                        [worker.py]  the backend generates
          (batched: _BatchLoop.serve -> _step -> HFHandler.step -> BatchEngine.step
           [backends/hf_batch.py]: admit, prefix cache [backends/prefix_cache.py],
-          prefill slices, one decoding step, each row's grammar mask [grammar.py];
+          prefill slices riding on one decoding step's pass [backends/hf_fused.py],
+          each row's grammar mask [grammar.py];
           on llama.cpp: LlamaCppHandler.step -> LlamaEngine.step [backends/llama_cpp_engine.py])
       -> EventLoop._read                              [here]     frames from the socket
       -> Dispatcher.on_message -> _on_chunk / _on_done [dispatcher.py]
