@@ -165,6 +165,34 @@ class FakeCall:
             self.flag = True
 
 
+@dataclass(eq=False)
+class Recorder:
+    """A BatchCall that records what a batched backend sends: its text chunks, the tokens
+    it delivered and prefilled, and the prompt counts it noted (prompt, cached)."""
+
+    prompt: Prompt
+    params: dict[str, Any]
+    chunks: list[str] = field(default_factory=list)
+    tokens: int = 0
+    prefilled_tokens: int = 0
+    prompt_counts: tuple[int, int] | None = None
+
+    def cancelled(self) -> bool:
+        return False
+
+    def emit(self, text: str) -> None:
+        self.chunks.append(text)
+
+    def delivered(self, tokens: int = 1) -> None:
+        self.tokens += tokens
+
+    def prefilled(self, tokens: int) -> None:
+        self.prefilled_tokens += tokens
+
+    def note_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_counts = (prompt_tokens, cached_tokens)
+
+
 # ---- TOML for config files the tests write ----------------------------------------------------
 
 

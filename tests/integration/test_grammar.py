@@ -10,14 +10,13 @@ import json
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 
-from helpers import counters, open_pool, workers
+from helpers import Recorder, counters, open_pool, workers
 from modelpool import ModelPool, PoisonRequest, PoolConfig
 from modelpool.backends.hf import HFHandler, load
 from modelpool.errors import GrammarCompileTimeout, GrammarError
@@ -43,25 +42,6 @@ SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
 }
 GRAMMAR = grammar_for_response_format(SCHEMA)
-
-
-@dataclass(eq=False)
-class Recorder:
-    prompt: Any
-    params: dict[str, Any]
-    chunks: list[str] = field(default_factory=list)
-
-    def cancelled(self) -> bool:
-        return False
-
-    def emit(self, text: str) -> None:
-        self.chunks.append(text)
-
-    def delivered(self, tokens: int = 1) -> None:
-        pass
-
-    def prefilled(self, tokens: int) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")

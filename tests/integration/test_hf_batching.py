@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from helpers import Recorder
 from modelpool import ModelPool, PoolConfig
 from modelpool.backends.hf import HFHandler, load
 from modelpool.errors import ContextLengthExceeded
@@ -29,29 +29,6 @@ PROMPTS: list[Prompt] = [
     "Once upon a time, in a land far away, there lived a dragon who",
     "Hi",
 ]
-
-
-@dataclass(eq=False)
-class Recorder:
-    """A BatchCall that records what the backend sends."""
-
-    prompt: Prompt
-    params: dict[str, Any]
-    chunks: list[str] = field(default_factory=list)
-    tokens: int = 0
-    prefilled_tokens: int = 0
-
-    def cancelled(self) -> bool:
-        return False
-
-    def emit(self, text: str) -> None:
-        self.chunks.append(text)
-
-    def delivered(self, tokens: int = 1) -> None:
-        self.tokens += tokens
-
-    def prefilled(self, tokens: int) -> None:
-        self.prefilled_tokens += tokens
 
 
 def run_batched(

@@ -11,14 +11,13 @@ import json
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 
-from helpers import FakeCall, skip_unless_pypi
+from helpers import FakeCall, Recorder, skip_unless_pypi
 from modelpool import ModelPool, PoolConfig
 from modelpool.backends import llama_cpp
 from modelpool.backends.llama_cpp import LlamaCppHandler, load
@@ -54,29 +53,6 @@ def gguf_dir() -> Path:
 @pytest.fixture(scope="module")
 def handler(gguf_dir: Path) -> LlamaCppHandler:
     return load(str(gguf_dir), threads=1, kv_cache_tokens=8192)
-
-
-@dataclass(eq=False)
-class Recorder:
-    """A BatchCall that records what the backend sends."""
-
-    prompt: Prompt
-    params: dict[str, Any]
-    chunks: list[str] = field(default_factory=list)
-    tokens: int = 0
-    prefilled_tokens: int = 0
-
-    def cancelled(self) -> bool:
-        return False
-
-    def emit(self, text: str) -> None:
-        self.chunks.append(text)
-
-    def delivered(self, tokens: int = 1) -> None:
-        self.tokens += tokens
-
-    def prefilled(self, tokens: int) -> None:
-        self.prefilled_tokens += tokens
 
 
 def alone(handler: LlamaCppHandler, prompt: Prompt, **params: Any) -> tuple[Generation, list[str]]:

@@ -12,13 +12,12 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
+from helpers import Recorder
 from modelpool.backends.hf import HFHandler, load
 from modelpool.backends.prefix_cache import PrefixCache
 from modelpool.protocol import Generation, Prompt
@@ -29,29 +28,6 @@ SYSTEM = (
     "You are a careful assistant for a small shop. Answer in one short sentence. "
     "The shop sells apples, pears, plums and cherries; it opens at nine and closes at six. "
 )
-
-
-@dataclass(eq=False)
-class Recorder:
-    prompt: Prompt
-    params: dict[str, Any]
-    chunks: list[str] = field(default_factory=list)
-    prompt_counts: tuple[int, int] | None = None
-
-    def cancelled(self) -> bool:
-        return False
-
-    def emit(self, text: str) -> None:
-        self.chunks.append(text)
-
-    def delivered(self, tokens: int = 1) -> None:
-        pass
-
-    def prefilled(self, tokens: int) -> None:
-        pass
-
-    def note_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
-        self.prompt_counts = (prompt_tokens, cached_tokens)
 
 
 def run_batched(handler: HFHandler, calls: Sequence[Recorder]) -> list[Generation]:
@@ -118,9 +94,7 @@ def assert_cache_changes_nothing(
 @pytest.fixture(scope="module")
 def handlers(tiny_model_dir: Path) -> tuple[HFHandler, HFHandler]:
     plain = load(str(tiny_model_dir), dtype="float32", torch_threads=1, prefix_cache_bytes=0)
-    cached = load(
-        str(tiny_model_dir), dtype="float32", torch_threads=1, prefix_cache_bytes="64MiB"
-    )
+    cached = load(str(tiny_model_dir), dtype="float32", torch_threads=1, prefix_cache_bytes="64MiB")
     return plain, cached
 
 
@@ -176,9 +150,7 @@ def test_the_cache_stays_within_its_bound_over_thousands_of_prefixes() -> None:
     tokens = 96
     for number in range(3000):
         ids = [number, *range(1, tokens)]
-        layers = [
-            (torch.randn(1, 2, tokens, 32), torch.randn(1, 2, tokens, 32)) for _ in range(4)
-        ]
+        layers = [(torch.randn(1, 2, tokens, 32), torch.randn(1, 2, tokens, 32)) for _ in range(4)]
         cache.insert(ids, layers, (number,))
         assert cache.bytes <= limit
         if number % 500 == 0:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from helpers import Recorder
 from modelpool.backends.llama_cpp import BackendUnavailable, Placement, placement
 from modelpool.backends.llama_cpp_engine import LlamaEngine
 from modelpool.backends.llama_cpp_sampling import Sampling, choose_token
@@ -105,27 +106,6 @@ class Encoder:
 
     def grammars(self) -> Any:
         raise AssertionError("no grammar in these tests")
-
-
-@dataclass(eq=False)
-class Recorder:
-    prompt: Prompt
-    params: dict[str, Any]
-    chunks: list[str] = field(default_factory=list)
-    tokens: int = 0
-    prefilled_tokens: int = 0
-
-    def cancelled(self) -> bool:
-        return False
-
-    def emit(self, text: str) -> None:
-        self.chunks.append(text)
-
-    def delivered(self, tokens: int = 1) -> None:
-        self.tokens += tokens
-
-    def prefilled(self, tokens: int) -> None:
-        self.prefilled_tokens += tokens
 
 
 def engine_for(runtime: FakeRuntime, **options: Any) -> LlamaEngine:
