@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelpool import ModelPool, PoolConfig, PoolError
+from modelpool import ModelPool, PoolConfig, PoolError, PoolStream
 
 Json = dict[str, Any]
 
@@ -219,16 +219,22 @@ def sweep(
     }
 
 
+def read_to_end(stream: PoolStream, began: float) -> tuple[int, float | None]:
+    """Read a ``pool.stream`` to its end: its completion tokens, and the seconds from
+    ``began`` to its first chunk (None when none came)."""
+    first: float | None = None
+    for _ in stream:
+        if first is None:
+            first = time.perf_counter() - began
+    result = stream.result
+    return (result.completion_tokens or 0) if result is not None else 0, first
+
+
 def pool_request(pool: ModelPool, new_tokens: int, mix: PromptMix) -> OneRequest:
     def one(index: int) -> tuple[int, float | None]:
         began = time.perf_counter()
-        first: float | None = None
         stream = pool.stream(mix.chat(index), max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-        for _ in stream:
-            if first is None:
-                first = time.perf_counter() - began
-        result = stream.result
-        return (result.completion_tokens or 0) if result is not None else 0, first
+        return read_to_end(stream, began)
 
     return one
 

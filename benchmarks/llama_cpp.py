@@ -54,6 +54,7 @@ from benchmarks.batching import (
     chat_prompt,
     http_request,
     http_server,
+    read_to_end,
     sweep,
     unused_port,
 )
@@ -99,18 +100,13 @@ Stream = Callable[[], tuple[int, float, float]]
 def pool_stream(pool: ModelPool, new_tokens: int) -> Stream:
     def one() -> tuple[int, float, float]:
         began = time.perf_counter()
-        first = 0.0
         stream = pool.stream(
             [{"role": "user", "content": PROMPT}],
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
         )
-        for _ in stream:
-            if not first:
-                first = time.perf_counter() - began
-        total = time.perf_counter() - began
-        result = stream.result
-        return (result.completion_tokens or 0) if result else 0, first, total
+        tokens, first = read_to_end(stream, began)
+        return tokens, first or 0.0, time.perf_counter() - began
 
     return one
 

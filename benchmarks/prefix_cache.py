@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import modelpool.pool
-from benchmarks.batching import closed_loop, summarize
+from benchmarks.batching import closed_loop, read_to_end, summarize
 from modelpool import ModelPool, PoolConfig
 
 Json = dict[str, Any]
@@ -247,13 +247,7 @@ def distinct_request(pool: ModelPool, new_tokens: int) -> Any:
             {"role": "user", "content": f"{QUESTIONS[index % len(QUESTIONS)]} (#{index})"},
         ]
         began = time.perf_counter()
-        first: float | None = None
-        stream = pool.stream(prompt, max_new_tokens=new_tokens, ignore_eos=True)
-        for _ in stream:
-            if first is None:
-                first = time.perf_counter() - began
-        result = stream.result
-        return (result.completion_tokens or 0) if result is not None else 0, first
+        return read_to_end(pool.stream(prompt, max_new_tokens=new_tokens, ignore_eos=True), began)
 
     return one
 
