@@ -97,7 +97,8 @@ try:
         facts["name"] = torch.cuda.get_device_name(device)
         ones = torch.ones(1024, device=device)
         facts["computes"] = float(ones.sum().item()) == 1024.0
-        from modelpool.gpu import GpuProbe, nvml_index_for
+        from modelpool.devices import nvml_index_for
+        from modelpool.gpu import GpuProbe
         with GpuProbe() as probe:
             index = nvml_index_for(device, probe)
             listed = probe.process_memory(index) if index is not None else {}
@@ -364,7 +365,8 @@ def preflight(args: argparse.Namespace) -> tuple[list[str], Any, int | None]:
     probe: Any = None
     index: int | None = None
     try:
-        from modelpool.gpu import GpuProbe, nvml_index_for
+        from modelpool.devices import nvml_index_for
+        from modelpool.gpu import GpuProbe
     except Exception as exc:
         problems.append(f"import modelpool.gpu failed: {type(exc).__name__}: {exc}")
         return problems, probe, index

@@ -182,9 +182,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from modelpool.http_guard import guarded_protocol, raise_open_files_limit
         from modelpool.pool import ModelPool
         from modelpool.server import DrainingServer, api_key_from_env, create_app
+        from modelpool.server.guard import guarded_protocol, raise_open_files_limit
     except ImportError as exc:
         raise CliError(
             f"serve needs the server extra: pip install 'modelpool[server]' ({exc})"
@@ -248,7 +248,7 @@ def _serve(args: argparse.Namespace) -> int:
                 access_log=False,  # modelpool.access writes one richer line per request
                 lifespan="off",
                 # Header size, count and read timeouts, body read timeouts, and the cap
-                # on connections (http_guard.guarded_protocol); keep-alive stays 5 s.
+                # on connections (server.guard.guarded_protocol); keep-alive stays 5 s.
                 http=guarded_protocol(server_config),
                 # uvicorn takes whole seconds here; round up so a drain is never cut short.
                 timeout_graceful_shutdown=math.ceil(server_config.drain_timeout_s),

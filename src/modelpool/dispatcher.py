@@ -8,7 +8,7 @@ signal and check, and its clock is injected, so tests drive this very code with 
 world.
 
 Two parts, as pebble splits its pool into a task manager and a worker manager: this
-file keeps requests, attempts and runs; its ``worker_manager`` (``workers.py``, an
+file keeps requests, attempts and runs; its ``worker_manager`` (``worker_manager.py``, an
 object it owns and that calls back only ``give_up_loading``) keeps the worker records
 and the decisions about processes: slots and start-up, recycling and roles, signals,
 memory release checks. Both run on the same thread and share the clock, the timer heap
@@ -73,7 +73,7 @@ from modelpool.records import (
 )
 from modelpool.results import Result, set_future
 from modelpool.stats import COUNTER_NAMES, DeviceStats, PoolStats, percentiles
-from modelpool.workers import WorkerManager, pool_device
+from modelpool.worker_manager import WorkerManager, pool_device
 
 logger = logging.getLogger(__name__)
 worker_logger = logging.getLogger("modelpool.worker")
@@ -122,7 +122,7 @@ class Dispatcher:
         self._stall_timer: Timer | None = None
         self._started_reported = False
 
-        # The worker side: slots, start-up, recycling, signals, memory (workers.py). It
+        # The worker side: slots, start-up, recycling, signals, memory (worker_manager.py). It
         # shares the clock, the timers and the counters, and holds the worker records.
         self.worker_manager = WorkerManager(
             config,

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 
 from modelpool import gpu, processes
 from modelpool.config import PoolConfig
+from modelpool.devices import group_devices, nvml_index_for
 from modelpool.records import GpuWorker, Worker
 from modelpool.stats import DeviceStats
 
@@ -103,7 +104,7 @@ class Monitors:
 
     def _pids_on(self, device: str) -> list[int]:
         """The live workers whose group holds ``device`` (one GPU)."""
-        return [pid for _id, pid, label in self._gpu_workers if device in gpu.group_devices(label)]
+        return [pid for _id, pid, label in self._gpu_workers if device in group_devices(label)]
 
     def _check_release(
         self,
@@ -132,8 +133,8 @@ class Monitors:
             # Every GPU of the worker's group, against one deadline: a group is refilled
             # only when all of its GPUs are known to be free.
             deadline = time.monotonic() + self.config.gpu_release_timeout_s
-            for device in gpu.group_devices(label):
-                index = gpu.nvml_index_for(device, self.probe, self.environ)
+            for device in group_devices(label):
+                index = nvml_index_for(device, self.probe, self.environ)
                 if index is None or not self.probe.available:
                     continue
                 gpu_report = self.probe.wait_released(
@@ -195,8 +196,8 @@ class Monitors:
         lists on its GPUs, polled until ``deadline`` (they may be exiting on their own)."""
         while True:
             found: dict[str, tuple[int, list[str]]] = {}
-            for device in gpu.group_devices(label):
-                index = gpu.nvml_index_for(device, self.probe)
+            for device in group_devices(label):
+                index = nvml_index_for(device, self.probe)
                 if index is None:
                     continue
                 listed = self.probe.process_memory(index)
@@ -216,7 +217,7 @@ class Monitors:
                 return found
 
     def _wait_device_free(self, device: str, needed_bytes: int) -> None:
-        index = gpu.nvml_index_for(device, self.probe, self.environ)
+        index = nvml_index_for(device, self.probe, self.environ)
         while index is not None and not self._stopped.wait(0.5):
             free = self.probe.free_bytes(index)
             if free is None or free >= needed_bytes:
@@ -230,8 +231,8 @@ class Monitors:
             for worker_id, pid, label in self._gpu_workers:
                 by_device: dict[str, int | None] = {}
                 method = "unavailable"
-                for device in gpu.group_devices(label):
-                    index = gpu.nvml_index_for(device, self.probe, self.environ)
+                for device in group_devices(label):
+                    index = nvml_index_for(device, self.probe, self.environ)
                     if index is None:
                         continue
                     reading = self.probe.worker_memory(index, pid)
@@ -256,11 +257,11 @@ class Monitors:
     def _note_children_on_gpus(self) -> None:
         """Remember which processes NVML lists on the pool's GPUs were started by a worker."""
         workers = {pid for _id, pid, _label in self._gpu_workers}
-        devices = {d for _id, _pid, label in self._gpu_workers for d in gpu.group_devices(label)}
+        devices = {d for _id, _pid, label in self._gpu_workers for d in group_devices(label)}
         if len(self._not_started_by_workers) > 4096:
             self._not_started_by_workers.clear()  # PIDs are reused; keep the set bounded
         for device in sorted(devices):
-            index = gpu.nvml_index_for(device, self.probe)
+            index = nvml_index_for(device, self.probe)
             if index is None:
                 continue
             for listed in self.probe.process_memory(index):

@@ -30,6 +30,7 @@ from typing import Any
 from modelpool import gpu
 from modelpool.backends import resolve_backend
 from modelpool.config import PoolConfig
+from modelpool.devices import group_devices, resolve_worker_devices
 from modelpool.errors import DeviceError, ModelSourceError
 
 HF_BACKEND = "modelpool.backends.hf:load"
@@ -60,7 +61,7 @@ def check_devices(
 ) -> list[str]:
     """Each slot's device label; ``DeviceError`` for GPUs this machine cannot give."""
     try:
-        devices = gpu.resolve_worker_devices(
+        devices = resolve_worker_devices(
             config.devices,
             probe,
             environ,
@@ -69,7 +70,7 @@ def check_devices(
         )
     except ValueError as exc:
         raise DeviceError(str(exc)) from None
-    gpus = sorted({d for label in devices for d in gpu.group_devices(label) if d != "cpu"})
+    gpus = sorted({d for label in devices for d in group_devices(label) if d != "cpu"})
     if gpus and resolve_backend(config.backend) == HF_BACKEND:
         build = _torch_version()
         if build is not None and build.endswith("+cpu"):

@@ -19,11 +19,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import modelpool
 from modelpool.protocol import ControlBlock, FrameDecoder, encode_frame
 from modelpool.records import do_nothing
 
-PACKAGE_PARENT = str(Path(modelpool.__file__).resolve().parent.parent)
+PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
 
 def usable_cpus() -> int:

@@ -52,15 +52,15 @@ The deadline path (the ladder)::
       -> _soft_cancel                       cancel flag in the ControlBlock (next token)
       -> _attempt_failed -> _requeue        retried on another worker (a spare at once)
       -> _on_cancel_grace_over              [dispatcher.py]
-      -> WorkerManager.send_signal          [workers.py] SIGTERM to the process group
-      -> send_signal (after term_grace_s)   [workers.py] SIGKILL
+      -> WorkerManager.send_signal          [worker_manager.py] SIGTERM to the process group
+      -> send_signal (after term_grace_s)   [worker_manager.py] SIGKILL
       -> EventLoop._reap                    pidfd readable: wait, close the channel
-      -> Dispatcher.on_exit -> WorkerManager.record_exit  [workers.py] kill or crash
+      -> Dispatcher.on_exit -> WorkerManager.record_exit  [worker_manager.py] kill or crash
       -> Dispatcher.on_exit                 its runs settled (retried or failed)
-      -> WorkerManager.after_exit           [workers.py] release check asked
+      -> WorkerManager.after_exit           [worker_manager.py] release check asked
       -> Monitors.check_release             [monitors.py] process group gone, NVML memory
       -> Dispatcher.on_release_checked -> WorkerManager.on_release_checked
-      -> fill_slots -> spawn                [workers.py] the slot is refilled
+      -> fill_slots -> spawn                [worker_manager.py] the slot is refilled
 
 A worker that dies is a normal, named event (``Dispatcher.on_exit``), never an
 exception: its attempt is recorded as a crash (or a kill, if the pool had signalled
@@ -92,6 +92,7 @@ from typing import Any
 
 from modelpool import gpu
 from modelpool.config import PoolConfig
+from modelpool.devices import group_devices, nvml_index_for, worker_env_for
 from modelpool.dispatcher import Dispatcher
 from modelpool.errors import PoolClosed
 from modelpool.monitors import Monitors
@@ -379,9 +380,9 @@ class EventLoop:
     # ---- DispatcherIO ----------------------------------------------------------------------
 
     def spawn(self, worker: Worker, spec: WorkerSpec) -> WorkerIO:
-        device_env, worker_device = gpu.worker_env_for(worker.device, self.probe, self.environ)
-        for device in gpu.group_devices(worker.device):
-            index = gpu.nvml_index_for(device, self.probe, self.environ)
+        device_env, worker_device = worker_env_for(worker.device, self.probe, self.environ)
+        for device in group_devices(worker.device):
+            index = nvml_index_for(device, self.probe, self.environ)
             if index is not None:
                 worker.gpu_baselines[device] = self.probe.used_bytes(index)
         io = start_worker_process(

@@ -27,7 +27,7 @@ import pytest
 from helpers import runs_for, slack, toml_value, wait_until
 from modelpool import PoolConfig
 from modelpool.config import ServerConfig
-from modelpool.openai_request import deadline_from
+from modelpool.server.openai.request import deadline_from
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 60.0

@@ -26,8 +26,8 @@ from e2e_support import wait_for
 from helpers import open_pool, slack
 from modelpool import ModelPool
 from modelpool.config import ServerConfig
-from modelpool.http_guard import guarded_protocol
 from modelpool.server import create_app
+from modelpool.server.guard import guarded_protocol
 
 COMPLETIONS = "/v1/completions"
 
@@ -236,12 +236,12 @@ def test_a_client_that_reads_no_answer_is_disconnected_after_send_timeout(
 def test_a_large_answer_is_built_and_encoded_off_the_event_loop(
     pool: ModelPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import modelpool.openai_format
-    import modelpool.server
+    import modelpool.server.app
+    import modelpool.server.http
 
     built_on_loop: list[bool] = []
     slices: list[int] = []
-    build, dumps = modelpool.server.response_body, modelpool.openai_format._dumps
+    build, dumps = modelpool.server.app.response_body, modelpool.server.http.compact_json
 
     def recording_build(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -255,8 +255,8 @@ def test_a_large_answer_is_built_and_encoded_off_the_event_loop(
         slices.append(len(value) if isinstance(value, list) else 1)
         return dumps(value)
 
-    monkeypatch.setattr(modelpool.server, "response_body", recording_build)
-    monkeypatch.setattr(modelpool.openai_format, "_dumps", recording_dumps)
+    monkeypatch.setattr(modelpool.server.app, "response_body", recording_build)
+    monkeypatch.setattr(modelpool.server.http, "compact_json", recording_dumps)
     big = {"prompt": "x" * 20000, "n": 2, "echo": True, "logprobs": 5, "max_tokens": 1}
     with serving(pool) as served:
         answer = served.http.post(COMPLETIONS, json=big)

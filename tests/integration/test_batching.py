@@ -33,7 +33,7 @@ from modelpool import (
     PoolConfig,
     WorkerCrashed,
 )
-from modelpool.metrics import PoolMetrics
+from modelpool.server.metrics import PoolMetrics
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

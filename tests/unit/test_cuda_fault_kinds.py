@@ -16,7 +16,7 @@ from modelpool.cuda_faults import (
     classify,
 )
 from modelpool.errors import CudaError, OutOfMemory
-from modelpool.server import pool_error_to_api
+from modelpool.server.errors import pool_error_to_api
 
 MIB = 2**20
 

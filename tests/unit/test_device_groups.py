@@ -7,7 +7,8 @@ import pytest
 
 from fake_nvml import FakeGpu, FakeNvml
 from modelpool import PoolConfig
-from modelpool.gpu import GpuProbe, group_devices, resolve_worker_devices, worker_env_for
+from modelpool.devices import group_devices, resolve_worker_devices, worker_env_for
+from modelpool.gpu import GpuProbe
 
 UUIDS = [f"GPU-{n}{n}{n}{n}0000-0000-0000-0000-000000000000" for n in range(4)]
 NO_CVD: dict[str, str] = {}
@@ -132,7 +133,7 @@ def test_a_group_worker_without_nvml_gets_the_entries_as_written() -> None:
 
 
 def test_metrics_show_each_gpu_of_a_group_and_what_a_blocked_gpu_holds() -> None:
-    from modelpool.metrics import PoolMetrics
+    from modelpool.server.metrics import PoolMetrics
     from modelpool.stats import GpuStats, PoolStats, WorkerStats
 
     worker = WorkerStats(

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 
 from modelpool.errors import DeadlineExceeded
-from modelpool.fair_share import FairShare
-from modelpool.openai_request import ApiError
+from modelpool.server.fair_share import FairShare
+from modelpool.server.http import ApiError
 
 
 def share(capacity: int = 1, **limits: int) -> FairShare:

@@ -24,15 +24,13 @@ from fake_nvml import (
     NVMLError_NoPermission,
 )
 from helpers import slack
+from modelpool.devices import nvml_index_for, resolve_devices, worker_env_for
 from modelpool.gpu import (
     DeviceInfo,
     GpuProbe,
     MemoryReading,
     ReleaseReport,
     find_device_holders,
-    nvml_index_for,
-    resolve_devices,
-    worker_env_for,
 )
 
 

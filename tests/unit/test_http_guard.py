@@ -1,4 +1,4 @@
-"""http_guard's pure parts: which Host names a daemon serves by default, what counts as
+"""server.guard's pure parts: which Host names a daemon serves by default, what counts as
 a JSON body, how the access log writes a path (issue 25)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from modelpool.config import ServerConfig
-from modelpool.http_guard import BrowserGuard, log_path, require_json
-from modelpool.openai_request import ApiError
+from modelpool.server.guard import BrowserGuard, log_path, require_json
+from modelpool.server.http import ApiError
 
 
 @pytest.mark.parametrize("bind", ["127.0.0.1", "127.0.0.5", "::1", "[::1]", "localhost"])

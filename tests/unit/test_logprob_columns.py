@@ -14,9 +14,10 @@ import tracemalloc
 import pytest
 
 from modelpool.logprob_columns import TokenLogprobs
-from modelpool.openai_format import Job, json_bytes, response_body
 from modelpool.protocol import FrameDecoder, Generation, TokenLogprob, encode_frame
 from modelpool.results import Result
+from modelpool.server.http import json_bytes
+from modelpool.server.openai.format import Job, response_body
 from modelpool.worker import _normalise
 
 ENTRIES = [

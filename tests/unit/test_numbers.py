@@ -14,13 +14,8 @@ from typing import Any
 import pytest
 
 from modelpool import InvalidRequest, ModelPool, PoolConfig
-from modelpool.openai_request import (
-    ApiError,
-    deadline_from,
-    parse_chat,
-    parse_completion,
-    parse_json_object,
-)
+from modelpool.server.http import ApiError, parse_json_object
+from modelpool.server.openai.request import deadline_from, parse_chat, parse_completion
 from modelpool.validation import MAX_INT, is_int, is_number
 
 NOT_NUMBERS = [10**400, -(10**400), math.inf, -math.inf, math.nan, True, False, "1", None]

@@ -1,4 +1,4 @@
-"""OpenAI request fields to pool calls, without a daemon (the parsing in openai_request)."""
+"""OpenAI request fields to pool calls, without a daemon (the parsing in server.openai.request)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from modelpool.errors import (
     PoolOverloaded,
     WorkerCrashed,
 )
-from modelpool.openai_request import ApiError, deadline_from, parse_chat, parse_completion
 from modelpool.protocol import TokenIds
-from modelpool.server import pool_error_to_api
+from modelpool.server.errors import pool_error_to_api
+from modelpool.server.http import ApiError
+from modelpool.server.openai.request import deadline_from, parse_chat, parse_completion
 
 
 def test_completion_fields_map_to_generation_kwargs() -> None:

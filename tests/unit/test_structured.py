@@ -1,6 +1,6 @@
 """Structured outputs, the supervisor's side: every form of the request becomes one checked
 grammar text, and what llguidance cannot honour is refused naming the keyword and its path
-(modelpool.structured, and the HTTP bodies through openai_request)."""
+(modelpool.structured, and the HTTP bodies through server.openai.request)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 
 from modelpool.errors import GrammarEngineMissing, GrammarError, InvalidRequest
 from modelpool.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM
-from modelpool.openai_request import ApiError, parse_chat, parse_completion
+from modelpool.server.http import ApiError
+from modelpool.server.openai.request import parse_chat, parse_completion
 from modelpool.structured import (
     constrain,
     grammar_for_body,

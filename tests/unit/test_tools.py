@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from modelpool.openai_format import response_body
-from modelpool.openai_request import ApiError, parse_chat
 from modelpool.results import Result
+from modelpool.server.http import ApiError
+from modelpool.server.openai.format import response_body
+from modelpool.server.openai.request import parse_chat
 from modelpool.tools import (
     CALL_OPEN,
     CallReader,

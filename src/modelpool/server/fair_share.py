@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from modelpool.errors import DeadlineExceeded
-from modelpool.openai_request import ApiError
+from modelpool.server.http import ApiError
 
 # Seconds a refused client should wait: runs of the testing or a real model end quickly.
 RETRY_AFTER_S = 1

@@ -33,8 +33,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from modelpool.config import ServerConfig
-from modelpool.metrics import PoolMetrics
-from modelpool.openai_request import ApiError, invalid
+from modelpool.server.http import ApiError, invalid
+from modelpool.server.metrics import PoolMetrics
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("modelpool.access")

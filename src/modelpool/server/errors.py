@@ -21,7 +21,7 @@ from modelpool.errors import (
     PoolOverloaded,
     WorkerCrashed,
 )
-from modelpool.openai_request import ApiError
+from modelpool.server.http import ApiError
 
 # Seconds a client should wait before trying again: an overloaded queue drains
 # quickly; a pool that is not ready is starting or respawning workers.

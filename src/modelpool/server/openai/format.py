@@ -1,7 +1,7 @@
 """OpenAI's response shapes for the daemon's completions and chat routes.
 
-``openai_request.py`` parses a request into a :class:`Job` (its prompts, the pool kwargs,
-``n``, ``echo``, ``logprobs``); ``server.py`` runs one pool request per :meth:`Job.choices`
+``request.py`` parses a request into a :class:`Job` (its prompts, the pool kwargs,
+``n``, ``echo``, ``logprobs``); ``app.py`` runs one pool request per :meth:`Job.choices`
 entry and builds the answer here from the :class:`~modelpool.Result` of each::
 
     job = Job(prompts=["Hello"], params={"max_new_tokens": 8}, n=2, logprobs=1)
@@ -21,13 +21,13 @@ with ``echo`` putting the prompt's tokens first (the very first has a null logpr
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from modelpool.logprob_columns import TokenLogprobs
 from modelpool.protocol import Prompt, TokenIds, TokenLogprob
+from modelpool.server.http import JSON_SLICE_ITEMS, EncodedArray, compact_json
 from modelpool.tools import ToolPlan, answer_message
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ def completion_logprobs(*parts: Sequence[TokenLogprob], offset: int = 0) -> dict
             ("top_logprobs", top_logprobs),
             ("text_offset", text_offset),
         ):
-            lists[name].append(_dumps(items)[1:-1])
+            lists[name].append(compact_json(items)[1:-1])
     return {name: EncodedArray(pieces) for name, pieces in lists.items()}
 
 
@@ -216,7 +216,7 @@ def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
                 window.tokens(), window.logprob_values(), bounds[:-1], bounds[1:], strict=True
             )
         ]
-        pieces.append(_dumps(content)[1:-1])
+        pieces.append(compact_json(content)[1:-1])
     return {"content": EncodedArray(pieces), "refusal": None}
 
 
@@ -274,61 +274,11 @@ def response_body(job: Job, results: dict[int, Result], model: str, created: int
     }
 
 
-# The JSON encoder (C, holding the GIL) is given at most this many list items at a time,
-# so that encoding a large answer in a thread never holds the event loop for long.
-JSON_SLICE_ITEMS = 256
 
 
-class EncodedArray:
-    """A JSON array encoded already: ``pieces`` are its items' JSON, each piece some
-    items joined by commas. ``json_bytes`` writes it as it is."""
-
-    __slots__ = ("pieces",)
-
-    def __init__(self, pieces: list[str]) -> None:
-        self.pieces = pieces
 
 
-def json_bytes(value: Any) -> bytes:
-    """``value`` as compact JSON (as JSONResponse writes it), encoded a slice at a time:
-    the C encoder holds the GIL for a whole call, so that one call on an answer of tens
-    of megabytes would stop the event loop even from another thread."""
-    parts: list[str] = []
-    _encode_into(value, parts)
-    text = "".join(parts)
-    parts.clear()  # before encoding: the answer is held twice at most, not three times
-    return text.encode()
 
 
-def _dumps(value: Any) -> str:
-    text: str = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    return text
 
 
-def _encode_into(value: Any, parts: list[str]) -> None:
-    if isinstance(value, EncodedArray):
-        parts.append("[")
-        for number, piece in enumerate(value.pieces):
-            parts.append("," + piece if number else piece)
-        parts.append("]")
-    elif isinstance(value, dict):
-        parts.append("{")
-        for number, (key, item) in enumerate(value.items()):
-            parts.append(("," if number else "") + _dumps(str(key)) + ":")
-            _encode_into(item, parts)
-        parts.append("}")
-    elif isinstance(value, list) and len(value) > JSON_SLICE_ITEMS:
-        parts.append("[")
-        for start in range(0, len(value), JSON_SLICE_ITEMS):
-            piece = _dumps(value[start : start + JSON_SLICE_ITEMS])
-            parts.append(("," if start else "") + piece[1:-1])
-        parts.append("]")
-    elif isinstance(value, list):
-        parts.append("[")
-        for number, item in enumerate(value):
-            if number:
-                parts.append(",")
-            _encode_into(item, parts)
-        parts.append("]")
-    else:
-        parts.append(_dumps(value))

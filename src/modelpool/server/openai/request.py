@@ -1,6 +1,6 @@
 """OpenAI's request bodies for the daemon's completions and chat routes, parsed and checked.
 
-``server.py`` reads a body, then turns it into a :class:`~modelpool.openai_format.Job`
+``app.py`` reads a body, then turns it into a :class:`~modelpool.server.openai.format.Job`
 here; every refusal is an :class:`ApiError` (HTTP 400) naming the OpenAI field the
 client sent::
 
@@ -14,24 +14,22 @@ names the OpenAI field (the pool's own messages name its kwargs, e.g.
 ``max_new_tokens``), and a field we cannot honour (``suffix``, ``audio``...) is a 400,
 never ignored. ``COMPLETION_FIELDS`` and ``CHAT_FIELDS`` name the fields each
 route acts on (a few more, such as ``user``, are accepted and ignored); the
-response shapes are built in ``openai_format``.
+response shapes are built in ``format``.
 
 :class:`ApiError` is the daemon's one error answer (an OpenAI-style body plus
-``x-should-retry``); ``server.py`` maps the pool's typed errors and its own
+``x-should-retry``); ``app.py`` maps the pool's typed errors and its own
 refusals (auth, body size, draining) onto it.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from fastapi.responses import JSONResponse
-
 from modelpool.errors import GrammarError
-from modelpool.openai_format import MAX_CHOICES, Job
 from modelpool.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
+from modelpool.server.http import invalid
+from modelpool.server.openai.format import MAX_CHOICES, Job
 from modelpool.structured import GUIDED_FIELDS, grammar_for_body
 from modelpool.tools import (
     ToolPlan,
@@ -50,13 +48,6 @@ from modelpool.validation import (
 )
 
 TIMEOUT_HEADER = "x-request-timeout"
-# Whether a client should send a failed request again, said on every error answer in
-# the header the openai client obeys (x-should-retry) and, for the retryable ones, with
-# Retry-After. Only "not now" answers are retryable: the pool was full or not ready.
-# A deadline the caller set, a crash or a model error has been through the pool's own
-# retry policy already; sending it again would multiply the work (and the wait).
-SHOULD_RETRY_HEADER = "x-should-retry"
-RETRYABLE_STATUSES = frozenset({429, 503})
 
 # Fields accepted without effect: they do not change what is generated. Each is held to
 # OpenAI's own shape and size (a megabyte array there would cost the event loop its
@@ -122,107 +113,13 @@ _MESSAGE_KEYS: dict[str, frozenset[str]] = {
 
 
 # --------------------------------------------------------------------------------------------
-# Errors
-
-
-class ApiError(Exception):
-    """An HTTP error with an OpenAI-style body: ``{"error": {message, type, param, code}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        extra: Mapping[str, Any] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-        self.headers = {
-            SHOULD_RETRY_HEADER: "true" if status in RETRYABLE_STATUSES else "false",
-            **(headers or {}),
-        }
-        self.extra = dict(extra or {})
-
-    def body(self) -> dict[str, Any]:
-        error = {
-            "message": self.message,
-            "type": self.type,
-            "param": self.param,
-            "code": self.code,
-            **self.extra,
-        }
-        return {"error": error}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-# --------------------------------------------------------------------------------------------
 # Request parsing
 
 
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(raw, parse_constant=_reject_constant)
-    except RecursionError:
-        raise invalid("request body is nested too deeply", code="invalid_json") from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors.
-        raise invalid(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise invalid(
-            f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json"
-        )
-    where = _lone_surrogate_at(data, "")
-    if where is not None:
-        # Valid JSON ("\ud800") but not Unicode text: no worker could take it, and the
-        # answer that echoes it could not be encoded.
-        raise invalid(
-            f"{where or 'the body'} contains a lone surrogate escape: not valid Unicode text",
-            param=where or None,
-        )
-    return data
 
 
-def _lone_surrogate_at(value: object, path: str) -> str | None:
-    """The path of the first string holding a lone surrogate, or None."""
-    stack: list[tuple[object, str]] = [(value, path)]
-    while stack:
-        item, where = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return where
-        elif isinstance(item, dict):
-            for key, child in item.items():
-                if _lone_surrogate_at(key, "") is not None:
-                    return f"{where}.{key!r}" if where else repr(key)
-                stack.append((child, f"{where}.{key}" if where else key))
-        elif isinstance(item, list):
-            # Only what can hold text: a long list of numbers (token ids, say) costs no
-            # path string per item.
-            stack.extend(
-                (child, f"{where}[{index}]")
-                for index, child in enumerate(item)
-                if isinstance(child, (str, dict, list))
-            )
-    return None
 
 
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:

@@ -2,7 +2,7 @@
 daemon's answers share with it: one pool stream per choice, read into a bounded queue so
 that a client that stops reading stalls only its own request (``send_timeout_s``), tool
 calls streamed as OpenAI's deltas, usage on every chunk when asked for, and large answers
-built off the event loop (``off_loop_if``). ``server._generate`` makes one per streamed
+built off the event loop (``off_loop_if``). ``app._generate`` makes one per streamed
 request.
 """
 
@@ -12,21 +12,28 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from modelpool import tools
 from modelpool.errors import PoolError
-from modelpool.fair_share import Ticket
-from modelpool.openai_errors import pool_error_to_api, shutting_down
-from modelpool.openai_format import Job, choice_logprobs, json_bytes, total_usage, usage
 from modelpool.protocol import Prompt, TokenCounts
+from modelpool.server.errors import pool_error_to_api, shutting_down
+from modelpool.server.fair_share import Ticket
+from modelpool.server.http import (
+    STATUS_CLIENT_GONE,
+    SendTimedOut,
+    json_bytes,
+    no_receive,
+    off_loop_if,
+    run_unless_disconnected,
+)
+from modelpool.server.openai.format import Job, choice_logprobs, total_usage, usage
 
 if TYPE_CHECKING:
     from modelpool.pool import AsyncPoolStream, Result
@@ -35,8 +42,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# nginx's convention for "client closed the request": logged, never sent.
-STATUS_CLIENT_GONE = 499
 # Events a streamed answer holds for a client that reads slower than the worker writes:
 # past that, the pool's chunks wait (joined) until the client takes some.
 STREAM_BUFFER_EVENTS = 64
@@ -44,38 +49,8 @@ STREAM_BUFFER_EVENTS = 64
 ENCODE_OFF_LOOP_TOKENS = 4_096
 
 
-async def _wait_for_disconnect(receive: Receive) -> None:
-    """Return once the client is gone. Only called after the body has been read, so the
-    next ASGI message is ``http.disconnect`` (uvicorn also sends it once the response is
-    complete, by which time this task has been cancelled)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
-async def run_unless_disconnected(receive: Receive, work: Awaitable[T]) -> tuple[bool, T | None]:
-    """Run ``work``; if the client disconnects first, cancel it (which cancels the pool
-    request) and return ``(False, None)``. Errors of ``work`` propagate, and so does a
-    cancellation that did not come from the client."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        # Also reached when this coroutine itself is cancelled (uvicorn's drain timeout,
-        # a forced shutdown): the work is cancelled and finished before anything else
-        # may write to the connection. wait() never raises the task's own error.
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})
-    if not task.cancelled():
-        return True, task.result()
-    if watcher.done() and not watcher.cancelled():
-        return False, None
-    # Someone else cancelled the work: the server's shutdown cancels every task.
-    raise asyncio.CancelledError
 
 
 def _sse(payload: Mapping[str, Any] | str) -> bytes:
@@ -161,7 +136,7 @@ class EventStream(Response):
                 await self._send(send, _sse(error.body()), more=False)
             else:
                 state["status"] = error.status
-                await error.response()(scope, _no_receive, send)
+                await error.response()(scope, no_receive, send)
             return
         finally:
             # Closing a stream cancels its pool request if it is still running; it is a
@@ -246,7 +221,7 @@ class EventStream(Response):
                     await self._send(send, _sse(error.body()), more=False)
                 else:
                     state["status"] = error.status
-                    await error.response()(scope, _no_receive, send)
+                    await error.response()(scope, no_receive, send)
                     self._complete = True
                 return
             if not started:
@@ -406,22 +381,7 @@ def answer_tokens(*results: Result) -> int:
     return sum((r.completion_tokens or 0) + (r.prompt_tokens or 0) for r in results)
 
 
-class SendTimedOut(Exception):
-    """A response could not be sent for ``send_timeout_s``: the client stopped reading."""
 
 
-async def off_loop_if(
-    condition: bool, one_at_a_time: asyncio.Semaphore, work: Callable[..., T], *args: Any
-) -> T:
-    """``work(*args)``, in a thread when ``condition`` says it is large: Python code in a
-    thread gives the event loop the GIL every millisecond (sys.getswitchinterval). One
-    such thread at a time, so that the loop shares the GIL with one, not with as many
-    as clients send large requests (and only one large answer is being built)."""
-    if condition:
-        async with one_at_a_time:
-            return await run_in_threadpool(work, *args)
-    return work(*args)
 
 
-async def _no_receive() -> Message:
-    return {"type": "http.disconnect"}

@@ -12,16 +12,16 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`
 sends server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
 ``GET /healthz``, ``GET /readyz``, ``GET /stats``, ``GET /metrics``.
 
-Request bodies are parsed and checked, field by field, in ``openai_request``
+Request bodies are parsed and checked, field by field, in ``openai.request``
 (every rejection names the OpenAI field the client sent; a field we cannot
 honour is a 400, never ignored). A request becomes one pool request per choice
 (``n``, a batch of prompts); the response shapes, logprobs included, are built
-in ``openai_format``.
+in ``openai.format``.
 
 Status codes: 400 invalid (``context_length_exceeded`` when the prompt and
 ``max_tokens`` do not fit the model's context, which ``/v1/models`` reports as
 ``max_model_len``; ``request_too_expensive`` past ``max_request_tokens``), 401
-missing/bad key, 403 Host or Origin not allowed (``http_guard``), 404/405 unknown
+missing/bad key, 403 Host or Origin not allowed (``guard``), 404/405 unknown
 route or method, 413 body too large, 415 body not declared JSON, 429
 ``PoolOverloaded`` or a client past its share (``fair_share``), 503 ``PoolClosed`` /
 ``ModelLoadFailed`` / draining, 504 ``DeadlineExceeded``, 502 ``WorkerCrashed``
@@ -60,45 +60,41 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
+from starlette.types import Scope
 
 from modelpool.config import ServerConfig
 from modelpool.errors import (
     PoolError,
 )
-from modelpool.fair_share import FairShare
-from modelpool.http_guard import BrowserGuard, Gate, require_json
-from modelpool.metrics import CONTENT_TYPE, PoolMetrics
-from modelpool.openai_errors import (
-    RETRY_AFTER_UNAVAILABLE,
-    pool_error_to_api,
-    shutting_down,
-)
-from modelpool.openai_format import (
-    Job,
-    json_bytes,
-    response_body,
-)
-from modelpool.openai_request import (
+from modelpool.protocol import Prompt
+from modelpool.server.errors import RETRY_AFTER_UNAVAILABLE, pool_error_to_api, shutting_down
+from modelpool.server.fair_share import FairShare
+from modelpool.server.guard import BrowserGuard, Gate, require_json
+from modelpool.server.http import (
     ApiError,
+    ClientGone,
+    json_bytes,
+    off_loop_if,
+    parse_json_object,
+    read_body,
+    run_unless_disconnected,
+)
+from modelpool.server.metrics import CONTENT_TYPE, PoolMetrics
+from modelpool.server.openai.format import Job, response_body
+from modelpool.server.openai.request import (
     check_budget,
     deadline_from,
     parse_chat,
     parse_completion,
-    parse_json_object,
 )
-from modelpool.openai_stream import (
+from modelpool.server.openai.stream import (
     ENCODE_OFF_LOOP_TOKENS,
-    STATUS_CLIENT_GONE,
     EventStream,
     StreamedChoice,
     answer_tokens,
     note_results,
-    off_loop_if,
-    run_unless_disconnected,
 )
-from modelpool.openai_tokenize import parse_detokenize, parse_tokenize, tokenize_body
-from modelpool.protocol import Prompt
+from modelpool.server.tokenize import parse_detokenize, parse_tokenize, tokenize_body
 
 if TYPE_CHECKING:
     from modelpool.pool import AsyncPoolStream, ModelPool, Result
@@ -110,37 +106,6 @@ T = TypeVar("T")
 # Bodies larger than this are parsed and checked off the event loop.
 PARSE_OFF_LOOP_BYTES = 65_536
 READY_WORKER_STATES = frozenset({"idle", "busy", "spare"})
-
-
-# --------------------------------------------------------------------------------------------
-# Errors
-
-
-# --------------------------------------------------------------------------------------------
-# Disconnect-aware execution
-
-
-# --------------------------------------------------------------------------------------------
-# Responses
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refusing more than ``limit`` bytes even without a Content-Length."""
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(
-                413, f"request body is larger than {limit} bytes", code="request_too_large"
-            )
-    return bytes(body)
-
-
-class _ClientGone(Response):
-    """Sends nothing: the client disconnected, so there is nobody to answer."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scope.setdefault("state", {})["status"] = STATUS_CLIENT_GONE
 
 
 # --------------------------------------------------------------------------------------------
@@ -427,7 +392,7 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
     try:
         raw = await read_body(request, state.config.max_body_bytes)
     except ClientDisconnect:
-        return _ClientGone()
+        return ClientGone()
     body, job = await off_loop_if(
         len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, _parse, raw, chat
     )
@@ -484,7 +449,7 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
     finally:
         ticket.close()
     if not finished or results is None:
-        return _ClientGone()
+        return ClientGone()
     by_index = {index: result for (index, _, _), result in zip(runs, results, strict=True)}
     note_results(request.scope.setdefault("state", {}), results)
     content = await off_loop_if(

@@ -17,15 +17,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from modelpool.openai_request import (
+from modelpool.protocol import Prompt
+from modelpool.server.http import invalid
+from modelpool.server.openai.request import (
     _check_fields,
     _message_content,
     _opt_bool,
     _token_prompt,
     check_ignored_fields,
-    invalid,
 )
-from modelpool.protocol import Prompt
 
 TOKENIZE_FIELDS = frozenset(
     {

@@ -41,8 +41,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from modelpool.config import PoolConfig
+from modelpool.devices import group_devices
 from modelpool.errors import ModelLoadFailed
-from modelpool.gpu import group_devices
 from modelpool.protocol import PROTOCOL_VERSION, PrefixCacheReport, WorkerSpec
 from modelpool.records import DispatcherIO, TimerHeap, Worker, describe_exit
 from modelpool.stats import DeviceStats, GpuStats, PrefixCacheStats, ReleaseStats, WorkerStats
