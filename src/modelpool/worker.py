@@ -41,6 +41,7 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from modelpool import cuda_faults
@@ -298,16 +299,23 @@ def _run_attempt(
     control: ControlBlock,
     channel: _Channel,
     defaults: dict[str, Any],
+    report: Callable[[], None],
     baseline: cuda_faults.MemoryBaseline | None = None,
 ) -> None:
+    """Run one attempt to its answer. ``report`` sends what the attempt changed in the
+    worker's figures (its prefix cache) before the answer: the pool resolves a request
+    when its answer arrives, and what its caller reads in ``stats()`` right after must
+    already hold the request's effect."""
     call = _read_attempt(handler, message, control, channel, defaults, checks_count=True)
     if call is None:
         return
     try:
         generation = _normalise(handler.generate(call))
     except Exception as exc:
+        report()
         _send_failure(channel, call.attempt_id, exc, handler, baseline)
         return
+    report()
     channel.send(("done", call.attempt_id, generation, process_rss_bytes()))
 
 
@@ -456,17 +464,20 @@ class _BatchLoop:
         self._report_room()
 
     def _retire_cancelled(self) -> None:
+        retired: list[Finished] = []
         for call in list(self.running.values()):
             if self.control.cancel_attempt(call.slot) != call.attempt_id:
                 continue
-            del self.running[call.attempt_id]
             try:
                 generation = _normalise(self.handler.retire(call))
             except Exception as exc:
-                _send_failure(self.channel, call.attempt_id, exc, self.handler)
+                retired.append((call, exc))
                 continue
             generation.finish_reason = "cancelled"
-            self.channel.send(("done", call.attempt_id, generation, process_rss_bytes()))
+            retired.append((call, generation))
+        if retired:
+            self._answer(retired)
+
 
     def _step(self) -> None:
         try:
@@ -483,9 +494,6 @@ class _BatchLoop:
             self._batch_failed(list(self.running), exc)
             return
         self._answer(finished)
-        self._report_room()
-        if finished:
-            self.report_prefix_cache()
 
     def _batch_failed(self, attempt_ids: list[int], exc: BaseException) -> None:
         """These attempts left the batch together through ``exc``: one ``batch_error``, so
@@ -517,6 +525,12 @@ class _BatchLoop:
             self.channel.send(("room", report[0], report[1]))
 
     def _answer(self, finished: list[Finished]) -> None:
+        """Send each finished attempt's answer, after the reports of what the step changed
+        (KV room, the prefix cache): the pool resolves a request when its answer arrives,
+        and what its caller reads in ``stats()`` right after must hold that effect."""
+        self._report_room()
+        if finished:
+            self.report_prefix_cache()
         for call, outcome in finished:
             attempt_id = getattr(call, "attempt_id", None)
             if attempt_id is None or self.running.pop(attempt_id, None) is None:
@@ -621,8 +635,15 @@ def serve(channel: _Channel, control: ControlBlock) -> int:
         if message is None or message[0] == "stop":
             return 0
         if message[0] == "run":
-            _run_attempt(handler, message, control, channel, spec.generation_defaults, baseline)
-            report_prefix_cache()
+            _run_attempt(
+                handler,
+                message,
+                control,
+                channel,
+                spec.generation_defaults,
+                report_prefix_cache,
+                baseline,
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
