@@ -7,18 +7,19 @@ event loop in production, a recording fake in the property tests) to spawn, send
 signal and check, and its clock is injected, so tests drive this very code with a fake
 world.
 
-Two parts, as pebble splits its pool into a task manager and a worker manager: this
+Three parts, as pebble splits its pool into a task manager and a worker manager: this
 file keeps requests, attempts and runs; its ``worker_manager`` (``worker_manager.py``, an
 object it owns and that calls back only ``give_up_loading``) keeps the worker records
 and the decisions about processes: slots and start-up, recycling and roles, signals,
-memory release checks. Both run on the same thread and share the clock, the timer heap
-and the counters.
+memory release checks; its ``retries`` (``retries.py``) decide retry or fail for a
+failed attempt and settle a lost batch. All run on the same thread and share the clock,
+the timer heap and the counters.
 
 The entry points come first, in the order of a request's life (``submit``, ``cancel``,
 ``on_message``, ``on_exit``, ``on_release_checked`` ...; the event loop calls
 ``run_due_timers`` and ``after_event`` on every turn); the helpers follow, grouped by
 what they decide: handing requests to workers, what workers send, deadlines and the run
-end of the kill ladder, retry or fail, resolution, closing.
+end of the kill ladder, attempts' end, resolution, closing.
 
 Batching (``max_batch_size`` above 1): a worker holds up to ``Worker.slots`` runs;
 ``_pump`` hands the queue to the rules of ``placement.py`` (least loaded, then most free
@@ -26,10 +27,10 @@ KV room; an isolated request gets an empty worker; suspects are spread one per w
 a worker whose requests wait there for KV room takes no more), and ``_on_room`` asks
 back a request that waits for room while another worker has some. Deadlines and
 cancels act on one run (its slot's cancel word); ``_worker_stalled`` (no token
-delivered), an ignored cancel or a death settle the whole batch through ``_batch_lost``
-(collateral retries, poison isolation), after signalling the worker, so that its
-replacement counts as another worker; ``_on_batch_error`` settles the rows of a step
-that failed in a worker that goes on the same way.
+delivered), an ignored cancel or a death settle the whole batch through
+``Retries.batch_lost`` (collateral retries, poison isolation), after signalling the
+worker, so that its replacement counts as another worker; ``_on_batch_error`` settles
+the rows of a step that failed in a worker that goes on the same way.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ from modelpool.errors import (
     ModelLoadFailed,
     Outcome,
     OutOfMemory,
-    PoisonRequest,
     PoolClosed,
     PoolError,
     WorkerCrashed,
@@ -64,7 +64,6 @@ from modelpool.grammar import grammar_refusal
 from modelpool.protocol import Generation, PrefixCacheReport, TokenCounts
 from modelpool.records import (
     DispatcherIO,
-    FailedBatch,
     Request,
     Run,
     Timer,
@@ -72,6 +71,7 @@ from modelpool.records import (
     Worker,
 )
 from modelpool.results import Result, set_future
+from modelpool.retries import Retries
 from modelpool.stats import COUNTER_NAMES, DeviceStats, PoolStats, percentiles
 from modelpool.worker_manager import WorkerManager, pool_device
 
@@ -109,9 +109,6 @@ class Dispatcher:
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self.counters["startup_failures"] = 0
         self.latencies: collections.deque[float] = collections.deque(maxlen=_LATENCY_WINDOW)
-        # worker id -> the retries that must not go back to it (their last failed worker):
-        # so that finding them costs their number, not the length of the queue.
-        self.retries_avoiding: dict[int, dict[str, Request]] = {}
         self.state = "starting"
         self.failure: ModelLoadFailed | None = None
         self.closing = False
@@ -136,6 +133,18 @@ class Dispatcher:
             gpu_reason=gpu_reason,
         )
         self.workers = self.worker_manager.workers
+        # Retry or fail, and the lost-batch rules (retries.py).
+        self.retries = Retries(
+            config,
+            clock=clock,
+            timers=self.timers,
+            counters=self.counters,
+            queue=self.queue,
+            fail=self._fail,
+            end_attempt=self._end_attempt,
+            may_retry=lambda: not self.closing and self.failure is None,
+            another_worker_exists=self.worker_manager.another_worker_exists,
+        )
 
     @property
     def slot_count(self) -> int:
@@ -237,7 +246,9 @@ class Dispatcher:
         reason = self.worker_manager.record_exit(worker, previous_state)
         outcome: Outcome = "timeout" if worker.kill_reason in ("timeout", "stall") else "crash"
         if worker.slots > 1 and worker.runs:
-            self._batch_lost(worker, outcome, f"worker pid {worker.pid} {reason}", returncode)
+            self.retries.batch_lost(
+                worker, outcome, f"worker pid {worker.pid} {reason}", returncode
+            )
         runs = list(worker.runs.values())
         worker.runs.clear()
         for lost in runs:
@@ -250,7 +261,7 @@ class Dispatcher:
                 f"worker pid {worker.pid} {reason} while running the request",
                 exit_code=returncode,
             )
-            self._attempt_failed(request, worker, outcome, error)
+            self.retries.attempt_failed(request, worker, outcome, error)
         self.worker_manager.after_exit(worker, previous_state)
 
     def on_release_checked(
@@ -500,7 +511,7 @@ class Dispatcher:
         self._end_attempt(run, None)
         self.counters["withdrawn"] += 1
         request.last_failed_worker = worker.id
-        self._requeue(request)
+        self.retries.requeue(request)
 
     def _on_error(
         self,
@@ -531,7 +542,7 @@ class Dispatcher:
             return
         outcome, error = _typed_backend_error(worker, kind, text, remote_traceback, details)
         self._end_attempt(run, outcome)
-        self._attempt_failed(request, worker, outcome, error)
+        self.retries.attempt_failed(request, worker, outcome, error)
 
     def _run_ended(self, worker: Worker, run: Run) -> None:
         """The worker answered ``run``: its slot is free; with none left running the worker
@@ -548,7 +559,7 @@ class Dispatcher:
             return
         worker.state = "idle"
         if self.slot_count == 1:
-            self._fail_pinned_retries(worker)
+            self.retries.fail_pinned_retries(worker)
         self.worker_manager.maybe_retire(worker)
 
     def _update_busy_state(self, worker: Worker) -> None:
@@ -589,7 +600,7 @@ class Dispatcher:
         else:
             message = f"attempt timed out after {self.config.attempt_timeout_s}s"
         error = DeadlineExceeded(message, partial_text=request.last_partial)
-        self._attempt_failed(request, worker, "timeout", error)
+        self.retries.attempt_failed(request, worker, "timeout", error)
 
     def _soft_cancel(self, worker: Worker, run: Run, reason: str) -> None:
         """Set the run's cancel flag; if the worker has not answered after the grace, escalate.
@@ -632,7 +643,7 @@ class Dispatcher:
         # batch-mates are retried rather than failed.
         self.worker_manager.send_signal(worker, signal.SIGTERM, reason)
         if worker.slots > 1:
-            self._batch_lost(
+            self.retries.batch_lost(
                 worker,
                 "timeout",
                 f"worker pid {worker.pid} ignored a cancel for {self.config.cancel_grace_s}s",
@@ -684,7 +695,7 @@ class Dispatcher:
         first, so that its replacement counts as another worker for their retries."""
         self.counters["stalls"] += 1
         self.worker_manager.send_signal(worker, signal.SIGTERM, "stall")
-        self._batch_lost(
+        self.retries.batch_lost(
             worker,
             "timeout",
             f"worker pid {worker.pid} made no progress for {self.config.stall_timeout_s}s",
@@ -710,7 +721,7 @@ class Dispatcher:
             return
         worker.requests += len(runs)
         self.worker_manager.after_backend_error(worker, kind, text, details)
-        self._batch_lost(
+        self.retries.batch_lost(
             worker,
             _typed_backend_error(worker, kind, text, remote_traceback, details)[0],
             f"a batched step failed on worker pid {worker.pid}: {text}",
@@ -723,110 +734,7 @@ class Dispatcher:
         for run in runs:
             self._run_ended(worker, run)
 
-    def _batch_lost(
-        self,
-        worker: Worker,
-        outcome: Outcome,
-        reason: str,
-        exit_code: int | None,
-        *,
-        runs: list[Run] | None = None,
-        backend_error: Callable[[], PoolError] | None = None,
-    ) -> None:
-        """The batched worker died or is being killed: settle every request it held
-        (``runs``: only those of a step that failed in a worker that goes on).
-
-        Every request on it is marked as having been in a failed batch (or as having
-        failed alone, when it was the only one). A request whose caller has seen nothing
-        is retried at once elsewhere as outcome "collateral", not charged to its retry
-        budget (its deadline keeps running); one that already streamed text fails typed,
-        as without batching. A request in two failed batches, or that failed alone, runs
-        alone from then on, and one that then fails alone fails with PoisonRequest. So a
-        poison request takes down at most two batches: at most 2 x (max_batch_size - 1)
-        innocent requests are re-run, and none is lost. The suspects of one failed batch
-        are spread one per worker (``placement.assign``); the first of them to fail alone is the
-        culprit and clears the others of that batch, which may then share a worker again
-        (``_clear_batch_peers``).
-        """
-        runs = list(worker.runs.values()) if runs is None else runs
-        alone = len(runs) == 1
-        failed_batch = FailedBatch([run.owner for run in runs if not run.lost])
-        for run in runs:
-            owner = run.owner
-            was_isolated = owner.isolated
-            if not run.lost:
-                # Once per run: a worker killed for an ignored cancel is settled then and
-                # again at its exit.
-                run.lost = True
-                if alone:
-                    owner.alone_failures += 1
-                    self._clear_batch_peers(owner)
-                else:
-                    owner.batch_failures += 1
-                    owner.suspected_in.append(failed_batch)
-            if run.request is None:
-                continue
-            streamed = run.request.streamed
-            if alone and was_isolated:
-                request = self._end_attempt(run, outcome)
-                self.counters["poison_requests"] += 1
-                self._fail(
-                    request,
-                    PoisonRequest(
-                        f"{reason}; this request is the suspect: it failed again running "
-                        f"alone after {owner.batch_failures} failed batch(es) and "
-                        f"{owner.alone_failures - 1} failure(s) alone, and is not retried",
-                        exit_code=exit_code,
-                    ),
-                )
-                continue
-            request = self._end_attempt(run, outcome if alone or streamed else "collateral")
-            error: PoolError
-            if backend_error is not None:
-                error = backend_error()
-            elif outcome == "timeout":
-                error = DeadlineExceeded(reason, partial_text=request.last_partial)
-            else:
-                error = WorkerCrashed(f"{reason} while running the request", exit_code=exit_code)
-            if alone or streamed:
-                self._attempt_failed(request, worker, outcome, error)
-            else:
-                self._retry_collateral(request, worker, error)
-
-    def _clear_batch_peers(self, culprit: Request) -> None:
-        """``culprit`` failed alone: that explains the failed batches it was in, so the
-        other requests of those batches are no longer suspects for them and may share a
-        worker again. Without this a batch of N that died for one request would re-run its
-        N - 1 innocents one per worker, one after the other on a pool of one worker. Their
-        ``batch_failures`` stay: two poison requests in one batch must not be able to clear
-        each other of the count that isolates them."""
-        for batch in culprit.suspected_in:
-            for peer in batch.members:
-                if peer is not culprit and batch in peer.suspected_in:
-                    peer.suspected_in.remove(batch)
-
-    def _retry_collateral(self, request: Request, worker: Worker, error: PoolError) -> None:
-        """Retry a request its batch took down. Away from a worker on its way out (so it
-        needs another, or that worker's replacement); a worker that goes on, after a step
-        that failed in it, may take it back."""
-        leaving = worker.signalled or worker.state in ("killing", "dead")
-        retry = (
-            not request.cancel_requested
-            and not request.caller_gone
-            and not self.closing
-            and self.failure is None
-            and self.clock() < request.deadline
-            and (not leaving or self.worker_manager.another_worker_exists(worker))
-        )
-        if not retry:
-            self._fail(request, error)
-            return
-        self.counters["collateral_retries"] += 1
-        if leaving:
-            self._pin_away_from(request, worker, error)
-        self._requeue(request)
-
-    # ---- retry or fail -------------------------------------------------------------------
+    # ---- attempts end (retry or fail is retries.py) -----------------------------------
 
     def _end_attempt(self, run: Run, outcome: Outcome | None) -> Request:
         """Close ``run``'s attempt: record it on its request, detach the two, keep its text.
@@ -845,80 +753,6 @@ class Dispatcher:
         request.last_partial = run.partial_text()
         return request
 
-    def _attempt_failed(
-        self, request: Request, worker: Worker, outcome: Outcome, error: PoolError
-    ) -> None:
-        now = self.clock()
-        policy = self.config.retry
-        if outcome == "oom":
-            # A prompt too long for the device's memory fails everywhere: few tries.
-            allowed = sum(a.outcome == "oom" for a in request.attempts) <= policy.oom_retries
-        else:
-            allowed = outcome in policy.on
-        charged = sum(attempt.outcome != "collateral" for attempt in request.attempts)
-        retry = (
-            allowed
-            and charged <= policy.max_retries
-            and not request.streamed
-            and not request.cancel_requested
-            and not request.caller_gone
-            and not self.closing
-            and self.failure is None
-            and now + policy.backoff_s < request.deadline
-            and self.worker_manager.another_worker_exists(worker)
-        )
-        if not retry:
-            self._fail(request, error)
-            return
-        self.counters["retries"] += 1
-        self._pin_away_from(request, worker, error)
-        logger.info(
-            "request %s: attempt %d %s on worker pid %s; retrying",
-            request.request_id,
-            len(request.attempts),
-            outcome,
-            worker.pid,
-        )
-        if policy.backoff_s > 0:
-            request.state = "backoff"
-            self.timers.call_at(now + policy.backoff_s, self._requeue, request)
-        else:
-            self._requeue(request)
-
-    def _fail_pinned_retries(self, worker: Worker) -> None:
-        """The only worker came back warm: a retry waiting for another worker has none."""
-        for request in list(self.retries_avoiding.get(worker.id, {}).values()):
-            if request.state == "queued" and request.last_error is not None:
-                self._fail(request, request.last_error)
-
-    def _pin_away_from(self, request: Request, worker: Worker, error: PoolError) -> None:
-        """The retry must not go back to ``worker``; ``error`` is what it fails with if no
-        other worker can ever take it."""
-        self._unpin(request)
-        request.last_failed_worker = worker.id
-        self.retries_avoiding.setdefault(worker.id, {})[request.request_id] = request
-        request.last_error = error
-
-    def _unpin(self, request: Request) -> None:
-        if request.last_failed_worker is None:
-            return
-        avoiding = self.retries_avoiding.get(request.last_failed_worker)
-        if avoiding is not None:
-            avoiding.pop(request.request_id, None)
-            if not avoiding:
-                del self.retries_avoiding[request.last_failed_worker]
-
-    def _requeue(self, request: Request) -> None:
-        """A retry goes to the front of the queue: it has waited once already. An isolated
-        request goes to the back: it is the likely culprit of a failure, and the requests it
-        took down run first (it reserves the next worker to drain, so it is not starved)."""
-        if request.state == "done":
-            return
-        request.state = "queued"
-        self.queue[request.request_id] = request
-        if not request.isolated:
-            self.queue.move_to_end(request.request_id, last=False)
-
     # ---- resolution ----------------------------------------------------------------------
 
     def _finish(self, request: Request) -> bool:
@@ -929,7 +763,7 @@ class Dispatcher:
         request.state = "done"
         request.run = None
         self.timers.cancel(request.deadline_timer)
-        self._unpin(request)
+        self.retries.unpin(request)
         self.live.pop(request.request_id, None)
         self._dequeued(request)
         return True

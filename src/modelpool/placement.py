@@ -14,7 +14,7 @@ The rules, in order of precedence:
 - A retry never goes back to the worker it last failed on (``last_failed_worker``).
 - On batched workers an isolated request needs an empty worker (and reserves the next
   one to drain, so it is not starved), and the suspects of a lost batch are spread one
-  per worker (see ``Dispatcher._batch_lost``).
+  per worker (see ``Retries.batch_lost``).
 - Otherwise the worker whose prefix cache holds the longest part of the request's prompt
   (its last report's fingerprints, ``modelpool.prefixes``), unless it runs more than
   ``PREFIX_LOAD_SLACK`` requests beyond the least loaded; then the least loaded first,

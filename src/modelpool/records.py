@@ -37,7 +37,7 @@ GpuWorker = tuple[int, int, str]
 class FailedBatch:
     """The requests of one batch of several that died together (poison isolation). When one
     of them then fails alone, that failure explains the batch's: the others are cleared of
-    it (``Dispatcher._clear_batch_peers``)."""
+    it (``Retries._clear_batch_peers``)."""
 
     members: list[Request]
 
@@ -67,7 +67,7 @@ class Request:
     last_error: PoolError | None = None
     # Poison isolation (batched workers only): failed batches of more than one request it
     # was in, the ones of those it is still suspected for, and failures while it ran alone.
-    # See Dispatcher._batch_lost.
+    # See Retries.batch_lost.
     batch_failures: int = 0
     suspected_in: list[FailedBatch] = field(default_factory=list)
     alone_failures: int = 0

@@ -50,7 +50,7 @@ The deadline path (the ladder)::
     EventLoop.run -> Dispatcher.run_due_timers -> TimerHeap.run_due   [records.py]
       -> Dispatcher._attempt_timed_out      the request is detached from the attempt
       -> _soft_cancel                       cancel flag in the ControlBlock (next token)
-      -> _attempt_failed -> _requeue        retried on another worker (a spare at once)
+      -> Retries.attempt_failed -> requeue  [retries.py] retried elsewhere (a spare at once)
       -> _on_cancel_grace_over              [dispatcher.py]
       -> WorkerManager.send_signal          [worker_manager.py] SIGTERM to the process group
       -> send_signal (after term_grace_s)   [worker_manager.py] SIGKILL

@@ -1,6 +1,6 @@
 """The dispatcher's batching rules, driven step by step with a fake world (no processes).
 
-Slots and placement, the collateral and poison rules of ``Dispatcher._batch_lost``, and
+Slots and placement, the collateral and poison rules of ``Retries.batch_lost``, and
 the two regressions the chaos harness found: an isolated request shared its worker with
 requests placed in the same dispatch round, and a worker killed for an ignored cancel
 charged its batch twice (once at the cancel, once at its exit).

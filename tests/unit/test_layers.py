@@ -1,0 +1,148 @@
+"""The layers of ``src/modelpool`` and their import rules (docs/architecture.md, "Layers").
+
+Read from the source, statically: every ``import`` and ``from ... import`` of a module,
+inside functions too, so that a lazy import cannot hide an arrow. Three rules:
+
+- the worker side (``worker.py``, ``testing.py`` and every backend) imports nothing of
+  the supervisor side or the server, at run time, however indirectly: a worker process
+  loads only what it serves with;
+- no backend imports another backend (``backends/hf/`` and ``backends/llama_cpp/`` share
+  only what lies beside them in ``backends/``);
+- the server imports the pool, never the reverse: nothing outside ``server/`` (and the
+  command and the Ray app above it) imports ``modelpool.server``, not even for types.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from pathlib import Path
+
+import modelpool
+from modelpool.backends import BUILTIN_BACKENDS
+
+SOURCE = Path(modelpool.__file__).resolve().parent.parent
+
+# Above the pool: the daemon, the command that starts it, the Ray Serve app.
+SERVER_SIDE = ("modelpool.server", "modelpool.cli", "modelpool.ray_serve")
+# The supervisor: the pool, its dispatcher thread and what watches its workers.
+SUPERVISOR_SIDE = (
+    "modelpool.pool",
+    "modelpool.supervisor",
+    "modelpool.dispatcher",
+    "modelpool.retries",
+    "modelpool.placement",
+    "modelpool.worker_manager",
+    "modelpool.records",
+    "modelpool.results",
+    "modelpool.spawn",
+    "modelpool.monitors",
+    "modelpool.gpu",
+    "modelpool.devices",
+    "modelpool.preflight",
+    "modelpool.stats",
+)
+# The packages of the built-in model backends ("modelpool.backends.hf", ...).
+BACKEND_PACKAGES = tuple(
+    target.partition(":")[0]
+    for target in BUILTIN_BACKENDS.values()
+    if target.startswith("modelpool.backends.")
+)
+
+
+def _module_files() -> dict[str, Path]:
+    files = {}
+    for path in (SOURCE / "modelpool").rglob("*.py"):
+        parts = path.relative_to(SOURCE).with_suffix("").parts
+        files[".".join(parts).removesuffix(".__init__")] = path
+    return files
+
+
+MODULES = _module_files()
+
+
+def _in(module: str, prefixes: Iterable[str]) -> bool:
+    return any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes)
+
+
+def _imports(module: str, *, type_checking: bool) -> set[str]:
+    """The modelpool modules ``module`` imports; ``type_checking``: with the imports under
+    ``if TYPE_CHECKING:`` too."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    skipped: set[int] = set()
+    if not type_checking:
+        for node in ast.walk(tree):
+            test = getattr(node, "test", None)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(test or node):
+                inner = (child for statement in node.body for child in ast.walk(statement))
+                skipped.update(id(child) for child in inner)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {name for name in found if name in MODULES and name != module}
+
+
+def _closure(roots: Iterable[str]) -> dict[str, str]:
+    """Every module importing ``roots`` loads at run time, each with the one that
+    brought it in (parent packages included: importing a.b.c runs a and a.b)."""
+    brought_by: dict[str, str] = {}
+    todo = [(root, "") for root in roots]
+    while todo:
+        module, by = todo.pop()
+        if module in brought_by:
+            continue
+        brought_by[module] = by
+        parts = module.split(".")
+        todo.extend((".".join(parts[:end]), module) for end in range(1, len(parts)))
+        todo.extend((name, module) for name in _imports(module, type_checking=False))
+    return brought_by
+
+
+def test_the_layer_lists_name_real_modules() -> None:
+    for name in (*SERVER_SIDE, *SUPERVISOR_SIDE, *BACKEND_PACKAGES):
+        assert name in MODULES, f"{name} is in a layer list but is not a module"
+    assert len(BACKEND_PACKAGES) >= 2
+
+
+def test_the_worker_side_loads_nothing_of_the_supervisor_or_the_server() -> None:
+    worker_side = ["modelpool.worker", "modelpool.testing", *BACKEND_PACKAGES]
+    worker_side += [m for m in MODULES if m.startswith("modelpool.backends.")]
+    loaded = _closure(worker_side)
+    crossing = {
+        module: by for module, by in loaded.items() if _in(module, SUPERVISOR_SIDE + SERVER_SIDE)
+    }
+    assert not crossing, f"worker-side modules load (module: imported by) {crossing}"
+
+
+def test_no_backend_imports_another_backend() -> None:
+    arrows = []
+    for module in MODULES:
+        own = [package for package in BACKEND_PACKAGES if _in(module, [package])]
+        for name in _imports(module, type_checking=True):
+            other = [package for package in BACKEND_PACKAGES if _in(name, [package])]
+            if own and other and other != own:
+                arrows.append(f"{module} -> {name}")
+    assert not arrows
+
+
+def test_only_the_server_side_imports_the_server() -> None:
+    arrows = [
+        f"{module} -> {name}"
+        for module in MODULES
+        if not _in(module, SERVER_SIDE)
+        for name in _imports(module, type_checking=True)
+        if _in(name, ["modelpool.server"])
+    ]
+    assert not arrows
