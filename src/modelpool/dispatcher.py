@@ -16,7 +16,7 @@ failed attempt and settle a lost batch. All run on the same thread and share the
 the timer heap and the counters.
 
 The entry points come first, in the order of a request's life (``submit``, ``cancel``,
-``on_message``, ``on_exit``, ``on_release_checked`` ...; the event loop calls
+``on_message``, ``on_exit``, ``on_device_free`` ...; the event loop calls
 ``run_due_timers`` and ``after_event`` on every turn); the helpers follow, grouped by
 what they decide: handing requests to workers, what workers send, deadlines and the run
 end of the kill ladder, attempts' end, resolution, closing.
@@ -263,22 +263,6 @@ class Dispatcher:
             )
             self.retries.attempt_failed(request, worker, outcome, error)
         self.worker_manager.after_exit(worker, previous_state)
-
-    def on_release_checked(
-        self,
-        worker_id: int,
-        ok: bool,
-        seconds: float,
-        method: str,
-        freed_bytes: int | None,
-        held_bytes: int | None,
-        held_by_device: Mapping[str, int | None] | None = None,
-        holders: Mapping[str, list[str]] | None = None,
-    ) -> None:
-        """A dead worker's release is known (see ``WorkerManager.on_release_checked``)."""
-        self.worker_manager.on_release_checked(
-            worker_id, ok, seconds, method, freed_bytes, held_bytes, held_by_device, holders
-        )
 
     def on_device_free(self, device: str) -> None:
         self.worker_manager.on_device_free(device)

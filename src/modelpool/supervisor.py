@@ -59,7 +59,7 @@ The deadline path (the ladder)::
       -> Dispatcher.on_exit                 its runs settled (retried or failed)
       -> WorkerManager.after_exit           [worker_manager.py] release check asked
       -> Monitors.check_release             [monitors.py] process group gone, NVML memory
-      -> Dispatcher.on_release_checked -> WorkerManager.on_release_checked
+      -> WorkerManager.on_release_checked   [worker_manager.py] the release is recorded
       -> fill_slots -> spawn                [worker_manager.py] the slot is refilled
 
 A worker that dies is a normal, named event (``Dispatcher.on_exit``), never an
@@ -206,7 +206,7 @@ class EventLoop:
             config,
             probe,
             self.post,
-            on_release_checked=self.dispatcher.on_release_checked,
+            on_release_checked=self.dispatcher.worker_manager.on_release_checked,
             on_device_free=self.dispatcher.on_device_free,
             on_gpu_sample=self.dispatcher.on_gpu_sample,
             environ=self.environ,

@@ -92,7 +92,7 @@ class World:
         return proc
 
     def check_release(self, worker: Worker) -> None:
-        self.d.on_release_checked(worker.id, True, 0.0, "psutil", None, None)
+        self.d.worker_manager.on_release_checked(worker.id, True, 0.0, "psutil", None, None)
 
     def watch_device_free(self, device: str, needed_bytes: int) -> None:
         return None

@@ -474,7 +474,9 @@ class DispatcherMachine(RuleBasedStateMachine):
     def release_checked(self, index: int, ok: bool) -> None:
         worker_id = self.pending_releases.pop(index % len(self.pending_releases))
         self.released.add(worker_id)
-        self.d.on_release_checked(worker_id, ok, 0.01, "psutil", 20 * MB, None if ok else MB)
+        self.d.worker_manager.on_release_checked(
+            worker_id, ok, 0.01, "psutil", 20 * MB, None if ok else MB
+        )
         self.after()
 
     # ---- time and closing ---------------------------------------------------------------------
