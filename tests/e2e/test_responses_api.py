@@ -270,9 +270,9 @@ def test_refusals_name_the_field(daemon: Daemon, body: dict[str, Any], param: st
 def test_context_length_error_in_openai_shape(tmp_path: Path) -> None:
     small = start_daemon(tmp_path, daemon_config(workers=1), args=("--max-model-len", "12"))
     try:
-        with openai.OpenAI(base_url=small.url + "/v1", api_key="none", max_retries=0) as made:
-            with pytest.raises(openai.BadRequestError) as raised:
-                made.responses.create(model="m", input="echo: " + "word " * 40)
+        made = openai.OpenAI(base_url=small.url + "/v1", api_key="none", max_retries=0)
+        with made, pytest.raises(openai.BadRequestError) as raised:
+            made.responses.create(model="m", input="echo: " + "word " * 40)
         assert raised.value.code == "context_length_exceeded"
     finally:
         assert small.stop() == 0, small.log()[-4000:]
