@@ -199,11 +199,9 @@ def test_claude_code_fields_are_ignored(client: anthropic.Anthropic, daemon: Dae
 
 
 def test_bad_key_is_anthropic_authentication_error(daemon: Daemon) -> None:
-    with anthropic.Anthropic(base_url=daemon.url, api_key="wrong", max_retries=0) as bad:
-        with pytest.raises(anthropic.AuthenticationError) as raised:
-            bad.messages.create(
-                model="m", max_tokens=4, messages=[{"role": "user", "content": "x"}]
-            )
+    bad = anthropic.Anthropic(base_url=daemon.url, api_key="wrong", max_retries=0)
+    with bad, pytest.raises(anthropic.AuthenticationError) as raised:
+        bad.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "x"}])
     body = raised.value.body
     assert isinstance(body, dict) and body["error"]["type"] == "authentication_error"
 
