@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelpool.server.agent_tools import constrainable
 from modelpool.server.http import ApiError, invalid
 from modelpool.server.openai.format import Job
 from modelpool.server.openai.request import check_ignored_fields, parse_chat
@@ -129,6 +130,14 @@ def parse_messages(body: Mapping[str, Any], *, count: bool = False) -> MessagesR
             chat_messages.append(converted)
             sources.append(f"messages[{index}]")
     tools, tool_sources, dropped = _tools(body.get("tools"))
+    kept, unconstrainable = constrainable(tools, [f"tools[{i}].input_schema" for i in tool_sources])
+    tools = [tools[position] for position in kept]
+    tool_sources = [tool_sources[position] for position in kept]
+    if unconstrainable:
+        logger.warning(
+            "POST /v1/messages: tools the grammar engine cannot constrain, left out: %s",
+            "; ".join(unconstrainable),
+        )
     chat: dict[str, Any] = {"messages": chat_messages}
     if tools:
         chat["tools"] = tools
@@ -158,6 +167,7 @@ def parse_messages(body: Mapping[str, Any], *, count: bool = False) -> MessagesR
         raise _renamed(exc, sources, tool_sources) from None
     ignored = sorted(IGNORED_MESSAGES_FIELDS & body.keys())
     ignored += [f"tools[{index}] (type {kind!r})" for index, kind in dropped]
+    ignored += [line.partition(" ")[0] + " (schema)" for line in unconstrainable]
     if _has_cache_control(body):
         ignored.append("cache_control")
     if ignored:
@@ -187,8 +197,12 @@ def _message(message: object, where: str) -> list[dict[str, Any]]:
     if not isinstance(message, dict):
         raise invalid(f"{where} must be an object", where)
     role = message.get("role")
-    if role not in ("user", "assistant"):
-        raise invalid(f"{where}.role must be 'user' or 'assistant', got {role!r}", f"{where}.role")
+    # Claude Code puts "system" messages in the conversation too (its reminders): read
+    # as chat's system messages.
+    if role not in ("user", "assistant", "system"):
+        raise invalid(
+            f"{where}.role must be 'user', 'assistant' or 'system', got {role!r}", f"{where}.role"
+        )
     for key in message:
         if key not in ("role", "content"):
             raise invalid(f"{where}.{key} is not supported", f"{where}.{key}", "unsupported_field")
@@ -221,7 +235,7 @@ def _message(message: object, where: str) -> list[dict[str, Any]]:
         else:
             raise invalid(
                 f"{block_where}: a {role} message takes text"
-                + (", tool_use" if role == "assistant" else ", tool_result")
+                + {"assistant": ", tool_use", "user": ", tool_result"}.get(role, "")
                 + f" blocks, got {kind!r}",
                 f"{block_where}.type",
                 "unsupported_value",

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelpool.server.agent_tools import constrainable
 from modelpool.server.http import ApiError, invalid
 from modelpool.server.openai.format import Job
 from modelpool.server.openai.request import check_ignored_fields, parse_chat
@@ -140,17 +141,29 @@ def parse_responses(body: Mapping[str, Any], store: ResponseStore) -> ResponsesR
     if not new_messages:
         raise invalid("input must hold at least one message or tool output", "input")
     tools, tool_sources, dropped = _tools(body.get("tools"))
+    functions = [
+        {
+            "type": "function",
+            "function": {
+                key: tool[key] for key in ("name", "description", "parameters") if key in tool
+            },
+        }
+        for tool in tools
+    ]
+    kept, unconstrainable = constrainable(
+        functions, [f"tools[{index}].parameters" for index in tool_sources]
+    )
+    tools = [tools[position] for position in kept]
+    functions = [functions[position] for position in kept]
+    tool_sources = [tool_sources[position] for position in kept]
+    if unconstrainable:
+        logger.warning(
+            "POST /v1/responses: tools the grammar engine cannot constrain, left out: %s",
+            "; ".join(unconstrainable),
+        )
     chat: dict[str, Any] = {"messages": chat_messages}
-    if tools:
-        chat["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    key: tool[key] for key in ("name", "description", "parameters") if key in tool
-                },
-            }
-            for tool in tools
-        ]
+    if functions:
+        chat["tools"] = functions
     choice = body.get("tool_choice")
     if choice is not None:
         chat["tool_choice"] = _tool_choice(choice, bool(tools))
@@ -173,6 +186,7 @@ def parse_responses(body: Mapping[str, Any], store: ResponseStore) -> ResponsesR
     stored = body.get("store")
     ignored = sorted(IGNORED_RESPONSES_FIELDS & body.keys())
     ignored += [f"tools[{index}] (type {kind!r})" for index, kind in dropped]
+    ignored += [line.partition(" ")[0] + " (schema)" for line in unconstrainable]
     if ignored:
         logger.info("POST /v1/responses: accepted and ignored: %s", ", ".join(ignored))
     return ResponsesRequest(
