@@ -241,6 +241,11 @@ class ServerConfig:
     # Bytes of request bodies still being received, all connections together: past it,
     # the connection whose body grew gets 503 (a body that arrives whole never counts).
     max_pending_body_bytes: int = 8_388_608
+    # Responses kept for previous_response_id and GET /v1/responses/{id}: at most this
+    # many, this many bytes of JSON all together, each for this many seconds.
+    responses_store_entries: int = 1024
+    responses_store_bytes: int = 67_108_864
+    responses_store_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -278,6 +283,9 @@ class ServerConfig:
         _check_int("server.max_headers", self.max_headers, minimum=8)
         _check_int("server.max_connections", self.max_connections, minimum=1)
         _check_int("server.max_pending_body_bytes", self.max_pending_body_bytes, minimum=1)
+        _check_int("server.responses_store_entries", self.responses_store_entries, minimum=0)
+        _check_int("server.responses_store_bytes", self.responses_store_bytes, minimum=0)
+        _check_number("server.responses_store_ttl_s", self.responses_store_ttl_s, allow_zero=False)
         if self.max_pending_body_bytes < self.max_body_bytes:
             raise ValueError(
                 f"server.max_pending_body_bytes ({self.max_pending_body_bytes}) must be at "

@@ -9,8 +9,12 @@ on uvicorn::
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
-sends server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
-``GET /healthz``, ``GET /readyz``, ``GET /stats``, ``GET /metrics``.
+sends server-sent events ending with ``data: [DONE]``), ``POST /v1/responses`` (with
+``GET``/``DELETE /v1/responses/{id}`` for stored ones), ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (Anthropic's, errors in its shape), ``GET
+/v1/models``, ``GET /healthz``, ``GET /readyz``, ``GET /stats``, ``GET /metrics``. Every
+generating route takes the one walk of ``_generate``; its API family (``generation.Api``)
+only parses the body into a job and writes the answer.
 
 Request bodies are parsed and checked, field by field, in ``openai.request``
 (every rejection names the OpenAI field the client sent; a field we cannot
@@ -50,6 +54,7 @@ from collections.abc import (
     AsyncIterator,
     Coroutine,
     Iterator,
+    Mapping,
 )
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -67,8 +72,15 @@ from modelpool.errors import (
     PoolError,
 )
 from modelpool.protocol import Prompt
-from modelpool.server.errors import RETRY_AFTER_UNAVAILABLE, pool_error_to_api, shutting_down
+from modelpool.server.anthropic.api import MessagesApi, count_prompt
+from modelpool.server.errors import (
+    RETRY_AFTER_UNAVAILABLE,
+    error_response,
+    pool_error_to_api,
+    shutting_down,
+)
 from modelpool.server.fair_share import FairShare
+from modelpool.server.generation import Api, P, Plain
 from modelpool.server.guard import BrowserGuard, Gate, require_json
 from modelpool.server.http import (
     ApiError,
@@ -80,14 +92,17 @@ from modelpool.server.http import (
     run_unless_disconnected,
 )
 from modelpool.server.metrics import CONTENT_TYPE, PoolMetrics
-from modelpool.server.openai.format import Job, response_body
+from modelpool.server.openai.format import response_body
 from modelpool.server.openai.request import (
     check_budget,
     deadline_from,
     parse_chat,
     parse_completion,
 )
-from modelpool.server.openai.stream import (
+from modelpool.server.openai.stream import ChatChunks
+from modelpool.server.responses.api import ResponsesApi
+from modelpool.server.responses.store import ResponseStore
+from modelpool.server.streaming import (
     ENCODE_OFF_LOOP_TOKENS,
     EventStream,
     StreamedChoice,
@@ -163,6 +178,7 @@ class ServerState:
     metrics: PoolMetrics
     started: int
     fair_share: FairShare
+    responses: ResponsesApi  # its store: previous_response_id, GET/DELETE
     # Parsing and building large bodies and answers, in a thread, one at a time.
     heavy_work: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     draining: bool = False
@@ -198,6 +214,13 @@ def create_app(
             max_queued=server_config.client_max_queued,
             max_waiting=pool.config.max_queue,
         ),
+        responses=ResponsesApi(
+            ResponseStore(
+                max_entries=server_config.responses_store_entries,
+                max_bytes=server_config.responses_store_bytes,
+                ttl_s=server_config.responses_store_ttl_s,
+            )
+        ),
     )
     app = FastAPI(title="modelpool", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.modelpool = state
@@ -211,12 +234,12 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> Response:
-        return exc.response()
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(PoolError)
     async def on_pool_error(request: Request, exc: PoolError) -> Response:
         _note_attempts(request.scope, exc.request_id, exc.attempts)
-        return pool_error_to_api(exc).response()
+        return error_response(pool_error_to_api(exc), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -238,17 +261,18 @@ def create_app(
             error = ApiError(
                 exc.status_code, str(exc.detail), code="http_error", headers=exc.headers
             )
-        return error.response()
+        return error_response(error, request.url.path)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         # Starlette re-raises after sending this, so uvicorn logs the traceback once.
-        return ApiError(
+        error = ApiError(
             500,
             f"internal server error: {type(exc).__name__}",
             type="server_error",
             code="internal_error",
-        ).response()
+        )
+        return error_response(error, request.url.path)
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -337,11 +361,35 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _generate(request, state, chat=False)
+        return await _generate(request, state, CompletionsApi())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _generate(request, state, chat=True)
+        return await _generate(request, state, ChatApi())
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _generate(request, state, state.responses)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        return JSONResponse(state.responses.stored(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return JSONResponse(state.responses.delete(response_id))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await _generate(request, state, MessagesApi())
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        body = await _read_json(request, state)
+        prompt = count_prompt(body)
+        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
+        tokens = await pool.atokenize(prompt, deadline_s=deadline)
+        return JSONResponse({"input_tokens": len(tokens)})
 
     return app
 
@@ -386,16 +434,19 @@ async def _read_json(request: Request, state: ServerState) -> dict[str, Any]:
     )
 
 
-async def _generate(request: Request, state: ServerState, *, chat: bool) -> Response:
+async def _generate(request: Request, state: ServerState, api: Api[P]) -> Response:
+    """The one walk of every generating route: ``api`` parses the body into a job and
+    writes the answer (see ``generation``)."""
     _check_not_draining(state)
     require_json(request.headers.get("content-type"))
     try:
         raw = await read_body(request, state.config.max_body_bytes)
     except ClientDisconnect:
         return ClientGone()
-    body, job = await off_loop_if(
-        len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, _parse, raw, chat
+    body, parsed = await off_loop_if(
+        len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, _parse, raw, api
     )
+    job = parsed.job
     pool = state.pool
     check_budget(
         job,
@@ -422,10 +473,10 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
                 choice.source = pool.astream(choice.prompt, deadline_s=left_s, **choice.params)
                 yield choice.source
 
+        choices = [StreamedChoice(index, prompt, params) for index, prompt, params in runs]
         return EventStream(
-            [StreamedChoice(index, prompt, params) for index, prompt, params in runs],
-            job,
-            model=state.model_name,
+            choices,
+            api.writer(parsed, choices, state.model_name),
             on_error=note_error,
             send_timeout_s=state.config.send_timeout_s,
             start=start,
@@ -455,8 +506,8 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
     content = await off_loop_if(
         answer_tokens(*results) > ENCODE_OFF_LOOP_TOKENS,
         state.heavy_work,
-        _render,
-        job,
+        api.answer,
+        parsed,
         by_index,
         state.model_name,
     )
@@ -467,13 +518,29 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
     )
 
 
-def _parse(raw: bytes, chat: bool) -> tuple[dict[str, Any], Job]:
+def _parse(raw: bytes, api: Api[P]) -> tuple[dict[str, Any], P]:
     body = parse_json_object(raw)
-    return body, parse_chat(body) if chat else parse_completion(body)
+    return body, api.parse(body)
 
 
-def _render(job: Job, by_index: dict[int, Result], model: str) -> bytes:
-    return json_bytes(response_body(job, by_index, model, int(time.time())))
+class CompletionsApi:
+    """``/v1/completions``."""
+
+    def parse(self, body: dict[str, Any]) -> Plain:
+        return Plain(parse_completion(body))
+
+    def answer(self, request: Plain, results: Mapping[int, Result], model: str) -> bytes:
+        return json_bytes(response_body(request.job, dict(results), model, int(time.time())))
+
+    def writer(self, request: Plain, choices: list[StreamedChoice], model: str) -> ChatChunks:
+        return ChatChunks(request.job, choices, model)
+
+
+class ChatApi(CompletionsApi):
+    """``/v1/chat/completions``: the same answers, the chat body."""
+
+    def parse(self, body: dict[str, Any]) -> Plain:
+        return Plain(parse_chat(body))
 
 
 async def _all_or_none(work: list[Coroutine[Any, Any, Result]]) -> list[Result]:

@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from modelpool.config import ServerConfig
+from modelpool.server.errors import error_response
 from modelpool.server.http import ApiError, invalid
 from modelpool.server.metrics import PoolMetrics
 
@@ -40,10 +41,14 @@ logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("modelpool.access")
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+)
 
 # Headers a browser may send on a cross-origin call, and answer headers it may read.
-CORS_ALLOWED_HEADERS = b"authorization, content-type, x-request-timeout"
+CORS_ALLOWED_HEADERS = (
+    b"authorization, content-type, x-request-timeout, x-api-key, anthropic-version, anthropic-beta"
+)
 CORS_EXPOSED_HEADERS = b"x-request-id, x-should-retry, retry-after"
 CORS_MAX_AGE_S = 600
 # Characters left as they are in a logged path (uvicorn's own access log quotes the same
@@ -232,7 +237,7 @@ class Gate:
                 return
             refusal = refusal or self._refusal(headers, scope["path"])
             if refusal is not None:
-                await refusal.response()(scope, receive, send_and_note)
+                await error_response(refusal, scope["path"])(scope, receive, send_and_note)
             else:
                 await self.app(scope, receive, send_and_note)
         finally:
@@ -256,11 +261,14 @@ class Gate:
         if self.api_key is not None and path not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
+            if not given and b"x-api-key" in headers:
+                # Anthropic's clients send the key as x-api-key.
+                scheme, token = b"bearer", headers[b"x-api-key"]
             # compare_digest on bytes: constant time in the key's content.
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
                 return ApiError(
                     401,
-                    "missing or invalid API key (Authorization: Bearer KEY)",
+                    "missing or invalid API key (Authorization: Bearer KEY, or x-api-key: KEY)",
                     type="authentication_error",
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
