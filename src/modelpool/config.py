@@ -241,6 +241,13 @@ class ServerConfig:
     # Bytes of request bodies still being received, all connections together: past it,
     # the connection whose body grew gets 503 (a body that arrives whole never counts).
     max_pending_body_bytes: int = 8_388_608
+    # Of those, the most one client address may hold (None: a quarter of the bound, at
+    # least max_body_bytes), so that one client cannot fill the bound for the others.
+    client_max_pending_body_bytes: int | None = None
+    # Addresses (or networks, as uvicorn reads them) whose X-Forwarded-For and
+    # X-Forwarded-Proto are believed: a client is the address they name. Empty: none, so
+    # no client can name itself another address and so take another's fair share.
+    forwarded_allow_ips: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -278,12 +285,35 @@ class ServerConfig:
         _check_int("server.max_headers", self.max_headers, minimum=8)
         _check_int("server.max_connections", self.max_connections, minimum=1)
         _check_int("server.max_pending_body_bytes", self.max_pending_body_bytes, minimum=1)
+        _check_int(
+            "server.client_max_pending_body_bytes",
+            self.client_max_pending_body_bytes,
+            minimum=1,
+            optional=True,
+        )
+        if self.client_pending_body_bytes() < self.max_body_bytes:
+            raise ValueError(
+                f"server.client_max_pending_body_bytes ({self.client_max_pending_body_bytes}) "
+                f"must be at least server.max_body_bytes ({self.max_body_bytes}): one body "
+                "alone would be refused"
+            )
+        object.__setattr__(
+            self,
+            "forwarded_allow_ips",
+            _optional_names("server.forwarded_allow_ips", self.forwarded_allow_ips) or (),
+        )
         if self.max_pending_body_bytes < self.max_body_bytes:
             raise ValueError(
                 f"server.max_pending_body_bytes ({self.max_pending_body_bytes}) must be at "
                 f"least server.max_body_bytes ({self.max_body_bytes}): one body alone would "
                 "be refused"
             )
+
+    def client_pending_body_bytes(self) -> int:
+        """The bytes of bodies still being received that one client address may hold."""
+        if self.client_max_pending_body_bytes is not None:
+            return self.client_max_pending_body_bytes
+        return max(self.max_body_bytes, self.max_pending_body_bytes // 4)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> ServerConfig:

@@ -94,6 +94,7 @@ from modelpool.server.openai.stream import (
     answer_tokens,
     note_results,
 )
+from modelpool.server.tenants import Keys
 from modelpool.server.tokenize import parse_detokenize, parse_tokenize, tokenize_body
 
 if TYPE_CHECKING:
@@ -163,6 +164,7 @@ class ServerState:
     metrics: PoolMetrics
     started: int
     fair_share: FairShare
+    keys: Keys
     # Parsing and building large bodies and answers, in a thread, one at a time.
     heavy_work: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     draining: bool = False
@@ -186,6 +188,7 @@ def create_app(
     """The daemon's ASGI app for a started ``pool``. The key is ``api_key``, or else read
     from the variable ``server_config.api_key_env`` names."""
     metrics = PoolMetrics(pool.stats)
+    keys = Keys.single(api_key or api_key_from_env(server_config))
     state = ServerState(
         pool=pool,
         config=server_config,
@@ -198,12 +201,13 @@ def create_app(
             max_queued=server_config.client_max_queued,
             max_waiting=pool.config.max_queue,
         ),
+        keys=keys,
     )
     app = FastAPI(title="modelpool", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.modelpool = state
     app.add_middleware(
         Gate,
-        api_key=api_key or api_key_from_env(server_config),
+        keys=keys,
         max_body_bytes=server_config.max_body_bytes,
         metrics=metrics,
         guard=BrowserGuard(server_config),
