@@ -184,6 +184,132 @@ def test_a_request_past_its_budget_is_refused_up_front(pool: ModelPool) -> None:
     assert pool.stats().counters["submitted"] == submitted + 1
 
 
+def test_messages_tools_and_logprobs_count_in_the_budget(pool: ModelPool) -> None:
+    chat = "/v1/chat/completions"
+    with serving(pool) as served:
+        http = served.http
+        # The review's 30,001 mostly empty messages with n=128: cost 134 before.
+        empty = [{"role": "user", "content": ""}] * 30_000 + [{"role": "user", "content": "hi"}]
+        error = _error(http.post(chat, json={"messages": empty, "n": 128}), 400)
+        assert error["code"] == "request_too_expensive"
+        # n=2 x 6,000 tokens x top_logprobs 20: a 17 MB answer to a 200-byte request.
+        greedy = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "n": 2,
+            "max_tokens": 6000,
+            "logprobs": True,
+            "top_logprobs": 20,
+        }
+        assert _error(http.post(chat, json=greedy), 400)["code"] == "request_too_expensive"
+        # Tools are rendered into the prompt: they count.
+        tool = {
+            "type": "function",
+            "function": {"name": "f", "description": "d" * 200_000, "parameters": {}},
+        }
+        tooled = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "n": 2}
+        assert _error(http.post(chat, json=tooled), 400)["code"] == "request_too_expensive"
+        # The tokenizer routes are in the budget too.
+        huge = {"prompt": "x" * 300_000}
+        assert _error(http.post("/tokenize", json=huge), 400)["code"] == "request_too_expensive"
+        fine = {"messages": [{"role": "user", "content": "echo:hi"}], "n": 2, "logprobs": True}
+        assert http.post(chat, json=fine).status_code == 200
+
+
+def test_the_tokenizer_routes_take_their_turn_in_fair_share(pool: ModelPool) -> None:
+    limits = {"client_max_running": 1, "client_max_queued": 0}
+    with (
+        serving(pool, **limits) as served,
+        threading_call(served.http.post, COMPLETIONS, json={"prompt": "tokens:3:0.3"}) as held,
+    ):
+        wait_for(pool.stats, lambda s: s.running >= 1, slack(5), "the held run")
+        refused = served.http.post("/tokenize", json={"prompt": "hello"})
+        assert _error(refused, 429)["code"] == "client_limit"
+        refused = served.http.post("/detokenize", json={"tokens": [1, 2]})
+        assert _error(refused, 429)["code"] == "client_limit"
+    assert held.result().status_code == 200
+
+
+# ---- the event loop -------------------------------------------------------------------------
+
+
+def _allof_tools(count: int, branches: int) -> list[dict[str, Any]]:
+    """The review's tools: each parameter an allOf of ``branches`` anyOf string patterns,
+    which the grammar engine intersects in every combination (2 ** branches)."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": f"f{i}",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "x": {
+                            "type": "string",
+                            "allOf": [
+                                {
+                                    "anyOf": [
+                                        {"type": "string", "pattern": f"a{j}_{i}.*"},
+                                        {"type": "string", "pattern": f".*b{j}"},
+                                    ]
+                                }
+                                for j in range(branches)
+                            ],
+                        }
+                    },
+                },
+            },
+        }
+        for i in range(count)
+    ]
+
+
+def test_a_schema_past_a_work_bound_is_refused_at_once_off_the_loop(pool: ModelPool) -> None:
+    chat = "/v1/chat/completions"
+    messages = [{"role": "user", "content": "hi"}]
+    with serving(pool) as served:
+        http = served.http
+        # The review's 65 KB body: 200 after 6.5 s, the loop blocked 6.3 s.
+        started = time.monotonic()
+        refused = http.post(chat, json={"messages": messages, "tools": _allof_tools(44, 14)})
+        error = _error(refused, 400)
+        assert error["code"] == "schema_too_complex" and error["bound"] == "allof_branches"
+        assert "tools[0].function.parameters.properties.x.allOf" in error["param"]
+        assert time.monotonic() - started < slack(1.0)
+        # A guided_choice of 50,000 items (1.7 s of the engine's time each).
+        choice = {"messages": messages, "guided_choice": [f"c{i}" for i in range(50_000)]}
+        error = _error(http.post(chat, json=choice), 400)
+        assert error["code"] == "schema_too_complex" and error["bound"] == "choices"
+        # Under the bounds, the engine decides (these patterns cannot all hold).
+        small = {"messages": messages, "tools": _allof_tools(2, 3)}
+        assert _error(http.post(chat, json=small), 400)["code"] == "invalid_value"
+        assert http.post(chat, json={"messages": messages}).status_code == 200
+
+
+def test_every_body_is_parsed_off_the_event_loop(
+    pool: ModelPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import modelpool.server.app
+
+    on_loop: list[bool] = []
+    parse = modelpool.server.app.parse_chat
+
+    def recording_parse(body: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return parse(body)
+
+    monkeypatch.setattr(modelpool.server.app, "parse_chat", recording_parse)
+    with serving(pool) as served:
+        body = {"messages": [{"role": "user", "content": "echo:x"}]}
+        assert served.http.post("/v1/chat/completions", json=body).status_code == 200
+        assert served.http.get("/stats").json()["checks"]["in_pool"] == 0
+    # A 60-byte body too: none is parsed on the loop, whatever its size.
+    assert on_loop == [False]
+
+
 # ---- backpressure ---------------------------------------------------------------------------
 
 

@@ -48,6 +48,7 @@ import socket
 import time
 from collections.abc import (
     AsyncIterator,
+    Callable,
     Coroutine,
     Iterator,
 )
@@ -67,6 +68,7 @@ from modelpool.errors import (
     PoolError,
 )
 from modelpool.protocol import Prompt
+from modelpool.server.checks import Checks
 from modelpool.server.errors import RETRY_AFTER_UNAVAILABLE, pool_error_to_api, shutting_down
 from modelpool.server.fair_share import FairShare
 from modelpool.server.guard import BrowserGuard, Gate, require_json
@@ -83,9 +85,11 @@ from modelpool.server.metrics import CONTENT_TYPE, PoolMetrics
 from modelpool.server.openai.format import Job, response_body
 from modelpool.server.openai.request import (
     check_budget,
+    check_size,
     deadline_from,
     parse_chat,
     parse_completion,
+    prompt_size,
 )
 from modelpool.server.openai.stream import (
     ENCODE_OFF_LOOP_TOKENS,
@@ -95,7 +99,12 @@ from modelpool.server.openai.stream import (
     note_results,
 )
 from modelpool.server.tenants import Keys
-from modelpool.server.tokenize import parse_detokenize, parse_tokenize, tokenize_body
+from modelpool.server.tokenize import (
+    TokenizeJob,
+    parse_detokenize,
+    parse_tokenize,
+    tokenize_body,
+)
 
 if TYPE_CHECKING:
     from modelpool.pool import AsyncPoolStream, ModelPool, Result
@@ -104,8 +113,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Bodies larger than this are parsed and checked off the event loop.
-PARSE_OFF_LOOP_BYTES = 65_536
 READY_WORKER_STATES = frozenset({"idle", "busy", "spare"})
 
 
@@ -165,6 +172,7 @@ class ServerState:
     started: int
     fair_share: FairShare
     keys: Keys
+    checks: Checks
     # Parsing and building large bodies and answers, in a thread, one at a time.
     heavy_work: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     draining: bool = False
@@ -189,19 +197,21 @@ def create_app(
     from the variable ``server_config.api_key_env`` names."""
     metrics = PoolMetrics(pool.stats)
     keys = Keys.single(api_key or api_key_from_env(server_config))
+    fair_share = FairShare(
+        capacity=pool.config.workers * pool.config.max_batch_size,
+        max_running=server_config.client_max_running,
+        max_queued=server_config.client_max_queued,
+        max_waiting=pool.config.max_queue,
+    )
     state = ServerState(
         pool=pool,
         config=server_config,
         model_name=model_name,
         metrics=metrics,
         started=int(time.time()),
-        fair_share=FairShare(
-            capacity=pool.config.workers * pool.config.max_batch_size,
-            max_running=server_config.client_max_running,
-            max_queued=server_config.client_max_queued,
-            max_waiting=pool.config.max_queue,
-        ),
+        fair_share=fair_share,
         keys=keys,
+        checks=Checks(fair_share, max_waiting=pool.config.max_queue),
     )
     app = FastAPI(title="modelpool", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.modelpool = state
@@ -296,7 +306,13 @@ def create_app(
     @app.get("/stats")
     async def stats() -> Response:
         snapshot = await pool.astats()
-        return JSONResponse({**snapshot.to_dict(), "fair_share": state.fair_share.snapshot()})
+        return JSONResponse(
+            {
+                **snapshot.to_dict(),
+                "fair_share": state.fair_share.snapshot(),
+                "checks": state.checks.snapshot(),
+            }
+        )
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -323,20 +339,36 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        body = await _read_json(request, state)
-        job = parse_tokenize(body)
+        # Inside fair share and the budget like a generation: tokenizing takes a worker.
         deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        tokens = await pool.atokenize(
-            job.prompt, add_generation_prompt=job.add_generation_prompt, deadline_s=deadline
-        )
+        job = await _read_json(request, state, deadline, _parse_tokenize, state.config)
+        ticket = state.fair_share.reserve(_client(request), 1)
+        try:
+            async with ticket.slot(deadline) as left_s:
+                tokens = await pool.atokenize(
+                    job.prompt, add_generation_prompt=job.add_generation_prompt, deadline_s=left_s
+                )
+        finally:
+            ticket.close()
         snapshot = await pool.astats()
-        return JSONResponse(tokenize_body(tokens, snapshot.max_model_len))
+        body = tokenize_body(tokens, snapshot.max_model_len)
+        content = await off_loop_if(
+            len(tokens) > ENCODE_OFF_LOOP_TOKENS, state.heavy_work, json_bytes, body
+        )
+        return Response(content, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        tokens = parse_detokenize(await _read_json(request, state))
         deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        text = await pool.adetokenize(tokens, deadline_s=deadline) if tokens else ""
+        tokens = await _read_json(request, state, deadline, _parse_detokenize, state.config)
+        if not tokens:
+            return JSONResponse({"prompt": ""})
+        ticket = state.fair_share.reserve(_client(request), 1)
+        try:
+            async with ticket.slot(deadline) as left_s:
+                text = await pool.adetokenize(tokens, deadline_s=left_s)
+        finally:
+            ticket.close()
         return JSONResponse({"prompt": text})
 
     @app.post("/v1/completions")
@@ -380,14 +412,36 @@ def _check_not_draining(state: ServerState) -> None:
         )
 
 
-async def _read_json(request: Request, state: ServerState) -> dict[str, Any]:
-    """A small JSON body (the tokenizer routes'), parsed off the loop when large."""
+def _client(request: Request) -> str:
+    """Who a request counts against in fair share: its address."""
+    return request.client.host if request.client is not None else "-"
+
+
+async def _read_json(
+    request: Request, state: ServerState, deadline_s: float, parse: Callable[..., T], *args: Any
+) -> T:
+    """A tokenizer route's body, parsed and checked by ``parse(body, *args)`` in a check
+    thread (never on the loop, whatever its size)."""
     _check_not_draining(state)
     require_json(request.headers.get("content-type"))
     raw = await read_body(request, state.config.max_body_bytes)
-    return await off_loop_if(
-        len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, parse_json_object, raw
-    )
+    return await state.checks.run(_client(request), deadline_s, _parsed, raw, parse, *args)
+
+
+def _parsed(raw: bytes, parse: Callable[..., T], *args: Any) -> T:
+    return parse(parse_json_object(raw), *args)
+
+
+def _parse_tokenize(body: dict[str, Any], config: ServerConfig) -> TokenizeJob:
+    job = parse_tokenize(body)
+    check_size(prompt_size(job.prompt), limit=config.max_request_tokens, param="prompt")
+    return job
+
+
+def _parse_detokenize(body: dict[str, Any], config: ServerConfig) -> list[int]:
+    tokens = parse_detokenize(body)
+    check_size(len(tokens), limit=config.max_request_tokens, param="tokens")
+    return tokens
 
 
 async def _generate(request: Request, state: ServerState, *, chat: bool) -> Response:
@@ -397,22 +451,24 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
         raw = await read_body(request, state.config.max_body_bytes)
     except ClientDisconnect:
         return ClientGone()
-    body, job = await off_loop_if(
-        len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, _parse, raw, chat
-    )
     pool = state.pool
-    check_budget(
-        job,
-        limit=state.config.max_request_tokens,
-        default_max_tokens=pool.config.generation_defaults.get("max_new_tokens", 0),
+    client = _client(request)
+    # The wait for a check thread counts against the request's deadline, which only the
+    # body says exactly: until it is parsed, the header's or the pool's.
+    waiting_s = deadline_from(
+        {}, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
     )
+    budget = Budget(
+        state.config.max_request_tokens,
+        pool.config.generation_defaults.get("max_new_tokens", 0),
+    )
+    body, job = await state.checks.run(client, waiting_s, _parse, raw, chat, budget)
     deadline = deadline_from(
         body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
     )
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
     runs = job.choices()
-    client = request.client.host if request.client is not None else "-"
     ticket = state.fair_share.reserve(client, len(runs))
 
     if job.stream:
@@ -471,9 +527,21 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
     )
 
 
-def _parse(raw: bytes, chat: bool) -> tuple[dict[str, Any], Job]:
+@dataclass(frozen=True)
+class Budget:
+    """What ``check_budget`` holds a request to: ``max_request_tokens``, and the pool's
+    ``max_new_tokens`` for a request that says none."""
+
+    limit: int
+    default_max_tokens: int
+
+
+def _parse(raw: bytes, chat: bool, budget: Budget) -> tuple[dict[str, Any], Job]:
+    """A generation's body, parsed, checked and costed (in a check thread)."""
     body = parse_json_object(raw)
-    return body, parse_chat(body) if chat else parse_completion(body)
+    job = parse_chat(body) if chat else parse_completion(body)
+    check_budget(job, limit=budget.limit, default_max_tokens=budget.default_max_tokens)
+    return body, job
 
 
 def _render(job: Job, by_index: dict[int, Result], model: str) -> bytes:

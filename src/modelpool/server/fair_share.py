@@ -34,7 +34,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from modelpool.errors import DeadlineExceeded
@@ -59,6 +59,8 @@ class FairShare:
         self.max_waiting = max_waiting
         self._running: collections.Counter[str] = collections.Counter()
         self._reserved: collections.Counter[str] = collections.Counter()
+        # Requests still being parsed and checked (server.checks): each counts as a run.
+        self._checking: collections.Counter[str] = collections.Counter()
         # Clients with runs waiting, in turn order; each with its runs, oldest first.
         self._waiters: dict[str, collections.deque[asyncio.Future[None]]] = {}
         self._in_pool = 0
@@ -67,7 +69,7 @@ class FairShare:
 
     def reserve(self, client: str, runs: int) -> Ticket:
         """Room for ``runs`` more runs of ``client``, or a 429 saying which bound it met."""
-        held = self._running[client] + self._reserved[client]
+        held = self._running[client] + self._reserved[client] + self._checking[client]
         if held + runs > self.max_running + self.max_queued:
             raise ApiError(
                 429,
@@ -92,13 +94,39 @@ class FairShare:
         self._last_active[client] = time.monotonic()
         return Ticket(self, client, runs)
 
+    @contextlib.contextmanager
+    def checking(self, client: str) -> Iterator[None]:
+        """One request of ``client`` being parsed and checked: held against its share
+        like a run (429 ``client_limit`` past it), so that a client cannot queue
+        unbounded work in the check threads either."""
+        held = self._running[client] + self._reserved[client] + self._checking[client]
+        if held + 1 > self.max_running + self.max_queued:
+            raise ApiError(
+                429,
+                f"this client has {held} runs and requests in flight or waiting; one more "
+                f"would pass its share ({self.max_running} running + {self.max_queued} "
+                "waiting: [server] client_max_running, client_max_queued)",
+                type="rate_limit_error",
+                code="client_limit",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self._checking[client] += 1
+        self._last_active[client] = time.monotonic()
+        try:
+            yield
+        finally:
+            self._checking[client] -= 1
+            if self._checking[client] <= 0:
+                del self._checking[client]
+
     def snapshot(self) -> dict[str, Any]:
         """What ``/stats`` shows under ``fair_share``."""
         return {
             "capacity": self.capacity,
             "in_pool": self._in_pool,
             "waiting": sum(len(waiters) for waiters in self._waiters.values()),
-            "clients": len(set(self._running) | set(self._reserved)),
+            "clients": len(set(self._running) | set(self._reserved) | set(self._checking)),
+            "checking": sum(self._checking.values()),
         }
 
     def _unreserve(self, client: str, runs: int) -> None:
