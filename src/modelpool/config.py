@@ -210,6 +210,9 @@ class ServerConfig:
     port: int = 8000
     # The bearer key is read from this variable; unset or empty there = no key required.
     api_key_env: str | None = "MODELPOOL_API_KEY"
+    # Several keys, one per tenant, each with its own share and budget (server.tenants);
+    # with it, fair share is by tenant, not by address.
+    keys_file: str | None = None
     max_body_bytes: int = 1_048_576
     drain_timeout_s: float = 30.0
     max_request_timeout_s: float | None = None
@@ -257,6 +260,9 @@ class ServerConfig:
             raise ValueError(f"server.port must be <= 65535, got {self.port!r}")
         if self.api_key_env is not None and not isinstance(self.api_key_env, str):
             raise ValueError(f"server.api_key_env must be a string, got {self.api_key_env!r}")
+        keys_file = self.keys_file
+        if keys_file is not None and (not isinstance(keys_file, str) or not keys_file):
+            raise ValueError(f"server.keys_file must be a path, got {self.keys_file!r}")
         _check_int("server.max_body_bytes", self.max_body_bytes, minimum=1)
         _check_number("server.drain_timeout_s", self.drain_timeout_s, allow_zero=True)
         _check_number(

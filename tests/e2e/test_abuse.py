@@ -673,3 +673,33 @@ def test_the_logged_path_cannot_forge_a_line(
     assert len(lines) == 1, lines
     assert "\n" not in lines[0] and "\x1b" not in lines[0]
     assert "/x%0A2026-12-01" in lines[0]
+
+
+# ---- tenants --------------------------------------------------------------------------------
+
+
+def test_each_tenant_has_its_own_share_and_budget(
+    pool: ModelPool, tmp_path: Any
+) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        '[tenants.small]\nkey = "sk-small-0123456789"\n'
+        "client_max_running = 1\nclient_max_queued = 0\nmax_request_tokens = 1000\n"
+        '[tenants.big]\nkey = "sk-big-0123456789ab"\n'
+    )
+    small = {"Authorization": "Bearer sk-small-0123456789"}
+    big = {"Authorization": "Bearer sk-big-0123456789ab"}
+    two = {"prompt": "echo:x", "n": 2}
+    with serving(pool, keys_file=str(keys)) as served:
+        http = served.http
+        # One address, two tenants: each is held to its own limits.
+        assert _error(http.post(COMPLETIONS, json=two, headers=small), 429)["code"] == (
+            "client_limit"
+        )
+        assert http.post(COMPLETIONS, json=two, headers=big).status_code == 200
+        costly = {"prompt": "x" * 2000, "max_tokens": 1}
+        assert _error(http.post(COMPLETIONS, json=costly, headers=small), 400)["code"] == (
+            "request_too_expensive"
+        )
+        assert http.post(COMPLETIONS, json=costly, headers=big).status_code == 200
+        assert _error(http.post(COMPLETIONS, json=two), 401)["code"] == "invalid_api_key"

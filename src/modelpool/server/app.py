@@ -70,7 +70,7 @@ from modelpool.errors import (
 from modelpool.protocol import Prompt
 from modelpool.server.checks import Checks
 from modelpool.server.errors import RETRY_AFTER_UNAVAILABLE, pool_error_to_api, shutting_down
-from modelpool.server.fair_share import FairShare
+from modelpool.server.fair_share import FairShare, Limits
 from modelpool.server.guard import BrowserGuard, Gate, require_json
 from modelpool.server.http import (
     ApiError,
@@ -98,7 +98,7 @@ from modelpool.server.openai.stream import (
     answer_tokens,
     note_results,
 )
-from modelpool.server.tenants import Keys
+from modelpool.server.tenants import Keys, Tenant
 from modelpool.server.tokenize import (
     TokenizeJob,
     parse_detokenize,
@@ -196,7 +196,7 @@ def create_app(
     """The daemon's ASGI app for a started ``pool``. The key is ``api_key``, or else read
     from the variable ``server_config.api_key_env`` names."""
     metrics = PoolMetrics(pool.stats)
-    keys = Keys.single(api_key or api_key_from_env(server_config))
+    keys = Keys.configured(server_config.keys_file, api_key or api_key_from_env(server_config))
     fair_share = FairShare(
         capacity=pool.config.workers * pool.config.max_batch_size,
         max_running=server_config.client_max_running,
@@ -342,7 +342,8 @@ def create_app(
         # Inside fair share and the budget like a generation: tokenizing takes a worker.
         deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
         job = await _read_json(request, state, deadline, _parse_tokenize, state.config)
-        ticket = state.fair_share.reserve(_client(request), 1)
+        client = _client(request, state)
+        ticket = state.fair_share.reserve(client.name, 1, client.limits)
         try:
             async with ticket.slot(deadline) as left_s:
                 tokens = await pool.atokenize(
@@ -363,7 +364,8 @@ def create_app(
         tokens = await _read_json(request, state, deadline, _parse_detokenize, state.config)
         if not tokens:
             return JSONResponse({"prompt": ""})
-        ticket = state.fair_share.reserve(_client(request), 1)
+        client = _client(request, state)
+        ticket = state.fair_share.reserve(client.name, 1, client.limits)
         try:
             async with ticket.slot(deadline) as left_s:
                 text = await pool.adetokenize(tokens, deadline_s=left_s)
@@ -412,9 +414,27 @@ def _check_not_draining(state: ServerState) -> None:
         )
 
 
-def _client(request: Request) -> str:
-    """Who a request counts against in fair share: its address."""
-    return request.client.host if request.client is not None else "-"
+@dataclass(frozen=True)
+class Client:
+    """Who a request counts against: its tenant when keys are set, else its address."""
+
+    name: str
+    tenant: Tenant | None
+
+    @property
+    def limits(self) -> Limits | None:
+        if self.tenant is None:
+            return None
+        return (self.tenant.client_max_running, self.tenant.client_max_queued)
+
+
+def _client(request: Request, state: ServerState) -> Client:
+    if state.keys.required:
+        # The key was checked already (the protocol, the Gate): it names a tenant.
+        tenant = state.keys.tenant(request.headers.get("authorization", "").encode("latin-1"))
+        if tenant is not None:
+            return Client(f"tenant:{tenant.name}", tenant)
+    return Client(request.client.host if request.client is not None else "-", None)
 
 
 async def _read_json(
@@ -425,7 +445,9 @@ async def _read_json(
     _check_not_draining(state)
     require_json(request.headers.get("content-type"))
     raw = await read_body(request, state.config.max_body_bytes)
-    return await state.checks.run(_client(request), deadline_s, _parsed, raw, parse, *args)
+    client = _client(request, state)
+    checks = state.checks
+    return await checks.run(client.name, client.limits, deadline_s, _parsed, raw, parse, *args)
 
 
 def _parsed(raw: bytes, parse: Callable[..., T], *args: Any) -> T:
@@ -452,24 +474,27 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
     except ClientDisconnect:
         return ClientGone()
     pool = state.pool
-    client = _client(request)
+    client = _client(request, state)
     # The wait for a check thread counts against the request's deadline, which only the
     # body says exactly: until it is parsed, the header's or the pool's.
     waiting_s = deadline_from(
         {}, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
     )
+    tenant_budget = client.tenant.max_request_tokens if client.tenant is not None else None
     budget = Budget(
-        state.config.max_request_tokens,
+        tenant_budget or state.config.max_request_tokens,
         pool.config.generation_defaults.get("max_new_tokens", 0),
     )
-    body, job = await state.checks.run(client, waiting_s, _parse, raw, chat, budget)
+    body, job = await state.checks.run(
+        client.name, client.limits, waiting_s, _parse, raw, chat, budget
+    )
     deadline = deadline_from(
         body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
     )
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
     runs = job.choices()
-    ticket = state.fair_share.reserve(client, len(runs))
+    ticket = state.fair_share.reserve(client.name, len(runs), client.limits)
 
     if job.stream:
 

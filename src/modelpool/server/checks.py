@@ -11,7 +11,7 @@ counts against its client's share of the pool, so that nobody can queue unbounde
 here::
 
     checks = Checks(share, max_waiting=1024)
-    body, job = await checks.run("10.0.0.7", 30.0, parse, raw)   # or ApiError 429
+    body, job = await checks.run("10.0.0.7", None, 30.0, parse, raw)   # or ApiError 429
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from modelpool.server.fair_share import FairShare
+from modelpool.server.fair_share import FairShare, Limits
 from modelpool.structured import checked_inline
 
 T = TypeVar("T")
@@ -41,10 +41,18 @@ class Checks:
         )
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="modelpool-check")
 
-    async def run(self, client: str, deadline_s: float, work: Callable[..., T], *args: Any) -> T:
+    async def run(
+        self,
+        client: str,
+        limits: Limits | None,
+        deadline_s: float,
+        work: Callable[..., T],
+        *args: Any,
+    ) -> T:
         """``work(*args)`` in a check thread when ``client``'s turn comes (within
-        ``deadline_s``, else DeadlineExceeded), its grammar checks inline there."""
-        with self._share.checking(client):
+        ``deadline_s``, else DeadlineExceeded), its grammar checks inline there;
+        ``limits``: the client's own share (a tenant's)."""
+        with self._share.checking(client, limits):
             ticket = self._turns.reserve(client, 1)
             try:
                 async with ticket.slot(deadline_s):

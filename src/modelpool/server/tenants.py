@@ -56,6 +56,16 @@ class Keys:
         return cls({key: Tenant("default")} if key else {})
 
     @classmethod
+    def configured(cls, keys_file: str | None, api_key: str | None) -> Keys:
+        """``keys_file``'s tenants, with ``api_key`` (if any) as the tenant "default"."""
+        if keys_file is None:
+            return cls.single(api_key)
+        keys = cls.from_file(keys_file)
+        if api_key:
+            keys._by_digest[_digest(api_key.encode())] = Tenant("default")
+        return keys
+
+    @classmethod
     def from_file(cls, path: str | Path) -> Keys:
         """A tenant per table of ``path`` (ValueError naming what is wrong)."""
         with open(path, "rb") as file:
