@@ -184,7 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         from modelpool.pool import ModelPool
         from modelpool.server import DrainingServer, api_key_from_env, create_app
-        from modelpool.server.guard import guarded_protocol, raise_open_files_limit
+        from modelpool.server.guard import raise_open_files_limit, uvicorn_options
     except ImportError as exc:
         raise CliError(
             f"serve needs the server extra: pip install 'modelpool[server]' ({exc})"
@@ -247,9 +247,10 @@ def _serve(args: argparse.Namespace) -> int:
                 log_config=None,  # keep our logging setup; uvicorn's loggers propagate to it
                 access_log=False,  # modelpool.access writes one richer line per request
                 lifespan="off",
-                # Header size, count and read timeouts, body read timeouts, and the cap
-                # on connections (server.guard.guarded_protocol); keep-alive stays 5 s.
-                http=guarded_protocol(server_config),
+                # Header size, count and read timeouts, body read timeouts, the cap on
+                # connections (server.guard.guarded_protocol), and proxy headers only
+                # from forwarded_allow_ips; keep-alive stays 5 s.
+                **uvicorn_options(server_config, app.state.modelpool.keys),
                 # uvicorn takes whole seconds here; round up so a drain is never cut short.
                 timeout_graceful_shutdown=math.ceil(server_config.drain_timeout_s),
             ),

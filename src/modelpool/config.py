@@ -210,6 +210,9 @@ class ServerConfig:
     port: int = 8000
     # The bearer key is read from this variable; unset or empty there = no key required.
     api_key_env: str | None = "MODELPOOL_API_KEY"
+    # Several keys, one per tenant, each with its own share and budget (server.tenants);
+    # with it, fair share is by tenant, not by address.
+    keys_file: str | None = None
     max_body_bytes: int = 1_048_576
     drain_timeout_s: float = 30.0
     max_request_timeout_s: float | None = None
@@ -246,6 +249,13 @@ class ServerConfig:
     responses_store_entries: int = 1024
     responses_store_bytes: int = 67_108_864
     responses_store_ttl_s: float = 3600.0
+    # Of those, the most one client address may hold (None: a quarter of the bound, at
+    # least max_body_bytes), so that one client cannot fill the bound for the others.
+    client_max_pending_body_bytes: int | None = None
+    # Addresses (or networks, as uvicorn reads them) whose X-Forwarded-For and
+    # X-Forwarded-Proto are believed: a client is the address they name. Empty: none, so
+    # no client can name itself another address and so take another's fair share.
+    forwarded_allow_ips: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -255,6 +265,9 @@ class ServerConfig:
             raise ValueError(f"server.port must be <= 65535, got {self.port!r}")
         if self.api_key_env is not None and not isinstance(self.api_key_env, str):
             raise ValueError(f"server.api_key_env must be a string, got {self.api_key_env!r}")
+        keys_file = self.keys_file
+        if keys_file is not None and (not isinstance(keys_file, str) or not keys_file):
+            raise ValueError(f"server.keys_file must be a path, got {self.keys_file!r}")
         _check_int("server.max_body_bytes", self.max_body_bytes, minimum=1)
         _check_number("server.drain_timeout_s", self.drain_timeout_s, allow_zero=True)
         _check_number(
@@ -286,12 +299,35 @@ class ServerConfig:
         _check_int("server.responses_store_entries", self.responses_store_entries, minimum=0)
         _check_int("server.responses_store_bytes", self.responses_store_bytes, minimum=0)
         _check_number("server.responses_store_ttl_s", self.responses_store_ttl_s, allow_zero=False)
+        _check_int(
+            "server.client_max_pending_body_bytes",
+            self.client_max_pending_body_bytes,
+            minimum=1,
+            optional=True,
+        )
+        if self.client_pending_body_bytes() < self.max_body_bytes:
+            raise ValueError(
+                f"server.client_max_pending_body_bytes ({self.client_max_pending_body_bytes}) "
+                f"must be at least server.max_body_bytes ({self.max_body_bytes}): one body "
+                "alone would be refused"
+            )
+        object.__setattr__(
+            self,
+            "forwarded_allow_ips",
+            _optional_names("server.forwarded_allow_ips", self.forwarded_allow_ips) or (),
+        )
         if self.max_pending_body_bytes < self.max_body_bytes:
             raise ValueError(
                 f"server.max_pending_body_bytes ({self.max_pending_body_bytes}) must be at "
                 f"least server.max_body_bytes ({self.max_body_bytes}): one body alone would "
                 "be refused"
             )
+
+    def client_pending_body_bytes(self) -> int:
+        """The bytes of bodies still being received that one client address may hold."""
+        if self.client_max_pending_body_bytes is not None:
+            return self.client_max_pending_body_bytes
+        return max(self.max_body_bytes, self.max_pending_body_bytes // 4)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> ServerConfig:

@@ -25,6 +25,7 @@ happened to each try::
         ├── ContextLengthExceeded
         └── GrammarError          a response_format or grammar that cannot be honoured
             ├── GrammarCompileTimeout   its compilation outlasted grammar_compile_timeout_s
+            ├── SchemaTooComplex        past a bound on the work of checking it
             └── GrammarEngineMissing    llguidance is not installed
 
 ``ModelSourceError`` and ``DeviceError`` are both a ``PreflightError``: the checks
@@ -287,6 +288,16 @@ class GrammarError(InvalidRequest):
         super().__init__(message, request_id=request_id, attempts=attempts)
         self.param = param
         self.keyword = keyword
+
+
+class SchemaTooComplex(GrammarError):
+    """A structured-output constraint past one of the supervisor's bounds on the work of
+    checking it (``bound`` names it: ``schema_nodes``, ``allof_branches``, ``choices``,
+    ``grammar_bytes``, ``check_seconds``); refused before the grammar engine runs on it."""
+
+    def __init__(self, message: str, *, bound: str, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.bound = bound
 
 
 class GrammarCompileTimeout(GrammarError):

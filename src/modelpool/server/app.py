@@ -52,6 +52,7 @@ import socket
 import time
 from collections.abc import (
     AsyncIterator,
+    Callable,
     Coroutine,
     Iterator,
     Mapping,
@@ -73,13 +74,14 @@ from modelpool.errors import (
 )
 from modelpool.protocol import Prompt
 from modelpool.server.anthropic.api import MessagesApi, count_prompt
+from modelpool.server.checks import Checks
 from modelpool.server.errors import (
     RETRY_AFTER_UNAVAILABLE,
     error_response,
     pool_error_to_api,
     shutting_down,
 )
-from modelpool.server.fair_share import FairShare
+from modelpool.server.fair_share import FairShare, Limits
 from modelpool.server.generation import Api, P, Plain
 from modelpool.server.guard import BrowserGuard, Gate, require_json
 from modelpool.server.http import (
@@ -95,9 +97,11 @@ from modelpool.server.metrics import CONTENT_TYPE, PoolMetrics
 from modelpool.server.openai.format import response_body
 from modelpool.server.openai.request import (
     check_budget,
+    check_size,
     deadline_from,
     parse_chat,
     parse_completion,
+    prompt_size,
 )
 from modelpool.server.openai.stream import ChatChunks
 from modelpool.server.responses.api import ResponsesApi
@@ -109,7 +113,13 @@ from modelpool.server.streaming import (
     answer_tokens,
     note_results,
 )
-from modelpool.server.tokenize import parse_detokenize, parse_tokenize, tokenize_body
+from modelpool.server.tenants import Keys, Tenant
+from modelpool.server.tokenize import (
+    TokenizeJob,
+    parse_detokenize,
+    parse_tokenize,
+    tokenize_body,
+)
 
 if TYPE_CHECKING:
     from modelpool.pool import AsyncPoolStream, ModelPool, Result
@@ -118,8 +128,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Bodies larger than this are parsed and checked off the event loop.
-PARSE_OFF_LOOP_BYTES = 65_536
 READY_WORKER_STATES = frozenset({"idle", "busy", "spare"})
 
 
@@ -179,6 +187,8 @@ class ServerState:
     started: int
     fair_share: FairShare
     responses: ResponsesApi  # its store: previous_response_id, GET/DELETE
+    keys: Keys
+    checks: Checks
     # Parsing and building large bodies and answers, in a thread, one at a time.
     heavy_work: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     draining: bool = False
@@ -202,18 +212,22 @@ def create_app(
     """The daemon's ASGI app for a started ``pool``. The key is ``api_key``, or else read
     from the variable ``server_config.api_key_env`` names."""
     metrics = PoolMetrics(pool.stats)
+    keys = Keys.configured(server_config.keys_file, api_key or api_key_from_env(server_config))
+    fair_share = FairShare(
+        capacity=pool.config.workers * pool.config.max_batch_size,
+        max_running=server_config.client_max_running,
+        max_queued=server_config.client_max_queued,
+        max_waiting=pool.config.max_queue,
+    )
     state = ServerState(
         pool=pool,
         config=server_config,
         model_name=model_name,
         metrics=metrics,
         started=int(time.time()),
-        fair_share=FairShare(
-            capacity=pool.config.workers * pool.config.max_batch_size,
-            max_running=server_config.client_max_running,
-            max_queued=server_config.client_max_queued,
-            max_waiting=pool.config.max_queue,
-        ),
+        fair_share=fair_share,
+        keys=keys,
+        checks=Checks(fair_share, max_waiting=pool.config.max_queue),
         responses=ResponsesApi(
             ResponseStore(
                 max_entries=server_config.responses_store_entries,
@@ -226,7 +240,7 @@ def create_app(
     app.state.modelpool = state
     app.add_middleware(
         Gate,
-        api_key=api_key or api_key_from_env(server_config),
+        keys=keys,
         max_body_bytes=server_config.max_body_bytes,
         metrics=metrics,
         guard=BrowserGuard(server_config),
@@ -316,7 +330,13 @@ def create_app(
     @app.get("/stats")
     async def stats() -> Response:
         snapshot = await pool.astats()
-        return JSONResponse({**snapshot.to_dict(), "fair_share": state.fair_share.snapshot()})
+        return JSONResponse(
+            {
+                **snapshot.to_dict(),
+                "fair_share": state.fair_share.snapshot(),
+                "checks": state.checks.snapshot(),
+            }
+        )
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -343,20 +363,38 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        body = await _read_json(request, state)
-        job = parse_tokenize(body)
+        # Inside fair share and the budget like a generation: tokenizing takes a worker.
         deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        tokens = await pool.atokenize(
-            job.prompt, add_generation_prompt=job.add_generation_prompt, deadline_s=deadline
-        )
+        job = await _read_json(request, state, deadline, _parse_tokenize, state.config)
+        client = _client(request, state)
+        ticket = state.fair_share.reserve(client.name, 1, client.limits)
+        try:
+            async with ticket.slot(deadline) as left_s:
+                tokens = await pool.atokenize(
+                    job.prompt, add_generation_prompt=job.add_generation_prompt, deadline_s=left_s
+                )
+        finally:
+            ticket.close()
         snapshot = await pool.astats()
-        return JSONResponse(tokenize_body(tokens, snapshot.max_model_len))
+        body = tokenize_body(tokens, snapshot.max_model_len)
+        content = await off_loop_if(
+            len(tokens) > ENCODE_OFF_LOOP_TOKENS, state.heavy_work, json_bytes, body
+        )
+        return Response(content, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        tokens = parse_detokenize(await _read_json(request, state))
         deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        text = await pool.adetokenize(tokens, deadline_s=deadline) if tokens else ""
+        tokens = await _read_json(request, state, deadline, _parse_detokenize, state.config)
+        if not tokens:
+            return JSONResponse({"prompt": ""})
+        client = _client(request, state)
+        ticket = state.fair_share.reserve(client.name, 1, client.limits)
+        try:
+            async with ticket.slot(deadline) as left_s:
+                text = await pool.adetokenize(tokens, deadline_s=left_s)
+        finally:
+            ticket.close()
         return JSONResponse({"prompt": text})
 
     @app.post("/v1/completions")
@@ -385,10 +423,16 @@ def create_app(
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        body = await _read_json(request, state)
-        prompt = count_prompt(body)
+        # Inside fair share and the budget like /tokenize: counting takes a worker.
         deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        tokens = await pool.atokenize(prompt, deadline_s=deadline)
+        prompt = await _read_json(request, state, deadline, _parse_count, state.config)
+        client = _client(request, state)
+        ticket = state.fair_share.reserve(client.name, 1, client.limits)
+        try:
+            async with ticket.slot(deadline) as left_s:
+                tokens = await pool.atokenize(prompt, deadline_s=left_s)
+        finally:
+            ticket.close()
         return JSONResponse({"input_tokens": len(tokens)})
 
     return app
@@ -424,14 +468,62 @@ def _check_not_draining(state: ServerState) -> None:
         )
 
 
-async def _read_json(request: Request, state: ServerState) -> dict[str, Any]:
-    """A small JSON body (the tokenizer routes'), parsed off the loop when large."""
+@dataclass(frozen=True)
+class Client:
+    """Who a request counts against: its tenant when keys are set, else its address."""
+
+    name: str
+    tenant: Tenant | None
+
+    @property
+    def limits(self) -> Limits | None:
+        if self.tenant is None:
+            return None
+        return (self.tenant.client_max_running, self.tenant.client_max_queued)
+
+
+def _client(request: Request, state: ServerState) -> Client:
+    if state.keys.required:
+        # The key was checked already (the protocol, the Gate): it names a tenant.
+        tenant = state.keys.tenant(request.headers.get("authorization", "").encode("latin-1"))
+        if tenant is not None:
+            return Client(f"tenant:{tenant.name}", tenant)
+    return Client(request.client.host if request.client is not None else "-", None)
+
+
+async def _read_json(
+    request: Request, state: ServerState, deadline_s: float, parse: Callable[..., T], *args: Any
+) -> T:
+    """A tokenizer route's body, parsed and checked by ``parse(body, *args)`` in a check
+    thread (never on the loop, whatever its size)."""
     _check_not_draining(state)
     require_json(request.headers.get("content-type"))
     raw = await read_body(request, state.config.max_body_bytes)
-    return await off_loop_if(
-        len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, parse_json_object, raw
-    )
+    client = _client(request, state)
+    checks = state.checks
+    return await checks.run(client.name, client.limits, deadline_s, _parsed, raw, parse, *args)
+
+
+def _parsed(raw: bytes, parse: Callable[..., T], *args: Any) -> T:
+    return parse(parse_json_object(raw), *args)
+
+
+def _parse_tokenize(body: dict[str, Any], config: ServerConfig) -> TokenizeJob:
+    job = parse_tokenize(body)
+    check_size(prompt_size(job.prompt), limit=config.max_request_tokens, param="prompt")
+    return job
+
+
+def _parse_count(body: dict[str, Any], config: ServerConfig) -> Prompt:
+    prompt = count_prompt(body)
+    check_size(prompt_size(prompt), limit=config.max_request_tokens, param="messages")
+    return prompt
+
+
+def _parse_detokenize(body: dict[str, Any], config: ServerConfig) -> list[int]:
+    tokens = parse_detokenize(body)
+    check_size(len(tokens), limit=config.max_request_tokens, param="tokens")
+    return tokens
 
 
 async def _generate(request: Request, state: ServerState, api: Api[P]) -> Response:
@@ -443,24 +535,29 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         raw = await read_body(request, state.config.max_body_bytes)
     except ClientDisconnect:
         return ClientGone()
-    body, parsed = await off_loop_if(
-        len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, _parse, raw, api
+    pool = state.pool
+    client = _client(request, state)
+    # The wait for a check thread counts against the request's deadline, which only the
+    # body says exactly: until it is parsed, the header's or the pool's.
+    waiting_s = deadline_from(
+        {}, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
+    )
+    tenant_budget = client.tenant.max_request_tokens if client.tenant is not None else None
+    budget = Budget(
+        tenant_budget or state.config.max_request_tokens,
+        pool.config.generation_defaults.get("max_new_tokens", 0),
+    )
+    body, parsed = await state.checks.run(
+        client.name, client.limits, waiting_s, _parse, raw, api, budget
     )
     job = parsed.job
-    pool = state.pool
-    check_budget(
-        job,
-        limit=state.config.max_request_tokens,
-        default_max_tokens=pool.config.generation_defaults.get("max_new_tokens", 0),
-    )
     deadline = deadline_from(
         body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
     )
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
     runs = job.choices()
-    client = request.client.host if request.client is not None else "-"
-    ticket = state.fair_share.reserve(client, len(runs))
+    ticket = state.fair_share.reserve(client.name, len(runs), client.limits)
 
     if job.stream:
 
@@ -518,9 +615,22 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     )
 
 
-def _parse(raw: bytes, api: Api[P]) -> tuple[dict[str, Any], P]:
+@dataclass(frozen=True)
+class Budget:
+    """What ``check_budget`` holds a request to: ``max_request_tokens``, and the pool's
+    ``max_new_tokens`` for a request that says none."""
+
+    limit: int
+    default_max_tokens: int
+
+
+def _parse(raw: bytes, api: Api[P], budget: Budget) -> tuple[dict[str, Any], P]:
+    """A generation's body, parsed by its API family, checked and costed (in a check
+    thread)."""
     body = parse_json_object(raw)
-    return body, api.parse(body)
+    parsed = api.parse(body)
+    check_budget(parsed.job, limit=budget.limit, default_max_tokens=budget.default_max_tokens)
+    return body, parsed
 
 
 class CompletionsApi:

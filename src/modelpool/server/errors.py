@@ -22,6 +22,7 @@ from modelpool.errors import (
     PoolClosed,
     PoolError,
     PoolOverloaded,
+    SchemaTooComplex,
     WorkerCrashed,
 )
 from modelpool.server.http import ApiError
@@ -51,6 +52,14 @@ def pool_error_to_api(error: PoolError) -> ApiError:
     if isinstance(error, GrammarCompileTimeout):
         return ApiError(
             400, error.message, code="grammar_compile_timeout", param=error.param, extra=extra
+        )
+    if isinstance(error, SchemaTooComplex):
+        return ApiError(
+            400,
+            error.message,
+            code="schema_too_complex",
+            param=error.param,
+            extra={**extra, "bound": error.bound},
         )
     if isinstance(error, GrammarError):
         return ApiError(
