@@ -6,7 +6,11 @@ to a started :class:`~modelpool.ModelPool` only through its public API
 on uvicorn::
 
     app = create_app(pool, ServerConfig(), "smollm2-135m-instruct")
+    app = create_app(registry, ServerConfig())     # many models: a started ModelRegistry
     uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Every route that runs a model gets its pool from ``state.pool_for(request, body)``: the
+one pool, whatever ``model`` says, or the registry's model of that name (``models.py``).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
 sends server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
@@ -67,6 +71,8 @@ from modelpool.errors import (
     PoolError,
 )
 from modelpool.protocol import Prompt
+from modelpool.registry import ModelRegistry
+from modelpool.server import models as multi
 from modelpool.server.errors import RETRY_AFTER_UNAVAILABLE, pool_error_to_api, shutting_down
 from modelpool.server.fair_share import FairShare
 from modelpool.server.guard import BrowserGuard, Gate, require_json
@@ -95,6 +101,7 @@ from modelpool.server.openai.stream import (
     note_results,
 )
 from modelpool.server.tokenize import parse_detokenize, parse_tokenize, tokenize_body
+from modelpool.stats import PoolHealth
 
 if TYPE_CHECKING:
     from modelpool.pool import AsyncPoolStream, ModelPool, Result
@@ -155,9 +162,10 @@ class LoopWatch:
 
 @dataclass
 class ServerState:
-    """Mutable state shared by the routes and the CLI's signal handler."""
+    """Mutable state shared by the routes and the CLI's signal handler. One of ``pool``
+    (one model) and ``registry`` (many) is set."""
 
-    pool: ModelPool
+    pool: ModelPool | None
     config: ServerConfig
     model_name: str
     metrics: PoolMetrics
@@ -167,6 +175,26 @@ class ServerState:
     heavy_work: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     draining: bool = False
     loop_watch: LoopWatch = field(default_factory=LoopWatch)
+    registry: ModelRegistry | None = None
+
+    async def pool_for(self, request: Request, body: dict[str, Any]) -> ModelPool:
+        """The pool for the body's ``model``, held until the answer is sent (see
+        ``server.models``): the one pool, or the registry's, loaded if need be."""
+        return await multi.pool_for(self, request, body)
+
+    def time_left(self, request: Request, deadline_s: float) -> float:
+        """``deadline_s`` less what the request waited for its model to load."""
+        return multi.time_left(request, deadline_s)
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        return await _read_json(request, self)
+
+    def health(self) -> PoolHealth:
+        """The pool's liveness, or the registry's (its supervisor's heartbeat)."""
+        if self.registry is not None:
+            return self.registry.health()
+        assert self.pool is not None
+        return self.pool.health()
 
 
 def api_key_from_env(server_config: ServerConfig) -> str | None:
@@ -177,30 +205,43 @@ def api_key_from_env(server_config: ServerConfig) -> str | None:
 
 
 def create_app(
-    pool: ModelPool,
+    served: ModelPool | ModelRegistry,
     server_config: ServerConfig,
-    model_name: str,
+    model_name: str = "",
     *,
     api_key: str | None = None,
 ) -> FastAPI:
-    """The daemon's ASGI app for a started ``pool``. The key is ``api_key``, or else read
-    from the variable ``server_config.api_key_env`` names."""
-    metrics = PoolMetrics(pool.stats)
+    """The daemon's ASGI app for a started pool (serving ``model_name``) or a started
+    :class:`ModelRegistry`. The key is ``api_key``, or else read from the variable
+    ``server_config.api_key_env`` names."""
+    registry: ModelRegistry | None = None
+    pool: ModelPool | None = None
+    if isinstance(served, ModelRegistry):
+        registry = served
+        configs = [spec.pool for spec in registry.config.models]
+        metrics = PoolMetrics(registry_source=registry.stats)
+    else:
+        pool = served
+        configs = [pool.config]
+        metrics = PoolMetrics(pool.stats, model=model_name)
     state = ServerState(
         pool=pool,
+        registry=registry,
         config=server_config,
         model_name=model_name,
         metrics=metrics,
         started=int(time.time()),
         fair_share=FairShare(
-            capacity=pool.config.workers * pool.config.max_batch_size,
+            capacity=sum(c.workers * c.max_batch_size for c in configs),
             max_running=server_config.client_max_running,
             max_queued=server_config.client_max_queued,
-            max_waiting=pool.config.max_queue,
+            max_waiting=sum(c.max_queue for c in configs),
         ),
     )
     app = FastAPI(title="modelpool", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.modelpool = state
+    # Inside the Gate: a model's lease is released once the answer is out.
+    app.add_middleware(multi.ModelLeases)
     app.add_middleware(
         Gate,
         api_key=api_key or api_key_from_env(server_config),
@@ -255,7 +296,7 @@ def create_app(
         # Liveness, not readiness: never waits on the dispatcher (a wedged one is what
         # this must report), and a pool that is starting or degraded is still alive.
         state.loop_watch.ensure_started()
-        health = pool.health()
+        health = state.health()
         lag = state.loop_watch.lag_s()
         reasons: list[str] = [] if health.alive else [health.reason or "the pool is not alive"]
         if lag > state.config.max_event_loop_lag_s:
@@ -277,6 +318,9 @@ def create_app(
 
     @app.get("/readyz")
     async def readyz() -> Response:
+        if registry is not None:
+            return await _registry_ready(state, registry)
+        assert pool is not None
         stats = await run_in_threadpool(pool.stats)
         ready_workers = sum(1 for w in stats.workers if w.state in READY_WORKER_STATES)
         ready = not state.draining and stats.state in ("ready", "degraded") and ready_workers > 0
@@ -291,6 +335,12 @@ def create_app(
 
     @app.get("/stats")
     async def stats() -> Response:
+        if registry is not None:
+            snapshot_all = await run_in_threadpool(registry.stats)
+            return JSONResponse(
+                {**snapshot_all.to_dict(), "fair_share": state.fair_share.snapshot()}
+            )
+        assert pool is not None
         snapshot = await pool.astats()
         return JSONResponse({**snapshot.to_dict(), "fair_share": state.fair_share.snapshot()})
 
@@ -298,6 +348,51 @@ def create_app(
     async def prometheus() -> Response:
         body = await run_in_threadpool(metrics.render)
         return Response(body, media_type=CONTENT_TYPE)
+
+    if registry is not None:
+        multi.install_routes(app, state, registry)
+    else:
+        assert pool is not None
+        _install_model_routes(app, state, pool)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await _read_json(request, state)
+        job = parse_tokenize(body)
+        pool = await state.pool_for(request, body)
+        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
+        tokens = await pool.atokenize(
+            job.prompt,
+            add_generation_prompt=job.add_generation_prompt,
+            deadline_s=state.time_left(request, deadline),
+        )
+        snapshot = await pool.astats()
+        return JSONResponse(tokenize_body(tokens, snapshot.max_model_len))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await _read_json(request, state)
+        tokens = parse_detokenize(body)
+        pool = await state.pool_for(request, body)
+        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
+        left = state.time_left(request, deadline)
+        text = await pool.adetokenize(tokens, deadline_s=left) if tokens else ""
+        return JSONResponse({"prompt": text})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, state, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, state, chat=True)
+
+    return app
+
+
+def _install_model_routes(app: FastAPI, state: ServerState, pool: ModelPool) -> None:
+    """``/v1/models`` of a one-model daemon: the served model."""
+    model_name = state.model_name
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -317,33 +412,24 @@ def create_app(
         snapshot = await pool.astats()
         return _model_card(state, snapshot.max_model_len)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        body = await _read_json(request, state)
-        job = parse_tokenize(body)
-        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        tokens = await pool.atokenize(
-            job.prompt, add_generation_prompt=job.add_generation_prompt, deadline_s=deadline
-        )
-        snapshot = await pool.astats()
-        return JSONResponse(tokenize_body(tokens, snapshot.max_model_len))
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        tokens = parse_detokenize(await _read_json(request, state))
-        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        text = await pool.adetokenize(tokens, deadline_s=deadline) if tokens else ""
-        return JSONResponse({"prompt": text})
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generate(request, state, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _generate(request, state, chat=True)
-
-    return app
+async def _registry_ready(state: ServerState, registry: ModelRegistry) -> Response:
+    """Ready: not draining, the registry alive, and every preload model loaded (any other
+    model loads on its first request)."""
+    stats = await run_in_threadpool(registry.stats, with_pools=False)
+    waiting_for = [
+        name
+        for name, model in stats.models.items()
+        if registry.spec(name).preload and model.state != "loaded"
+    ]
+    ready = not state.draining and registry.health().alive and not waiting_for
+    body = {
+        "status": "ready" if ready else "not ready",
+        "models": {name: model.state for name, model in stats.models.items()},
+        "draining": state.draining,
+    }
+    headers = {} if ready else {"Retry-After": str(RETRY_AFTER_UNAVAILABLE)}
+    return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
 
 
 def _model_card(state: ServerState, max_model_len: int | None) -> dict[str, Any]:
@@ -396,14 +482,17 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
     body, job = await off_loop_if(
         len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, _parse, raw, chat
     )
-    pool = state.pool
+    pool = await state.pool_for(request, body)
     check_budget(
         job,
         limit=state.config.max_request_tokens,
         default_max_tokens=pool.config.generation_defaults.get("max_new_tokens", 0),
     )
-    deadline = deadline_from(
-        body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
+    deadline = state.time_left(
+        request,
+        deadline_from(
+            body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
+        ),
     )
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
@@ -425,7 +514,7 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
         return EventStream(
             [StreamedChoice(index, prompt, params) for index, prompt, params in runs],
             job,
-            model=state.model_name,
+            model=_answer_model(state, body),
             on_error=note_error,
             send_timeout_s=state.config.send_timeout_s,
             start=start,
@@ -458,7 +547,7 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
         _render,
         job,
         by_index,
-        state.model_name,
+        _answer_model(state, body),
     )
     return Response(
         content,
@@ -469,7 +558,18 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
 
 def _parse(raw: bytes, chat: bool) -> tuple[dict[str, Any], Job]:
     body = parse_json_object(raw)
-    return body, parse_chat(body) if chat else parse_completion(body)
+    keep_alive = multi.split_keep_alive(body)
+    job = parse_chat(body) if chat else parse_completion(body)
+    multi.put_keep_alive(body, keep_alive)
+    return body, job
+
+
+def _answer_model(state: ServerState, body: dict[str, Any]) -> str:
+    """The ``model`` an answer names: the served one, or the registry's name for the one
+    asked for (an alias answers with the model's own name)."""
+    if state.registry is None:
+        return state.model_name
+    return state.registry.spec(str(body.get("model"))).name
 
 
 def _render(job: Job, by_index: dict[int, Result], model: str) -> bytes:
