@@ -178,6 +178,7 @@ class FairShare:
             self._take(client)
             turn.set_result(None)
 
+
     def _recheck_now(self) -> None:
         self._recheck = None
         self._admit()

@@ -272,3 +272,13 @@ def response_body(job: Job, results: dict[int, Result], model: str, created: int
         "choices": choices,
         "usage": total_usage(job, results),
     }
+
+
+
+
+
+
+
+
+
+

@@ -116,6 +116,12 @@ _MESSAGE_KEYS: dict[str, frozenset[str]] = {
 # Request parsing
 
 
+
+
+
+
+
+
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
     for name in body:
         if name not in allowed and name not in _IGNORED_FIELDS:

@@ -49,6 +49,10 @@ STREAM_BUFFER_EVENTS = 64
 ENCODE_OFF_LOOP_TOKENS = 4_096
 
 
+
+
+
+
 def _sse(payload: Mapping[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
@@ -375,3 +379,9 @@ def note_results(state: dict[str, Any], results: Iterable[Result]) -> None:
 def answer_tokens(*results: Result) -> int:
     """Tokens in the answers of ``results``, prompts included (echo): what sizes it."""
     return sum((r.completion_tokens or 0) + (r.prompt_tokens or 0) for r in results)
+
+
+
+
+
+
