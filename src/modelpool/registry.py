@@ -753,12 +753,20 @@ class ModelRegistry:
             return self.config.memory_budget_bytes
         return self.config.gpu_memory_budget_bytes
 
-    def _held_total(self, without: set[int] | None = None) -> dict[str, int]:
+    def _held_total(
+        self, without: set[int] | None = None, *, at_peak: bool = False
+    ) -> dict[str, int]:
+        """What the models hold now, by resource; ``at_peak``: each model that holds
+        anything counted at its need (the most it was measured to hold), since a model
+        that holds less now may grow back to it while the next one loads."""
         total: dict[str, int] = {}
         for entry in self._entries.values():
             if without is not None and id(entry) in without:
                 continue
-            for resource, amount in entry.held.items():
+            held = dict(entry.held)
+            if at_peak and held and entry.need:
+                held = {r: max(held.get(r, 0), amount) for r, amount in entry.need.items()}
+            for resource, amount in held.items():
                 total[resource] = total.get(resource, 0) + amount
         return total
 
@@ -813,7 +821,7 @@ class ModelRegistry:
             if victim is not None:
                 victims.append(victim)
                 gone.add(id(victim))
-            held = self._held_total(without=gone)
+            held = self._held_total(without=gone, at_peak=True)
             if all(
                 (budget := self._budget(r)) is None or held.get(r, 0) + need <= budget
                 for r, need in entry.need.items()
@@ -853,6 +861,8 @@ class ModelRegistry:
         entry.retry_at = now + backoff
         entry.state = "failed"
         entry.reason = reason
+        if entry.pool is None:
+            entry.held = {}  # a failed load's workers are gone (or being killed) with it
         entry.error = error or ModelUnavailable(
             f"model {entry.spec.name!r} is failed: {reason}",
             model=entry.spec.name,
@@ -993,10 +1003,13 @@ class ModelRegistry:
                 targets.append((step.entry, step.loading))
             loading = step is not None and step.loading is not None
         self._next_sample = now + (SAMPLE_WHILE_LOADING_S if loading else SAMPLE_S)
-        readings = [(entry, self._measure(pool)) for entry, pool in targets]
+        readings = [(entry, pool, self._measure(pool)) for entry, pool in targets]
         with self._cond:
-            for entry, held in readings:
-                self._note_held(entry, held)
+            step = self._step
+            for entry, pool, held in readings:
+                # Only a pool still the model's: one unloaded or failed meanwhile holds nothing.
+                if entry.pool is pool or (step is not None and step.loading is pool):
+                    self._note_held(entry, held)
 
     def _note_held(self, entry: _Entry, held: dict[str, int]) -> None:
         """Record a measurement: the model's holding now, its need, the peak (lock held)."""

@@ -246,3 +246,19 @@ def test_a_model_too_large_even_alone_is_refused_naming_both_numbers(registry_of
     assert str(error.needed_bytes) in str(error) and "1000000" in str(error)
     assert registry.model_stats("big").state == "failed"
     wait_until(lambda: registry.stats().rss_bytes == 0, message="nothing left measured")
+
+
+def test_a_failed_load_holds_no_budget_so_the_next_model_still_loads(registry_of: Any) -> None:
+    # The hanging load was measured while it loaded; once it failed, that reading must
+    # not keep counting against the budget (it left every later load waiting, for ever).
+    need = measured_need()
+    registry = registry_of(
+        spec("hangs", load_delay_s=600, load_timeout_s=1.5),
+        spec("good"),
+        memory_budget_bytes=int(need * 1.5),
+    )
+    with pytest.raises(ModelUnavailable):
+        registry.acquire("hangs", deadline_s=30)
+    with registry.use("good", deadline_s=slack(5)) as pool:
+        assert pool.generate("echo:ok").text == "ok"
+    assert registry.stats().models["hangs"].rss_bytes is None
