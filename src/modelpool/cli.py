@@ -178,7 +178,8 @@ def _setup_logging(level: str) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
-    pool_config, server_config = _load_configs(args)
+    effective = _effective_config(args)
+    pool_config, server_config = effective.pool, effective.server
     try:
         import uvicorn
 
@@ -189,7 +190,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError(
             f"serve needs the server extra: pip install 'modelpool[server]' ({exc})"
         ) from None
-    _check_embedded_extra(pool_config.model)
+    for model in [spec.pool.model for spec in effective.models] or [pool_config.model]:
+        _check_embedded_extra(model)
     from modelpool.embedded import EmbeddedModelError
     from modelpool.errors import PoolError, PreflightError
 
@@ -214,6 +216,8 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
+    if effective.models:
+        return _serve_models(effective, listener, api_key)
     pool = ModelPool(pool_config)
     previous = _on_signals(_raise_stop)
     server: DrainingServer | None = None
@@ -269,6 +273,55 @@ def _serve(args: argparse.Namespace) -> int:
         _restore_signals(previous)
         if not preflight_failed:
             logger.info("stopped")
+    return 0
+
+
+def _serve_models(effective: EffectiveConfig, listener: socket.socket, api_key: str | None) -> int:
+    """``serve`` with ``[models.NAME]`` tables: a ModelRegistry; the port opens once the
+    ``preload`` models have loaded or failed (a failure stays that model's)."""
+    import uvicorn
+
+    from modelpool.registry import ModelRegistry, RegistryConfig
+    from modelpool.server import DrainingServer, create_app
+    from modelpool.server.guard import guarded_protocol
+
+    server_config = effective.server
+    registry = ModelRegistry(RegistryConfig.from_server(effective.models, server_config))
+    previous = _on_signals(_raise_stop)
+    server: DrainingServer | None = None
+    try:
+        registry.start()
+        app = create_app(registry, server_config, api_key=api_key)
+        logger.info(
+            "registry ready (%d models: %s); opening http://%s:%d",
+            len(effective.models),
+            ", ".join(spec.name for spec in effective.models),
+            server_config.host,
+            listener.getsockname()[1],
+        )
+        server = DrainingServer(
+            uvicorn.Config(
+                app,
+                host=server_config.host,
+                port=server_config.port,
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+                http=guarded_protocol(server_config),
+                timeout_graceful_shutdown=math.ceil(server_config.drain_timeout_s),
+            ),
+            app.state.modelpool,
+        )
+        server.run(sockets=[listener])
+    except _StopRequested:
+        logger.info("stopped while starting")
+    finally:
+        _on_signals(_ignore_during_close)
+        drain = server is not None and not server.forced
+        registry.close(timeout=5.0 if drain else 0.0)
+        listener.close()
+        _restore_signals(previous)
+        logger.info("stopped")
     return 0
 
 

@@ -19,7 +19,10 @@ happened to each try::
     ├── PoolOverloaded
     ├── PoolClosed
     ├── ModelLoadFailed
-    │   └── ModelSourceError  found before any worker started (preflight.py)
+    │   ├── ModelSourceError  found before any worker started (preflight.py)
+    │   ├── ModelUnavailable  a registry's model failed; its load backs off (registry.py)
+    │   └── ModelTooLarge     a registry's model does not fit its memory budget
+    ├── ModelNotFound         (also LookupError) a registry has no model of that name
     ├── DeviceError           (also ValueError) found before any worker started
     └── InvalidRequest        (also ValueError)
         ├── ContextLengthExceeded
@@ -199,6 +202,70 @@ class ModelLoadFailed(PoolError):
     def copy(self) -> ModelLoadFailed:
         """The same failure for another caller: each error carries its own ``request_id``."""
         return ModelLoadFailed(self.message, worker_traceback=self.worker_traceback)
+
+
+class ModelNotFound(PoolError, LookupError):
+    """A :class:`~modelpool.registry.ModelRegistry` has no model (nor alias) of this name."""
+
+    def __init__(self, message: str, *, model: str) -> None:
+        super().__init__(message)
+        self.model = model
+
+
+class ModelUnavailable(ModelLoadFailed):
+    """A registry's model is ``failed``: its last load failed (or its pool died), and the
+    next load is not tried before ``retry_after_s`` (exponential backoff). Raised at once,
+    never after a timeout; every other model keeps serving::
+
+        except ModelUnavailable as exc:
+            exc.model, exc.reason, exc.retry_after_s
+    """
+
+    def __init__(self, message: str, *, model: str, reason: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.model = model
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+    def copy(self) -> ModelUnavailable:
+        return ModelUnavailable(
+            self.message, model=self.model, reason=self.reason, retry_after_s=self.retry_after_s
+        )
+
+
+class ModelTooLarge(ModelLoadFailed):
+    """A registry's model needs more of a resource than its budget leaves it, even with
+    every model that may be evicted unloaded. ``resource`` is "memory" (host RAM, the
+    workers' RSS) or a GPU ("cuda:0"); ``needed_bytes`` what the model was measured to
+    take, ``available_bytes`` what the budget leaves beside the pinned models, and
+    ``budget_bytes`` the whole budget."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        model: str,
+        resource: str,
+        needed_bytes: int,
+        available_bytes: int,
+        budget_bytes: int,
+    ) -> None:
+        super().__init__(message)
+        self.model = model
+        self.resource = resource
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+        self.budget_bytes = budget_bytes
+
+    def copy(self) -> ModelTooLarge:
+        return ModelTooLarge(
+            self.message,
+            model=self.model,
+            resource=self.resource,
+            needed_bytes=self.needed_bytes,
+            available_bytes=self.available_bytes,
+            budget_bytes=self.budget_bytes,
+        )
 
 
 class PreflightError(PoolError):

@@ -6,7 +6,11 @@ to a started :class:`~modelpool.ModelPool` only through its public API
 on uvicorn::
 
     app = create_app(pool, ServerConfig(), "smollm2-135m-instruct")
+    app = create_app(registry, ServerConfig())     # many models: a started ModelRegistry
     uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Every route that runs a model gets its pool from ``state.pool_for(request, body)``: the
+one pool, whatever ``model`` says, or the registry's model of that name (``models.py``).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
 sends server-sent events ending with ``data: [DONE]``), ``POST /v1/responses`` (with
@@ -52,6 +56,7 @@ import socket
 import time
 from collections.abc import (
     AsyncIterator,
+    Awaitable,
     Callable,
     Coroutine,
     Iterator,
@@ -68,11 +73,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Scope
 
-from modelpool.config import ServerConfig
+from modelpool.config import PoolConfig, ServerConfig
 from modelpool.errors import (
     PoolError,
 )
 from modelpool.protocol import Prompt
+from modelpool.registry import ModelRegistry
+from modelpool.server import models as multi
 from modelpool.server.anthropic.api import MessagesApi, count_prompt
 from modelpool.server.checks import Checks
 from modelpool.server.errors import (
@@ -120,6 +127,7 @@ from modelpool.server.tokenize import (
     parse_tokenize,
     tokenize_body,
 )
+from modelpool.stats import PoolHealth
 
 if TYPE_CHECKING:
     from modelpool.pool import AsyncPoolStream, ModelPool, Result
@@ -127,6 +135,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 READY_WORKER_STATES = frozenset({"idle", "busy", "spare"})
 
@@ -178,9 +187,10 @@ class LoopWatch:
 
 @dataclass
 class ServerState:
-    """Mutable state shared by the routes and the CLI's signal handler."""
+    """Mutable state shared by the routes and the CLI's signal handler. One of ``pool``
+    (one model) and ``registry`` (many) is set."""
 
-    pool: ModelPool
+    pool: ModelPool | None
     config: ServerConfig
     model_name: str
     metrics: PoolMetrics
@@ -193,6 +203,45 @@ class ServerState:
     heavy_work: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     draining: bool = False
     loop_watch: LoopWatch = field(default_factory=LoopWatch)
+    registry: ModelRegistry | None = None
+
+    async def pool_for(self, request: Request, body: dict[str, Any]) -> ModelPool:
+        """The pool for the body's ``model``, held until the answer is sent (see
+        ``server.models``): the one pool, or the registry's, loaded if need be."""
+        return await multi.pool_for(self, request, body)
+
+    def pool_config_for(self, body: dict[str, Any]) -> PoolConfig:
+        """The configuration of the pool that serves the body's ``model``, without loading
+        it (a check thread costs a request with it before its model is chosen)."""
+        if self.registry is None:
+            assert self.pool is not None
+            return self.pool.config
+        return multi.config_for(self.registry, body)
+
+    def default_deadline_s(self) -> float:
+        """The deadline of a request whose body does not say (yet): the pool's, or the
+        longest of the registry's models."""
+        if self.registry is None:
+            assert self.pool is not None
+            return self.pool.config.deadline_s
+        return max(spec.pool.deadline_s for spec in self.registry.config.models)
+
+    def time_left(self, request: Request, deadline_s: float) -> float:
+        """``deadline_s`` less what the request waited for its model to load."""
+        return multi.time_left(request, deadline_s)
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        """A small JSON body (the admin routes'), parsed in a check thread."""
+        deadline = deadline_from({}, request.headers, self.default_deadline_s(), None)
+        body, _ = await _read_json(request, self, deadline, _no_parse)
+        return body
+
+    def health(self) -> PoolHealth:
+        """The pool's liveness, or the registry's (its supervisor's heartbeat)."""
+        if self.registry is not None:
+            return self.registry.health()
+        assert self.pool is not None
+        return self.pool.health()
 
 
 def api_key_from_env(server_config: ServerConfig) -> str | None:
@@ -203,31 +252,42 @@ def api_key_from_env(server_config: ServerConfig) -> str | None:
 
 
 def create_app(
-    pool: ModelPool,
+    served: ModelPool | ModelRegistry,
     server_config: ServerConfig,
-    model_name: str,
+    model_name: str = "",
     *,
     api_key: str | None = None,
 ) -> FastAPI:
-    """The daemon's ASGI app for a started ``pool``. The key is ``api_key``, or else read
-    from the variable ``server_config.api_key_env`` names."""
-    metrics = PoolMetrics(pool.stats)
+    """The daemon's ASGI app for a started pool (serving ``model_name``) or a started
+    :class:`ModelRegistry`. The key is ``api_key``, or else read from the variable
+    ``server_config.api_key_env`` names."""
+    registry: ModelRegistry | None = None
+    pool: ModelPool | None = None
+    if isinstance(served, ModelRegistry):
+        registry = served
+        configs = [spec.pool for spec in registry.config.models]
+        metrics = PoolMetrics(registry_source=registry.stats)
+    else:
+        pool = served
+        configs = [pool.config]
+        metrics = PoolMetrics(pool.stats, model=model_name)
     keys = Keys.configured(server_config.keys_file, api_key or api_key_from_env(server_config))
     fair_share = FairShare(
-        capacity=pool.config.workers * pool.config.max_batch_size,
+        capacity=sum(c.workers * c.max_batch_size for c in configs),
         max_running=server_config.client_max_running,
         max_queued=server_config.client_max_queued,
-        max_waiting=pool.config.max_queue,
+        max_waiting=sum(c.max_queue for c in configs),
     )
     state = ServerState(
         pool=pool,
+        registry=registry,
         config=server_config,
         model_name=model_name,
         metrics=metrics,
         started=int(time.time()),
         fair_share=fair_share,
         keys=keys,
-        checks=Checks(fair_share, max_waiting=pool.config.max_queue),
+        checks=Checks(fair_share, max_waiting=sum(c.max_queue for c in configs)),
         responses=ResponsesApi(
             ResponseStore(
                 max_entries=server_config.responses_store_entries,
@@ -238,6 +298,8 @@ def create_app(
     )
     app = FastAPI(title="modelpool", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.modelpool = state
+    # Inside the Gate: a model's lease is released once the answer is out.
+    app.add_middleware(multi.ModelLeases)
     app.add_middleware(
         Gate,
         keys=keys,
@@ -293,7 +355,7 @@ def create_app(
         # Liveness, not readiness: never waits on the dispatcher (a wedged one is what
         # this must report), and a pool that is starting or degraded is still alive.
         state.loop_watch.ensure_started()
-        health = pool.health()
+        health = state.health()
         lag = state.loop_watch.lag_s()
         reasons: list[str] = [] if health.alive else [health.reason or "the pool is not alive"]
         if lag > state.config.max_event_loop_lag_s:
@@ -315,6 +377,9 @@ def create_app(
 
     @app.get("/readyz")
     async def readyz() -> Response:
+        if registry is not None:
+            return await _registry_ready(state, registry)
+        assert pool is not None
         stats = await run_in_threadpool(pool.stats)
         ready_workers = sum(1 for w in stats.workers if w.state in READY_WORKER_STATES)
         ready = not state.draining and stats.state in ("ready", "degraded") and ready_workers > 0
@@ -329,52 +394,36 @@ def create_app(
 
     @app.get("/stats")
     async def stats() -> Response:
+        server_parts = {
+            "fair_share": state.fair_share.snapshot(),
+            "checks": state.checks.snapshot(),
+        }
+        if registry is not None:
+            snapshot_all = await run_in_threadpool(registry.stats)
+            return JSONResponse({**snapshot_all.to_dict(), **server_parts})
+        assert pool is not None
         snapshot = await pool.astats()
-        return JSONResponse(
-            {
-                **snapshot.to_dict(),
-                "fair_share": state.fair_share.snapshot(),
-                "checks": state.checks.snapshot(),
-            }
-        )
+        return JSONResponse({**snapshot.to_dict(), **server_parts})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         body = await run_in_threadpool(metrics.render)
         return Response(body, media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        snapshot = await pool.astats()
-        return {"object": "list", "data": [_model_card(state, snapshot.max_model_len)]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict[str, Any]:
-        if model_id != model_name:
-            raise ApiError(
-                404,
-                f"model {model_id!r} is not served here (serving {model_name!r})",
-                type="not_found_error",
-                code="model_not_found",
-                param="model",
-            )
-        snapshot = await pool.astats()
-        return _model_card(state, snapshot.max_model_len)
+    if registry is not None:
+        multi.install_routes(app, state, registry)
+    else:
+        assert pool is not None
+        _install_model_routes(app, state, pool)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        # Inside fair share and the budget like a generation: tokenizing takes a worker.
-        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        job = await _read_json(request, state, deadline, _parse_tokenize, state.config)
-        client = _client(request, state)
-        ticket = state.fair_share.reserve(client.name, 1, client.limits)
-        try:
-            async with ticket.slot(deadline) as left_s:
-                tokens = await pool.atokenize(
-                    job.prompt, add_generation_prompt=job.add_generation_prompt, deadline_s=left_s
-                )
-        finally:
-            ticket.close()
+        async def run(pool: ModelPool, job: TokenizeJob, left_s: float) -> list[int]:
+            return await pool.atokenize(
+                job.prompt, add_generation_prompt=job.add_generation_prompt, deadline_s=left_s
+            )
+
+        pool, tokens = await _on_a_worker(request, state, _parse_tokenize, run)
         snapshot = await pool.astats()
         body = tokenize_body(tokens, snapshot.max_model_len)
         content = await off_loop_if(
@@ -384,17 +433,10 @@ def create_app(
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        tokens = await _read_json(request, state, deadline, _parse_detokenize, state.config)
-        if not tokens:
-            return JSONResponse({"prompt": ""})
-        client = _client(request, state)
-        ticket = state.fair_share.reserve(client.name, 1, client.limits)
-        try:
-            async with ticket.slot(deadline) as left_s:
-                text = await pool.adetokenize(tokens, deadline_s=left_s)
-        finally:
-            ticket.close()
+        async def run(pool: ModelPool, tokens: list[int], left_s: float) -> str:
+            return await pool.adetokenize(tokens, deadline_s=left_s) if tokens else ""
+
+        _, text = await _on_a_worker(request, state, _parse_detokenize, run)
         return JSONResponse({"prompt": text})
 
     @app.post("/v1/completions")
@@ -423,19 +465,55 @@ def create_app(
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        # Inside fair share and the budget like /tokenize: counting takes a worker.
-        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        prompt = await _read_json(request, state, deadline, _parse_count, state.config)
-        client = _client(request, state)
-        ticket = state.fair_share.reserve(client.name, 1, client.limits)
-        try:
-            async with ticket.slot(deadline) as left_s:
-                tokens = await pool.atokenize(prompt, deadline_s=left_s)
-        finally:
-            ticket.close()
+        async def run(pool: ModelPool, prompt: Prompt, left_s: float) -> list[int]:
+            return await pool.atokenize(prompt, deadline_s=left_s)
+
+        _, tokens = await _on_a_worker(request, state, _parse_count, run)
         return JSONResponse({"input_tokens": len(tokens)})
 
     return app
+
+
+def _install_model_routes(app: FastAPI, state: ServerState, pool: ModelPool) -> None:
+    """``/v1/models`` of a one-model daemon: the served model."""
+    model_name = state.model_name
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        snapshot = await pool.astats()
+        return {"object": "list", "data": [_model_card(state, snapshot.max_model_len)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise ApiError(
+                404,
+                f"model {model_id!r} is not served here (serving {model_name!r})",
+                type="not_found_error",
+                code="model_not_found",
+                param="model",
+            )
+        snapshot = await pool.astats()
+        return _model_card(state, snapshot.max_model_len)
+
+
+async def _registry_ready(state: ServerState, registry: ModelRegistry) -> Response:
+    """Ready: not draining, the registry alive, and every preload model loaded (any other
+    model loads on its first request)."""
+    stats = await run_in_threadpool(registry.stats, with_pools=False)
+    waiting_for = [
+        name
+        for name, model in stats.models.items()
+        if registry.spec(name).preload and model.state != "loaded"
+    ]
+    ready = not state.draining and registry.health().alive and not waiting_for
+    body = {
+        "status": "ready" if ready else "not ready",
+        "models": {name: model.state for name, model in stats.models.items()},
+        "draining": state.draining,
+    }
+    headers = {} if ready else {"Retry-After": str(RETRY_AFTER_UNAVAILABLE)}
+    return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
 
 
 def _model_card(state: ServerState, max_model_len: int | None) -> dict[str, Any]:
@@ -485,7 +563,10 @@ class Client:
 def _client(request: Request, state: ServerState) -> Client:
     if state.keys.required:
         # The key was checked already (the protocol, the Gate): it names a tenant.
-        tenant = state.keys.tenant(request.headers.get("authorization", "").encode("latin-1"))
+        tenant = state.keys.tenant(
+            request.headers.get("authorization", "").encode("latin-1"),
+            request.headers.get("x-api-key", "").encode("latin-1"),
+        )
         if tenant is not None:
             return Client(f"tenant:{tenant.name}", tenant)
     return Client(request.client.host if request.client is not None else "-", None)
@@ -493,8 +574,8 @@ def _client(request: Request, state: ServerState) -> Client:
 
 async def _read_json(
     request: Request, state: ServerState, deadline_s: float, parse: Callable[..., T], *args: Any
-) -> T:
-    """A tokenizer route's body, parsed and checked by ``parse(body, *args)`` in a check
+) -> tuple[dict[str, Any], T]:
+    """A small route's body and what ``parse(body, *args)`` makes of it, both in a check
     thread (never on the loop, whatever its size)."""
     _check_not_draining(state)
     require_json(request.headers.get("content-type"))
@@ -504,8 +585,37 @@ async def _read_json(
     return await checks.run(client.name, client.limits, deadline_s, _parsed, raw, parse, *args)
 
 
-def _parsed(raw: bytes, parse: Callable[..., T], *args: Any) -> T:
-    return parse(parse_json_object(raw), *args)
+def _parsed(raw: bytes, parse: Callable[..., T], *args: Any) -> tuple[dict[str, Any], T]:
+    body = parse_json_object(raw)
+    return body, parse(body, *args)
+
+
+def _no_parse(body: dict[str, Any]) -> None:
+    return None
+
+
+async def _on_a_worker(
+    request: Request,
+    state: ServerState,
+    parse: Callable[[dict[str, Any], ServerConfig], T],
+    call: Callable[[ModelPool, T, float], Awaitable[R]],
+) -> tuple[ModelPool, R]:
+    """A tokenizer route's walk: its body parsed and checked in a check thread, its
+    model's pool, then ``call(pool, job, seconds_left)`` in the client's turn of fair
+    share (tokenizing takes a worker, as a generation does)."""
+    waiting_s = deadline_from({}, request.headers, state.default_deadline_s(), None)
+    body, job = await _read_json(request, state, waiting_s, parse, state.config)
+    pool = await state.pool_for(request, body)
+    deadline = state.time_left(
+        request, deadline_from({}, request.headers, pool.config.deadline_s, None)
+    )
+    client = _client(request, state)
+    ticket = state.fair_share.reserve(client.name, 1, client.limits)
+    try:
+        async with ticket.slot(deadline) as left_s:
+            return pool, await call(pool, job, left_s)
+    finally:
+        ticket.close()
 
 
 def _parse_tokenize(body: dict[str, Any], config: ServerConfig) -> TokenizeJob:
@@ -535,24 +645,24 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         raw = await read_body(request, state.config.max_body_bytes)
     except ClientDisconnect:
         return ClientGone()
-    pool = state.pool
     client = _client(request, state)
     # The wait for a check thread counts against the request's deadline, which only the
     # body says exactly: until it is parsed, the header's or the pool's.
     waiting_s = deadline_from(
-        {}, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
+        {}, request.headers, state.default_deadline_s(), state.config.max_request_timeout_s
     )
     tenant_budget = client.tenant.max_request_tokens if client.tenant is not None else None
-    budget = Budget(
-        tenant_budget or state.config.max_request_tokens,
-        pool.config.generation_defaults.get("max_new_tokens", 0),
-    )
+    budget = tenant_budget or state.config.max_request_tokens
     body, parsed = await state.checks.run(
-        client.name, client.limits, waiting_s, _parse, raw, api, budget
+        client.name, client.limits, waiting_s, _parse, raw, api, budget, state.pool_config_for
     )
     job = parsed.job
-    deadline = deadline_from(
-        body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
+    pool = await state.pool_for(request, body)
+    deadline = state.time_left(
+        request,
+        deadline_from(
+            body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
+        ),
     )
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
@@ -573,7 +683,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         choices = [StreamedChoice(index, prompt, params) for index, prompt, params in runs]
         return EventStream(
             choices,
-            api.writer(parsed, choices, state.model_name),
+            api.writer(parsed, choices, _answer_model(state, body)),
             on_error=note_error,
             send_timeout_s=state.config.send_timeout_s,
             start=start,
@@ -606,7 +716,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         api.answer,
         parsed,
         by_index,
-        state.model_name,
+        _answer_model(state, body),
     )
     return Response(
         content,
@@ -615,22 +725,31 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     )
 
 
-@dataclass(frozen=True)
-class Budget:
-    """What ``check_budget`` holds a request to: ``max_request_tokens``, and the pool's
-    ``max_new_tokens`` for a request that says none."""
-
-    limit: int
-    default_max_tokens: int
-
-
-def _parse(raw: bytes, api: Api[P], budget: Budget) -> tuple[dict[str, Any], P]:
-    """A generation's body, parsed by its API family, checked and costed (in a check
-    thread)."""
+def _parse(
+    raw: bytes,
+    api: Api[P],
+    budget: int,
+    config_for: Callable[[dict[str, Any]], PoolConfig],
+) -> tuple[dict[str, Any], P]:
+    """A generation's body, parsed by its API family, checked and costed against
+    ``budget`` (``max_request_tokens``) with its model's ``max_new_tokens`` for a request
+    that says none; in a check thread. ``keep_alive`` (Ollama's) is the registry's, not
+    the API's."""
     body = parse_json_object(raw)
+    keep_alive = multi.split_keep_alive(body)
     parsed = api.parse(body)
-    check_budget(parsed.job, limit=budget.limit, default_max_tokens=budget.default_max_tokens)
+    multi.put_keep_alive(body, keep_alive)
+    default_max_tokens = config_for(body).generation_defaults.get("max_new_tokens", 0)
+    check_budget(parsed.job, limit=budget, default_max_tokens=default_max_tokens)
     return body, parsed
+
+
+def _answer_model(state: ServerState, body: dict[str, Any]) -> str:
+    """The ``model`` an answer names: the served one, or the registry's name for the one
+    asked for (an alias answers with the model's own name)."""
+    if state.registry is None:
+        return state.model_name
+    return state.registry.spec(str(body.get("model"))).name
 
 
 class CompletionsApi:
