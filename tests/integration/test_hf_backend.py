@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from helpers import FakeCall
-from modelpool.backends.hf import HFHandler, load
+from modelpool.backends.hf.handler import HFHandler, load
 from modelpool.errors import InvalidRequest
 from modelpool.protocol import Prompt, TokenIds
 from modelpool.tinymodel import build_tiny_model
@@ -449,7 +449,7 @@ import logging, sys
 logging.basicConfig(stream=sys.stdout, format="root %(name)s: %(message)s")
 from huggingface_hub.utils import logging as hub_logging
 from transformers.utils import logging as transformers_logging
-from modelpool.backends.hf import library_logs_through_root
+from modelpool.backends.hf.handler import library_logs_through_root
 library_logs_through_root()
 hub_logging.get_logger("huggingface_hub.file_download").warning("hub warning")
 transformers_logging.get_logger("transformers.modeling_utils").warning("transformers warning")
