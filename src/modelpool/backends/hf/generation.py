@@ -2,13 +2,19 @@
 streamed through :class:`~modelpool.backends.common.text.TextProgress` and stoppable.
 
 ``generate()`` is given hooks: a stopping criterion and a streamer that drive the text
-(a stop string ends generation on the step that completes it), and logits processors
-for OpenAI's penalties and a grammar.
+(a stop string ends generation on the step that completes it), logits processors for
+OpenAI's penalties and a grammar, and a check of the cancel flag before every decoder
+layer (:func:`cancellable`), so that a cancel or a deadline during a long prompt's
+prefill (one forward pass, seconds on a CPU) ends the request within a layer's time
+instead of after the whole pass, past the pool's ``cancel_grace_s`` (which kills the
+worker).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from modelpool.backends.common.params import DEFAULT_MAX_NEW_TOKENS
@@ -25,6 +31,49 @@ if TYPE_CHECKING:
 
 # Set in greedy mode they change nothing but make transformers warn on every request.
 _SAMPLING_ONLY = ("temperature", "top_p", "top_k")
+
+
+class PrefillCancelled(Exception):
+    """The cancel flag was read set before a decoder layer of a prefill."""
+
+
+@contextlib.contextmanager
+def cancellable(model: Any, cancelled: Callable[[], bool]) -> Iterator[None]:
+    """Within the block, each decoder layer of ``model`` first reads ``cancelled`` when it
+    runs over more than one position (a prefill) and raises :class:`PrefillCancelled` if it
+    is set. A decoding step (one position) is left alone: the stopping criterion reads the
+    flag once a step already.
+
+    Each read counts as progress for the pool's stall clock, which is what a prefill is
+    making; a model whose decoder layers cannot be found is run without the checks."""
+    import torch
+
+    def check(module: Any, args: tuple[Any, ...]) -> None:
+        hidden = args[0] if args else None
+        prefill = isinstance(hidden, torch.Tensor) and hidden.dim() > 1 and hidden.shape[-2] > 1
+        if prefill and cancelled():
+            raise PrefillCancelled
+
+    handles = [layer.register_forward_pre_hook(check) for layer in decoder_layers(model)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The model's decoder layers: the module list as long as its config's layer count
+    (``model.layers`` on llama-like models, ``transformer.h`` on gpt2); [] if none is."""
+    import torch
+
+    count = getattr(model.config, "num_hidden_layers", None)
+    if not count:
+        return []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return list(module)
+    return []
 
 
 def generate(handler: HFHandler, call: Call) -> Generation:
@@ -62,7 +111,13 @@ def generate(handler: HFHandler, call: Call) -> Generation:
         processors.append(_grammar_processor(handler.grammars, handler.grammars.row(compiled)))
     prompt_logprobs = None
     if prompt_top_logprobs is not None:
-        prompt_logprobs, prompt_cache = _prompt_logprobs(handler, input_ids, prompt_top_logprobs)
+        try:
+            with cancellable(handler.model, call.cancelled):
+                prompt_logprobs, prompt_cache = _prompt_logprobs(
+                    handler, input_ids, prompt_top_logprobs
+                )
+        except PrefillCancelled:
+            return Generation("", "cancelled", prompt_tokens, 0)
         if prompt_cache is not None:
             # generate() then computes only the last prompt token: no second prefill.
             params.update(prompt_cache)
@@ -78,16 +133,22 @@ def generate(handler: HFHandler, call: Call) -> Generation:
     note_prompt(call, prompt_tokens, cached_tokens)
     if seed is not None:
         torch.manual_seed(seed)
-    # No cancelled() check before the prefill: the worker has just read the flag
-    # before calling us, and every cancelled() call counts as progress, which would
-    # start the stall clock before the one step that cannot be interrupted. A cancel
-    # that lands during the prefill stops generation at the first decoding step.
-    with torch.inference_mode():
-        output = handler.model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            **_generation_kwargs(params),
-            **_hooks(progress, processors),
+    try:
+        with torch.inference_mode(), cancellable(handler.model, call.cancelled):
+            output = handler.model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                **_generation_kwargs(params),
+                **_hooks(progress, processors),
+            )
+    except PrefillCancelled:
+        # Nothing was emitted after the flag was read; the partial KV is not kept.
+        return Generation(
+            progress.text,
+            "cancelled",
+            prompt_tokens,
+            len(progress.token_ids),
+            cached_tokens=cached_tokens,
         )
     # Idempotent after the streamer's end(); keeps the returned text whole
     # should a generation path ever skip end().

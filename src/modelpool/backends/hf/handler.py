@@ -25,10 +25,10 @@ generates past the end-of-sequence token up to ``max_new_tokens``.
 output: compiled within ``grammar_compile_timeout_s`` on a thread of its own, then
 applied as a logits processor before generate()'s sampling warpers.
 
-Every step checks ``call.cancelled()`` and ends generation cleanly when it turns true
-(``generation``); text is handed to ``call.emit`` as soon as it is stable (never half a
-character, never the start of a stop string), and the chunks joined are exactly the
-returned text.
+Every step, and every decoder layer of the prefill, checks ``call.cancelled()`` and
+ends generation cleanly when it turns true (``generation``); text is handed to
+``call.emit`` as soon as it is stable (never half a character, never the start of a
+stop string), and the chunks joined are exactly the returned text.
 
 With ``max_batch_size`` above 1 the pool drives the batched form instead
 (``admit``/``step``/``retire``/``abort``, see ``hf.runner``): many requests
