@@ -152,7 +152,7 @@ def unbatchable_generation_config(config: Any) -> list[str]:
 
 
 class LoadedModel(Protocol):
-    """What the engine needs of the hf handler (``hf.HFHandler``)."""
+    """What the runner needs of the hf handler (``hf.handler.HFHandler``)."""
 
     model: Any
     tokenizer: Any

@@ -11,7 +11,7 @@ for the logits that choose its first token.
 
 Bounded in cells: the entries together hold at most ``limit_cells`` cells (the
 ``prefix_cache_tokens`` option), least recently used out first (``llama_memory_seq_rm``).
-The cache never keeps room a request needs: the engine evicts entries, at once and
+The cache never keeps room a request needs: the runner evicts entries, at once and
 without waiting on anything, when a request needs cells or a sequence id, and the
 bookkeeping (the LRU, the token-id block index, the counters, the fingerprints the
 pool places by) is every backend's (``common.prefix_cache``).
