@@ -41,20 +41,27 @@ class PrefillCancelled(Exception):
 def cancellable(model: Any, cancelled: Callable[[], bool]) -> Iterator[None]:
     """Within the block, each decoder layer of ``model`` first reads ``cancelled`` when it
     runs over more than one position (a prefill) and raises :class:`PrefillCancelled` if it
-    is set. A decoding step (one position) is left alone: the stopping criterion reads the
-    flag once a step already.
+    is set. At the first pass over one position (decoding) the checks are removed: the
+    stopping criterion reads the flag once a step already, and a module with hooks takes
+    torch's slower call path.
 
     Each read counts as progress for the pool's stall clock, which is what a prefill is
     making; a model whose decoder layers cannot be found is run without the checks."""
     import torch
 
+    handles: list[Any] = []
+
     def check(module: Any, args: tuple[Any, ...]) -> None:
         hidden = args[0] if args else None
-        prefill = isinstance(hidden, torch.Tensor) and hidden.dim() > 1 and hidden.shape[-2] > 1
-        if prefill and cancelled():
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+            return
+        if hidden.shape[-2] == 1:
+            for handle in handles:
+                handle.remove()
+        elif cancelled():
             raise PrefillCancelled
 
-    handles = [layer.register_forward_pre_hook(check) for layer in decoder_layers(model)]
+    handles.extend(layer.register_forward_pre_hook(check) for layer in decoder_layers(model))
     try:
         yield
     finally:
