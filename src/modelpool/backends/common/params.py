@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from modelpool.backends.common.penalties import PENALTY_PARAMS
@@ -101,6 +101,15 @@ def fit_new_tokens(
         # The caller insists on more than the capped default: refused if that cannot fit.
         fit_to_context(prompt_tokens, params["min_new_tokens"], max_model_len, default=0)
     return new_tokens
+
+
+def check_vocabulary(token_ids: Sequence[int], vocab_size: int) -> None:
+    """InvalidRequest naming the first of ``token_ids`` outside ids 0 to vocab_size - 1."""
+    outside = [token for token in token_ids if not 0 <= token < vocab_size]
+    if outside:
+        raise InvalidRequest(
+            f"token id {outside[0]} is outside this model's vocabulary (ids 0 to {vocab_size - 1})"
+        )
 
 
 def check_load_options(options: Mapping[str, Any], allowed: frozenset[str], backend: str) -> None:

@@ -44,12 +44,13 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from modelpool.backends.common.params import (
     chat_template_option,
     check_load_options,
+    check_vocabulary,
     fit_new_tokens,
 )
 from modelpool.backends.common.params import validate as validate_params
@@ -388,17 +389,9 @@ class HFHandler(ScheduledHandler):
 
     def detokenize(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``, special tokens included (``/detokenize``)."""
-        self._check_vocabulary(token_ids)
+        check_vocabulary(token_ids, self.vocab_size)
         text: str = self.tokenizer.decode(token_ids, clean_up_tokenization_spaces=False)
         return text
-
-    def _check_vocabulary(self, token_ids: Sequence[int]) -> None:
-        too_large = [token_id for token_id in token_ids if token_id >= self.vocab_size]
-        if too_large:
-            raise InvalidRequest(
-                f"token id {too_large[0]} is outside this model's vocabulary "
-                f"(ids 0 to {self.vocab_size - 1})"
-            )
 
     def encode(
         self,
@@ -413,7 +406,7 @@ class HFHandler(ScheduledHandler):
         tokenizer = self.tokenizer
         input_ids: torch.Tensor
         if isinstance(prompt, TokenIds):
-            self._check_vocabulary(prompt.ids)
+            check_vocabulary(prompt.ids, self.vocab_size)
             input_ids = torch.tensor([prompt.ids])
         elif isinstance(prompt, str):
             input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]

@@ -47,7 +47,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from modelpool.backends.common.params import fit_new_tokens
+from modelpool.backends.common.params import check_vocabulary, fit_new_tokens
 from modelpool.backends.common.params import validate as validate_params
 from modelpool.backends.common.scheduler import (
     ScheduledHandler,
@@ -199,18 +199,10 @@ class LlamaCppHandler(ScheduledHandler):
 
     def detokenize(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``, special tokens included (``/detokenize``)."""
-        self._check_vocabulary(token_ids)
+        check_vocabulary(token_ids, self.runtime.n_vocab)
         runtime = self.runtime
         text = b"".join(runtime.piece(token_id) for token_id in token_ids)
         return text.decode("utf-8", errors="replace")
-
-    def _check_vocabulary(self, token_ids: Sequence[int]) -> None:
-        outside = [token for token in token_ids if not 0 <= token < self.runtime.n_vocab]
-        if outside:
-            raise InvalidRequest(
-                f"token id {outside[0]} is outside this model's vocabulary "
-                f"(ids 0 to {self.runtime.n_vocab - 1})"
-            )
 
     def encode(
         self,
@@ -222,7 +214,7 @@ class LlamaCppHandler(ScheduledHandler):
         model as the hf backend does (``modelpool.tools.render_chat``)."""
         runtime = self.runtime
         if isinstance(prompt, TokenIds):
-            self._check_vocabulary(prompt.ids)
+            check_vocabulary(prompt.ids, self.runtime.n_vocab)
             ids = list(prompt.ids)
         elif isinstance(prompt, str):
             ids = runtime.tokenize(prompt, add_special=True)
