@@ -8,6 +8,8 @@ README, Many models: the rules these tests check, one by one.
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ from helpers import make_config, slack, wait_until
 from modelpool.config import ModelSpec
 from modelpool.errors import (
     DeadlineExceeded,
+    MemoryNotReleased,
     ModelNotFound,
     ModelTooLarge,
     ModelUnavailable,
@@ -262,3 +265,49 @@ def test_a_failed_load_holds_no_budget_so_the_next_model_still_loads(registry_of
     with registry.use("good", deadline_s=slack(5)) as pool:
         assert pool.generate("echo:ok").text == "ok"
     assert registry.stats().models["hangs"].rss_bytes is None
+
+
+def test_a_release_not_verified_holds_back_the_next_load_until_the_memory_is_back(
+    registry_of: Any,
+) -> None:
+    # Issue 35: an evicted model's release is verified before the new model's workers
+    # start. A child that left its worker's process group (setsid) outlives the pool's
+    # kill of the group: its memory is not back, so the load it made room for waits for
+    # it within its deadline, then is refused naming why; once it is gone, it loads.
+    need = measured_need()
+    registry = registry_of(
+        spec("a"),
+        spec("b", load_timeout_s=1.5),
+        memory_budget_bytes=int(need * 1.5),
+        backoff_s=30.0,
+    )
+    with registry.use("a") as pool:
+        child = int(pool.generate("detach:600").text)
+    try:
+        ours = {p.pid for p in psutil.Process().children(recursive=True)}
+        with pytest.raises(MemoryNotReleased) as refused:
+            registry.acquire("b", deadline_s=slack(30))
+        error = refused.value
+        assert error.model == "b" and error.held_by == ("a",)
+        assert error.reason.startswith("memory not released") and f"pid {child}" in error.reason
+        stats = registry.stats().models
+        assert not any(m.state == "loading" for m in stats.values())
+        assert stats["b"].state == "failed" and stats["b"].loads == 0
+        assert stats["a"].state == "failed" and "not released" in (stats["a"].reason or "")
+        assert stats["a"].rss_bytes, "the leftover is measured against the budget"
+        # b's workers never started: no process of ours but what was there before.
+        assert {p.pid for p in psutil.Process().children(recursive=True)} <= ours
+        with pytest.raises(MemoryNotReleased):
+            registry.acquire("b", deadline_s=slack(30))  # still held back, not loading
+    finally:
+        os.kill(child, signal.SIGKILL)
+    wait_until(
+        lambda: registry.model_stats("a").state == "unloaded",
+        timeout=slack(5),
+        message="the registry to see a's memory back",
+    )
+    assert registry.model_stats("a").rss_bytes is None
+    assert registry.model_stats("b").state == "unloaded"  # its backoff was for the memory
+    with registry.use("b", deadline_s=slack(20)) as pool:
+        assert pool.generate("echo:b").text == "b"
+    assert registry.model_stats("b").loads == 1
