@@ -670,7 +670,9 @@ class ModelRegistry:
         # "loading": already queued or under way; "unloading": queued once the unload ends.
         return entry.load
 
-    def _unavailable(self, entry: _Entry, now: float) -> ModelUnavailable:
+    def _unavailable(self, entry: _Entry, now: float) -> ModelLoadFailed:
+        if isinstance(entry.error, ModelTooLarge):
+            return entry.error.copy()  # a wait would not make it fit: the numbers say why
         if isinstance(entry.error, ModelUnavailable):
             error = entry.error.copy()
             error.retry_after_s = round(max(0.0, entry.retry_at - now), 3)
@@ -1201,6 +1203,13 @@ class ModelRegistry:
                 # Only a pool still the model's: one unloaded or failed meanwhile holds nothing.
                 if entry.pool is pool or (step is not None and step.loading is pool):
                     self._note_held(entry, held)
+                if entry.pool is pool and entry.state == "loaded":
+                    # Memory measured after the load (a GPU's is often taken lazily, at
+                    # the first request) can show a model too large even alone: it is
+                    # failed and closed once idle, not evicted and reloaded in a loop.
+                    too_large = self._too_large(entry, entry.need or {})
+                    if too_large is not None:
+                        self._fail(entry, too_large.message, now, error=too_large)
 
     def _note_held(self, entry: _Entry, held: dict[str, int]) -> None:
         """Record a measurement: the model's holding now, its need, the peak (lock held)."""
