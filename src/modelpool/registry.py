@@ -1145,7 +1145,7 @@ class ModelRegistry:
         except BaseException as exc:
             error = exc
         seconds = time.monotonic() - started
-        held = self._measure(pool) if error is None else {}
+        held, peak = self._measure(pool) if error is None else ({}, 0)
         with self._cond:
             now = time.monotonic()
             step.loading = None
@@ -1161,7 +1161,7 @@ class ModelRegistry:
             if error is not None:
                 self._fail(entry, f"its load failed: {error}", now)
                 return
-            self._note_held(entry, held)
+            self._note_held(entry, held, peak)
             too_large = self._too_large(entry, entry.need or {})
             if too_large is not None:
                 entry.held = {}
@@ -1195,14 +1195,14 @@ class ModelRegistry:
                 targets.append((step.entry, step.loading))
             loading = step is not None and step.loading is not None
         self._next_sample = now + (SAMPLE_WHILE_LOADING_S if loading else SAMPLE_S)
-        readings = [(entry, pool, self._measure(pool)) for entry, pool in targets]
+        readings = [(entry, pool, *self._measure(pool)) for entry, pool in targets]
         self._recheck(list(self._entries.values()))
         with self._cond:
             step = self._step
-            for entry, pool, held in readings:
+            for entry, pool, held, peak in readings:
                 # Only a pool still the model's: one unloaded or failed meanwhile holds nothing.
                 if entry.pool is pool or (step is not None and step.loading is pool):
-                    self._note_held(entry, held)
+                    self._note_held(entry, held, peak)
                 if entry.pool is pool and entry.state == "loaded":
                     # Memory measured after the load (a GPU's is often taken lazily, at
                     # the first request) can show a model too large even alone: it is
@@ -1211,35 +1211,43 @@ class ModelRegistry:
                     if too_large is not None:
                         self._fail(entry, too_large.message, now, error=too_large)
 
-    def _note_held(self, entry: _Entry, held: dict[str, int]) -> None:
-        """Record a measurement: the model's holding now, its need, the peak (lock held)."""
+    def _note_held(self, entry: _Entry, held: dict[str, int], peak_rss: int = 0) -> None:
+        """Record a measurement: the model's holding now, its need (raised to its
+        processes' peak RSS too), the registry's peak (lock held)."""
         if not held:
             return
         entry.held = held
         need = dict(entry.need or {})
         for resource, amount in held.items():
             need[resource] = max(need.get(resource, 0), amount)
+        if MEMORY in held:
+            need[MEMORY] = max(need[MEMORY], peak_rss)
         entry.need = need
         for resource, amount in self._held_total().items():
             self._peak[resource] = max(self._peak.get(resource, 0), amount)
 
     @staticmethod
-    def _measure(pool: ModelPool) -> dict[str, int]:
+    def _measure(pool: ModelPool) -> tuple[dict[str, int], int]:
         """RSS of the pool's worker processes and their children (psutil), and each
-        worker's GPU memory by device (the pool's NVML sampling, by PID)."""
+        worker's GPU memory by device (the pool's NVML sampling, by PID); with the sum of
+        those processes' peak RSS (the kernel's high-water mark, so that a transient
+        between two samples, a load's above all, counts in the model's need)."""
         try:
             stats = pool.stats()
         except PoolError:
-            return {}
+            return {}, 0
         held: dict[str, int] = {MEMORY: 0}
+        peak = 0
         for worker in stats.workers:
             if worker.pid is None:
                 continue
-            held[MEMORY] += _tree_rss(worker.pid)
+            rss, high = _tree_rss(worker.pid)
+            held[MEMORY] += rss
+            peak += high
             for device, mb in worker.gpu_mb_by_device.items():
                 if mb is not None:
                     held[device] = held.get(device, 0) + int(mb * 2**20)
-        return held
+        return held, peak
 
     def _entry_stats(self, entry: _Entry, now: float) -> ModelStats:
         spec = entry.spec
@@ -1300,17 +1308,32 @@ def _rss(process: psutil.Process) -> int:
         return 0
 
 
-def _tree_rss(pid: int) -> int:
+def _tree_rss(pid: int) -> tuple[int, int]:
+    """RSS of ``pid`` and its descendants now, and the sum of their peak RSS."""
     try:
         process = psutil.Process(pid)
         members = [process, *process.children(recursive=True)]
     except (psutil.Error, OSError):
-        return 0
-    total = 0
+        return 0, 0
+    total = peak = 0
     for member in members:
         with contextlib.suppress(psutil.Error, OSError):
-            total += int(member.memory_info().rss)
-    return total
+            rss = int(member.memory_info().rss)
+            total += rss
+            peak += max(rss, _peak_rss(member.pid))
+    return total, peak
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak RSS (Linux's VmHWM; 0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _fresh(exc: BaseException) -> BaseException:
