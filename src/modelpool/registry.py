@@ -34,20 +34,23 @@ pool killed and, if even that does not end it, is abandoned with the model ``fai
 Memory is measured, not guessed: the RSS of each model's worker processes (and their
 children) by psutil, and each worker's GPU memory by NVML (the pool's own per-PID
 sampling), sampled while the model loads and every second after. A model's *need* is the
-most it was ever measured to hold. A model that must load evicts least-recently-used
-idle (no request in flight or waiting), unpinned models until its need fits; a model
-never measured yet evicts every such model first, so the budget holds from the first
-load. An evicted model's release is verified before the next model's workers start:
-every process measured as its own (the workers and their children, whatever their
-process group) gone and its process groups gone (psutil), and on a GPU the pool's own
-release checks passed and NVML no longer listing those processes. A release not
-verified within the load's deadline holds the load back: its workers do not start, its
-requests get :class:`~modelpool.errors.MemoryNotReleased`, and what is left is measured
-and counted against the budget until it is gone (the supervisor checks every second);
-then the models it held back are ``unloaded`` again and load on their next request.
-Requests waiting for a
-model hold it: a model with waiters is never idle, so two models that do not fit
-together alternate by demand instead of evicting each other in a loop.
+most it was ever measured to hold, its processes' peak RSS (the kernel's high-water mark)
+included, so that a transient between two samples counts. A model that must load
+evicts least-recently-used idle (no request in flight or waiting), unpinned models until
+its need fits; a model never measured yet evicts every such model first, so the budget
+holds from the first load. A swap whose victim still runs requests waits for them
+outside the step, so the loads behind it are planned meanwhile (one that fits now and
+after that swap goes first). An evicted model's release is verified before the next
+model's workers start: every process measured as its own (the workers and their
+children, whatever their process group) gone and its process groups gone (psutil), and
+on a GPU the pool's own release checks passed and NVML no longer listing those
+processes. A release not verified within the load's deadline holds the load back: its
+workers do not start, its requests get :class:`~modelpool.errors.MemoryNotReleased`,
+and what is left is measured and counted against the budget until it is gone (the
+supervisor checks every second); then the models it held back are ``unloaded`` again
+and load on their next request. Requests waiting for a model hold it: a model with
+waiters is never idle, so two models that do not fit together alternate by demand
+instead of evicting each other in a loop.
 """
 
 from __future__ import annotations
@@ -345,6 +348,9 @@ class _Step:
     # deadline from the step's start; an unload's RELEASE_TIMEOUT_S).
     awaits: list[_Entry] = field(default_factory=list)
     release_by: float = 0.0
+    # Until when the victims' running requests may finish (0: unload_timeout_s from the
+    # unload's start); past it the unload goes on with them still running.
+    drain_by: float = 0.0
     thread: threading.Thread | None = None
     loading: ModelPool | None = None
     deadline: float | None = None
@@ -397,6 +403,9 @@ class ModelRegistry:
             for name in (spec.name, *spec.aliases)
         }
         self._pending: deque[_Entry] = deque()
+        # Swaps planned whose victims are still draining (their requests finishing): not
+        # started until they are, so that the loads behind them are planned meanwhile.
+        self._draining: list[_Step] = []
         self._step: _Step | None = None
         self._waiting = 0
         self._swaps = 0
@@ -772,8 +781,15 @@ class ModelRegistry:
 
     def _next_step(self, now: float) -> _Step | None:
         """The next supervised step, if one is due (lock held). In order: close a failed
-        model's pool, the first pending load (with its evictions), an idle unload, an
-        eviction back under the budget."""
+        model's pool, a planned swap whose victims have drained, the first pending load
+        that can be planned (with its evictions), an idle unload, an eviction back under
+        the budget.
+
+        A load that must drain a busy model is planned (its victims ``unloading``: no new
+        request gets them) but starts only once they are idle, or ``unload_timeout_s``
+        after; the loads behind it are planned meanwhile, and one that fits both now and
+        once the drained swap is done starts at once instead of waiting its turn. So does
+        one behind a load that cannot be planned yet: a wait is never the whole queue's."""
         for entry in self._entries.values():
             if entry.state == "loaded" and entry.pool is not None:
                 health = entry.pool.health()
@@ -788,21 +804,26 @@ class ModelRegistry:
                     f"closing failed model {entry.spec.name}",
                     release_by=now + RELEASE_TIMEOUT_S,
                 )
-        while self._pending:
-            entry = self._pending[0]
+        for step in self._draining:
+            if now >= step.drain_by or all(v.in_flight == 0 for v in step.victims):
+                self._draining.remove(step)
+                assert step.entry is not None
+                step.release_by = now + step.entry.spec.load_deadline_s
+                return step
+        for entry in list(self._pending):
             if entry.state != "loading" or entry.pool is not None:
-                self._pending.popleft()
+                self._pending.remove(entry)
                 continue
             try:
                 plan = self._plan(entry)
             except ModelTooLarge as exc:
-                self._pending.popleft()
+                self._pending.remove(entry)
                 self._fail(entry, exc.message, now, error=exc)
                 continue
             if plan is None:
-                break  # memory still held by a failed model's pool; re-planned each round
+                continue  # waits for memory not back yet; re-planned each round
             victims, awaits = plan
-            self._pending.popleft()
+            self._pending.remove(entry)
             if victims:
                 self._swaps += 1
             for victim in victims:
@@ -810,9 +831,15 @@ class ModelRegistry:
             why = f"loading {entry.spec.name}" + (
                 f" (evicting {', '.join(v.spec.name for v in victims)})" if victims else ""
             )
-            return _Step(
+            step = _Step(
                 "swap", entry, victims, why, awaits, release_by=now + entry.spec.load_deadline_s
             )
+            if any(v.in_flight for v in victims):
+                step.drain_by = now + self.config.unload_timeout_s
+                self._draining.append(step)
+                logger.info("registry: %s: waiting for the evicted models to drain", why)
+                continue
+            return step
         for entry in self._entries.values():
             if entry.state != "loaded" or not entry.idle:
                 continue
@@ -882,19 +909,29 @@ class ModelRegistry:
         candidates = self._candidates(entry)
         movable = {id(e) for e in candidates}
         lingering = [e for e in self._entries.values() if e.lingering is not None]
+        # A swap waiting for its victims to drain: their memory is its, and so is its need.
+        draining = {id(v) for step in self._draining for v in step.victims}
+        reserved: dict[str, int] = {}
+        for step in self._draining:
+            assert step.entry is not None
+            if step.entry.need is None:
+                return None  # what it will take is not known: nothing may pass it
+            for resource, amount in step.entry.need.items():
+                reserved[resource] = reserved.get(resource, 0) + amount
         if any(
             e.held
             and id(e) not in movable
             and e.state != "loaded"
             and e is not entry
             and e.lingering is None
+            and id(e) not in draining
             for e in self._entries.values()
         ):
             return None  # a model still unloading or failing: its memory is not back yet
         if entry.need is None:
             # Never measured: every model that may go goes, so that even the first load
             # stays within the budget whatever the model turns out to take.
-            if any(
+            if self._draining or any(
                 e.state == "loaded" and not e.spec.pin and id(e) not in movable
                 for e in self._entries.values()
                 if e is not entry
@@ -912,9 +949,12 @@ class ModelRegistry:
                 if victim is not None:
                     victims.append(victim)
                     gone.add(id(victim))
-                held = self._held_total(without=gone, at_peak=True)
+                # It must fit now, and once the swaps waiting for a drain are done.
+                now = self._held_total(without=gone, at_peak=True)
+                after = self._held_total(without=gone | draining, at_peak=True)
                 if all(
-                    (budget := self._budget(r)) is None or held.get(r, 0) + need <= budget
+                    (budget := self._budget(r)) is None
+                    or max(now.get(r, 0), after.get(r, 0) + reserved.get(r, 0)) + need <= budget
                     for r, need in entry.need.items()
                 ):
                     return victims, wait
@@ -994,7 +1034,9 @@ class ModelRegistry:
         not back is kept as the model's ``lingering``, and the model ``failed``."""
         with self._cond:
             pool = entry.pool
-            self._cond.wait_for(lambda: entry.in_flight == 0, self.config.unload_timeout_s)
+            bound = step.drain_by - time.monotonic() if step.drain_by else None
+            drain_s = self.config.unload_timeout_s if bound is None else max(0.0, bound)
+            self._cond.wait_for(lambda: entry.in_flight == 0, drain_s)
             had = {**(entry.need or {}), **entry.held}
         if pool is None:
             return

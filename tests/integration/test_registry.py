@@ -311,3 +311,65 @@ def test_a_release_not_verified_holds_back_the_next_load_until_the_memory_is_bac
     with registry.use("b", deadline_s=slack(20)) as pool:
         assert pool.generate("echo:b").text == "b"
     assert registry.model_stats("b").loads == 1
+
+
+def test_a_load_waiting_for_a_busy_model_to_drain_does_not_hold_up_one_that_fits(
+    registry_of: Any,
+) -> None:
+    # "big" must evict "busy", whose request runs on: its swap waits for the drain. "small"
+    # fits both now and once that swap is done, so it loads at once, not behind it.
+    need, extra = measured_need(), 100 * 2**20
+    budget = 3 * need + int(1.5 * extra)
+    registry = registry_of(
+        spec("pinned", pin=True, preload=True),
+        spec("busy"),
+        spec("big"),
+        spec("small"),
+        memory_budget_bytes=budget,
+        unload_timeout_s=600.0,  # the drain waits for the request, however long it runs
+    )
+
+    def measured(name: str, leak: bool) -> None:
+        with registry.use(name) as pool:
+            if leak:
+                pool.generate(f"leak:{extra >> 20}")
+        wait_until(
+            lambda: (registry.model_stats(name).need_bytes or 0) >= 0.9 * (need + extra * leak),
+            timeout=slack(5),
+            message=f"{name} measured",
+        )
+        registry.unload(name)
+        wait_until(lambda: registry.model_stats(name).state == "unloaded", timeout=slack(5))
+
+    measured("big", leak=True)
+    measured("small", leak=False)
+    lease = registry.acquire("busy")
+    try:
+        lease.pool.generate(f"leak:{extra >> 20}")
+        wait_until(
+            lambda: (registry.model_stats("busy").need_bytes or 0) >= 0.9 * (need + extra),
+            timeout=slack(5),
+            message="busy measured",
+        )
+        waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+            registry.acquire, "big", deadline_s=slack(60)
+        )
+        wait_until(
+            lambda: registry.model_stats("busy").state == "unloading",
+            message="big's swap planned, busy draining",
+        )
+        with registry.use("small", deadline_s=10.0) as pool:
+            assert pool.generate("echo:small").text == "small"
+        assert registry.model_stats("big").state == "loading" and not waiting.done()
+    finally:
+        lease.release()
+    waiting.result(timeout=slack(20)).release()
+    stats = registry.stats()
+    assert {n: m.state for n, m in stats.models.items()} == {
+        "pinned": "loaded",
+        "busy": "unloaded",
+        "big": "loaded",
+        "small": "loaded",
+    }
+    assert stats.models["busy"].evictions == 1
+    assert stats.peak_rss_bytes <= budget, (stats.peak_rss_bytes, budget)
