@@ -1041,7 +1041,6 @@ class ModelRegistry:
         if pool is None:
             return
         pids = [w.pid for w in pool.stats().workers if w.pid is not None]
-        before = pool.stats().gpu.releases.failed
         # Every process measured as the model's, whatever its process group: a child
         # that left the group (setsid) outlives the pool's kill of the group.
         processes = _process_trees(pids)
@@ -1052,12 +1051,13 @@ class ModelRegistry:
         for pid in pids:
             report = wait_process_group_gone(pid, timeout_s=max(0.0, until - time.monotonic()))
             if not report.ok:
-                found.append(report.describe())
-                processes += [p for p in group_members(pid) if p not in processes]
-        final = pool.stats().gpu
-        gpus = {device: had.get(device, 0) for device in final.blocked_devices}
-        if final.releases.failed > before and not gpus and not found:
-            found.append("the pool's release check failed")
+                # Watched with the rest: a zombie left in the group holds no memory.
+                members = group_members(pid)
+                processes += [p for p in members if p not in processes]
+                if not members:
+                    found.append(report.describe())  # a group whose members are not visible
+        # The pool's own GPU checks: a GPU whose release failed stays blocked until free.
+        gpus = {device: had.get(device, 0) for device in pool.stats().gpu.blocked_devices}
         lingering = _Lingering(processes, frozenset(p.pid for p in processes), gpus)
         held = self._wait_released(lingering, until)
         logger.info(
