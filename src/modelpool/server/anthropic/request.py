@@ -108,14 +108,8 @@ def parse_messages(body: Mapping[str, Any], *, count: bool = False) -> MessagesR
         raise invalid("max_tokens: field required", "max_tokens", "missing_field")
     if "messages" not in body:
         raise invalid("messages: field required", "messages", "missing_field")
-    if body.get("top_k") is not None:
-        if not is_int(body["top_k"], minimum=0):
-            raise invalid("top_k must be an integer >= 0", "top_k")
-        raise invalid(
-            "top_k: top-k sampling is not supported by this server's backends; use top_p",
-            "top_k",
-            "unsupported_value",
-        )
+    if body.get("top_k") is not None and not is_int(body["top_k"], minimum=0):
+        raise invalid("top_k must be an integer >= 0", "top_k")
     sources: list[str] = []
     chat_messages: list[dict[str, Any]] = []
     system = _system(body.get("system"))
@@ -154,6 +148,7 @@ def parse_messages(body: Mapping[str, Any], *, count: bool = False) -> MessagesR
         ("max_tokens", "max_tokens"),
         ("temperature", "temperature"),
         ("top_p", "top_p"),
+        ("top_k", "top_k"),
         ("stream", "stream"),
     ):
         if body.get(name) is not None and not count:
