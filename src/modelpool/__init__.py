@@ -40,6 +40,7 @@ _EXPORTS = {
     "OutOfMemory": "modelpool.errors",
     "CudaError": "modelpool.errors",
     "PoolOverloaded": "modelpool.errors",
+    "QueueFull": "modelpool.errors",
     "PoolClosed": "modelpool.errors",
     "ModelLoadFailed": "modelpool.errors",
     "PreflightError": "modelpool.errors",
@@ -79,6 +80,7 @@ __all__ = [
     "PoolStats",
     "PoolStream",
     "PreflightError",
+    "QueueFull",
     "Result",
     "RetryPolicy",
     "ServerConfig",
@@ -110,6 +112,7 @@ if TYPE_CHECKING:
         PoolError,
         PoolOverloaded,
         PreflightError,
+        QueueFull,
         WorkerCrashed,
     )
     from modelpool.logprob_columns import TokenLogprobs

@@ -121,6 +121,12 @@ class PoolConfig:
     stall_timeout_s: float | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     max_queue: int = 1024
+    # Priority (lower runs first): a request that has waited this long goes ahead of every
+    # younger one, of any priority (the starvation bound). Admission by predicted wait:
+    # a request whose predicted time to first token passes this (or its deadline) is
+    # refused at once with QueueFull (None: every request is queued).
+    priority_aging_s: float = 10.0
+    max_queue_time_s: float | None = None
     max_requests_per_worker: int | None = None
     max_worker_rss_mb: float | None = None
     max_worker_gpu_mb: float | None = None
@@ -166,6 +172,8 @@ class PoolConfig:
         if not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a RetryPolicy, got {self.retry!r}")
         _check_int("max_queue", self.max_queue, minimum=1)
+        _check_number("priority_aging_s", self.priority_aging_s, allow_zero=False)
+        _check_number("max_queue_time_s", self.max_queue_time_s, allow_zero=False, optional=True)
         _check_int(
             "max_requests_per_worker", self.max_requests_per_worker, minimum=1, optional=True
         )

@@ -34,6 +34,7 @@ COUNTER_NAMES = (
     "withdrawn",
     "cuda_oom",
     "cuda_errors",
+    "queue_full",
 )
 
 
@@ -124,6 +125,11 @@ class PoolStats:
     heartbeat_age_s: float | None = None
     capacity: int = 0
     running: int = 0
+    # Moving averages of finished runs (queueing.WaitPredictor), the queued requests by
+    # priority, and the last kills, exits, release checks and retries (observe.WorkerEvent).
+    throughput: dict[str, float | int] = field(default_factory=dict)
+    queue_by_priority: dict[str, int] = field(default_factory=dict)
+    recent_events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def batch_occupancy(self) -> float:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -95,6 +96,7 @@ from modelpool.server.openai.stream import (
     note_results,
 )
 from modelpool.server.tokenize import parse_detokenize, parse_tokenize, tokenize_body
+from modelpool.validation import valid_traceparent
 
 if TYPE_CHECKING:
     from modelpool.pool import AsyncPoolStream, ModelPool, Result
@@ -197,6 +199,7 @@ def create_app(
             max_running=server_config.client_max_running,
             max_queued=server_config.client_max_queued,
             max_waiting=pool.config.max_queue,
+            aging_s=pool.config.priority_aging_s,
         ),
     )
     app = FastAPI(title="modelpool", docs_url=None, redoc_url=None, openapi_url=None)
@@ -405,11 +408,12 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
     deadline = deadline_from(
         body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
     )
+    priority = _admit(request, state, job, deadline)
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
     runs = job.choices()
     client = request.client.host if request.client is not None else "-"
-    ticket = state.fair_share.reserve(client, len(runs))
+    ticket = state.fair_share.reserve(client, len(runs), priority)
 
     if job.stream:
 
@@ -465,6 +469,26 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
         media_type="application/json",
         headers={"X-Request-Id": results[0].request_id},
     )
+
+
+def _admit(request: Request, state: ServerState, job: Job, deadline: float) -> int:
+    """Admission by predicted wait (QueueFull, a 429, when it would wait too long), once,
+    here: the runs wait in the fair share and then in the pool, so the prediction counts
+    both, and the pool does not judge again a request the daemon accepted. The caller's
+    ``traceparent`` goes with the runs. Returns the request's priority."""
+    params = job.params
+    priority: int = params.get("priority", 0)
+    state.pool.check_admission(
+        priority,
+        params.get("max_queue_time_s"),
+        deadline,
+        also_waiting=state.fair_share.waiting_ahead(priority),
+    )
+    params["max_queue_time_s"] = math.inf
+    traceparent = request.headers.get("traceparent")
+    if traceparent is not None and valid_traceparent(traceparent):
+        params["traceparent"] = traceparent
+    return priority
 
 
 def _parse(raw: bytes, chat: bool) -> tuple[dict[str, Any], Job]:

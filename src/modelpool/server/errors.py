@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from modelpool.errors import (
@@ -19,6 +20,7 @@ from modelpool.errors import (
     PoolClosed,
     PoolError,
     PoolOverloaded,
+    QueueFull,
     WorkerCrashed,
 )
 from modelpool.server.http import ApiError
@@ -55,6 +57,15 @@ def pool_error_to_api(error: PoolError) -> ApiError:
         )
     if isinstance(error, InvalidRequest):
         return ApiError(400, error.message, code="invalid_value", extra=extra)
+    if isinstance(error, QueueFull):
+        return ApiError(
+            429,
+            error.message,
+            type="overloaded_error",
+            code="queue_full",
+            headers={"Retry-After": str(max(1, math.ceil(error.retry_after_s)))},
+            extra={**extra, "predicted_ttft_s": round(error.predicted_ttft_s, 3)},
+        )
     if isinstance(error, PoolOverloaded):
         return ApiError(
             429,
