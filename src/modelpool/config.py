@@ -249,6 +249,8 @@ class ServerConfig:
     # Bytes of request bodies still being received, all connections together: past it,
     # the connection whose body grew gets 503 (a body that arrives whole never counts).
     max_pending_body_bytes: int = 8_388_608
+    # /metrics also under vLLM's names (vllm:..., labelled model_name), for its dashboards.
+    vllm_metrics: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -286,6 +288,10 @@ class ServerConfig:
         _check_int("server.max_headers", self.max_headers, minimum=8)
         _check_int("server.max_connections", self.max_connections, minimum=1)
         _check_int("server.max_pending_body_bytes", self.max_pending_body_bytes, minimum=1)
+        if not isinstance(self.vllm_metrics, bool):
+            raise ValueError(
+                f"server.vllm_metrics must be true or false, got {self.vllm_metrics!r}"
+            )
         if self.max_pending_body_bytes < self.max_body_bytes:
             raise ValueError(
                 f"server.max_pending_body_bytes ({self.max_pending_body_bytes}) must be at "

@@ -822,8 +822,9 @@ class Dispatcher:
         self.counters["completed"] += 1
         result = self._result(request, generation, worker_pid)
         self.latencies.append(result.latency_s)
-        set_future(request.future, result)
+        # Observed first: a caller that has its answer finds it in the metrics.
         self._observe(request, "completed", generation)
+        set_future(request.future, result)
 
     def _resolve_cancelled(
         self,
@@ -839,8 +840,8 @@ class Dispatcher:
             generation = Generation(text, "cancelled")
         else:
             generation = dataclasses.replace(generation, text=text, finish_reason="cancelled")
-        set_future(request.future, self._result(request, generation, worker_pid))
         self._observe(request, "cancelled", generation)
+        set_future(request.future, self._result(request, generation, worker_pid))
 
     def _result(self, request: Request, generation: Generation, worker_pid: int | None) -> Result:
         now = self.clock()
@@ -869,8 +870,8 @@ class Dispatcher:
             self.counters["cancelled"] += 1
         else:
             self.counters["failed"] += 1
-        set_future(request.future, error)
         self._observe(request, "cancelled" if request.caller_gone else "failed", error=error)
+        set_future(request.future, error)
 
     def _observe(
         self,

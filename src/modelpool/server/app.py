@@ -187,20 +187,27 @@ def create_app(
 ) -> FastAPI:
     """The daemon's ASGI app for a started ``pool``. The key is ``api_key``, or else read
     from the variable ``server_config.api_key_env`` names."""
-    metrics = PoolMetrics(pool.stats)
+    fair_share = FairShare(
+        capacity=pool.config.workers * pool.config.max_batch_size,
+        max_running=server_config.client_max_running,
+        max_queued=server_config.client_max_queued,
+        max_waiting=pool.config.max_queue,
+        aging_s=pool.config.priority_aging_s,
+    )
+    metrics = PoolMetrics(
+        pool.stats,
+        vllm_model_name=model_name if server_config.vllm_metrics else None,
+        waiting=lambda: fair_share.snapshot()["waiting"],
+    )
+    if metrics.vllm is not None:
+        pool.add_observer(on_request=metrics.vllm.observe)
     state = ServerState(
         pool=pool,
         config=server_config,
         model_name=model_name,
         metrics=metrics,
         started=int(time.time()),
-        fair_share=FairShare(
-            capacity=pool.config.workers * pool.config.max_batch_size,
-            max_running=server_config.client_max_running,
-            max_queued=server_config.client_max_queued,
-            max_waiting=pool.config.max_queue,
-            aging_s=pool.config.priority_aging_s,
-        ),
+        fair_share=fair_share,
     )
     app = FastAPI(title="modelpool", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.modelpool = state

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from modelpool.server.vllm_metrics import VllmMetrics
 from modelpool.stats import PoolStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -58,13 +59,24 @@ _MIB = 2**20
 
 
 class PoolCollector(Collector):
-    """Renders the snapshot ``stats_source()`` returns, once per scrape."""
+    """Renders the snapshot ``stats_source()`` returns, once per scrape (and, with
+    ``vllm``, its gauges under vLLM's names; ``waiting``: runs the daemon holds back)."""
 
-    def __init__(self, stats_source: Callable[[], PoolStats]) -> None:
+    def __init__(
+        self,
+        stats_source: Callable[[], PoolStats],
+        vllm: VllmMetrics | None = None,
+        waiting: Callable[[], int] = lambda: 0,
+    ) -> None:
         self._stats_source = stats_source
+        self._vllm = vllm
+        self._waiting = waiting
 
     def collect(self) -> Iterator[Metric]:
-        yield from stats_families(self._stats_source())
+        stats = self._stats_source()
+        yield from stats_families(stats)
+        if self._vllm is not None:
+            yield from self._vllm.gauges(stats, self._waiting())
 
 
 def stats_families(stats: PoolStats) -> Iterator[Metric]:
@@ -209,7 +221,15 @@ class PoolMetrics:
     by accident.
     """
 
-    def __init__(self, stats_source: Callable[[], PoolStats]) -> None:
+    def __init__(
+        self,
+        stats_source: Callable[[], PoolStats],
+        *,
+        vllm_model_name: str | None = None,
+        waiting: Callable[[], int] = lambda: 0,
+    ) -> None:
+        """``vllm_model_name``: also export vLLM's names, labelled with it (``vllm_metrics``,
+        whose ``observe`` the caller adds as a pool observer)."""
         self.registry = CollectorRegistry(auto_describe=False)
         self.request_duration = Histogram(
             "modelpool_request_duration_seconds",
@@ -217,7 +237,8 @@ class PoolMetrics:
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(PoolCollector(stats_source))
+        self.vllm = None if vllm_model_name is None else VllmMetrics(vllm_model_name, self.registry)
+        self.registry.register(PoolCollector(stats_source, self.vllm, waiting))
 
     def observe_request(self, seconds: float) -> None:
         self.request_duration.observe(seconds)
@@ -246,6 +267,12 @@ REQUEST_COUNTERS = (
         "modelpool_requests_withdrawn",
         "Requests asked back, unstarted, from a worker where they waited for KV room.",
         "withdrawn",
+    ),
+    (
+        "modelpool_requests_queue_full",
+        "Requests refused at once: their predicted wait passed max_queue_time_s or their "
+        "deadline (also counted as overloaded).",
+        "queue_full",
     ),
 )
 WORKER_COUNTERS = (
