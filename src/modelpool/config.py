@@ -251,6 +251,9 @@ class ServerConfig:
     max_pending_body_bytes: int = 8_388_608
     # /metrics also under vLLM's names (vllm:..., labelled model_name), for its dashboards.
     vllm_metrics: bool = True
+    # OpenTelemetry traces of each request, exported here (an OTLP/HTTP traces URL such as
+    # http://collector:4318/v1/traces; the tracing extra). None: no tracing.
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -288,6 +291,13 @@ class ServerConfig:
         _check_int("server.max_headers", self.max_headers, minimum=8)
         _check_int("server.max_connections", self.max_connections, minimum=1)
         _check_int("server.max_pending_body_bytes", self.max_pending_body_bytes, minimum=1)
+        endpoint = self.otlp_traces_endpoint
+        if endpoint is not None and not (
+            isinstance(endpoint, str) and endpoint.startswith(("http://", "https://"))
+        ):
+            raise ValueError(
+                f"server.otlp_traces_endpoint must be an http(s) URL, got {endpoint!r}"
+            )
         if not isinstance(self.vllm_metrics, bool):
             raise ValueError(
                 f"server.vllm_metrics must be true or false, got {self.vllm_metrics!r}"

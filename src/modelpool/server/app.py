@@ -201,6 +201,8 @@ def create_app(
     )
     if metrics.vllm is not None:
         pool.add_observer(on_request=metrics.vllm.observe)
+    if server_config.otlp_traces_endpoint is not None:
+        _start_tracing(pool, server_config.otlp_traces_endpoint, model_name)
     state = ServerState(
         pool=pool,
         config=server_config,
@@ -354,6 +356,19 @@ def create_app(
         return await _generate(request, state, chat=True)
 
     return app
+
+
+def _start_tracing(pool: ModelPool, endpoint: str, model_name: str) -> None:
+    """Trace the pool's requests to ``endpoint`` (it flushes at exit)."""
+    try:
+        from modelpool.tracing import PoolTracer
+    except ImportError as exc:
+        raise RuntimeError(
+            "[server] otlp_traces_endpoint needs OpenTelemetry: pip install 'modelpool[tracing]'"
+            f" ({exc})"
+        ) from exc
+    PoolTracer(pool, endpoint, model_name=model_name)
+    logger.info("tracing requests to %s", endpoint)
 
 
 def _model_card(state: ServerState, max_model_len: int | None) -> dict[str, Any]:
