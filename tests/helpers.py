@@ -297,7 +297,7 @@ STATS_KEYS = {
 WORKER_KEYS = {
     "id", "pid", "state", "role", "device", "requests", "uptime_s",
     "rss_mb", "gpu_mb", "gpu_mb_method", "gpu_mb_by_device", "max_model_len", "slots", "running",
-    "waiting_for_room", "kv_free_tokens", "prefix_cache",
+    "waiting_for_room", "kv_free_tokens", "prefix_cache", "pool_slot",
 }  # fmt: skip
 COUNTER_KEYS = {
     "submitted", "completed", "failed", "cancelled", "timeouts", "crashes", "kills",

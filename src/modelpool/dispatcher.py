@@ -268,7 +268,13 @@ class Dispatcher:
         reason = self.worker_manager.record_exit(worker, previous_state)
         self.observers.worker_event(
             WorkerEvent(
-                "exit", self.clock(), worker.id, worker.pid, worker.kill_reason or "", detail=reason
+                "exit",
+                self.clock(),
+                worker.id,
+                worker.pid,
+                worker.kill_reason or "",
+                detail=reason,
+                pool_slot=worker.slot,
             )
         )
         outcome: Outcome = "timeout" if worker.kill_reason in ("timeout", "stall") else "crash"

@@ -89,6 +89,8 @@ class WorkerEvent:
     ok: bool | None = None
     seconds: float | None = None
     detail: str = ""
+    # The pool slot the worker held: its replacement takes the same one.
+    pool_slot: int = -1
 
     def to_dict(self, wall_offset: float) -> dict[str, Any]:
         """For stats: ``at`` as Unix time (``wall_offset``: wall clock minus monotonic)."""
@@ -96,6 +98,7 @@ class WorkerEvent:
             "kind": self.kind,
             "at": round(self.at + wall_offset, 3),
             "worker_id": self.worker_id,
+            "pool_slot": self.pool_slot,
             "pid": self.pid,
             "reason": self.reason,
             "request_id": self.request_id,

@@ -61,6 +61,9 @@ class WaitPredictor:
         self.ttft_s = 0.0
         self.prefill_tokens_per_s = 0.0
         self.decode_tokens_per_s = 0.0
+        # Totals over every answered run (the status page's tokens per second).
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
 
     def observe(
         self,
@@ -73,6 +76,8 @@ class WaitPredictor:
         """A run that ended with an answer: dispatch to end ``run_s``, dispatch to first
         token ``ttft_s`` (None: it streamed nothing before its answer)."""
         first = ttft_s if ttft_s is not None else run_s
+        self.prompt_tokens += prompt_tokens or 0
+        self.completion_tokens += completion_tokens or 0
         self.run_s = self._mix(self.run_s, run_s)
         self.ttft_s = self._mix(self.ttft_s, first)
         if prompt_tokens and first > 0:
@@ -104,4 +109,6 @@ class WaitPredictor:
             "ttft_s": round(self.ttft_s, 4),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 1),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
         }

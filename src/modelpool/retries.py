@@ -209,6 +209,7 @@ class Retries:
                 attempt_ids=(last,),
                 request_id=request.request_id,
                 detail=error.message,
+                pool_slot=worker.slot,
             )
         )
         logger.info(

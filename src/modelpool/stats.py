@@ -66,6 +66,8 @@ class WorkerStats:
     max_model_len: int | None = None
     slots: int = 1
     running: list[str] = field(default_factory=list)
+    # The pool slot it fills (0 .. workers + spares - 1): a replacement takes the same one.
+    pool_slot: int = 0
     gpu_mb_by_device: dict[str, float | None] = field(default_factory=dict)
     # Batched workers: requests sent to it that wait there for KV room (not in ``running``)
     # and its free KV room in tokens, as the worker last reported it.

@@ -455,6 +455,7 @@ class WorkerManager:
                     reason,
                     attempt_ids=tuple(worker.runs),
                     detail=signal.Signals(signum).name,
+                    pool_slot=worker.slot,
                 )
             )
         if worker.state != "starting":
@@ -573,6 +574,7 @@ class WorkerManager:
                 ok=ok,
                 seconds=seconds,
                 detail=method,
+                pool_slot=worker.slot,
             )
         )
         if not self.owner.closing:
@@ -655,6 +657,7 @@ class WorkerManager:
             workers.append(
                 WorkerStats(
                     id=worker.id,
+                    pool_slot=worker.slot,
                     pid=worker.pid,
                     state=shown,
                     role=worker.role,

@@ -10,7 +10,8 @@ on uvicorn::
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
 sends server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
-``GET /healthz``, ``GET /readyz``, ``GET /stats``, ``GET /metrics``.
+``GET /healthz``, ``GET /readyz``, ``GET /stats``, ``GET /metrics``, ``GET /ui`` (the
+status page, ``server/ui``).
 
 Request bodies are parsed and checked, field by field, in ``openai.request``
 (every rejection names the OpenAI field the client sent; a field we cannot
@@ -96,6 +97,7 @@ from modelpool.server.openai.stream import (
     note_results,
 )
 from modelpool.server.tokenize import parse_detokenize, parse_tokenize, tokenize_body
+from modelpool.server.ui import add_ui_routes
 from modelpool.validation import valid_traceparent
 
 if TYPE_CHECKING:
@@ -305,6 +307,8 @@ def create_app(
     async def stats() -> Response:
         snapshot = await pool.astats()
         return JSONResponse({**snapshot.to_dict(), "fair_share": state.fair_share.snapshot()})
+
+    add_ui_routes(app)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

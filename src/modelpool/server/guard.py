@@ -35,11 +35,13 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from modelpool.config import ServerConfig
 from modelpool.server.http import ApiError, invalid
 from modelpool.server.metrics import PoolMetrics
+from modelpool.server.ui import UI_PATHS
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("modelpool.access")
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+# Without the key: the probes, and the status page's static files (its data is /stats).
+OPEN_PATHS = frozenset({"/healthz", "/readyz"}) | UI_PATHS
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 # Headers a browser may send on a cross-origin call, and answer headers it may read.
