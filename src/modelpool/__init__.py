@@ -51,6 +51,7 @@ _EXPORTS = {
     "GrammarError": "modelpool.errors",
     "GrammarCompileTimeout": "modelpool.errors",
     "GrammarEngineMissing": "modelpool.errors",
+    "SchemaTooComplex": "modelpool.errors",
 }
 
 __all__ = [
@@ -83,6 +84,7 @@ __all__ = [
     "QueueFull",
     "Result",
     "RetryPolicy",
+    "SchemaTooComplex",
     "ServerConfig",
     "TokenIds",
     "TokenLogprob",
@@ -113,6 +115,7 @@ if TYPE_CHECKING:
         PoolOverloaded,
         PreflightError,
         QueueFull,
+        SchemaTooComplex,
         WorkerCrashed,
     )
     from modelpool.logprob_columns import TokenLogprobs

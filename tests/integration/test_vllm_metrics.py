@@ -6,8 +6,9 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from helpers import open_pool
-from modelpool.config import ServerConfig
+from helpers import make_config, open_pool
+from modelpool.config import ModelSpec, ServerConfig
+from modelpool.registry import ModelRegistry, RegistryConfig
 from modelpool.server import create_app
 
 LOOPBACK = "http://127.0.0.1"
@@ -48,3 +49,20 @@ def test_vllm_metrics_false_leaves_them_out() -> None:
         assert client.post("/v1/completions", json={"prompt": "echo:x"}).status_code == 200
         text = client.get("/metrics").text
         assert "modelpool_requests_total" in text and "vllm:" not in text
+
+
+def test_each_model_of_a_registry_has_its_own_model_name_series() -> None:
+    specs = tuple(ModelSpec(name, make_config(workers=1)) for name in ("chat", "coder"))
+    registry = ModelRegistry(RegistryConfig(models=specs)).start()
+    try:
+        client = TestClient(create_app(registry, ServerConfig()), base_url=LOOPBACK)
+        for name in ("chat", "coder", "coder"):
+            body = {"model": name, "prompt": "echo:x"}
+            assert client.post("/v1/completions", json=body).status_code == 200
+        values = _values(client.get("/metrics").text)
+        for name, count in (("chat", 1), ("coder", 2)):
+            model = (("model_name", name),)
+            assert values[("vllm:e2e_request_latency_seconds_count", model)] == count
+            assert values[("vllm:num_requests_running", model)] == 0
+    finally:
+        registry.close(timeout=5.0)

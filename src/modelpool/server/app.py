@@ -6,12 +6,20 @@ to a started :class:`~modelpool.ModelPool` only through its public API
 on uvicorn::
 
     app = create_app(pool, ServerConfig(), "smollm2-135m-instruct")
+    app = create_app(registry, ServerConfig())     # many models: a started ModelRegistry
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
+Every route that runs a model gets its pool from ``state.pool_for(request, body)``: the
+one pool, whatever ``model`` says, or the registry's model of that name (``models.py``).
+
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
-sends server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
-``GET /healthz``, ``GET /readyz``, ``GET /stats``, ``GET /metrics``, ``GET /ui`` (the
-status page, ``server/ui``).
+sends server-sent events ending with ``data: [DONE]``), ``POST /v1/responses`` (with
+``GET``/``DELETE /v1/responses/{id}`` for stored ones), ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (Anthropic's, errors in its shape), ``GET
+/v1/models``, ``GET /healthz``, ``GET /readyz``, ``GET /stats``, ``GET /metrics``, ``GET
+/ui`` (the status page, ``server/ui``). Every
+generating route takes the one walk of ``_generate``; its API family (``generation.Api``)
+only parses the body into a job and writes the answer.
 
 Request bodies are parsed and checked, field by field, in ``openai.request``
 (every rejection names the OpenAI field the client sent; a field we cannot
@@ -50,8 +58,11 @@ import socket
 import time
 from collections.abc import (
     AsyncIterator,
+    Awaitable,
+    Callable,
     Coroutine,
     Iterator,
+    Mapping,
 )
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -64,13 +75,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Scope
 
-from modelpool.config import ServerConfig
+from modelpool.config import PoolConfig, ServerConfig
 from modelpool.errors import (
     PoolError,
 )
 from modelpool.protocol import Prompt
-from modelpool.server.errors import RETRY_AFTER_UNAVAILABLE, pool_error_to_api, shutting_down
-from modelpool.server.fair_share import FairShare
+from modelpool.registry import ModelRegistry
+from modelpool.server import models as multi
+from modelpool.server.anthropic.api import MessagesApi, count_prompt
+from modelpool.server.checks import Checks
+from modelpool.server.errors import (
+    RETRY_AFTER_UNAVAILABLE,
+    error_response,
+    pool_error_to_api,
+    shutting_down,
+)
+from modelpool.server.fair_share import FairShare, Limits
+from modelpool.server.generation import Api, P, Plain
 from modelpool.server.guard import BrowserGuard, Gate, require_json
 from modelpool.server.http import (
     ApiError,
@@ -85,19 +106,31 @@ from modelpool.server.metrics import CONTENT_TYPE, PoolMetrics
 from modelpool.server.openai.format import Job, response_body
 from modelpool.server.openai.request import (
     check_budget,
+    check_size,
     deadline_from,
     parse_chat,
     parse_completion,
+    prompt_size,
 )
-from modelpool.server.openai.stream import (
+from modelpool.server.openai.stream import ChatChunks
+from modelpool.server.responses.api import ResponsesApi
+from modelpool.server.responses.store import ResponseStore
+from modelpool.server.streaming import (
     ENCODE_OFF_LOOP_TOKENS,
     EventStream,
     StreamedChoice,
     answer_tokens,
     note_results,
 )
-from modelpool.server.tokenize import parse_detokenize, parse_tokenize, tokenize_body
+from modelpool.server.tenants import Keys, Tenant
+from modelpool.server.tokenize import (
+    TokenizeJob,
+    parse_detokenize,
+    parse_tokenize,
+    tokenize_body,
+)
 from modelpool.server.ui import add_ui_routes
+from modelpool.stats import PoolHealth
 from modelpool.validation import valid_traceparent
 
 if TYPE_CHECKING:
@@ -106,9 +139,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 
-# Bodies larger than this are parsed and checked off the event loop.
-PARSE_OFF_LOOP_BYTES = 65_536
 READY_WORKER_STATES = frozenset({"idle", "busy", "spare"})
 
 
@@ -159,18 +191,61 @@ class LoopWatch:
 
 @dataclass
 class ServerState:
-    """Mutable state shared by the routes and the CLI's signal handler."""
+    """Mutable state shared by the routes and the CLI's signal handler. One of ``pool``
+    (one model) and ``registry`` (many) is set."""
 
-    pool: ModelPool
+    pool: ModelPool | None
     config: ServerConfig
     model_name: str
     metrics: PoolMetrics
     started: int
     fair_share: FairShare
+    responses: ResponsesApi  # its store: previous_response_id, GET/DELETE
+    keys: Keys
+    checks: Checks
     # Parsing and building large bodies and answers, in a thread, one at a time.
     heavy_work: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     draining: bool = False
     loop_watch: LoopWatch = field(default_factory=LoopWatch)
+    registry: ModelRegistry | None = None
+
+    async def pool_for(self, request: Request, body: dict[str, Any]) -> ModelPool:
+        """The pool for the body's ``model``, held until the answer is sent (see
+        ``server.models``): the one pool, or the registry's, loaded if need be."""
+        return await multi.pool_for(self, request, body)
+
+    def pool_config_for(self, body: dict[str, Any]) -> PoolConfig:
+        """The configuration of the pool that serves the body's ``model``, without loading
+        it (a check thread costs a request with it before its model is chosen)."""
+        if self.registry is None:
+            assert self.pool is not None
+            return self.pool.config
+        return multi.config_for(self.registry, body)
+
+    def default_deadline_s(self) -> float:
+        """The deadline of a request whose body does not say (yet): the pool's, or the
+        longest of the registry's models."""
+        if self.registry is None:
+            assert self.pool is not None
+            return self.pool.config.deadline_s
+        return max(spec.pool.deadline_s for spec in self.registry.config.models)
+
+    def time_left(self, request: Request, deadline_s: float) -> float:
+        """``deadline_s`` less what the request waited for its model to load."""
+        return multi.time_left(request, deadline_s)
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        """A small JSON body (the admin routes'), parsed in a check thread."""
+        deadline = deadline_from({}, request.headers, self.default_deadline_s(), None)
+        body, _ = await _read_json(request, self, deadline, _no_parse)
+        return body
+
+    def health(self) -> PoolHealth:
+        """The pool's liveness, or the registry's (its supervisor's heartbeat)."""
+        if self.registry is not None:
+            return self.registry.health()
+        assert self.pool is not None
+        return self.pool.health()
 
 
 def api_key_from_env(server_config: ServerConfig) -> str | None:
@@ -181,43 +256,67 @@ def api_key_from_env(server_config: ServerConfig) -> str | None:
 
 
 def create_app(
-    pool: ModelPool,
+    served: ModelPool | ModelRegistry,
     server_config: ServerConfig,
-    model_name: str,
+    model_name: str = "",
     *,
     api_key: str | None = None,
 ) -> FastAPI:
-    """The daemon's ASGI app for a started ``pool``. The key is ``api_key``, or else read
-    from the variable ``server_config.api_key_env`` names."""
+    """The daemon's ASGI app for a started pool (serving ``model_name``) or a started
+    :class:`ModelRegistry`. The key is ``api_key``, or else read from the variable
+    ``server_config.api_key_env`` names."""
+    registry: ModelRegistry | None = None
+    pool: ModelPool | None = None
+    if isinstance(served, ModelRegistry):
+        registry = served
+        configs = [spec.pool for spec in registry.config.models]
+    else:
+        pool = served
+        configs = [pool.config]
+    keys = Keys.configured(server_config.keys_file, api_key or api_key_from_env(server_config))
     fair_share = FairShare(
-        capacity=pool.config.workers * pool.config.max_batch_size,
+        capacity=sum(c.workers * c.max_batch_size for c in configs),
         max_running=server_config.client_max_running,
         max_queued=server_config.client_max_queued,
-        max_waiting=pool.config.max_queue,
-        aging_s=pool.config.priority_aging_s,
+        max_waiting=sum(c.max_queue for c in configs),
+        aging_s=min(c.priority_aging_s for c in configs),
     )
-    metrics = PoolMetrics(
-        pool.stats,
-        vllm_model_name=model_name if server_config.vllm_metrics else None,
-        waiting=lambda: fair_share.snapshot()["waiting"],
-    )
-    if metrics.vllm is not None:
-        pool.add_observer(on_request=metrics.vllm.observe)
-    if server_config.otlp_traces_endpoint is not None:
-        _start_tracing(pool, server_config.otlp_traces_endpoint, model_name)
+    if registry is not None:
+        metrics = PoolMetrics(registry_source=registry.stats, vllm=server_config.vllm_metrics)
+    else:
+        assert pool is not None
+        metrics = PoolMetrics(
+            pool.stats,
+            model=model_name,
+            vllm=server_config.vllm_metrics,
+            waiting=lambda: fair_share.snapshot()["waiting"],
+        )
+    _observe_pools(served, model_name, metrics, server_config)
     state = ServerState(
         pool=pool,
+        registry=registry,
         config=server_config,
         model_name=model_name,
         metrics=metrics,
         started=int(time.time()),
         fair_share=fair_share,
+        keys=keys,
+        checks=Checks(fair_share, max_waiting=sum(c.max_queue for c in configs)),
+        responses=ResponsesApi(
+            ResponseStore(
+                max_entries=server_config.responses_store_entries,
+                max_bytes=server_config.responses_store_bytes,
+                ttl_s=server_config.responses_store_ttl_s,
+            )
+        ),
     )
     app = FastAPI(title="modelpool", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.modelpool = state
+    # Inside the Gate: a model's lease is released once the answer is out.
+    app.add_middleware(multi.ModelLeases)
     app.add_middleware(
         Gate,
-        api_key=api_key or api_key_from_env(server_config),
+        keys=keys,
         max_body_bytes=server_config.max_body_bytes,
         metrics=metrics,
         guard=BrowserGuard(server_config),
@@ -225,12 +324,12 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> Response:
-        return exc.response()
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(PoolError)
     async def on_pool_error(request: Request, exc: PoolError) -> Response:
         _note_attempts(request.scope, exc.request_id, exc.attempts)
-        return pool_error_to_api(exc).response()
+        return error_response(pool_error_to_api(exc), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -252,24 +351,25 @@ def create_app(
             error = ApiError(
                 exc.status_code, str(exc.detail), code="http_error", headers=exc.headers
             )
-        return error.response()
+        return error_response(error, request.url.path)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         # Starlette re-raises after sending this, so uvicorn logs the traceback once.
-        return ApiError(
+        error = ApiError(
             500,
             f"internal server error: {type(exc).__name__}",
             type="server_error",
             code="internal_error",
-        ).response()
+        )
+        return error_response(error, request.url.path)
 
     @app.get("/healthz")
     async def healthz() -> Response:
         # Liveness, not readiness: never waits on the dispatcher (a wedged one is what
         # this must report), and a pool that is starting or degraded is still alive.
         state.loop_watch.ensure_started()
-        health = pool.health()
+        health = state.health()
         lag = state.loop_watch.lag_s()
         reasons: list[str] = [] if health.alive else [health.reason or "the pool is not alive"]
         if lag > state.config.max_event_loop_lag_s:
@@ -291,6 +391,9 @@ def create_app(
 
     @app.get("/readyz")
     async def readyz() -> Response:
+        if registry is not None:
+            return await _registry_ready(state, registry)
+        assert pool is not None
         stats = await run_in_threadpool(pool.stats)
         ready_workers = sum(1 for w in stats.workers if w.state in READY_WORKER_STATES)
         ready = not state.draining and stats.state in ("ready", "degraded") and ready_workers > 0
@@ -305,8 +408,16 @@ def create_app(
 
     @app.get("/stats")
     async def stats() -> Response:
+        server_parts = {
+            "fair_share": state.fair_share.snapshot(),
+            "checks": state.checks.snapshot(),
+        }
+        if registry is not None:
+            snapshot_all = await run_in_threadpool(registry.stats)
+            return JSONResponse({**snapshot_all.to_dict(), **server_parts})
+        assert pool is not None
         snapshot = await pool.astats()
-        return JSONResponse({**snapshot.to_dict(), "fair_share": state.fair_share.snapshot()})
+        return JSONResponse({**snapshot.to_dict(), **server_parts})
 
     add_ui_routes(app)
 
@@ -314,6 +425,74 @@ def create_app(
     async def prometheus() -> Response:
         body = await run_in_threadpool(metrics.render)
         return Response(body, media_type=CONTENT_TYPE)
+
+    if registry is not None:
+        multi.install_routes(app, state, registry)
+    else:
+        assert pool is not None
+        _install_model_routes(app, state, pool)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        async def run(pool: ModelPool, job: TokenizeJob, left_s: float) -> list[int]:
+            return await pool.atokenize(
+                job.prompt, add_generation_prompt=job.add_generation_prompt, deadline_s=left_s
+            )
+
+        pool, tokens = await _on_a_worker(request, state, _parse_tokenize, run)
+        snapshot = await pool.astats()
+        body = tokenize_body(tokens, snapshot.max_model_len)
+        content = await off_loop_if(
+            len(tokens) > ENCODE_OFF_LOOP_TOKENS, state.heavy_work, json_bytes, body
+        )
+        return Response(content, media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        async def run(pool: ModelPool, tokens: list[int], left_s: float) -> str:
+            return await pool.adetokenize(tokens, deadline_s=left_s) if tokens else ""
+
+        _, text = await _on_a_worker(request, state, _parse_detokenize, run)
+        return JSONResponse({"prompt": text})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, state, CompletionsApi())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, state, ChatApi())
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _generate(request, state, state.responses)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        return JSONResponse(state.responses.stored(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return JSONResponse(state.responses.delete(response_id))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await _generate(request, state, MessagesApi())
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        async def run(pool: ModelPool, prompt: Prompt, left_s: float) -> list[int]:
+            return await pool.atokenize(prompt, deadline_s=left_s)
+
+        _, tokens = await _on_a_worker(request, state, _parse_count, run)
+        return JSONResponse({"input_tokens": len(tokens)})
+
+    return app
+
+
+def _install_model_routes(app: FastAPI, state: ServerState, pool: ModelPool) -> None:
+    """``/v1/models`` of a one-model daemon: the served model."""
+    model_name = state.model_name
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -333,46 +512,59 @@ def create_app(
         snapshot = await pool.astats()
         return _model_card(state, snapshot.max_model_len)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        body = await _read_json(request, state)
-        job = parse_tokenize(body)
-        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        tokens = await pool.atokenize(
-            job.prompt, add_generation_prompt=job.add_generation_prompt, deadline_s=deadline
-        )
-        snapshot = await pool.astats()
-        return JSONResponse(tokenize_body(tokens, snapshot.max_model_len))
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        tokens = parse_detokenize(await _read_json(request, state))
-        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        text = await pool.adetokenize(tokens, deadline_s=deadline) if tokens else ""
-        return JSONResponse({"prompt": text})
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generate(request, state, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _generate(request, state, chat=True)
-
-    return app
+async def _registry_ready(state: ServerState, registry: ModelRegistry) -> Response:
+    """Ready: not draining, the registry alive, and every preload model loaded (any other
+    model loads on its first request)."""
+    stats = await run_in_threadpool(registry.stats, with_pools=False)
+    waiting_for = [
+        name
+        for name, model in stats.models.items()
+        if registry.spec(name).preload and model.state != "loaded"
+    ]
+    ready = not state.draining and registry.health().alive and not waiting_for
+    body = {
+        "status": "ready" if ready else "not ready",
+        "models": {name: model.state for name, model in stats.models.items()},
+        "draining": state.draining,
+    }
+    headers = {} if ready else {"Retry-After": str(RETRY_AFTER_UNAVAILABLE)}
+    return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
 
 
-def _start_tracing(pool: ModelPool, endpoint: str, model_name: str) -> None:
-    """Trace the pool's requests to ``endpoint`` (it flushes at exit)."""
-    try:
-        from modelpool.tracing import PoolTracer
-    except ImportError as exc:
-        raise RuntimeError(
-            "[server] otlp_traces_endpoint needs OpenTelemetry: pip install 'modelpool[tracing]'"
-            f" ({exc})"
-        ) from exc
-    PoolTracer(pool, endpoint, model_name=model_name)
-    logger.info("tracing requests to %s", endpoint)
+def _observe_pools(
+    served: ModelPool | ModelRegistry,
+    model_name: str,
+    metrics: PoolMetrics,
+    server_config: ServerConfig,
+) -> None:
+    """The ``vllm:`` series and the traces of the pool, or of each pool a registry loads
+    (its name the ``model_name`` label)."""
+    tracer: Callable[[str, ModelPool], None] | None = None
+    endpoint = server_config.otlp_traces_endpoint
+    if endpoint is not None:
+        try:
+            from modelpool.tracing import PoolTracer
+        except ImportError as exc:
+            raise RuntimeError(
+                "[server] otlp_traces_endpoint needs OpenTelemetry: pip install "
+                f"'modelpool[tracing]' ({exc})"
+            ) from exc
+        logger.info("tracing requests to %s", endpoint)
+
+        def tracer(name: str, pool: ModelPool) -> None:
+            PoolTracer(pool, endpoint, model_name=name)
+
+    def observe(name: str, pool: ModelPool) -> None:
+        if metrics.vllm is not None:
+            pool.add_observer(on_request=metrics.vllm.observer(name))
+        if tracer is not None:
+            tracer(name, pool)
+
+    if isinstance(served, ModelRegistry):
+        served.add_pool_hook(observe)
+    else:
+        observe(model_name, served)
 
 
 def _model_card(state: ServerState, max_model_len: int | None) -> dict[str, Any]:
@@ -405,41 +597,129 @@ def _check_not_draining(state: ServerState) -> None:
         )
 
 
-async def _read_json(request: Request, state: ServerState) -> dict[str, Any]:
-    """A small JSON body (the tokenizer routes'), parsed off the loop when large."""
+@dataclass(frozen=True)
+class Client:
+    """Who a request counts against: its tenant when keys are set, else its address."""
+
+    name: str
+    tenant: Tenant | None
+
+    @property
+    def limits(self) -> Limits | None:
+        if self.tenant is None:
+            return None
+        return (self.tenant.client_max_running, self.tenant.client_max_queued)
+
+
+def _client(request: Request, state: ServerState) -> Client:
+    if state.keys.required:
+        # The key was checked already (the protocol, the Gate): it names a tenant.
+        tenant = state.keys.tenant(
+            request.headers.get("authorization", "").encode("latin-1"),
+            request.headers.get("x-api-key", "").encode("latin-1"),
+        )
+        if tenant is not None:
+            return Client(f"tenant:{tenant.name}", tenant)
+    return Client(request.client.host if request.client is not None else "-", None)
+
+
+async def _read_json(
+    request: Request, state: ServerState, deadline_s: float, parse: Callable[..., T], *args: Any
+) -> tuple[dict[str, Any], T]:
+    """A small route's body and what ``parse(body, *args)`` makes of it, both in a check
+    thread (never on the loop, whatever its size)."""
     _check_not_draining(state)
     require_json(request.headers.get("content-type"))
     raw = await read_body(request, state.config.max_body_bytes)
-    return await off_loop_if(
-        len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, parse_json_object, raw
+    client = _client(request, state)
+    checks = state.checks
+    return await checks.run(client.name, client.limits, deadline_s, _parsed, raw, parse, *args)
+
+
+def _parsed(raw: bytes, parse: Callable[..., T], *args: Any) -> tuple[dict[str, Any], T]:
+    body = parse_json_object(raw)
+    return body, parse(body, *args)
+
+
+def _no_parse(body: dict[str, Any]) -> None:
+    return None
+
+
+async def _on_a_worker(
+    request: Request,
+    state: ServerState,
+    parse: Callable[[dict[str, Any], ServerConfig], T],
+    call: Callable[[ModelPool, T, float], Awaitable[R]],
+) -> tuple[ModelPool, R]:
+    """A tokenizer route's walk: its body parsed and checked in a check thread, its
+    model's pool, then ``call(pool, job, seconds_left)`` in the client's turn of fair
+    share (tokenizing takes a worker, as a generation does)."""
+    waiting_s = deadline_from({}, request.headers, state.default_deadline_s(), None)
+    body, job = await _read_json(request, state, waiting_s, parse, state.config)
+    pool = await state.pool_for(request, body)
+    deadline = state.time_left(
+        request, deadline_from({}, request.headers, pool.config.deadline_s, None)
     )
+    client = _client(request, state)
+    ticket = state.fair_share.reserve(client.name, 1, client.limits)
+    try:
+        async with ticket.slot(deadline) as left_s:
+            return pool, await call(pool, job, left_s)
+    finally:
+        ticket.close()
 
 
-async def _generate(request: Request, state: ServerState, *, chat: bool) -> Response:
+def _parse_tokenize(body: dict[str, Any], config: ServerConfig) -> TokenizeJob:
+    job = parse_tokenize(body)
+    check_size(prompt_size(job.prompt), limit=config.max_request_tokens, param="prompt")
+    return job
+
+
+def _parse_count(body: dict[str, Any], config: ServerConfig) -> Prompt:
+    prompt = count_prompt(body)
+    check_size(prompt_size(prompt), limit=config.max_request_tokens, param="messages")
+    return prompt
+
+
+def _parse_detokenize(body: dict[str, Any], config: ServerConfig) -> list[int]:
+    tokens = parse_detokenize(body)
+    check_size(len(tokens), limit=config.max_request_tokens, param="tokens")
+    return tokens
+
+
+async def _generate(request: Request, state: ServerState, api: Api[P]) -> Response:
+    """The one walk of every generating route: ``api`` parses the body into a job and
+    writes the answer (see ``generation``)."""
     _check_not_draining(state)
     require_json(request.headers.get("content-type"))
     try:
         raw = await read_body(request, state.config.max_body_bytes)
     except ClientDisconnect:
         return ClientGone()
-    body, job = await off_loop_if(
-        len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, _parse, raw, chat
+    client = _client(request, state)
+    # The wait for a check thread counts against the request's deadline, which only the
+    # body says exactly: until it is parsed, the header's or the pool's.
+    waiting_s = deadline_from(
+        {}, request.headers, state.default_deadline_s(), state.config.max_request_timeout_s
     )
-    pool = state.pool
-    check_budget(
-        job,
-        limit=state.config.max_request_tokens,
-        default_max_tokens=pool.config.generation_defaults.get("max_new_tokens", 0),
+    tenant_budget = client.tenant.max_request_tokens if client.tenant is not None else None
+    budget = tenant_budget or state.config.max_request_tokens
+    body, parsed = await state.checks.run(
+        client.name, client.limits, waiting_s, _parse, raw, api, budget, state.pool_config_for
     )
-    deadline = deadline_from(
-        body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
+    job = parsed.job
+    pool = await state.pool_for(request, body)
+    deadline = state.time_left(
+        request,
+        deadline_from(
+            body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
+        ),
     )
-    priority = _admit(request, state, job, deadline)
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
+    priority = _admit(request, state, pool, job, deadline)
     runs = job.choices()
-    client = request.client.host if request.client is not None else "-"
-    ticket = state.fair_share.reserve(client, len(runs), priority)
+    ticket = state.fair_share.reserve(client.name, len(runs), client.limits, priority)
 
     if job.stream:
 
@@ -452,10 +732,10 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
                 choice.source = pool.astream(choice.prompt, deadline_s=left_s, **choice.params)
                 yield choice.source
 
+        choices = [StreamedChoice(index, prompt, params) for index, prompt, params in runs]
         return EventStream(
-            [StreamedChoice(index, prompt, params) for index, prompt, params in runs],
-            job,
-            model=state.model_name,
+            choices,
+            api.writer(parsed, choices, _answer_model(state, body)),
             on_error=note_error,
             send_timeout_s=state.config.send_timeout_s,
             start=start,
@@ -485,10 +765,10 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
     content = await off_loop_if(
         answer_tokens(*results) > ENCODE_OFF_LOOP_TOKENS,
         state.heavy_work,
-        _render,
-        job,
+        api.answer,
+        parsed,
         by_index,
-        state.model_name,
+        _answer_model(state, body),
     )
     return Response(
         content,
@@ -497,14 +777,14 @@ async def _generate(request: Request, state: ServerState, *, chat: bool) -> Resp
     )
 
 
-def _admit(request: Request, state: ServerState, job: Job, deadline: float) -> int:
+def _admit(request: Request, state: ServerState, pool: ModelPool, job: Job, deadline: float) -> int:
     """Admission by predicted wait (QueueFull, a 429, when it would wait too long), once,
     here: the runs wait in the fair share and then in the pool, so the prediction counts
     both, and the pool does not judge again a request the daemon accepted. The caller's
     ``traceparent`` goes with the runs. Returns the request's priority."""
     params = job.params
     priority: int = params.get("priority", 0)
-    state.pool.check_admission(
+    pool.check_admission(
         priority,
         params.get("max_queue_time_s"),
         deadline,
@@ -517,13 +797,51 @@ def _admit(request: Request, state: ServerState, job: Job, deadline: float) -> i
     return priority
 
 
-def _parse(raw: bytes, chat: bool) -> tuple[dict[str, Any], Job]:
+def _parse(
+    raw: bytes,
+    api: Api[P],
+    budget: int,
+    config_for: Callable[[dict[str, Any]], PoolConfig],
+) -> tuple[dict[str, Any], P]:
+    """A generation's body, parsed by its API family, checked and costed against
+    ``budget`` (``max_request_tokens``) with its model's ``max_new_tokens`` for a request
+    that says none; in a check thread. ``keep_alive`` (Ollama's) is the registry's, not
+    the API's."""
     body = parse_json_object(raw)
-    return body, parse_chat(body) if chat else parse_completion(body)
+    keep_alive = multi.split_keep_alive(body)
+    parsed = api.parse(body)
+    multi.put_keep_alive(body, keep_alive)
+    default_max_tokens = config_for(body).generation_defaults.get("max_new_tokens", 0)
+    check_budget(parsed.job, limit=budget, default_max_tokens=default_max_tokens)
+    return body, parsed
 
 
-def _render(job: Job, by_index: dict[int, Result], model: str) -> bytes:
-    return json_bytes(response_body(job, by_index, model, int(time.time())))
+def _answer_model(state: ServerState, body: dict[str, Any]) -> str:
+    """The ``model`` an answer names: the served one, or the registry's name for the one
+    asked for (an alias answers with the model's own name)."""
+    if state.registry is None:
+        return state.model_name
+    return state.registry.spec(str(body.get("model"))).name
+
+
+class CompletionsApi:
+    """``/v1/completions``."""
+
+    def parse(self, body: dict[str, Any]) -> Plain:
+        return Plain(parse_completion(body))
+
+    def answer(self, request: Plain, results: Mapping[int, Result], model: str) -> bytes:
+        return json_bytes(response_body(request.job, dict(results), model, int(time.time())))
+
+    def writer(self, request: Plain, choices: list[StreamedChoice], model: str) -> ChatChunks:
+        return ChatChunks(request.job, choices, model)
+
+
+class ChatApi(CompletionsApi):
+    """``/v1/chat/completions``: the same answers, the chat body."""
+
+    def parse(self, body: dict[str, Any]) -> Plain:
+        return Plain(parse_chat(body))
 
 
 async def _all_or_none(work: list[Coroutine[Any, Any, Result]]) -> list[Result]:

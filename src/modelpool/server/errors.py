@@ -1,11 +1,14 @@
 """What each of the pool's typed errors answers over HTTP (the README's error table):
-``pool_error_to_api`` for the daemon's routes and its streams alike.
+``pool_error_to_api`` for the daemon's routes and its streams alike; ``error_response``
+writes an error in the shape of the route's API (Anthropic's under ``/v1/messages``).
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+from fastapi.responses import JSONResponse
 
 from modelpool.errors import (
     BackendError,
@@ -16,11 +19,15 @@ from modelpool.errors import (
     GrammarError,
     InvalidRequest,
     ModelLoadFailed,
+    ModelNotFound,
+    ModelTooLarge,
+    ModelUnavailable,
     OutOfMemory,
     PoolClosed,
     PoolError,
     PoolOverloaded,
     QueueFull,
+    SchemaTooComplex,
     WorkerCrashed,
 )
 from modelpool.server.http import ApiError
@@ -51,6 +58,14 @@ def pool_error_to_api(error: PoolError) -> ApiError:
         return ApiError(
             400, error.message, code="grammar_compile_timeout", param=error.param, extra=extra
         )
+    if isinstance(error, SchemaTooComplex):
+        return ApiError(
+            400,
+            error.message,
+            code="schema_too_complex",
+            param=error.param,
+            extra={**extra, "bound": error.bound},
+        )
     if isinstance(error, GrammarError):
         return ApiError(
             400, error.message, code="unsupported_value", param=error.param, extra=extra
@@ -65,6 +80,40 @@ def pool_error_to_api(error: PoolError) -> ApiError:
             code="queue_full",
             headers={"Retry-After": str(max(1, math.ceil(error.retry_after_s)))},
             extra={**extra, "predicted_ttft_s": round(error.predicted_ttft_s, 3)},
+        )
+    if isinstance(error, ModelNotFound):
+        # OpenAI's answer, naming no other model.
+        return ApiError(
+            404,
+            f"The model {error.model!r} does not exist",
+            code="model_not_found",
+            param="model",
+        )
+    if isinstance(error, ModelTooLarge):
+        # Not 503: it would not fit after any wait; the numbers say by how much.
+        extra.update(
+            model=error.model,
+            resource=error.resource,
+            needed_bytes=error.needed_bytes,
+            available_bytes=error.available_bytes,
+            budget_bytes=error.budget_bytes,
+        )
+        return ApiError(
+            507,
+            error.message,
+            type="insufficient_memory_error",
+            code="model_too_large",
+            extra=extra,
+        )
+    if isinstance(error, ModelUnavailable):
+        extra.update(model=error.model, reason=error.reason, retry_after_s=error.retry_after_s)
+        return ApiError(
+            503,
+            error.message,
+            type="unavailable_error",
+            code="model_unavailable",
+            headers={"Retry-After": str(max(1, math.ceil(error.retry_after_s)))},
+            extra=extra,
         )
     if isinstance(error, PoolOverloaded):
         return ApiError(
@@ -124,3 +173,51 @@ def shutting_down() -> ApiError:
         code="shutting_down",
         headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE), "Connection": "close"},
     )
+
+
+# Anthropic's error ``type`` for each status (its API reference, "Errors"): the anthropic
+# clients raise by status and show the type and message.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+# The routes whose clients read Anthropic's error shape.
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def anthropic_error_body(error: ApiError) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}``, the daemon's code kept beside
+    them. A prompt past the context says so in the words Claude Code looks for."""
+    kind = _ANTHROPIC_TYPES.get(error.status)
+    if kind is None:
+        kind = "api_error" if error.status >= 500 else "invalid_request_error"
+    message = error.message
+    if error.code == "context_length_exceeded":
+        prompt = error.extra.get("prompt_tokens")
+        limit = error.extra.get("max_model_len")
+        if prompt is not None and limit is not None:
+            message = f"prompt is too long: {prompt} tokens > {limit} maximum ({error.message})"
+        else:
+            message = f"prompt is too long: {error.message}"
+    body: dict[str, Any] = {"type": kind, "message": message, "code": error.code}
+    if error.param is not None:
+        body["param"] = error.param
+    return {"type": "error", "error": body, "request_id": error.extra.get("request_id")}
+
+
+def error_response(error: ApiError, path: str) -> JSONResponse:
+    """The error in the shape the route's clients read: Anthropic's under
+    ``/v1/messages``, OpenAI's everywhere else."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return JSONResponse(
+            anthropic_error_body(error), status_code=error.status, headers=error.headers
+        )
+    return error.response()

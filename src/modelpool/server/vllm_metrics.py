@@ -8,9 +8,9 @@ leaves them out. The per-request histograms and counters are fed by a pool obser
 (``observe.RequestRecord``, on the dispatcher thread: a few observations per request);
 the gauges are read from the same ``PoolStats`` snapshot as modelpool's own, per scrape::
 
-    vllm = VllmMetrics("smollm2", registry)
-    pool.add_observer(on_request=vllm.observe)
-    families = list(vllm.gauges(stats))          # from PoolMetrics' collector
+    vllm = VllmMetrics(registry)
+    pool.add_observer(on_request=vllm.observer("smollm2"))
+    families = list(vllm.gauges({"smollm2": (stats, 0)}))   # from PoolMetrics' collector
 
 What differs from vLLM, because the pool measures it differently: times run from the
 pool's submit (the daemon's fair-share wait comes before it), prefill is the last
@@ -22,7 +22,7 @@ hits are counted in prompt tokens, as vLLM counts them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -58,120 +58,138 @@ def _finished_reason(record: RequestRecord) -> str:
 
 
 class VllmMetrics:
-    """The ``vllm:`` families of one model, registered in ``registry``."""
+    """The ``vllm:`` families, registered in ``registry``; ``observer(model)`` feeds one
+    model's series (one per pool: the daemon's, or each of a registry's)."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
-        self.model_name = model_name
-        labels = ["model_name"]
-
+    def __init__(self, registry: CollectorRegistry) -> None:
         def histogram(name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
-            family = Histogram(name, text, labels, buckets=buckets, registry=registry)
-            return family.labels(model_name)  # bound once: no label lookup per request
+            return Histogram(name, text, ["model_name"], buckets=buckets, registry=registry)
 
         def counter(name: str, text: str) -> Counter:
-            return Counter(name, text, labels, registry=registry).labels(model_name)
+            return Counter(name, text, ["model_name"], registry=registry)
 
-        self.e2e = histogram(
-            "vllm:e2e_request_latency_seconds", "Request latency, submit to end.", LATENCY_BUCKETS
-        )
-        self.ttft = histogram(
-            "vllm:time_to_first_token_seconds", "Submit to the first token.", TTFT_BUCKETS
-        )
-        self.itl = histogram(
-            "vllm:inter_token_latency_seconds",
-            "Mean time between two tokens of a request (one observation per request).",
-            ITL_BUCKETS,
-        )
-        self.queue = histogram(
-            "vllm:request_queue_time_seconds", "Submit to the first dispatch.", LATENCY_BUCKETS
-        )
-        self.prefill = histogram(
-            "vllm:request_prefill_time_seconds",
-            "The last attempt's dispatch to its first token.",
-            LATENCY_BUCKETS,
-        )
-        self.decode = histogram(
-            "vllm:request_decode_time_seconds",
-            "The last attempt's first token to its end.",
-            LATENCY_BUCKETS,
-        )
-        self.inference = histogram(
-            "vllm:request_inference_time_seconds",
-            "The last attempt's dispatch to its end.",
-            LATENCY_BUCKETS,
-        )
-        self.prompt_length = histogram(
-            "vllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS
-        )
-        self.generation_length = histogram(
-            "vllm:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
-        )
-        self.max_generation = histogram(
-            "vllm:request_max_num_generation_tokens",
-            "The max_tokens each request asked for.",
-            TOKEN_BUCKETS,
-        )
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
-        self.prefix_queries = counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-        )
-        self.prefix_hits = counter(
-            "vllm:prefix_cache_hits", "Prompt tokens read from the prefix cache."
-        )
-        self._success = Counter(
+        self.histograms = {
+            "e2e": histogram(
+                "vllm:e2e_request_latency_seconds",
+                "Request latency, submit to end.",
+                LATENCY_BUCKETS,
+            ),
+            "ttft": histogram(
+                "vllm:time_to_first_token_seconds", "Submit to the first token.", TTFT_BUCKETS
+            ),
+            "itl": histogram(
+                "vllm:inter_token_latency_seconds",
+                "Mean time between two tokens of a request (one observation per request).",
+                ITL_BUCKETS,
+            ),
+            "queue": histogram(
+                "vllm:request_queue_time_seconds", "Submit to the first dispatch.", LATENCY_BUCKETS
+            ),
+            "prefill": histogram(
+                "vllm:request_prefill_time_seconds",
+                "The last attempt's dispatch to its first token.",
+                LATENCY_BUCKETS,
+            ),
+            "decode": histogram(
+                "vllm:request_decode_time_seconds",
+                "The last attempt's first token to its end.",
+                LATENCY_BUCKETS,
+            ),
+            "inference": histogram(
+                "vllm:request_inference_time_seconds",
+                "The last attempt's dispatch to its end.",
+                LATENCY_BUCKETS,
+            ),
+            "prompt_length": histogram(
+                "vllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS
+            ),
+            "generation_length": histogram(
+                "vllm:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
+            ),
+            "max_generation": histogram(
+                "vllm:request_max_num_generation_tokens",
+                "The max_tokens each request asked for.",
+                TOKEN_BUCKETS,
+            ),
+        }
+        self.counters = {
+            "prompt_tokens": counter("vllm:prompt_tokens", "Prompt tokens processed."),
+            "generation_tokens": counter("vllm:generation_tokens", "Tokens generated."),
+            "prefix_queries": counter(
+                "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+            ),
+            "prefix_hits": counter(
+                "vllm:prefix_cache_hits", "Prompt tokens read from the prefix cache."
+            ),
+        }
+        self.success = Counter(
             "vllm:request_success",
             "Finished requests, by finish reason (abort: cancelled; error: failed).",
             ["model_name", "finished_reason"],
             registry=registry,
         )
+
+    def observer(self, model_name: str) -> Callable[[RequestRecord], None]:
+        """A pool observer for ``model_name``'s series (its children bound once here)."""
+        return _ModelSeries(self, model_name).observe
+
+    def gauges(self, pools: Mapping[str, tuple[PoolStats, int]]) -> Iterator[Metric]:
+        """The scheduler gauges of each model: its snapshot, and the runs the daemon holds
+        back for it (waiting in the fair share, not yet in the pool's queue)."""
+        families = [
+            GaugeMetricFamily(name, text, labels=["model_name"])
+            for name, text in (
+                ("vllm:num_requests_running", "Requests running in workers."),
+                ("vllm:num_requests_waiting", "Requests waiting for a worker."),
+                ("vllm:kv_cache_usage_perc", "Batch rows in use over the capacity (1 = full)."),
+            )
+        ]
+        for model, (stats, held_back) in pools.items():
+            values = (stats.running, stats.queue_depth + held_back, stats.batch_occupancy)
+            for family, value in zip(families, values, strict=True):
+                family.add_metric([model], value)
+        yield from families
+
+
+class _ModelSeries:
+    """One model's bound children: no label lookup per request."""
+
+    def __init__(self, metrics: VllmMetrics, model_name: str) -> None:
+        self.model_name = model_name
+        self.h = {key: family.labels(model_name) for key, family in metrics.histograms.items()}
+        self.c = {key: family.labels(model_name) for key, family in metrics.counters.items()}
+        self._success = metrics.success
         self._success_by_reason: dict[str, Counter] = {}
 
     def observe(self, record: RequestRecord) -> None:
         """One resolved request (a pool observer: runs on the dispatcher thread)."""
+        h, c = self.h, self.c
         reason = _finished_reason(record)
         success = self._success_by_reason.get(reason)
         if success is None:
             success = self._success.labels(self.model_name, reason)
             self._success_by_reason[reason] = success
         success.inc()
-        self.e2e.observe(record.finished_at - record.submitted_at)
-        self.queue.observe(record.queue_s)
+        h["e2e"].observe(record.finished_at - record.submitted_at)
+        h["queue"].observe(record.queue_s)
         if record.max_new_tokens is not None:
-            self.max_generation.observe(record.max_new_tokens)
+            h["max_generation"].observe(record.max_new_tokens)
         if record.first_token_at is not None:
-            self.ttft.observe(record.first_token_at - record.submitted_at)
+            h["ttft"].observe(record.first_token_at - record.submitted_at)
         last = record.attempts[-1] if record.attempts else None
         if last is not None and last.ended_at is not None:
-            self.inference.observe(last.ended_at - last.started_at)
+            h["inference"].observe(last.ended_at - last.started_at)
             if last.first_token_at is not None:
-                self.prefill.observe(last.first_token_at - last.started_at)
+                h["prefill"].observe(last.first_token_at - last.started_at)
                 decode_s = last.ended_at - last.first_token_at
-                self.decode.observe(decode_s)
+                h["decode"].observe(decode_s)
                 if record.completion_tokens and record.completion_tokens > 1:
-                    self.itl.observe(decode_s / (record.completion_tokens - 1))
+                    h["itl"].observe(decode_s / (record.completion_tokens - 1))
         if record.prompt_tokens is not None:
-            self.prompt_length.observe(record.prompt_tokens)
-            self.prompt_tokens.inc(record.prompt_tokens)
-            self.prefix_queries.inc(record.prompt_tokens)
-            self.prefix_hits.inc(record.cached_tokens)
+            h["prompt_length"].observe(record.prompt_tokens)
+            c["prompt_tokens"].inc(record.prompt_tokens)
+            c["prefix_queries"].inc(record.prompt_tokens)
+            c["prefix_hits"].inc(record.cached_tokens)
         if record.completion_tokens is not None:
-            self.generation_length.observe(record.completion_tokens)
-            self.generation_tokens.inc(record.completion_tokens)
-
-    def gauges(self, stats: PoolStats, held_back: int = 0) -> Iterator[Metric]:
-        """The scheduler gauges, from one snapshot; ``held_back``: runs waiting in the
-        daemon's fair share, not yet in the pool's queue."""
-        waiting = stats.queue_depth + held_back
-        for name, text, value in (
-            ("vllm:num_requests_running", "Requests running in workers.", stats.running),
-            ("vllm:num_requests_waiting", "Requests waiting for a worker.", waiting),
-            (
-                "vllm:kv_cache_usage_perc",
-                "Batch rows in use over the serving capacity (1 = full).",
-                stats.batch_occupancy,
-            ),
-        ):
-            family = GaugeMetricFamily(name, text, labels=["model_name"])
-            family.add_metric([self.model_name], value)
-            yield family
+            h["generation_length"].observe(record.completion_tokens)
+            c["generation_tokens"].inc(record.completion_tokens)

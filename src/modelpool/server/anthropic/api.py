@@ -1,0 +1,54 @@
+"""``/v1/messages`` on the daemon's generation walk (``generation.Api``), and what
+``/v1/messages/count_tokens`` asks the tokenizer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from modelpool.protocol import Prompt
+from modelpool.server.anthropic.request import MessagesRequest, parse_messages
+from modelpool.server.anthropic.stream import MessageEvents
+from modelpool.server.http import json_bytes
+from modelpool.server.streaming import StreamedChoice
+from modelpool.tools import GENERIC_PREAMBLE
+
+if TYPE_CHECKING:
+    from modelpool.pool import Result
+
+
+class MessagesApi:
+    """The Anthropic Messages family."""
+
+    def parse(self, body: dict[str, Any]) -> MessagesRequest:
+        return parse_messages(body)
+
+    def answer(self, request: MessagesRequest, results: Mapping[int, Result], model: str) -> bytes:
+        return json_bytes(MessageEvents(request, model).whole(results[0]))
+
+    def writer(
+        self, request: MessagesRequest, choices: list[StreamedChoice], model: str
+    ) -> MessageEvents:
+        return MessageEvents(request, model)
+
+
+def count_prompt(body: Mapping[str, Any]) -> Prompt:
+    """The prompt whose tokens ``count_tokens`` reports: the conversation as a
+    generation's, rendered by the model's template. The tools are counted as the generic
+    tool preamble in the system message (what a template that cannot render tools is
+    given; a template's own tool rendering may differ by a few tokens)."""
+    request = parse_messages(body, count=True)
+    prompt = request.job.prompts[0]
+    assert isinstance(prompt, list)
+    messages = [dict(message) for message in prompt]
+    offered = request.job.params.get("tools")
+    if offered:
+        preamble = GENERIC_PREAMBLE.format(
+            tools="\n".join(json.dumps(tool["function"]) for tool in offered)
+        )
+        if messages and messages[0]["role"] == "system":
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{preamble}"
+        else:
+            messages.insert(0, {"role": "system", "content": preamble})
+    return messages
