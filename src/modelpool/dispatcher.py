@@ -63,7 +63,7 @@ from modelpool.errors import (
 from modelpool.grammar import grammar_refusal
 from modelpool.observe import AttemptRecord, Observers, RequestRecord, RequestStatus, WorkerEvent
 from modelpool.protocol import Generation, PrefixCacheReport, TokenCounts
-from modelpool.queueing import WaitPredictor, dispatch_order
+from modelpool.queueing import RECENT_DISPATCHES, WaitPredictor, dispatch_order
 from modelpool.records import (
     DispatcherIO,
     Request,
@@ -127,6 +127,10 @@ class Dispatcher:
         self.observers = observers or Observers()
         self.predictor = WaitPredictor()
         self.waiting_by_priority: dict[int, int] = {}
+        # The priorities of the last RECENT_DISPATCHES dispatches, and their counts (read
+        # like waiting_by_priority): the share of the slots each priority takes.
+        self._recent_dispatches: collections.deque[int] = collections.deque()
+        self.dispatched_by_priority: dict[int, int] = {}
 
         # The worker side: slots, start-up, recycling, signals, memory (worker_manager.py). It
         # shares the clock, the timers and the counters, and holds the worker records.
@@ -406,6 +410,17 @@ class Dispatcher:
             del self.queue[request.request_id]
             self._dispatch(request, worker)
 
+    def _count_dispatch(self, priority: int) -> None:
+        counts = dict(self.dispatched_by_priority)
+        counts[priority] = counts.get(priority, 0) + 1
+        self._recent_dispatches.append(priority)
+        if len(self._recent_dispatches) > RECENT_DISPATCHES:
+            oldest = self._recent_dispatches.popleft()
+            counts[oldest] -= 1
+            if not counts[oldest]:
+                del counts[oldest]
+        self.dispatched_by_priority = counts
+
     def _count_queued(self, request: Request, change: int) -> None:
         """``request`` entered (+1) or left (-1) the queue: ``waiting_by_priority``."""
         counts = dict(self.waiting_by_priority)
@@ -445,6 +460,7 @@ class Dispatcher:
         request.attempt_log.append(run.record)
         self._dequeued(request)
         self._count_queued(request, -1)
+        self._count_dispatch(request.priority)
         request.state = "running"
         request.run = run
         worker.state = "busy"

@@ -45,7 +45,7 @@ from modelpool.protocol import (
     WorkerSpec,
     encode_request,
 )
-from modelpool.queueing import ahead_of
+from modelpool.queueing import ahead_of, urgent_share
 from modelpool.records import GpuWorker, Request, Worker, WorkerIO
 from modelpool.results import PoolFuture, Result
 from modelpool.stats import PoolHealth, PoolStats
@@ -211,7 +211,9 @@ class ModelPool:
         """Seconds a new request of ``priority`` would wait for its first token, from the
         moving averages of finished runs and the requests queued ahead of it (lower or
         equal priority), plus ``also_waiting`` more held elsewhere (the daemon's fair
-        share). None before enough runs were measured, or before start()."""
+        share), over the share of the slots that recent dispatches left to its priority
+        (more urgent requests arriving meanwhile pass it). None before enough runs were
+        measured, or before start()."""
         loop = self._loop
         if loop is None:
             return None
@@ -220,6 +222,7 @@ class ModelPool:
             ahead=ahead_of(dispatcher.waiting_by_priority, priority) + also_waiting,
             free=dispatcher.free_slots,
             capacity=self.config.workers * self.config.max_batch_size,
+            urgent_share=urgent_share(dispatcher.dispatched_by_priority, priority),
         )
 
     def check_admission(

@@ -12,10 +12,12 @@ more than it would in a first-come-first-served queue::
 ``WaitPredictor`` is the admission side (``max_queue_time_s``): moving averages of what
 finished runs measured (time from dispatch to the first token, time from dispatch to the
 end, prefill and decode tokens per second) and, from them, a new request's predicted
-time to first token given the requests ahead of it::
+time to first token given the requests ahead of it, and the share of the slots that more
+urgent requests took of the last dispatches (they will pass it too)::
 
     predictor.observe(run_s=0.8, ttft_s=0.1, prompt_tokens=40, completion_tokens=32)
     predictor.predict_ttft(ahead=6, free=0, capacity=4)   # 6 ahead, 4 slots busy
+    predictor.predict_ttft(ahead=6, free=0, capacity=4, urgent_share=0.2)
 
 The dispatcher thread writes it, callers' threads read it: every field is one float,
 replaced whole, so a reader sees each one either old or new, never torn.
@@ -31,6 +33,20 @@ from modelpool.records import Request
 EWMA_WEIGHT = 0.1
 # Runs measured before a prediction is trusted (a first run pays warm-up costs).
 MIN_SAMPLES = 3
+# The least share of the slots a priority is predicted to get, however busy the more
+# urgent ones keep them (aging promotes it after priority_aging_s anyway).
+MIN_SHARE = 0.05
+# Dispatches whose priorities say what share of the slots each priority takes.
+RECENT_DISPATCHES = 256
+
+
+def urgent_share(dispatched_by_priority: Mapping[int, int], priority: int) -> float:
+    """The share of the recent dispatches that went to a more urgent priority."""
+    total = sum(dispatched_by_priority.values())
+    if total == 0:
+        return 0.0
+    urgent = sum(n for level, n in dispatched_by_priority.items() if level < priority)
+    return urgent / total
 
 
 def dispatch_order(queue: Iterable[Request], *, now: float, aging_s: float) -> list[Request]:
@@ -92,14 +108,19 @@ class WaitPredictor:
     def _mix(self, old: float, new: float) -> float:
         return new if self.samples == 0 else old + EWMA_WEIGHT * (new - old)
 
-    def predict_ttft(self, *, ahead: int, free: int, capacity: int) -> float | None:
+    def predict_ttft(
+        self, *, ahead: int, free: int, capacity: int, urgent_share: float = 0.0
+    ) -> float | None:
         """Seconds until a new request's first token: the ``ahead - free + 1``-th request
         in line leaves the queue once that many runs ended, ``capacity / run_s`` runs
-        ending per second; then its own time to first token. None until measured."""
+        ending per second, of which ``urgent_share`` go to more urgent requests that
+        arrive meanwhile and pass it; then its own time to first token. None until
+        measured."""
         if self.samples < MIN_SAMPLES or capacity <= 0:
             return None
         in_line = max(0, ahead - free + 1)
-        return in_line * self.run_s / capacity + self.ttft_s
+        left_for_it = max(1.0 - urgent_share, MIN_SHARE)
+        return in_line * self.run_s / (capacity * left_for_it) + self.ttft_s
 
     def to_dict(self) -> dict[str, float | int]:
         """What stats show under ``throughput``."""

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_batch_dispatch import World
 
-from modelpool.queueing import WaitPredictor, ahead_of, dispatch_order
+from modelpool.queueing import WaitPredictor, ahead_of, dispatch_order, urgent_share
 from modelpool.records import Request
 from modelpool.results import PoolFuture
 
@@ -125,3 +125,17 @@ def test_the_predictor_needs_samples_then_counts_the_line() -> None:
     assert predictor.to_dict()["prefill_tokens_per_s"] == pytest.approx(400.0)
     assert predictor.to_dict()["decode_tokens_per_s"] == pytest.approx(40.0)
     assert ahead_of({-1: 2, 0: 3, 5: 7}, 0) == 5
+    # A fifth of the slots goes to more urgent requests: the line moves at 4/5 the speed.
+    assert predictor.predict_ttft(ahead=3, free=0, capacity=2, urgent_share=0.2) == pytest.approx(
+        2.0 / 0.8 + 0.25
+    )
+    assert urgent_share({0: 20, 10: 80}, 10) == pytest.approx(0.2)
+    assert urgent_share({0: 20, 10: 80}, 0) == 0.0
+    assert urgent_share({}, 3) == 0.0
+
+
+def test_the_dispatcher_counts_the_priorities_of_its_recent_dispatches() -> None:
+    world = World(workers=1, batch=1)
+    for priority in (0, 5, 5):
+        world.finish(world.submit("p", priority=priority))
+    assert world.d.dispatched_by_priority == {0: 1, 5: 2}
