@@ -11,9 +11,10 @@ no attempt ran)::
 
     python -m benchmarks.priority load --seconds 30        # about 2 minutes in all
 
-``overhead``: the daemon's CPU per request (the server process's CPU time, workers
-excluded) over sequential requests, with the ``vllm:`` names on and off, and requests
-per second with tracing on (to a local OTLP receiver) and off::
+``overhead``: three daemons side by side (``vllm:`` names off, on, and on with tracing to
+a local OTLP receiver that drops what it gets), sequential requests to each in turn:
+the daemon process's CPU time per request (its workers excluded) and requests per
+second::
 
     python -m benchmarks.priority overhead --requests 400
 """
@@ -25,11 +26,17 @@ import http.server
 import json
 import random
 import statistics
+import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import httpx
+import psutil
 
 from benchmarks import bench
 from modelpool import (
@@ -41,7 +48,9 @@ from modelpool import (
     Result,
     RetryPolicy,
 )
-from modelpool.config import ServerConfig
+from modelpool.observe import AttemptRecord, RequestRecord
+
+ROOT = Path(__file__).resolve().parents[1]
 
 HIGH, LOW = 0, 10
 
@@ -184,40 +193,108 @@ class _Sink(http.server.BaseHTTPRequestHandler):
         return None
 
 
-def _cpu_per_request(server_config: ServerConfig, requests: int) -> tuple[float, float]:
-    """(server CPU ms per request, requests per second) over ``requests`` sequential ones
-    through the app in process (the dispatcher thread and the observers included)."""
-    from starlette.testclient import TestClient
+def _daemon_cpu_s(daemon: Any) -> float:
+    """CPU seconds of the daemon's own process (its workers are other processes)."""
+    times = psutil.Process(daemon.process.pid).cpu_times()
+    return float(times.user + times.system)
 
-    from modelpool.server import create_app
 
-    config = PoolConfig(model="none", backend="testing", workers=2, devices=("cpu",))
-    with ModelPool(config) as pool:
-        client = TestClient(create_app(pool, server_config, "bench"), base_url="http://127.0.0.1")
-        body = {"prompt": "tokens:8", "max_tokens": 8}
-        for _ in range(20):  # warm
-            client.post("/v1/completions", json=body)
-        cpu, wall = time.process_time(), time.perf_counter()
-        for _ in range(requests):
-            assert client.post("/v1/completions", json=body).status_code == 200
-        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-        client.get("/metrics")
-    return cpu / requests * 1000, requests / wall
+def _record(number: int) -> RequestRecord:
+    """A request of two attempts (a timeout, then an answer), as the dispatcher hands it."""
+    now = time.monotonic()
+    return RequestRecord(
+        request_id=f"req-{number}",
+        priority=0,
+        submitted_at=now - 0.3,
+        finished_at=now,
+        status="completed",
+        first_dispatch_at=now - 0.29,
+        first_token_at=now - 0.1,
+        attempts=[
+            AttemptRecord(1, 0, 100, now - 0.29, now - 0.2, None, "timeout"),
+            AttemptRecord(2, 1, 101, now - 0.2, now, now - 0.1, "ok"),
+        ],
+        finish_reason="stop",
+        prompt_tokens=40,
+        completion_tokens=32,
+        max_new_tokens=64,
+    )
+
+
+def observer_cost(endpoint: str, records: int) -> dict[str, float]:
+    """CPU microseconds per request of the two observers, alone: the ``vllm:`` series'
+    observation (on the dispatcher thread) and the tracer's spans, built and exported."""
+    from prometheus_client import CollectorRegistry
+
+    from modelpool.server.vllm_metrics import VllmMetrics
+    from modelpool.tracing import PoolTracer
+
+    sample = [_record(n) for n in range(records)]
+    observe = VllmMetrics(CollectorRegistry()).observer("bench")
+    cpu = time.process_time()
+    for record in sample:
+        observe(record)
+    vllm_us = (time.process_time() - cpu) / records * 1e6
+
+    class _Pool:
+        def add_observer(self, **observers: Any) -> None:
+            self.observers = observers
+
+    pool = _Pool()
+    tracer = PoolTracer(pool, endpoint, model_name="bench", schedule_delay_s=0.2)  # type: ignore[arg-type]
+    cpu = time.process_time()
+    for start in range(0, records, 200):  # within the exporter's queue (2048 spans)
+        for record in sample[start : start + 200]:
+            pool.observers["on_request"](record)
+        tracer.force_flush(timeout_s=60.0)
+    tracing_us = (time.process_time() - cpu) / records * 1e6
+    tracer.shutdown()
+    figures = {"vllm_observe_us": round(vllm_us, 1), "tracing_us": round(tracing_us, 1)}
+    print(json.dumps(figures), flush=True)
+    return figures
 
 
 def overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Three daemons side by side, requests sent to each in turn, round after round; and
+    the observers' own cost per request, measured alone."""
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "e2e")]  # the test helpers
+    from e2e_support import daemon_config, start_daemon  # type: ignore[import-not-found]
+
     sink = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
     threading.Thread(target=sink.serve_forever, daemon=True).start()
     endpoint = f"http://127.0.0.1:{sink.server_address[1]}/v1/traces"
-    variants = {
-        "vllm_off": ServerConfig(vllm_metrics=False),
-        "vllm_on": ServerConfig(vllm_metrics=True),
-        "tracing_on": ServerConfig(vllm_metrics=True, otlp_traces_endpoint=endpoint),
+    variants: dict[str, dict[str, Any]] = {
+        "vllm_off": {"vllm_metrics": False},
+        "vllm_on": {"vllm_metrics": True},
+        "tracing_on": {"vllm_metrics": True, "otlp_traces_endpoint": endpoint},
     }
+    costs = observer_cost(endpoint, args.records)
     figures: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
-    for _ in range(args.rounds):  # interleaved: a busy machine slows each alike
-        for name, server_config in variants.items():
-            figures[name].append(_cpu_per_request(server_config, args.requests))
+    body = {"prompt": f"tokens:{args.tokens}", "max_tokens": args.tokens}
+    with tempfile.TemporaryDirectory() as workdir:
+        daemons = {
+            name: start_daemon(Path(workdir) / name, daemon_config(workers=2, server=server))
+            for name, server in variants.items()
+        }
+        try:
+            clients = {
+                name: httpx.Client(base_url=d.url, timeout=30.0) for name, d in daemons.items()
+            }
+            for client in clients.values():  # warm
+                for _ in range(20):
+                    client.post("/v1/completions", json=body)
+            for _ in range(args.rounds):  # interleaved: a busy machine slows each alike
+                for name, client in clients.items():
+                    cpu, wall = _daemon_cpu_s(daemons[name]), time.perf_counter()
+                    for _ in range(args.requests):
+                        assert client.post("/v1/completions", json=body).status_code == 200
+                    cpu = _daemon_cpu_s(daemons[name]) - cpu
+                    wall = time.perf_counter() - wall
+                    figures[name].append((cpu / args.requests * 1000, args.requests / wall))
+                    client.get("/metrics")
+        finally:
+            for daemon in daemons.values():
+                daemon.stop()
     rows: list[dict[str, Any]] = []
     for name, samples in figures.items():
         rows.append(
@@ -233,8 +310,11 @@ def overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
         cpu = float(row["cpu_ms_per_request"]) / float(base_cpu)
         rate = float(row["requests_per_s"]) / float(base_rate)
         print(f"{row['variant']}: CPU {cpu:.3f}x, throughput {rate:.3f}x of vllm_off")
+    for name, key in (("vllm:", "vllm_observe_us"), ("tracing", "tracing_us")):
+        share = costs[key] / 1000 / float(base_cpu)
+        print(f"{name} observer alone: {costs[key]} us per request, {share:.1%} of vllm_off's CPU")
     sink.shutdown()
-    return rows
+    return [*rows, costs]
 
 
 def main() -> None:
@@ -250,6 +330,8 @@ def main() -> None:
     run.add_argument("--aging-s", type=float, default=10.0)
     cost = commands.add_parser("overhead")
     cost.add_argument("--requests", type=int, default=400)
+    cost.add_argument("--tokens", type=int, default=8)
+    cost.add_argument("--records", type=int, default=5000, help="for the observers alone")
     cost.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     load(args) if args.command == "load" else overhead(args)

@@ -257,6 +257,9 @@ class ServerConfig:
     # OpenTelemetry traces of each request, exported here (an OTLP/HTTP traces URL such as
     # http://collector:4318/v1/traces; the tracing extra). None: no tracing.
     otlp_traces_endpoint: str | None = None
+    # The share of the requests that went well that are traced (a retried, killed or
+    # failed one always is; a caller's traceparent decides for its own).
+    otlp_traces_sample_ratio: float = 1.0
     # Responses kept for previous_response_id and GET /v1/responses/{id}: at most this
     # many, this many bytes of JSON all together, each for this many seconds.
     responses_store_entries: int = 1024
@@ -325,6 +328,11 @@ class ServerConfig:
         ):
             raise ValueError(
                 f"server.otlp_traces_endpoint must be an http(s) URL, got {endpoint!r}"
+            )
+        ratio = self.otlp_traces_sample_ratio
+        if not is_number(ratio) or not 0 <= ratio <= 1:
+            raise ValueError(
+                f"server.otlp_traces_sample_ratio must be a number in [0, 1], got {ratio!r}"
             )
         if not isinstance(self.vllm_metrics, bool):
             raise ValueError(

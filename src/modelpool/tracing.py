@@ -24,6 +24,7 @@ import atexit
 import collections
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Mapping
@@ -62,8 +63,14 @@ class PoolTracer:
         service_name: str = "modelpool",
         exporter: SpanExporter | None = None,
         schedule_delay_s: float = 1.0,
+        sample_ratio: float = 1.0,
     ) -> None:
+        """``sample_ratio``: the share of the requests that went well (one attempt, an
+        answer) that are traced; every other one (retried, killed, failed, cancelled) is.
+        A caller's ``traceparent`` decides for its request when it says sampled or not."""
         self.model_name = model_name
+        self.sample_ratio = sample_ratio
+        self._random = random.Random()
         self.provider = TracerProvider(
             resource=Resource.create({"service.name": service_name}), shutdown_on_exit=False
         )
@@ -131,7 +138,18 @@ class PoolTracer:
     def _ns(self, monotonic_s: float) -> int:
         return int(monotonic_s * 1e9) + self._offset_ns
 
+    def _sampled(self, record: RequestRecord) -> bool:
+        """Decided once the request is over, which head sampling cannot do: whatever went
+        wrong is kept; of the rest, the caller's flag, else ``sample_ratio`` of them."""
+        if record.status != "completed" or len(record.attempts) > 1:
+            return True
+        if record.traceparent is not None:
+            return record.traceparent.endswith("1")  # the flags' sampled bit (01)
+        return self.sample_ratio >= 1.0 or self._random.random() < self.sample_ratio
+
     def _request(self, record: RequestRecord) -> None:
+        if not self._sampled(record):
+            return
         parent = None
         if record.traceparent is not None:
             parent = TraceContextTextMapPropagator().extract({"traceparent": record.traceparent})
@@ -226,6 +244,7 @@ class PoolTracer:
         for attempt_id in kill.attempt_ids:
             if attempt_id not in self._attempts:
                 self._kills_without_attempt[attempt_id] = kill
+                _bound(self._kills_without_attempt)
         self._kills[kill.worker_id] = (kill, contexts)
         if not contexts and not kill.attempt_ids:
             self._kills.pop(kill.worker_id)  # an idle worker's kill (recycling): no trace
@@ -247,6 +266,7 @@ class PoolTracer:
             self._emit_kill(kill, contexts, release)
         elif any(a in self._kills_without_attempt for a in kill.attempt_ids):
             self._releases[release.worker_id] = release  # its attempt's record comes later
+            _bound(self._releases)
 
     def _emit_kill(self, kill: WorkerEvent, contexts: list[Context], release: WorkerEvent) -> None:
         for context in contexts:
@@ -286,3 +306,10 @@ class PoolTracer:
             name, context=parent, attributes=attributes, start_time=self._ns(start_s)
         )
         span.end(end_time=self._ns(max(start_s, end_s)))
+
+
+def _bound(pending: dict[int, WorkerEvent]) -> None:
+    """Drop the oldest entries past REMEMBERED_ATTEMPTS: what waits for a record that
+    never comes (its request's trace was not sampled) must not grow without end."""
+    while len(pending) > REMEMBERED_ATTEMPTS:
+        del pending[next(iter(pending))]

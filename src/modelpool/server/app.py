@@ -553,7 +553,8 @@ def _observe_pools(
         logger.info("tracing requests to %s", endpoint)
 
         def tracer(name: str, pool: ModelPool) -> None:
-            PoolTracer(pool, endpoint, model_name=name)
+            ratio = server_config.otlp_traces_sample_ratio
+            PoolTracer(pool, endpoint, model_name=name, sample_ratio=ratio)
 
     def observe(name: str, pool: ModelPool) -> None:
         if metrics.vllm is not None:
