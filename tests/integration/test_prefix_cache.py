@@ -1,4 +1,4 @@
-"""The hf backend's prefix cache (backends/prefix_cache.py) against real models.
+"""The hf backend's prefix cache (backends/hf/prefix_cache.py) against real models.
 
 The rule it holds: greedy output with the cache equals output without it (float32), on
 the one-call path and in the batched loop, while the later turns of a conversation take
@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from helpers import Recorder
-from modelpool.backends.hf import HFHandler, load
-from modelpool.backends.prefix_cache import PrefixCache
+from modelpool.backends.hf.handler import HFHandler, load
+from modelpool.backends.hf.prefix_cache import PrefixCache
 from modelpool.protocol import Generation, Prompt
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
