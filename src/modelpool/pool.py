@@ -52,6 +52,7 @@ from modelpool.stats import PoolHealth, PoolStats
 from modelpool.structured import constrain
 from modelpool.supervisor import EventLoop
 from modelpool.validation import (
+    PRIORITY_PARAM,
     check_deadline,
     check_generation_params,
     check_prompt,
@@ -535,6 +536,8 @@ class ModelPool:
             check_deadline(deadline_s)
         gen_kwargs = dict(gen_kwargs)
         priority, max_queue_time_s, traceparent = check_queue_params(gen_kwargs)
+        if priority:
+            gen_kwargs[PRIORITY_PARAM] = priority  # for the worker's scheduler too
         gen_kwargs = constrain(gen_kwargs, self.config.grammar_compile_timeout_s)
         params = {**self.config.generation_defaults, **gen_kwargs}
         check_generation_params(params)

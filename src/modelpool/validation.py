@@ -191,6 +191,9 @@ def check_deadline(deadline_s: object) -> None:
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 # Priorities as vLLM takes them: any integer; bounded so that no sort key overflows a C long.
 MAX_PRIORITY = 2**31 - 1
+PRIORITY_PARAM = "priority"
+"""The request parameter a worker's scheduler reads a request's priority from (the pool
+sets it when it is not 0): lower takes the next free row and the prefill budget first."""
 
 
 def valid_traceparent(value: object) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +95,16 @@ def test_a_request_past_its_own_deadline_is_refused_when_a_bound_is_set() -> Non
         with pytest.raises(QueueFull, match="deadline"):
             pool.submit("echo:x", deadline_s=0.05, max_queue_time_s=30.0)
         blocker.result(timeout=slack(10))
+
+
+@pytest.mark.slow
+def test_priority_reaches_a_batched_hf_worker_and_its_answers(tiny_model_dir: Path) -> None:
+    """The worker's scheduler reads ``priority`` (tests/unit/test_scheduler_priority.py
+    has the ordering); here: a real hf worker takes the parameter, batched and alone."""
+    for batch in (1, 4):
+        with open_pool(
+            model=str(tiny_model_dir), backend="hf", workers=1, max_batch_size=batch
+        ) as pool:
+            futures = [pool.submit("Hello", max_new_tokens=4, priority=p) for p in (5, -1, 0, 5)]
+            for future in futures:
+                assert future.result(timeout=slack(60)).completion_tokens == 4
