@@ -291,18 +291,19 @@ METRIC_FAMILIES = frozenset(
 STATS_KEYS = {
     "state", "workers", "queue_depth", "counters", "latency_s", "gpu",
     "uptime_s", "last_load_error", "kill_reasons", "max_model_len", "heartbeat_age_s",
-    "capacity", "running", "batch_occupancy",
+    "capacity", "running", "batch_occupancy", "throughput", "queue_by_priority",
+    "recent_events",
 }  # fmt: skip
 WORKER_KEYS = {
     "id", "pid", "state", "role", "device", "requests", "uptime_s",
     "rss_mb", "gpu_mb", "gpu_mb_method", "gpu_mb_by_device", "max_model_len", "slots", "running",
-    "waiting_for_room", "kv_free_tokens", "prefix_cache",
+    "waiting_for_room", "kv_free_tokens", "prefix_cache", "pool_slot",
 }  # fmt: skip
 COUNTER_KEYS = {
     "submitted", "completed", "failed", "cancelled", "timeouts", "crashes", "kills",
     "retries", "respawns", "overloaded", "stalls", "cancel_escalations", "recycled",
     "startup_failures", "collateral_retries", "poison_requests", "withdrawn", "cuda_oom",
-    "cuda_errors",
+    "cuda_errors", "queue_full",
 }  # fmt: skip
 GPU_KEYS = {
     "available", "reason", "devices", "releases", "blocked_devices", "blocked_held_mb",

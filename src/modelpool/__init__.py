@@ -40,6 +40,7 @@ _EXPORTS = {
     "OutOfMemory": "modelpool.errors",
     "CudaError": "modelpool.errors",
     "PoolOverloaded": "modelpool.errors",
+    "QueueFull": "modelpool.errors",
     "PoolClosed": "modelpool.errors",
     "ModelLoadFailed": "modelpool.errors",
     "PreflightError": "modelpool.errors",
@@ -80,6 +81,7 @@ __all__ = [
     "PoolStats",
     "PoolStream",
     "PreflightError",
+    "QueueFull",
     "Result",
     "RetryPolicy",
     "SchemaTooComplex",
@@ -112,6 +114,7 @@ if TYPE_CHECKING:
         PoolError,
         PoolOverloaded,
         PreflightError,
+        QueueFull,
         SchemaTooComplex,
         WorkerCrashed,
     )

@@ -121,6 +121,12 @@ class PoolConfig:
     stall_timeout_s: float | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     max_queue: int = 1024
+    # Priority (lower runs first): a request that has waited this long goes ahead of every
+    # younger one, of any priority (the starvation bound). Admission by predicted wait:
+    # a request whose predicted time to first token passes this (or its deadline) is
+    # refused at once with QueueFull (None: every request is queued).
+    priority_aging_s: float = 10.0
+    max_queue_time_s: float | None = None
     max_requests_per_worker: int | None = None
     max_worker_rss_mb: float | None = None
     max_worker_gpu_mb: float | None = None
@@ -166,6 +172,8 @@ class PoolConfig:
         if not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a RetryPolicy, got {self.retry!r}")
         _check_int("max_queue", self.max_queue, minimum=1)
+        _check_number("priority_aging_s", self.priority_aging_s, allow_zero=False)
+        _check_number("max_queue_time_s", self.max_queue_time_s, allow_zero=False, optional=True)
         _check_int(
             "max_requests_per_worker", self.max_requests_per_worker, minimum=1, optional=True
         )
@@ -244,6 +252,14 @@ class ServerConfig:
     # Bytes of request bodies still being received, all connections together: past it,
     # the connection whose body grew gets 503 (a body that arrives whole never counts).
     max_pending_body_bytes: int = 8_388_608
+    # /metrics also under vLLM's names (vllm:..., labelled model_name), for its dashboards.
+    vllm_metrics: bool = True
+    # OpenTelemetry traces of each request, exported here (an OTLP/HTTP traces URL such as
+    # http://collector:4318/v1/traces; the tracing extra). None: no tracing.
+    otlp_traces_endpoint: str | None = None
+    # The share of the requests that went well that are traced (a retried, killed or
+    # failed one always is; a caller's traceparent decides for its own).
+    otlp_traces_sample_ratio: float = 1.0
     # Responses kept for previous_response_id and GET /v1/responses/{id}: at most this
     # many, this many bytes of JSON all together, each for this many seconds.
     responses_store_entries: int = 1024
@@ -306,6 +322,22 @@ class ServerConfig:
         _check_int("server.max_headers", self.max_headers, minimum=8)
         _check_int("server.max_connections", self.max_connections, minimum=1)
         _check_int("server.max_pending_body_bytes", self.max_pending_body_bytes, minimum=1)
+        endpoint = self.otlp_traces_endpoint
+        if endpoint is not None and not (
+            isinstance(endpoint, str) and endpoint.startswith(("http://", "https://"))
+        ):
+            raise ValueError(
+                f"server.otlp_traces_endpoint must be an http(s) URL, got {endpoint!r}"
+            )
+        ratio = self.otlp_traces_sample_ratio
+        if not is_number(ratio) or not 0 <= ratio <= 1:
+            raise ValueError(
+                f"server.otlp_traces_sample_ratio must be a number in [0, 1], got {ratio!r}"
+            )
+        if not isinstance(self.vllm_metrics, bool):
+            raise ValueError(
+                f"server.vllm_metrics must be true or false, got {self.vllm_metrics!r}"
+            )
         _check_int("server.responses_store_entries", self.responses_store_entries, minimum=0)
         _check_int("server.responses_store_bytes", self.responses_store_bytes, minimum=0)
         _check_number("server.responses_store_ttl_s", self.responses_store_ttl_s, allow_zero=False)

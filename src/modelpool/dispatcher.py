@@ -61,7 +61,9 @@ from modelpool.errors import (
     WorkerCrashed,
 )
 from modelpool.grammar import grammar_refusal
+from modelpool.observe import AttemptRecord, Observers, RequestRecord, RequestStatus, WorkerEvent
 from modelpool.protocol import Generation, PrefixCacheReport, TokenCounts
+from modelpool.queueing import RECENT_DISPATCHES, WaitPredictor, dispatch_order
 from modelpool.records import (
     DispatcherIO,
     Request,
@@ -95,6 +97,7 @@ class Dispatcher:
         on_dequeued: Callable[[], None] = lambda: None,
         gpu_available: bool = False,
         gpu_reason: str | None = "not probed",
+        observers: Observers | None = None,
     ) -> None:
         self.config = config
         self.io = io
@@ -118,6 +121,16 @@ class Dispatcher:
         self._attempt_ids = itertools.count(1)
         self._stall_timer: Timer | None = None
         self._started_reported = False
+        # Observers of finished requests and worker events (observe.py), the moving
+        # averages that predict a new request's wait (queueing.py), and the queued
+        # requests by priority: replaced whole on each change, for callers' threads to read.
+        self.observers = observers or Observers()
+        self.predictor = WaitPredictor()
+        self.waiting_by_priority: dict[int, int] = {}
+        # The priorities of the last RECENT_DISPATCHES dispatches, and their counts (read
+        # like waiting_by_priority): the share of the slots each priority takes.
+        self._recent_dispatches: collections.deque[int] = collections.deque()
+        self.dispatched_by_priority: dict[int, int] = {}
 
         # The worker side: slots, start-up, recycling, signals, memory (worker_manager.py). It
         # shares the clock, the timers and the counters, and holds the worker records.
@@ -144,6 +157,8 @@ class Dispatcher:
             end_attempt=self._end_attempt,
             may_retry=lambda: not self.closing and self.failure is None,
             another_worker_exists=self.worker_manager.another_worker_exists,
+            queued=lambda request: self._count_queued(request, 1),
+            note=self.observers.worker_event,
         )
 
     @property
@@ -174,12 +189,23 @@ class Dispatcher:
             return
         request.state = "queued"
         self.queue[request.request_id] = request
+        self._count_queued(request, 1)
         request.deadline_timer = self.timers.call_at(
             request.deadline, self._on_request_deadline, request
         )
 
-    def count_overloaded(self) -> None:
+    def count_overloaded(self, queue_full: bool = False) -> None:
         self.counters["overloaded"] += 1
+        if queue_full:
+            self.counters["queue_full"] += 1
+
+    @property
+    def free_slots(self) -> int:
+        """Slots no request holds, as callers' threads may read it (no iteration over
+        records another thread changes): capacity less the live requests not queued."""
+        capacity = self.config.workers * self.config.max_batch_size
+        queued = sum(self.waiting_by_priority.values())
+        return max(0, capacity - (len(self.live) - queued))
 
     def cancel(self, request_id: str, caller_gone: bool) -> None:
         request = self.live.get(request_id)
@@ -244,6 +270,17 @@ class Dispatcher:
         self.timers.cancel(worker.ladder_timer)
         self.timers.cancel(worker.startup_timer)
         reason = self.worker_manager.record_exit(worker, previous_state)
+        self.observers.worker_event(
+            WorkerEvent(
+                "exit",
+                self.clock(),
+                worker.id,
+                worker.pid,
+                worker.kill_reason or "",
+                detail=reason,
+                pool_slot=worker.slot,
+            )
+        )
         outcome: Outcome = "timeout" if worker.kill_reason in ("timeout", "stall") else "crash"
         if worker.slots > 1 and worker.runs:
             self.retries.batch_lost(
@@ -350,6 +387,9 @@ class Dispatcher:
                 default=self.config.max_batch_size,
             ),
             running=sum(len(worker.running) for worker in workers),
+            throughput=self.predictor.to_dict(),
+            queue_by_priority={str(p): n for p, n in sorted(self.waiting_by_priority.items())},
+            recent_events=[event.to_dict(time.time() - now) for event in self.observers.recent],
         )
 
     # ---- requests to workers -------------------------------------------------------------
@@ -363,9 +403,33 @@ class Dispatcher:
         )
         if not open_workers:
             return
-        for request, worker in placement.assign(self.queue.values(), open_workers):
+        order = dispatch_order(
+            self.queue.values(), now=self.clock(), aging_s=self.config.priority_aging_s
+        )
+        for request, worker in placement.assign(order, open_workers):
             del self.queue[request.request_id]
             self._dispatch(request, worker)
+
+    def _count_dispatch(self, priority: int) -> None:
+        counts = dict(self.dispatched_by_priority)
+        counts[priority] = counts.get(priority, 0) + 1
+        self._recent_dispatches.append(priority)
+        if len(self._recent_dispatches) > RECENT_DISPATCHES:
+            oldest = self._recent_dispatches.popleft()
+            counts[oldest] -= 1
+            if not counts[oldest]:
+                del counts[oldest]
+        self.dispatched_by_priority = counts
+
+    def _count_queued(self, request: Request, change: int) -> None:
+        """``request`` entered (+1) or left (-1) the queue: ``waiting_by_priority``."""
+        counts = dict(self.waiting_by_priority)
+        left = counts.get(request.priority, 0) + change
+        if left > 0:
+            counts[request.priority] = left
+        else:
+            counts.pop(request.priority, None)
+        self.waiting_by_priority = counts
 
     def _dispatch(self, request: Request, worker: Worker) -> None:
         now = self.clock()
@@ -392,7 +456,11 @@ class Dispatcher:
             worker.progress_at = now if worker.slots > 1 else None
         if request.first_dispatch_at is None:
             request.first_dispatch_at = now
+        run.record = AttemptRecord(run.attempt_id, worker.id, worker.pid, now)
+        request.attempt_log.append(run.record)
         self._dequeued(request)
+        self._count_queued(request, -1)
+        self._count_dispatch(request.priority)
         request.state = "running"
         request.run = run
         worker.state = "busy"
@@ -421,6 +489,12 @@ class Dispatcher:
         if run is None:
             return
         run.chunks.append(text)
+        if run.first_token_at is None:
+            run.first_token_at = now = self.clock()
+            if run.record is not None:
+                run.record.first_token_at = now
+            if run.owner.first_token_at is None:
+                run.owner.first_token_at = now
         if run.request is not None:
             self._deliver_chunk(run.request, text, counts)
 
@@ -454,6 +528,13 @@ class Dispatcher:
             return
         cancelled = request.cancel_requested or generation.finish_reason == "cancelled"
         self._end_attempt(run, "cancelled" if cancelled else "ok")
+        if not cancelled:
+            self.predictor.observe(
+                run_s=self.clock() - run.started_at,
+                ttft_s=None if run.first_token_at is None else run.first_token_at - run.started_at,
+                prompt_tokens=generation.prompt_tokens,
+                completion_tokens=generation.completion_tokens,
+            )
         if cancelled:
             self._resolve_cancelled(request, generation.text, worker.pid, generation)
             return
@@ -732,6 +813,9 @@ class Dispatcher:
         run.request = None
         request.run = None
         self.timers.cancel(run.deadline_timer)
+        if run.record is not None:
+            run.record.ended_at = self.clock()
+            run.record.outcome = outcome
         if outcome is not None:
             request.attempts.append(Attempt(run.worker.pid, outcome, self.clock() - run.started_at))
         request.last_partial = run.partial_text()
@@ -742,6 +826,8 @@ class Dispatcher:
     def _finish(self, request: Request) -> bool:
         if request.state == "done":
             return False
+        if request.state == "queued":
+            self._count_queued(request, -1)
         if request.state in ("queued", "backoff"):
             self.queue.pop(request.request_id, None)
         request.state = "done"
@@ -758,6 +844,8 @@ class Dispatcher:
         self.counters["completed"] += 1
         result = self._result(request, generation, worker_pid)
         self.latencies.append(result.latency_s)
+        # Observed first: a caller that has its answer finds it in the metrics.
+        self._observe(request, "completed", generation)
         set_future(request.future, result)
 
     def _resolve_cancelled(
@@ -774,6 +862,7 @@ class Dispatcher:
             generation = Generation(text, "cancelled")
         else:
             generation = dataclasses.replace(generation, text=text, finish_reason="cancelled")
+        self._observe(request, "cancelled", generation)
         set_future(request.future, self._result(request, generation, worker_pid))
 
     def _result(self, request: Request, generation: Generation, worker_pid: int | None) -> Result:
@@ -804,7 +893,39 @@ class Dispatcher:
             self.counters["cancelled"] += 1
         else:
             self.counters["failed"] += 1
+        self._observe(request, "cancelled" if request.caller_gone else "failed", error=error)
         set_future(request.future, error)
+
+    def _observe(
+        self,
+        request: Request,
+        status: RequestStatus,
+        generation: Generation | None = None,
+        error: PoolError | None = None,
+    ) -> None:
+        """Hand the resolved request's record to the observers, if there are any."""
+        if not self.observers.on_request:
+            return
+        self.observers.request_done(
+            RequestRecord(
+                request_id=request.request_id,
+                priority=request.priority,
+                submitted_at=request.submitted_at,
+                finished_at=self.clock(),
+                status=status,
+                first_dispatch_at=request.first_dispatch_at,
+                first_token_at=request.first_token_at,
+                attempts=list(request.attempt_log),
+                finish_reason=None if generation is None else generation.finish_reason,
+                error=None if error is None else type(error).__name__,
+                error_message=None if error is None else error.message,
+                prompt_tokens=None if generation is None else generation.prompt_tokens,
+                completion_tokens=None if generation is None else generation.completion_tokens,
+                cached_tokens=0 if generation is None else generation.cached_tokens or 0,
+                max_new_tokens=request.max_new_tokens,
+                traceparent=request.traceparent,
+            )
+        )
 
     # ---- closing -------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ happened to each try::
     │   ├── OutOfMemory       (a CUDA out-of-memory; .device, .bytes_requested)
     │   └── CudaError         (the worker's CUDA context became unusable; it was replaced)
     ├── PoolOverloaded
+    │   └── QueueFull         its predicted wait passes max_queue_time_s or its deadline
     ├── PoolClosed
     ├── ModelLoadFailed
     │   ├── ModelSourceError  found before any worker started (preflight.py)
@@ -180,6 +181,18 @@ class CudaError(BackendError):
 
 class PoolOverloaded(PoolError):
     """The queue is full (``max_queue``); the request was not accepted."""
+
+
+class QueueFull(PoolOverloaded):
+    """The request's predicted time to first token passes ``max_queue_time_s`` or its
+    deadline: refused at once rather than accepted to time out later.
+    ``predicted_ttft_s`` is the prediction; ``retry_after_s`` how much sooner it would
+    have to be, that is how long to wait before trying again."""
+
+    def __init__(self, message: str, *, predicted_ttft_s: float, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.predicted_ttft_s = predicted_ttft_s
+        self.retry_after_s = retry_after_s
 
 
 class PoolClosed(PoolError):

@@ -32,7 +32,8 @@ from modelpool import gpu
 from modelpool.backends import resolve_backend
 from modelpool.config import PoolConfig
 from modelpool.dispatcher import Dispatcher
-from modelpool.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded
+from modelpool.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded, QueueFull
+from modelpool.observe import Observers, RequestRecord, WorkerEvent
 from modelpool.prefixes import prompt_fingerprints
 from modelpool.preflight import check_devices, check_model_source
 from modelpool.protocol import (
@@ -44,12 +45,19 @@ from modelpool.protocol import (
     WorkerSpec,
     encode_request,
 )
+from modelpool.queueing import ahead_of, urgent_share
 from modelpool.records import GpuWorker, Request, Worker, WorkerIO
 from modelpool.results import PoolFuture, Result
 from modelpool.stats import PoolHealth, PoolStats
 from modelpool.structured import constrain
 from modelpool.supervisor import EventLoop
-from modelpool.validation import check_deadline, check_generation_params, check_prompt
+from modelpool.validation import (
+    PRIORITY_PARAM,
+    check_deadline,
+    check_generation_params,
+    check_prompt,
+    check_queue_params,
+)
 
 __all__ = ["AsyncPoolStream", "ModelPool", "PoolFuture", "PoolStream", "Result"]
 
@@ -119,6 +127,9 @@ class ModelPool:
         # Ids unique across pools and restarts without a uuid (a system call) per request.
         self._id_prefix = f"{secrets.token_hex(5)}-"
         self._request_numbers = itertools.count(1)
+        # Observers of finished requests and worker events (add_observer), kept here so
+        # that they can be added before start().
+        self._observers = Observers()
 
     # ---- life cycle ------------------------------------------------------------------------
 
@@ -157,6 +168,7 @@ class ModelPool:
                         worker_environ=worker_environ,
                         on_started=self._on_started,
                         on_dequeued=self._on_dequeued,
+                        observers=self._observers,
                     )
                     _live_pools.add(self)
                     self._loop.start()
@@ -179,6 +191,69 @@ class ModelPool:
     def _on_started(self, error: BaseException | None) -> None:
         self._start_error = error
         self._started.set()
+
+    def add_observer(
+        self,
+        *,
+        on_request: Callable[[RequestRecord], None] | None = None,
+        on_worker: Callable[[WorkerEvent], None] | None = None,
+    ) -> None:
+        """Call ``on_request`` with each resolved request's record and ``on_worker`` with
+        each worker event (kill, exit, release check, retry); see :mod:`modelpool.observe`.
+        They run on the dispatcher thread and must be quick."""
+        observers = self._observers
+        # Copied, not appended to: the dispatcher thread may be iterating the old list.
+        if on_request is not None:
+            observers.on_request = [*observers.on_request, on_request]
+        if on_worker is not None:
+            observers.on_worker = [*observers.on_worker, on_worker]
+
+    def predicted_ttft(self, priority: int = 0, *, also_waiting: int = 0) -> float | None:
+        """Seconds a new request of ``priority`` would wait for its first token, from the
+        moving averages of finished runs and the requests queued ahead of it (lower or
+        equal priority), plus ``also_waiting`` more held elsewhere (the daemon's fair
+        share), over the share of the slots that recent dispatches left to its priority
+        (more urgent requests arriving meanwhile pass it). None before enough runs were
+        measured, or before start()."""
+        loop = self._loop
+        if loop is None:
+            return None
+        dispatcher = loop.dispatcher
+        return dispatcher.predictor.predict_ttft(
+            ahead=ahead_of(dispatcher.waiting_by_priority, priority) + also_waiting,
+            free=dispatcher.free_slots,
+            capacity=self.config.workers * self.config.max_batch_size,
+            urgent_share=urgent_share(dispatcher.dispatched_by_priority, priority),
+        )
+
+    def check_admission(
+        self,
+        priority: int,
+        max_queue_time_s: float | None,
+        deadline_s: float,
+        *,
+        also_waiting: int = 0,
+    ) -> None:
+        """Raise ``QueueFull`` if a new request's predicted time to first token passes
+        ``max_queue_time_s`` (None: the pool's setting) or ``deadline_s``. No bound set, or
+        no prediction yet: nothing is refused."""
+        limit = self.config.max_queue_time_s if max_queue_time_s is None else max_queue_time_s
+        if limit is None or limit == float("inf"):
+            return
+        predicted = self.predicted_ttft(priority, also_waiting=also_waiting)
+        bound = min(limit, deadline_s)
+        if predicted is None or predicted <= bound:
+            return
+        loop = self._loop
+        if loop is not None:
+            loop.post(loop.dispatcher.count_overloaded, True)
+        which = "max_queue_time_s" if limit <= deadline_s else "the deadline"
+        raise QueueFull(
+            f"the predicted time to first token ({predicted:.2f} s) passes {which} "
+            f"({bound:g} s): not queued",
+            predicted_ttft_s=predicted,
+            retry_after_s=predicted - bound,
+        )
 
     def close(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop accepting requests, finish (``drain``) or fail in-flight ones, stop every worker.
@@ -459,6 +534,10 @@ class ModelPool:
             deadline_s = self.config.deadline_s
         else:
             check_deadline(deadline_s)
+        gen_kwargs = dict(gen_kwargs)
+        priority, max_queue_time_s, traceparent = check_queue_params(gen_kwargs)
+        if priority:
+            gen_kwargs[PRIORITY_PARAM] = priority  # for the worker's scheduler too
         gen_kwargs = constrain(gen_kwargs, self.config.grammar_compile_timeout_s)
         params = {**self.config.generation_defaults, **gen_kwargs}
         check_generation_params(params)
@@ -491,6 +570,11 @@ class ModelPool:
             self._on_dequeued()
             loop.post(loop.dispatcher.count_overloaded)
             raise PoolOverloaded(f"the queue is full ({self.config.max_queue} waiting)")
+        try:
+            self.check_admission(priority, max_queue_time_s, deadline_s)
+        except QueueFull:
+            self._on_dequeued()
+            raise
         now = time.monotonic()
         request_id = f"req-{self._id_prefix}{next(self._request_numbers):x}"
         future = PoolFuture(request_id, self._cancel_from_future)
@@ -503,6 +587,9 @@ class ModelPool:
             on_chunk=on_chunk,
             counted_chunks=counted,
             prefix_fingerprints=fingerprints,
+            priority=priority,
+            max_new_tokens=params.get("max_new_tokens"),
+            traceparent=traceparent,
         )
         self._futures[request_id] = future
         if not loop.post(loop.dispatcher.submit, request):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from modelpool.errors import Attempt, PoolError
+from modelpool.observe import AttemptRecord
 from modelpool.protocol import PrefixCacheReport, WorkerSpec
 from modelpool.results import PoolFuture
 
@@ -53,6 +54,13 @@ class Request:
     # The prompt's prefix fingerprints (modelpool.prefixes), for placement by prefix cache.
     prefix_fingerprints: tuple[int, ...] = ()
     counted_chunks: bool = False  # on_chunk(text, TokenCounts | None) rather than on_chunk(text)
+    # Lower runs first (queueing.dispatch_order); the caller's max_new_tokens, if it said;
+    # its W3C trace context. For observers (observe.RequestRecord): each attempt's times.
+    priority: int = 0
+    max_new_tokens: int | None = None
+    traceparent: str | None = None
+    attempt_log: list[AttemptRecord] = field(default_factory=list)
+    first_token_at: float | None = None
     state: RequestState = "new"
     attempts: list[Attempt] = field(default_factory=list)
     run: Run | None = None
@@ -106,6 +114,8 @@ class Run:
     lost: bool = False  # counted against its owner as a failed batch or a failure alone
     deadline_timer: Timer | None = None
     grace_timer: Timer | None = None
+    first_token_at: float | None = None
+    record: AttemptRecord | None = None  # its entry in the owner's attempt_log
 
     def partial_text(self) -> str:
         return "".join(self.chunks)

@@ -65,7 +65,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -410,6 +410,8 @@ class ModelRegistry:
         self._waiting = 0
         self._swaps = 0
         self._closing = False
+        # Called with each pool before it starts (the daemon's observers: add_pool_hook).
+        self._pool_hooks: list[Callable[[str, ModelPool], None]] = []
         self._thread: threading.Thread | None = None
         self._heartbeat: float | None = None
         self._peak: dict[str, int] = {}
@@ -592,6 +594,11 @@ class ModelRegistry:
         if with_pool and pool is not None:
             stats = dataclasses.replace(stats, pool=pool.stats())
         return stats
+
+    def add_pool_hook(self, hook: Callable[[str, ModelPool], None]) -> None:
+        """Call ``hook(model name, pool)`` with each pool the registry makes, before it
+        starts (the daemon adds its ``vllm:`` metrics and tracing as observers)."""
+        self._pool_hooks = [*self._pool_hooks, hook]
 
     def stats(self, *, with_pools: bool = True) -> RegistryStats:
         """Every model (with its pool's own ``PoolStats`` when loaded and ``with_pools``),
@@ -1175,6 +1182,8 @@ class ModelRegistry:
         assert entry is not None
         spec = entry.spec
         pool = ModelPool(spec.pool, gpu_probe=self._gpu_probe)
+        for hook in self._pool_hooks:
+            hook(spec.name, pool)
         started = time.monotonic()
         with self._cond:
             step.loading = pool

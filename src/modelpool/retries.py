@@ -29,6 +29,7 @@ from modelpool.errors import (
     PoolError,
     WorkerCrashed,
 )
+from modelpool.observe import WorkerEvent
 from modelpool.records import FailedBatch, Request, Run, TimerHeap, Worker
 
 logger = logging.getLogger("modelpool.dispatcher")
@@ -49,6 +50,8 @@ class Retries:
         end_attempt: Callable[[Run, Outcome | None], Request],
         may_retry: Callable[[], bool],
         another_worker_exists: Callable[[Worker], bool],
+        queued: Callable[[Request], None] = lambda request: None,
+        note: Callable[[WorkerEvent], None] = lambda event: None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -59,6 +62,10 @@ class Retries:
         self.end_attempt = end_attempt
         self.may_retry = may_retry
         self.another_worker_exists = another_worker_exists
+        # A request entered the queue (the dispatcher counts them by priority); a retry
+        # is an event for observers (observe.WorkerEvent).
+        self.queued = queued
+        self.note = note
         # worker id -> the retries that must not go back to it (their last failed worker):
         # so that finding them costs their number, not the length of the queue.
         self.avoiding: dict[int, dict[str, Request]] = {}
@@ -191,6 +198,20 @@ class Retries:
             return
         self.counters["retries"] += 1
         self._pin_away_from(request, worker, error)
+        last = request.attempt_log[-1].attempt_id if request.attempt_log else 0
+        self.note(
+            WorkerEvent(
+                "retry",
+                now,
+                worker.id,
+                worker.pid,
+                outcome,
+                attempt_ids=(last,),
+                request_id=request.request_id,
+                detail=error.message,
+                pool_slot=worker.slot,
+            )
+        )
         logger.info(
             "request %s: attempt %d %s on worker pid %s; retrying",
             request.request_id,
@@ -233,6 +254,8 @@ class Retries:
         took down run first (it reserves the next worker to drain, so it is not starved)."""
         if request.state == "done":
             return
+        if request.state != "queued":
+            self.queued(request)
         request.state = "queued"
         self.queue[request.request_id] = request
         if not request.isolated:

@@ -34,6 +34,7 @@ COUNTER_NAMES = (
     "withdrawn",
     "cuda_oom",
     "cuda_errors",
+    "queue_full",
 )
 
 
@@ -65,6 +66,8 @@ class WorkerStats:
     max_model_len: int | None = None
     slots: int = 1
     running: list[str] = field(default_factory=list)
+    # The pool slot it fills (0 .. workers + spares - 1): a replacement takes the same one.
+    pool_slot: int = 0
     gpu_mb_by_device: dict[str, float | None] = field(default_factory=dict)
     # Batched workers: requests sent to it that wait there for KV room (not in ``running``)
     # and its free KV room in tokens, as the worker last reported it.
@@ -124,6 +127,11 @@ class PoolStats:
     heartbeat_age_s: float | None = None
     capacity: int = 0
     running: int = 0
+    # Moving averages of finished runs (queueing.WaitPredictor), the queued requests by
+    # priority, and the last kills, exits, release checks and retries (observe.WorkerEvent).
+    throughput: dict[str, float | int] = field(default_factory=dict)
+    queue_by_priority: dict[str, int] = field(default_factory=dict)
+    recent_events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def batch_occupancy(self) -> float:

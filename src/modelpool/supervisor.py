@@ -98,6 +98,7 @@ from modelpool.devices import group_devices, nvml_index_for, worker_env_for
 from modelpool.dispatcher import Dispatcher
 from modelpool.errors import PoolClosed
 from modelpool.monitors import Monitors
+from modelpool.observe import Observers
 from modelpool.protocol import WorkerSpec
 from modelpool.records import GpuWorker, Worker, WorkerIO
 from modelpool.results import set_future
@@ -169,6 +170,7 @@ class EventLoop:
         worker_environ: Mapping[str, str] | None = None,
         on_started: Callable[[BaseException | None], None],
         on_dequeued: Callable[[], None],
+        observers: Observers | None = None,
     ) -> None:
         self.config = config
         self.probe = probe
@@ -203,6 +205,7 @@ class EventLoop:
             on_dequeued=on_dequeued,
             gpu_available=probe.available,
             gpu_reason=probe.reason,
+            observers=observers,
         )
         self.monitors = Monitors(
             config,

@@ -152,7 +152,7 @@ from modelpool.protocol import (
     TokenIds,
     note_prompt,
 )
-from modelpool.validation import check_generation_params
+from modelpool.validation import PRIORITY_PARAM, check_generation_params
 
 if TYPE_CHECKING:
     from modelpool.pool import ModelPool
@@ -177,6 +177,7 @@ ACCEPTED_PARAMS = frozenset(
         GRAMMAR_PARAM,
         COMPILE_TIMEOUT_PARAM,
         "ignore_eos",
+        PRIORITY_PARAM,
     }
 )
 TOKEN_LOGPROB = -0.25

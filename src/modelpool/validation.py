@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -184,3 +185,48 @@ def _token_ids(ids: object) -> TokenIds:
 def check_deadline(deadline_s: object) -> None:
     if not is_number(deadline_s) or deadline_s <= 0:  # type: ignore[operator]
         raise InvalidRequest(f"deadline_s must be a number > 0, got {deadline_s!r}")
+
+
+# A W3C trace context (https://www.w3.org/TR/trace-context/): version-traceid-spanid-flags.
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+# Priorities as vLLM takes them: any integer; bounded so that no sort key overflows a C long.
+MAX_PRIORITY = 2**31 - 1
+PRIORITY_PARAM = "priority"
+"""The request parameter a worker's scheduler reads a request's priority from (the pool
+sets it when it is not 0): lower takes the next free row and the prefill budget first."""
+
+
+def valid_traceparent(value: object) -> bool:
+    """A W3C ``traceparent`` this pool can continue (version ff, all-zero ids: not)."""
+    if not isinstance(value, str):
+        return False
+    match = _TRACEPARENT.match(value)
+    return (
+        match is not None
+        and match.group(1) != "ff"
+        and set(match.group(2)) != {"0"}
+        and set(match.group(3)) != {"0"}
+    )
+
+
+def check_queue_params(params: dict[str, Any]) -> tuple[int, float | None, str | None]:
+    """Pop and check the queueing keywords of a request: ``priority`` (an int, lower runs
+    first, default 0), ``max_queue_time_s`` (a number > 0, or ``math.inf`` for no bound;
+    None: the pool's) and ``traceparent`` (a W3C trace context string)."""
+    priority = params.pop("priority", 0)
+    if priority is None:
+        priority = 0
+    if not is_int(priority, minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY):
+        raise InvalidRequest(
+            f"priority must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}] (lower runs "
+            f"first), got {priority!r}"
+        )
+    max_queue_time_s = params.pop("max_queue_time_s", None)
+    if max_queue_time_s is not None and not (
+        max_queue_time_s == math.inf or (is_number(max_queue_time_s) and max_queue_time_s > 0)
+    ):
+        raise InvalidRequest(f"max_queue_time_s must be a number > 0, got {max_queue_time_s!r}")
+    traceparent = params.pop("traceparent", None)
+    if traceparent is not None and not valid_traceparent(traceparent):
+        raise InvalidRequest(f"traceparent must be a W3C trace context, got {traceparent!r}")
+    return priority, None if max_queue_time_s is None else float(max_queue_time_s), traceparent

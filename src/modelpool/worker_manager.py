@@ -43,6 +43,7 @@ from typing import Any, Protocol
 from modelpool.config import PoolConfig
 from modelpool.devices import group_devices
 from modelpool.errors import ModelLoadFailed
+from modelpool.observe import Observers, WorkerEvent
 from modelpool.protocol import PROTOCOL_VERSION, PrefixCacheReport, WorkerSpec
 from modelpool.records import DispatcherIO, TimerHeap, Worker, describe_exit
 from modelpool.stats import DeviceStats, GpuStats, PrefixCacheStats, ReleaseStats, WorkerStats
@@ -64,6 +65,9 @@ class PoolSide(Protocol):
 
     @property
     def failure(self) -> ModelLoadFailed | None: ...
+
+    @property
+    def observers(self) -> Observers: ...
 
     def give_up_loading(self, failure: ModelLoadFailed) -> None:
         """Workers failed to start too often and none serves: the pool has failed."""
@@ -442,6 +446,18 @@ class WorkerManager:
             worker.kill_reason = reason
             self.counters["kills"] += 1
             self.kill_reasons[reason] += 1
+            self.owner.observers.worker_event(
+                WorkerEvent(
+                    "kill",
+                    self.clock(),
+                    worker.id,
+                    worker.pid,
+                    reason,
+                    attempt_ids=tuple(worker.runs),
+                    detail=signal.Signals(signum).name,
+                    pool_slot=worker.slot,
+                )
+            )
         if worker.state != "starting":
             worker.state = "killing"
         worker.io.signal_group(signum)
@@ -548,6 +564,19 @@ class WorkerManager:
         worker = self.workers.get(worker_id)
         if worker is None:
             return
+        self.owner.observers.worker_event(
+            WorkerEvent(
+                "release",
+                self.clock(),
+                worker.id,
+                worker.pid,
+                worker.kill_reason or "",
+                ok=ok,
+                seconds=seconds,
+                detail=method,
+                pool_slot=worker.slot,
+            )
+        )
         if not self.owner.closing:
             # Keep the dead worker's record only until its release is known.
             del self.workers[worker_id]
@@ -628,6 +657,7 @@ class WorkerManager:
             workers.append(
                 WorkerStats(
                     id=worker.id,
+                    pool_slot=worker.slot,
                     pid=worker.pid,
                     state=shown,
                     role=worker.role,

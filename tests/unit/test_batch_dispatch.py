@@ -104,7 +104,9 @@ class World:
     def ready(self, worker: Worker) -> None:
         self.d.on_message(worker, ("ready", PROTOCOL_VERSION, 1000 + worker.id, 0, None, 8))
 
-    def submit(self, prompt: str, *, pump: bool = True, batch_failures: int = 0) -> Request:
+    def submit(
+        self, prompt: str, *, pump: bool = True, batch_failures: int = 0, priority: int = 0
+    ) -> Request:
         self.numbers += 1
         request_id = f"r{self.numbers}"
         request = Request(
@@ -113,6 +115,7 @@ class World:
             future=PoolFuture(request_id, lambda _: None),
             submitted_at=self.clock.now,
             deadline=self.clock.now + self.config.deadline_s,
+            priority=priority,
         )
         request.batch_failures = batch_failures
         request.suspected_in = [FailedBatch([request]) for _ in range(batch_failures)]

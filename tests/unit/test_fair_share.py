@@ -106,3 +106,50 @@ def test_a_request_being_checked_counts_against_its_clients_share() -> None:
         ticket.close()
     assert fair.snapshot()["checking"] == 0
     fair.reserve("a", 2).close()
+
+
+def _admission_order(fair: FairShare, arrivals: list[tuple[str, str, int]]) -> list[str]:
+    """Names in the order their runs went in: one place, held by a first run until every
+    other (client, name, priority) waits."""
+
+    async def scenario() -> list[str]:
+        order: list[str] = []
+        gate = asyncio.Event()
+
+        async def run(client: str, name: str, priority: int) -> None:
+            ticket = fair.reserve(client, 1, priority=priority)
+            try:
+                async with ticket.slot(deadline_s=10):
+                    order.append(name)
+                    if name == "first":
+                        await gate.wait()
+            finally:
+                ticket.close()
+
+        tasks = [asyncio.ensure_future(run("z", "first", 0))]
+        await _until(lambda: order == ["first"])
+        for arrival in arrivals:
+            tasks.append(asyncio.ensure_future(run(*arrival)))
+            await asyncio.sleep(0)
+        gate.set()
+        await asyncio.wait_for(asyncio.wait(tasks), 5)
+        return order[1:]
+
+    return asyncio.run(scenario())
+
+
+def test_priority_comes_before_the_turn_and_fair_share_applies_within_one() -> None:
+    arrivals = [("a", "a-low", 5), ("b", "b-low", 5), ("a", "a-high", 0), ("a", "a-high2", 0)]
+    arrivals.append(("b", "b-high", 0))
+    order = _admission_order(share(capacity=1), arrivals)
+    # The high ones first, by turn (a, b, a); then the low ones, b's turn coming first
+    # since a just went in.
+    assert order == ["a-high", "b-high", "a-high2", "b-low", "a-low"]
+
+
+def test_a_run_that_waited_aging_s_goes_ahead_of_any_priority() -> None:
+    fair = FairShare(capacity=1, max_running=None, max_queued=8, max_waiting=64, aging_s=0.0)
+    # With aging_s 0 every waiting run has aged: arrival (turn) order, whatever the priority.
+    order = _admission_order(fair, [("a", "a-low", 9), ("b", "b-high", -9)])
+    assert order == ["a-low", "b-high"]
+    assert fair.waiting_ahead(0) == 0

@@ -41,6 +41,9 @@ SUPERVISOR_SIDE = (
     "modelpool.devices",
     "modelpool.preflight",
     "modelpool.stats",
+    "modelpool.queueing",
+    "modelpool.observe",
+    "modelpool.tracing",
 )
 # The packages of the built-in model backends ("modelpool.backends.hf", ...).
 BACKEND_PACKAGES = tuple(

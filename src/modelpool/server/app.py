@@ -16,7 +16,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`
 sends server-sent events ending with ``data: [DONE]``), ``POST /v1/responses`` (with
 ``GET``/``DELETE /v1/responses/{id}`` for stored ones), ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (Anthropic's, errors in its shape), ``GET
-/v1/models``, ``GET /healthz``, ``GET /readyz``, ``GET /stats``, ``GET /metrics``. Every
+/v1/models``, ``GET /healthz``, ``GET /readyz``, ``GET /stats``, ``GET /metrics``, ``GET
+/ui`` (the status page, ``server/ui``). Every
 generating route takes the one walk of ``_generate``; its API family (``generation.Api``)
 only parses the body into a job and writes the answer.
 
@@ -50,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -101,7 +103,7 @@ from modelpool.server.http import (
     run_unless_disconnected,
 )
 from modelpool.server.metrics import CONTENT_TYPE, PoolMetrics
-from modelpool.server.openai.format import response_body
+from modelpool.server.openai.format import Job, response_body
 from modelpool.server.openai.request import (
     check_budget,
     check_size,
@@ -127,7 +129,9 @@ from modelpool.server.tokenize import (
     parse_tokenize,
     tokenize_body,
 )
+from modelpool.server.ui import add_ui_routes
 from modelpool.stats import PoolHealth
+from modelpool.validation import valid_traceparent
 
 if TYPE_CHECKING:
     from modelpool.pool import AsyncPoolStream, ModelPool, Result
@@ -275,17 +279,16 @@ def create_app(
     if isinstance(served, ModelRegistry):
         registry = served
         configs = [spec.pool for spec in registry.config.models]
-        metrics = PoolMetrics(registry_source=registry.stats)
     else:
         pool = served
         configs = [pool.config]
-        metrics = PoolMetrics(pool.stats, model=model_name)
     keys = Keys.configured(server_config.keys_file, api_key or api_key_from_env(server_config))
     fair_share = FairShare(
         capacity=sum(c.workers * c.max_batch_size for c in configs),
         max_running=server_config.client_max_running,
         max_queued=server_config.client_max_queued,
         max_waiting=sum(c.max_queue for c in configs),
+        aging_s=min(c.priority_aging_s for c in configs),
     )
     shares = {
         spec.name: FairShare(
@@ -293,9 +296,21 @@ def create_app(
             max_running=server_config.client_max_running,
             max_queued=server_config.client_max_queued,
             max_waiting=spec.pool.max_queue,
+            aging_s=spec.pool.priority_aging_s,
         )
         for spec in (registry.config.models if registry is not None else ())
     }
+    if registry is not None:
+        metrics = PoolMetrics(registry_source=registry.stats, vllm=server_config.vllm_metrics)
+    else:
+        assert pool is not None
+        metrics = PoolMetrics(
+            pool.stats,
+            model=model_name,
+            vllm=server_config.vllm_metrics,
+            waiting=lambda: fair_share.snapshot()["waiting"],
+        )
+    _observe_pools(served, model_name, metrics, server_config)
     state = ServerState(
         pool=pool,
         registry=registry,
@@ -427,6 +442,8 @@ def create_app(
         snapshot = await pool.astats()
         return JSONResponse({**snapshot.to_dict(), **server_parts})
 
+    add_ui_routes(app)
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         body = await run_in_threadpool(metrics.render)
@@ -536,6 +553,42 @@ async def _registry_ready(state: ServerState, registry: ModelRegistry) -> Respon
     }
     headers = {} if ready else {"Retry-After": str(RETRY_AFTER_UNAVAILABLE)}
     return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
+
+
+def _observe_pools(
+    served: ModelPool | ModelRegistry,
+    model_name: str,
+    metrics: PoolMetrics,
+    server_config: ServerConfig,
+) -> None:
+    """The ``vllm:`` series and the traces of the pool, or of each pool a registry loads
+    (its name the ``model_name`` label)."""
+    tracer: Callable[[str, ModelPool], None] | None = None
+    endpoint = server_config.otlp_traces_endpoint
+    if endpoint is not None:
+        try:
+            from modelpool.tracing import PoolTracer
+        except ImportError as exc:
+            raise RuntimeError(
+                "[server] otlp_traces_endpoint needs OpenTelemetry: pip install "
+                f"'modelpool[tracing]' ({exc})"
+            ) from exc
+        logger.info("tracing requests to %s", endpoint)
+
+        def tracer(name: str, pool: ModelPool) -> None:
+            ratio = server_config.otlp_traces_sample_ratio
+            PoolTracer(pool, endpoint, model_name=name, sample_ratio=ratio)
+
+    def observe(name: str, pool: ModelPool) -> None:
+        if metrics.vllm is not None:
+            pool.add_observer(on_request=metrics.vllm.observer(name))
+        if tracer is not None:
+            tracer(name, pool)
+
+    if isinstance(served, ModelRegistry):
+        served.add_pool_hook(observe)
+    else:
+        observe(model_name, served)
 
 
 def _model_card(state: ServerState, max_model_len: int | None) -> dict[str, Any]:
@@ -688,8 +741,9 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     )
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
+    priority = _admit(request, state, pool, job, deadline)
     runs = job.choices()
-    ticket = state.share_for(request).reserve(client.name, len(runs), client.limits)
+    ticket = state.share_for(request).reserve(client.name, len(runs), client.limits, priority)
 
     if job.stream:
 
@@ -745,6 +799,26 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         media_type="application/json",
         headers={"X-Request-Id": results[0].request_id},
     )
+
+
+def _admit(request: Request, state: ServerState, pool: ModelPool, job: Job, deadline: float) -> int:
+    """Admission by predicted wait (QueueFull, a 429, when it would wait too long), once,
+    here: the runs wait in the fair share and then in the pool, so the prediction counts
+    both, and the pool does not judge again a request the daemon accepted. The caller's
+    ``traceparent`` goes with the runs. Returns the request's priority."""
+    params = job.params
+    priority: int = params.get("priority", 0)
+    pool.check_admission(
+        priority,
+        params.get("max_queue_time_s"),
+        deadline,
+        also_waiting=state.share_for(request).waiting_ahead(priority),
+    )
+    params["max_queue_time_s"] = math.inf
+    traceparent = request.headers.get("traceparent")
+    if traceparent is not None and valid_traceparent(traceparent):
+        params["traceparent"] = traceparent
+    return priority
 
 
 def _parse(

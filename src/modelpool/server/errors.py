@@ -26,6 +26,7 @@ from modelpool.errors import (
     PoolClosed,
     PoolError,
     PoolOverloaded,
+    QueueFull,
     SchemaTooComplex,
     WorkerCrashed,
 )
@@ -71,6 +72,15 @@ def pool_error_to_api(error: PoolError) -> ApiError:
         )
     if isinstance(error, InvalidRequest):
         return ApiError(400, error.message, code="invalid_value", extra=extra)
+    if isinstance(error, QueueFull):
+        return ApiError(
+            429,
+            error.message,
+            type="overloaded_error",
+            code="queue_full",
+            headers={"Retry-After": str(max(1, math.ceil(error.retry_after_s)))},
+            extra={**extra, "predicted_ttft_s": round(error.predicted_ttft_s, 3)},
+        )
     if isinstance(error, ModelNotFound):
         # OpenAI's answer, naming no other model.
         return ApiError(

@@ -7,6 +7,11 @@ runs into the pool at once and holds the rest here; whenever a run ends, the nex
 of the next client in turn goes in (round robin between clients, first come first
 served within one). A client is its address: every client shares the one API key.
 
+Priority (the request's ``priority``, lower first) comes before the turn: the next run
+in is one of the lowest priority waiting, and fair share applies between the clients
+that have one of that priority. A run that has waited ``aging_s`` counts as the most
+urgent (the pool's ``priority_aging_s``), so that no priority starves another.
+
 Runs are not preempted, so round robin alone would let a client whose runs are long
 fill every worker between two requests of a client whose runs are short, which would
 then wait a whole long run each time. So a free place in the pool is held back for each
@@ -53,7 +58,13 @@ class FairShare:
     """Round-robin admission of runs into the pool, with per-client bounds."""
 
     def __init__(
-        self, *, capacity: int, max_running: int | None, max_queued: int, max_waiting: int
+        self,
+        *,
+        capacity: int,
+        max_running: int | None,
+        max_queued: int,
+        max_waiting: int,
+        aging_s: float = 10.0,
     ) -> None:
         self.capacity = capacity
         self.max_running = min(max_running or capacity, capacity)
@@ -63,8 +74,9 @@ class FairShare:
         self._reserved: collections.Counter[str] = collections.Counter()
         # Requests still being parsed and checked (server.checks): each counts as a run.
         self._checking: collections.Counter[str] = collections.Counter()
+        self.aging_s = aging_s
         # Clients with runs waiting, in turn order; each with its runs, oldest first.
-        self._waiters: dict[str, collections.deque[asyncio.Future[None]]] = {}
+        self._waiters: dict[str, collections.deque[_Waiter]] = {}
         self._in_pool = 0
         self._last_active: dict[str, float] = {}
         # Clients with limits of their own (tenants): (max_running, max_queued), None for
@@ -72,7 +84,9 @@ class FairShare:
         self._limits: dict[str, Limits] = {}
         self._recheck: asyncio.TimerHandle | None = None
 
-    def reserve(self, client: str, runs: int, limits: Limits | None = None) -> Ticket:
+    def reserve(
+        self, client: str, runs: int, limits: Limits | None = None, priority: int = 0
+    ) -> Ticket:
         """Room for ``runs`` more runs of ``client``, or a 429 saying which bound it met;
         ``limits`` are the client's own (a tenant's), else the share's."""
         held = self._running[client] + self._reserved[client] + self._checking[client]
@@ -98,7 +112,13 @@ class FairShare:
             )
         self._reserved[client] += runs
         self._last_active[client] = time.monotonic()
-        return Ticket(self, client, runs)
+        return Ticket(self, client, runs, priority)
+
+    def waiting_ahead(self, priority: int) -> int:
+        """Runs waiting here that a new run of ``priority`` would wait behind."""
+        return sum(
+            waiter.priority <= priority for waiters in self._waiters.values() for waiter in waiters
+        )
 
     def _bound(self, client: str, limits: Limits | None) -> int:
         """What ``client`` may hold (running and waiting), remembering its own limits."""
@@ -151,12 +171,13 @@ class FairShare:
         if self._reserved[client] <= 0:
             del self._reserved[client]
 
-    async def _acquire(self, client: str) -> None:
+    async def _acquire(self, client: str, priority: int) -> None:
         if client not in self._waiters and self._may_run(client):
             self._take(client)
             return
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(client, collections.deque()).append(turn)
+        waiter = _Waiter(priority, time.monotonic(), turn)
+        self._waiters.setdefault(client, collections.deque()).append(waiter)
         try:
             await turn
         except asyncio.CancelledError:
@@ -164,8 +185,8 @@ class FairShare:
                 self._release(client)  # admitted just as it was cancelled
             else:
                 waiters = self._waiters.get(client)
-                if waiters is not None and turn in waiters:
-                    waiters.remove(turn)
+                if waiters is not None and waiter in waiters:
+                    waiters.remove(waiter)
                     if not waiters:
                         del self._waiters[client]
             raise
@@ -204,8 +225,8 @@ class FairShare:
 
     def _admit(self) -> None:
         while self._in_pool < self.capacity:
-            client = next((c for c in self._waiters if self._may_run(c)), None)
-            if client is None:
+            client, waiter = self._next_waiter()
+            if client is None or waiter is None:
                 if self._waiters and self._recheck is None:
                     # Held back for clients that may have gone: look again once they
                     # no longer count as active.
@@ -214,28 +235,59 @@ class FairShare:
                     )
                 return
             waiters = self._waiters.pop(client)
-            turn = waiters.popleft()
+            waiters.remove(waiter)
             if waiters:
                 self._waiters[client] = waiters  # to the back of the turn order
+            turn = waiter.turn
             if turn.cancelled():
                 # Its task was cancelled and has not run since: it takes no place.
                 continue
             self._take(client)
             turn.set_result(None)
 
+    def _next_waiter(self) -> tuple[str | None, _Waiter | None]:
+        """The client whose run goes in next, and that run: the most urgent run of the
+        clients that may run (the first in turn order among equals), each client's
+        runs taken most urgent first, oldest first within one urgency."""
+        now = time.monotonic()
+        best: tuple[tuple[int, int], str, _Waiter] | None = None
+        for client, waiters in self._waiters.items():
+            if not self._may_run(client):
+                continue
+            waiter = min(waiters, key=lambda w: w.urgency(now, self.aging_s))
+            urgency = waiter.urgency(now, self.aging_s)
+            if best is None or urgency < best[0]:
+                best = (urgency, client, waiter)
+        return (None, None) if best is None else (best[1], best[2])
 
     def _recheck_now(self) -> None:
         self._recheck = None
         self._admit()
 
 
+class _Waiter:
+    """One run waiting for its turn: its priority, since when, and the future it awaits."""
+
+    __slots__ = ("priority", "since", "turn")
+
+    def __init__(self, priority: int, since: float, turn: asyncio.Future[None]) -> None:
+        self.priority = priority
+        self.since = since
+        self.turn = turn
+
+    def urgency(self, now: float, aging_s: float) -> tuple[int, int]:
+        """Lower goes first: aged runs, then by priority."""
+        return (0, 0) if now - self.since >= aging_s else (1, self.priority)
+
+
 class Ticket:
     """One request's reserved runs; each run takes one ``slot``."""
 
-    def __init__(self, share: FairShare, client: str, runs: int) -> None:
+    def __init__(self, share: FairShare, client: str, runs: int, priority: int = 0) -> None:
         self._share = share
         self._client = client
         self._unclaimed = runs
+        self.priority = priority
 
     @contextlib.asynccontextmanager
     async def slot(self, deadline_s: float) -> AsyncIterator[float]:
@@ -244,7 +296,7 @@ class Ticket:
         started = time.monotonic()
         try:
             async with asyncio.timeout(deadline_s):
-                await self._share._acquire(self._client)
+                await self._share._acquire(self._client, self.priority)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"the deadline ({deadline_s:g} s) passed while the request waited for its "

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from modelpool.server.vllm_metrics import VllmMetrics
 from modelpool.stats import PoolStats
 
 if TYPE_CHECKING:
@@ -62,13 +63,26 @@ _MIB = 2**20
 
 
 class PoolCollector(Collector):
-    """Renders the snapshot ``stats_source()`` returns, once per scrape."""
+    """Renders the snapshot ``stats_source()`` returns, once per scrape (and, with
+    ``vllm``, its gauges under vLLM's names; ``waiting``: runs the daemon holds back)."""
 
-    def __init__(self, stats_source: Callable[[], PoolStats]) -> None:
+    def __init__(
+        self,
+        stats_source: Callable[[], PoolStats],
+        vllm: VllmMetrics | None = None,
+        model: str = "",
+        waiting: Callable[[], int] = lambda: 0,
+    ) -> None:
         self._stats_source = stats_source
+        self._vllm = vllm
+        self._model = model
+        self._waiting = waiting
 
     def collect(self) -> Iterator[Metric]:
-        yield from stats_families(self._stats_source())
+        stats = self._stats_source()
+        yield from stats_families(stats)
+        if self._vllm is not None:
+            yield from self._vllm.gauges({self._model: (stats, self._waiting())})
 
 
 def stats_families(stats: PoolStats) -> Iterator[Metric]:
@@ -209,11 +223,17 @@ class RegistryCollector(Collector):
     """Renders a :class:`~modelpool.registry.ModelRegistry`'s snapshot once per scrape: each
     loaded model's pool families with a ``model`` label, and the registry's own."""
 
-    def __init__(self, stats_source: Callable[[], RegistryStats]) -> None:
+    def __init__(
+        self, stats_source: Callable[[], RegistryStats], vllm: VllmMetrics | None = None
+    ) -> None:
         self._stats_source = stats_source
+        self._vllm = vllm
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats_source()
+        if self._vllm is not None:
+            loaded = {n: (m.pool, 0) for n, m in stats.models.items() if m.pool is not None}
+            yield from self._vllm.gauges(loaded)
         merged: dict[str, Metric] = {}
         for name, model in stats.models.items():
             if model.pool is None:
@@ -312,7 +332,11 @@ class PoolMetrics:
         *,
         model: str = "",
         registry_source: Callable[[], RegistryStats] | None = None,
+        vllm: bool = False,
+        waiting: Callable[[], int] = lambda: 0,
     ) -> None:
+        """``vllm``: also export vLLM's names (``self.vllm``, whose ``observer(model)`` the
+        caller adds to each pool); ``waiting``: runs the daemon holds back, for them."""
         self.registry = CollectorRegistry(auto_describe=False)
         self.model = model
         self.request_duration = Histogram(
@@ -322,12 +346,13 @@ class PoolMetrics:
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
+        self.vllm = VllmMetrics(self.registry) if vllm else None
         if registry_source is not None:
-            self.registry.register(RegistryCollector(registry_source))
+            self.registry.register(RegistryCollector(registry_source, self.vllm))
         else:
             assert stats_source is not None, "a pool's stats or a registry's"
             self.request_duration.labels(model=model)  # the series exists before a request
-            self.registry.register(PoolCollector(stats_source))
+            self.registry.register(PoolCollector(stats_source, self.vllm, model, waiting))
 
     def observe_request(self, seconds: float, model: str | None = None) -> None:
         """One generation request's time; ``model`` the one it named (a registry's), else
@@ -358,6 +383,12 @@ REQUEST_COUNTERS = (
         "modelpool_requests_withdrawn",
         "Requests asked back, unstarted, from a worker where they waited for KV room.",
         "withdrawn",
+    ),
+    (
+        "modelpool_requests_queue_full",
+        "Requests refused at once: their predicted wait passed max_queue_time_s or their "
+        "deadline (also counted as overloaded).",
+        "queue_full",
     ),
 )
 WORKER_COUNTERS = (

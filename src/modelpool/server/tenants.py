@@ -27,9 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelpool.server.http import ApiError
+from modelpool.server.ui import UI_PATHS
 
 # Paths that answer without a key (an orchestrator's probes).
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+# Without a key: the probes, and the status page's static files (its data is /stats).
+OPEN_PATHS = frozenset({"/healthz", "/readyz"}) | UI_PATHS
 _TENANT_LIMITS = ("client_max_running", "client_max_queued", "max_request_tokens")
 
 

@@ -19,7 +19,13 @@ from modelpool.errors import InvalidRequest
 from modelpool.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, check_grammar_params
 from modelpool.protocol import Call
 from modelpool.tools import check_template_tools
-from modelpool.validation import MAX_INT, check_generation_params, is_int, is_number
+from modelpool.validation import (
+    MAX_INT,
+    PRIORITY_PARAM,
+    check_generation_params,
+    is_int,
+    is_number,
+)
 
 THREADS_ENV = "MODELPOOL_TORCH_THREADS"
 """CPU threads for a worker when the backend's own threads option is not given (the pool
@@ -46,6 +52,7 @@ GENERATION_PARAMS = frozenset(
         GRAMMAR_PARAM,
         COMPILE_TIMEOUT_PARAM,
         "ignore_eos",
+        PRIORITY_PARAM,
     }
 )
 

@@ -15,6 +15,12 @@ requests from ``admit`` to their answer, through four lists:
   deadlines and disconnects are honoured between slices;
 - ``rows``: decoding, one token a step.
 
+Priority (the request's ``priority`` parameter, lower first, 0 when absent): the waiting
+requests start in priority order, so a more urgent one takes the next free room, and
+each step's prefill budget goes to the prefilling requests in priority order, so a long
+low-priority prompt read in slices yields its slice to a more urgent one; arrival order
+within one priority. Rows already decoding are never preempted.
+
 Each :meth:`Scheduler.step` settles finished compilations, starts the waiting requests
 that fit, plans the step (:class:`StepPlan`: the decoding rows, the prompts read whole,
 the slices) and hands the plan to the runner, which runs the forward passes, chooses each
@@ -59,6 +65,7 @@ from modelpool.protocol import (
     TokenLogprob,
     note_prompt,
 )
+from modelpool.validation import PRIORITY_PARAM
 
 State = TypeVar("State")
 
@@ -244,7 +251,7 @@ class Scheduler(Generic[State]):
     def admit(self, call: BatchCall) -> None:
         row = self.runner.row(call)
         if call.params.get(GRAMMAR_PARAM) is None:
-            self.waiting.append(row)
+            self._wait(row)
             return
         # Compiled on a thread of its own: the running rows go on decoding meanwhile.
         row.pending_grammar = self.runner.grammars().start(call.params)
@@ -254,7 +261,8 @@ class Scheduler(Generic[State]):
         finished = self._finished = []
         if self.compiling:
             ready, failed = settle_compiled(self.compiling, self.runner.grammars().row)
-            self.waiting.extend(ready)
+            for row in ready:
+                self._wait(row)
             finished.extend((row.call, error) for row, error in failed)
         self._start_prefills()
         plan = self._plan()
@@ -346,6 +354,13 @@ class Scheduler(Generic[State]):
 
     # ---- admission and planning ------------------------------------------------------------
 
+    def _wait(self, row: Row[State]) -> None:
+        """Queue ``row`` for KV room behind the waiting requests of its priority or a
+        more urgent one (stable: arrival order within one priority)."""
+        self.waiting.append(row)
+        if len(self.waiting) > 1 and _priority(row) < _priority(self.waiting[-2]):
+            self.waiting.sort(key=_priority)
+
     def _start_prefills(self) -> None:
         """Waiting requests that fit the KV budget beside the started ones, in order."""
         started = self.rows + self.prefilling
@@ -376,7 +391,8 @@ class Scheduler(Generic[State]):
         fused = bool(self.rows) and self.runner.slices_ride_on_decode
         whole: list[Row[State]] = []
         slices: list[tuple[Row[State], int]] = []
-        for row in self.prefilling:
+        # The most urgent first: a long low-priority prompt yields its slice.
+        for row in sorted(self.prefilling, key=_priority):
             rest = len(row.prompt_ids) - row.prefilled
             read_whole = (
                 self.budget.auto and rest <= AUTO_WHOLE_PROMPT and (row.prefilled == 0 or not fused)
@@ -398,6 +414,11 @@ class Scheduler(Generic[State]):
         for queue in (self.prefilling, self.rows):
             if row in queue:
                 queue.remove(row)
+
+
+def _priority(row: Row[Any]) -> int:
+    priority: int = row.call.params.get(PRIORITY_PARAM, 0)
+    return priority
 
 
 class ScheduledHandler:

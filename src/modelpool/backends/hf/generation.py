@@ -22,6 +22,7 @@ from modelpool.backends.common.penalties import PENALTY_PARAMS, Penalties
 from modelpool.backends.common.text import TextProgress, stop_strings
 from modelpool.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, RowGrammar
 from modelpool.protocol import Call, FinishReason, Generation, TokenLogprob, note_prompt
+from modelpool.validation import PRIORITY_PARAM
 
 if TYPE_CHECKING:
     import torch
@@ -98,6 +99,7 @@ def generate(handler: HFHandler, call: Call) -> Generation:
         params.pop(name, None)
     grammar_text = params.pop(GRAMMAR_PARAM, None)
     params.pop(COMPILE_TIMEOUT_PARAM, None)
+    params.pop(PRIORITY_PARAM, None)  # the one-call form runs alone: nothing to order
     ignore_eos = params.pop("ignore_eos", False)
     if ignore_eos:
         # No end-of-sequence id: generate() stops at max_new_tokens or a stop string.

@@ -43,6 +43,7 @@ from modelpool.validation import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_PENALTY,
+    MAX_PRIORITY,
     is_int,
     is_number,
 )
@@ -79,6 +80,9 @@ _COMMON_FIELDS = frozenset(
         "logit_bias",
         "logprobs",
         "timeout",
+        # Queueing (vLLM's priority: lower runs first; modelpool's bound on the wait).
+        "priority",
+        "max_queue_time_s",
         # Structured outputs (modelpool.structured): OpenAI's, and vLLM's extensions.
         "response_format",
         "structured_outputs",
@@ -115,12 +119,6 @@ _MESSAGE_KEYS: dict[str, frozenset[str]] = {
 
 # --------------------------------------------------------------------------------------------
 # Request parsing
-
-
-
-
-
-
 
 
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
@@ -231,6 +229,23 @@ def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str,
     seed = _opt_int(body, "seed", 0)
     if seed is not None:
         params["seed"] = seed
+    priority = body.get("priority")
+    if priority is not None:
+        if not is_int(priority, minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY):
+            raise invalid(
+                f"priority must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}] (lower "
+                f"runs first), got {priority!r}",
+                param="priority",
+            )
+        params["priority"] = priority
+    max_queue_time_s = _opt_number(body, "max_queue_time_s")
+    if max_queue_time_s is not None:
+        if max_queue_time_s <= 0:
+            raise invalid(
+                f"max_queue_time_s must be a number > 0, got {max_queue_time_s!r}",
+                param="max_queue_time_s",
+            )
+        params["max_queue_time_s"] = max_queue_time_s
     stop = body.get("stop")
     if isinstance(stop, str):
         if not stop:

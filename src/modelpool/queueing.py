@@ -1,0 +1,135 @@
+"""Priority order of the pool's queue, and the wait a new request can expect in it.
+
+The dispatcher's queue keeps arrival order (a retry goes to the front); ``dispatch_order``
+gives the order requests are handed to workers in: lower ``priority`` first (vLLM's
+meaning: an integer, lower runs first, default 0), arrival order within one priority.
+Starvation is bounded by aging: a request that has waited ``aging_s`` goes ahead of
+every request, of any priority, that has waited less, so it waits at most ``aging_s``
+more than it would in a first-come-first-served queue::
+
+    order = dispatch_order(queue.values(), now=clock(), aging_s=10.0)
+
+``WaitPredictor`` is the admission side (``max_queue_time_s``): moving averages of what
+finished runs measured (time from dispatch to the first token, time from dispatch to the
+end, prefill and decode tokens per second) and, from them, a new request's predicted
+time to first token given the requests ahead of it, and the share of the slots that more
+urgent requests took of the last dispatches (they will pass it too)::
+
+    predictor.observe(run_s=0.8, ttft_s=0.1, prompt_tokens=40, completion_tokens=32)
+    predictor.predict_ttft(ahead=6, free=0, capacity=4)   # 6 ahead, 4 slots busy
+    predictor.predict_ttft(ahead=6, free=0, capacity=4, urgent_share=0.2)
+
+The dispatcher thread writes it, callers' threads read it: every field is one float,
+replaced whole, so a reader sees each one either old or new, never torn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from modelpool.records import Request
+
+# Weight of the newest run in the moving averages: about the last 20 runs count.
+EWMA_WEIGHT = 0.1
+# Runs measured before a prediction is trusted (a first run pays warm-up costs).
+MIN_SAMPLES = 3
+# The least share of the slots a priority is predicted to get, however busy the more
+# urgent ones keep them (aging promotes it after priority_aging_s anyway).
+MIN_SHARE = 0.05
+# Dispatches whose priorities say what share of the slots each priority takes.
+RECENT_DISPATCHES = 256
+
+
+def urgent_share(dispatched_by_priority: Mapping[int, int], priority: int) -> float:
+    """The share of the recent dispatches that went to a more urgent priority."""
+    total = sum(dispatched_by_priority.values())
+    if total == 0:
+        return 0.0
+    urgent = sum(n for level, n in dispatched_by_priority.items() if level < priority)
+    return urgent / total
+
+
+def dispatch_order(queue: Iterable[Request], *, now: float, aging_s: float) -> list[Request]:
+    """The queued requests in the order they go to workers (see the module docstring)."""
+    requests = list(queue)
+    if len({request.priority for request in requests}) <= 1:
+        return requests  # one priority: arrival order already (the common case, no sort)
+
+    def key(request: Request) -> tuple[int, int]:
+        if now - request.submitted_at >= aging_s:
+            return (0, 0)  # promoted: ahead of every younger request, in arrival order
+        return (1, request.priority)
+
+    return sorted(requests, key=key)  # stable: arrival order within one key
+
+
+def ahead_of(waiting_by_priority: Mapping[int, int], priority: int) -> int:
+    """Requests waiting that a new one of ``priority`` would wait behind."""
+    return sum(count for level, count in waiting_by_priority.items() if level <= priority)
+
+
+class WaitPredictor:
+    """Moving averages of finished runs, and the time to first token they predict."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.run_s = 0.0
+        self.ttft_s = 0.0
+        self.prefill_tokens_per_s = 0.0
+        self.decode_tokens_per_s = 0.0
+        # Totals over every answered run (the status page's tokens per second).
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def observe(
+        self,
+        *,
+        run_s: float,
+        ttft_s: float | None,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+    ) -> None:
+        """A run that ended with an answer: dispatch to end ``run_s``, dispatch to first
+        token ``ttft_s`` (None: it streamed nothing before its answer)."""
+        first = ttft_s if ttft_s is not None else run_s
+        self.prompt_tokens += prompt_tokens or 0
+        self.completion_tokens += completion_tokens or 0
+        self.run_s = self._mix(self.run_s, run_s)
+        self.ttft_s = self._mix(self.ttft_s, first)
+        if prompt_tokens and first > 0:
+            self.prefill_tokens_per_s = self._mix(self.prefill_tokens_per_s, prompt_tokens / first)
+        decode_s = run_s - first
+        if completion_tokens and completion_tokens > 1 and decode_s > 0:
+            self.decode_tokens_per_s = self._mix(
+                self.decode_tokens_per_s, (completion_tokens - 1) / decode_s
+            )
+        self.samples += 1
+
+    def _mix(self, old: float, new: float) -> float:
+        return new if self.samples == 0 else old + EWMA_WEIGHT * (new - old)
+
+    def predict_ttft(
+        self, *, ahead: int, free: int, capacity: int, urgent_share: float = 0.0
+    ) -> float | None:
+        """Seconds until a new request's first token: the ``ahead - free + 1``-th request
+        in line leaves the queue once that many runs ended, ``capacity / run_s`` runs
+        ending per second, of which ``urgent_share`` go to more urgent requests that
+        arrive meanwhile and pass it; then its own time to first token. None until
+        measured."""
+        if self.samples < MIN_SAMPLES or capacity <= 0:
+            return None
+        in_line = max(0, ahead - free + 1)
+        left_for_it = max(1.0 - urgent_share, MIN_SHARE)
+        return in_line * self.run_s / (capacity * left_for_it) + self.ttft_s
+
+    def to_dict(self) -> dict[str, float | int]:
+        """What stats show under ``throughput``."""
+        return {
+            "samples": self.samples,
+            "run_s": round(self.run_s, 4),
+            "ttft_s": round(self.ttft_s, 4),
+            "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 1),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+        }
