@@ -27,6 +27,7 @@ SOURCE = Path(modelpool.__file__).resolve().parent.parent
 SERVER_SIDE = ("modelpool.server", "modelpool.cli", "modelpool.ray_serve")
 # The supervisor: the pool, its dispatcher thread and what watches its workers.
 SUPERVISOR_SIDE = (
+    "modelpool.registry",
     "modelpool.pool",
     "modelpool.supervisor",
     "modelpool.dispatcher",

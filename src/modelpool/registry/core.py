@@ -60,19 +60,12 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import math
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Literal
 
-import psutil
-
-from modelpool.config import ModelSpec, ServerConfig, check_model_names
-from modelpool.devices import nvml_index_for
+from modelpool.config import ModelSpec
 from modelpool.errors import (
     DeadlineExceeded,
     MemoryNotReleased,
@@ -86,28 +79,23 @@ from modelpool.errors import (
 )
 from modelpool.gpu import GpuProbe
 from modelpool.pool import ModelPool
-from modelpool.processes import describe_process, group_members, wait_process_group_gone
-from modelpool.stats import PoolHealth, PoolStats
+from modelpool.processes import group_members, wait_process_group_gone
+from modelpool.registry.budget import Budgets
+from modelpool.registry.records import (
+    MEMORY,
+    Entry,
+    KeepAlive,
+    Lingering,
+    ModelStats,
+    RegistryConfig,
+    RegistryStats,
+    Step,
+    process_trees,
+    tree_rss,
+)
+from modelpool.stats import PoolHealth
 
-__all__ = [
-    "ModelLease",
-    "ModelRegistry",
-    "ModelState",
-    "ModelStats",
-    "RegistryConfig",
-    "RegistryStats",
-    "parse_keep_alive",
-]
-
-logger = logging.getLogger(__name__)
-_OWN_PID = os.getpid()
-
-ModelState = Literal["unloaded", "loading", "loaded", "unloading", "failed"]
-MODEL_STATES: tuple[ModelState, ...] = ("unloaded", "loading", "loaded", "unloading", "failed")
-MEMORY = "memory"  # the host-RAM resource; GPUs are named "cuda:N"
-# A request's keep_alive: seconds, None for forever, "default" for the model's ttl_s.
-KeepAlive = float | None | Literal["default"]
-
+logger = logging.getLogger("modelpool.registry")
 # The supervisor wakes at least this often (its heartbeat), and samples memory this often.
 TICK_S = 0.5
 SAMPLE_S = 1.0
@@ -122,252 +110,15 @@ RELEASE_TIMEOUT_S = 10.0
 RELEASE_POLL_S = 0.1
 
 
-@dataclass(frozen=True)
-class RegistryConfig:
-    """The models and the registry's rules (the daemon builds it from ``[models.NAME]``
-    tables and ``[server]``: see :meth:`from_server`)."""
-
-    models: tuple[ModelSpec, ...]
-    memory_budget_bytes: int | None = None
-    gpu_memory_budget_bytes: int | None = None
-    max_waiting: int = 256
-    backoff_s: float = 1.0
-    backoff_max_s: float = 60.0
-    unload_timeout_s: float = 30.0
-    heartbeat_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "models", tuple(self.models))
-        if not self.models:
-            raise ValueError("a registry needs at least one model")
-        check_model_names(self.models)
-
-    @classmethod
-    def from_server(cls, models: tuple[ModelSpec, ...], server: ServerConfig) -> RegistryConfig:
-        return cls(
-            models=models,
-            memory_budget_bytes=server.memory_budget_bytes,
-            gpu_memory_budget_bytes=server.gpu_memory_budget_bytes,
-            max_waiting=server.max_load_waiters,
-            backoff_s=server.load_backoff_s,
-            backoff_max_s=server.load_backoff_max_s,
-        )
-
-
-@dataclass(frozen=True)
-class ModelStats:
-    """One model as :meth:`ModelRegistry.stats` saw it. Bytes are measured: ``rss_bytes``
-    now (None unless loaded), ``need_bytes`` the most it was ever measured to hold (None
-    before its first load), ``gpu_bytes`` by GPU."""
-
-    name: str
-    state: ModelState
-    reason: str | None
-    backend: str
-    model: str
-    aliases: tuple[str, ...]
-    pinned: bool
-    loads: int
-    unloads: int
-    evictions: int
-    load_failures: int
-    last_load_s: float | None
-    load_seconds_total: float
-    rss_bytes: int | None
-    need_bytes: int | None
-    gpu_bytes: dict[str, int]
-    in_use: int
-    waiting: int
-    idle_s: float | None
-    retry_in_s: float | None
-    keep_alive_s: float | None
-    pool: PoolStats | None = None
-
-
-@dataclass(frozen=True)
-class RegistryStats:
-    models: dict[str, ModelStats]
-    memory_budget_bytes: int | None
-    gpu_memory_budget_bytes: int | None
-    rss_bytes: int
-    peak_rss_bytes: int
-    gpu_bytes: dict[str, int]
-    peak_gpu_bytes: dict[str, int]
-    swaps: int
-    waiting: int
-    heartbeat_age_s: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        for name, model in self.models.items():
-            data["models"][name]["pool"] = None if model.pool is None else model.pool.to_dict()
-        return data
-
-
-def parse_keep_alive(value: object) -> float | None:
-    """Ollama's ``keep_alive``: seconds, or a duration ("30s", "5m", "1h", "1h30m");
-    0 unloads once idle, a negative value keeps it loaded (returns None: forever)."""
-    if isinstance(value, bool) or value is None:
-        raise ValueError(f"keep_alive must be a number of seconds or a duration, got {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str):
-        seconds = _duration(value.strip())
-    else:
-        raise ValueError(f"keep_alive must be a number of seconds or a duration, got {value!r}")
-    if not math.isfinite(seconds):
-        raise ValueError(f"keep_alive must be finite, got {value!r}")
-    return None if seconds < 0 else seconds
-
-
-def _duration(text: str) -> float:
-    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    sign = -1.0 if text.startswith("-") else 1.0
-    rest, total, number = text.lstrip("+-"), 0.0, ""
-    index = 0
-    while index < len(rest):
-        char = rest[index]
-        if char.isdigit() or char == ".":
-            number += char
-            index += 1
-            continue
-        unit = "ms" if rest.startswith("ms", index) else char
-        if unit not in units or not number:
-            raise ValueError(f'keep_alive: cannot read {text!r} (e.g. 30, "90s", "5m", "1h")')
-        total += float(number) * units[unit]
-        number = ""
-        index += len(unit)
-    if number or not rest:
-        raise ValueError(f'keep_alive: cannot read {text!r} (e.g. 30, "90s", "5m", "1h")')
-    return sign * total
-
-
-@dataclass(eq=False)
-class _Lingering:
-    """What an unloaded pool left holding memory: the processes measured as the model's
-    (snapshotted before its pool closed) and still alive, and GPUs whose release the pool
-    could not verify (device -> the bytes the model had there)."""
-
-    processes: list[psutil.Process]
-    pids: frozenset[int]
-    gpus: dict[str, int]
-
-    def check(self, probe: GpuProbe | None) -> dict[str, int]:
-        """Drop what is gone; what is still held, by resource ({}: all of it is back)."""
-        self.processes = [p for p in self.processes if _holds_memory(p)]
-        held: dict[str, int] = {}
-        if self.processes:
-            held[MEMORY] = max(1, sum(_rss(p) for p in self.processes))
-        for device, needed in list(self.gpus.items()):
-            index = None if probe is None else nvml_index_for(device, probe)
-            if probe is None or index is None or not probe.available:
-                del self.gpus[device]  # nothing left to ask: as the pool's own watch does
-                continue
-            listed = probe.process_memory(index)
-            mine = [used or 0 for pid, used in listed.items() if pid in self.pids]
-            free = probe.free_bytes(index)
-            if mine or (free is not None and free < needed):
-                held[device] = sum(mine) or needed
-            else:
-                del self.gpus[device]
-        return held
-
-    def describe(self) -> str:
-        parts = [
-            f"{describe_process(p.pid)} holds {_rss(p) / 2**20:.0f} MiB" for p in self.processes
-        ]
-        parts += [
-            f"{device} not free again ({needed} bytes)" for device, needed in self.gpus.items()
-        ]
-        return "; ".join(parts) or "nothing left"
-
-
-@dataclass(eq=False)
-class _Entry:
-    """One model's mutable state; read and written under the registry's lock only."""
-
-    spec: ModelSpec
-    state: ModelState = "unloaded"
-    pool: ModelPool | None = None
-    # The load that waiting requests wait on: set with the pool, or an error.
-    load: concurrent.futures.Future[ModelPool] | None = None
-    # Requests holding the model: in flight (a lease) or waiting for its load. A model
-    # either holds is not idle: it is not unloaded, nor evicted but by a drain.
-    in_flight: int = 0
-    waiting: int = 0
-    last_used: float = 0.0
-    keep_alive_s: float | None = None
-    keep_alive_set: bool = False
-    unload_requested: bool = False
-    reason: str | None = None
-    error: ModelLoadFailed | None = None
-    failures: int = 0
-    retry_at: float = 0.0
-    loads: int = 0
-    unloads: int = 0
-    evictions: int = 0
-    load_failures: int = 0
-    last_load_s: float | None = None
-    load_seconds_total: float = 0.0
-    # Measured: now, and the most ever (the need), by resource (MEMORY, "cuda:N").
-    held: dict[str, int] = field(default_factory=dict)
-    need: dict[str, int] | None = None
-    # Left by an unload whose release was not verified; counted in ``held`` until gone.
-    lingering: _Lingering | None = None
-    # Failed only because memory was not back: unloaded again once it is.
-    held_back: bool = False
-
-    @property
-    def idle(self) -> bool:
-        return self.in_flight == 0 and self.waiting == 0
-
-    def idle_limit_s(self) -> float | None:
-        """Idle seconds before an unload; None: never (pinned, ``ttl_s`` 0, keep_alive -1)."""
-        if self.unload_requested:
-            return 0.0
-        if self.spec.pin:
-            return None
-        if self.keep_alive_set:
-            return self.keep_alive_s
-        return self.spec.ttl_s or None
-
-
-@dataclass(eq=False)
-class _Step:
-    """What the supervisor runs on a step thread: unload ``victims``, then load ``entry``."""
-
-    kind: Literal["swap", "unload"]
-    entry: _Entry | None
-    victims: list[_Entry]
-    why: str
-    # Models whose unverified release the load waits for, and until when (a swap's load
-    # deadline from the step's start; an unload's RELEASE_TIMEOUT_S).
-    awaits: list[_Entry] = field(default_factory=list)
-    release_by: float = 0.0
-    # Until when the victims' running requests may finish (0: unload_timeout_s from the
-    # unload's start); past it the unload goes on with them still running.
-    drain_by: float = 0.0
-    thread: threading.Thread | None = None
-    loading: ModelPool | None = None
-    deadline: float | None = None
-    timed_out: bool = False
-    abandoned: bool = False
-    done: bool = False
-
-
 class ModelLease:
     """A model held for one use: its ``pool``, and the promise not to unload it until
     :meth:`release` (idempotent; ``with`` releases it)."""
 
-    def __init__(self, registry: ModelRegistry, entry: _Entry, pool: ModelPool) -> None:
+    def __init__(self, registry: ModelRegistry, entry: Entry, pool: ModelPool) -> None:
         self.name = entry.spec.name
         self.pool = pool
         self._registry = registry
-        self._entry: _Entry | None = entry
+        self._entry: Entry | None = entry
 
     def release(self) -> None:
         entry, self._entry = self._entry, None
@@ -396,17 +147,19 @@ class ModelRegistry:
         # Re-entrant: a lease dropped unreleased releases itself in __del__, which the
         # garbage collector may run on a thread that holds the lock already.
         self._cond = threading.Condition(threading.RLock())
-        self._entries = {spec.name: _Entry(spec) for spec in config.models}
+        self._entries = {spec.name: Entry(spec) for spec in config.models}
         self._names = {
             name: self._entries[spec.name]
             for spec in config.models
             for name in (spec.name, *spec.aliases)
         }
-        self._pending: deque[_Entry] = deque()
+        self._pending: deque[Entry] = deque()
         # Swaps planned whose victims are still draining (their requests finishing): not
         # started until they are, so that the loads behind them are planned meanwhile.
-        self._draining: list[_Step] = []
-        self._step: _Step | None = None
+        self._draining: list[Step] = []
+        # The budgets read the records and the draining swaps; their decisions are ours.
+        self._budgets = Budgets(config, self._entries, self._draining)
+        self._step: Step | None = None
         self._waiting = 0
         self._swaps = 0
         self._closing = False
@@ -607,7 +360,7 @@ class ModelRegistry:
         with self._cond:
             models = {name: self._entry_stats(e, now) for name, e in self._entries.items()}
             pools = {n: e.pool for n, e in self._entries.items() if e.state == "loaded" and e.pool}
-            held = self._held_total()
+            held = self._budgets.held_total()
             peak = dict(self._peak)
             swaps, waiting = self._swaps, self._waiting
         if with_pools:
@@ -634,7 +387,7 @@ class ModelRegistry:
 
     # ---- internals: reserving ------------------------------------------------------------
 
-    def _lookup(self, name: str) -> _Entry:
+    def _lookup(self, name: str) -> Entry:
         entry = self._names.get(name) if isinstance(name, str) else None
         if entry is None:
             raise ModelNotFound(
@@ -644,7 +397,7 @@ class ModelRegistry:
 
     def _reserve(
         self, name: str, keep_alive: KeepAlive
-    ) -> tuple[_Entry, concurrent.futures.Future[ModelPool] | None, ModelLease | None]:
+    ) -> tuple[Entry, concurrent.futures.Future[ModelPool] | None, ModelLease | None]:
         entry = self._lookup(name)
         now = time.monotonic()
         with self._cond:
@@ -671,7 +424,7 @@ class ModelRegistry:
             self._waiting += 1
             return entry, load, None
 
-    def _request_load(self, entry: _Entry) -> concurrent.futures.Future[ModelPool] | None:
+    def _request_load(self, entry: Entry) -> concurrent.futures.Future[ModelPool] | None:
         """The load to wait on, asking for one if none is under way (lock held)."""
         if entry.state == "loaded":
             return None
@@ -686,7 +439,7 @@ class ModelRegistry:
         # "loading": already queued or under way; "unloading": queued once the unload ends.
         return entry.load
 
-    def _unavailable(self, entry: _Entry, now: float) -> ModelLoadFailed:
+    def _unavailable(self, entry: Entry, now: float) -> ModelLoadFailed:
         if isinstance(entry.error, ModelTooLarge):
             return entry.error.copy()  # a wait would not make it fit: the numbers say why
         if isinstance(entry.error, ModelUnavailable):
@@ -701,17 +454,17 @@ class ModelRegistry:
             retry_after_s=round(max(0.0, entry.retry_at - now), 3),
         )
 
-    def _wait_bound(self, entry: _Entry, deadline_s: float | None) -> float:
+    def _wait_bound(self, entry: Entry, deadline_s: float | None) -> float:
         return entry.spec.pool.deadline_s if deadline_s is None else max(0.0, deadline_s)
 
-    def _gave_up(self, entry: _Entry, bound: float) -> DeadlineExceeded:
+    def _gave_up(self, entry: Entry, bound: float) -> DeadlineExceeded:
         self._unwait(entry, release=True)
         return DeadlineExceeded(
             f"model {entry.spec.name!r} did not load within the request's deadline "
             f"({bound:g} s); its load goes on for the other requests"
         )
 
-    def _unwait(self, entry: _Entry, *, release: bool) -> None:
+    def _unwait(self, entry: Entry, *, release: bool) -> None:
         """A waiter is done waiting: it holds the model now, or (``release``) gave up."""
         with self._cond:
             entry.waiting -= 1
@@ -721,7 +474,7 @@ class ModelRegistry:
             entry.last_used = time.monotonic()
             self._cond.notify_all()
 
-    def _release(self, entry: _Entry) -> None:
+    def _release(self, entry: Entry) -> None:
         with self._cond:
             entry.in_flight -= 1
             entry.last_used = time.monotonic()
@@ -731,7 +484,7 @@ class ModelRegistry:
 
     def _supervise(self) -> None:
         while True:
-            start: _Step | None = None
+            start: Step | None = None
             with self._cond:
                 now = time.monotonic()
                 self._heartbeat = now
@@ -786,7 +539,7 @@ class ModelRegistry:
                 self._fail(entry, reason, now)
             self._step = None
 
-    def _next_step(self, now: float) -> _Step | None:
+    def _next_step(self, now: float) -> Step | None:
         """The next supervised step, if one is due (lock held). In order: close a failed
         model's pool, a planned swap whose victims have drained, the first pending load
         that can be planned (with its evictions), an idle unload, an eviction back under
@@ -804,7 +557,7 @@ class ModelRegistry:
                     self._fail(entry, health.reason or "its pool died", now)
         for entry in self._entries.values():
             if entry.state == "failed" and entry.pool is not None and entry.in_flight == 0:
-                return _Step(
+                return Step(
                     "unload",
                     None,
                     [entry],
@@ -822,7 +575,7 @@ class ModelRegistry:
                 self._pending.remove(entry)
                 continue
             try:
-                plan = self._plan(entry)
+                plan = self._budgets.plan(entry)
             except ModelTooLarge as exc:
                 self._pending.remove(entry)
                 self._fail(entry, exc.message, now, error=exc)
@@ -838,7 +591,7 @@ class ModelRegistry:
             why = f"loading {entry.spec.name}" + (
                 f" (evicting {', '.join(v.spec.name for v in victims)})" if victims else ""
             )
-            step = _Step(
+            step = Step(
                 "swap", entry, victims, why, awaits, release_by=now + entry.spec.load_deadline_s
             )
             if any(v.in_flight for v in victims):
@@ -854,143 +607,17 @@ class ModelRegistry:
             if limit is not None and now - entry.last_used >= limit:
                 entry.state = "unloading"
                 why = f"unloading idle model {entry.spec.name}"
-                return _Step("unload", None, [entry], why, release_by=now + RELEASE_TIMEOUT_S)
-        if self._over_budget():
-            idle = [v for v in self._candidates(None) if v.idle]
+                return Step("unload", None, [entry], why, release_by=now + RELEASE_TIMEOUT_S)
+        if self._budgets.over_budget():
+            idle = [v for v in self._budgets.candidates(None) if v.idle]
             if idle:
                 idle[0].state = "unloading"
                 why = f"evicting {idle[0].spec.name}: the models outgrew the budget"
-                return _Step("unload", None, idle[:1], why, release_by=now + RELEASE_TIMEOUT_S)
-        return None
-
-    def _budget(self, resource: str) -> int | None:
-        if resource == MEMORY:
-            return self.config.memory_budget_bytes
-        return self.config.gpu_memory_budget_bytes
-
-    def _held_total(
-        self, without: set[int] | None = None, *, at_peak: bool = False
-    ) -> dict[str, int]:
-        """What the models hold now, by resource; ``at_peak``: each model that holds
-        anything counted at its need (the most it was measured to hold), since a model
-        that holds less now may grow back to it while the next one loads."""
-        total: dict[str, int] = {}
-        for entry in self._entries.values():
-            if without is not None and id(entry) in without:
-                continue
-            held = dict(entry.held)
-            if at_peak and held and entry.need and entry.lingering is None:
-                held = {r: max(held.get(r, 0), amount) for r, amount in entry.need.items()}
-            for resource, amount in held.items():
-                total[resource] = total.get(resource, 0) + amount
-        return total
-
-    def _over_budget(self) -> bool:
-        return any(
-            (budget := self._budget(resource)) is not None and amount > budget
-            for resource, amount in self._held_total().items()
-        )
-
-    def _candidates(self, loading: _Entry | None) -> list[_Entry]:
-        """Models that may be evicted: loaded, unpinned, nobody waiting for them (a model
-        just loaded for its waiters is theirs first); idle ones first, each group least
-        recently used first (lock held)."""
-        found = [
-            e
-            for e in self._entries.values()
-            if e.state == "loaded" and not e.spec.pin and e.waiting == 0 and e is not loading
-        ]
-        return sorted(found, key=lambda e: (not e.idle, e.last_used))
-
-    def _plan(self, entry: _Entry) -> tuple[list[_Entry], list[_Entry]] | None:
-        """The models to evict before ``entry`` loads ([]: none) and the models whose
-        unverified release it must wait for ([]: none), or None to wait; raises
-        ModelTooLarge when it cannot fit even beside the pinned models alone (lock held).
-
-        A model in use is evicted by a drain (no new request gets it, the running ones
-        finish, then it unloads) only when the idle ones do not free enough. Memory an
-        unverified release left is counted as measured; the load waits for it (within
-        its deadline) only when evicting what may be evicted does not make room."""
-        if self.config.memory_budget_bytes is None and self.config.gpu_memory_budget_bytes is None:
-            return [], []
-        candidates = self._candidates(entry)
-        movable = {id(e) for e in candidates}
-        lingering = [e for e in self._entries.values() if e.lingering is not None]
-        # A swap waiting for its victims to drain: their memory is its, and so is its need.
-        draining = {id(v) for step in self._draining for v in step.victims}
-        reserved: dict[str, int] = {}
-        for step in self._draining:
-            assert step.entry is not None
-            if step.entry.need is None:
-                return None  # what it will take is not known: nothing may pass it
-            for resource, amount in step.entry.need.items():
-                reserved[resource] = reserved.get(resource, 0) + amount
-        if any(
-            e.held
-            and id(e) not in movable
-            and e.state != "loaded"
-            and e is not entry
-            and e.lingering is None
-            and id(e) not in draining
-            for e in self._entries.values()
-        ):
-            return None  # a model still unloading or failing: its memory is not back yet
-        if entry.need is None:
-            # Never measured: every model that may go goes, so that even the first load
-            # stays within the budget whatever the model turns out to take.
-            if self._draining or any(
-                e.state == "loaded" and not e.spec.pin and id(e) not in movable
-                for e in self._entries.values()
-                if e is not entry
-            ):
-                return None
-            return candidates, lingering
-        too_large = self._too_large(entry, entry.need)
-        if too_large is not None:
-            raise too_large
-        for wait in ([], lingering) if lingering else ([],):
-            victims: list[_Entry] = []
-            # The model's own lingering memory counts too: never two copies of it.
-            gone = {id(e) for e in wait} | ({id(entry)} if entry.lingering is None else set())
-            for victim in [None, *candidates]:
-                if victim is not None:
-                    victims.append(victim)
-                    gone.add(id(victim))
-                # It must fit now, and once the swaps waiting for a drain are done.
-                now = self._held_total(without=gone, at_peak=True)
-                after = self._held_total(without=gone | draining, at_peak=True)
-                if all(
-                    (budget := self._budget(r)) is None
-                    or max(now.get(r, 0), after.get(r, 0) + reserved.get(r, 0)) + need <= budget
-                    for r, need in entry.need.items()
-                ):
-                    return victims, wait
-        return None  # models just loaded for their waiters are in the way: they go first
-
-    def _too_large(self, entry: _Entry, need: dict[str, int]) -> ModelTooLarge | None:
-        """The error if ``need`` does not fit a budget even beside the pinned models alone."""
-        others = {id(e) for e in self._entries.values() if not e.spec.pin or e is entry}
-        floor_by = self._held_total(without=others)
-        for resource, amount in need.items():
-            budget = self._budget(resource)
-            if budget is None:
-                continue
-            floor = floor_by.get(resource, 0)
-            if amount + floor > budget:
-                return ModelTooLarge(
-                    f"model {entry.spec.name!r} needs {amount} bytes of {resource} (measured "
-                    f"when it loaded) but the budget is {budget} bytes"
-                    + (f", {budget - floor} of them beside the pinned models" if floor else ""),
-                    model=entry.spec.name,
-                    resource=resource,
-                    needed_bytes=amount,
-                    available_bytes=budget - floor,
-                    budget_bytes=budget,
-                )
+                return Step("unload", None, idle[:1], why, release_by=now + RELEASE_TIMEOUT_S)
         return None
 
     def _fail(
-        self, entry: _Entry, reason: str, now: float, *, error: ModelLoadFailed | None = None
+        self, entry: Entry, reason: str, now: float, *, error: ModelLoadFailed | None = None
     ) -> None:
         """``entry`` is failed; its waiters get the error; its next load backs off (lock held)."""
         entry.failures += 1
@@ -1017,7 +644,7 @@ class ModelRegistry:
 
     # ---- internals: steps (their own thread) -----------------------------------------------
 
-    def _run_step(self, step: _Step) -> None:
+    def _run_step(self, step: Step) -> None:
         try:
             for victim in step.victims:
                 self._unload(victim, evicted=step.kind == "swap", why=step.why, step=step)
@@ -1035,7 +662,7 @@ class ModelRegistry:
                 step.done = True
                 self._cond.notify_all()
 
-    def _unload(self, entry: _Entry, *, evicted: bool, why: str, step: _Step) -> None:
+    def _unload(self, entry: Entry, *, evicted: bool, why: str, step: Step) -> None:
         """Drain ``entry`` (its running requests finish; new ones wait for its reload),
         close its pool, verify the release (until ``step.release_by`` at most): what is
         not back is kept as the model's ``lingering``, and the model ``failed``."""
@@ -1050,7 +677,7 @@ class ModelRegistry:
         pids = [w.pid for w in pool.stats().workers if w.pid is not None]
         # Every process measured as the model's, whatever its process group: a child
         # that left the group (setsid) outlives the pool's kill of the group.
-        processes = _process_trees(pids)
+        processes = process_trees(pids)
         started = time.monotonic()
         pool.close(drain=True, timeout=self.config.unload_timeout_s)
         until = min(step.release_by, time.monotonic() + RELEASE_TIMEOUT_S)
@@ -1065,7 +692,7 @@ class ModelRegistry:
                     found.append(report.describe())  # a group whose members are not visible
         # The pool's own GPU checks: a GPU whose release failed stays blocked until free.
         gpus = {device: had.get(device, 0) for device in pool.stats().gpu.blocked_devices}
-        lingering = _Lingering(processes, frozenset(p.pid for p in processes), gpus)
+        lingering = Lingering(processes, frozenset(p.pid for p in processes), gpus)
         held = self._wait_released(lingering, until)
         logger.info(
             "registry: %s: %s unloaded in %.2f s", why, entry.spec.name, time.monotonic() - started
@@ -1090,7 +717,7 @@ class ModelRegistry:
                     self._request_load(entry)  # requests came while it drained
             self._cond.notify_all()
 
-    def _wait_released(self, lingering: _Lingering, until: float) -> dict[str, int]:
+    def _wait_released(self, lingering: Lingering, until: float) -> dict[str, int]:
         """Poll ``lingering`` until all of it is back or ``until``; what is still held."""
         while True:
             held = lingering.check(self._probe() if lingering.gpus else None)
@@ -1100,7 +727,7 @@ class ModelRegistry:
                 if self._cond.wait_for(lambda: self._closing, RELEASE_POLL_S):
                     return held
 
-    def _await_release(self, step: _Step) -> bool:
+    def _await_release(self, step: Step) -> bool:
         """Wait (until ``step.release_by``) for the memory the load needs back from the
         models it evicted or waits for; False (the model failed with MemoryNotReleased,
         or the registry closing) when it is not back in time."""
@@ -1141,7 +768,7 @@ class ModelRegistry:
                 entry.held_back = True
         return False
 
-    def _recheck(self, entries: list[_Entry]) -> None:
+    def _recheck(self, entries: list[Entry]) -> None:
         """Check again what unverified releases left (off the lock); a model whose memory
         is all back holds nothing more, and the models held back by it are unloaded again."""
         with self._cond:
@@ -1177,7 +804,7 @@ class ModelRegistry:
                 self._own_probe = GpuProbe()
             return self._own_probe
 
-    def _load(self, step: _Step) -> None:
+    def _load(self, step: Step) -> None:
         entry = step.entry
         assert entry is not None
         spec = entry.spec
@@ -1213,7 +840,7 @@ class ModelRegistry:
                 self._fail(entry, f"its load failed: {error}", now)
                 return
             self._note_held(entry, held, peak)
-            too_large = self._too_large(entry, entry.need or {})
+            too_large = self._budgets.too_large(entry, entry.need or {})
             if too_large is not None:
                 entry.held = {}
                 threading.Thread(target=pool.close, kwargs={"drain": False}, daemon=True).start()
@@ -1258,11 +885,11 @@ class ModelRegistry:
                     # Memory measured after the load (a GPU's is often taken lazily, at
                     # the first request) can show a model too large even alone: it is
                     # failed and closed once idle, not evicted and reloaded in a loop.
-                    too_large = self._too_large(entry, entry.need or {})
+                    too_large = self._budgets.too_large(entry, entry.need or {})
                     if too_large is not None:
                         self._fail(entry, too_large.message, now, error=too_large)
 
-    def _note_held(self, entry: _Entry, held: dict[str, int], peak_rss: int = 0) -> None:
+    def _note_held(self, entry: Entry, held: dict[str, int], peak_rss: int = 0) -> None:
         """Record a measurement: the model's holding now, its need (raised to its
         processes' peak RSS too), the registry's peak (lock held)."""
         if not held:
@@ -1274,7 +901,7 @@ class ModelRegistry:
         if MEMORY in held:
             need[MEMORY] = max(need[MEMORY], peak_rss)
         entry.need = need
-        for resource, amount in self._held_total().items():
+        for resource, amount in self._budgets.held_total().items():
             self._peak[resource] = max(self._peak.get(resource, 0), amount)
 
     @staticmethod
@@ -1292,7 +919,7 @@ class ModelRegistry:
         for worker in stats.workers:
             if worker.pid is None:
                 continue
-            rss, high = _tree_rss(worker.pid)
+            rss, high = tree_rss(worker.pid)
             held[MEMORY] += rss
             peak += high
             for device, mb in worker.gpu_mb_by_device.items():
@@ -1300,7 +927,7 @@ class ModelRegistry:
                     held[device] = held.get(device, 0) + int(mb * 2**20)
         return held, peak
 
-    def _entry_stats(self, entry: _Entry, now: float) -> ModelStats:
+    def _entry_stats(self, entry: Entry, now: float) -> ModelStats:
         spec = entry.spec
         return ModelStats(
             name=spec.name,
@@ -1329,62 +956,6 @@ class ModelRegistry:
             else None,
             keep_alive_s=entry.idle_limit_s(),
         )
-
-
-def _process_trees(pids: list[int]) -> list[psutil.Process]:
-    """The processes ``pids`` and all their descendants now (ourselves never included)."""
-    found: list[psutil.Process] = []
-    for pid in pids:
-        try:
-            process = psutil.Process(pid)
-            members = [process, *process.children(recursive=True)]
-        except (psutil.Error, OSError):
-            continue
-        found += [m for m in members if m.pid != _OWN_PID and m not in found]
-    return found
-
-
-def _holds_memory(process: psutil.Process) -> bool:
-    """Alive and not a zombie (a zombie holds no memory but its process-table entry)."""
-    try:
-        return bool(process.is_running()) and process.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, OSError):
-        return False
-
-
-def _rss(process: psutil.Process) -> int:
-    try:
-        return int(process.memory_info().rss)
-    except (psutil.Error, OSError):
-        return 0
-
-
-def _tree_rss(pid: int) -> tuple[int, int]:
-    """RSS of ``pid`` and its descendants now, and the sum of their peak RSS."""
-    try:
-        process = psutil.Process(pid)
-        members = [process, *process.children(recursive=True)]
-    except (psutil.Error, OSError):
-        return 0, 0
-    total = peak = 0
-    for member in members:
-        with contextlib.suppress(psutil.Error, OSError):
-            rss = int(member.memory_info().rss)
-            total += rss
-            peak += max(rss, _peak_rss(member.pid))
-    return total, peak
-
-
-def _peak_rss(pid: int) -> int:
-    """The process's peak RSS (Linux's VmHWM; 0 where it cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as status:
-            for line in status:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def _fresh(exc: BaseException) -> BaseException:

@@ -1,0 +1,150 @@
+"""The registry's memory budget: what the models hold against it, which of them may be
+evicted, and what a load must evict first (or wait for).
+
+:class:`Budgets` reads the registry's records (each ``Entry``: held and needed memory,
+state, pin, waiters) and the swaps waiting for their victims to drain; it decides, and
+the registry carries the decision out. Every call is made with the registry's lock held.
+"""
+
+from __future__ import annotations
+
+from modelpool.errors import ModelTooLarge
+from modelpool.registry.records import MEMORY, Entry, RegistryConfig, Step
+
+
+class Budgets:
+    """The host-RAM and per-GPU budgets of one registry; see the module docstring."""
+
+    def __init__(
+        self, config: RegistryConfig, entries: dict[str, Entry], draining: list[Step]
+    ) -> None:
+        self.config = config
+        self.entries = entries
+        # The swaps planned while their victims drain (the registry's own list).
+        self.draining = draining
+
+    def budget(self, resource: str) -> int | None:
+        if resource == MEMORY:
+            return self.config.memory_budget_bytes
+        return self.config.gpu_memory_budget_bytes
+
+    def held_total(
+        self, without: set[int] | None = None, *, at_peak: bool = False
+    ) -> dict[str, int]:
+        """What the models hold now, by resource; ``at_peak``: each model that holds
+        anything counted at its need (the most it was measured to hold), since a model
+        that holds less now may grow back to it while the next one loads."""
+        total: dict[str, int] = {}
+        for entry in self.entries.values():
+            if without is not None and id(entry) in without:
+                continue
+            held = dict(entry.held)
+            if at_peak and held and entry.need and entry.lingering is None:
+                held = {r: max(held.get(r, 0), amount) for r, amount in entry.need.items()}
+            for resource, amount in held.items():
+                total[resource] = total.get(resource, 0) + amount
+        return total
+
+    def over_budget(self) -> bool:
+        return any(
+            (budget := self.budget(resource)) is not None and amount > budget
+            for resource, amount in self.held_total().items()
+        )
+
+    def candidates(self, loading: Entry | None) -> list[Entry]:
+        """Models that may be evicted: loaded, unpinned, nobody waiting for them (a model
+        just loaded for its waiters is theirs first); idle ones first, each group least
+        recently used first (the registry's lock held)."""
+        found = [
+            e
+            for e in self.entries.values()
+            if e.state == "loaded" and not e.spec.pin and e.waiting == 0 and e is not loading
+        ]
+        return sorted(found, key=lambda e: (not e.idle, e.last_used))
+
+    def plan(self, entry: Entry) -> tuple[list[Entry], list[Entry]] | None:
+        """The models to evict before ``entry`` loads ([]: none) and the models whose
+        unverified release it must wait for ([]: none), or None to wait; raises
+        ModelTooLarge when it cannot fit even beside the pinned models alone.
+
+        A model in use is evicted by a drain (no new request gets it, the running ones
+        finish, then it unloads) only when the idle ones do not free enough. Memory an
+        unverified release left is counted as measured; the load waits for it (within
+        its deadline) only when evicting what may be evicted does not make room."""
+        if self.config.memory_budget_bytes is None and self.config.gpu_memory_budget_bytes is None:
+            return [], []
+        candidates = self.candidates(entry)
+        movable = {id(e) for e in candidates}
+        lingering = [e for e in self.entries.values() if e.lingering is not None]
+        # A swap waiting for its victims to drain: their memory is its, and so is its need.
+        draining = {id(v) for step in self.draining for v in step.victims}
+        reserved: dict[str, int] = {}
+        for step in self.draining:
+            assert step.entry is not None
+            if step.entry.need is None:
+                return None  # what it will take is not known: nothing may pass it
+            for resource, amount in step.entry.need.items():
+                reserved[resource] = reserved.get(resource, 0) + amount
+        if any(
+            e.held
+            and id(e) not in movable
+            and e.state != "loaded"
+            and e is not entry
+            and e.lingering is None
+            and id(e) not in draining
+            for e in self.entries.values()
+        ):
+            return None  # a model still unloading or failing: its memory is not back yet
+        if entry.need is None:
+            # Never measured: every model that may go goes, so that even the first load
+            # stays within the budget whatever the model turns out to take.
+            if self.draining or any(
+                e.state == "loaded" and not e.spec.pin and id(e) not in movable
+                for e in self.entries.values()
+                if e is not entry
+            ):
+                return None
+            return candidates, lingering
+        too_large = self.too_large(entry, entry.need)
+        if too_large is not None:
+            raise too_large
+        for wait in ([], lingering) if lingering else ([],):
+            victims: list[Entry] = []
+            # The model's own lingering memory counts too: never two copies of it.
+            gone = {id(e) for e in wait} | ({id(entry)} if entry.lingering is None else set())
+            for victim in [None, *candidates]:
+                if victim is not None:
+                    victims.append(victim)
+                    gone.add(id(victim))
+                # It must fit now, and once the swaps waiting for a drain are done.
+                now = self.held_total(without=gone, at_peak=True)
+                after = self.held_total(without=gone | draining, at_peak=True)
+                if all(
+                    (budget := self.budget(r)) is None
+                    or max(now.get(r, 0), after.get(r, 0) + reserved.get(r, 0)) + need <= budget
+                    for r, need in entry.need.items()
+                ):
+                    return victims, wait
+        return None  # models just loaded for their waiters are in the way: they go first
+
+    def too_large(self, entry: Entry, need: dict[str, int]) -> ModelTooLarge | None:
+        """The error if ``need`` does not fit a budget even beside the pinned models alone."""
+        others = {id(e) for e in self.entries.values() if not e.spec.pin or e is entry}
+        floor_by = self.held_total(without=others)
+        for resource, amount in need.items():
+            budget = self.budget(resource)
+            if budget is None:
+                continue
+            floor = floor_by.get(resource, 0)
+            if amount + floor > budget:
+                return ModelTooLarge(
+                    f"model {entry.spec.name!r} needs {amount} bytes of {resource} (measured "
+                    f"when it loaded) but the budget is {budget} bytes"
+                    + (f", {budget - floor} of them beside the pinned models" if floor else ""),
+                    model=entry.spec.name,
+                    resource=resource,
+                    needed_bytes=amount,
+                    available_bytes=budget - floor,
+                    budget_bytes=budget,
+                )
+        return None
