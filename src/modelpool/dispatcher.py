@@ -61,9 +61,15 @@ from modelpool.errors import (
     WorkerCrashed,
 )
 from modelpool.grammar import grammar_refusal
-from modelpool.observe import AttemptRecord, Observers, RequestRecord, RequestStatus, WorkerEvent
+from modelpool.observe import (
+    AttemptRecord,
+    Observers,
+    RequestStatus,
+    WorkerEvent,
+    request_record,
+)
 from modelpool.protocol import Generation, PrefixCacheReport, TokenCounts
-from modelpool.queueing import RECENT_DISPATCHES, WaitPredictor, dispatch_order
+from modelpool.queueing import PriorityCounts, WaitPredictor, dispatch_order
 from modelpool.records import (
     DispatcherIO,
     Request,
@@ -126,11 +132,7 @@ class Dispatcher:
         # requests by priority: replaced whole on each change, for callers' threads to read.
         self.observers = observers or Observers()
         self.predictor = WaitPredictor()
-        self.waiting_by_priority: dict[int, int] = {}
-        # The priorities of the last RECENT_DISPATCHES dispatches, and their counts (read
-        # like waiting_by_priority): the share of the slots each priority takes.
-        self._recent_dispatches: collections.deque[int] = collections.deque()
-        self.dispatched_by_priority: dict[int, int] = {}
+        self.priorities = PriorityCounts()
 
         # The worker side: slots, start-up, recycling, signals, memory (worker_manager.py). It
         # shares the clock, the timers and the counters, and holds the worker records.
@@ -157,7 +159,7 @@ class Dispatcher:
             end_attempt=self._end_attempt,
             may_retry=lambda: not self.closing and self.failure is None,
             another_worker_exists=self.worker_manager.another_worker_exists,
-            queued=lambda request: self._count_queued(request, 1),
+            queued=lambda request: self.priorities.queued(request.priority, 1),
             note=self.observers.worker_event,
         )
 
@@ -189,7 +191,7 @@ class Dispatcher:
             return
         request.state = "queued"
         self.queue[request.request_id] = request
-        self._count_queued(request, 1)
+        self.priorities.queued(request.priority, 1)
         request.deadline_timer = self.timers.call_at(
             request.deadline, self._on_request_deadline, request
         )
@@ -204,7 +206,7 @@ class Dispatcher:
         """Slots no request holds, as callers' threads may read it (no iteration over
         records another thread changes): capacity less the live requests not queued."""
         capacity = self.config.workers * self.config.max_batch_size
-        queued = sum(self.waiting_by_priority.values())
+        queued = sum(self.priorities.waiting.values())
         return max(0, capacity - (len(self.live) - queued))
 
     def cancel(self, request_id: str, caller_gone: bool) -> None:
@@ -388,7 +390,7 @@ class Dispatcher:
             ),
             running=sum(len(worker.running) for worker in workers),
             throughput=self.predictor.to_dict(),
-            queue_by_priority={str(p): n for p, n in sorted(self.waiting_by_priority.items())},
+            queue_by_priority={str(p): n for p, n in sorted(self.priorities.waiting.items())},
             recent_events=[event.to_dict(time.time() - now) for event in self.observers.recent],
         )
 
@@ -409,27 +411,6 @@ class Dispatcher:
         for request, worker in placement.assign(order, open_workers):
             del self.queue[request.request_id]
             self._dispatch(request, worker)
-
-    def _count_dispatch(self, priority: int) -> None:
-        counts = dict(self.dispatched_by_priority)
-        counts[priority] = counts.get(priority, 0) + 1
-        self._recent_dispatches.append(priority)
-        if len(self._recent_dispatches) > RECENT_DISPATCHES:
-            oldest = self._recent_dispatches.popleft()
-            counts[oldest] -= 1
-            if not counts[oldest]:
-                del counts[oldest]
-        self.dispatched_by_priority = counts
-
-    def _count_queued(self, request: Request, change: int) -> None:
-        """``request`` entered (+1) or left (-1) the queue: ``waiting_by_priority``."""
-        counts = dict(self.waiting_by_priority)
-        left = counts.get(request.priority, 0) + change
-        if left > 0:
-            counts[request.priority] = left
-        else:
-            counts.pop(request.priority, None)
-        self.waiting_by_priority = counts
 
     def _dispatch(self, request: Request, worker: Worker) -> None:
         now = self.clock()
@@ -459,8 +440,8 @@ class Dispatcher:
         run.record = AttemptRecord(run.attempt_id, worker.id, worker.pid, now)
         request.attempt_log.append(run.record)
         self._dequeued(request)
-        self._count_queued(request, -1)
-        self._count_dispatch(request.priority)
+        self.priorities.queued(request.priority, -1)
+        self.priorities.dispatched_one(request.priority)
         request.state = "running"
         request.run = run
         worker.state = "busy"
@@ -827,7 +808,7 @@ class Dispatcher:
         if request.state == "done":
             return False
         if request.state == "queued":
-            self._count_queued(request, -1)
+            self.priorities.queued(request.priority, -1)
         if request.state in ("queued", "backoff"):
             self.queue.pop(request.request_id, None)
         request.state = "done"
@@ -904,30 +885,10 @@ class Dispatcher:
         error: PoolError | None = None,
     ) -> None:
         """Hand the resolved request's record to the observers, if there are any."""
-        if not self.observers.on_request:
-            return
-        self.observers.request_done(
-            RequestRecord(
-                request_id=request.request_id,
-                priority=request.priority,
-                submitted_at=request.submitted_at,
-                finished_at=self.clock(),
-                status=status,
-                first_dispatch_at=request.first_dispatch_at,
-                first_token_at=request.first_token_at,
-                attempts=list(request.attempt_log),
-                finish_reason=None if generation is None else generation.finish_reason,
-                error=None if error is None else type(error).__name__,
-                error_message=None if error is None else error.message,
-                prompt_tokens=None if generation is None else generation.prompt_tokens,
-                completion_tokens=None if generation is None else generation.completion_tokens,
-                cached_tokens=0 if generation is None else generation.cached_tokens or 0,
-                max_new_tokens=request.max_new_tokens,
-                traceparent=request.traceparent,
+        if self.observers.on_request:
+            self.observers.request_done(
+                request_record(request, status, self.clock(), generation, error)
             )
-        )
-
-    # ---- closing -------------------------------------------------------------------------
 
     def _abort_all(self) -> None:
         for request in list(self.live.values()):

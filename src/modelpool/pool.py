@@ -220,10 +220,10 @@ class ModelPool:
             return None
         dispatcher = loop.dispatcher
         return dispatcher.predictor.predict_ttft(
-            ahead=ahead_of(dispatcher.waiting_by_priority, priority) + also_waiting,
+            ahead=ahead_of(dispatcher.priorities.waiting, priority) + also_waiting,
             free=dispatcher.free_slots,
             capacity=self.config.workers * self.config.max_batch_size,
-            urgent_share=urgent_share(dispatcher.dispatched_by_priority, priority),
+            urgent_share=urgent_share(dispatcher.priorities.dispatched, priority),
         )
 
     def check_admission(

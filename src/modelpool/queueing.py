@@ -25,6 +25,7 @@ replaced whole, so a reader sees each one either old or new, never torn.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping
 
 from modelpool.records import Request
@@ -61,6 +62,39 @@ def dispatch_order(queue: Iterable[Request], *, now: float, aging_s: float) -> l
         return (1, request.priority)
 
     return sorted(requests, key=key)  # stable: arrival order within one key
+
+
+class PriorityCounts:
+    """The queued requests by priority (``waiting``) and the priorities of the last
+    RECENT_DISPATCHES dispatches by count (``dispatched``: the share of the slots each
+    priority takes). The dispatcher thread replaces each dict whole on a change, so that
+    a caller's thread reads one without a lock and never half-updated."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, int] = {}
+        self.dispatched: dict[int, int] = {}
+        self._recent: deque[int] = deque()
+
+    def queued(self, priority: int, change: int) -> None:
+        """A request of ``priority`` entered (+1) or left (-1) the queue."""
+        counts = dict(self.waiting)
+        left = counts.get(priority, 0) + change
+        if left > 0:
+            counts[priority] = left
+        else:
+            counts.pop(priority, None)
+        self.waiting = counts
+
+    def dispatched_one(self, priority: int) -> None:
+        counts = dict(self.dispatched)
+        counts[priority] = counts.get(priority, 0) + 1
+        self._recent.append(priority)
+        if len(self._recent) > RECENT_DISPATCHES:
+            oldest = self._recent.popleft()
+            counts[oldest] -= 1
+            if not counts[oldest]:
+                del counts[oldest]
+        self.dispatched = counts
 
 
 def ahead_of(waiting_by_priority: Mapping[int, int], priority: int) -> int:

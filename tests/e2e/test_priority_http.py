@@ -49,7 +49,8 @@ def test_higher_priority_goes_in_first_and_a_late_one_is_refused(one_worker: Dae
     for _ in range(3):  # the predictor's samples: runs of about 0.4 s
         assert _post(one_worker, {"prompt": "tokens:4:0.1"}).status_code == 200
     with concurrent.futures.ThreadPoolExecutor(8) as threads:
-        blocker = threads.submit(_post, one_worker, {"prompt": "tokens:20:0.05"})
+        # 3 s: long enough for the others to queue behind it on a loaded machine.
+        blocker = threads.submit(_post, one_worker, {"prompt": "tokens:60:0.05"})
         wait_for(
             one_worker.stats,
             lambda s: s["running"] == 1,

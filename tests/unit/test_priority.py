@@ -26,13 +26,13 @@ def test_a_higher_priority_request_takes_the_next_free_slot() -> None:
     busy = world.submit("p0")
     low = [world.submit(f"low{index}", priority=5) for index in range(3)]
     high = world.submit("high", priority=-1)
-    assert world.d.waiting_by_priority == {5: 3, -1: 1}
+    assert world.d.priorities.waiting == {5: 3, -1: 1}
     world.finish(busy)
     assert high.state == "running", "lower value, earlier turn, though it came last"
     assert all(request.state == "queued" for request in low)
     world.finish(high)
     assert [r.state for r in low] == ["running", "queued", "queued"], "FIFO within one"
-    assert world.d.waiting_by_priority == {5: 2}
+    assert world.d.priorities.waiting == {5: 2}
 
 
 def test_aging_promotes_a_request_that_waited_priority_aging_s() -> None:
@@ -54,7 +54,7 @@ def test_a_retry_keeps_its_priority_and_goes_first_within_it() -> None:
     world.die(world.worker_of(first))
     running = {r.request_id for r in (first, same, better) if r.state == "running"}
     assert better.request_id in running, "priority 0 goes before the priority-1 retry"
-    assert _queued_counts(world) == world.d.waiting_by_priority
+    assert _queued_counts(world) == world.d.priorities.waiting
 
 
 def test_counts_follow_cancel_deadline_and_dispatch() -> None:
@@ -64,18 +64,18 @@ def test_counts_follow_cancel_deadline_and_dispatch() -> None:
     cancelled = world.submit("b", priority=2)
     world.clock.now += 30.0
     kept = world.submit("c", priority=3)
-    assert world.d.waiting_by_priority == {2: 2, 3: 1}
+    assert world.d.priorities.waiting == {2: 2, 3: 1}
     world.d.cancel(cancelled.request_id, False)
-    assert world.d.waiting_by_priority == {2: 1, 3: 1}
+    assert world.d.priorities.waiting == {2: 1, 3: 1}
     world.clock.now = doomed.deadline
     world.d.run_due_timers()
     world.d.after_event()
     assert doomed.state == "done" and busy.state != "queued"
-    assert world.d.waiting_by_priority == _queued_counts(world) == {3: 1}
+    assert world.d.priorities.waiting == _queued_counts(world) == {3: 1}
     world.clock.now = kept.deadline
     world.d.run_due_timers()
     world.d.after_event()
-    assert world.d.waiting_by_priority == _queued_counts(world) == {}
+    assert world.d.priorities.waiting == _queued_counts(world) == {}
 
 
 def _request(number: int, priority: int, submitted_at: float) -> Request:
@@ -138,4 +138,4 @@ def test_the_dispatcher_counts_the_priorities_of_its_recent_dispatches() -> None
     world = World(workers=1, batch=1)
     for priority in (0, 5, 5):
         world.finish(world.submit("p", priority=priority))
-    assert world.d.dispatched_by_priority == {0: 1, 5: 2}
+    assert world.d.priorities.dispatched == {0: 1, 5: 2}
