@@ -350,6 +350,7 @@ class Dispatcher:
                 default=self.config.max_batch_size,
             ),
             running=sum(len(worker.running) for worker in workers),
+            backend=self.config.backend,
         )
 
     # ---- requests to workers -------------------------------------------------------------

@@ -124,6 +124,9 @@ class PoolStats:
     heartbeat_age_s: float | None = None
     capacity: int = 0
     running: int = 0
+    # The backend the workers run ("auto" until start() chose one) and why, in a sentence.
+    backend: str = ""
+    backend_reason: str | None = None
 
     @property
     def batch_occupancy(self) -> float:
