@@ -432,6 +432,141 @@ def attack_browser(url: str, stop: threading.Event) -> dict[str, Any]:
     return seen
 
 
+# ---- the second review (issue 40) -----------------------------------------------------------
+
+
+def _looping(
+    url: str,
+    stop: threading.Event,
+    clients: int,
+    send: Callable[[httpx.Client], Any],
+    address: str = ATTACKER,
+) -> dict[str, Any]:
+    """``clients`` threads of ``address``, each calling ``send`` until the phase ends;
+    what they got, counted by status (or "gave up")."""
+    statuses: list[str] = []
+    seconds: list[float] = []
+
+    def loop() -> None:
+        transport = httpx.HTTPTransport(local_address=address)
+        with httpx.Client(base_url=url, transport=transport, timeout=ATTACKER_TIMEOUT_S) as client:
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    statuses.append(str(send(client).status_code))
+                except httpx.TimeoutException:
+                    statuses.append("gave up")
+                seconds.append(time.monotonic() - started)
+                if statuses[-1] == "429":
+                    stop.wait(1.0)  # Retry-After
+
+    threads = [threading.Thread(target=loop) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"answers": _count(statuses), "max s": round(max(seconds, default=0), 2)}
+
+
+def _allof_tools(count: int, branches: int) -> list[dict[str, Any]]:
+    """Tools whose parameter is an allOf of ``branches`` anyOf string patterns, which the
+    grammar engine would intersect in every combination (2 ** branches)."""
+
+    def alternatives(i: int, j: int) -> dict[str, Any]:
+        return {"anyOf": [{"pattern": f"a{j}_{i}.*"}, {"pattern": f".*b{j}"}]}
+
+    def parameter(i: int) -> dict[str, Any]:
+        return {"type": "string", "allOf": [alternatives(i, j) for j in range(branches)]}
+
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": f"f{i}",
+                "parameters": {"type": "object", "properties": {"x": parameter(i)}},
+            },
+        }
+        for i in range(count)
+    ]
+
+
+def attack_schema_loop(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 2, #1: 44 tools, each parameter an allOf of 14 anyOf patterns (65 KB)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": _allof_tools(44, 14)}
+    return _looping(url, stop, 1, lambda c: c.post("/v1/chat/completions", json=body))
+
+
+def attack_choice_lists(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 2, #2: six guided_choice lists of 50,000 items at once, again and again."""
+
+    def send(client: httpx.Client) -> httpx.Response:
+        # Distinct lists (no cache helps), each about 400 KB: under max_body_bytes.
+        items = [str(time.monotonic_ns()), *(f"c{i}" for i in range(49_999))]
+        body = {"messages": [{"role": "user", "content": "hi"}], "guided_choice": items}
+        return client.post("/v1/chat/completions", json=body)
+
+    return _looping(url, stop, 6, send)
+
+
+def attack_forwarded(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 2, #5: n=128 requests, each naming another address in X-Forwarded-For,
+    from 127.0.0.1 (the address uvicorn believes by default)."""
+    counter = iter(range(10**9))
+    burst = {"prompt": "tokens:20:0.05", "n": 128, "timeout": 40}
+
+    def send(client: httpx.Client) -> httpx.Response:
+        forwarded = {"X-Forwarded-For": f"10.9.{next(counter) % 250}.{next(counter) % 250}"}
+        return client.post("/v1/completions", json=burst, headers=forwarded)
+
+    return _looping(url, stop, 8, send, address="127.0.0.1")
+
+
+def attack_pending_bodies(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 2, #6: 8 sockets of one client, each 1,040,000 bytes of a declared 1 MiB
+    body, then a byte every 10 s; meanwhile another client's 200 KB bodies."""
+    head = _post_head(b"", content_length=1_048_576) + b'{"prompt":"' + b"x" * 1_040_000
+    legit: list[str] = []
+
+    def legit_bodies() -> None:
+        transport = httpx.HTTPTransport(local_address="127.0.0.13")
+        body = {"prompt": "echo:" + "y" * 200_000, "max_tokens": 1}
+        with httpx.Client(base_url=url, transport=transport, timeout=10) as client:
+            while not stop.wait(0.5):
+                with contextlib.suppress(httpx.TransportError):
+                    legit.append(str(client.post("/v1/completions", json=body).status_code))
+
+    thread = threading.Thread(target=legit_bodies)
+    thread.start()
+    held = _hold(url, stop, 8, head, b"")
+    thread.join()
+    return {**held, "other client's 200 KB bodies": _count(legit)}
+
+
+def attack_tokenize(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 2, #11: 4 clients looping /tokenize with a 1 MB string."""
+    body = {"prompt": "x" * 1_000_000}
+    return _looping(url, stop, 4, lambda c: c.post("/tokenize", json=body))
+
+
+def attack_empty_messages(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 2, #12: 30,001 messages (30,000 empty) with n=128."""
+    messages = [{"role": "user", "content": ""}] * 30_000 + [{"role": "user", "content": "hi"}]
+    body = {"messages": messages, "n": 128}
+    return _looping(url, stop, 1, lambda c: c.post("/v1/chat/completions", json=body))
+
+
+def attack_logprobs(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 2, #15: n=2 x 6,000 tokens x top_logprobs 20, 4 clients looping."""
+    body = {
+        "messages": [{"role": "user", "content": "tokens:6000"}],
+        "n": 2,
+        "max_tokens": 6000,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
+    return _looping(url, stop, 4, lambda c: c.post("/v1/chat/completions", json=body))
+
+
 ATTACKS: dict[str, Attack] = {
     "noread": attack_noread,
     "big-answer": attack_big_answer,
@@ -442,6 +577,13 @@ ATTACKS: dict[str, Attack] = {
     "big-headers": attack_big_headers,
     "ignored-fields": attack_ignored_fields,
     "browser": attack_browser,
+    "schema-loop": attack_schema_loop,
+    "choice-lists": attack_choice_lists,
+    "forwarded": attack_forwarded,
+    "pending-bodies": attack_pending_bodies,
+    "tokenize": attack_tokenize,
+    "empty-messages": attack_empty_messages,
+    "logprobs": attack_logprobs,
 }
 
 

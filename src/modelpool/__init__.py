@@ -50,6 +50,7 @@ _EXPORTS = {
     "GrammarError": "modelpool.errors",
     "GrammarCompileTimeout": "modelpool.errors",
     "GrammarEngineMissing": "modelpool.errors",
+    "SchemaTooComplex": "modelpool.errors",
 }
 
 __all__ = [
@@ -81,6 +82,7 @@ __all__ = [
     "PreflightError",
     "Result",
     "RetryPolicy",
+    "SchemaTooComplex",
     "ServerConfig",
     "TokenIds",
     "TokenLogprob",
@@ -110,6 +112,7 @@ if TYPE_CHECKING:
         PoolError,
         PoolOverloaded,
         PreflightError,
+        SchemaTooComplex,
         WorkerCrashed,
     )
     from modelpool.logprob_columns import TokenLogprobs

@@ -183,18 +183,20 @@ def _setup_logging(level: str) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
-    pool_config, server_config = _load_configs(args)
+    effective = _effective_config(args)
+    pool_config, server_config = effective.pool, effective.server
     try:
         import uvicorn
 
         from modelpool.pool import ModelPool
         from modelpool.server import DrainingServer, api_key_from_env, create_app
-        from modelpool.server.guard import guarded_protocol, raise_open_files_limit
+        from modelpool.server.guard import raise_open_files_limit, uvicorn_options
     except ImportError as exc:
         raise CliError(
             f"serve needs the server extra: pip install 'modelpool[server]' ({exc})"
         ) from None
-    _check_embedded_extra(pool_config.model, pool_config.backend)
+    for served in [spec.pool for spec in effective.models] or [pool_config]:
+        _check_embedded_extra(served.model, served.backend)
     from modelpool.embedded import EmbeddedModelError
     from modelpool.errors import PoolError, PreflightError
 
@@ -219,6 +221,8 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
+    if effective.models:
+        return _serve_models(effective, listener, api_key)
     pool = ModelPool(pool_config)
     previous = _on_signals(_raise_stop)
     server: DrainingServer | None = None
@@ -252,9 +256,10 @@ def _serve(args: argparse.Namespace) -> int:
                 log_config=None,  # keep our logging setup; uvicorn's loggers propagate to it
                 access_log=False,  # modelpool.access writes one richer line per request
                 lifespan="off",
-                # Header size, count and read timeouts, body read timeouts, and the cap
-                # on connections (server.guard.guarded_protocol); keep-alive stays 5 s.
-                http=guarded_protocol(server_config),
+                # Header size, count and read timeouts, body read timeouts, the cap on
+                # connections (server.guard.guarded_protocol), and proxy headers only
+                # from forwarded_allow_ips; keep-alive stays 5 s.
+                **uvicorn_options(server_config, app.state.modelpool.keys),
                 # uvicorn takes whole seconds here; round up so a drain is never cut short.
                 timeout_graceful_shutdown=math.ceil(server_config.drain_timeout_s),
             ),
@@ -273,6 +278,55 @@ def _serve(args: argparse.Namespace) -> int:
         _restore_signals(previous)
         if not preflight_failed:
             logger.info("stopped")
+    return 0
+
+
+def _serve_models(effective: EffectiveConfig, listener: socket.socket, api_key: str | None) -> int:
+    """``serve`` with ``[models.NAME]`` tables: a ModelRegistry; the port opens once the
+    ``preload`` models have loaded or failed (a failure stays that model's)."""
+    import uvicorn
+
+    from modelpool.registry import ModelRegistry, RegistryConfig
+    from modelpool.server import DrainingServer, create_app
+    from modelpool.server.guard import guarded_protocol
+
+    server_config = effective.server
+    registry = ModelRegistry(RegistryConfig.from_server(effective.models, server_config))
+    previous = _on_signals(_raise_stop)
+    server: DrainingServer | None = None
+    try:
+        registry.start()
+        app = create_app(registry, server_config, api_key=api_key)
+        logger.info(
+            "registry ready (%d models: %s); opening http://%s:%d",
+            len(effective.models),
+            ", ".join(spec.name for spec in effective.models),
+            server_config.host,
+            listener.getsockname()[1],
+        )
+        server = DrainingServer(
+            uvicorn.Config(
+                app,
+                host=server_config.host,
+                port=server_config.port,
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+                http=guarded_protocol(server_config),
+                timeout_graceful_shutdown=math.ceil(server_config.drain_timeout_s),
+            ),
+            app.state.modelpool,
+        )
+        server.run(sockets=[listener])
+    except _StopRequested:
+        logger.info("stopped while starting")
+    finally:
+        _on_signals(_ignore_during_close)
+        drain = server is not None and not server.forced
+        registry.close(timeout=5.0 if drain else 0.0)
+        listener.close()
+        _restore_signals(previous)
+        logger.info("stopped")
     return 0
 
 

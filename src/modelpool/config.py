@@ -212,6 +212,9 @@ class ServerConfig:
     port: int = 8000
     # The bearer key is read from this variable; unset or empty there = no key required.
     api_key_env: str | None = "MODELPOOL_API_KEY"
+    # Several keys, one per tenant, each with its own share and budget (server.tenants);
+    # with it, fair share is by tenant, not by address.
+    keys_file: str | None = None
     max_body_bytes: int = 1_048_576
     drain_timeout_s: float = 30.0
     max_request_timeout_s: float | None = None
@@ -248,6 +251,23 @@ class ServerConfig:
     responses_store_entries: int = 1024
     responses_store_bytes: int = 67_108_864
     responses_store_ttl_s: float = 3600.0
+    # Of those, the most one client address may hold (None: a quarter of the bound, at
+    # least max_body_bytes), so that one client cannot fill the bound for the others.
+    client_max_pending_body_bytes: int | None = None
+    # Addresses (or networks, as uvicorn reads them) whose X-Forwarded-For and
+    # X-Forwarded-Proto are believed: a client is the address they name. Empty: none, so
+    # no client can name itself another address and so take another's fair share.
+    forwarded_allow_ips: tuple[str, ...] = ()
+    # Many models ([models.NAME] tables; see modelpool.registry): the host RAM the models'
+    # worker processes may hold together (their RSS as psutil measures it) and the memory
+    # each GPU may hold for them (NVML, by PID); None: no budget. Requests that wait for a
+    # model to load, all models together (past it, 429), and the backoff of a failing
+    # model's loads (doubling from load_backoff_s up to load_backoff_max_s).
+    memory_budget_bytes: int | None = None
+    gpu_memory_budget_bytes: int | None = None
+    max_load_waiters: int = 256
+    load_backoff_s: float = 1.0
+    load_backoff_max_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -257,6 +277,9 @@ class ServerConfig:
             raise ValueError(f"server.port must be <= 65535, got {self.port!r}")
         if self.api_key_env is not None and not isinstance(self.api_key_env, str):
             raise ValueError(f"server.api_key_env must be a string, got {self.api_key_env!r}")
+        keys_file = self.keys_file
+        if keys_file is not None and (not isinstance(keys_file, str) or not keys_file):
+            raise ValueError(f"server.keys_file must be a path, got {self.keys_file!r}")
         _check_int("server.max_body_bytes", self.max_body_bytes, minimum=1)
         _check_number("server.drain_timeout_s", self.drain_timeout_s, allow_zero=True)
         _check_number(
@@ -288,6 +311,30 @@ class ServerConfig:
         _check_int("server.responses_store_entries", self.responses_store_entries, minimum=0)
         _check_int("server.responses_store_bytes", self.responses_store_bytes, minimum=0)
         _check_number("server.responses_store_ttl_s", self.responses_store_ttl_s, allow_zero=False)
+        _check_int(
+            "server.client_max_pending_body_bytes",
+            self.client_max_pending_body_bytes,
+            minimum=1,
+            optional=True,
+        )
+        if self.client_pending_body_bytes() < self.max_body_bytes:
+            raise ValueError(
+                f"server.client_max_pending_body_bytes ({self.client_max_pending_body_bytes}) "
+                f"must be at least server.max_body_bytes ({self.max_body_bytes}): one body "
+                "alone would be refused"
+            )
+        object.__setattr__(
+            self,
+            "forwarded_allow_ips",
+            _optional_names("server.forwarded_allow_ips", self.forwarded_allow_ips) or (),
+        )
+        _check_int("server.memory_budget_bytes", self.memory_budget_bytes, minimum=1, optional=True)
+        _check_int(
+            "server.gpu_memory_budget_bytes", self.gpu_memory_budget_bytes, minimum=1, optional=True
+        )
+        _check_int("server.max_load_waiters", self.max_load_waiters, minimum=0)
+        _check_number("server.load_backoff_s", self.load_backoff_s, allow_zero=True)
+        _check_number("server.load_backoff_max_s", self.load_backoff_max_s, allow_zero=True)
         if self.max_pending_body_bytes < self.max_body_bytes:
             raise ValueError(
                 f"server.max_pending_body_bytes ({self.max_pending_body_bytes}) must be at "
@@ -295,12 +342,82 @@ class ServerConfig:
                 "be refused"
             )
 
+    def client_pending_body_bytes(self) -> int:
+        """The bytes of bodies still being received that one client address may hold."""
+        if self.client_max_pending_body_bytes is not None:
+            return self.client_max_pending_body_bytes
+        return max(self.max_body_bytes, self.max_pending_body_bytes // 4)
+
     @classmethod
     def from_toml(cls, path: str | Path) -> ServerConfig:
         table = _read_toml(path).get("server", {})
         if not isinstance(table, Mapping):
             raise ValueError("[server] must be a table")
         return cls(**_known(table, cls, "server"))
+
+
+# The keys of a [models.NAME] table that are the registry's, not the pool's.
+MODEL_KEYS = ("ttl_s", "pin", "preload", "aliases", "load_timeout_s")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model of a :class:`~modelpool.registry.ModelRegistry`: its name, its pool's
+    configuration, and the registry's rules for it (a ``[models.NAME]`` table)::
+
+        ModelSpec("chat", PoolConfig(model="./chat"), ttl_s=300, aliases=("gpt-4o",))
+
+    ``ttl_s``: idle seconds before it is unloaded (0: never, only evicted for room);
+    ``pin``: never evicted nor unloaded when idle; ``preload``: loaded when the registry
+    starts; ``aliases``: other names that reach it; ``load_timeout_s``: the deadline of
+    one load, preflight to every worker ready (None: the pool's ``startup_timeout_s``
+    plus 30 s, so that the pool's own start-up ladder gives up first).
+    """
+
+    name: str
+    pool: PoolConfig
+    ttl_s: float = 0.0
+    pin: bool = False
+    preload: bool = False
+    aliases: tuple[str, ...] = ()
+    load_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        where = f"models.{self.name}"
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"a model's name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.pool, PoolConfig):
+            raise ValueError(f"{where}: pool must be a PoolConfig, got {self.pool!r}")
+        _check_number(f"{where}.ttl_s", self.ttl_s, allow_zero=True)
+        for flag in ("pin", "preload"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{where}.{flag} must be true or false")
+        aliases = _optional_names(f"{where}.aliases", self.aliases) or ()
+        if self.name in aliases:
+            raise ValueError(f"{where}.aliases: {self.name!r} is the model's own name")
+        object.__setattr__(self, "aliases", aliases)
+        _check_number(
+            f"{where}.load_timeout_s", self.load_timeout_s, allow_zero=False, optional=True
+        )
+
+    @property
+    def load_deadline_s(self) -> float:
+        """The deadline of one load (``load_timeout_s``, or the pool's start-up bound + 30 s)."""
+        if self.load_timeout_s is not None:
+            return self.load_timeout_s
+        return self.pool.startup_timeout_s + 30.0
+
+
+def check_model_names(models: tuple[ModelSpec, ...]) -> None:
+    """Every name and alias reaches one model only."""
+    owner: dict[str, str] = {}
+    for spec in models:
+        for name in (spec.name, *spec.aliases):
+            if name in owner:
+                raise ValueError(
+                    f"models: the name {name!r} is used by both {owner[name]!r} and {spec.name!r}"
+                )
+            owner[name] = spec.name
 
 
 def _optional_names(name: str, value: object) -> tuple[str, ...] | None:
@@ -469,11 +586,18 @@ class EffectiveConfig:
     sources: dict[str, Source]
     origins: dict[str, str]
     config_path: Path | None
+    # The [models.NAME] tables, each a pool of its own (empty: one model, as always), and
+    # each table as the file gave it (what to_toml writes back).
+    models: tuple[ModelSpec, ...] = ()
+    model_tables: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def values(self) -> dict[str, Any]:
         """Every value as plain data, in the shape of a config file."""
         data = _flatten(_as_tables(self.pool, self.server))
-        return _unflatten(data)
+        values = _unflatten(data)
+        if self.model_tables:
+            values["models"] = {name: dict(table) for name, table in self.model_tables.items()}
+        return values
 
     def to_toml(self) -> str:
         """A config file holding every effective value, each with its source as a comment.
@@ -500,6 +624,10 @@ class EffectiveConfig:
                 lines.append("# (empty)")
             for key in keys:
                 lines.append(self._line(key, key[len(table) + 1 :], flat[key]))
+        for name, model_table in self.model_tables.items():
+            lines += ["", f"[models.{_toml_key(name)}]"]
+            for key, value in model_table.items():
+                lines.append(f"{_toml_key(key)} = {toml_value(value)}  # file {self.config_path}")
         return "\n".join(lines) + "\n"
 
     def _line(self, key: str, name: str, value: Any) -> str:
@@ -528,6 +656,7 @@ def layered_config(
     origins: dict[str, str] = {}
 
     path = _config_file(config_path, environ)
+    model_tables: dict[str, dict[str, Any]] = {}
     if path is not None:
         try:
             data = _read_toml(path)
@@ -535,6 +664,7 @@ def layered_config(
             raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        model_tables = _model_tables(data.pop("models", {}), str(path))
         file_values = _flatten_layer(data, str(path))
         _apply(
             flat, sources, origins, file_values, "file", dict.fromkeys(file_values, f"file {path}")
@@ -558,16 +688,53 @@ def layered_config(
     flag_values = {key: value for key, value in (flags or {}).items() if value is not None}
     _apply(flat, sources, origins, _flatten_layer(_unflatten(flag_values), "flags"), "flag", {})
     pool, server = _build(flat, "command line")
+    # Before the top-level model's own embedded defaults, which are not the models' to inherit.
+    models = _model_specs(model_tables, flat, str(path))
 
-    embedded = {
-        f"backend_options.{name}": value
-        for name, value in embedded_backend_options(pool.model, pool.backend, {}).items()
-        if name not in pool.backend_options
-    }
+    embedded = _embedded_defaults(pool)
     if embedded:
         _apply(flat, sources, origins, embedded, "built-in", {})
         pool, server = _build(flat, "built-in")
-    return EffectiveConfig(pool, server, sources, origins, path)
+    return EffectiveConfig(pool, server, sources, origins, path, models, model_tables)
+
+
+def _model_tables(tables: object, where: str) -> dict[str, dict[str, Any]]:
+    if not isinstance(tables, Mapping) or not all(isinstance(t, Mapping) for t in tables.values()):
+        raise ConfigError(f"{where}: [models] must hold tables, one per model: [models.NAME]")
+    return {str(name): dict(table) for name, table in tables.items()}
+
+
+def _model_specs(
+    tables: Mapping[str, Mapping[str, Any]], flat: Mapping[str, Any], where: str
+) -> tuple[ModelSpec, ...]:
+    """Each [models.NAME] table over the top-level pool keys (every layer's), key by key:
+    a model names its own ``model``; what it leaves out (workers, devices, deadline_s, a
+    table's keys) is the top level's."""
+    specs: list[ModelSpec] = []
+    base = {key: value for key, value in flat.items() if not key.startswith("server.")}
+    base.pop("model", None)
+    for name, table in tables.items():
+        own = {key: table[key] for key in MODEL_KEYS if key in table}
+        pool_table = {key: value for key, value in table.items() if key not in MODEL_KEYS}
+        context = f"{where}: [models.{name}]"
+        if "model" not in pool_table:
+            raise ConfigError(f"{context}: missing key 'model' (the model this name serves)")
+        if "server" in pool_table or "models" in pool_table:
+            raise ConfigError(f"{context}: a model's table holds pool keys, not [server]")
+        try:
+            merged = {**base, **_flatten_layer(pool_table, context)}
+            pool = PoolConfig.from_dict(_unflatten(merged))
+            embedded = _embedded_defaults(pool)
+            if embedded:
+                pool = PoolConfig.from_dict(_unflatten({**merged, **embedded}))
+            specs.append(ModelSpec(name=name, pool=pool, **own))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{context}: {exc}") from None
+    try:
+        check_model_names(tuple(specs))
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return tuple(specs)
 
 
 def parse_assignment(text: str) -> tuple[str, Any]:
@@ -692,6 +859,15 @@ def _build(flat: Mapping[str, Any], where: str) -> tuple[PoolConfig, ServerConfi
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
     return pool, server
+
+
+def _embedded_defaults(pool: PoolConfig) -> dict[str, Any]:
+    """The embedded model's own backend options that no layer set, by dotted key."""
+    return {
+        f"backend_options.{name}": value
+        for name, value in embedded_backend_options(pool.model, pool.backend, {}).items()
+        if name not in pool.backend_options
+    }
 
 
 def embedded_backend_options(

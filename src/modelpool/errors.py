@@ -19,12 +19,16 @@ happened to each try::
     ├── PoolOverloaded
     ├── PoolClosed
     ├── ModelLoadFailed
-    │   └── ModelSourceError  found before any worker started (preflight.py)
+    │   ├── ModelSourceError  found before any worker started (preflight.py)
+    │   ├── ModelUnavailable  a registry's model failed; its load backs off (registry.py)
+    │   └── ModelTooLarge     a registry's model does not fit its memory budget
+    ├── ModelNotFound         (also LookupError) a registry has no model of that name
     ├── DeviceError           (also ValueError) found before any worker started
     └── InvalidRequest        (also ValueError)
         ├── ContextLengthExceeded
         └── GrammarError          a response_format or grammar that cannot be honoured
             ├── GrammarCompileTimeout   its compilation outlasted grammar_compile_timeout_s
+            ├── SchemaTooComplex        past a bound on the work of checking it
             └── GrammarEngineMissing    llguidance is not installed
 
 ``ModelSourceError`` and ``DeviceError`` are both a ``PreflightError``: the checks
@@ -200,6 +204,70 @@ class ModelLoadFailed(PoolError):
         return ModelLoadFailed(self.message, worker_traceback=self.worker_traceback)
 
 
+class ModelNotFound(PoolError, LookupError):
+    """A :class:`~modelpool.registry.ModelRegistry` has no model (nor alias) of this name."""
+
+    def __init__(self, message: str, *, model: str) -> None:
+        super().__init__(message)
+        self.model = model
+
+
+class ModelUnavailable(ModelLoadFailed):
+    """A registry's model is ``failed``: its last load failed (or its pool died), and the
+    next load is not tried before ``retry_after_s`` (exponential backoff). Raised at once,
+    never after a timeout; every other model keeps serving::
+
+        except ModelUnavailable as exc:
+            exc.model, exc.reason, exc.retry_after_s
+    """
+
+    def __init__(self, message: str, *, model: str, reason: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.model = model
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+    def copy(self) -> ModelUnavailable:
+        return ModelUnavailable(
+            self.message, model=self.model, reason=self.reason, retry_after_s=self.retry_after_s
+        )
+
+
+class ModelTooLarge(ModelLoadFailed):
+    """A registry's model needs more of a resource than its budget leaves it, even with
+    every model that may be evicted unloaded. ``resource`` is "memory" (host RAM, the
+    workers' RSS) or a GPU ("cuda:0"); ``needed_bytes`` what the model was measured to
+    take, ``available_bytes`` what the budget leaves beside the pinned models, and
+    ``budget_bytes`` the whole budget."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        model: str,
+        resource: str,
+        needed_bytes: int,
+        available_bytes: int,
+        budget_bytes: int,
+    ) -> None:
+        super().__init__(message)
+        self.model = model
+        self.resource = resource
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+        self.budget_bytes = budget_bytes
+
+    def copy(self) -> ModelTooLarge:
+        return ModelTooLarge(
+            self.message,
+            model=self.model,
+            resource=self.resource,
+            needed_bytes=self.needed_bytes,
+            available_bytes=self.available_bytes,
+            budget_bytes=self.budget_bytes,
+        )
+
+
 class PreflightError(PoolError):
     """A check before any worker started found that the pool cannot run as configured."""
 
@@ -287,6 +355,16 @@ class GrammarError(InvalidRequest):
         super().__init__(message, request_id=request_id, attempts=attempts)
         self.param = param
         self.keyword = keyword
+
+
+class SchemaTooComplex(GrammarError):
+    """A structured-output constraint past one of the supervisor's bounds on the work of
+    checking it (``bound`` names it: ``schema_nodes``, ``allof_branches``, ``choices``,
+    ``grammar_bytes``, ``check_seconds``); refused before the grammar engine runs on it."""
+
+    def __init__(self, message: str, *, bound: str, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.bound = bound
 
 
 class GrammarCompileTimeout(GrammarError):

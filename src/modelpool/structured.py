@@ -20,11 +20,20 @@ nowhere, a regex with look-around) is a :class:`~modelpool.errors.GrammarError` 
 ``param`` points at the keyword (``response_format.json_schema.schema.properties.x
 .format``), never a 500 from a worker and never a keyword silently ignored.
 
-The few schemas whose validation takes longer (one JSON Schema Store schema took 8 s)
-must not hold the caller, which may be the daemon's event loop: validation runs on one of
-two helper threads (llguidance releases the GIL) and is waited for ``VALIDATE_BOUND_S``;
-past it the request goes on unchecked, and the worker's compilation, off its decoding
-loop and within ``grammar_compile_timeout_s``, decides (a refusal from there is a
+Checking is bounded in work, so that it is bounded in time: a schema of more than
+``MAX_SCHEMA_NODES`` subschemas, an ``allOf`` whose ``anyOf``/``oneOf`` branches combine
+into more than ``MAX_ALLOF_BRANCHES`` alternatives (the engine intersects every
+combination), a choice of more than ``MAX_CHOICE_ITEMS`` strings or a grammar of more
+than ``MAX_GRAMMAR_BYTES`` is refused with :class:`~modelpool.errors.SchemaTooComplex`
+naming the bound, before the engine runs on it; the engine runs with its own limits.
+
+The daemon runs a request's checks in its own bounded check threads, inline
+(:func:`checked_inline`): there a request's checks together get ``CHECK_BOUND_S``, past
+which the rest is refused (``check_seconds``). A library caller, which may be an event
+loop, gets the engine's verdict from one of two helper threads (llguidance releases the
+GIL) and waits ``VALIDATE_BOUND_S`` for it; past it, or with more checks in flight than
+the helpers take, the request goes on unchecked and the worker's compilation, off its
+decoding loop and within ``grammar_compile_timeout_s``, decides (a refusal from there is a
 ``GrammarError`` too, without the path).
 
 JSON is generated compact (no free whitespace between tokens, unless the schema's own
@@ -34,18 +43,44 @@ runs out of tokens.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import re
-from collections.abc import Iterator, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, TypeVar
 
-from modelpool.errors import GrammarError
+from modelpool.errors import GrammarError, SchemaTooComplex
 from modelpool.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, import_llguidance
 
+T = TypeVar("T")
+
 VALIDATE_BOUND_S = 0.1
-_VALIDATORS = ThreadPoolExecutor(2, thread_name_prefix="modelpool-grammar-check")
+_VALIDATOR_THREADS = 2
+_VALIDATORS = ThreadPoolExecutor(_VALIDATOR_THREADS, thread_name_prefix="modelpool-grammar-check")
+# Library checks in flight (running or queued on the helpers); past twice the helpers,
+# a check is skipped rather than queued: the queue would otherwise grow without bound.
+_in_flight = 0
+_in_flight_lock = threading.Lock()
+
+# The bounds on the work of one check (SchemaTooComplex names the one passed).
+MAX_SCHEMA_NODES = 2_000
+MAX_ALLOF_BRANCHES = 256
+# The engine's own bound on the alternatives of one grammar row (max_items_in_row).
+MAX_CHOICE_ITEMS = 2_000
+MAX_GRAMMAR_BYTES = 262_144
+# A request's checks together, in the daemon's check threads.
+CHECK_BOUND_S = 2.0
+# Patterns tried one by one to say which one the engine refused; past that many, the
+# refusal names the schema, not the pattern.
+MAX_LOCATED_PATTERNS = 32
+# When the current check must be done by (time.monotonic()), inside checked_inline.
+_check_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "modelpool_check_deadline", default=None
+)
 _COMPACT = {"whitespace_flexible": False}
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -219,6 +254,12 @@ def _structured_kind(kind: str, value: object, *, param: str) -> str:
             or not all(isinstance(item, str) for item in value)
         ):
             raise GrammarError(f"{param} must be a non-empty list of strings", param=param)
+        if len(value) > MAX_CHOICE_ITEMS:
+            raise SchemaTooComplex(
+                f"{param}: {len(value)} choices, more than {MAX_CHOICE_ITEMS} (choices)",
+                bound="choices",
+                param=param,
+            )
         return check_grammar("start: " + " | ".join(json.dumps(item) for item in value), param)
     if not isinstance(value, str) or not value.strip():
         raise GrammarError(f"{param} must be grammar text (Lark or GBNF)", param=param)
@@ -240,6 +281,7 @@ def json_schema_grammar_fragment(schema: object, *, param: str) -> str:
         raise GrammarError(f"{param} must be a JSON schema (an object)", param=param)
     compact: Any = schema
     if isinstance(schema, Mapping):
+        _check_bounds(schema, param)  # before any other walk of it
         options = dict(_COMPACT)
         if _one_of_is_discriminated(schema):
             # Each branch fixes the discriminator to its own value: no output can match two
@@ -265,21 +307,102 @@ def json_schema_grammar(schema: object, *, param: str) -> str:
     return "start: " + json_schema_grammar_fragment(schema, param=param)
 
 
-def _validate(text: str) -> tuple[bool, list[str]] | None:
-    """llguidance's verdict on ``text`` (failed, messages), or None when it takes longer
-    than VALIDATE_BOUND_S (the worker's bounded compilation decides then)."""
-    llguidance = import_llguidance()
-    verdict = _VALIDATORS.submit(llguidance.LLMatcher.validate_grammar_with_warnings, text)
+def checked_inline(work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)`` with its grammar checks run here, in the calling thread, within
+    ``CHECK_BOUND_S`` together: for a caller that is itself a bounded check thread."""
+    token = _check_deadline.set(time.monotonic() + CHECK_BOUND_S)
     try:
-        failed, messages = verdict.result(timeout=VALIDATE_BOUND_S)
+        return work(*args)
+    finally:
+        _check_deadline.reset(token)
+
+
+def _limits() -> Any:
+    # No parser state or grammar text in the messages: they are a client's answer.
+    return import_llguidance().LLParserLimits(verbose_errors=False)
+
+
+def _validate(text: str, param: str) -> tuple[bool, list[str]] | None:
+    """llguidance's verdict on ``text`` (failed, messages), or None when a library
+    caller would wait longer than VALIDATE_BOUND_S (the worker's bounded compilation
+    decides then)."""
+    global _in_flight
+    if len(text) > MAX_GRAMMAR_BYTES:
+        raise SchemaTooComplex(
+            f"{param}: the grammar is {len(text)} bytes, more than the {MAX_GRAMMAR_BYTES} "
+            "checked (grammar_bytes)",
+            bound="grammar_bytes",
+            param=param,
+        )
+    llguidance = import_llguidance()
+    validate = llguidance.LLMatcher.validate_grammar_with_warnings
+    deadline = _check_deadline.get()
+    if deadline is not None:
+        if time.monotonic() > deadline:
+            raise SchemaTooComplex(
+                f"{param}: the request's structured-output checks took more than "
+                f"{CHECK_BOUND_S:g} s together (check_seconds)",
+                bound="check_seconds",
+                param=param,
+            )
+        failed, messages = validate(text, limits=_limits())
+        return bool(failed), list(messages)
+    with _in_flight_lock:
+        if _in_flight >= 2 * _VALIDATOR_THREADS:
+            return None
+        _in_flight += 1
+
+    def run() -> tuple[bool, list[str]]:
+        global _in_flight
+        try:
+            failed, messages = validate(text, limits=_limits())
+            return bool(failed), list(messages)
+        finally:
+            with _in_flight_lock:
+                _in_flight -= 1
+
+    verdict = _VALIDATORS.submit(run)
+    try:
+        return verdict.result(timeout=VALIDATE_BOUND_S)
     except FutureTimeout:
         return None
-    return bool(failed), list(messages)
+
+
+def _check_bounds(schema: object, param: str) -> None:
+    """SchemaTooComplex past MAX_SCHEMA_NODES subschemas or MAX_ALLOF_BRANCHES
+    combinations in one ``allOf``: found by a walk that stops at the bound."""
+    for count, (where, subschema) in enumerate(_subschemas(schema, []), start=1):
+        path = param + "".join(f".{part}" for part in where)
+        if count > MAX_SCHEMA_NODES:
+            raise SchemaTooComplex(
+                f"{param}: the schema has more than {MAX_SCHEMA_NODES} subschemas "
+                "(schema_nodes)",
+                bound="schema_nodes",
+                param=param,
+            )
+        parts = subschema.get("allOf")
+        if not isinstance(parts, list):
+            continue
+        combinations = 1
+        for part in parts:
+            if isinstance(part, Mapping):
+                for keyword in ("anyOf", "oneOf"):
+                    branches = part.get(keyword)
+                    if isinstance(branches, list) and branches:
+                        combinations *= len(branches)
+            if combinations > MAX_ALLOF_BRANCHES:
+                raise SchemaTooComplex(
+                    f"{path}.allOf: its anyOf/oneOf branches combine into more than "
+                    f"{MAX_ALLOF_BRANCHES} alternatives, each of which the grammar engine "
+                    "would intersect (allof_branches)",
+                    bound="allof_branches",
+                    param=f"{path}.allOf",
+                )
 
 
 def check_grammar(text: str, param: str = "grammar") -> str:
     """``text`` unless llguidance refuses it as a grammar (GrammarError at ``param``)."""
-    verdict = _validate(text)
+    verdict = _validate(text, param)
     if verdict is None:
         return text
     failed, messages = verdict
@@ -289,7 +412,7 @@ def check_grammar(text: str, param: str = "grammar") -> str:
 
 
 def _check_schema(text: str, schema: object, param: str) -> None:
-    verdict = _validate(text)
+    verdict = _validate(text, param)
     if verdict is None:
         return
     failed, messages = verdict
@@ -358,7 +481,15 @@ def _locate(schema: object, message: str) -> tuple[list[str], str | None]:
         ref = "#" + match.group(1)
         matchers.append(("$ref", lambda sub: sub.get("$ref") == ref))
     elif "regex" in message:
-        matchers.append(("pattern", lambda sub: _bad_pattern(sub.get("pattern"))))
+        tried = [0]
+
+        def bad_pattern(sub: Mapping[str, Any]) -> bool:
+            if not isinstance(sub.get("pattern"), str) or tried[0] >= MAX_LOCATED_PATTERNS:
+                return False
+            tried[0] += 1
+            return _bad_pattern(sub["pattern"])
+
+        matchers.append(("pattern", bad_pattern))
     else:
         for text, key in _KEYWORD_MESSAGES:
             if text in message:
@@ -381,7 +512,7 @@ def _bad_pattern(pattern: object) -> bool:
         return False
     llguidance = import_llguidance()
     text = "start: %json " + json.dumps({"type": "string", "pattern": pattern})
-    failed, _ = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+    failed, _ = llguidance.LLMatcher.validate_grammar_with_warnings(text, limits=_limits())
     return bool(failed)
 
 

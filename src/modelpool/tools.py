@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from modelpool.errors import GrammarError, InvalidRequest
+from modelpool.errors import GrammarError, InvalidRequest, SchemaTooComplex
 from modelpool.structured import json_schema_grammar_fragment
 
 CALL_OPEN = "<tool_call>"
@@ -203,6 +203,8 @@ def _tool(item: object, where: str, legacy: bool) -> Tool:
         ) from None
     try:
         fragment = json_schema_grammar_fragment(parameters, param=f"{where}.parameters")
+    except SchemaTooComplex:
+        raise  # its own answer (400 schema_too_complex, naming the bound)
     except GrammarError as exc:
         # A keyword the grammar engine cannot honour: refused, naming it and its path.
         raise ToolRequestError(exc.message, exc.param or f"{where}.parameters") from None

@@ -27,7 +27,7 @@ from helpers import open_pool, slack
 from modelpool import ModelPool
 from modelpool.config import ServerConfig
 from modelpool.server import create_app
-from modelpool.server.guard import guarded_protocol
+from modelpool.server.guard import uvicorn_options
 
 COMPLETIONS = "/v1/completions"
 
@@ -43,7 +43,8 @@ class Served:
 
     def __init__(self, pool: ModelPool, config: ServerConfig) -> None:
         app = create_app(pool, config, "testing")
-        self.protocol = guarded_protocol(config)
+        options = uvicorn_options(config, app.state.modelpool.keys)
+        self.protocol = options["http"]
         self.server = uvicorn.Server(
             uvicorn.Config(
                 app,
@@ -52,7 +53,7 @@ class Served:
                 log_config=None,
                 access_log=False,
                 lifespan="off",
-                http=self.protocol,
+                **options,
             )
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -63,8 +64,11 @@ class Served:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def connect(self) -> socket.socket:
-        return socket.create_connection(("127.0.0.1", self.port), timeout=slack(5))
+    def connect(self, address: str = "127.0.0.1") -> socket.socket:
+        """A raw connection from ``address`` (any 127.0.0.0/8 one is this machine's)."""
+        return socket.create_connection(
+            ("127.0.0.1", self.port), timeout=slack(5), source_address=(address, 0)
+        )
 
 
 @contextlib.contextmanager
@@ -180,6 +184,132 @@ def test_a_request_past_its_budget_is_refused_up_front(pool: ModelPool) -> None:
     assert pool.stats().counters["submitted"] == submitted + 1
 
 
+def test_messages_tools_and_logprobs_count_in_the_budget(pool: ModelPool) -> None:
+    chat = "/v1/chat/completions"
+    with serving(pool) as served:
+        http = served.http
+        # The review's 30,001 mostly empty messages with n=128: cost 134 before.
+        empty = [{"role": "user", "content": ""}] * 30_000 + [{"role": "user", "content": "hi"}]
+        error = _error(http.post(chat, json={"messages": empty, "n": 128}), 400)
+        assert error["code"] == "request_too_expensive"
+        # n=2 x 6,000 tokens x top_logprobs 20: a 17 MB answer to a 200-byte request.
+        greedy = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "n": 2,
+            "max_tokens": 6000,
+            "logprobs": True,
+            "top_logprobs": 20,
+        }
+        assert _error(http.post(chat, json=greedy), 400)["code"] == "request_too_expensive"
+        # Tools are rendered into the prompt: they count.
+        tool = {
+            "type": "function",
+            "function": {"name": "f", "description": "d" * 200_000, "parameters": {}},
+        }
+        tooled = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "n": 2}
+        assert _error(http.post(chat, json=tooled), 400)["code"] == "request_too_expensive"
+        # The tokenizer routes are in the budget too.
+        huge = {"prompt": "x" * 300_000}
+        assert _error(http.post("/tokenize", json=huge), 400)["code"] == "request_too_expensive"
+        fine = {"messages": [{"role": "user", "content": "echo:hi"}], "n": 2, "logprobs": True}
+        assert http.post(chat, json=fine).status_code == 200
+
+
+def test_the_tokenizer_routes_take_their_turn_in_fair_share(pool: ModelPool) -> None:
+    limits = {"client_max_running": 1, "client_max_queued": 0}
+    with (
+        serving(pool, **limits) as served,
+        threading_call(served.http.post, COMPLETIONS, json={"prompt": "tokens:3:0.3"}) as held,
+    ):
+        wait_for(pool.stats, lambda s: s.running >= 1, slack(5), "the held run")
+        refused = served.http.post("/tokenize", json={"prompt": "hello"})
+        assert _error(refused, 429)["code"] == "client_limit"
+        refused = served.http.post("/detokenize", json={"tokens": [1, 2]})
+        assert _error(refused, 429)["code"] == "client_limit"
+    assert held.result().status_code == 200
+
+
+# ---- the event loop -------------------------------------------------------------------------
+
+
+def _allof_tools(count: int, branches: int) -> list[dict[str, Any]]:
+    """The review's tools: each parameter an allOf of ``branches`` anyOf string patterns,
+    which the grammar engine intersects in every combination (2 ** branches)."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": f"f{i}",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "x": {
+                            "type": "string",
+                            "allOf": [
+                                {
+                                    "anyOf": [
+                                        {"type": "string", "pattern": f"a{j}_{i}.*"},
+                                        {"type": "string", "pattern": f".*b{j}"},
+                                    ]
+                                }
+                                for j in range(branches)
+                            ],
+                        }
+                    },
+                },
+            },
+        }
+        for i in range(count)
+    ]
+
+
+def test_a_schema_past_a_work_bound_is_refused_at_once_off_the_loop(pool: ModelPool) -> None:
+    chat = "/v1/chat/completions"
+    messages = [{"role": "user", "content": "hi"}]
+    with serving(pool) as served:
+        http = served.http
+        # The review's 65 KB body: 200 after 6.5 s, the loop blocked 6.3 s.
+        started = time.monotonic()
+        refused = http.post(chat, json={"messages": messages, "tools": _allof_tools(44, 14)})
+        error = _error(refused, 400)
+        assert error["code"] == "schema_too_complex" and error["bound"] == "allof_branches"
+        assert "tools[0].function.parameters.properties.x.allOf" in error["param"]
+        assert time.monotonic() - started < slack(1.0)
+        # A guided_choice of 50,000 items (1.7 s of the engine's time each).
+        choice = {"messages": messages, "guided_choice": [f"c{i}" for i in range(50_000)]}
+        error = _error(http.post(chat, json=choice), 400)
+        assert error["code"] == "schema_too_complex" and error["bound"] == "choices"
+        # Under the bounds, the engine decides (these patterns cannot all hold).
+        small = {"messages": messages, "tools": _allof_tools(2, 3)}
+        assert _error(http.post(chat, json=small), 400)["code"] == "invalid_value"
+        assert http.post(chat, json={"messages": messages}).status_code == 200
+
+
+def test_every_body_is_parsed_off_the_event_loop(
+    pool: ModelPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import modelpool.server.app
+
+    on_loop: list[bool] = []
+    parse = modelpool.server.app.parse_chat
+
+    def recording_parse(body: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return parse(body)
+
+    monkeypatch.setattr(modelpool.server.app, "parse_chat", recording_parse)
+    with serving(pool) as served:
+        body = {"messages": [{"role": "user", "content": "echo:x"}]}
+        assert served.http.post("/v1/chat/completions", json=body).status_code == 200
+        assert served.http.get("/stats").json()["checks"]["in_pool"] == 0
+    # A 60-byte body too: none is parsed on the loop, whatever its size.
+    assert on_loop == [False]
+
+
 # ---- backpressure ---------------------------------------------------------------------------
 
 
@@ -219,7 +349,8 @@ def test_a_client_that_stops_reading_stalls_only_its_own_request(pool: ModelPool
 def test_a_client_that_reads_no_answer_is_disconnected_after_send_timeout(
     pool: ModelPool,
 ) -> None:
-    with serving(pool, send_timeout_s=0.5) as served:
+    # The test's own budget lets the large answer through (a logprob costs 4 units).
+    with serving(pool, send_timeout_s=0.5, max_request_tokens=2_000_000) as served:
         stalled = socket.socket()
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         stalled.connect(("127.0.0.1", served.port))
@@ -258,7 +389,7 @@ def test_a_large_answer_is_built_and_encoded_off_the_event_loop(
     monkeypatch.setattr(modelpool.server.app, "response_body", recording_build)
     monkeypatch.setattr(modelpool.server.http, "compact_json", recording_dumps)
     big = {"prompt": "x" * 20000, "n": 2, "echo": True, "logprobs": 5, "max_tokens": 1}
-    with serving(pool) as served:
+    with serving(pool, max_request_tokens=2_000_000) as served:
         answer = served.http.post(COMPLETIONS, json=big)
     assert answer.status_code == 200
     assert len(answer.json()["choices"][0]["logprobs"]["tokens"]) == 20001
@@ -327,7 +458,11 @@ def test_bodies_still_being_received_are_bounded_all_connections_together(
     # Bodies declared 100,000 bytes, 64 KiB sent, never finished: two fit in 150,000.
     head = _post_head(b"", content_length=100_000)
     part = b'{"prompt":"' + b"x" * 65_536
-    limits = {"max_body_bytes": 100_000, "max_pending_body_bytes": 150_000}
+    limits = {
+        "max_body_bytes": 100_000,
+        "max_pending_body_bytes": 150_000,
+        "client_max_pending_body_bytes": 150_000,  # one client may take the whole bound
+    }
     with serving(pool, **limits) as served:
         pending = served.protocol.pending_bodies
         held = [served.connect(), served.connect()]
@@ -350,6 +485,73 @@ def test_bodies_still_being_received_are_bounded_all_connections_together(
         wait_for(lambda: pending.total, lambda n: n == 0, slack(5), "the bodies released")
         whole = served.http.post(COMPLETIONS, json={"prompt": "echo:" + "y" * 90_000})
         assert whole.status_code == 200
+
+
+def test_one_client_cannot_fill_the_pending_body_bound(pool: ModelPool) -> None:
+    # The review's attack: one client's slow bodies filled max_pending_body_bytes, and
+    # every other client's large body was refused 503 for as long as they lasted.
+    head = _post_head(b"", content_length=100_000)
+    part = b'{"prompt":"echo:' + b"x" * 65_536
+    limits = {
+        "max_body_bytes": 100_000,
+        "max_pending_body_bytes": 400_000,
+        "client_max_pending_body_bytes": 150_000,
+    }
+    with serving(pool, **limits) as served:
+        pending = served.protocol.pending_bodies
+        held = [served.connect("127.0.0.2") for _ in range(2)]
+        try:
+            for sock in held:
+                sock.sendall(head + part)
+            wait_for(lambda: pending.total, lambda n: n >= 2 * len(part), slack(5), "2 bodies")
+            with served.connect("127.0.0.2") as third:
+                third.sendall(head + part)
+                answer = _answer(third)
+            assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+            assert b"client_max_pending_body_bytes" in answer
+            # Another client's body, sent in two parts (pending in between), is served.
+            with served.connect("127.0.0.3") as other:
+                other.sendall(head + part)
+                wait_for(
+                    lambda: pending.by_client.get("127.0.0.3", 0),
+                    lambda n: n >= len(part),
+                    slack(5),
+                    "the other client's body to be pending",
+                )
+                rest = b'"}'
+                other.sendall(b" " * (100_000 - len(part) - len(rest)) + rest)
+                answer = other.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def test_a_request_without_a_key_is_closed_before_its_body_is_read(
+    pool: ModelPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MODELPOOL_E2E_ABUSE_KEY", "sk-abuse-test-key-0123")
+    head = _post_head(b"", content_length=1_000_000)
+    with serving(pool, api_key_env="MODELPOOL_E2E_ABUSE_KEY") as served:
+        pending = served.protocol.pending_bodies
+        with served.connect() as sock:
+            sock.sendall(head)
+            # Answered and closed on the head: the body is never waited for.
+            answer = _answer(sock)
+            with contextlib.suppress(OSError):
+                sock.sendall(b"x" * 500_000)
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+        assert b"invalid_api_key" in answer
+        assert pending.total == 0
+        # A wrong key is refused the same way; the right one is served.
+        wrong = {"Authorization": "Bearer sk-abuse-test-key-9999"}
+        refused = served.http.post(COMPLETIONS, json={"prompt": "echo:x"}, headers=wrong)
+        assert _error(refused, 401)["code"] == "invalid_api_key"
+        assert refused.headers["connection"] == "close"
+        right = {"Authorization": "Bearer sk-abuse-test-key-0123"}
+        served_ok = served.http.post(COMPLETIONS, json={"prompt": "echo:x"}, headers=right)
+        assert served_ok.json()["choices"][0]["text"] == "x"
+        assert served.http.get("/healthz").status_code == 200  # open without a key
 
 
 # ---- fair share -----------------------------------------------------------------------------
@@ -403,6 +605,30 @@ def test_a_client_past_its_share_gets_429(pool: ModelPool) -> None:
         assert http.post(COMPLETIONS, json={"prompt": "echo:x", "n": 3}).status_code == 200
 
 
+def test_a_forwarded_address_is_believed_only_from_a_listed_proxy(pool: ModelPool) -> None:
+    # The review's attack: each request names another address, so that each would be a
+    # new client with a whole share of its own.
+    limits = {"client_max_running": 1, "client_max_queued": 2}
+    hold = {"prompt": "tokens:2:0.3", "n": 3}  # this client's whole share, for about 2 s
+    burst = {"prompt": "echo:x", "n": 3}
+    for trusted, expected in (([], 429), (["127.0.0.1"], 200)):
+        with (
+            serving(pool, forwarded_allow_ips=trusted, **limits) as served,
+            threading_call(served.http.post, COMPLETIONS, json=hold) as held,
+        ):
+            wait_for(pool.stats, lambda s: s.running >= 1, slack(5), "the held runs")
+            statuses = {
+                served.http.post(
+                    COMPLETIONS, json=burst, headers={"X-Forwarded-For": f"10.9.0.{i}"}
+                ).status_code
+                for i in range(3)
+            }
+            # Unlisted, the header is ignored: every request is 127.0.0.1's, past its
+            # share; from a listed proxy, each names a client of its own.
+            assert statuses == {expected}, (trusted, statuses)
+        assert held.result().status_code == 200
+
+
 class _Call:
     def __init__(self) -> None:
         self.value: Any = None
@@ -447,3 +673,33 @@ def test_the_logged_path_cannot_forge_a_line(
     assert len(lines) == 1, lines
     assert "\n" not in lines[0] and "\x1b" not in lines[0]
     assert "/x%0A2026-12-01" in lines[0]
+
+
+# ---- tenants --------------------------------------------------------------------------------
+
+
+def test_each_tenant_has_its_own_share_and_budget(
+    pool: ModelPool, tmp_path: Any
+) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        '[tenants.small]\nkey = "sk-small-0123456789"\n'
+        "client_max_running = 1\nclient_max_queued = 0\nmax_request_tokens = 1000\n"
+        '[tenants.big]\nkey = "sk-big-0123456789ab"\n'
+    )
+    small = {"Authorization": "Bearer sk-small-0123456789"}
+    big = {"Authorization": "Bearer sk-big-0123456789ab"}
+    two = {"prompt": "echo:x", "n": 2}
+    with serving(pool, keys_file=str(keys)) as served:
+        http = served.http
+        # One address, two tenants: each is held to its own limits.
+        assert _error(http.post(COMPLETIONS, json=two, headers=small), 429)["code"] == (
+            "client_limit"
+        )
+        assert http.post(COMPLETIONS, json=two, headers=big).status_code == 200
+        costly = {"prompt": "x" * 2000, "max_tokens": 1}
+        assert _error(http.post(COMPLETIONS, json=costly, headers=small), 400)["code"] == (
+            "request_too_expensive"
+        )
+        assert http.post(COMPLETIONS, json=costly, headers=big).status_code == 200
+        assert _error(http.post(COMPLETIONS, json=two), 401)["code"] == "invalid_api_key"

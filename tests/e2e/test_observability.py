@@ -22,9 +22,11 @@ def test_health_and_readiness(http: httpx.Client) -> None:
 
 def test_stats_is_the_pools_stats_dict(http: httpx.Client) -> None:
     """/stats carries PoolStats.to_dict() over the wire: the same documented keys (their
-    values are checked against a pool in test_pool_core), and the daemon's fair share."""
+    values are checked against a pool in test_pool_core), the daemon's fair share and its
+    check threads."""
     data = http.get("/stats").json()
-    assert set(data.pop("fair_share")) == {"capacity", "in_pool", "waiting", "clients"}
+    assert set(data.pop("fair_share")) == {"capacity", "in_pool", "waiting", "clients", "checking"}
+    assert isinstance(data.pop("checks"), dict)
     assert_documented_stats_keys(data)
 
 

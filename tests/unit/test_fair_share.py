@@ -51,7 +51,7 @@ def test_clients_take_turns_and_a_cancelled_wait_leaks_nothing() -> None:
 
     order, snapshot = asyncio.run(scenario())
     assert order == ["a1", "c1", "a2", "a3"]
-    assert snapshot == {"capacity": 1, "in_pool": 0, "waiting": 0, "clients": 0}
+    assert snapshot == {"capacity": 1, "in_pool": 0, "waiting": 0, "clients": 0, "checking": 0}
 
 
 async def _until(condition: Callable[[], bool]) -> None:
@@ -90,3 +90,19 @@ def test_past_its_share_a_client_is_refused_with_429() -> None:
     with pytest.raises(ApiError) as info:
         crowded.reserve("b", 1)
     assert info.value.code == "pool_overloaded"
+
+
+def test_a_request_being_checked_counts_against_its_clients_share() -> None:
+    fair = FairShare(capacity=2, max_running=1, max_queued=1, max_waiting=16)
+    with fair.checking("a"):
+        ticket = fair.reserve("a", 1)  # 1 checking + 1 reserved: the whole share
+        with pytest.raises(ApiError) as refused, fair.checking("a"):
+            pass
+        assert refused.value.code == "client_limit"
+        with pytest.raises(ApiError):
+            fair.reserve("a", 1)
+        with fair.checking("b"):  # another client's share is its own
+            assert fair.snapshot()["checking"] == 2
+        ticket.close()
+    assert fair.snapshot()["checking"] == 0
+    fair.reserve("a", 2).close()

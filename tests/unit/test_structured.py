@@ -217,3 +217,36 @@ def test_without_llguidance_a_constrained_request_is_a_typed_refusal(
     with pytest.raises(GrammarEngineMissing, match=r"modelpool\[structured\]"):
         constrain({"response_format": SCHEMA}, 5.0)
     assert constrain({"max_new_tokens": 4}, 5.0) == {"max_new_tokens": 4}
+
+
+# ---- bounds on the work of a check -----------------------------------------------------------
+
+
+def test_a_schema_past_a_work_bound_is_refused_naming_it() -> None:
+    from modelpool.errors import SchemaTooComplex
+    from modelpool.structured import MAX_CHOICE_ITEMS, MAX_SCHEMA_NODES, checked_inline
+
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2500)}}
+    with pytest.raises(SchemaTooComplex) as nodes:
+        grammar_for_response_format(wide)
+    assert nodes.value.bound == "schema_nodes" and str(MAX_SCHEMA_NODES) in nodes.value.message
+    crossed = {
+        "type": "string",
+        "allOf": [{"anyOf": [{"pattern": f"a{j}.*"}, {"pattern": f".*b{j}"}]} for j in range(9)],
+    }
+    with pytest.raises(SchemaTooComplex) as branches:
+        grammar_for_response_format(crossed)
+    assert branches.value.bound == "allof_branches" and branches.value.param == (
+        "response_format.allOf"
+    )
+    choices = [f"c{i}" for i in range(MAX_CHOICE_ITEMS + 1)]
+    with pytest.raises(SchemaTooComplex) as many:
+        grammar_for_body({"guided_choice": choices})
+    assert many.value.bound == "choices"
+    # Through the HTTP parsing: a typed 400 naming the bound.
+    with pytest.raises(ApiError) as refused:
+        parse_chat({"messages": [{"role": "user", "content": "x"}], "guided_choice": choices})
+    assert refused.value.code == "schema_too_complex"
+    assert refused.value.body()["error"]["bound"] == "choices"
+    # Inline (the daemon's check threads), a request's checks share CHECK_BOUND_S.
+    assert checked_inline(grammar_for_body, {"guided_choice": choices[:10]}) is not None

@@ -6,7 +6,11 @@ to a started :class:`~modelpool.ModelPool` only through its public API
 on uvicorn::
 
     app = create_app(pool, ServerConfig(), "smollm2-135m-instruct")
+    app = create_app(registry, ServerConfig())     # many models: a started ModelRegistry
     uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Every route that runs a model gets its pool from ``state.pool_for(request, body)``: the
+one pool, whatever ``model`` says, or the registry's model of that name (``models.py``).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
 sends server-sent events ending with ``data: [DONE]``), ``POST /v1/responses`` (with
@@ -52,6 +56,8 @@ import socket
 import time
 from collections.abc import (
     AsyncIterator,
+    Awaitable,
+    Callable,
     Coroutine,
     Iterator,
     Mapping,
@@ -67,19 +73,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Scope
 
-from modelpool.config import ServerConfig
+from modelpool.config import PoolConfig, ServerConfig
 from modelpool.errors import (
     PoolError,
 )
 from modelpool.protocol import Prompt
+from modelpool.registry import ModelRegistry
+from modelpool.server import models as multi
 from modelpool.server.anthropic.api import MessagesApi, count_prompt
+from modelpool.server.checks import Checks
 from modelpool.server.errors import (
     RETRY_AFTER_UNAVAILABLE,
     error_response,
     pool_error_to_api,
     shutting_down,
 )
-from modelpool.server.fair_share import FairShare
+from modelpool.server.fair_share import FairShare, Limits
 from modelpool.server.generation import Api, P, Plain
 from modelpool.server.guard import BrowserGuard, Gate, require_json
 from modelpool.server.http import (
@@ -95,9 +104,11 @@ from modelpool.server.metrics import CONTENT_TYPE, PoolMetrics
 from modelpool.server.openai.format import response_body
 from modelpool.server.openai.request import (
     check_budget,
+    check_size,
     deadline_from,
     parse_chat,
     parse_completion,
+    prompt_size,
 )
 from modelpool.server.openai.stream import ChatChunks
 from modelpool.server.responses.api import ResponsesApi
@@ -109,7 +120,14 @@ from modelpool.server.streaming import (
     answer_tokens,
     note_results,
 )
-from modelpool.server.tokenize import parse_detokenize, parse_tokenize, tokenize_body
+from modelpool.server.tenants import Keys, Tenant
+from modelpool.server.tokenize import (
+    TokenizeJob,
+    parse_detokenize,
+    parse_tokenize,
+    tokenize_body,
+)
+from modelpool.stats import PoolHealth
 
 if TYPE_CHECKING:
     from modelpool.pool import AsyncPoolStream, ModelPool, Result
@@ -117,9 +135,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 
-# Bodies larger than this are parsed and checked off the event loop.
-PARSE_OFF_LOOP_BYTES = 65_536
 READY_WORKER_STATES = frozenset({"idle", "busy", "spare"})
 
 
@@ -170,19 +187,61 @@ class LoopWatch:
 
 @dataclass
 class ServerState:
-    """Mutable state shared by the routes and the CLI's signal handler."""
+    """Mutable state shared by the routes and the CLI's signal handler. One of ``pool``
+    (one model) and ``registry`` (many) is set."""
 
-    pool: ModelPool
+    pool: ModelPool | None
     config: ServerConfig
     model_name: str
     metrics: PoolMetrics
     started: int
     fair_share: FairShare
     responses: ResponsesApi  # its store: previous_response_id, GET/DELETE
+    keys: Keys
+    checks: Checks
     # Parsing and building large bodies and answers, in a thread, one at a time.
     heavy_work: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     draining: bool = False
     loop_watch: LoopWatch = field(default_factory=LoopWatch)
+    registry: ModelRegistry | None = None
+
+    async def pool_for(self, request: Request, body: dict[str, Any]) -> ModelPool:
+        """The pool for the body's ``model``, held until the answer is sent (see
+        ``server.models``): the one pool, or the registry's, loaded if need be."""
+        return await multi.pool_for(self, request, body)
+
+    def pool_config_for(self, body: dict[str, Any]) -> PoolConfig:
+        """The configuration of the pool that serves the body's ``model``, without loading
+        it (a check thread costs a request with it before its model is chosen)."""
+        if self.registry is None:
+            assert self.pool is not None
+            return self.pool.config
+        return multi.config_for(self.registry, body)
+
+    def default_deadline_s(self) -> float:
+        """The deadline of a request whose body does not say (yet): the pool's, or the
+        longest of the registry's models."""
+        if self.registry is None:
+            assert self.pool is not None
+            return self.pool.config.deadline_s
+        return max(spec.pool.deadline_s for spec in self.registry.config.models)
+
+    def time_left(self, request: Request, deadline_s: float) -> float:
+        """``deadline_s`` less what the request waited for its model to load."""
+        return multi.time_left(request, deadline_s)
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        """A small JSON body (the admin routes'), parsed in a check thread."""
+        deadline = deadline_from({}, request.headers, self.default_deadline_s(), None)
+        body, _ = await _read_json(request, self, deadline, _no_parse)
+        return body
+
+    def health(self) -> PoolHealth:
+        """The pool's liveness, or the registry's (its supervisor's heartbeat)."""
+        if self.registry is not None:
+            return self.registry.health()
+        assert self.pool is not None
+        return self.pool.health()
 
 
 def api_key_from_env(server_config: ServerConfig) -> str | None:
@@ -193,27 +252,42 @@ def api_key_from_env(server_config: ServerConfig) -> str | None:
 
 
 def create_app(
-    pool: ModelPool,
+    served: ModelPool | ModelRegistry,
     server_config: ServerConfig,
-    model_name: str,
+    model_name: str = "",
     *,
     api_key: str | None = None,
 ) -> FastAPI:
-    """The daemon's ASGI app for a started ``pool``. The key is ``api_key``, or else read
-    from the variable ``server_config.api_key_env`` names."""
-    metrics = PoolMetrics(pool.stats)
+    """The daemon's ASGI app for a started pool (serving ``model_name``) or a started
+    :class:`ModelRegistry`. The key is ``api_key``, or else read from the variable
+    ``server_config.api_key_env`` names."""
+    registry: ModelRegistry | None = None
+    pool: ModelPool | None = None
+    if isinstance(served, ModelRegistry):
+        registry = served
+        configs = [spec.pool for spec in registry.config.models]
+        metrics = PoolMetrics(registry_source=registry.stats)
+    else:
+        pool = served
+        configs = [pool.config]
+        metrics = PoolMetrics(pool.stats, model=model_name)
+    keys = Keys.configured(server_config.keys_file, api_key or api_key_from_env(server_config))
+    fair_share = FairShare(
+        capacity=sum(c.workers * c.max_batch_size for c in configs),
+        max_running=server_config.client_max_running,
+        max_queued=server_config.client_max_queued,
+        max_waiting=sum(c.max_queue for c in configs),
+    )
     state = ServerState(
         pool=pool,
+        registry=registry,
         config=server_config,
         model_name=model_name,
         metrics=metrics,
         started=int(time.time()),
-        fair_share=FairShare(
-            capacity=pool.config.workers * pool.config.max_batch_size,
-            max_running=server_config.client_max_running,
-            max_queued=server_config.client_max_queued,
-            max_waiting=pool.config.max_queue,
-        ),
+        fair_share=fair_share,
+        keys=keys,
+        checks=Checks(fair_share, max_waiting=sum(c.max_queue for c in configs)),
         responses=ResponsesApi(
             ResponseStore(
                 max_entries=server_config.responses_store_entries,
@@ -224,9 +298,11 @@ def create_app(
     )
     app = FastAPI(title="modelpool", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.modelpool = state
+    # Inside the Gate: a model's lease is released once the answer is out.
+    app.add_middleware(multi.ModelLeases)
     app.add_middleware(
         Gate,
-        api_key=api_key or api_key_from_env(server_config),
+        keys=keys,
         max_body_bytes=server_config.max_body_bytes,
         metrics=metrics,
         guard=BrowserGuard(server_config),
@@ -279,7 +355,7 @@ def create_app(
         # Liveness, not readiness: never waits on the dispatcher (a wedged one is what
         # this must report), and a pool that is starting or degraded is still alive.
         state.loop_watch.ensure_started()
-        health = pool.health()
+        health = state.health()
         lag = state.loop_watch.lag_s()
         reasons: list[str] = [] if health.alive else [health.reason or "the pool is not alive"]
         if lag > state.config.max_event_loop_lag_s:
@@ -301,6 +377,9 @@ def create_app(
 
     @app.get("/readyz")
     async def readyz() -> Response:
+        if registry is not None:
+            return await _registry_ready(state, registry)
+        assert pool is not None
         stats = await run_in_threadpool(pool.stats)
         ready_workers = sum(1 for w in stats.workers if w.state in READY_WORKER_STATES)
         ready = not state.draining and stats.state in ("ready", "degraded") and ready_workers > 0
@@ -315,48 +394,49 @@ def create_app(
 
     @app.get("/stats")
     async def stats() -> Response:
+        server_parts = {
+            "fair_share": state.fair_share.snapshot(),
+            "checks": state.checks.snapshot(),
+        }
+        if registry is not None:
+            snapshot_all = await run_in_threadpool(registry.stats)
+            return JSONResponse({**snapshot_all.to_dict(), **server_parts})
+        assert pool is not None
         snapshot = await pool.astats()
-        return JSONResponse({**snapshot.to_dict(), "fair_share": state.fair_share.snapshot()})
+        return JSONResponse({**snapshot.to_dict(), **server_parts})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         body = await run_in_threadpool(metrics.render)
         return Response(body, media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        snapshot = await pool.astats()
-        return {"object": "list", "data": [_model_card(state, snapshot.max_model_len)]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict[str, Any]:
-        if model_id != model_name:
-            raise ApiError(
-                404,
-                f"model {model_id!r} is not served here (serving {model_name!r})",
-                type="not_found_error",
-                code="model_not_found",
-                param="model",
-            )
-        snapshot = await pool.astats()
-        return _model_card(state, snapshot.max_model_len)
+    if registry is not None:
+        multi.install_routes(app, state, registry)
+    else:
+        assert pool is not None
+        _install_model_routes(app, state, pool)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        body = await _read_json(request, state)
-        job = parse_tokenize(body)
-        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        tokens = await pool.atokenize(
-            job.prompt, add_generation_prompt=job.add_generation_prompt, deadline_s=deadline
-        )
+        async def run(pool: ModelPool, job: TokenizeJob, left_s: float) -> list[int]:
+            return await pool.atokenize(
+                job.prompt, add_generation_prompt=job.add_generation_prompt, deadline_s=left_s
+            )
+
+        pool, tokens = await _on_a_worker(request, state, _parse_tokenize, run)
         snapshot = await pool.astats()
-        return JSONResponse(tokenize_body(tokens, snapshot.max_model_len))
+        body = tokenize_body(tokens, snapshot.max_model_len)
+        content = await off_loop_if(
+            len(tokens) > ENCODE_OFF_LOOP_TOKENS, state.heavy_work, json_bytes, body
+        )
+        return Response(content, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        tokens = parse_detokenize(await _read_json(request, state))
-        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        text = await pool.adetokenize(tokens, deadline_s=deadline) if tokens else ""
+        async def run(pool: ModelPool, tokens: list[int], left_s: float) -> str:
+            return await pool.adetokenize(tokens, deadline_s=left_s) if tokens else ""
+
+        _, text = await _on_a_worker(request, state, _parse_detokenize, run)
         return JSONResponse({"prompt": text})
 
     @app.post("/v1/completions")
@@ -385,13 +465,55 @@ def create_app(
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        body = await _read_json(request, state)
-        prompt = count_prompt(body)
-        deadline = deadline_from({}, request.headers, pool.config.deadline_s, None)
-        tokens = await pool.atokenize(prompt, deadline_s=deadline)
+        async def run(pool: ModelPool, prompt: Prompt, left_s: float) -> list[int]:
+            return await pool.atokenize(prompt, deadline_s=left_s)
+
+        _, tokens = await _on_a_worker(request, state, _parse_count, run)
         return JSONResponse({"input_tokens": len(tokens)})
 
     return app
+
+
+def _install_model_routes(app: FastAPI, state: ServerState, pool: ModelPool) -> None:
+    """``/v1/models`` of a one-model daemon: the served model."""
+    model_name = state.model_name
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        snapshot = await pool.astats()
+        return {"object": "list", "data": [_model_card(state, snapshot.max_model_len)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise ApiError(
+                404,
+                f"model {model_id!r} is not served here (serving {model_name!r})",
+                type="not_found_error",
+                code="model_not_found",
+                param="model",
+            )
+        snapshot = await pool.astats()
+        return _model_card(state, snapshot.max_model_len)
+
+
+async def _registry_ready(state: ServerState, registry: ModelRegistry) -> Response:
+    """Ready: not draining, the registry alive, and every preload model loaded (any other
+    model loads on its first request)."""
+    stats = await run_in_threadpool(registry.stats, with_pools=False)
+    waiting_for = [
+        name
+        for name, model in stats.models.items()
+        if registry.spec(name).preload and model.state != "loaded"
+    ]
+    ready = not state.draining and registry.health().alive and not waiting_for
+    body = {
+        "status": "ready" if ready else "not ready",
+        "models": {name: model.state for name, model in stats.models.items()},
+        "draining": state.draining,
+    }
+    headers = {} if ready else {"Retry-After": str(RETRY_AFTER_UNAVAILABLE)}
+    return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
 
 
 def _model_card(state: ServerState, max_model_len: int | None) -> dict[str, Any]:
@@ -424,14 +546,94 @@ def _check_not_draining(state: ServerState) -> None:
         )
 
 
-async def _read_json(request: Request, state: ServerState) -> dict[str, Any]:
-    """A small JSON body (the tokenizer routes'), parsed off the loop when large."""
+@dataclass(frozen=True)
+class Client:
+    """Who a request counts against: its tenant when keys are set, else its address."""
+
+    name: str
+    tenant: Tenant | None
+
+    @property
+    def limits(self) -> Limits | None:
+        if self.tenant is None:
+            return None
+        return (self.tenant.client_max_running, self.tenant.client_max_queued)
+
+
+def _client(request: Request, state: ServerState) -> Client:
+    if state.keys.required:
+        # The key was checked already (the protocol, the Gate): it names a tenant.
+        tenant = state.keys.tenant(
+            request.headers.get("authorization", "").encode("latin-1"),
+            request.headers.get("x-api-key", "").encode("latin-1"),
+        )
+        if tenant is not None:
+            return Client(f"tenant:{tenant.name}", tenant)
+    return Client(request.client.host if request.client is not None else "-", None)
+
+
+async def _read_json(
+    request: Request, state: ServerState, deadline_s: float, parse: Callable[..., T], *args: Any
+) -> tuple[dict[str, Any], T]:
+    """A small route's body and what ``parse(body, *args)`` makes of it, both in a check
+    thread (never on the loop, whatever its size)."""
     _check_not_draining(state)
     require_json(request.headers.get("content-type"))
     raw = await read_body(request, state.config.max_body_bytes)
-    return await off_loop_if(
-        len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, parse_json_object, raw
+    client = _client(request, state)
+    checks = state.checks
+    return await checks.run(client.name, client.limits, deadline_s, _parsed, raw, parse, *args)
+
+
+def _parsed(raw: bytes, parse: Callable[..., T], *args: Any) -> tuple[dict[str, Any], T]:
+    body = parse_json_object(raw)
+    return body, parse(body, *args)
+
+
+def _no_parse(body: dict[str, Any]) -> None:
+    return None
+
+
+async def _on_a_worker(
+    request: Request,
+    state: ServerState,
+    parse: Callable[[dict[str, Any], ServerConfig], T],
+    call: Callable[[ModelPool, T, float], Awaitable[R]],
+) -> tuple[ModelPool, R]:
+    """A tokenizer route's walk: its body parsed and checked in a check thread, its
+    model's pool, then ``call(pool, job, seconds_left)`` in the client's turn of fair
+    share (tokenizing takes a worker, as a generation does)."""
+    waiting_s = deadline_from({}, request.headers, state.default_deadline_s(), None)
+    body, job = await _read_json(request, state, waiting_s, parse, state.config)
+    pool = await state.pool_for(request, body)
+    deadline = state.time_left(
+        request, deadline_from({}, request.headers, pool.config.deadline_s, None)
     )
+    client = _client(request, state)
+    ticket = state.fair_share.reserve(client.name, 1, client.limits)
+    try:
+        async with ticket.slot(deadline) as left_s:
+            return pool, await call(pool, job, left_s)
+    finally:
+        ticket.close()
+
+
+def _parse_tokenize(body: dict[str, Any], config: ServerConfig) -> TokenizeJob:
+    job = parse_tokenize(body)
+    check_size(prompt_size(job.prompt), limit=config.max_request_tokens, param="prompt")
+    return job
+
+
+def _parse_count(body: dict[str, Any], config: ServerConfig) -> Prompt:
+    prompt = count_prompt(body)
+    check_size(prompt_size(prompt), limit=config.max_request_tokens, param="messages")
+    return prompt
+
+
+def _parse_detokenize(body: dict[str, Any], config: ServerConfig) -> list[int]:
+    tokens = parse_detokenize(body)
+    check_size(len(tokens), limit=config.max_request_tokens, param="tokens")
+    return tokens
 
 
 async def _generate(request: Request, state: ServerState, api: Api[P]) -> Response:
@@ -443,24 +645,29 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         raw = await read_body(request, state.config.max_body_bytes)
     except ClientDisconnect:
         return ClientGone()
-    body, parsed = await off_loop_if(
-        len(raw) > PARSE_OFF_LOOP_BYTES, state.heavy_work, _parse, raw, api
+    client = _client(request, state)
+    # The wait for a check thread counts against the request's deadline, which only the
+    # body says exactly: until it is parsed, the header's or the pool's.
+    waiting_s = deadline_from(
+        {}, request.headers, state.default_deadline_s(), state.config.max_request_timeout_s
+    )
+    tenant_budget = client.tenant.max_request_tokens if client.tenant is not None else None
+    budget = tenant_budget or state.config.max_request_tokens
+    body, parsed = await state.checks.run(
+        client.name, client.limits, waiting_s, _parse, raw, api, budget, state.pool_config_for
     )
     job = parsed.job
-    pool = state.pool
-    check_budget(
-        job,
-        limit=state.config.max_request_tokens,
-        default_max_tokens=pool.config.generation_defaults.get("max_new_tokens", 0),
-    )
-    deadline = deadline_from(
-        body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
+    pool = await state.pool_for(request, body)
+    deadline = state.time_left(
+        request,
+        deadline_from(
+            body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
+        ),
     )
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
     runs = job.choices()
-    client = request.client.host if request.client is not None else "-"
-    ticket = state.fair_share.reserve(client, len(runs))
+    ticket = state.fair_share.reserve(client.name, len(runs), client.limits)
 
     if job.stream:
 
@@ -476,7 +683,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         choices = [StreamedChoice(index, prompt, params) for index, prompt, params in runs]
         return EventStream(
             choices,
-            api.writer(parsed, choices, state.model_name),
+            api.writer(parsed, choices, _answer_model(state, body)),
             on_error=note_error,
             send_timeout_s=state.config.send_timeout_s,
             start=start,
@@ -509,7 +716,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         api.answer,
         parsed,
         by_index,
-        state.model_name,
+        _answer_model(state, body),
     )
     return Response(
         content,
@@ -518,9 +725,31 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     )
 
 
-def _parse(raw: bytes, api: Api[P]) -> tuple[dict[str, Any], P]:
+def _parse(
+    raw: bytes,
+    api: Api[P],
+    budget: int,
+    config_for: Callable[[dict[str, Any]], PoolConfig],
+) -> tuple[dict[str, Any], P]:
+    """A generation's body, parsed by its API family, checked and costed against
+    ``budget`` (``max_request_tokens``) with its model's ``max_new_tokens`` for a request
+    that says none; in a check thread. ``keep_alive`` (Ollama's) is the registry's, not
+    the API's."""
     body = parse_json_object(raw)
-    return body, api.parse(body)
+    keep_alive = multi.split_keep_alive(body)
+    parsed = api.parse(body)
+    multi.put_keep_alive(body, keep_alive)
+    default_max_tokens = config_for(body).generation_defaults.get("max_new_tokens", 0)
+    check_budget(parsed.job, limit=budget, default_max_tokens=default_max_tokens)
+    return body, parsed
+
+
+def _answer_model(state: ServerState, body: dict[str, Any]) -> str:
+    """The ``model`` an answer names: the served one, or the registry's name for the one
+    asked for (an alias answers with the model's own name)."""
+    if state.registry is None:
+        return state.model_name
+    return state.registry.spec(str(body.get("model"))).name
 
 
 class CompletionsApi:

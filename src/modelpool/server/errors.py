@@ -5,6 +5,7 @@ writes an error in the shape of the route's API (Anthropic's under ``/v1/message
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -18,10 +19,14 @@ from modelpool.errors import (
     GrammarError,
     InvalidRequest,
     ModelLoadFailed,
+    ModelNotFound,
+    ModelTooLarge,
+    ModelUnavailable,
     OutOfMemory,
     PoolClosed,
     PoolError,
     PoolOverloaded,
+    SchemaTooComplex,
     WorkerCrashed,
 )
 from modelpool.server.http import ApiError
@@ -52,12 +57,54 @@ def pool_error_to_api(error: PoolError) -> ApiError:
         return ApiError(
             400, error.message, code="grammar_compile_timeout", param=error.param, extra=extra
         )
+    if isinstance(error, SchemaTooComplex):
+        return ApiError(
+            400,
+            error.message,
+            code="schema_too_complex",
+            param=error.param,
+            extra={**extra, "bound": error.bound},
+        )
     if isinstance(error, GrammarError):
         return ApiError(
             400, error.message, code="unsupported_value", param=error.param, extra=extra
         )
     if isinstance(error, InvalidRequest):
         return ApiError(400, error.message, code="invalid_value", extra=extra)
+    if isinstance(error, ModelNotFound):
+        # OpenAI's answer, naming no other model.
+        return ApiError(
+            404,
+            f"The model {error.model!r} does not exist",
+            code="model_not_found",
+            param="model",
+        )
+    if isinstance(error, ModelTooLarge):
+        # Not 503: it would not fit after any wait; the numbers say by how much.
+        extra.update(
+            model=error.model,
+            resource=error.resource,
+            needed_bytes=error.needed_bytes,
+            available_bytes=error.available_bytes,
+            budget_bytes=error.budget_bytes,
+        )
+        return ApiError(
+            507,
+            error.message,
+            type="insufficient_memory_error",
+            code="model_too_large",
+            extra=extra,
+        )
+    if isinstance(error, ModelUnavailable):
+        extra.update(model=error.model, reason=error.reason, retry_after_s=error.retry_after_s)
+        return ApiError(
+            503,
+            error.message,
+            type="unavailable_error",
+            code="model_unavailable",
+            headers={"Retry-After": str(max(1, math.ceil(error.retry_after_s)))},
+            extra=extra,
+        )
     if isinstance(error, PoolOverloaded):
         return ApiError(
             429,

@@ -34,12 +34,14 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from modelpool.errors import DeadlineExceeded
 from modelpool.server.http import ApiError
 
+# A client's own (max_running, max_queued); None in either is the share's.
+Limits = tuple[int | None, int | None]
 # Seconds a refused client should wait: runs of the testing or a real model end quickly.
 RETRY_AFTER_S = 1
 # A client that sent a request this recently counts as active though it has nothing in
@@ -59,16 +61,22 @@ class FairShare:
         self.max_waiting = max_waiting
         self._running: collections.Counter[str] = collections.Counter()
         self._reserved: collections.Counter[str] = collections.Counter()
+        # Requests still being parsed and checked (server.checks): each counts as a run.
+        self._checking: collections.Counter[str] = collections.Counter()
         # Clients with runs waiting, in turn order; each with its runs, oldest first.
         self._waiters: dict[str, collections.deque[asyncio.Future[None]]] = {}
         self._in_pool = 0
         self._last_active: dict[str, float] = {}
+        # Clients with limits of their own (tenants): (max_running, max_queued), None for
+        # the share's.
+        self._limits: dict[str, Limits] = {}
         self._recheck: asyncio.TimerHandle | None = None
 
-    def reserve(self, client: str, runs: int) -> Ticket:
-        """Room for ``runs`` more runs of ``client``, or a 429 saying which bound it met."""
-        held = self._running[client] + self._reserved[client]
-        if held + runs > self.max_running + self.max_queued:
+    def reserve(self, client: str, runs: int, limits: Limits | None = None) -> Ticket:
+        """Room for ``runs`` more runs of ``client``, or a 429 saying which bound it met;
+        ``limits`` are the client's own (a tenant's), else the share's."""
+        held = self._running[client] + self._reserved[client] + self._checking[client]
+        if held + runs > self._bound(client, limits):
             raise ApiError(
                 429,
                 f"this client has {held} runs in flight or waiting; {runs} more would pass "
@@ -92,13 +100,50 @@ class FairShare:
         self._last_active[client] = time.monotonic()
         return Ticket(self, client, runs)
 
+    def _bound(self, client: str, limits: Limits | None) -> int:
+        """What ``client`` may hold (running and waiting), remembering its own limits."""
+        if limits is not None:
+            self._limits[client] = limits
+        queued = self._limits.get(client, (None, None))[1]
+        return self._max_running(client) + (self.max_queued if queued is None else queued)
+
+    def _max_running(self, client: str) -> int:
+        running = self._limits.get(client, (None, None))[0]
+        return self.max_running if running is None else min(running, self.capacity)
+
+    @contextlib.contextmanager
+    def checking(self, client: str, limits: Limits | None = None) -> Iterator[None]:
+        """One request of ``client`` being parsed and checked: held against its share
+        like a run (429 ``client_limit`` past it), so that a client cannot queue
+        unbounded work in the check threads either."""
+        held = self._running[client] + self._reserved[client] + self._checking[client]
+        if held + 1 > self._bound(client, limits):
+            raise ApiError(
+                429,
+                f"this client has {held} runs and requests in flight or waiting; one more "
+                f"would pass its share ({self.max_running} running + {self.max_queued} "
+                "waiting: [server] client_max_running, client_max_queued)",
+                type="rate_limit_error",
+                code="client_limit",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self._checking[client] += 1
+        self._last_active[client] = time.monotonic()
+        try:
+            yield
+        finally:
+            self._checking[client] -= 1
+            if self._checking[client] <= 0:
+                del self._checking[client]
+
     def snapshot(self) -> dict[str, Any]:
         """What ``/stats`` shows under ``fair_share``."""
         return {
             "capacity": self.capacity,
             "in_pool": self._in_pool,
             "waiting": sum(len(waiters) for waiters in self._waiters.values()),
-            "clients": len(set(self._running) | set(self._reserved)),
+            "clients": len(set(self._running) | set(self._reserved) | set(self._checking)),
+            "checking": sum(self._checking.values()),
         }
 
     def _unreserve(self, client: str, runs: int) -> None:
@@ -128,7 +173,7 @@ class FairShare:
     def _may_run(self, client: str) -> bool:
         free = self.capacity - self._in_pool
         running = self._running[client]
-        if free <= 0 or running >= self.max_running:
+        if free <= 0 or running >= self._max_running(client):
             return False
         return running == 0 or free > self._held_back(client)
 

@@ -19,7 +19,6 @@ long as the client likes.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
 import json
 import logging
@@ -29,6 +28,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import httptools
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
@@ -36,11 +36,11 @@ from modelpool.config import ServerConfig
 from modelpool.server.errors import error_response
 from modelpool.server.http import ApiError, invalid
 from modelpool.server.metrics import PoolMetrics
+from modelpool.server.tenants import Keys
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("modelpool.access")
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 GENERATION_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
 )
@@ -194,13 +194,13 @@ class Gate:
         self,
         app: ASGIApp,
         *,
-        api_key: str | None,
+        keys: Keys,
         max_body_bytes: int,
         metrics: PoolMetrics,
         guard: BrowserGuard,
     ) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.keys = keys
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
         self.guard = guard
@@ -245,7 +245,7 @@ class Gate:
             status = state.get("status") or (sent_status[0] if sent_status else 500)
             path = scope["path"]
             if path in GENERATION_PATHS:
-                self.metrics.observe_request(seconds)
+                self.metrics.observe_request(seconds, state.get("model"))
             access_logger.info(
                 "%s %s %s request_id=%s attempts=%s worker_pid=%s seconds=%.4f",
                 scope["method"],
@@ -258,21 +258,9 @@ class Gate:
             )
 
     def _refusal(self, headers: Mapping[bytes, bytes], path: str) -> ApiError | None:
-        if self.api_key is not None and path not in OPEN_PATHS:
-            given = headers.get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if not given and b"x-api-key" in headers:
-                # Anthropic's clients send the key as x-api-key.
-                scheme, token = b"bearer", headers[b"x-api-key"]
-            # compare_digest on bytes: constant time in the key's content.
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                return ApiError(
-                    401,
-                    "missing or invalid API key (Authorization: Bearer KEY, or x-api-key: KEY)",
-                    type="authentication_error",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
+        refusal = self.keys.refusal(headers, path)
+        if refusal is not None:
+            return refusal
         length = headers.get(b"content-length")
         if length is not None:
             try:
@@ -301,12 +289,49 @@ def raw_response(error: ApiError) -> bytes:
         b"content-length: " + str(len(body)).encode() + b"\r\n",
         b"connection: close\r\n",
     ]
-    lines += [f"{name}: {value}\r\n".encode("latin-1") for name, value in error.headers.items()]
+    lines += [
+        f"{name}: {value}\r\n".encode("latin-1")
+        for name, value in error.headers.items()
+        if name.lower() != "connection"
+    ]
     return b"".join([*lines, b"\r\n", body])
 
 
-def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
+def head_refusal(
+    guard: BrowserGuard, keys: Keys, headers: Mapping[bytes, bytes], method: bytes, path: str
+) -> ApiError | None:
+    """What :class:`Gate` would refuse for the request head alone, in its order (Host and
+    Origin, then the key; an allowed origin's preflight carries no key)."""
+    refusal = guard.refusal(headers)
+    if refusal is not None:
+        return refusal
+    origin = headers.get(b"origin")
+    if method == b"OPTIONS" and origin is not None and guard.origin_allowed(origin):
+        return None
+    return keys.refusal(headers, path)
+
+
+def uvicorn_options(config: ServerConfig, keys: Keys | None = None) -> dict[str, Any]:
+    """What ``uvicorn.Config`` takes from ``config``: the guarded protocol (refusing a
+    request without one of ``keys`` before its body is read), and proxy headers believed
+    only from ``forwarded_allow_ips``. uvicorn's own default believes
+    ``X-Forwarded-For`` from 127.0.0.1, so that any client on the machine could name
+    itself a new address per request and take a new fair share each time."""
+    trusted = list(config.forwarded_allow_ips)
+    return {
+        "http": guarded_protocol(config, keys),
+        "proxy_headers": bool(trusted),
+        # None would read FORWARDED_ALLOW_IPS from the environment, or 127.0.0.1.
+        "forwarded_allow_ips": trusted or [],
+    }
+
+
+def guarded_protocol(config: ServerConfig, keys: Keys | None = None) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with the limits of ``config``:
+
+    - a request that :class:`Gate` would refuse for its head (Host, Origin, no key of
+      ``keys``) is answered (403, 401) and closed as soon as the head is complete: its
+      body is never read, so it is never pending and never costs anyone a thing;
 
     - ``header_timeout_s``: a connection has that long to send a complete request head,
       from its opening and from the first byte of each later request (408, closed);
@@ -318,14 +343,20 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
     - ``max_connections``: a request on a connection past that many gets 503 with
       Retry-After and the connection is closed, so that file descriptors never run out;
     - ``max_pending_body_bytes``: the bytes of bodies still being received, all
-      connections together (:class:`PendingBodies`); the connection whose body takes
-      them past it gets 503 with Retry-After and is closed;
+      connections together, and ``client_max_pending_body_bytes`` those of one client
+      address (:class:`PendingBodies`); the connection whose body takes either past its
+      bound gets 503 with Retry-After and is closed, so that one client's slow bodies
+      cannot fill the bound for the others;
     - ``send_timeout_s``: a connection whose client reads nothing of a pending answer
       for that long is aborted (a whole answer, not only a stream, would otherwise sit
       in the transport's buffer for as long as the client likes).
     """
 
-    pending_bodies = PendingBodies(config.max_pending_body_bytes)
+    pending_bodies = PendingBodies(
+        config.max_pending_body_bytes, config.client_pending_body_bytes()
+    )
+    guard = BrowserGuard(config)
+    head_keys = keys or Keys.single(None)
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # Shared by every connection of the server this class is given to.
@@ -334,6 +365,7 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self.body_bytes = 0  # of the request body being received, counted as pending
+            self.peer = self.client[0] if self.client else "-"
             self.head_bytes = 0
             self.header_count = 0
             self.reading_head = True
@@ -387,14 +419,10 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
                 self._refuse(431, f"more than {config.max_headers} request headers")
             # Checked once what was read is parsed: a body that came whole is no longer
             # pending, so a small request is never refused for others' slow bodies.
-            if self.body_bytes and pending_bodies.over() and not self.transport.is_closing():
-                self._refuse(
-                    503,
-                    f"the server holds {config.max_pending_body_bytes} bytes of request "
-                    "bodies still being received ([server] max_pending_body_bytes)",
-                    code="too_many_pending_bodies",
-                    retry_after=1,
-                )
+            if self.body_bytes and not self.transport.is_closing():
+                over = pending_bodies.over(self.peer)
+                if over is not None:
+                    self._refuse(503, over, code="too_many_pending_bodies", retry_after=1)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -416,6 +444,16 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
                 return
             self.reading_head = False
             self._disarm()
+            refusal = head_refusal(
+                guard,
+                head_keys,
+                dict(self.headers),
+                self.parser.get_method(),
+                urllib.parse.unquote(httptools.parse_url(self.url).path.decode("latin-1")),
+            )
+            if refusal is not None:
+                self._refuse_with(refusal)
+                return
             if self.over_capacity:
                 self._refuse(
                     503,
@@ -430,7 +468,7 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
         def on_body(self, body: bytes) -> None:
             if not self.transport.is_closing():  # not for a request refused here
                 self.body_bytes += len(body)
-                pending_bodies.add(len(body))
+                pending_bodies.add(self.peer, len(body))
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
@@ -441,7 +479,7 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
 
         def _body_received(self) -> None:
             """The body is whole (the app's now, bounded by max_body_bytes) or gone."""
-            pending_bodies.add(-self.body_bytes)
+            pending_bodies.add(self.peer, -self.body_bytes)
             self.body_bytes = 0
 
         def _arm(self, seconds: float, why: str) -> None:
@@ -471,6 +509,11 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
             code: str | None = None,
             retry_after: int | None = None,
         ) -> None:
+            headers = {"Retry-After": str(retry_after)} if retry_after else None
+            error = ApiError(status, message, code=code or _CODES[status], headers=headers)
+            self._refuse_with(error)
+
+        def _refuse_with(self, error: ApiError) -> None:
             self._disarm()
             self._body_received()
             cycle = self.cycle
@@ -480,12 +523,10 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
                 cycle.disconnected = True
                 cycle.message_event.set()
             if cycle is None or cycle.response_complete or not cycle.response_started:
-                headers = {"Retry-After": str(retry_after)} if retry_after else None
-                error = ApiError(status, message, code=code or _CODES[status], headers=headers)
                 self.transport.write(raw_response(error))
             # Debug, not info: an attacker opens these by the thousand, and a log line
             # each would amplify the attack onto the disk.
-            logger.debug("closing a connection from %s: %s", _peer(self.client), message)
+            logger.debug("closing a connection from %s: %s", _peer(self.client), error.message)
             self.transport.close()
 
     GuardedHttpToolsProtocol.pending_bodies = pending_bodies
@@ -494,19 +535,39 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
 
 class PendingBodies:
     """The bytes of request bodies received but not yet complete, all connections of a
-    server together. Each waits for the rest of its body (``body_timeout_s`` between two
-    reads), so without a bound on the sum a few hundred slow bodies hold their bytes
-    for as long as the timeout lets them: the daemon's memory, not the client's."""
+    server together and by client address. Each waits for the rest of its body
+    (``body_timeout_s`` between two reads), so without a bound on the sum a few hundred
+    slow bodies hold their bytes for as long as the timeout lets them: the daemon's
+    memory, not the client's. The bound per address keeps one client from filling the
+    whole bound, which would get every other client's large body refused."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, client_limit: int) -> None:
         self.limit = limit
+        self.client_limit = client_limit
         self.total = 0
+        self.by_client: dict[str, int] = {}
 
-    def add(self, count: int) -> None:
+    def add(self, client: str, count: int) -> None:
         self.total += count
+        held = self.by_client.get(client, 0) + count
+        if held > 0:
+            self.by_client[client] = held
+        else:
+            self.by_client.pop(client, None)
 
-    def over(self) -> bool:
-        return self.total > self.limit
+    def over(self, client: str) -> str | None:
+        """Why a body of ``client`` that grew is refused now, or None."""
+        if self.by_client.get(client, 0) > self.client_limit:
+            return (
+                f"this client holds more than {self.client_limit} bytes of request bodies "
+                "still being received ([server] client_max_pending_body_bytes)"
+            )
+        if self.total > self.limit:
+            return (
+                f"the server holds {self.limit} bytes of request bodies still being "
+                "received ([server] max_pending_body_bytes)"
+            )
+        return None
 
 
 _CODES = {

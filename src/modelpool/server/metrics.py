@@ -17,12 +17,16 @@ This module is the only one that imports ``prometheus_client`` (the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from modelpool.stats import PoolStats
+
+if TYPE_CHECKING:
+    from modelpool.registry import RegistryStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -201,26 +205,134 @@ def stats_families(stats: PoolStats) -> Iterator[Metric]:
         )
 
 
+class RegistryCollector(Collector):
+    """Renders a :class:`~modelpool.registry.ModelRegistry`'s snapshot once per scrape: each
+    loaded model's pool families with a ``model`` label, and the registry's own."""
+
+    def __init__(self, stats_source: Callable[[], RegistryStats]) -> None:
+        self._stats_source = stats_source
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats_source()
+        merged: dict[str, Metric] = {}
+        for name, model in stats.models.items():
+            if model.pool is None:
+                continue
+            for family in stats_families(model.pool):
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(
+                        family.name, family.documentation, family.type
+                    )
+                for sample in family.samples:
+                    into.add_sample(sample.name, {**sample.labels, "model": name}, sample.value)
+        yield from merged.values()
+        yield from registry_families(stats)
+
+
+def registry_families(stats: RegistryStats) -> Iterator[Metric]:
+    """The registry's families: each model's state, loads, unloads, evictions, load
+    failures and times, measured memory; the budget, the peak, swaps, waiters."""
+    from modelpool.registry import MODEL_STATES
+
+    state = GaugeMetricFamily(
+        "modelpool_model_state", "1 for each model's current state.", labels=["model", "state"]
+    )
+    counts = {
+        key: CounterMetricFamily(f"modelpool_model_{key}", text, labels=["model"])
+        for key, text in (
+            ("loads", "Loads of each model that ended with every worker ready."),
+            ("unloads", "Unloads of each model (idle, evicted, asked for, or failed)."),
+            ("evictions", "Unloads of each model to make room for another."),
+            ("load_failures", "Loads of each model that failed, or pools of it that died."),
+        )
+    }
+    load_time = CounterMetricFamily(
+        "modelpool_model_load_seconds", "Seconds spent loading each model.", labels=["model"]
+    )
+    last_load = GaugeMetricFamily(
+        "modelpool_model_last_load_seconds",
+        "How long each model's last load took.",
+        labels=["model"],
+    )
+    memory = GaugeMetricFamily(
+        "modelpool_model_memory_bytes",
+        "RSS of each loaded model's worker processes, as psutil measured it last.",
+        labels=["model"],
+    )
+    need = GaugeMetricFamily(
+        "modelpool_model_memory_need_bytes",
+        "The most RSS each model was ever measured to hold (what it needs to load).",
+        labels=["model"],
+    )
+    for name, model in stats.models.items():
+        for option in MODEL_STATES:
+            state.add_metric([name, option], 1.0 if model.state == option else 0.0)
+        for key, family in counts.items():
+            family.add_metric([name], getattr(model, key))
+        load_time.add_metric([name], model.load_seconds_total)
+        if model.last_load_s is not None:
+            last_load.add_metric([name], model.last_load_s)
+        memory.add_metric([name], model.rss_bytes or 0)
+        if model.need_bytes is not None:
+            need.add_metric([name], model.need_bytes)
+    yield state
+    yield from counts.values()
+    yield from (load_time, last_load, memory, need)
+    yield _gauge("modelpool_models_memory_bytes", "RSS of every model's workers.", stats.rss_bytes)
+    yield _gauge(
+        "modelpool_models_peak_memory_bytes",
+        "The most RSS every model's workers held together, as measured.",
+        stats.peak_rss_bytes,
+    )
+    if stats.memory_budget_bytes is not None:
+        yield _gauge(
+            "modelpool_memory_budget_bytes",
+            "[server] memory_budget_bytes.",
+            stats.memory_budget_bytes,
+        )
+    yield CounterMetricFamily(
+        "modelpool_model_swaps", "Loads that evicted another model first.", value=stats.swaps
+    )
+    yield _gauge("modelpool_model_load_waiters", "Requests waiting for a model.", stats.waiting)
+
+
 class PoolMetrics:
-    """A private registry: the pool collector plus the request-duration histogram.
+    """A private registry: the pool collector (or a model registry's) plus the
+    request-duration histogram, labelled by ``model``.
 
     Private rather than the global default registry so that two apps in one
     process (tests) do not collide, and so that no process metrics are mixed in
     by accident.
     """
 
-    def __init__(self, stats_source: Callable[[], PoolStats]) -> None:
+    def __init__(
+        self,
+        stats_source: Callable[[], PoolStats] | None = None,
+        *,
+        model: str = "",
+        registry_source: Callable[[], RegistryStats] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        self.model = model
         self.request_duration = Histogram(
             "modelpool_request_duration_seconds",
             "Wall-clock time of completion requests as the HTTP server saw them, any status.",
+            labelnames=["model"],
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(PoolCollector(stats_source))
+        if registry_source is not None:
+            self.registry.register(RegistryCollector(registry_source))
+        else:
+            assert stats_source is not None, "a pool's stats or a registry's"
+            self.request_duration.labels(model=model)  # the series exists before a request
+            self.registry.register(PoolCollector(stats_source))
 
-    def observe_request(self, seconds: float) -> None:
-        self.request_duration.observe(seconds)
+    def observe_request(self, seconds: float, model: str | None = None) -> None:
+        """One generation request's time; ``model`` the one it named (a registry's), else
+        the served model."""
+        self.request_duration.labels(model=model or self.model).observe(seconds)
 
     def render(self) -> bytes:
         """The exposition text. Calls ``stats_source`` once, which may block briefly."""

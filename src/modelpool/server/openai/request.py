@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from modelpool.errors import GrammarError
+from modelpool.errors import GrammarError, SchemaTooComplex
 from modelpool.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
-from modelpool.server.http import invalid
+from modelpool.server.http import ApiError, invalid
 from modelpool.server.openai.format import MAX_CHOICES, Job
 from modelpool.structured import GUIDED_FIELDS, grammar_for_body
 from modelpool.tools import (
@@ -286,6 +286,8 @@ def structured_params(body: Mapping[str, Any]) -> dict[str, Any]:
     constraint the grammar engine cannot honour is a 400 whose ``param`` points at it."""
     try:
         grammar = grammar_for_body(body)
+    except SchemaTooComplex as exc:
+        raise too_complex(exc) from exc
     except GrammarError as exc:
         raise invalid(exc.message, param=exc.param, code="unsupported_value") from exc
     return {} if grammar is None else {"grammar": grammar}
@@ -560,27 +562,92 @@ def _tool_plan(body: Mapping[str, Any]) -> ToolPlan | None:
         return parse_tool_request(body)
     except ToolRequestError as exc:
         raise invalid(str(exc), param=exc.param) from None
+    except SchemaTooComplex as exc:
+        raise too_complex(exc) from exc
 
 
-def _prompt_size(prompt: Prompt) -> int:
+def too_complex(error: SchemaTooComplex) -> ApiError:
+    """400 ``schema_too_complex``, naming the bound passed (``bound``)."""
+    return ApiError(
+        400,
+        error.message,
+        code="schema_too_complex",
+        param=error.param,
+        extra={"bound": error.bound},
+    )
+
+
+# What a chat message costs besides its text: the template's markers around it, which a
+# request of thousands of empty messages would otherwise get for nothing.
+MESSAGE_UNITS = 8
+# What one logprob alternative costs in the answer, in the budget's units (a few bytes
+# each): ``{"token":"x","logprob":-1.25,"bytes":[120]}`` is about 45 bytes, some ten
+# times what a plain token adds; 4 units keeps n x max_tokens x top_logprobs from
+# answering tens of megabytes to a request of a few hundred bytes.
+LOGPROB_UNITS = 4
+
+
+def text_units(value: object) -> int:
+    """The size of a JSON value in the budget's units: its strings' characters, and one
+    unit per other item (a stack, not recursion: a value may nest deeply)."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, Mapping):
+            total += len(item)
+            for key, child in item.items():
+                total += len(key) if isinstance(key, str) else 1
+                stack.append(child)
+        elif isinstance(item, (list, tuple)):
+            total += len(item)
+            stack.extend(item)
+        else:
+            total += 1
+    return total
+
+
+def prompt_size(prompt: Prompt) -> int:
     """A prompt's size in the budget's units: token ids, or characters (a bound on the
-    tokens of a text for the usual tokenizers, and known without the model)."""
+    tokens of a text for the usual tokenizers, and known without the model); a chat's
+    messages each cost ``MESSAGE_UNITS`` besides their text (content, calls, names)."""
     if isinstance(prompt, TokenIds):
         return len(prompt.ids)
     if isinstance(prompt, str):
         return len(prompt)
-    return sum(len(message["content"]) for message in prompt)
+    return sum(
+        MESSAGE_UNITS + text_units([value for key, value in message.items() if key != "role"])
+        for message in prompt
+    )
 
 
 def request_cost(job: Job, default_max_tokens: int) -> int:
-    """n x (prompt + max_tokens) x (1 + logprobs), summed over the prompts: what bounds
-    the work and the size of the answer (each token of it carries its alternatives)."""
+    """What bounds the work and the size of the answer, summed over the prompts: per
+    run, the prompt (with the tools' definitions the template renders into it) and
+    ``max_tokens``, and for logprobs each answered token's alternatives
+    (``LOGPROB_UNITS`` each; the prompt's too when it is echoed with them)."""
     max_tokens = job.params.get("max_new_tokens", default_max_tokens)
-    per_token = 1 + (job.logprobs or 0)
-    return sum(
-        job.runs_per_prompt * (_prompt_size(prompt) + max_tokens) * per_token
-        for prompt in job.prompts
-    )
+    tools = text_units(job.tools.template_tools()) if job.tools is not None else 0
+    cost = 0
+    for prompt in job.prompts:
+        size = prompt_size(prompt) + tools
+        scored = max_tokens + (size if job.echo else 0)
+        alternatives = 0 if job.logprobs is None else 1 + job.logprobs
+        cost += job.runs_per_prompt * (size + max_tokens + LOGPROB_UNITS * alternatives * scored)
+    return cost
+
+
+def check_size(size: int, *, limit: int, param: str) -> None:
+    """400 ``request_too_expensive`` for a tokenizer route's input past the budget."""
+    if size > limit:
+        raise invalid(
+            f"the request's {param} is {size} token units, more than max_request_tokens "
+            f"({limit})",
+            param=param,
+            code="request_too_expensive",
+        )
 
 
 def check_budget(job: Job, *, limit: int, default_max_tokens: int) -> None:
@@ -589,8 +656,9 @@ def check_budget(job: Job, *, limit: int, default_max_tokens: int) -> None:
     if cost > limit:
         raise invalid(
             f"the request asks for {cost} token units, more than max_request_tokens ({limit}): "
-            "n x (prompt + max_tokens) x (1 + logprobs); ask for fewer choices, tokens or "
-            "logprobs",
+            f"n x (prompt + messages x {MESSAGE_UNITS} + tools + max_tokens "
+            f"+ {LOGPROB_UNITS} x (1 + logprobs) x max_tokens); ask for fewer choices, "
+            "messages, tokens or logprobs",
             param="n" if job.runs_per_prompt > 1 else "max_tokens",
             code="request_too_expensive",
         )

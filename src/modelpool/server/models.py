@@ -1,0 +1,181 @@
+"""Many models behind one daemon: a request's ``model`` → its pool, through a
+:class:`~modelpool.registry.ModelRegistry`, and the routes that show and steer the models.
+
+Every route that runs a model asks ``state.pool_for(request, body)`` (``app.ServerState``)
+for its pool, which ends here in :func:`pool_for`: the registry loads the model if need
+be, within the request's deadline, and the lease that keeps it loaded is released by
+:class:`ModelLeases` once the answer, a stream included, has gone out::
+
+    pool = await state.pool_for(request, body)      # 404 model_not_found, 503, 504, 507
+    result = await pool.agenerate(prompt, deadline_s=state.time_left(request, deadline))
+
+Without ``[models]`` the daemon serves its one pool whatever ``model`` says, as always.
+
+Routes added with a registry: ``POST /models/load`` and ``POST /models/unload``
+(``{"model": NAME}``, behind the API key when one is set, as llama.cpp's router has);
+``/v1/models`` lists every configured model with its ``status`` (``loaded``,
+``loading``, ``unloaded``, ``unloading``, ``failed`` with ``reason``), backend and
+measured memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from modelpool.config import PoolConfig
+from modelpool.registry import ModelLease, ModelRegistry, ModelStats, parse_keep_alive
+from modelpool.server.http import invalid
+from modelpool.server.openai.request import deadline_from
+
+if TYPE_CHECKING:
+    from modelpool.pool import ModelPool
+    from modelpool.server.app import ServerState
+
+LEASES = "model_leases"
+WAITED = "model_wait_s"
+# A body field Ollama reads (seconds or "5m"; 0 unloads once idle, -1 keeps loaded).
+KEEP_ALIVE = "keep_alive"
+_UNSET = object()
+
+
+class ModelLeases:
+    """ASGI middleware: releases the model leases a request took, once its answer is sent
+    (the app returns only after a streamed body's last event)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            note = scope.get("state")
+            leases: list[ModelLease] = note.pop(LEASES, []) if isinstance(note, dict) else []
+            for lease in leases:
+                lease.release()
+
+
+def split_keep_alive(body: dict[str, Any]) -> object:
+    """Take ``keep_alive`` out of a body before the OpenAI parser sees it (which would
+    refuse an unknown field); :func:`pool_for` reads what this returns back from it."""
+    return body.pop(KEEP_ALIVE, _UNSET)
+
+
+def put_keep_alive(body: dict[str, Any], value: object) -> None:
+    if value is not _UNSET:
+        body[KEEP_ALIVE] = value
+
+
+def _model_name(body: Mapping[str, Any]) -> str:
+    name = body.get("model")
+    if not isinstance(name, str):
+        raise invalid("model is required: the name of one of the models /v1/models lists", "model")
+    return name
+
+
+def config_for(registry: ModelRegistry, body: Mapping[str, Any]) -> PoolConfig:
+    """The pool configuration of ``body["model"]``, loaded or not (ModelNotFound if no
+    model of that name or alias is configured)."""
+    return registry.spec(_model_name(body)).pool
+
+
+async def pool_for(state: ServerState, request: Request, body: Mapping[str, Any]) -> ModelPool:
+    """The pool that serves ``body["model"]`` (see the module docstring)."""
+    registry = state.registry
+    if registry is None:
+        assert state.pool is not None
+        return state.pool
+    name = _model_name(body)
+    config = registry.spec(name).pool
+    deadline = deadline_from(
+        dict(body), request.headers, config.deadline_s, state.config.max_request_timeout_s
+    )
+    keep_alive: Any = "default"
+    if KEEP_ALIVE in body:
+        try:
+            keep_alive = parse_keep_alive(body[KEEP_ALIVE])
+        except ValueError as exc:
+            raise invalid(str(exc), KEEP_ALIVE) from None
+    note = request.scope.setdefault("state", {})
+    note["model"] = registry.spec(name).name
+    started = time.monotonic()
+    lease = await registry.aacquire(name, deadline_s=deadline, keep_alive=keep_alive)
+    note.setdefault(LEASES, []).append(lease)
+    note[WAITED] = note.get(WAITED, 0.0) + time.monotonic() - started
+    return lease.pool
+
+
+def time_left(request: Request, deadline_s: float) -> float:
+    """A request's deadline less the time it waited for its model to load."""
+    waited = float(request.scope.get("state", {}).get(WAITED, 0.0))
+    return max(0.001, deadline_s - waited)
+
+
+def model_card(stats: ModelStats, created: int) -> dict[str, Any]:
+    """One configured model as ``/v1/models`` lists it."""
+    pool = stats.pool
+    return {
+        "id": stats.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "modelpool",
+        "status": stats.state,
+        "reason": stats.reason,
+        "backend": stats.backend,
+        "aliases": list(stats.aliases),
+        "pinned": stats.pinned,
+        "memory_bytes": stats.rss_bytes,
+        "measured_need_bytes": stats.need_bytes,
+        "gpu_memory_bytes": stats.gpu_bytes,
+        "max_model_len": None if pool is None else pool.max_model_len,
+    }
+
+
+def install_routes(app: FastAPI, state: ServerState, registry: ModelRegistry) -> None:
+    """``/v1/models`` (every model, with its status) and the admin load/unload routes."""
+
+    async def cards() -> list[dict[str, Any]]:
+        from starlette.concurrency import run_in_threadpool
+
+        stats = await run_in_threadpool(registry.stats)
+        return [model_card(model, state.started) for model in stats.models.values()]
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": await cards()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        name = registry.spec(model_id).name
+        return next(card for card in await cards() if card["id"] == name)
+
+    @app.post("/models/load")
+    async def load(request: Request) -> Response:
+        body = await state.read_json(request)
+        name = _admin_name(body)
+        spec = registry.spec(name)
+        bound = deadline_from(body, request.headers, spec.load_deadline_s, spec.load_deadline_s)
+        lease = await registry.aacquire(name, deadline_s=bound)
+        lease.release()
+        return JSONResponse(model_card(registry.model_stats(name, with_pool=False), state.started))
+
+    @app.post("/models/unload")
+    async def unload(request: Request) -> Response:
+        name = _admin_name(await state.read_json(request))
+        return JSONResponse(model_card(registry.unload(name), state.started))
+
+
+def _admin_name(body: Mapping[str, Any]) -> str:
+    for key in body:
+        if key not in ("model", "timeout"):
+            raise invalid(f"unsupported field {key!r}", param=key, code="unsupported_field")
+    name = body.get("model")
+    if not isinstance(name, str):
+        raise invalid("model must be the name of a configured model", "model")
+    return name

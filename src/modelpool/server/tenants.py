@@ -1,0 +1,135 @@
+"""Who a request is from: the API keys the daemon takes, each naming its tenant.
+
+A tenant is what the daemon keeps apart: fair share and the request budget are per
+tenant when keys are set (a tenant may have its own limits), and each tenant's prefix
+cache is its own (see ``partition``). Without keys there is one anonymous tenant and a
+client is its address::
+
+    keys = Keys.single("sk-1")                    # [server] api_key_env, one tenant
+    keys = Keys.from_file("keys.toml")            # [server] keys_file, a tenant per key
+    keys.tenant(b"Bearer sk-1")                   # Tenant("default"), or None: 401
+
+The keys file is TOML, one table per tenant::
+
+    [tenants.alice]
+    key = "sk-alice-..."
+    client_max_running = 2       # optional: this tenant's own share and budget
+    client_max_queued = 64
+    max_request_tokens = 100000
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from modelpool.server.http import ApiError
+
+# Paths that answer without a key (an orchestrator's probes).
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+_TENANT_LIMITS = ("client_max_running", "client_max_queued", "max_request_tokens")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One key's owner; a limit left None is the ``[server]`` one."""
+
+    name: str
+    client_max_running: int | None = None
+    client_max_queued: int | None = None
+    max_request_tokens: int | None = None
+
+
+class Keys:
+    """The bearer keys the daemon takes (none: every request is anonymous's)."""
+
+    def __init__(self, tenants: Mapping[str, Tenant]) -> None:
+        # By the key's digest: a lookup's time depends on the digest of the guess, which
+        # says nothing of how much of the guess is right (a byte-wise compare would).
+        self._by_digest = {_digest(key.encode()): tenant for key, tenant in tenants.items()}
+
+    @classmethod
+    def single(cls, key: str | None) -> Keys:
+        return cls({key: Tenant("default")} if key else {})
+
+    @classmethod
+    def configured(cls, keys_file: str | None, api_key: str | None) -> Keys:
+        """``keys_file``'s tenants, with ``api_key`` (if any) as the tenant "default"."""
+        if keys_file is None:
+            return cls.single(api_key)
+        keys = cls.from_file(keys_file)
+        if api_key:
+            keys._by_digest[_digest(api_key.encode())] = Tenant("default")
+        return keys
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Keys:
+        """A tenant per table of ``path`` (ValueError naming what is wrong)."""
+        with open(path, "rb") as file:
+            data = tomllib.load(file)
+        tables = data.get("tenants")
+        if not isinstance(tables, Mapping) or not tables:
+            raise ValueError(f"{path}: no [tenants.NAME] table")
+        tenants: dict[str, Tenant] = {}
+        for name, table in tables.items():
+            where = f"{path}: tenants.{name}"
+            if not isinstance(table, Mapping):
+                raise ValueError(f"{where} must be a table")
+            unknown = sorted(set(table) - {"key", *_TENANT_LIMITS})
+            if unknown:
+                raise ValueError(f"{where}.{unknown[0]} is not a tenant setting")
+            key = table.get("key")
+            if not isinstance(key, str) or len(key) < 16:
+                raise ValueError(f"{where}.key must be a string of at least 16 characters")
+            if key in tenants:
+                raise ValueError(f"{where}.key is another tenant's key too")
+            limits: dict[str, int | None] = {}
+            for setting in _TENANT_LIMITS:
+                value = table.get(setting)
+                minimum = 0 if setting == "client_max_queued" else 1
+                if value is not None and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < minimum
+                ):
+                    raise ValueError(f"{where}.{setting} must be an integer >= {minimum}")
+                limits[setting] = value
+            tenants[key] = Tenant(str(name), **limits)
+        return cls(tenants)
+
+    @property
+    def required(self) -> bool:
+        return bool(self._by_digest)
+
+    def tenant(self, authorization: bytes | None, api_key: bytes | None = None) -> Tenant | None:
+        """The tenant of an ``Authorization: Bearer KEY`` header or, without one, of an
+        ``x-api-key: KEY`` header (Anthropic's clients send that); None if they name none."""
+        if not authorization and api_key:
+            return self._by_digest.get(_digest(api_key.strip()))
+        scheme, _, token = (authorization or b"").partition(b" ")
+        if scheme.lower() != b"bearer":
+            return None
+        return self._by_digest.get(_digest(token.strip()))
+
+    def refusal(self, headers: Mapping[bytes, bytes], path: str) -> ApiError | None:
+        """401 for a request to a keyed path without a key of a tenant."""
+        if not self.required or path in OPEN_PATHS:
+            return None
+        if self.tenant(headers.get(b"authorization"), headers.get(b"x-api-key")) is not None:
+            return None
+        return ApiError(
+            401,
+            "missing or invalid API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+            type="authentication_error",
+            code="invalid_api_key",
+            # Closed: the body it sends next is not read, nor held against anyone.
+            headers={"WWW-Authenticate": "Bearer", "Connection": "close"},
+        )
+
+
+ANONYMOUS = Tenant("anonymous")
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
