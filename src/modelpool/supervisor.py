@@ -14,7 +14,8 @@ Data flow::
       one timer heap: attempt deadlines, kill-ladder steps,  |   post their results
       start-up timeouts, stall checks, respawn backoff       |   back as commands
       |                                                   <--+
-      |  ("run", attempt_id, slot, payload) over the worker's socket
+      |  ("run", attempt_id, slot, payload) over the worker's socket (queued; each
+      |   worker's outbox is written once per turn, before the select)
       v
     worker processes (spawn.py: a new interpreter running modelpool.worker, own group)
       |  ("chunk" ...)*, then ("done" ...) or ("error" ...)
