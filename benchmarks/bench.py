@@ -56,7 +56,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from modelpool.backends import hf
+from modelpool.backends.common.params import THREADS_ENV
+from modelpool.backends.hf import handler as hf
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnContext
@@ -2239,7 +2240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 dispatch_calls=args.dispatch_calls)
     # The pool keeps an inherited thread count; drop any so that it computes cores // workers
     # exactly as the other contenders are told to.
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", hf.THREADS_ENV):
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", THREADS_ENV):
         os.environ.pop(name, None)
     # Contenders take turns while all stay loaded: an idle OpenMP team that spins after its
     # turn (the default wait policy) would steal cores from whichever contender runs next.

@@ -115,7 +115,7 @@ def compile_only(chosen: list[tuple[str, Path]], model: str) -> dict[str, SplitT
     """Check and compile each schema against the model's tokenizer, in this process."""
     from transformers import AutoTokenizer
 
-    from modelpool.grammar import LLGuidanceGrammars
+    from modelpool.backends.hf.grammars import LLGuidanceGrammars
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     eos = frozenset([tokenizer.eos_token_id])

@@ -116,7 +116,7 @@ def in_process_stream(gguf: Path, threads: int, new_tokens: int) -> Stream:
     does in modelpool."""
     import numpy as np
 
-    from modelpool.backends.llama_cpp import import_llama_cpp
+    from modelpool.backends.llama_cpp.options import import_llama_cpp
 
     llama_cpp = import_llama_cpp()
     llm = llama_cpp.Llama(
@@ -151,7 +151,7 @@ def in_process_stream(gguf: Path, threads: int, new_tokens: int) -> Stream:
 
 
 def _render(llm: Any, content: str) -> str:
-    from modelpool.backends.llama_cpp import _compile_template
+    from modelpool.backends.llama_cpp.handler import _compile_template
 
     template = llm.metadata["tokenizer.chat_template"]
     text: str = _compile_template(template)(

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpool.backends.llama_cpp import LlamaCppHandler, load
+from modelpool.backends.llama_cpp.handler import LlamaCppHandler, load
 from modelpool.protocol import Generation, Prompt
 
 

@@ -81,7 +81,14 @@ REQUIRED_MODULES = {
     "safetensors": "safetensors",
 }
 # Modules whose ``from transformers... import name`` lines the run depends on.
-HF_MODULES = ("modelpool.backends.hf", "modelpool.tinymodel")
+HF_MODULES = (
+    "modelpool.backends.hf.handler",
+    "modelpool.backends.hf.generation",
+    "modelpool.backends.hf.runner",
+    "modelpool.backends.hf.fused",
+    "modelpool.backends.hf.prefix_cache",
+    "modelpool.tinymodel",
+)
 
 # Run in a child so that this process, the pool's supervisor, never creates a CUDA context.
 CUDA_CHECK = r"""

@@ -48,3 +48,27 @@ def _is_socket(fd: int) -> bool:
 
 def channel_keeper(model: str = "", device: str = "cpu", **options: Any) -> _ChannelKeeper:
     return _ChannelKeeper()
+
+
+SLOW_LAYER_S = 0.05
+"""How long each decoder layer of ``slow_prefill`` takes over a prompt (several tokens)."""
+
+
+def slow_prefill(model: str, device: str = "cpu", **options: Any) -> Any:
+    """``slow-prefill``: the hf backend whose decoder layers each sleep ``SLOW_LAYER_S``
+    when they run over more than 8 positions, so that a prefill lasts layers x that,
+    deterministically, while decoding steps and the warm-up stay fast."""
+    import time
+
+    from modelpool.backends.hf import load
+
+    handler = load(model, device, **options)
+
+    def slow(module: Any, args: tuple[Any, ...]) -> None:
+        hidden = args[0] if args else None
+        if hidden is not None and hidden.dim() == 3 and hidden.shape[1] > 8:
+            time.sleep(SLOW_LAYER_S)
+
+    for layer in handler.model.model.layers:
+        layer.register_forward_pre_hook(slow)
+    return handler

@@ -13,12 +13,13 @@ syntax, JSON schemas embedded with ``%json {...}``), built and checked by the su
   :class:`~modelpool.errors.GrammarCompileTimeout`; the worker stays warm (the thread is
   left to finish or hang on its own; a later request for the same text waits on the same
   compilation, never starts a second one).
-- :class:`LLGuidanceGrammars` is the hf backend's engine: the tokenizer's llguidance view
-  (made on the first compilation, about a second for a 50k vocabulary), one compiled
-  ``LLMatcher`` per grammar text, a fresh copy of it per row (:class:`RowGrammar`), and the
-  token masks applied to the logits before the token is chosen. The end-of-sequence token
-  is allowed only where the grammar accepts, and a row ends ("stop") as soon as its grammar
-  is complete.
+- :class:`GuidanceGrammars` is what every backend's engine shares: the tokenizer's
+  llguidance view (made on the first compilation, about a second for a 50k vocabulary),
+  one compiled ``LLMatcher`` per grammar text, a fresh copy of it per row
+  (:class:`RowGrammar`). Each backend applies the token masks to its logits before the
+  token is chosen (``backends.hf.grammars``, ``backends.llama_cpp.grammars``). The
+  end-of-sequence token is allowed only where the grammar accepts, and a row ends
+  ("stop") as soon as its grammar is complete.
 
 A grammar engine that crashes or wedges the worker process is a worker crash or a stall
 like any other: the pool's poison isolation and collateral retries apply.
@@ -213,27 +214,24 @@ def settle_compiled(
     return ready, failed
 
 
-class LLGuidanceGrammars:
-    """The hf backend's grammar engine: llguidance over the model's tokenizer."""
+class GuidanceGrammars:
+    """What every backend's grammar engine shares: llguidance's view of the model's
+    tokenizer (made by ``make_tokenizer`` on the first compilation, about a second for a
+    50k vocabulary), one compiled ``LLMatcher`` per grammar text (cached, see
+    :class:`GrammarCompiler`), a fresh copy of it per row. A backend adds how a row's mask
+    reaches its logits (torch on hf, numpy on llama_cpp)."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: frozenset[int]) -> None:
-        self._hf_tokenizer = hf_tokenizer
-        self.vocab_size = vocab_size
+    def __init__(self, make_tokenizer: Callable[[], Any], eos_ids: frozenset[int]) -> None:
+        self._make_tokenizer = make_tokenizer
         self.eos_ids = eos_ids
         self._tokenizer: Any = None
         self._tokenizer_lock = threading.Lock()
         self.compiler: GrammarCompiler[Any] = GrammarCompiler(self._compile)
-        self._words = (vocab_size + 31) // 32
-        self._shifts: torch.Tensor | None = None
 
     def _llg_tokenizer(self) -> Any:
         with self._tokenizer_lock:
             if self._tokenizer is None:
-                import llguidance.hf
-
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=sorted(self.eos_ids)
-                )
+                self._tokenizer = self._make_tokenizer()
             return self._tokenizer
 
     def _compile(self, text: str) -> Any:
@@ -243,43 +241,11 @@ class LLGuidanceGrammars:
             raise GrammarError(f"the grammar cannot be compiled: {matcher.get_error()}")
         return matcher
 
-    def start(self, params: dict[str, Any]) -> PendingGrammar[Any]:
+    def start(self, params: Mapping[str, Any]) -> PendingGrammar[Any]:
         return self.compiler.start(params[GRAMMAR_PARAM], compile_bound(params))
 
     def row(self, compiled: Any) -> RowGrammar:
         return RowGrammar(compiled.deep_copy(), self.eos_ids)
-
-    def new_bitmask(self, rows: int) -> torch.Tensor:
-        import torch
-
-        return torch.full((rows, self._words), -1, dtype=torch.int32)
-
-    def fill_masks(
-        self, grammars: list[tuple[int, RowGrammar]], bitmask: torch.Tensor
-    ) -> dict[int, Exception]:
-        """Each row's mask into ``bitmask[index]``; the rows whose grammar failed, by index
-        (llguidance drops the GIL while it computes, so this runs beside a forward pass)."""
-        failures: dict[int, Exception] = {}
-        for index, grammar in grammars:
-            try:
-                grammar.fill_mask(bitmask, index)
-            except Exception as exc:
-                failures[index] = exc
-        return failures
-
-    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int]) -> None:
-        """Set the logits of the tokens ``bitmask`` forbids to -inf, for rows ``indices``."""
-        import torch
-
-        if self._shifts is None:
-            self._shifts = torch.arange(32, dtype=torch.int32)
-        picked = bitmask[indices]
-        bits = ((picked.unsqueeze(-1) >> self._shifts) & 1).reshape(len(indices), -1)
-        allowed = bits[:, : logits.shape[-1]].bool().to(logits.device)
-        if allowed.shape[-1] < logits.shape[-1]:
-            allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - allowed.shape[-1]))
-        rows = torch.tensor(indices, device=logits.device)
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def grammar_refusal(text: str, detail: Mapping[str, Any]) -> GrammarError:

@@ -165,7 +165,7 @@ def _has_tokenizer(path: Path) -> bool:
 def fetch_from_hub(repo_id: str, gguf_file: str | None) -> Path:
     """Download ``repo_id``'s files a worker reads into the hub cache, once; or find them
     there when offline. ``ModelSourceError`` when neither is possible."""
-    from modelpool.backends.hf import library_logs_through_root
+    from modelpool.backends.hf.handler import library_logs_through_root
 
     try:
         from huggingface_hub import snapshot_download

@@ -36,11 +36,13 @@ Follow one request (each name is a function; the file is in brackets)::
       -> Dispatcher._dispatch                         [dispatcher.py]  ("run", ...) to a worker
       -> ProcessWorkerIO.send                         [spawn.py]
       -> serve -> _run_attempt                        [worker.py]  the backend generates
-         (batched: _BatchLoop.serve -> _step -> HFHandler.step -> BatchEngine.step
-          [backends/hf_batch.py]: admit, prefix cache [backends/prefix_cache.py],
-          prefill slices riding on one decoding step's pass [backends/hf_fused.py],
-          each row's grammar mask [grammar.py];
-          on llama.cpp: LlamaCppHandler.step -> LlamaEngine.step [backends/llama_cpp_engine.py])
+         (batched: _BatchLoop.serve -> _step -> HFHandler.step -> Scheduler.step
+          [backends/common/scheduler.py]: admission, prefill slices, grammars ->
+          HFRunner.run [backends/hf/runner.py]: prefix cache [backends/hf/prefix_cache.py],
+          prefill slices riding on one decoding step's pass [backends/hf/fused.py],
+          each row's grammar mask [backends/hf/grammars.py];
+          on llama.cpp: LlamaCppHandler.step -> Scheduler.step -> LlamaRunner.run
+          [backends/llama_cpp/runner.py])
       -> EventLoop._read                              [here]     frames from the socket
       -> Dispatcher.on_message -> _on_chunk / _on_done [dispatcher.py]
       -> _run_ended -> _succeed -> _finish            [dispatcher.py]

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import FakeCall, skip_unless_pypi
 from modelpool import embedded
-from modelpool.backends.hf import HFHandler, load
+from modelpool.backends.hf.handler import HFHandler, load
 from modelpool.embedded import (
     DEFAULT_MODEL,
     MARKER_FILE,

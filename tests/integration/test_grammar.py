@@ -18,7 +18,7 @@ import pytest
 
 from helpers import Recorder, counters, open_pool, workers
 from modelpool import ModelPool, PoisonRequest, PoolConfig
-from modelpool.backends.hf import HFHandler, load
+from modelpool.backends.hf.handler import HFHandler, load
 from modelpool.errors import GrammarCompileTimeout, GrammarError
 from modelpool.protocol import Finished, Generation
 from modelpool.structured import grammar_for_body, grammar_for_response_format

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from helpers import FakeCall
-from modelpool.backends.hf import HFHandler, load
+from modelpool.backends.hf.handler import HFHandler, load
 from modelpool.errors import InvalidRequest
 from modelpool.protocol import Prompt, TokenIds
 from modelpool.tinymodel import build_tiny_model
@@ -449,7 +449,7 @@ import logging, sys
 logging.basicConfig(stream=sys.stdout, format="root %(name)s: %(message)s")
 from huggingface_hub.utils import logging as hub_logging
 from transformers.utils import logging as transformers_logging
-from modelpool.backends.hf import library_logs_through_root
+from modelpool.backends.hf.handler import library_logs_through_root
 library_logs_through_root()
 hub_logging.get_logger("huggingface_hub.file_download").warning("hub warning")
 transformers_logging.get_logger("transformers.modeling_utils").warning("transformers warning")
@@ -470,3 +470,47 @@ def test_library_warnings_reach_the_root_handler_once_each() -> None:
         "root huggingface_hub.file_download: hub warning",
         "root transformers.modeling_utils: transformers warning",
     ]
+
+
+def test_a_deadline_during_a_long_prefill_never_kills_the_worker(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 40: the one-call path (max_batch_size=1) read no cancel flag during the prefill,
+    so a prompt whose prefill outlasted ``cancel_grace_s`` got its worker killed when its
+    deadline passed. Here the prefill takes 40 layers x 0.05 s = 2 s, ten times the grace:
+    the request ends with its deadline error, and the worker stays (no kill, same pid)."""
+    import json
+    import shutil
+
+    from helpers import make_config, workers
+    from modelpool import ModelPool
+    from modelpool.errors import DeadlineExceeded
+
+    deep = tmp_path / "tiny-deep"
+    shutil.copytree(tiny_model_dir, deep)
+    config_file = deep / "config.json"
+    config = json.loads(config_file.read_text())
+    # Layers beyond the checkpoint's two start from random weights: gibberish, as before.
+    config["num_hidden_layers"] = 40
+    config.pop("layer_types", None)
+    config_file.write_text(json.dumps(config))
+    pool_config = make_config(
+        model=str(deep),
+        backend="reliability_backends:slow_prefill",
+        backend_options={"dtype": "float32", "torch_threads": 1},
+        workers=1,
+        max_batch_size=1,
+        cancel_grace_s=0.2,
+        startup_timeout_s=120.0,
+    )
+    with ModelPool(pool_config) as pool:
+        (before,) = workers(pool)
+        for _ in range(2):
+            with pytest.raises(DeadlineExceeded):
+                pool.generate("The quick brown fox " * 8, deadline_s=0.5, max_new_tokens=4)
+        assert pool.generate("Hi", max_new_tokens=2).completion_tokens == 2
+        stats = pool.stats()
+        (after,) = stats.workers
+        assert after.pid == before.pid
+        assert stats.counters["kills"] == 0 and stats.counters["cancel_escalations"] == 0
+        assert stats.counters["respawns"] == 0

@@ -1,4 +1,5 @@
-"""The hf backend's batched form (hf_batch.BatchEngine) against real models.
+"""The hf backend's batched form (the shared scheduler over hf.runner.HFRunner) against
+real models.
 
 The rule it holds: greedy decoding of a prompt inside a batch, admitted at any step,
 gives the same tokens as the same prompt alone through ``HFHandler.generate``, in
@@ -17,7 +18,7 @@ import pytest
 
 from helpers import Recorder
 from modelpool import ModelPool, PoolConfig
-from modelpool.backends.hf import HFHandler, load
+from modelpool.backends.hf.handler import HFHandler, load
 from modelpool.errors import ContextLengthExceeded
 from modelpool.protocol import Generation, Prompt
 
@@ -48,7 +49,7 @@ def run_batched(
         for call, outcome in handler.step():
             assert isinstance(outcome, Generation), outcome
             results[id(call)] = outcome
-        widest = max(widest, len(handler._batch.rows))
+        widest = max(widest, len(handler.scheduler.rows))
         steps += 1
         assert steps < 10_000
     return results, widest
@@ -126,9 +127,9 @@ def test_kv_cache_bound_limits_the_batch_not_the_answers(tiny_model_dir: Path) -
         for call, outcome in bounded.step():
             assert isinstance(outcome, Generation)
             results[id(call)] = outcome
-        if len(bounded._batch.rows) > 1:
-            assert bounded._batch.cache_tokens <= 120
-        assert len(bounded._batch.rows) < len(calls), "the bound let every request in"
+        if len(bounded.scheduler.rows) > 1:
+            assert bounded.runner.cache_tokens <= 120
+        assert len(bounded.scheduler.rows) < len(calls), "the bound let every request in"
     for call, solo in zip(calls, alone, strict=True):
         assert results[id(call)].text == solo.text
 
@@ -318,7 +319,7 @@ def test_a_request_cancelled_during_its_prefill_leaves_at_once(tiny_model_dir: P
     assert 0 < long.prefilled_tokens < len(handler.encode(LONG_PROMPT)[0])
     retired = handler.retire(long)
     assert retired.finish_reason == "cancelled" and retired.text == ""
-    assert handler.step() == [] and handler.room()[0] == handler._batch.kv_cache_tokens
+    assert handler.step() == [] and handler.room()[0] == handler.scheduler.kv_tokens
 
 
 def test_a_prefill_that_raises_fails_its_own_request_alone(tmp_path: Path) -> None:
@@ -415,18 +416,6 @@ def test_the_models_generation_config_applies_in_the_batch(
     assert not load(str(directory), dtype="float32", torch_threads=1).batched, (
         "a processor the loop does not apply: one request at a time, never different text"
     )
-
-
-def test_hf_batch_does_not_import_hf() -> None:
-    import ast
-
-    import modelpool.backends.hf_batch as hf_batch
-
-    tree = ast.parse(Path(hf_batch.__file__).read_text())
-    imported = {
-        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
-    }
-    assert "modelpool.backends.hf" not in imported
 
 
 @pytest.mark.slow

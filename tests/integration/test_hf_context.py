@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from modelpool.backends.hf import HFHandler, load
+from modelpool.backends.hf.handler import HFHandler, load
 from modelpool.errors import ContextLengthExceeded
 from modelpool.protocol import Generation, Prompt
 from modelpool.tinymodel import build_tiny_model

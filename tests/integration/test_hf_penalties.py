@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from modelpool.backends.hf import HFHandler, load
-from modelpool.backends.hf_penalties import Penalties
+from modelpool.backends.common.penalties import Penalties
+from modelpool.backends.hf.handler import HFHandler, load
 from modelpool.errors import InvalidRequest
 from tests.integration.test_hf_batching import PROMPTS, Recorder, assert_same_as_alone
 

@@ -19,8 +19,8 @@ import pytest
 
 from helpers import FakeCall, Recorder, skip_unless_pypi
 from modelpool import ModelPool, PoolConfig
-from modelpool.backends import llama_cpp
-from modelpool.backends.llama_cpp import LlamaCppHandler, load
+from modelpool.backends.llama_cpp import options, probe
+from modelpool.backends.llama_cpp.handler import LlamaCppHandler, load
 from modelpool.errors import ContextLengthExceeded, InvalidRequest, ModelLoadFailed
 from modelpool.protocol import Generation, Prompt, TokenIds
 from modelpool.tools import parse_tool_request, read_answer
@@ -28,8 +28,8 @@ from modelpool.tools import parse_tool_request, read_answer
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes"),
     pytest.mark.skipif(
-        llama_cpp.llama_cpp_missing() is not None,
-        reason=f"llama-cpp-python is not installed ({llama_cpp.INSTALL_HINT})",
+        options.llama_cpp_missing() is not None,
+        reason=f"llama-cpp-python is not installed ({options.INSTALL_HINT})",
     ),
 ]
 
@@ -314,9 +314,9 @@ def test_a_crashing_first_decode_is_named(
 ) -> None:
     monkeypatch.setenv("MODELPOOL_HOME", str(tmp_path))
     monkeypatch.setattr(
-        llama_cpp, "_PROBE_CODE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
+        probe, "_PROBE_CODE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
     )
-    with pytest.raises(llama_cpp.BackendUnavailable, match=r"SIGILL.*portable flags"):
+    with pytest.raises(options.BackendUnavailable, match=r"SIGILL.*portable flags"):
         load(str(gguf_dir), threads=1)
 
 

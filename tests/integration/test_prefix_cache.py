@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from helpers import Recorder
-from modelpool.backends.hf import HFHandler, load
-from modelpool.backends.prefix_cache import PrefixCache
+from modelpool.backends.hf.handler import HFHandler, load
+from modelpool.backends.hf.prefix_cache import PrefixCache
 from modelpool.protocol import Generation, Prompt
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from modelpool.backends.hf import GENERATION_PARAMS, validate
-from modelpool.backends.hf_text import MAX_STOP_STRINGS
+from modelpool.backends.common.params import GENERATION_PARAMS
+from modelpool.backends.common.text import MAX_STOP_STRINGS
+from modelpool.backends.hf.handler import validate
 from modelpool.errors import InvalidRequest
 
 
@@ -103,9 +104,12 @@ def test_unknown_keys_message_lists_the_allowed_ones() -> None:
 def test_importing_the_light_modules_imports_no_torch() -> None:
     code = (
         "import sys\n"
-        "import modelpool.backends.hf, modelpool.tinymodel, modelpool.embedded\n"
-        "modelpool.backends.hf.validate({'max_new_tokens': 3, 'stop': 'x'})\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules)\n"
+        "import modelpool.backends.hf.handler, modelpool.tinymodel, modelpool.embedded\n"
+        "import modelpool.backends.llama_cpp.handler\n"
+        "modelpool.backends.hf.handler.validate({'max_new_tokens': 3, 'stop': 'x'})\n"
+        "modelpool.backends.llama_cpp.handler.validate({'max_new_tokens': 3})\n"
+        "heavy = ('torch', 'transformers', 'tokenizers', 'numpy', 'llama_cpp')\n"
+        "heavy = sorted(m for m in heavy if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )
     result = subprocess.run(

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from helpers import Recorder
-from modelpool.backends.llama_cpp import BackendUnavailable, Placement, placement
-from modelpool.backends.llama_cpp_engine import LlamaEngine
-from modelpool.backends.llama_cpp_sampling import Sampling, choose_token
+from modelpool.backends.common.sampling import Sampling
+from modelpool.backends.common.scheduler import Scheduler
+from modelpool.backends.llama_cpp.options import BackendUnavailable, Placement, placement
+from modelpool.backends.llama_cpp.runner import LlamaRow, LlamaRunner
+from modelpool.backends.llama_cpp.sampling import choose_token
 from modelpool.context import fit_to_context
 from modelpool.protocol import Call, Generation, Prompt, RowsLost, TokenIds
 
@@ -108,12 +110,21 @@ class Encoder:
         raise AssertionError("no grammar in these tests")
 
 
-def engine_for(runtime: FakeRuntime, **options: Any) -> LlamaEngine:
+def engine_for(runtime: FakeRuntime, **options: Any) -> Scheduler[LlamaRow]:
+    """The shared scheduler over a llama runner of ``runtime``, as the handler builds it."""
     settings = {"kv_cells": 64, "max_sequences": 4, "prefill_chunk_tokens": 512, **options}
-    return LlamaEngine(runtime, Encoder(), **settings)
+    chunk = settings.pop("prefill_chunk_tokens")
+    runner = LlamaRunner(runtime, Encoder(), **settings)
+    return Scheduler(runner, settings["kv_cells"], chunk)
 
 
-def drain(engine: LlamaEngine) -> dict[int, Generation | Exception]:
+def runner_of(engine: Scheduler[LlamaRow]) -> LlamaRunner:
+    runner = engine.runner
+    assert isinstance(runner, LlamaRunner)
+    return runner
+
+
+def drain(engine: Scheduler[LlamaRow]) -> dict[int, Generation | Exception]:
     ended: dict[int, Generation | Exception] = {}
     for _ in range(100):
         for call, outcome in engine.step():
@@ -170,8 +181,8 @@ def test_prefix_cache_keeps_a_finished_sequence_and_copies_its_prefix() -> None:
     engine.admit(first)
     drain(engine)
     # Ended normally: its sequence stays, holding the prompt and the answer but "END".
-    assert runtime.removed == [] and engine.prefix_cache is not None
-    assert engine.prefix_cache.cells == 22
+    assert runtime.removed == [] and runner_of(engine).prefix_cache is not None
+    assert runner_of(engine).prefix_cache.cells == 22
     assert engine.room() == (64, [])  # cached cells give way: they count as free
     second = Recorder(TokenIds((*PREFIX, 4, 4, 6)), {"max_new_tokens": 5})
     engine.admit(second)
@@ -182,8 +193,8 @@ def test_prefix_cache_keeps_a_finished_sequence_and_copies_its_prefix() -> None:
     assert [(pos, seq) for _, pos, seq, _ in runtime.batches[3]] == [(22, 1)]
     assert second.prefilled_tokens == 1
     # The second sequence holds all of the first's ids and more: the first is freed.
-    assert runtime.removed == [0] and len(engine.prefix_cache) == 1
-    report = engine.prefix_cache_report()
+    assert runtime.removed == [0] and len(runner_of(engine).prefix_cache) == 1
+    report = runner_of(engine).prefix_cache_report()
     assert report is not None and (report.hits, report.lookups) == (1, 2)
     assert report.cached_tokens == 22 and report.entries == 1
 
@@ -191,7 +202,7 @@ def test_prefix_cache_keeps_a_finished_sequence_and_copies_its_prefix() -> None:
 def test_prefix_cache_gives_way_to_requests_and_stays_in_its_bound() -> None:
     runtime = FakeRuntime({3: [4] * 40, 6: [END]})
     engine = engine_for(runtime, kv_cells=64, max_sequences=2, prefix_cache_tokens=45)
-    cache = engine.prefix_cache
+    cache = runner_of(engine).prefix_cache
     assert cache is not None
     for start in range(10):
         engine.admit(Recorder(TokenIds((6, start, *([5] * 20))), {"max_new_tokens": 1}))
@@ -208,7 +219,7 @@ def test_prefix_cache_gives_way_to_requests_and_stays_in_its_bound() -> None:
     for prompt in (PREFIX, (*PREFIX, 4, 6)):
         single.admit(Recorder(TokenIds(prompt), {"max_new_tokens": 4}))
         drain(single)
-    runtime_one = single.runtime
+    runtime_one = runner_of(single).runtime
     assert isinstance(runtime_one, FakeRuntime)
     assert runtime_one.copies == [] and runtime_one.trims == [(0, 21)]
 
@@ -296,7 +307,7 @@ def test_placement_refuses_what_cannot_run() -> None:
 def test_openai_penalties_in_numpy_match_the_torch_definition() -> None:
     import torch
 
-    from modelpool.backends.hf_penalties import Penalties
+    from modelpool.backends.common.penalties import Penalties
 
     penalties = Penalties(presence=0.5, frequency=0.25, bias=((1, -3.0), (4, 2.0)))
     logits = np.linspace(-1.0, 1.0, 6, dtype=np.float32)

@@ -249,7 +249,7 @@ def test_rendering_uses_the_template_tools_or_the_generic_preamble(tiny_model_di
 
 
 def test_the_pool_refuses_a_malformed_tools_keyword_before_dispatch() -> None:
-    from modelpool.backends.hf import validate
+    from modelpool.backends.hf.handler import validate
     from modelpool.errors import InvalidRequest
 
     validate(plan().pool_params())

@@ -13,7 +13,7 @@ The split is done by an attention function registered with transformers'
 ``AttentionInterface`` and switched on for the fused pass alone; it reads the two caches
 from :data:`_PLAN`. A model whose layers do not all call it (attention not dispatched
 through the interface), or that needs more than plain attention (a sliding window, soft
-capping), raises :class:`FusionUnsupported` and the engine reads its slices in passes of
+capping), raises :class:`FusionUnsupported` and the runner reads its slices in passes of
 their own, as before.
 """
 

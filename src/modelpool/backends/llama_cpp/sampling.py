@@ -1,14 +1,9 @@
 """Per-request token choice for the llama_cpp backend, on one row's logits, in numpy.
 
-The same parameters, with the same meaning, as the hf backend's batched loop
-(``hf_batch``): greedy unless the request samples (``do_sample``, or a
-``temperature`` above 0), then temperature, top-k, top-p in that order;
-``repetition_penalty`` (CTRL's, as transformers applies it), ``no_repeat_ngram_size``,
-``min_new_tokens`` (end-of-generation tokens masked until then) and OpenAI's
-``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (the hf backend's
-:class:`~modelpool.backends.hf_penalties.Penalties`, applied in numpy) in both modes.
-Each request samples from its own generator, seeded by its ``seed``, so a row's
-tokens never depend on the other rows of a batch.
+The settings are every backend's (:class:`~modelpool.backends.common.sampling.Sampling`,
+the same parameters with the same meaning as on hf), applied here in numpy. Each
+request samples from its own generator, seeded by its ``seed``, so a row's tokens never
+depend on the other rows of a batch.
 
 Choosing here rather than through llama.cpp's sampler chain keeps every parameter per
 request without a sampler object per row, and keeps logprobs exactly the model's
@@ -18,10 +13,9 @@ request without a sampler object per row, and keeps logprobs exactly the model's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from modelpool.backends.hf_penalties import Penalties
+from modelpool.backends.common.sampling import Sampling, banned_ngram_tokens
 from modelpool.protocol import TokenLogprob
 
 if TYPE_CHECKING:
@@ -29,52 +23,6 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
     Logits = npt.NDArray[np.float32]
-
-# What transformers' generate() uses when neither the request nor a generation_config
-# says, so that a sampled request means the same on both backends.
-SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """One request's token-choice settings."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
-    min_new_tokens: int = 0
-    penalties: Penalties = field(default_factory=Penalties)
-    ignore_eos: bool = False  # vLLM's: an end-of-generation token does not end the request
-
-    @classmethod
-    def from_params(cls, params: dict[str, Any], vocab_size: int) -> Sampling:
-        """Read from a request's validated params; a ``logit_bias`` id outside the
-        vocabulary raises :class:`~modelpool.errors.InvalidRequest` (as on hf)."""
-        do_sample = bool(params.get("do_sample", params.get("temperature", 0) > 0))
-        return cls(
-            do_sample=do_sample,
-            temperature=float(params.get("temperature", SAMPLING_DEFAULTS["temperature"])),
-            top_k=int(params.get("top_k", SAMPLING_DEFAULTS["top_k"]) or 0),
-            top_p=float(params.get("top_p", SAMPLING_DEFAULTS["top_p"])),
-            repetition_penalty=float(params.get("repetition_penalty", 1.0)),
-            no_repeat_ngram_size=int(params.get("no_repeat_ngram_size", 0)),
-            min_new_tokens=int(params.get("min_new_tokens", 0)),
-            penalties=Penalties.from_params(params, vocab_size),
-            ignore_eos=params.get("ignore_eos") is True,
-        )
-
-    def is_plain_greedy(self, generated: int) -> bool:
-        """True when the choice is the argmax of the raw logits (no copy, no masks)."""
-        return (
-            not self.do_sample
-            and self.repetition_penalty == 1.0
-            and self.no_repeat_ngram_size == 0
-            and not self.penalties.active
-            and generated >= self.min_new_tokens
-        )
 
 
 def choose_token(
@@ -172,15 +120,3 @@ def token_logprob(logits: Logits, token_id: int, top: int, text_of: Any) -> Toke
         ids = ids[np.argsort(-logprobs[ids], kind="stable")]
         best = tuple((int(other), text_of(int(other)), float(logprobs[other])) for other in ids)
     return TokenLogprob(token_id, text_of(token_id), float(logprobs[token_id]), best)
-
-
-def banned_ngram_tokens(seen: list[int], size: int) -> set[int]:
-    """Tokens that would repeat an n-gram of ``size`` already in ``seen``."""
-    if len(seen) < size:
-        return set()
-    prefix = tuple(seen[len(seen) - size + 1 :])
-    return {
-        seen[start + size - 1]
-        for start in range(len(seen) - size + 1)
-        if tuple(seen[start : start + size - 1]) == prefix
-    }

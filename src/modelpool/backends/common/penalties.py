@@ -1,17 +1,18 @@
 """OpenAI's ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``, applied to a
-row's next-token scores in both forms of the hf backend (torch, :meth:`Penalties.apply`)
-and in the llama_cpp backend (numpy, :meth:`Penalties.apply_numpy`): one definition,
-one validation, for every backend.
+row's next-token scores on torch (:meth:`Penalties.apply`, the hf backend) and numpy
+(:meth:`Penalties.apply_numpy`, the llama_cpp backend): one definition, one validation,
+for every backend.
 
 OpenAI's definitions, over the tokens generated so far (the prompt does not count)::
 
     score[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)
     score[t] += logit_bias[t]
 
-``generate()`` takes :func:`logits_processor` (it runs after transformers' own
-processors, repetition penalty and ``min_new_tokens`` included, and before the
-sampling warpers); the batched loop calls :func:`apply` at the same point of its own
-token choice, so that a row decodes alike alone and in a batch.
+On the hf backend ``generate()`` takes them as a logits processor
+(``hf.generation.penalties_processor``: it runs after transformers' own processors,
+repetition penalty and ``min_new_tokens`` included, and before the sampling warpers);
+the runners apply them at the same point of their own token choice, so that a row
+decodes alike alone and in a batch.
 """
 
 from __future__ import annotations
@@ -88,18 +89,3 @@ class Penalties:
             ids = np.fromiter((token_id for token_id, _ in self.bias), dtype=np.int64)
             scores[ids] += np.fromiter((value for _, value in self.bias), dtype=scores.dtype)
         return scores
-
-
-def logits_processor(penalties: Penalties, prompt_tokens: int) -> Any:
-    """A transformers ``LogitsProcessor`` for ``generate()`` (one row)."""
-    from transformers import LogitsProcessor
-
-    class OpenAIPenalties(LogitsProcessor):
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            scores = scores.clone()
-            for row in range(scores.shape[0]):
-                generated = input_ids[row, prompt_tokens:].tolist()
-                penalties.apply(scores[row], generated)
-            return scores
-
-    return OpenAIPenalties()

@@ -1,7 +1,9 @@
 """A request's generated tokens as streamed text: stop strings, characters held back.
 
-Shared by both forms of the hf backend: :class:`TextProgress` is driven by
-``generate()``'s hooks in ``hf`` and by the decoding loop in ``hf_batch``.
+Shared by every backend: :class:`TextProgress` is driven by ``generate()``'s hooks on
+the hf backend's one-call path (``hf.generation``) and by the scheduler
+(``common.scheduler``) everywhere else; it decodes with anything that has a
+transformers tokenizer's ``decode`` (llama_cpp's ``runtime.Detokenizer``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,16 @@
+"""The transformers backend: :func:`load` is its factory, the ``"hf"`` backend name's
+target.
+
+- ``handler``: :func:`load` (load options, the model) and the handler;
+- ``generation``: the one-call form, through transformers' ``generate()``;
+- ``runner``: the batched form's decoding loop over one shared KV cache;
+- ``fused``: a decoding step and a prefill slice in one forward pass;
+- ``grammars``: llguidance masks as torch bitmasks;
+- ``prefix_cache``: the KV of recent prompts and answers, per worker.
+
+Importing it costs nothing heavy: torch and transformers are imported by :func:`load`.
+"""
+
+from modelpool.backends.hf.handler import load
+
+__all__ = ["load"]

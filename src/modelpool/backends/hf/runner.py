@@ -1,0 +1,728 @@
+"""The hf backend's model runner for the batched form: forward passes over one shared,
+left-padded KV cache, and each row's token choice in torch.
+
+The shared scheduler (``common.scheduler``) decides what each step computes: which
+waiting requests start (the KV budget here is ``kv_cache_tokens``, rows x columns of
+the padded cache, :meth:`HFRunner.kv_need`), which prompts are read whole and which
+slices are read (chunked prefill, with "auto" slices steered by the times reported
+here). :class:`HFRunner` runs the plan:
+
+1. fresh short prompts are read together in one left-padded pass (if that pass fails,
+   each again alone, so a fault is still one request's); other slices each in a pass
+   of their own, on the request's own prefill cache;
+2. a request whose prompt is read gets its first token and is merged into the running
+   batch: the narrower of the two caches is left-padded with masked columns, rows are
+   concatenated;
+3. one decoding step for every running request (one forward pass); the first long
+   prompt's slice rides on that same pass (``hf.fused``: the rows' tokens and the
+   slice's go through the weights together as one packed sequence, attention is
+   split), so a slice costs its tokens, not a pass's fixed cost;
+4. every request that ended (EOS, stop string, ``max_new_tokens``, its grammar
+   complete) leaves: its cache rows are dropped, with any leading columns that are now
+   padding in every row.
+
+A constrained row's mask is computed on a helper thread while the forward pass runs and
+applied to its logits before its own penalties and sampling.
+
+Faults stay in their row where they can be attributed: a prefill runs one
+request at a time, so its failure (an out-of-memory on a long prompt, say) is
+that request's (a failed fused pass is undone, and its slice and the decoding
+step run apart, so this holds there too); so is a failure choosing or emitting
+one row's token. A failure of the shared decoding pass cannot be blamed on one
+row: those rows leave the batch together as ``protocol.RowsLost`` (the pool retries
+them and tracks suspects) while waiting and prefilling requests stay.
+
+``prefill_chunk_tokens`` (a load option): a number of prompt tokens per step, or
+"auto" (the default, see ``common.scheduler.PrefillBudget``). A long prompt's time to
+first token grows while it shares the worker with decoding rows: that is the price of
+their inter-token latency. A model the fused pass does not fit (attention not
+dispatched through transformers' interface, a sliding window) reads each slice in a
+pass of its own, which on a CPU costs about one more decoding step per slice.
+
+Why our own loop rather than transformers' ``ContinuousBatchingManager``
+(``generate_batch``): on CPU its paged path measured 33 tok/s against 94 tok/s
+for a left-padded batch through ``generate()`` (SmolLM2-135M, 8 x 32 tokens,
+2 cores; issue 12), it sizes its cache from free memory unless told
+otherwise, it applies ``do_sample`` and the seed to the whole batch, and one
+failing request ends its whole thread. Here every sampling parameter is per
+request (``common.sampling``), each request samples from its own
+``torch.Generator``, and the cache is bounded by ``kv_cache_tokens``.
+The model's ``generation_config`` supplies the defaults ``generate()`` would
+take from it (``repetition_penalty``, ``no_repeat_ngram_size``,
+``min_new_tokens``/``min_length``, the sampling ones); a model whose
+generation_config asks for a processor this loop does not implement
+(:func:`unbatchable_generation_config`) runs one request at a time instead.
+The GPU comparison with the manager is still to be measured.
+
+The rule held to: greedy decoding of a prompt in a batch gives the same tokens
+as the same prompt alone through ``HFHandler.generate`` in float32, on the
+models tested (tests/integration/test_hf_batching.py); padding columns are
+masked out of attention, so only floating-point summation order differs (a
+sliced prefill too). In bfloat16 or float16 that order can flip a near tie, as
+in any batched server.
+
+The prefix cache (``hf.prefix_cache``, the handler's) touches the loop at two points:
+when a request's prefill starts, the longest cached prefix of its prompt becomes the
+start of its prefill cache (it prefills only the rest); when a row finishes, its
+columns (prompt and answer) are copied out of the batch's cache into the prefix cache.
+
+KV-cache memory: ``kv_cache_tokens`` bounds rows x columns of the padded cache
+(prompt plus every token the running requests may still generate, prefilling
+ones included); a request that would push the batch past it waits in the
+worker until rows leave, and ``room()`` tells the pool, which places new
+requests elsewhere meanwhile. A request alone is always admitted, whatever its
+size: the bound limits batching, never what one request may ask.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from modelpool.backends.common.sampling import Sampling, banned_ngram_tokens
+from modelpool.backends.common.scheduler import Row, Scheduler, StepPlan
+from modelpool.backends.common.text import TextProgress, stop_strings
+from modelpool.backends.hf.fused import FusionUnsupported, fusable, fused_forward
+from modelpool.errors import InvalidRequest
+from modelpool.grammar import RowGrammar
+from modelpool.protocol import BatchCall, Call, Prompt
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from modelpool.backends.hf.grammars import LLGuidanceGrammars
+    from modelpool.backends.hf.prefix_cache import PrefixCache
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_TOKENS = 16384
+"""Rows x columns of one worker's padded KV cache when ``kv_cache_tokens`` is not given:
+about 750 MB for SmolLM2-135M in float32 (30 layers x 2 x 3 heads x 64 x 4 bytes a token)."""
+
+UNBATCHED_PARAMS = ("logprobs", "prompt_logprobs")
+"""Parameters the batched loop does not compute; a request with them is refused."""
+# The generation_config fields that supply a request's defaults, as generate() takes them.
+_CONFIG_DEFAULTS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "min_new_tokens",
+)
+
+# generation_config fields that make generate() add a processor or a search this loop does
+# not implement, with the value that means "off".
+_UNBATCHABLE_GENERATION_CONFIG: dict[str, Any] = {
+    "num_beams": 1,
+    "penalty_alpha": None,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "min_p": None,
+    "encoder_repetition_penalty": 1.0,
+    "exponential_decay_length_penalty": None,
+    "guidance_scale": None,
+    "renormalize_logits": False,
+    "watermarking_config": None,
+}
+
+
+def unbatchable_generation_config(config: Any) -> list[str]:
+    """The fields of a model's generation_config that the batched loop cannot apply as
+    ``generate()`` would (the model then runs one request at a time)."""
+    return [
+        name
+        for name, off in _UNBATCHABLE_GENERATION_CONFIG.items()
+        if getattr(config, name, off) not in (off, None)
+    ]
+
+
+class LoadedModel(Protocol):
+    """What the runner needs of the hf handler (``hf.handler.HFHandler``)."""
+
+    model: Any
+    tokenizer: Any
+    eos_ids: frozenset[int]
+    vocab_size: int
+    grammars: LLGuidanceGrammars
+
+    prefix_cache: PrefixCache | None
+
+    def encode(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> torch.Tensor: ...
+
+    def fit_new_tokens(self, call: Call, params: dict[str, Any], prompt_tokens: int) -> int: ...
+
+    def remember(
+        self,
+        prompt: Prompt,
+        token_ids: list[int],
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        answer_text: str,
+        answer_ids: list[int],
+    ) -> None: ...
+
+
+@dataclass(eq=False)
+class HFRow:
+    """The runner's part of a row: its sampling generator, its own cache while prefilling."""
+
+    generator: torch.Generator | None
+    cache: Any = None
+
+
+HFRequest = Row[HFRow]
+
+
+class HFRunner:
+    """The batched form's forward passes and token choice for one loaded hf model; every
+    method runs on the worker loop's thread, driven by a :class:`Scheduler`."""
+
+    def __init__(self, handler: LoadedModel) -> None:
+        import inspect
+
+        self.handler = handler
+        # transformers 5.24 renamed the forward's past_key_values to cache.
+        parameters = inspect.signature(handler.model.forward).parameters
+        self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
+        # Only the last position's logits are read: skip the vocabulary projection of every
+        # other prompt token (generate() does the same).
+        self._last_logits: dict[str, int] = (
+            {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+        )
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self.batch: list[HFRequest] = []  # the decoding rows, in the cache's row order
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None  # [rows, columns], 1 where a real token is
+        self._last: torch.Tensor | None = None  # [rows], each row's latest token
+        # A slice beside decoding rows rides on their step's forward pass (hf.fused) when
+        # the model allows it; else it is a pass of its own.
+        self._fuse = fusable(handler.model)
+
+    # ---- the ModelRunner surface ---------------------------------------------------------
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        return self.handler.eos_ids
+
+    @property
+    def slices_ride_on_decode(self) -> bool:
+        return self._fuse
+
+    def grammars(self) -> LLGuidanceGrammars:
+        return self.handler.grammars
+
+    def row(self, call: BatchCall) -> HFRequest:
+        import torch
+
+        handler = self.handler
+        params = call.params
+        for name in UNBATCHED_PARAMS:
+            if params.get(name) is not None:
+                # Never dropped, never applied to the batch: refused, naming the field.
+                raise InvalidRequest(
+                    f"{name} is not supported by the batched hf backend "
+                    "(max_batch_size > 1); send it to a pool with max_batch_size = 1"
+                )
+        input_ids = handler.encode(call.prompt, params.get("tools"))
+        prompt_ids = [int(token) for token in input_ids[0].tolist()]
+        stops = stop_strings(params["stop"]) if "stop" in params else ()
+        config = handler.model.generation_config
+        # What generate() takes from the model's generation_config when the request does
+        # not say; it counts min_length over prompt and completion together.
+        defaults = {
+            key: value
+            for key in _CONFIG_DEFAULTS
+            if (value := getattr(config, key, None)) is not None
+        }
+        sampling = Sampling.from_params(
+            params,
+            handler.vocab_size,
+            defaults,
+            prompt_tokens=len(prompt_ids),
+            min_length=int(getattr(config, "min_length", 0) or 0),
+        )
+        generator = None
+        if sampling.do_sample:
+            generator = torch.Generator(device=handler.model.device)
+            if "seed" in params:
+                generator.manual_seed(params["seed"])
+            else:
+                generator.seed()
+        return Row(
+            call=call,
+            prompt_ids=prompt_ids,
+            progress=TextProgress(handler.tokenizer, call, len(prompt_ids), stops),
+            sampling=sampling,
+            # Fitted to the context as the one-call path does; raises ContextLengthExceeded
+            # (the worker answers that request alone) when the prompt cannot fit.
+            max_new_tokens=handler.fit_new_tokens(call, dict(params), len(prompt_ids)),
+            state=HFRow(generator),
+        )
+
+    def kv_need(self, rows: Sequence[HFRequest]) -> int:
+        """Rows x columns the padded cache may reach with ``rows`` in it."""
+        width = max(len(row.prompt_ids) + row.generated for row in rows)
+        longest_rest = max(row.remaining for row in rows)
+        return len(rows) * (width + longest_rest)
+
+    def start(self, row: HFRequest, need: int) -> bool:
+        """Start the row's prefill cache from the longest cached prefix of its prompt."""
+        import torch
+
+        cache = self.handler.prefix_cache
+        with torch.inference_mode():
+            found = None if cache is None else cache.lookup(row.prompt_ids)
+        if found is not None:
+            row.state.cache, row.prefilled = found
+            row.cached_tokens = row.prefilled
+        return True
+
+    def run(self, plan: StepPlan[HFRow], step: Scheduler[HFRow]) -> None:
+        import torch
+
+        with torch.inference_mode():
+            whole = plan.whole
+            if len(whole) > 1 and self._prefill_together(whole, step):
+                whole = []
+            slices = list(plan.slices)
+            beside = slices.pop(0) if slices and plan.fused else None
+            for row, count in [(row, len(row.prompt_ids)) for row in whole] + slices:
+                self._prefill_alone(row, count, step)
+            if self.batch:
+                self._decode(step, beside)
+            elif beside is not None:
+                self._prefill_alone(*beside, step)
+
+    def release(self, row: HFRequest) -> None:
+        row.state.cache = None
+        if row in self.batch:
+            self._drop([self.batch.index(row)])
+
+    def reset(self, started: list[HFRequest]) -> None:
+        self._reset_batch()
+
+    @property
+    def cache_tokens(self) -> int:
+        """Rows x columns of the padded cache now (prefilling caches not included)."""
+        return 0 if self._mask is None else int(self._mask.numel())
+
+    # ---- the prefix cache ------------------------------------------------------------------
+
+    def _remember(self, index: int, row: HFRequest) -> None:
+        """Keep a finished row's KV (its prompt and answer) in the prefix cache."""
+        assert self._mask is not None
+        if self.handler.prefix_cache is None:
+            return
+        try:
+            held = int(self._mask[index].sum())
+            start = int(self._mask.shape[1]) - held  # left-padded: its columns are the last
+            row_columns = (slice(index, index + 1), slice(None), slice(start, None))
+            layers = [
+                (layer.keys[row_columns], layer.values[row_columns]) for layer in self._cache.layers
+            ]
+            answer = row.progress.token_ids
+            ids = (row.prompt_ids + answer)[:held]
+            self.handler.remember(row.call.prompt, ids, layers, row.progress.text, answer)
+        except Exception:
+            # The cache only saves work: failing to fill it must not fail the batch.
+            logger.warning("could not keep a finished request's KV", exc_info=True)
+
+    # ---- the forward passes ----------------------------------------------------------------
+
+    def _prefill_together(self, rows: list[HFRequest], step: Scheduler[HFRow]) -> bool:
+        """Read the whole prompts of ``rows`` in one left-padded pass and give each its first
+        token; False, with nothing changed, when the pass itself failed."""
+        import torch
+        from transformers import DynamicCache
+
+        device = self.handler.model.device
+        width = max(len(row.prompt_ids) for row in rows)
+        pad = int(self.handler.tokenizer.pad_token_id or 0)
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for index, row in enumerate(rows):
+            length = len(row.prompt_ids)
+            input_ids[index, width - length :] = torch.tensor(row.prompt_ids)
+            mask[index, width - length :] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        cache = DynamicCache()
+        try:
+            output = self.handler.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                use_cache=True,
+                **{self._cache_keyword: cache},
+                **self._last_logits,
+            )
+        except Exception:
+            return False
+        for row in rows:
+            step.prefilled(row, len(row.prompt_ids) - row.prefilled)
+        tokens, failures = self._choose(rows, output.logits[:, -1, :])
+        keep = []
+        for index, row in enumerate(rows):
+            try:
+                if index in failures:
+                    raise failures[index]
+                if step.take(row, int(tokens[index])):
+                    continue
+            except Exception as exc:
+                step.fail(row, exc)
+                continue
+            keep.append(index)
+        if keep:
+            kept = torch.tensor(keep, device=device)
+            cache.batch_select_indices(kept)
+            self._merge([rows[index] for index in keep], cache, mask[kept], tokens[kept])
+        return True
+
+    def _prefill_alone(self, row: HFRequest, count: int, step: Scheduler[HFRow]) -> None:
+        """The next ``count`` prompt tokens of ``row`` in a pass of its own; once its prompt
+        is read, its first token, and it joins the batch."""
+        try:
+            logits = self._prefill_slice(row, count, step)
+        except Exception as exc:
+            step.fail(row, exc)
+            return
+        if logits is not None:
+            self._prefilled(row, logits, step)
+
+    def _prefilled(self, row: HFRequest, logits: torch.Tensor, step: Scheduler[HFRow]) -> None:
+        """``row``'s prompt is read (``logits``: its last position's): its first token, and
+        it joins the batch."""
+        import torch
+
+        try:
+            tokens, failures = self._choose([row], logits)
+            if failures:
+                raise failures[0]
+            if step.take(row, int(tokens[0])):
+                return
+        except Exception as exc:
+            step.fail(row, exc)
+            return
+        cache, row.state.cache = row.state.cache, None
+        mask = torch.ones((1, len(row.prompt_ids)), dtype=torch.long, device=tokens.device)
+        self._merge([row], cache, mask, tokens[:1])
+
+    def _prefill_slice(
+        self, row: HFRequest, count: int, step: Scheduler[HFRow]
+    ) -> torch.Tensor | None:
+        """Read ``count`` more prompt tokens into the row's cache; the logits of its last
+        position once the whole prompt is read, else None."""
+        import torch
+        from transformers import DynamicCache
+
+        device = self.handler.model.device
+        if row.state.cache is None:
+            row.state.cache = DynamicCache()
+        start, end = row.prefilled, row.prefilled + count
+        started = time.perf_counter()
+        output = self.handler.model(
+            input_ids=torch.tensor([row.prompt_ids[start:end]], device=device),
+            attention_mask=torch.ones((1, end), dtype=torch.long, device=device),
+            position_ids=torch.arange(start, end, device=device)[None, :],
+            use_cache=True,
+            **{self._cache_keyword: row.state.cache},
+            **self._last_logits,
+        )
+        step.budget.steer(count, time.perf_counter() - started, bool(self.batch))
+        step.prefilled(row, count)
+        if end < len(row.prompt_ids):
+            return None
+        logits: torch.Tensor = output.logits[:, -1, :]
+        return logits
+
+    def _merge(
+        self, rows: list[HFRequest], cache: Any, mask: torch.Tensor, last: torch.Tensor
+    ) -> None:
+        """Requests whose prompts are read join the running batch with their cache rows."""
+        import torch
+
+        if self._cache is None or self._mask is None or self._last is None:
+            self.batch, self._cache, self._mask, self._last = rows, cache, mask, last
+            self._trim()
+            return
+        old_width, new_width = int(self._mask.shape[1]), int(mask.shape[1])
+        width = max(old_width, new_width)
+        for old_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
+            old_keys = _pad_left(old_layer.keys, width - old_width)
+            old_values = _pad_left(old_layer.values, width - old_width)
+            old_layer.keys = torch.cat([old_keys, _pad_left(new_layer.keys, width - new_width)])
+            old_layer.values = torch.cat(
+                [old_values, _pad_left(new_layer.values, width - new_width)]
+            )
+        self._mask = torch.cat(
+            [
+                torch.nn.functional.pad(self._mask, (width - old_width, 0)),
+                torch.nn.functional.pad(mask, (width - new_width, 0)),
+            ]
+        )
+        self._last = torch.cat([self._last, last])
+        self.batch = [*self.batch, *rows]
+
+    def _decode(self, step: Scheduler[HFRow], beside: tuple[HFRequest, int] | None) -> None:
+        """One decoding step for every running row, with the slice ``beside`` in the same
+        pass when one is given. If that fused pass fails, the slice is read in a pass of
+        its own and the step runs alone, so that a fault is still one request's or the
+        batch's."""
+        if beside is not None:
+            if self._fuse and self._decode_with_slice(*beside, step):
+                return
+            self._prefill_alone(*beside, step)
+        if self.batch:
+            self._decode_step(step)
+
+    def _decode_with_slice(self, row: HFRequest, count: int, step: Scheduler[HFRow]) -> bool:
+        """The fused pass (hf.fused): False, with nothing changed, when it failed."""
+        import torch
+        from transformers import DynamicCache
+
+        assert self._mask is not None and self._last is not None
+        mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
+        if row.state.cache is None:
+            row.state.cache = DynamicCache()
+        start, end = row.prefilled, row.prefilled + count
+        masks = self._masks_beside_forward()
+        started = time.perf_counter()
+        try:
+            logits = fused_forward(
+                self.handler.model,
+                batch_cache=self._cache,
+                batch_mask=mask,
+                last_tokens=self._last,
+                slice_cache=row.state.cache,
+                read=start,
+                slice_ids=row.prompt_ids[start:end],
+                slice_logits=end == len(row.prompt_ids),
+            )
+        except FusionUnsupported as exc:
+            logger.info("prefill slices get passes of their own with this model: %s", exc)
+            self._fuse = False
+            return False
+        except Exception:
+            # The step runs again apart, with masks of its own (these are discarded).
+            return False
+        step_s = step.budget.decode_step_s
+        if step_s is not None:
+            # What the slice added to the step is what its size is steered by.
+            step.budget.steer(count, time.perf_counter() - started - step_s, bool(self.batch))
+        step.prefilled(row, count)
+        rows = len(self.batch)
+        self._mask = mask
+        self._decoded(logits[:rows], step, masks)
+        if end == len(row.prompt_ids):
+            self._prefilled(row, logits[rows:], step)
+        return True
+
+    def _decode_step(self, step: Scheduler[HFRow]) -> None:
+        import torch
+
+        assert self._mask is not None and self._last is not None
+        mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
+        # The grammar masks are computed while the forward pass runs (llguidance releases
+        # the GIL): they depend only on the tokens already taken.
+        masks = self._masks_beside_forward()
+        started = time.perf_counter()
+        try:
+            output = self.handler.model(
+                input_ids=self._last[:, None],
+                attention_mask=mask,
+                position_ids=mask.sum(-1, keepdim=True) - 1,
+                use_cache=True,
+                **{self._cache_keyword: self._cache},
+                **self._last_logits,
+            )
+        except Exception as exc:
+            # One pass over every running row: no one of them can be blamed. They leave
+            # together; waiting and prefilling requests stay.
+            lost = self.batch
+            self._reset_batch()
+            step.lost(lost, exc)
+        step.budget.timed_decode(time.perf_counter() - started)
+        self._mask = mask
+        self._decoded(output.logits[:, -1, :], step, masks)
+
+    def _decoded(
+        self, logits: torch.Tensor, step: Scheduler[HFRow], masks: Future[GrammarMasks] | None
+    ) -> None:
+        """Every running row's next token from its ``logits``; rows that ended leave."""
+        tokens, failures = self._choose(
+            self.batch, logits, None if masks is None else masks.result()
+        )
+        self._last = tokens
+        ended = []
+        for index, row in enumerate(self.batch):
+            try:
+                if index in failures:
+                    raise failures[index]
+                done = step.take(row, int(tokens[index]))
+            except Exception as exc:
+                ended.append(index)
+                step.fail(row, exc)
+                continue
+            if done:
+                ended.append(index)
+                self._remember(index, row)
+        if ended:
+            self._drop(ended)
+
+    def _reset_batch(self) -> None:
+        self.batch = []
+        self._cache = self._mask = self._last = None
+
+    def _drop(self, indices: list[int]) -> None:
+        import torch
+
+        keep = [index for index in range(len(self.batch)) if index not in indices]
+        if not keep:
+            self._reset_batch()
+            return
+        assert self._mask is not None and self._last is not None
+        kept = torch.tensor(keep, device=self._mask.device)
+        self._cache.batch_select_indices(kept)
+        self._mask = self._mask[kept]
+        self._last = self._last[kept]
+        self.batch = [self.batch[index] for index in keep]
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop leading columns that are padding in every row (the longest request left)."""
+        assert self._mask is not None
+        real = self._mask.any(dim=0).nonzero()
+        start = int(real[0]) if real.numel() else 0
+        if start == 0:
+            return
+        for layer in self._cache.layers:
+            layer.keys = layer.keys[:, :, start:, :]
+            layer.values = layer.values[:, :, start:, :]
+        self._mask = self._mask[:, start:]
+
+    # ---- per-request token choice and bookkeeping ------------------------------------------
+
+    def _masks_beside_forward(self) -> Future[GrammarMasks] | None:
+        """The running rows' grammar masks, computed on a thread of their own."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        constrained = _constrained(self.batch)
+        if not constrained:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="modelpool-masks")
+        grammars = self.handler.grammars
+        bitmask = grammars.new_bitmask(len(self.batch))
+
+        def fill() -> GrammarMasks:
+            return bitmask, grammars.fill_masks(constrained, bitmask)
+
+        return self._mask_thread.submit(fill)
+
+    def _choose(
+        self, rows: list[HFRequest], logits: torch.Tensor, masks: GrammarMasks | None = None
+    ) -> tuple[torch.Tensor, dict[int, Exception]]:
+        """Each row's next token, by that row's own parameters, and the rows whose choice
+        failed (by index), each with its exception: that row's fault alone. A row with a
+        grammar chooses among the tokens its grammar allows (``masks``: computed already,
+        else here)."""
+        failures: dict[int, Exception] = {}
+        constrained = _constrained(rows)
+        if constrained:
+            grammars = self.handler.grammars
+            if masks is None:
+                bitmask = grammars.new_bitmask(len(rows))
+                masks = bitmask, grammars.fill_masks(constrained, bitmask)
+            bitmask, failures = masks
+            failures = dict(failures)
+            allowed = [index for index, _ in constrained if index not in failures]
+            if allowed:
+                grammars.apply(logits, bitmask, allowed)
+        tokens = logits.argmax(dim=-1)
+        for index, row in enumerate(rows):
+            if index in failures:
+                continue
+            if row.sampling.is_plain_greedy(row.generated):
+                continue
+            try:
+                tokens[index] = self._choose_one(row, logits[index])
+            except Exception as exc:
+                failures[index] = exc
+        return tokens, failures
+
+    def _choose_one(self, row: HFRequest, logits: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        sampling = row.sampling
+        scores = logits.float().clone()
+        seen = row.prompt_ids + row.progress.token_ids
+        penalty = sampling.repetition_penalty
+        if penalty != 1.0:
+            ids = torch.tensor(sorted(set(seen)), device=scores.device)
+            picked = scores[ids]
+            scores[ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
+        if sampling.no_repeat_ngram_size:
+            banned = banned_ngram_tokens(seen, sampling.no_repeat_ngram_size)
+            if banned:
+                scores[list(banned)] = -math.inf
+        eos_ids = self.handler.eos_ids
+        if row.generated < sampling.min_new_tokens and eos_ids:
+            scores[list(eos_ids)] = -math.inf
+        if sampling.penalties.active:
+            sampling.penalties.apply(scores, row.progress.token_ids)
+        if row.grammar is not None and not bool(torch.isfinite(scores).any()):
+            # The penalties forbade every token the grammar allows: the grammar wins (a
+            # promised JSON must still close).
+            scores = logits.float().clone()
+        if not sampling.do_sample:
+            return scores.argmax()
+        return _sample(scores, sampling, row.state.generator)
+
+
+GrammarMasks = tuple["torch.Tensor", dict[int, Exception]]
+"""A step's grammar masks (one row of bits per batch row) and the rows whose mask failed."""
+
+
+def _constrained(rows: list[HFRequest]) -> list[tuple[int, RowGrammar]]:
+    return [(index, row.grammar) for index, row in enumerate(rows) if row.grammar is not None]
+
+
+def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
+    """Left-pad a [rows, heads, columns, dim] cache tensor along its columns."""
+    import torch
+
+    if columns == 0:
+        return tensor
+    return torch.nn.functional.pad(tensor, (0, 0, columns, 0))
+
+
+def _sample(
+    scores: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
+) -> torch.Tensor:
+    import torch
+
+    scores = scores / max(sampling.temperature, 1e-5)
+    if 0 < sampling.top_k < scores.shape[-1]:
+        threshold = torch.topk(scores, sampling.top_k).values[-1]
+        scores = scores.masked_fill(scores < threshold, -math.inf)
+    if sampling.top_p < 1.0:
+        ordered, order = torch.sort(scores)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - sampling.top_p)
+        remove[-1] = False
+        scores = scores.masked_fill(remove.scatter(0, order, remove), -math.inf)
+    probabilities = scores.softmax(dim=-1)
+    return torch.multinomial(probabilities, 1, generator=generator)[0]
