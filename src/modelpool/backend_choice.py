@@ -67,7 +67,7 @@ def choose_backend(
             "a GGUF model on the CPU, but llama-cpp-python is not installed "
             "(pip install 'modelpool[llama]' for llama.cpp, several times faster here)",
         )
-    from modelpool.backends.llama_cpp import LOAD_OPTIONS
+    from modelpool.backends.llama_cpp.options import LOAD_OPTIONS
 
     foreign = sorted(set(options) - LOAD_OPTIONS)
     if foreign:
