@@ -208,6 +208,12 @@ class HFRunner:
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [rows, columns], 1 where a real token is
         self._last: torch.Tensor | None = None  # [rows], each row's latest token
+        # Rows whose prompt the last fused pass finished (their first token taken), with
+        # their caches: they join the batch at the start of the next step, not at the end
+        # of that pass, which already carried a decoding step and the last slice (the
+        # merge copies the whole cache; at the end of that pass it was the running rows'
+        # worst gap).
+        self._joining: list[tuple[HFRequest, Any, torch.Tensor, torch.Tensor]] = []
         # A slice beside decoding rows rides on their step's forward pass (hf.fused) when
         # the model allows it; else it is a pass of its own.
         self._fuse = fusable(handler.model)
@@ -295,6 +301,7 @@ class HFRunner:
         import torch
 
         with torch.inference_mode():
+            self._join()
             whole = plan.whole
             if len(whole) > 1 and self._prefill_together(whole, step):
                 whole = []
@@ -309,10 +316,14 @@ class HFRunner:
 
     def release(self, row: HFRequest) -> None:
         row.state.cache = None
+        self._joining = [entry for entry in self._joining if entry[0] is not row]
         if row in self.batch:
             self._drop([self.batch.index(row)])
 
     def reset(self, started: list[HFRequest]) -> None:
+        # Rows still to join are kept through a batch that emptied (they join it next
+        # step, as its first rows), not through an abort.
+        self._joining = []
         self._reset_batch()
 
     @property
@@ -402,9 +413,17 @@ class HFRunner:
         if logits is not None:
             self._prefilled(row, logits, step)
 
-    def _prefilled(self, row: HFRequest, logits: torch.Tensor, step: Scheduler[HFRow]) -> None:
+    def _prefilled(
+        self,
+        row: HFRequest,
+        logits: torch.Tensor,
+        step: Scheduler[HFRow],
+        *,
+        join_next_step: bool = False,
+    ) -> None:
         """``row``'s prompt is read (``logits``: its last position's): its first token, and
-        it joins the batch."""
+        it joins the batch, now or (``join_next_step``, where there is a batch to copy) at
+        the start of the next step."""
         import torch
 
         try:
@@ -418,7 +437,16 @@ class HFRunner:
             return
         cache, row.state.cache = row.state.cache, None
         mask = torch.ones((1, len(row.prompt_ids)), dtype=torch.long, device=tokens.device)
+        if join_next_step and self._cache is not None:
+            self._joining.append((row, cache, mask, tokens[:1]))
+            return
         self._merge([row], cache, mask, tokens[:1])
+
+    def _join(self) -> None:
+        """The rows the last fused pass finished join the batch (see ``_joining``)."""
+        joining, self._joining = self._joining, []
+        for row, cache, mask, last in joining:
+            self._merge([row], cache, mask, last)
 
     def _prefill_slice(
         self, row: HFRequest, count: int, step: Scheduler[HFRow]
@@ -461,12 +489,8 @@ class HFRunner:
         old_width, new_width = int(self._mask.shape[1]), int(mask.shape[1])
         width = max(old_width, new_width)
         for old_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
-            old_keys = _pad_left(old_layer.keys, width - old_width)
-            old_values = _pad_left(old_layer.values, width - old_width)
-            old_layer.keys = torch.cat([old_keys, _pad_left(new_layer.keys, width - new_width)])
-            old_layer.values = torch.cat(
-                [old_values, _pad_left(new_layer.values, width - new_width)]
-            )
+            old_layer.keys = _stacked(old_layer.keys, new_layer.keys, width)
+            old_layer.values = _stacked(old_layer.values, new_layer.values, width)
         self._mask = torch.cat(
             [
                 torch.nn.functional.pad(self._mask, (width - old_width, 0)),
@@ -527,7 +551,7 @@ class HFRunner:
         self._mask = mask
         self._decoded(logits[:rows], step, masks)
         if end == len(row.prompt_ids):
-            self._prefilled(row, logits[rows:], step)
+            self._prefilled(row, logits[rows:], step, join_next_step=True)
         return True
 
     def _decode_step(self, step: Scheduler[HFRow]) -> None:
@@ -700,13 +724,14 @@ def _constrained(rows: list[HFRequest]) -> list[tuple[int, RowGrammar]]:
     return [(index, row.grammar) for index, row in enumerate(rows) if row.grammar is not None]
 
 
-def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
-    """Left-pad a [rows, heads, columns, dim] cache tensor along its columns."""
-    import torch
-
-    if columns == 0:
-        return tensor
-    return torch.nn.functional.pad(tensor, (0, 0, columns, 0))
+def _stacked(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, heads, columns, dim] cache tensors one above the other, each left-padded with
+    zeros to ``width`` columns: written once into the result, where padding each and then
+    concatenating wrote every byte twice."""
+    stacked = old.new_zeros((old.shape[0] + new.shape[0], old.shape[1], width, old.shape[3]))
+    stacked[: old.shape[0], :, width - old.shape[2] :] = old
+    stacked[old.shape[0] :, :, width - new.shape[2] :] = new
+    return stacked
 
 
 def _sample(
