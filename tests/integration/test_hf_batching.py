@@ -251,36 +251,6 @@ def test_a_long_prompt_is_prefilled_in_slices_while_the_batch_keeps_decoding(
     )
 
 
-def test_a_prompt_finished_by_a_fused_pass_joins_at_the_next_step(tiny_model_dir: Path) -> None:
-    """The pass that reads a prompt's last slice already carries a decoding step: the
-    row's cache is merged into the batch's at the start of the next step (issue 41), and
-    a row whose batch emptied in between still joins and decodes as it would alone."""
-    handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1, prefill_chunk_tokens=8)
-    runner = handler.scheduler.runner
-    for cancel_the_running_row in (False, True):
-        running = Recorder(PROMPTS[0], {"max_new_tokens": 64})
-        handler.admit(running)
-        handler.step()
-        long = Recorder(LONG_PROMPT, {"max_new_tokens": 8})
-        handler.admit(long)
-        while not long.tokens:
-            handler.step()
-        assert len(runner.batch) == 1 and len(runner._joining) == 1, "joins next step"
-        if cancel_the_running_row:
-            handler.retire(running)
-            assert runner.batch == [] and len(runner._joining) == 1
-        results: dict[int, Generation] = {}
-        expected = 1 if cancel_the_running_row else 2
-        while len(results) < expected:
-            for call, outcome in handler.step():
-                assert isinstance(outcome, Generation), outcome
-                results[id(call)] = outcome
-            assert runner._joining == []
-        alone = handler.generate(Recorder(LONG_PROMPT, {"max_new_tokens": 8}))
-        assert results[id(long)].text == alone.text
-        assert results[id(long)].completion_tokens == alone.completion_tokens
-
-
 def count_passes(handler: HFHandler) -> Callable[[], int]:
     """Count the model's forward passes from now on (the handler's model is wrapped)."""
     model = handler.model

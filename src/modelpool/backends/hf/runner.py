@@ -208,12 +208,6 @@ class HFRunner:
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [rows, columns], 1 where a real token is
         self._last: torch.Tensor | None = None  # [rows], each row's latest token
-        # Rows whose prompt the last fused pass finished (their first token taken), with
-        # their caches: they join the batch at the start of the next step, not at the end
-        # of that pass, which already carried a decoding step and the last slice (the
-        # merge copies the whole cache; at the end of that pass it was the running rows'
-        # worst gap).
-        self._joining: list[tuple[HFRequest, Any, torch.Tensor, torch.Tensor]] = []
         # A slice beside decoding rows rides on their step's forward pass (hf.fused) when
         # the model allows it; else it is a pass of its own.
         self._fuse = fusable(handler.model)
@@ -301,7 +295,6 @@ class HFRunner:
         import torch
 
         with torch.inference_mode():
-            self._join()
             whole = plan.whole
             if len(whole) > 1 and self._prefill_together(whole, step):
                 whole = []
@@ -316,14 +309,10 @@ class HFRunner:
 
     def release(self, row: HFRequest) -> None:
         row.state.cache = None
-        self._joining = [entry for entry in self._joining if entry[0] is not row]
         if row in self.batch:
             self._drop([self.batch.index(row)])
 
     def reset(self, started: list[HFRequest]) -> None:
-        # Rows still to join are kept through a batch that emptied (they join it next
-        # step, as its first rows), not through an abort.
-        self._joining = []
         self._reset_batch()
 
     @property
@@ -413,17 +402,9 @@ class HFRunner:
         if logits is not None:
             self._prefilled(row, logits, step)
 
-    def _prefilled(
-        self,
-        row: HFRequest,
-        logits: torch.Tensor,
-        step: Scheduler[HFRow],
-        *,
-        join_next_step: bool = False,
-    ) -> None:
+    def _prefilled(self, row: HFRequest, logits: torch.Tensor, step: Scheduler[HFRow]) -> None:
         """``row``'s prompt is read (``logits``: its last position's): its first token, and
-        it joins the batch, now or (``join_next_step``, where there is a batch to copy) at
-        the start of the next step."""
+        it joins the batch."""
         import torch
 
         try:
@@ -437,16 +418,7 @@ class HFRunner:
             return
         cache, row.state.cache = row.state.cache, None
         mask = torch.ones((1, len(row.prompt_ids)), dtype=torch.long, device=tokens.device)
-        if join_next_step and self._cache is not None:
-            self._joining.append((row, cache, mask, tokens[:1]))
-            return
         self._merge([row], cache, mask, tokens[:1])
-
-    def _join(self) -> None:
-        """The rows the last fused pass finished join the batch (see ``_joining``)."""
-        joining, self._joining = self._joining, []
-        for row, cache, mask, last in joining:
-            self._merge([row], cache, mask, last)
 
     def _prefill_slice(
         self, row: HFRequest, count: int, step: Scheduler[HFRow]
@@ -551,7 +523,7 @@ class HFRunner:
         self._mask = mask
         self._decoded(logits[:rows], step, masks)
         if end == len(row.prompt_ids):
-            self._prefilled(row, logits[rows:], step, join_next_step=True)
+            self._prefilled(row, logits[rows:], step)
         return True
 
     def _decode_step(self, step: Scheduler[HFRow]) -> None:
