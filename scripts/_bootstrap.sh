@@ -1,8 +1,8 @@
 # Sourced by the scripts in this folder: make a virtual environment ready for a set of extras.
 #
-# The interpreter is $PYTHON (default: python3). Its environment is .venv when it is the
-# machine's default python3, and .venv-3.X for any other version, so that testing another
-# version never rebuilds the default one. Only the versions named in pyproject.toml's
+# The interpreter is $PYTHON (default: python3). Its environment is $MODELPOOL_VENV when
+# that is set, else .venv when it is the machine's default python3, and .venv-3.X for any
+# other version, so that testing another version never rebuilds the default one. Only the versions named in pyproject.toml's
 # classifiers are accepted: those are the ones the project tests.
 #
 # torch is the pinned release. Without an NVIDIA GPU it is the CPU build (torch==X+cpu,
@@ -83,7 +83,9 @@ select_python() {
             "$(supported_pythons | tr '\n' ' ')(pyproject.toml's classifiers)" >&2
         exit 2
     fi
-    if [ "$PY_VERSION" = "$(default_python_version)" ]; then
+    if [ -n "${MODELPOOL_VENV:-}" ]; then
+        VENV="$MODELPOOL_VENV"
+    elif [ "$PY_VERSION" = "$(default_python_version)" ]; then
         VENV="$ROOT/.venv"
     else
         VENV="$ROOT/.venv-$PY_VERSION"
@@ -150,7 +152,9 @@ bootstrap() {
         install_llama_cpp
     fi
     local digest stamp
-    digest="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"
+    # The checkout's path is in the stamp too: a venv outside the checkout
+    # ($MODELPOOL_VENV) gets the project installed again, editable, from each checkout.
+    digest="$({ cat "$ROOT/pyproject.toml"; echo "$ROOT"; } | sha256sum | cut -c1-16)"
     stamp="$VENV/.modelpool-installed-${extras//,/-}-$digest"
     if [ ! -f "$stamp" ]; then
         echo "bootstrap: installing modelpool[$extras] into $VENV, once (pip is quiet until" \

@@ -796,6 +796,7 @@ class Dispatcher:
             prompt_logprobs=generation.prompt_logprobs,
             cached_tokens=generation.cached_tokens or 0,
             token_ids=generation.token_ids,
+            stop_sequence=generation.stop_sequence,
         )
 
     def _fail(self, request: Request, error: PoolError) -> None:

@@ -21,6 +21,7 @@ happened to each try::
     ├── ModelLoadFailed
     │   ├── ModelSourceError  found before any worker started (preflight.py)
     │   ├── ModelUnavailable  a registry's model failed; its load backs off (registry.py)
+    │   │   └── MemoryNotReleased  the memory a swap freed for it was not verified back
     │   └── ModelTooLarge     a registry's model does not fit its memory budget
     ├── ModelNotFound         (also LookupError) a registry has no model of that name
     ├── DeviceError           (also ValueError) found before any worker started
@@ -230,6 +231,34 @@ class ModelUnavailable(ModelLoadFailed):
     def copy(self) -> ModelUnavailable:
         return ModelUnavailable(
             self.message, model=self.model, reason=self.reason, retry_after_s=self.retry_after_s
+        )
+
+
+class MemoryNotReleased(ModelUnavailable):
+    """A registry did not start a model's workers because memory it had to free first
+    (an evicted model's processes, or GPU memory NVML still lists) was not verified
+    released within the load's deadline. ``held_by`` names the models whose memory is
+    not back; the next load is tried once it is (or after ``retry_after_s``)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        model: str,
+        reason: str,
+        retry_after_s: float,
+        held_by: tuple[str, ...],
+    ) -> None:
+        super().__init__(message, model=model, reason=reason, retry_after_s=retry_after_s)
+        self.held_by = held_by
+
+    def copy(self) -> MemoryNotReleased:
+        return MemoryNotReleased(
+            self.message,
+            model=self.model,
+            reason=self.reason,
+            retry_after_s=self.retry_after_s,
+            held_by=self.held_by,
         )
 
 

@@ -138,7 +138,8 @@ def process_group_exists(pgid: int) -> bool:
     return True
 
 
-def _group_members(pgid: int) -> list[psutil.Process]:
+def group_members(pgid: int) -> list[psutil.Process]:
+    """The processes in group ``pgid`` now (zombies included), as psutil sees them."""
     members: list[psutil.Process] = []
     for proc in psutil.process_iter():
         try:
@@ -237,7 +238,7 @@ def wait_process_group_gone(
         if clock() >= deadline:
             break
         sleep(max(0.0, min(poll_s, deadline - clock())))
-    members = _group_members(pgid)
+    members = group_members(pgid)
     if not members and not process_group_exists(pgid):
         return ReleaseReport(True, max(0.0, clock() - started), 0, "psutil")
     holders = [_describe_member(proc) for proc in members] or [
@@ -277,6 +278,7 @@ def set_child_subreaper(enabled: bool = True) -> bool:
 
 __all__ = [
     "ReleaseReport",
+    "group_members",
     "process_group_exists",
     "process_rss_bytes",
     "reap_group_children",

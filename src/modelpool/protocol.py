@@ -155,6 +155,8 @@ class Generation:
     cached_tokens: int | None = None
     # A tokenize request's answer: the prompt's token ids (see TokenizeRequest).
     token_ids: list[int] | None = None
+    # The stop string (one of the request's ``stop``) that ended the text, when one did.
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,23 @@ pool killed and, if even that does not end it, is abandoned with the model ``fai
 Memory is measured, not guessed: the RSS of each model's worker processes (and their
 children) by psutil, and each worker's GPU memory by NVML (the pool's own per-PID
 sampling), sampled while the model loads and every second after. A model's *need* is the
-most it was ever measured to hold. A model that must load evicts least-recently-used
-idle (no request in flight or waiting), unpinned models until its need fits; a model
-never measured yet evicts every such model first, so the budget holds from the first
-load. An evicted model's release is verified (its process groups gone, the pool's own
-GPU release checks passed) before the next model's workers start. Requests waiting for a
-model hold it: a model with waiters is never idle, so two models that do not fit
-together alternate by demand instead of evicting each other in a loop.
+most it was ever measured to hold, its processes' peak RSS (the kernel's high-water mark)
+included, so that a transient between two samples counts. A model that must load
+evicts least-recently-used idle (no request in flight or waiting), unpinned models until
+its need fits; a model never measured yet evicts every such model first, so the budget
+holds from the first load. A swap whose victim still runs requests waits for them
+outside the step, so the loads behind it are planned meanwhile (one that fits now and
+after that swap goes first). An evicted model's release is verified before the next
+model's workers start: every process measured as its own (the workers and their
+children, whatever their process group) gone and its process groups gone (psutil), and
+on a GPU the pool's own release checks passed and NVML no longer listing those
+processes. A release not verified within the load's deadline holds the load back: its
+workers do not start, its requests get :class:`~modelpool.errors.MemoryNotReleased`,
+and what is left is measured and counted against the budget until it is gone (the
+supervisor checks every second); then the models it held back are ``unloaded`` again
+and load on their next request. Requests waiting for a model hold it: a model with
+waiters is never idle, so two models that do not fit together alternate by demand
+instead of evicting each other in a loop.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -61,8 +72,10 @@ from typing import Any, Literal
 import psutil
 
 from modelpool.config import ModelSpec, ServerConfig, check_model_names
+from modelpool.devices import nvml_index_for
 from modelpool.errors import (
     DeadlineExceeded,
+    MemoryNotReleased,
     ModelLoadFailed,
     ModelNotFound,
     ModelTooLarge,
@@ -71,8 +84,9 @@ from modelpool.errors import (
     PoolError,
     PoolOverloaded,
 )
+from modelpool.gpu import GpuProbe
 from modelpool.pool import ModelPool
-from modelpool.processes import wait_process_group_gone
+from modelpool.processes import describe_process, group_members, wait_process_group_gone
 from modelpool.stats import PoolHealth, PoolStats
 
 __all__ = [
@@ -86,6 +100,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_OWN_PID = os.getpid()
 
 ModelState = Literal["unloaded", "loading", "loaded", "unloading", "failed"]
 MODEL_STATES: tuple[ModelState, ...] = ("unloaded", "loading", "loaded", "unloading", "failed")
@@ -100,8 +115,11 @@ SAMPLE_WHILE_LOADING_S = 0.25
 # A step that its pool's kill did not end within this is abandoned (its thread is stuck
 # outside the pool, e.g. in a model download) and the model marked failed.
 ABANDON_AFTER_S = 10.0
-# An evicted model's process groups must be gone within this after its pool closed.
+# An unloaded model's processes must be gone within this after its pool closed (an
+# idle unload; a swap waits up to the deadline of the load it makes room for).
 RELEASE_TIMEOUT_S = 10.0
+# How often a release not yet verified is checked again while a load waits for it.
+RELEASE_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -229,6 +247,46 @@ def _duration(text: str) -> float:
 
 
 @dataclass(eq=False)
+class _Lingering:
+    """What an unloaded pool left holding memory: the processes measured as the model's
+    (snapshotted before its pool closed) and still alive, and GPUs whose release the pool
+    could not verify (device -> the bytes the model had there)."""
+
+    processes: list[psutil.Process]
+    pids: frozenset[int]
+    gpus: dict[str, int]
+
+    def check(self, probe: GpuProbe | None) -> dict[str, int]:
+        """Drop what is gone; what is still held, by resource ({}: all of it is back)."""
+        self.processes = [p for p in self.processes if _holds_memory(p)]
+        held: dict[str, int] = {}
+        if self.processes:
+            held[MEMORY] = max(1, sum(_rss(p) for p in self.processes))
+        for device, needed in list(self.gpus.items()):
+            index = None if probe is None else nvml_index_for(device, probe)
+            if probe is None or index is None or not probe.available:
+                del self.gpus[device]  # nothing left to ask: as the pool's own watch does
+                continue
+            listed = probe.process_memory(index)
+            mine = [used or 0 for pid, used in listed.items() if pid in self.pids]
+            free = probe.free_bytes(index)
+            if mine or (free is not None and free < needed):
+                held[device] = sum(mine) or needed
+            else:
+                del self.gpus[device]
+        return held
+
+    def describe(self) -> str:
+        parts = [
+            f"{describe_process(p.pid)} holds {_rss(p) / 2**20:.0f} MiB" for p in self.processes
+        ]
+        parts += [
+            f"{device} not free again ({needed} bytes)" for device, needed in self.gpus.items()
+        ]
+        return "; ".join(parts) or "nothing left"
+
+
+@dataclass(eq=False)
 class _Entry:
     """One model's mutable state; read and written under the registry's lock only."""
 
@@ -258,6 +316,10 @@ class _Entry:
     # Measured: now, and the most ever (the need), by resource (MEMORY, "cuda:N").
     held: dict[str, int] = field(default_factory=dict)
     need: dict[str, int] | None = None
+    # Left by an unload whose release was not verified; counted in ``held`` until gone.
+    lingering: _Lingering | None = None
+    # Failed only because memory was not back: unloaded again once it is.
+    held_back: bool = False
 
     @property
     def idle(self) -> bool:
@@ -282,6 +344,13 @@ class _Step:
     entry: _Entry | None
     victims: list[_Entry]
     why: str
+    # Models whose unverified release the load waits for, and until when (a swap's load
+    # deadline from the step's start; an unload's RELEASE_TIMEOUT_S).
+    awaits: list[_Entry] = field(default_factory=list)
+    release_by: float = 0.0
+    # Until when the victims' running requests may finish (0: unload_timeout_s from the
+    # unload's start); past it the unload goes on with them still running.
+    drain_by: float = 0.0
     thread: threading.Thread | None = None
     loading: ModelPool | None = None
     deadline: float | None = None
@@ -318,8 +387,12 @@ class ModelLease:
 class ModelRegistry:
     """Several :class:`ModelPool`\\ s by name; the module docstring has the rules."""
 
-    def __init__(self, config: RegistryConfig) -> None:
+    def __init__(self, config: RegistryConfig, *, gpu_probe: GpuProbe | None = None) -> None:
+        """``gpu_probe`` replaces the NVML probe of every model's pool and of the
+        registry's own release checks (tests); by default each makes its own."""
         self.config = config
+        self._gpu_probe = gpu_probe
+        self._own_probe: GpuProbe | None = None
         # Re-entrant: a lease dropped unreleased releases itself in __del__, which the
         # garbage collector may run on a thread that holds the lock already.
         self._cond = threading.Condition(threading.RLock())
@@ -330,6 +403,9 @@ class ModelRegistry:
             for name in (spec.name, *spec.aliases)
         }
         self._pending: deque[_Entry] = deque()
+        # Swaps planned whose victims are still draining (their requests finishing): not
+        # started until they are, so that the loads behind them are planned meanwhile.
+        self._draining: list[_Step] = []
         self._step: _Step | None = None
         self._waiting = 0
         self._swaps = 0
@@ -388,6 +464,8 @@ class ModelRegistry:
                     entry.state = "unloaded"
         for pool in pools:
             pool.close(drain=True, timeout=timeout)
+        if self._own_probe is not None:
+            self._own_probe.close()
 
     def __enter__(self) -> ModelRegistry:
         return self.start()
@@ -601,7 +679,9 @@ class ModelRegistry:
         # "loading": already queued or under way; "unloading": queued once the unload ends.
         return entry.load
 
-    def _unavailable(self, entry: _Entry, now: float) -> ModelUnavailable:
+    def _unavailable(self, entry: _Entry, now: float) -> ModelLoadFailed:
+        if isinstance(entry.error, ModelTooLarge):
+            return entry.error.copy()  # a wait would not make it fit: the numbers say why
         if isinstance(entry.error, ModelUnavailable):
             error = entry.error.copy()
             error.retry_after_s = round(max(0.0, entry.retry_at - now), 3)
@@ -701,8 +781,15 @@ class ModelRegistry:
 
     def _next_step(self, now: float) -> _Step | None:
         """The next supervised step, if one is due (lock held). In order: close a failed
-        model's pool, the first pending load (with its evictions), an idle unload, an
-        eviction back under the budget."""
+        model's pool, a planned swap whose victims have drained, the first pending load
+        that can be planned (with its evictions), an idle unload, an eviction back under
+        the budget.
+
+        A load that must drain a busy model is planned (its victims ``unloading``: no new
+        request gets them) but starts only once they are idle, or ``unload_timeout_s``
+        after; the loads behind it are planned meanwhile, and one that fits both now and
+        once the drained swap is done starts at once instead of waiting its turn. So does
+        one behind a load that cannot be planned yet: a wait is never the whole queue's."""
         for entry in self._entries.values():
             if entry.state == "loaded" and entry.pool is not None:
                 health = entry.pool.health()
@@ -710,21 +797,33 @@ class ModelRegistry:
                     self._fail(entry, health.reason or "its pool died", now)
         for entry in self._entries.values():
             if entry.state == "failed" and entry.pool is not None and entry.in_flight == 0:
-                return _Step("unload", None, [entry], f"closing failed model {entry.spec.name}")
-        while self._pending:
-            entry = self._pending[0]
+                return _Step(
+                    "unload",
+                    None,
+                    [entry],
+                    f"closing failed model {entry.spec.name}",
+                    release_by=now + RELEASE_TIMEOUT_S,
+                )
+        for step in self._draining:
+            if now >= step.drain_by or all(v.in_flight == 0 for v in step.victims):
+                self._draining.remove(step)
+                assert step.entry is not None
+                step.release_by = now + step.entry.spec.load_deadline_s
+                return step
+        for entry in list(self._pending):
             if entry.state != "loading" or entry.pool is not None:
-                self._pending.popleft()
+                self._pending.remove(entry)
                 continue
             try:
-                victims = self._plan(entry)
+                plan = self._plan(entry)
             except ModelTooLarge as exc:
-                self._pending.popleft()
+                self._pending.remove(entry)
                 self._fail(entry, exc.message, now, error=exc)
                 continue
-            if victims is None:
-                break  # memory still held by a failed model's pool; re-planned each round
-            self._pending.popleft()
+            if plan is None:
+                continue  # waits for memory not back yet; re-planned each round
+            victims, awaits = plan
+            self._pending.remove(entry)
             if victims:
                 self._swaps += 1
             for victim in victims:
@@ -732,20 +831,29 @@ class ModelRegistry:
             why = f"loading {entry.spec.name}" + (
                 f" (evicting {', '.join(v.spec.name for v in victims)})" if victims else ""
             )
-            return _Step("swap", entry, victims, why)
+            step = _Step(
+                "swap", entry, victims, why, awaits, release_by=now + entry.spec.load_deadline_s
+            )
+            if any(v.in_flight for v in victims):
+                step.drain_by = now + self.config.unload_timeout_s
+                self._draining.append(step)
+                logger.info("registry: %s: waiting for the evicted models to drain", why)
+                continue
+            return step
         for entry in self._entries.values():
             if entry.state != "loaded" or not entry.idle:
                 continue
             limit = entry.idle_limit_s()
             if limit is not None and now - entry.last_used >= limit:
                 entry.state = "unloading"
-                return _Step("unload", None, [entry], f"unloading idle model {entry.spec.name}")
+                why = f"unloading idle model {entry.spec.name}"
+                return _Step("unload", None, [entry], why, release_by=now + RELEASE_TIMEOUT_S)
         if self._over_budget():
             idle = [v for v in self._candidates(None) if v.idle]
             if idle:
                 idle[0].state = "unloading"
                 why = f"evicting {idle[0].spec.name}: the models outgrew the budget"
-                return _Step("unload", None, idle[:1], why)
+                return _Step("unload", None, idle[:1], why, release_by=now + RELEASE_TIMEOUT_S)
         return None
 
     def _budget(self, resource: str) -> int | None:
@@ -764,7 +872,7 @@ class ModelRegistry:
             if without is not None and id(entry) in without:
                 continue
             held = dict(entry.held)
-            if at_peak and held and entry.need:
+            if at_peak and held and entry.need and entry.lingering is None:
                 held = {r: max(held.get(r, 0), amount) for r, amount in entry.need.items()}
             for resource, amount in held.items():
                 total[resource] = total.get(resource, 0) + amount
@@ -787,46 +895,69 @@ class ModelRegistry:
         ]
         return sorted(found, key=lambda e: (not e.idle, e.last_used))
 
-    def _plan(self, entry: _Entry) -> list[_Entry] | None:
-        """The models to evict before ``entry`` loads ([]: none), None to wait; raises
+    def _plan(self, entry: _Entry) -> tuple[list[_Entry], list[_Entry]] | None:
+        """The models to evict before ``entry`` loads ([]: none) and the models whose
+        unverified release it must wait for ([]: none), or None to wait; raises
         ModelTooLarge when it cannot fit even beside the pinned models alone (lock held).
 
         A model in use is evicted by a drain (no new request gets it, the running ones
-        finish, then it unloads) only when the idle ones do not free enough."""
+        finish, then it unloads) only when the idle ones do not free enough. Memory an
+        unverified release left is counted as measured; the load waits for it (within
+        its deadline) only when evicting what may be evicted does not make room."""
         if self.config.memory_budget_bytes is None and self.config.gpu_memory_budget_bytes is None:
-            return []
+            return [], []
         candidates = self._candidates(entry)
         movable = {id(e) for e in candidates}
+        lingering = [e for e in self._entries.values() if e.lingering is not None]
+        # A swap waiting for its victims to drain: their memory is its, and so is its need.
+        draining = {id(v) for step in self._draining for v in step.victims}
+        reserved: dict[str, int] = {}
+        for step in self._draining:
+            assert step.entry is not None
+            if step.entry.need is None:
+                return None  # what it will take is not known: nothing may pass it
+            for resource, amount in step.entry.need.items():
+                reserved[resource] = reserved.get(resource, 0) + amount
         if any(
-            e.held and id(e) not in movable and e.state != "loaded" and e is not entry
+            e.held
+            and id(e) not in movable
+            and e.state != "loaded"
+            and e is not entry
+            and e.lingering is None
+            and id(e) not in draining
             for e in self._entries.values()
         ):
             return None  # a model still unloading or failing: its memory is not back yet
         if entry.need is None:
             # Never measured: every model that may go goes, so that even the first load
             # stays within the budget whatever the model turns out to take.
-            if any(
+            if self._draining or any(
                 e.state == "loaded" and not e.spec.pin and id(e) not in movable
                 for e in self._entries.values()
                 if e is not entry
             ):
                 return None
-            return candidates
+            return candidates, lingering
         too_large = self._too_large(entry, entry.need)
         if too_large is not None:
             raise too_large
-        victims: list[_Entry] = []
-        gone: set[int] = {id(entry)}
-        for victim in [None, *candidates]:
-            if victim is not None:
-                victims.append(victim)
-                gone.add(id(victim))
-            held = self._held_total(without=gone, at_peak=True)
-            if all(
-                (budget := self._budget(r)) is None or held.get(r, 0) + need <= budget
-                for r, need in entry.need.items()
-            ):
-                return victims
+        for wait in ([], lingering) if lingering else ([],):
+            victims: list[_Entry] = []
+            # The model's own lingering memory counts too: never two copies of it.
+            gone = {id(e) for e in wait} | ({id(entry)} if entry.lingering is None else set())
+            for victim in [None, *candidates]:
+                if victim is not None:
+                    victims.append(victim)
+                    gone.add(id(victim))
+                # It must fit now, and once the swaps waiting for a drain are done.
+                now = self._held_total(without=gone, at_peak=True)
+                after = self._held_total(without=gone | draining, at_peak=True)
+                if all(
+                    (budget := self._budget(r)) is None
+                    or max(now.get(r, 0), after.get(r, 0) + reserved.get(r, 0)) + need <= budget
+                    for r, need in entry.need.items()
+                ):
+                    return victims, wait
         return None  # models just loaded for their waiters are in the way: they go first
 
     def _too_large(self, entry: _Entry, need: dict[str, int]) -> ModelTooLarge | None:
@@ -863,6 +994,8 @@ class ModelRegistry:
         entry.reason = reason
         if entry.pool is None:
             entry.held = {}  # a failed load's workers are gone (or being killed) with it
+        if isinstance(error, ModelUnavailable):
+            error.retry_after_s = backoff
         entry.error = error or ModelUnavailable(
             f"model {entry.spec.name!r} is failed: {reason}",
             model=entry.spec.name,
@@ -880,8 +1013,8 @@ class ModelRegistry:
     def _run_step(self, step: _Step) -> None:
         try:
             for victim in step.victims:
-                self._unload(victim, evicted=step.kind == "swap", why=step.why)
-            if step.entry is not None:
+                self._unload(victim, evicted=step.kind == "swap", why=step.why, step=step)
+            if step.entry is not None and self._await_release(step):
                 self._load(step)
         except BaseException:  # a bug here must not leave a model "loading" for ever
             logger.exception("registry: %s failed", step.why)
@@ -895,28 +1028,38 @@ class ModelRegistry:
                 step.done = True
                 self._cond.notify_all()
 
-    def _unload(self, entry: _Entry, *, evicted: bool, why: str) -> None:
+    def _unload(self, entry: _Entry, *, evicted: bool, why: str, step: _Step) -> None:
         """Drain ``entry`` (its running requests finish; new ones wait for its reload),
-        close its pool, verify the release."""
+        close its pool, verify the release (until ``step.release_by`` at most): what is
+        not back is kept as the model's ``lingering``, and the model ``failed``."""
         with self._cond:
             pool = entry.pool
-            self._cond.wait_for(lambda: entry.in_flight == 0, self.config.unload_timeout_s)
+            bound = step.drain_by - time.monotonic() if step.drain_by else None
+            drain_s = self.config.unload_timeout_s if bound is None else max(0.0, bound)
+            self._cond.wait_for(lambda: entry.in_flight == 0, drain_s)
+            had = {**(entry.need or {}), **entry.held}
         if pool is None:
             return
         pids = [w.pid for w in pool.stats().workers if w.pid is not None]
-        before = pool.stats().gpu.releases.failed
+        # Every process measured as the model's, whatever its process group: a child
+        # that left the group (setsid) outlives the pool's kill of the group.
+        processes = _process_trees(pids)
         started = time.monotonic()
         pool.close(drain=True, timeout=self.config.unload_timeout_s)
-        problems = [
-            report.describe()
-            for pid in pids
-            if not (report := wait_process_group_gone(pid, timeout_s=RELEASE_TIMEOUT_S)).ok
-        ]
-        final = pool.stats().gpu
-        if final.releases.failed > before or final.blocked_devices:
-            problems.append(
-                f"GPU memory not released on {', '.join(final.blocked_devices) or 'a GPU'}"
-            )
+        until = min(step.release_by, time.monotonic() + RELEASE_TIMEOUT_S)
+        found: list[str] = []
+        for pid in pids:
+            report = wait_process_group_gone(pid, timeout_s=max(0.0, until - time.monotonic()))
+            if not report.ok:
+                # Watched with the rest: a zombie left in the group holds no memory.
+                members = group_members(pid)
+                processes += [p for p in members if p not in processes]
+                if not members:
+                    found.append(report.describe())  # a group whose members are not visible
+        # The pool's own GPU checks: a GPU whose release failed stays blocked until free.
+        gpus = {device: had.get(device, 0) for device in pool.stats().gpu.blocked_devices}
+        lingering = _Lingering(processes, frozenset(p.pid for p in processes), gpus)
+        held = self._wait_released(lingering, until)
         logger.info(
             "registry: %s: %s unloaded in %.2f s", why, entry.spec.name, time.monotonic() - started
         )
@@ -927,21 +1070,111 @@ class ModelRegistry:
             entry.evictions += 1 if evicted else 0
             entry.unload_requested = False
             entry.keep_alive_set = False
-            if problems:
-                self._fail(
-                    entry, "its memory was not released: " + "; ".join(problems), time.monotonic()
+            if held or found:
+                reason = "its memory was not released: " + "; ".join(
+                    [*found, lingering.describe()] if held else found
                 )
+                self._fail(entry, reason, time.monotonic())
+                if held:
+                    entry.lingering, entry.held, entry.held_back = lingering, held, True
             elif entry.state != "failed":
                 entry.state = "unloaded"
                 if entry.load is not None and not entry.load.done():
                     self._request_load(entry)  # requests came while it drained
             self._cond.notify_all()
 
+    def _wait_released(self, lingering: _Lingering, until: float) -> dict[str, int]:
+        """Poll ``lingering`` until all of it is back or ``until``; what is still held."""
+        while True:
+            held = lingering.check(self._probe() if lingering.gpus else None)
+            if not held or time.monotonic() >= until:
+                return held
+            with self._cond:
+                if self._cond.wait_for(lambda: self._closing, RELEASE_POLL_S):
+                    return held
+
+    def _await_release(self, step: _Step) -> bool:
+        """Wait (until ``step.release_by``) for the memory the load needs back from the
+        models it evicted or waits for; False (the model failed with MemoryNotReleased,
+        or the registry closing) when it is not back in time."""
+        entry = step.entry
+        assert entry is not None
+        waits = [*step.victims, *step.awaits]
+        while True:
+            self._recheck(waits)
+            with self._cond:
+                left = [e for e in waits if e.lingering is not None]
+                now = time.monotonic()
+                if self._closing:
+                    return False
+                if not left:
+                    return True
+                if now >= step.release_by:
+                    break
+                self._cond.wait(RELEASE_POLL_S)
+        with self._cond:
+            names = tuple(e.spec.name for e in left)
+            what = "; ".join(
+                f"{e.spec.name}: {e.lingering.describe()}" for e in left if e.lingering is not None
+            )
+            reason = (
+                f"memory not released: the memory of {', '.join(names)} was not verified "
+                f"released within {entry.spec.load_deadline_s:g} s, so its workers were not "
+                f"started ({what})"
+            )
+            error = MemoryNotReleased(
+                f"model {entry.spec.name!r} was not loaded: {reason}",
+                model=entry.spec.name,
+                reason=reason,
+                retry_after_s=0.0,
+                held_by=names,
+            )
+            if entry.state == "loading":
+                self._fail(entry, reason, now, error=error)
+                entry.held_back = True
+        return False
+
+    def _recheck(self, entries: list[_Entry]) -> None:
+        """Check again what unverified releases left (off the lock); a model whose memory
+        is all back holds nothing more, and the models held back by it are unloaded again."""
+        with self._cond:
+            targets = [(e, e.lingering) for e in entries if e.lingering is not None]
+        if not targets:
+            return
+        readings = [
+            (e, lingering, lingering.check(self._probe() if lingering.gpus else None))
+            for e, lingering in targets
+        ]
+        with self._cond:
+            for entry, lingering, held in readings:
+                if entry.lingering is not lingering:
+                    continue
+                if held:
+                    entry.held = held
+                    continue
+                entry.lingering, entry.held = None, {}
+                logger.info("registry: the memory of %s is back", entry.spec.name)
+            if not any(e.lingering is not None for e in self._entries.values()):
+                for other in self._entries.values():
+                    if other.held_back and other.state == "failed" and other.pool is None:
+                        other.state, other.reason, other.error = "unloaded", None, None
+                        other.retry_at, other.held_back = 0.0, False
+            self._cond.notify_all()
+
+    def _probe(self) -> GpuProbe:
+        """NVML for the registry's own release checks: the given probe, or one of its own."""
+        if self._gpu_probe is not None:
+            return self._gpu_probe
+        with self._cond:
+            if self._own_probe is None:
+                self._own_probe = GpuProbe()
+            return self._own_probe
+
     def _load(self, step: _Step) -> None:
         entry = step.entry
         assert entry is not None
         spec = entry.spec
-        pool = ModelPool(spec.pool)
+        pool = ModelPool(spec.pool, gpu_probe=self._gpu_probe)
         started = time.monotonic()
         with self._cond:
             step.loading = pool
@@ -954,7 +1187,7 @@ class ModelRegistry:
         except BaseException as exc:
             error = exc
         seconds = time.monotonic() - started
-        held = self._measure(pool) if error is None else {}
+        held, peak = self._measure(pool) if error is None else ({}, 0)
         with self._cond:
             now = time.monotonic()
             step.loading = None
@@ -970,7 +1203,7 @@ class ModelRegistry:
             if error is not None:
                 self._fail(entry, f"its load failed: {error}", now)
                 return
-            self._note_held(entry, held)
+            self._note_held(entry, held, peak)
             too_large = self._too_large(entry, entry.need or {})
             if too_large is not None:
                 entry.held = {}
@@ -982,6 +1215,7 @@ class ModelRegistry:
             entry.reason = None
             entry.error = None
             entry.failures = 0
+            entry.held_back = False
             entry.loads += 1
             entry.last_load_s = round(seconds, 3)
             entry.load_seconds_total += seconds
@@ -1003,43 +1237,59 @@ class ModelRegistry:
                 targets.append((step.entry, step.loading))
             loading = step is not None and step.loading is not None
         self._next_sample = now + (SAMPLE_WHILE_LOADING_S if loading else SAMPLE_S)
-        readings = [(entry, pool, self._measure(pool)) for entry, pool in targets]
+        readings = [(entry, pool, *self._measure(pool)) for entry, pool in targets]
+        self._recheck(list(self._entries.values()))
         with self._cond:
             step = self._step
-            for entry, pool, held in readings:
+            for entry, pool, held, peak in readings:
                 # Only a pool still the model's: one unloaded or failed meanwhile holds nothing.
                 if entry.pool is pool or (step is not None and step.loading is pool):
-                    self._note_held(entry, held)
+                    self._note_held(entry, held, peak)
+                if entry.pool is pool and entry.state == "loaded":
+                    # Memory measured after the load (a GPU's is often taken lazily, at
+                    # the first request) can show a model too large even alone: it is
+                    # failed and closed once idle, not evicted and reloaded in a loop.
+                    too_large = self._too_large(entry, entry.need or {})
+                    if too_large is not None:
+                        self._fail(entry, too_large.message, now, error=too_large)
 
-    def _note_held(self, entry: _Entry, held: dict[str, int]) -> None:
-        """Record a measurement: the model's holding now, its need, the peak (lock held)."""
+    def _note_held(self, entry: _Entry, held: dict[str, int], peak_rss: int = 0) -> None:
+        """Record a measurement: the model's holding now, its need (raised to its
+        processes' peak RSS too), the registry's peak (lock held)."""
         if not held:
             return
         entry.held = held
         need = dict(entry.need or {})
         for resource, amount in held.items():
             need[resource] = max(need.get(resource, 0), amount)
+        if MEMORY in held:
+            need[MEMORY] = max(need[MEMORY], peak_rss)
         entry.need = need
         for resource, amount in self._held_total().items():
             self._peak[resource] = max(self._peak.get(resource, 0), amount)
 
     @staticmethod
-    def _measure(pool: ModelPool) -> dict[str, int]:
+    def _measure(pool: ModelPool) -> tuple[dict[str, int], int]:
         """RSS of the pool's worker processes and their children (psutil), and each
-        worker's GPU memory by device (the pool's NVML sampling, by PID)."""
+        worker's GPU memory by device (the pool's NVML sampling, by PID); with the sum of
+        those processes' peak RSS (the kernel's high-water mark, so that a transient
+        between two samples, a load's above all, counts in the model's need)."""
         try:
             stats = pool.stats()
         except PoolError:
-            return {}
+            return {}, 0
         held: dict[str, int] = {MEMORY: 0}
+        peak = 0
         for worker in stats.workers:
             if worker.pid is None:
                 continue
-            held[MEMORY] += _tree_rss(worker.pid)
+            rss, high = _tree_rss(worker.pid)
+            held[MEMORY] += rss
+            peak += high
             for device, mb in worker.gpu_mb_by_device.items():
                 if mb is not None:
                     held[device] = held.get(device, 0) + int(mb * 2**20)
-        return held
+        return held, peak
 
     def _entry_stats(self, entry: _Entry, now: float) -> ModelStats:
         spec = entry.spec
@@ -1072,17 +1322,60 @@ class ModelRegistry:
         )
 
 
-def _tree_rss(pid: int) -> int:
+def _process_trees(pids: list[int]) -> list[psutil.Process]:
+    """The processes ``pids`` and all their descendants now (ourselves never included)."""
+    found: list[psutil.Process] = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            members = [process, *process.children(recursive=True)]
+        except (psutil.Error, OSError):
+            continue
+        found += [m for m in members if m.pid != _OWN_PID and m not in found]
+    return found
+
+
+def _holds_memory(process: psutil.Process) -> bool:
+    """Alive and not a zombie (a zombie holds no memory but its process-table entry)."""
+    try:
+        return bool(process.is_running()) and process.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, OSError):
+        return False
+
+
+def _rss(process: psutil.Process) -> int:
+    try:
+        return int(process.memory_info().rss)
+    except (psutil.Error, OSError):
+        return 0
+
+
+def _tree_rss(pid: int) -> tuple[int, int]:
+    """RSS of ``pid`` and its descendants now, and the sum of their peak RSS."""
     try:
         process = psutil.Process(pid)
         members = [process, *process.children(recursive=True)]
     except (psutil.Error, OSError):
-        return 0
-    total = 0
+        return 0, 0
+    total = peak = 0
     for member in members:
         with contextlib.suppress(psutil.Error, OSError):
-            total += int(member.memory_info().rss)
-    return total
+            rss = int(member.memory_info().rss)
+            total += rss
+            peak += max(rss, _peak_rss(member.pid))
+    return total, peak
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak RSS (Linux's VmHWM; 0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _fresh(exc: BaseException) -> BaseException:

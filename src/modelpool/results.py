@@ -36,6 +36,8 @@ class Result:
     cached_tokens: int = 0
     # ModelPool.tokenize's answer.
     token_ids: list[int] | None = None
+    # The stop string that ended the text (finish_reason "stop"), None when none did.
+    stop_sequence: str | None = None
 
 
 class PoolFuture(concurrent.futures.Future[Result]):

@@ -11,12 +11,14 @@ Use it as ``backend="testing"``; the prompt says what the worker should do::
 Commands (``name[:arg[:arg]]``; anything else is echoed back):
 
 =====================  ======================================================
-``echo:TEXT``          returns TEXT
+``echo:TEXT``          returns TEXT, cut before the first ``stop`` string in it
 ``tokens:N[:DELAY]``   emits N tokens ``"t0 t1 ..."``, DELAY seconds apart,
                        checking the cancel flag before each; honours
                        ``max_new_tokens`` (finish_reason "length"); the Nth
                        token is its end of sequence: with ``ignore_eos`` it
-                       goes on to ``max_new_tokens``
+                       goes on to ``max_new_tokens``; a token holding a
+                       ``stop`` string (``stop=["t2"]``) ends it there, cut
+                       before the stop (a stop across two tokens is not seen)
 ``hang[:term]``        never returns, never checks the flag; ignores SIGTERM
                        unless ``:term`` is given
 ``stall:N``            emits N tokens, then hangs without progress
@@ -127,6 +129,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from modelpool.backends.common.text import first_stop, stop_strings
 from modelpool.context import check_max_model_len, fit_to_context
 from modelpool.errors import GrammarError, InvalidRequest, PoolError
 from modelpool.grammar import (
@@ -154,13 +157,15 @@ from modelpool.validation import check_generation_params
 if TYPE_CHECKING:
     from modelpool.pool import ModelPool
 
-# The penalties are accepted (and checked) without effect: this backend has no scores;
+# The sampling parameters and the penalties are accepted (and checked) without effect:
+# this backend has no scores;
 # so are tools (the echo command writes a call as a model would).
 ACCEPTED_PARAMS = frozenset(
     {
         "max_new_tokens",
         "temperature",
         "top_p",
+        "top_k",
         "seed",
         "stop",
         "logprobs",
@@ -223,8 +228,14 @@ class _Job:
     whole: bool = False
     grammar: PendingGrammar[str] | None = None  # while its grammar compiles
 
-    def partial(self, finish_reason: Any) -> Generation:
-        return Generation("".join(self.pieces), finish_reason, None, len(self.pieces))
+    def partial(self, finish_reason: Any, stop_sequence: str | None = None) -> Generation:
+        return Generation(
+            "".join(self.pieces),
+            finish_reason,
+            None,
+            len(self.pieces),
+            stop_sequence=stop_sequence,
+        )
 
 
 _STEPPED = frozenset({"tokens", "stall", "spin"})
@@ -368,10 +379,13 @@ class FaultBackend:
             _block_forever()
         if job.command == "tokens" and job.limit is not None and index >= job.limit:
             return job.partial("length")
-        piece = f"t{index} "
+        piece, stop = _stopped(f"t{index} ", job.call.params)
         job.pieces.append(piece)
         job.call.delivered()
-        job.call.emit(piece)
+        if piece:
+            job.call.emit(piece)
+        if stop is not None:
+            return job.partial("stop", stop)
         if job.command == "stall" and len(job.pieces) >= job.count:
             # Hangs right after its last token, as the one-call form does: whoever saw that
             # token knows the step is already frozen.
@@ -429,7 +443,8 @@ class FaultBackend:
         if limit == 0:
             return Generation("", "length", prompt_tokens, 0)
         if command == "echo":
-            return argument
+            echoed, stop = _stopped(argument, call.params)
+            return echoed if stop is None else Generation(echoed, stop_sequence=stop)
         if command.startswith("cuda_") or command in ("env", "device", "device_memory", "detach"):
             return self._device_command(command, argument)
         if command == "tokens":
@@ -573,12 +588,23 @@ def _emit_tokens(
             return Generation("".join(pieces), "length", prompt_tokens, len(pieces))
         if delay:
             pause.wait(delay)
-        piece = f"t{index} "
+        piece, stop = _stopped(f"t{index} ", call.params)
         pieces.append(piece)
         if delivered is not None:
             delivered()
-        call.emit(piece)
+        if piece:
+            call.emit(piece)
+        if stop is not None:
+            text = "".join(pieces)
+            return Generation(text, "stop", prompt_tokens, len(pieces), stop_sequence=stop)
     return Generation("".join(pieces), _tokens_end(limit, call.params), prompt_tokens, len(pieces))
+
+
+def _stopped(text: str, params: dict[str, Any]) -> tuple[str, str | None]:
+    """``text`` cut before the first of the request's stop strings in it, and that stop
+    string; ``text`` whole and None when none is there."""
+    found = first_stop(text, stop_strings(params.get("stop", ())))
+    return (text, None) if found is None else (text[: found[0]], found[1])
 
 
 def _token_count(count_text: str, limit: int | None, params: dict[str, Any]) -> int:

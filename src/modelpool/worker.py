@@ -598,6 +598,10 @@ def _normalise(output: object) -> Generation:
             f"Generation.finish_reason {output.finish_reason!r} is not one of "
             "'stop', 'length', 'cancelled'"
         )
+    if output.stop_sequence is not None and not isinstance(output.stop_sequence, str):
+        raise TypeError(
+            f"Generation.stop_sequence is {type(output.stop_sequence).__name__}, not str or None"
+        )
     return Generation(
         output.text,
         output.finish_reason,
@@ -607,6 +611,8 @@ def _normalise(output: object) -> Generation:
         _plain_logprobs(output.prompt_logprobs, "prompt_logprobs"),
         None if output.cached_tokens is None else int(output.cached_tokens),
         None if output.token_ids is None else [int(token) for token in output.token_ids],
+        # str() of a str subclass: a plain str crosses the pipe.
+        None if output.stop_sequence is None else str(output.stop_sequence),
     )
 
 

@@ -67,7 +67,7 @@ def test_create(client: anthropic.Anthropic) -> None:
     assert [block.type for block in message.content] == ["text"]
     assert message.content[0].type == "text"
     assert message.content[0].text == "t0 t1 t2 "
-    assert message.stop_reason == "end_turn"
+    assert message.stop_reason == "end_turn" and message.stop_sequence is None
     assert message.usage.input_tokens == (2 + 2) + (2 + 1) + 1
     assert message.usage.output_tokens == 3
 
@@ -77,6 +77,61 @@ def test_max_tokens_stop_reason(client: anthropic.Anthropic) -> None:
         model="m", max_tokens=2, messages=[{"role": "user", "content": "tokens:9"}]
     )
     assert message.stop_reason == "max_tokens"
+
+
+def test_stop_sequence_names_the_string(client: anthropic.Anthropic) -> None:
+    message = client.messages.create(
+        model="m",
+        max_tokens=32,
+        stop_sequences=["zz", "t2"],
+        messages=[{"role": "user", "content": "tokens:9"}],
+    )
+    assert message.content[0].type == "text" and message.content[0].text == "t0 t1 "
+    assert message.stop_reason == "stop_sequence"
+    assert message.stop_sequence == "t2"
+    unmatched = client.messages.create(
+        model="m",
+        max_tokens=32,
+        stop_sequences=["zz"],
+        messages=[{"role": "user", "content": "tokens:2"}],
+    )
+    assert (unmatched.stop_reason, unmatched.stop_sequence) == ("end_turn", None)
+
+
+def test_stop_sequence_streamed(client: anthropic.Anthropic) -> None:
+    with client.messages.stream(
+        model="m",
+        max_tokens=32,
+        stop_sequences=["t3"],
+        messages=[{"role": "user", "content": "tokens:9"}],
+    ) as stream:
+        deltas = [event for event in stream if event.type == "message_delta"]
+        final = stream.get_final_message()
+    assert len(deltas) == 1
+    assert deltas[0].delta.stop_reason == "stop_sequence"  # type: ignore[union-attr]
+    assert deltas[0].delta.stop_sequence == "t3"  # type: ignore[union-attr]
+    assert final.content[0].type == "text" and final.content[0].text == "t0 t1 t2 "
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "t3")
+
+
+def test_top_k_is_taken(client: anthropic.Anthropic) -> None:
+    # This client (2.x) has no sampling keywords: the API's fields go as extra_body.
+    message = client.messages.create(
+        model="m",
+        max_tokens=32,
+        extra_body={"temperature": 0.7, "top_k": 5},
+        messages=[{"role": "user", "content": "tokens:3"}],
+    )
+    assert message.content[0].type == "text" and message.content[0].text == "t0 t1 t2 "
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        client.messages.create(
+            model="m",
+            max_tokens=4,
+            extra_body={"top_k": -1},
+            messages=[{"role": "user", "content": "x"}],
+        )
+    body = raised.value.body
+    assert isinstance(body, dict) and body["error"]["param"] == "top_k"
 
 
 def test_stream(client: anthropic.Anthropic) -> None:

@@ -187,3 +187,25 @@ def test_stats_and_metrics_are_per_model(http: httpx.Client) -> None:
     assert {s.labels["model"] for s in requests} >= {"chat"}
     states = families["modelpool_model_state"].samples
     assert any(s.labels == {"model": "broken", "state": "failed"} and s.value == 1 for s in states)
+
+
+def test_fair_share_is_per_model(daemon: Daemon, http: httpx.Client) -> None:
+    # Each model has its own workers, so each has its own share: a run of coder (1 worker)
+    # takes coder's one place, not a place counted over every model's workers together.
+    assert http.post("/models/load", json={"model": "coder"}).status_code == 200
+    with httpx.Client(base_url=daemon.url, timeout=30.0, headers=http.headers) as other:
+        body = {"model": "coder", "prompt": "tokens:40:0.05", "stream": True, "max_tokens": 40}
+        with other.stream("POST", "/v1/completions", json=body) as streamed:
+            assert streamed.status_code == 200
+            lines = streamed.iter_lines()
+            next(line for line in lines if '"text"' in line)  # its first token: running now
+            shares = http.get("/stats").json()["fair_share_by_model"]
+            assert shares["coder"]["capacity"] == 1 and shares["coder"]["in_pool"] == 1
+            assert shares["chat"]["capacity"] == 2 and shares["chat"]["in_pool"] == 0
+            assert set(shares) == set(MODELS)
+            for _ in lines:
+                pass
+    wait_until(
+        lambda: http.get("/stats").json()["fair_share_by_model"]["coder"]["in_pool"] == 0,
+        message="coder's place back",
+    )

@@ -180,6 +180,7 @@ def test_stop_string_cuts_the_text(handler: HFHandler, baseline: tuple[str, list
     stop = first_seen_at(text, len(text) // 2)
     generation, call = run(handler, "Hello", max_new_tokens=40, stop=stop)
     assert generation.finish_reason == "stop"
+    assert generation.stop_sequence == stop
     assert generation.text == text[: text.index(stop)]
     assert "".join(call.chunks) == generation.text
     assert generation.completion_tokens is not None and generation.completion_tokens < 40
@@ -204,6 +205,7 @@ def test_earliest_of_several_stops_wins(
     late = first_seen_at(text, text.index(early) + len(early) + 1)
     generation, _ = run(handler, "Hello", max_new_tokens=40, stop=[late, early])
     assert generation.text == text[: text.index(early)]
+    assert generation.stop_sequence == early
 
 
 def test_held_back_stop_prefix_is_released(
@@ -218,7 +220,19 @@ def test_held_back_stop_prefix_is_released(
     generation, call = run(handler, "Hello", max_new_tokens=40, stop=stop)
     assert generation.text == text
     assert generation.finish_reason == "length"
+    assert generation.stop_sequence is None
     assert "".join(call.chunks) == text
+
+
+def test_top_k_one_samples_the_greedy_choice(handler: HFHandler) -> None:
+    greedy, _ = run(handler, "Hello", max_new_tokens=12)
+    sampled = {"max_new_tokens": 12, "temperature": 1.5, "seed": 3}
+    narrowed, _ = run(handler, "Hello", **sampled, top_k=1)
+    assert narrowed.text == greedy.text
+    # 0 is off: the whole vocabulary is a candidate again (at this temperature, on a
+    # random tiny model, the sample leaves the greedy path).
+    unlimited, _ = run(handler, "Hello", **sampled, top_k=0)
+    assert unlimited.text != greedy.text
 
 
 def test_invalid_params_are_refused(handler: HFHandler) -> None:

@@ -105,6 +105,8 @@ def test_per_request_parameters_in_one_batch(tiny: HFHandler) -> None:
     results, _ = run_batched(tiny, calls)
     stopped, short, seeded, penalised = (results[id(call)] for call in calls)
     assert stopped.text == stopped_alone.text and stopped.finish_reason == "stop"
+    assert stopped.stop_sequence == stopped_alone.stop_sequence == stop
+    assert short.stop_sequence is None
     assert stop not in stopped.text
     assert short.finish_reason == "length" and short.completion_tokens == 3
     assert penalised.completion_tokens is not None and penalised.completion_tokens > 0
@@ -113,6 +115,16 @@ def test_per_request_parameters_in_one_batch(tiny: HFHandler) -> None:
         tiny, [Recorder(PROMPTS[1], {"max_new_tokens": 5}), Recorder(PROMPTS[2], dict(sampled))]
     )
     assert seeded.text in [g.text for g in again.values()]
+
+
+def test_batched_top_k_equals_alone(tiny: HFHandler) -> None:
+    seeded = {"max_new_tokens": 12, "temperature": 1.5, "seed": 3}
+    assert_same_as_alone(tiny, {**seeded, "top_k": 5})
+    # top_k 1 leaves only the greedy token, batched as alone.
+    greedy = [tiny.generate(Recorder(prompt, {"max_new_tokens": 12})) for prompt in PROMPTS]
+    calls = [Recorder(prompt, {**seeded, "top_k": 1}) for prompt in PROMPTS]
+    batched, _ = run_batched(tiny, calls)
+    assert [batched[id(call)].text for call in calls] == [g.text for g in greedy]
 
 
 def test_kv_cache_bound_limits_the_batch_not_the_answers(tiny_model_dir: Path) -> None:

@@ -102,6 +102,14 @@ def test_same_seed_same_text_and_sampling_differs_from_greedy(handler: LlamaCppH
     assert first.text != other_seed.text
 
 
+def test_top_k_one_samples_the_greedy_choice(handler: LlamaCppHandler) -> None:
+    greedy, _ = alone(handler, "Once upon a time", max_new_tokens=12)
+    narrowed, _ = alone(
+        handler, "Once upon a time", max_new_tokens=12, temperature=1.5, top_k=1, seed=3
+    )
+    assert narrowed.text == greedy.text
+
+
 def test_stop_string_min_tokens_and_length(handler: LlamaCppHandler) -> None:
     answer, _ = alone(handler, "The capital of France is", max_new_tokens=3)
     assert answer.text.startswith(" Paris")
@@ -109,6 +117,7 @@ def test_stop_string_min_tokens_and_length(handler: LlamaCppHandler) -> None:
     assert counted.finish_reason == "length" and counted.completion_tokens == 12
     stopped, chunks = alone(handler, "1, 2, 3, 4,", max_new_tokens=12, stop=[" 7"])
     assert stopped.finish_reason == "stop" and " 7" not in stopped.text
+    assert stopped.stop_sequence == " 7" and counted.stop_sequence is None
     assert "".join(chunks) == stopped.text
     # A chat answer ends itself early; min_new_tokens holds its end back.
     primes: Prompt = [{"role": "user", "content": "List three prime numbers."}]
@@ -199,6 +208,20 @@ def test_batched_rows_match_alone_and_free_their_cells(handler: LlamaCppHandler)
         assert call.prefilled_tokens + cached == results[index].prompt_tokens
     free, waiting = handler.room()
     assert free == handler.runtime.kv_cells and waiting == []
+
+
+def test_batched_top_k_and_stop_match_alone(handler: LlamaCppHandler) -> None:
+    # top_k 1 leaves the greedy token alone, whatever the temperature and seed. (A wider
+    # top_k is not compared: llama.cpp's logits move a little with the batch's size, so
+    # a sample could differ from the same seed's alone.)
+    sampled = {"max_new_tokens": 12, "temperature": 1.5, "top_k": 1, "seed": 3}
+    stopped = {"max_new_tokens": 12, "stop": [" 7"]}
+    rows = [(prompt, sampled) for prompt in PROMPTS] + [("1, 2, 3, 4,", stopped)]
+    expected = [alone(handler, prompt, max_new_tokens=12)[0] for prompt in PROMPTS]
+    expected.append(alone(handler, "1, 2, 3, 4,", **stopped)[0])
+    results = run_batched(handler, [Recorder(prompt, dict(params)) for prompt, params in rows])
+    assert [results[index].text for index in range(len(rows))] == [g.text for g in expected]
+    assert results[len(rows) - 1].stop_sequence == expected[-1].stop_sequence == " 7"
 
 
 def test_batched_retire_and_per_row_error(handler: LlamaCppHandler) -> None:

@@ -92,6 +92,19 @@ def test_generate_length_and_chat_prompt() -> None:
         assert snapshot.state == "ready"
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_result_names_the_stop_string_that_ended_it(batch: int) -> None:
+    with open_pool(workers=1, max_batch_size=batch) as pool:
+        stopped = pool.generate("tokens:9", stop=["zz", "t3", "t2"])
+        assert (stopped.text, stopped.finish_reason) == ("t0 t1 ", "stop")
+        assert stopped.stop_sequence == "t2"
+        echoed = pool.generate("echo:one. two", stop=".")
+        assert (echoed.text, echoed.stop_sequence) == ("one", ".")
+        plain = pool.generate("tokens:3", stop=["zz"])
+        assert (plain.finish_reason, plain.stop_sequence) == ("stop", None)
+        assert pool.generate("tokens:9", max_new_tokens=2, stop=["t5"]).stop_sequence is None
+
+
 # ---- hangs and deadlines --------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""The hf backend's prefix cache (backends/prefix_cache.py) against real models.
+"""The hf backend's prefix cache (backends/hf/prefix_cache.py) against real models.
 
 The rule it holds: greedy output with the cache equals output without it (float32), on
 the one-call path and in the batched loop, while the later turns of a conversation take

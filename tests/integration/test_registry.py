@@ -8,6 +8,8 @@ README, Many models: the rules these tests check, one by one.
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ from helpers import make_config, slack, wait_until
 from modelpool.config import ModelSpec
 from modelpool.errors import (
     DeadlineExceeded,
+    MemoryNotReleased,
     ModelNotFound,
     ModelTooLarge,
     ModelUnavailable,
@@ -262,3 +265,111 @@ def test_a_failed_load_holds_no_budget_so_the_next_model_still_loads(registry_of
     with registry.use("good", deadline_s=slack(5)) as pool:
         assert pool.generate("echo:ok").text == "ok"
     assert registry.stats().models["hangs"].rss_bytes is None
+
+
+def test_a_release_not_verified_holds_back_the_next_load_until_the_memory_is_back(
+    registry_of: Any,
+) -> None:
+    # Issue 35: an evicted model's release is verified before the new model's workers
+    # start. A child that left its worker's process group (setsid) outlives the pool's
+    # kill of the group: its memory is not back, so the load it made room for waits for
+    # it within its deadline, then is refused naming why; once it is gone, it loads.
+    need = measured_need()
+    registry = registry_of(
+        spec("a"),
+        spec("b", load_timeout_s=1.5),
+        memory_budget_bytes=int(need * 1.5),
+        backoff_s=30.0,
+    )
+    with registry.use("a") as pool:
+        child = int(pool.generate("detach:600").text)
+    try:
+        ours = {p.pid for p in psutil.Process().children(recursive=True)}
+        with pytest.raises(MemoryNotReleased) as refused:
+            registry.acquire("b", deadline_s=slack(30))
+        error = refused.value
+        assert error.model == "b" and error.held_by == ("a",)
+        assert error.reason.startswith("memory not released") and f"pid {child}" in error.reason
+        stats = registry.stats().models
+        assert not any(m.state == "loading" for m in stats.values())
+        assert stats["b"].state == "failed" and stats["b"].loads == 0
+        assert stats["a"].state == "failed" and "not released" in (stats["a"].reason or "")
+        assert stats["a"].rss_bytes, "the leftover is measured against the budget"
+        # b's workers never started: no process of ours but what was there before.
+        assert {p.pid for p in psutil.Process().children(recursive=True)} <= ours
+        with pytest.raises(MemoryNotReleased):
+            registry.acquire("b", deadline_s=slack(30))  # still held back, not loading
+    finally:
+        os.kill(child, signal.SIGKILL)
+    wait_until(
+        lambda: registry.model_stats("a").state == "unloaded",
+        timeout=slack(5),
+        message="the registry to see a's memory back",
+    )
+    assert registry.model_stats("a").rss_bytes is None
+    assert registry.model_stats("b").state == "unloaded"  # its backoff was for the memory
+    with registry.use("b", deadline_s=slack(20)) as pool:
+        assert pool.generate("echo:b").text == "b"
+    assert registry.model_stats("b").loads == 1
+
+
+def test_a_load_waiting_for_a_busy_model_to_drain_does_not_hold_up_one_that_fits(
+    registry_of: Any,
+) -> None:
+    # "big" must evict "busy", whose request runs on: its swap waits for the drain. "small"
+    # fits both now and once that swap is done, so it loads at once, not behind it.
+    need, extra = measured_need(), 100 * 2**20
+    budget = 3 * need + int(1.5 * extra)
+    registry = registry_of(
+        spec("pinned", pin=True, preload=True),
+        spec("busy"),
+        spec("big"),
+        spec("small"),
+        memory_budget_bytes=budget,
+        unload_timeout_s=600.0,  # the drain waits for the request, however long it runs
+    )
+
+    def measured(name: str, leak: bool) -> None:
+        with registry.use(name) as pool:
+            if leak:
+                pool.generate(f"leak:{extra >> 20}")
+        wait_until(
+            lambda: (registry.model_stats(name).need_bytes or 0) >= 0.9 * (need + extra * leak),
+            timeout=slack(5),
+            message=f"{name} measured",
+        )
+        registry.unload(name)
+        wait_until(lambda: registry.model_stats(name).state == "unloaded", timeout=slack(5))
+
+    measured("big", leak=True)
+    measured("small", leak=False)
+    lease = registry.acquire("busy")
+    try:
+        lease.pool.generate(f"leak:{extra >> 20}")
+        wait_until(
+            lambda: (registry.model_stats("busy").need_bytes or 0) >= 0.9 * (need + extra),
+            timeout=slack(5),
+            message="busy measured",
+        )
+        waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+            registry.acquire, "big", deadline_s=slack(60)
+        )
+        wait_until(
+            lambda: registry.model_stats("busy").state == "unloading",
+            message="big's swap planned, busy draining",
+        )
+        with registry.use("small", deadline_s=10.0) as pool:
+            assert pool.generate("echo:small").text == "small"
+        assert registry.model_stats("big").state == "loading" and not waiting.done()
+    finally:
+        lease.release()
+    waiting.result(timeout=slack(20)).release()
+    stats = registry.stats()
+    assert {n: m.state for n, m in stats.models.items()} == {
+        "pinned": "loaded",
+        "busy": "unloaded",
+        "big": "loaded",
+        "small": "loaded",
+    }
+    assert stats.models["busy"].evictions == 1
+    assert stats.peak_rss_bytes <= budget, (stats.peak_rss_bytes, budget)

@@ -1,6 +1,6 @@
-"""The backends' import rules: each backend package imports the shared one
-(``backends.common``), never another backend; the shared one imports no backend; the
-hf runner is apart from the hf handler; resolving a backend name imports nothing."""
+"""The backends' own layout rules: the hf runner is apart from the hf handler, and
+resolving a backend name imports nothing. That no backend imports another, nor the
+shared ``backends.common`` any backend, is tests/unit/test_layers.py's."""
 
 from __future__ import annotations
 
@@ -9,12 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import modelpool.backends
 
 BACKENDS = Path(modelpool.backends.__file__).parent
-PACKAGES = ("common", "hf", "llama_cpp")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -27,19 +24,6 @@ def imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
     return names
-
-
-@pytest.mark.parametrize("package", PACKAGES)
-def test_a_backend_imports_no_other_backend(package: str) -> None:
-    others = [other for other in PACKAGES if other not in (package, "common")]
-    for path in sorted((BACKENDS / package).glob("*.py")):
-        for name in imported_modules(path):
-            for other in others:
-                assert not name.startswith(f"modelpool.backends.{other}"), (
-                    f"{path.relative_to(BACKENDS)} imports {name}"
-                )
-            if package == "common":
-                assert name != "modelpool.backends.hf" and name != "modelpool.backends.llama_cpp"
 
 
 def test_the_hf_runner_does_not_import_the_handler() -> None:

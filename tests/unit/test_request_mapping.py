@@ -31,6 +31,7 @@ def test_completion_fields_map_to_generation_kwargs() -> None:
             "min_tokens": 5,
             "temperature": 0,
             "top_p": 0.5,
+            "top_k": 40,
             "stop": "END",
             "seed": 3,
             "n": 1,
@@ -45,6 +46,7 @@ def test_completion_fields_map_to_generation_kwargs() -> None:
         "min_new_tokens": 5,
         "temperature": 0.0,
         "top_p": 0.5,
+        "top_k": 40,
         "stop": ["END"],
         "seed": 3,
     }
@@ -89,6 +91,8 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
         ({"messages": USER, "temperature": -1}, "temperature"),
         ({"messages": USER, "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
         ({"messages": USER, "min_tokens": -1}, "min_tokens"),
+        ({"messages": USER, "top_k": -2}, "top_k"),
+        ({"messages": USER, "top_k": 1.5}, "top_k"),
         ({"messages": USER, "max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
         (
             {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
@@ -114,6 +118,12 @@ def test_chat_rejections_are_400_naming_the_field(body: dict[str, Any], param: s
         parse_chat(body)
     assert info.value.status == 400
     assert info.value.param == param
+
+
+def test_top_k_off_as_vllm_spells_it() -> None:
+    # vLLM's -1 and 0 both mean every token is a candidate: the pool's 0.
+    for off in (-1, 0):
+        assert parse_chat({"messages": USER, "top_k": off}).params == {"top_k": 0}
 
 
 def test_deadline_sources_and_cap() -> None:

@@ -195,6 +195,8 @@ class ServerState:
     model_name: str
     metrics: PoolMetrics
     started: int
+    # The one pool's; with a registry it holds the requests being checked (their model
+    # not known yet) and ``shares`` the runs, one per model (each has its own workers).
     fair_share: FairShare
     responses: ResponsesApi  # its store: previous_response_id, GET/DELETE
     keys: Keys
@@ -204,6 +206,13 @@ class ServerState:
     draining: bool = False
     loop_watch: LoopWatch = field(default_factory=LoopWatch)
     registry: ModelRegistry | None = None
+    shares: dict[str, FairShare] = field(default_factory=dict)
+
+    def share_for(self, request: Request) -> FairShare:
+        """The fair share the request's runs take their turn in: its model's (set by
+        ``pool_for``) with a registry, else the one pool's."""
+        name = request.scope.get("state", {}).get("model")
+        return self.shares.get(name, self.fair_share) if isinstance(name, str) else self.fair_share
 
     async def pool_for(self, request: Request, body: dict[str, Any]) -> ModelPool:
         """The pool for the body's ``model``, held until the answer is sent (see
@@ -278,6 +287,15 @@ def create_app(
         max_queued=server_config.client_max_queued,
         max_waiting=sum(c.max_queue for c in configs),
     )
+    shares = {
+        spec.name: FairShare(
+            capacity=spec.pool.workers * spec.pool.max_batch_size,
+            max_running=server_config.client_max_running,
+            max_queued=server_config.client_max_queued,
+            max_waiting=spec.pool.max_queue,
+        )
+        for spec in (registry.config.models if registry is not None else ())
+    }
     state = ServerState(
         pool=pool,
         registry=registry,
@@ -286,6 +304,7 @@ def create_app(
         metrics=metrics,
         started=int(time.time()),
         fair_share=fair_share,
+        shares=shares,
         keys=keys,
         checks=Checks(fair_share, max_waiting=sum(c.max_queue for c in configs)),
         responses=ResponsesApi(
@@ -399,6 +418,9 @@ def create_app(
             "checks": state.checks.snapshot(),
         }
         if registry is not None:
+            server_parts["fair_share_by_model"] = {
+                name: share.snapshot() for name, share in state.shares.items()
+            }
             snapshot_all = await run_in_threadpool(registry.stats)
             return JSONResponse({**snapshot_all.to_dict(), **server_parts})
         assert pool is not None
@@ -610,7 +632,7 @@ async def _on_a_worker(
         request, deadline_from({}, request.headers, pool.config.deadline_s, None)
     )
     client = _client(request, state)
-    ticket = state.fair_share.reserve(client.name, 1, client.limits)
+    ticket = state.share_for(request).reserve(client.name, 1, client.limits)
     try:
         async with ticket.slot(deadline) as left_s:
             return pool, await call(pool, job, left_s)
@@ -667,7 +689,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
     runs = job.choices()
-    ticket = state.fair_share.reserve(client.name, len(runs), client.limits)
+    ticket = state.share_for(request).reserve(client.name, len(runs), client.limits)
 
     if job.stream:
 

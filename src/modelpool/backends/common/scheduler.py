@@ -110,6 +110,7 @@ class Row(Generic[State]):
             self.logprobs,
             self.prompt_logprobs,
             cached_tokens=self.cached_tokens,
+            stop_sequence=self.progress.stop_sequence if finish_reason == "stop" else None,
         )
 
 

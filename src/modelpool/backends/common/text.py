@@ -55,6 +55,8 @@ class TextProgress:
         self.text = ""
         self.cancelled = False
         self.stopped = False
+        # The stop string that ended the text (Anthropic's answer names it).
+        self.stop_sequence: str | None = None
         self.error: Exception | None = None
 
     def on_step(self, input_ids: torch.Tensor) -> bool:
@@ -79,8 +81,9 @@ class TextProgress:
             decoded = self._tokenizer.decode(
                 self.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
             )
-            cut = self._first_stop(decoded)
-            if cut is not None:
+            found = self._first_stop(decoded)
+            if found is not None:
+                cut, self.stop_sequence = found
                 decoded = decoded[:cut]
                 self.stopped = True
             self._decoded = decoded
@@ -119,12 +122,10 @@ class TextProgress:
         except Exception as exc:
             self.error = exc
 
-    def _first_stop(self, decoded: str) -> int | None:
+    def _first_stop(self, decoded: str) -> tuple[int, str] | None:
         # Emitted text never holds the start of a stop string (see
         # _stop_prefix_length), so the search can begin where it ends.
-        start = len(self.text)
-        found = [index for stop in self._stops if (index := decoded.find(stop, start)) >= 0]
-        return min(found) if found else None
+        return first_stop(decoded, self._stops, len(self.text))
 
     def _stop_prefix_length(self, text: str) -> int:
         """Length of the longest end of ``text`` that could still grow into a stop string."""
@@ -135,6 +136,13 @@ class TextProgress:
                     longest = length
                     break
         return longest
+
+
+def first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> tuple[int, str] | None:
+    """Where the earliest of ``stops`` begins in ``text`` (from ``start`` on), and which
+    one: of two at the same place, the one listed first. None if none is there."""
+    found = [(index, stop) for stop in stops if (index := text.find(stop, start)) >= 0]
+    return min(found, key=lambda hit: hit[0]) if found else None
 
 
 def stop_strings(value: object) -> tuple[str, ...]:

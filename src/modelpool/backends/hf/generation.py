@@ -199,6 +199,7 @@ def generate(handler: HFHandler, call: Call) -> Generation:
         logprobs,
         prompt_logprobs,
         cached_tokens,
+        stop_sequence=progress.stop_sequence if finish_reason == "stop" else None,
     )
 
 

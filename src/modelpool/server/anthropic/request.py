@@ -22,18 +22,24 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpool.server.agent_tools import constrainable
+from modelpool.server.agent_tools import constrainable, renamed
 from modelpool.server.http import ApiError, invalid
 from modelpool.server.openai.format import Job
 from modelpool.server.openai.request import check_ignored_fields, parse_chat
 from modelpool.validation import is_int
 
 logger = logging.getLogger(__name__)
+
+# The chat fields a refusal may name, by the Messages API's names.
+_CHAT_FIELDS = (
+    ("stop", "stop_sequences"),
+    ("response_format", "output_format"),
+    ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use"),
+)
 
 MESSAGES_FIELDS = frozenset(
     {
@@ -81,8 +87,6 @@ _TOOL_KEYS = frozenset(
 # Blocks an assistant turn may carry that the model does not read back (it writes its
 # reasoning, if any, in its text): left out.
 _DROPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
-_CHAT_PARAM = re.compile(r"^messages\[(\d+)\]")
-_TOOL_PARAM = re.compile(r"^tools\[(\d+)\]\.function")
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
@@ -108,14 +112,8 @@ def parse_messages(body: Mapping[str, Any], *, count: bool = False) -> MessagesR
         raise invalid("max_tokens: field required", "max_tokens", "missing_field")
     if "messages" not in body:
         raise invalid("messages: field required", "messages", "missing_field")
-    if body.get("top_k") is not None:
-        if not is_int(body["top_k"], minimum=0):
-            raise invalid("top_k must be an integer >= 0", "top_k")
-        raise invalid(
-            "top_k: top-k sampling is not supported by this server's backends; use top_p",
-            "top_k",
-            "unsupported_value",
-        )
+    if body.get("top_k") is not None and not is_int(body["top_k"], minimum=0):
+        raise invalid("top_k must be an integer >= 0", "top_k")
     sources: list[str] = []
     chat_messages: list[dict[str, Any]] = []
     system = _system(body.get("system"))
@@ -130,14 +128,10 @@ def parse_messages(body: Mapping[str, Any], *, count: bool = False) -> MessagesR
             chat_messages.append(converted)
             sources.append(f"messages[{index}]")
     tools, tool_sources, dropped = _tools(body.get("tools"))
-    kept, unconstrainable = constrainable(tools, [f"tools[{i}].input_schema" for i in tool_sources])
+    wheres = [f"tools[{i}].input_schema" for i in tool_sources]
+    kept, unconstrainable = constrainable(tools, wheres, "/v1/messages")
     tools = [tools[position] for position in kept]
     tool_sources = [tool_sources[position] for position in kept]
-    if unconstrainable:
-        logger.warning(
-            "POST /v1/messages: tools the grammar engine cannot constrain, left out: %s",
-            "; ".join(unconstrainable),
-        )
     chat: dict[str, Any] = {"messages": chat_messages}
     if tools:
         chat["tools"] = tools
@@ -154,6 +148,7 @@ def parse_messages(body: Mapping[str, Any], *, count: bool = False) -> MessagesR
         ("max_tokens", "max_tokens"),
         ("temperature", "temperature"),
         ("top_p", "top_p"),
+        ("top_k", "top_k"),
         ("stream", "stream"),
     ):
         if body.get(name) is not None and not count:
@@ -164,7 +159,7 @@ def parse_messages(body: Mapping[str, Any], *, count: bool = False) -> MessagesR
     try:
         job = parse_chat(chat)
     except ApiError as exc:
-        raise _renamed(exc, sources, tool_sources) from None
+        raise renamed(exc, sources, tool_sources, _CHAT_FIELDS, ".input_schema") from None
     ignored = sorted(IGNORED_MESSAGES_FIELDS & body.keys())
     ignored += [f"tools[{index}] (type {kind!r})" for index, kind in dropped]
     ignored += [line.partition(" ")[0] + " (schema)" for line in unconstrainable]
@@ -378,37 +373,3 @@ def _has_cache_control(value: object) -> bool:
         elif isinstance(item, list):
             stack.extend(item)
     return False
-
-
-def _renamed(error: ApiError, sources: list[str], tool_sources: list[int]) -> ApiError:
-    """A refusal of the chat body, naming the Anthropic field the client sent."""
-    param = error.param
-    if param is None:
-        return error
-    renamed = param
-    found = _CHAT_PARAM.match(param)
-    if found and int(found.group(1)) < len(sources):
-        renamed = sources[int(found.group(1))] + param[found.end() :]
-    found = _TOOL_PARAM.match(param)
-    if found and int(found.group(1)) < len(tool_sources):
-        rest = param[found.end() :]
-        if rest.startswith(".parameters"):
-            rest = ".input_schema" + rest[len(".parameters") :]
-        renamed = f"tools[{tool_sources[int(found.group(1))]}]" + rest
-    for chat_name, name in (
-        ("stop", "stop_sequences"),
-        ("response_format", "output_format"),
-        ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use"),
-    ):
-        if renamed == chat_name or renamed.startswith(chat_name + "["):
-            renamed = name + renamed[len(chat_name) :]
-    message = error.message.replace(param, renamed) if param in error.message else error.message
-    return ApiError(
-        error.status,
-        message,
-        type=error.type,
-        code=error.code,
-        param=renamed,
-        headers=error.headers,
-        extra=error.extra,
-    )

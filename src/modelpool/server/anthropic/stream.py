@@ -8,7 +8,7 @@ per call that validated. Streamed, in Anthropic's order::
     content_block_start (text), content_block_delta (text_delta)..., content_block_stop
     content_block_start (tool_use), content_block_delta (input_json_delta),
     content_block_stop
-    message_delta (stop_reason, usage), message_stop
+    message_delta (stop_reason, stop_sequence, usage), message_stop
 
 and an ``error`` event where the answer fails after its first event. Not streamed, the
 same reading gives the message (``whole``).
@@ -73,7 +73,10 @@ class MessageEvents:
         return [
             _event(
                 "message_delta",
-                delta={"stop_reason": stop_reason, "stop_sequence": None},
+                delta={
+                    "stop_reason": stop_reason,
+                    "stop_sequence": _stop_sequence(stop_reason, result),
+                },
                 usage=_usage(result),
             ),
             _event("message_stop"),
@@ -95,7 +98,9 @@ class MessageEvents:
     def _stop_reason(self, result: Result) -> str:
         if any(block["type"] == "tool_use" for block in self.content):
             return "tool_use"
-        return "max_tokens" if result.finish_reason == "length" else "end_turn"
+        if result.finish_reason == "length":
+            return "max_tokens"
+        return "stop_sequence" if result.stop_sequence is not None else "end_turn"
 
     def _message(self, stop_reason: str | None, result: Result | None) -> dict[str, Any]:
         return {
@@ -105,7 +110,7 @@ class MessageEvents:
             "model": self._model,
             "content": self.content,
             "stop_reason": stop_reason,
-            "stop_sequence": None,
+            "stop_sequence": None if result is None else _stop_sequence(stop_reason, result),
             "usage": (
                 _usage(result)
                 if result is not None
@@ -173,6 +178,12 @@ class MessageEvents:
             ),
             _event("content_block_stop", index=index),
         ]
+
+
+def _stop_sequence(stop_reason: str | None, result: Result) -> str | None:
+    """The stop string that ended the answer, named only when it is the stop reason (a
+    tool call the text ended with is the reason instead)."""
+    return result.stop_sequence if stop_reason == "stop_sequence" else None
 
 
 def _usage(result: Result) -> dict[str, Any]:

@@ -68,6 +68,7 @@ _COMMON_FIELDS = frozenset(
         "min_tokens",
         "temperature",
         "top_p",
+        "top_k",
         "stop",
         "seed",
         "stream",
@@ -223,6 +224,10 @@ def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str,
         if not 0 < top_p <= 1:
             raise invalid(f"top_p must be in (0, 1], got {top_p!r}", param="top_p")
         params["top_p"] = top_p
+    # vLLM's extension; -1 is its older spelling of 0, off (every token is a candidate).
+    top_k = _opt_int(body, "top_k", -1)
+    if top_k is not None:
+        params["top_k"] = max(top_k, 0)
     seed = _opt_int(body, "seed", 0)
     if seed is not None:
         params["seed"] = seed

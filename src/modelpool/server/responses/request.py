@@ -21,20 +21,22 @@ is never refused for it. Fields that do not change what is generated (``reasonin
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpool.server.agent_tools import constrainable
+from modelpool.server.agent_tools import constrainable, renamed
 from modelpool.server.http import ApiError, invalid
 from modelpool.server.openai.format import Job
 from modelpool.server.openai.request import check_ignored_fields, parse_chat
 from modelpool.server.responses.store import ResponseStore
 
 logger = logging.getLogger(__name__)
+
+# The chat fields a refusal may name, by the Responses API's names.
+_CHAT_FIELDS = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"))
 
 # Fields translated onto the chat body, or read here.
 RESPONSES_FIELDS = frozenset(
@@ -80,8 +82,6 @@ _MAX_INCLUDE = 16
 _DROPPED_ITEMS = frozenset({"reasoning"})
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
-_CHAT_PARAM = re.compile(r"^messages\[(\d+)\]")
-_TOOL_PARAM = re.compile(r"^tools\[(\d+)\]\.function")
 
 
 @dataclass
@@ -150,17 +150,11 @@ def parse_responses(body: Mapping[str, Any], store: ResponseStore) -> ResponsesR
         }
         for tool in tools
     ]
-    kept, unconstrainable = constrainable(
-        functions, [f"tools[{index}].parameters" for index in tool_sources]
-    )
+    wheres = [f"tools[{index}].parameters" for index in tool_sources]
+    kept, unconstrainable = constrainable(functions, wheres, "/v1/responses")
     tools = [tools[position] for position in kept]
     functions = [functions[position] for position in kept]
     tool_sources = [tool_sources[position] for position in kept]
-    if unconstrainable:
-        logger.warning(
-            "POST /v1/responses: tools the grammar engine cannot constrain, left out: %s",
-            "; ".join(unconstrainable),
-        )
     chat: dict[str, Any] = {"messages": chat_messages}
     if functions:
         chat["tools"] = functions
@@ -182,7 +176,7 @@ def parse_responses(body: Mapping[str, Any], store: ResponseStore) -> ResponsesR
     try:
         job = parse_chat(chat)
     except ApiError as exc:
-        raise _renamed(exc, sources, tool_sources) from None
+        raise renamed(exc, sources, tool_sources, _CHAT_FIELDS) from None
     stored = body.get("store")
     ignored = sorted(IGNORED_RESPONSES_FIELDS & body.keys())
     ignored += [f"tools[{index}] (type {kind!r})" for index, kind in dropped]
@@ -399,33 +393,3 @@ def _text_format(value: object) -> dict[str, Any] | None:
         return {"type": fmt["type"]}
     schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
     return {"type": "json_schema", "json_schema": schema}
-
-
-def _renamed(error: ApiError, sources: list[str], tool_sources: list[int]) -> ApiError:
-    """A refusal of the chat body, naming the Responses field the client sent."""
-    param = error.param
-    if param is None:
-        return error
-    renamed = param
-    found = _CHAT_PARAM.match(param)
-    if found and int(found.group(1)) < len(sources):
-        renamed = sources[int(found.group(1))] + param[found.end() :]
-    found = _TOOL_PARAM.match(param)
-    if found and int(found.group(1)) < len(tool_sources):
-        renamed = f"tools[{tool_sources[int(found.group(1))]}]" + param[found.end() :]
-    for chat_name, name in (
-        ("max_tokens", "max_output_tokens"),
-        ("response_format", "text.format"),
-    ):
-        if renamed.startswith(chat_name):
-            renamed = name + renamed[len(chat_name) :]
-    message = error.message.replace(param, renamed) if param in error.message else error.message
-    return ApiError(
-        error.status,
-        message,
-        type=error.type,
-        code=error.code,
-        param=renamed,
-        headers=error.headers,
-        extra=error.extra,
-    )
