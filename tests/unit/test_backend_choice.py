@@ -10,6 +10,7 @@ import pytest
 
 from modelpool import ModelPool, PoolConfig
 from modelpool.backend_choice import choose_backend, installed_llama_cpp, is_gguf_model
+from modelpool.errors import InvalidRequest
 from modelpool.pool import _choose_backend
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
@@ -93,3 +94,12 @@ def test_stats_say_auto_until_start_chose() -> None:
     assert stats.backend == "auto"
     assert stats.backend_reason is None
     assert stats.to_dict()["backend"] == "auto"
+
+
+@pytest.mark.parametrize("backend", ["auto", "hf", "llama_cpp"])
+def test_every_built_in_backend_refuses_an_unknown_parameter_before_dispatch(
+    backend: str,
+) -> None:
+    pool = ModelPool(PoolConfig(model=EMBEDDED, backend=backend))
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        pool.submit("Hello", max_tokens=3)  # an OpenAI name, not a modelpool one
