@@ -154,6 +154,11 @@ class ModelPool:
             worker_environ = check_model_source(
                 config.model, config.backend, config.backend_options
             )
+            if self.config.backend == AUTO:
+                # After the preflight: a start it refuses stays one line of error.
+                logger.info(
+                    "serving %s on the %s backend (%s)", self.config.model, config.backend, reason
+                )
             with self._start_lock:
                 if self._closed:
                     raise PoolClosed("the pool is closed")
@@ -742,11 +747,10 @@ def _set_if_pending(future: asyncio.Future[PoolStats], stats: PoolStats) -> None
 
 def _choose_backend(config: PoolConfig, devices: list[str]) -> tuple[PoolConfig, str]:
     """``config`` with ``backend = "auto"`` resolved (and the embedded model's hf options
-    filled in), and why it serves on that backend; logged once."""
+    filled in), and why it serves on that backend (start() logs it once the checks pass)."""
     if config.backend == AUTO:
         choice = choose_backend(config.model, config.backend_options, devices)
         backend, reason = choice.backend, f"auto: {choice.reason}"
-        logger.info("serving %s on the %s backend (%s)", config.model, backend, reason)
     else:
         backend, reason = config.backend, f"configured: backend = {config.backend!r}"
     options = embedded_backend_options(config.model, backend, config.backend_options)

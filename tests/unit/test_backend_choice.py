@@ -10,7 +10,7 @@ import pytest
 
 from modelpool import ModelPool, PoolConfig
 from modelpool.backend_choice import choose_backend, installed_llama_cpp, is_gguf_model
-from modelpool.errors import InvalidRequest
+from modelpool.errors import InvalidRequest, PreflightError
 from modelpool.pool import _choose_backend
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
@@ -72,16 +72,12 @@ def test_installed_llama_cpp_is_found_without_importing_it() -> None:
         assert isinstance(version, str)
 
 
-def test_the_pool_resolves_auto_fills_the_embedded_hf_options_and_keeps_the_reason(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_the_pool_resolves_auto_fills_the_embedded_hf_options_and_keeps_the_reason() -> None:
     config = PoolConfig(model=EMBEDDED, backend_options={"dtype": "bfloat16"})
-    with caplog.at_level(logging.INFO, logger="modelpool.pool"):
-        resolved, reason = _choose_backend(config, ["cpu"])
+    resolved, reason = _choose_backend(config, ["cpu"])
     assert resolved.backend == "hf"
     assert resolved.backend_options == {"dtype": "bfloat16"}
     assert reason.startswith("auto: ")
-    assert f"serving {EMBEDDED} on the hf backend ({reason})" in caplog.messages
     on_gpu, _ = _choose_backend(PoolConfig(model=EMBEDDED), ["cuda:0"])
     assert (on_gpu.backend, on_gpu.backend_options) == ("hf", {"dtype": "float32"})
     configured, why = _choose_backend(PoolConfig(model="m", backend="testing"), ["cpu"])
@@ -103,3 +99,18 @@ def test_every_built_in_backend_refuses_an_unknown_parameter_before_dispatch(
     pool = ModelPool(PoolConfig(model=EMBEDDED, backend=backend))
     with pytest.raises(InvalidRequest, match="max_tokens"):
         pool.submit("Hello", max_tokens=3)  # an OpenAI name, not a modelpool one
+
+
+def test_start_logs_the_choice_once_the_checks_passed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    missing = str(tmp_path / "nowhere")
+    with caplog.at_level(logging.INFO, logger="modelpool.pool"):
+        with pytest.raises(PreflightError):
+            ModelPool(PoolConfig(model=missing, devices=("cpu",))).start()
+        assert not [m for m in caplog.messages if m.startswith("serving")]
+        pool = ModelPool(
+            PoolConfig(model="none", backend="testing", workers=1, devices=("cpu",))
+        ).start()
+        pool.close()
+    assert pool.stats().backend_reason == "configured: backend = 'testing'"
