@@ -126,12 +126,17 @@ def _installed(module: str) -> bool:
         return False
 
 
-def _check_embedded_extra(model: str) -> None:
-    """An embedded model that still has to be prepared needs the embedded extra (gguf)."""
+def _check_embedded_extra(model: str, backend: str = "hf") -> None:
+    """An embedded model that still has to be prepared for transformers needs the embedded
+    extra (gguf); llama_cpp (and "auto" where llama-cpp-python is installed, which picks
+    it on a CPU) reads the GGUF file as it is."""
+    from modelpool.backend_choice import AUTO, installed_llama_cpp
     from modelpool.embedded import EMBEDDED_SCHEME, MARKER_FILE, MODELS, modelpool_home
 
     name = model.removeprefix(EMBEDDED_SCHEME)
     if not model.startswith(EMBEDDED_SCHEME) or name not in MODELS:
+        return
+    if backend == "llama_cpp" or (backend == AUTO and installed_llama_cpp() is not None):
         return
     if (modelpool_home() / "models" / name / MARKER_FILE).is_file():
         return
@@ -190,8 +195,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError(
             f"serve needs the server extra: pip install 'modelpool[server]' ({exc})"
         ) from None
-    for model in [spec.pool.model for spec in effective.models] or [pool_config.model]:
-        _check_embedded_extra(model)
+    for served in [spec.pool for spec in effective.models] or [pool_config]:
+        _check_embedded_extra(served.model, served.backend)
     from modelpool.embedded import EmbeddedModelError
     from modelpool.errors import PoolError, PreflightError
 
@@ -375,7 +380,7 @@ def _generate(args: argparse.Namespace) -> int:
         return _generate_remote(args)
     _setup_logging(args.log_level)
     pool_config, _ = _load_configs(args)
-    _check_embedded_extra(pool_config.model)
+    _check_embedded_extra(pool_config.model, pool_config.backend)
     from modelpool.errors import PoolError, PreflightError
     from modelpool.pool import ModelPool
 
@@ -831,7 +836,11 @@ def _config_options(sub: argparse.ArgumentParser, *, server: bool) -> None:
         "--model",
         help=f"a local dir, a hub id or embedded:NAME (built-in: {_BUILT_IN.model})",
     )
-    sub.add_argument("--backend", help="'hf', 'llama_cpp', 'testing' or 'pkg.module:factory'")
+    sub.add_argument(
+        "--backend",
+        help="'auto' (the default: llama_cpp for a GGUF model on the CPU when installed, "
+        "else hf), 'hf', 'llama_cpp', 'testing' or 'pkg.module:factory'",
+    )
     sub.add_argument("--workers", type=int, help=f"serving workers (built-in: {_BUILT_IN.workers})")
     sub.add_argument(
         "--spares", type=int, help=f"pre-warmed spare workers (built-in: {_BUILT_IN.spares})"

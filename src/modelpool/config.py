@@ -106,7 +106,9 @@ class PoolConfig:
     says what each field does."""
 
     model: str
-    backend: str = "hf"
+    # "auto": llama_cpp for a GGUF model on the CPU when llama-cpp-python is installed, else
+    # hf (modelpool.backend_choice); ModelPool.start() resolves it and stats() says why.
+    backend: str = "auto"
     backend_options: dict[str, Any] = field(default_factory=dict)
     workers: int = 2
     max_batch_size: int = 1
@@ -147,7 +149,7 @@ class PoolConfig:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
         if not isinstance(self.backend, str) or not _BACKEND_PATTERN.match(self.backend):
             raise ValueError(
-                f"backend must be 'hf', 'llama_cpp', 'testing' or 'pkg.module:factory', "
+                f"backend must be 'auto', 'hf', 'llama_cpp', 'testing' or 'pkg.module:factory', "
                 f"got {self.backend!r}"
             )
         if not isinstance(self.backend_options, Mapping):
@@ -562,7 +564,8 @@ Source = Literal["built-in", "file", "environment", "flag"]
 DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
 # The embedded checkpoint is stored in bfloat16, which decodes several times slower than
 # float32 on CPUs; at 135M parameters float32 costs ~0.5 GB. Applied to an embedded:
-# model on the hf backend unless a layer sets backend_options.dtype itself.
+# model on the hf backend unless a layer sets backend_options.dtype itself (by
+# layered_config for backend = "hf", by ModelPool.start() when "auto" chose hf).
 EMBEDDED_BACKEND_OPTIONS: Mapping[str, Any] = {"dtype": "float32"}
 
 # A config file to read when no --config is given.
@@ -892,10 +895,17 @@ def _build(flat: Mapping[str, Any], where: str) -> tuple[PoolConfig, ServerConfi
 
 def _embedded_defaults(pool: PoolConfig) -> dict[str, Any]:
     """The embedded model's own backend options that no layer set, by dotted key."""
-    if pool.backend != "hf" or not pool.model.startswith("embedded:"):
-        return {}
     return {
         f"backend_options.{name}": value
-        for name, value in EMBEDDED_BACKEND_OPTIONS.items()
+        for name, value in embedded_backend_options(pool.model, pool.backend, {}).items()
         if name not in pool.backend_options
     }
+
+
+def embedded_backend_options(
+    model: str, backend: str, options: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``options`` with the embedded model's own backend options added where unset."""
+    if backend != "hf" or not model.startswith("embedded:"):
+        return dict(options)
+    return {**EMBEDDED_BACKEND_OPTIONS, **options}

@@ -392,6 +392,7 @@ class Dispatcher:
             throughput=self.predictor.to_dict(),
             queue_by_priority={str(p): n for p, n in sorted(self.priorities.waiting.items())},
             recent_events=[event.to_dict(time.time() - now) for event in self.observers.recent],
+            backend=self.config.backend,
         )
 
     # ---- requests to workers -------------------------------------------------------------
@@ -447,9 +448,12 @@ class Dispatcher:
         worker.state = "busy"
         worker.runs[run.attempt_id] = run
         worker.io.send(("run", run.attempt_id, run.slot, request.payload))
-        run.deadline_timer = self.timers.call_at(
-            attempt_deadline, self._attempt_timed_out, run, "timeout"
-        )
+        if attempt_deadline < request.deadline:
+            run.deadline_timer = self.timers.call_at(
+                attempt_deadline, self._attempt_timed_out, run, "timeout"
+            )
+        # Else the request's own deadline timer ends the attempt (_on_request_deadline),
+        # at the same time and the same way: one timer per request, not two.
         if self.config.stall_timeout_s is not None and self._stall_timer is None:
             self._arm_stall_check()
 

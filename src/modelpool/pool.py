@@ -29,8 +29,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from modelpool import gpu
+from modelpool.backend_choice import AUTO, choose_backend
 from modelpool.backends import resolve_backend
-from modelpool.config import PoolConfig
+from modelpool.config import PoolConfig, embedded_backend_options
 from modelpool.dispatcher import Dispatcher
 from modelpool.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded, QueueFull
 from modelpool.observe import Observers, RequestRecord, WorkerEvent
@@ -106,7 +107,12 @@ class ModelPool:
         elif overrides:
             config = config.replace(**overrides)
         self.config = config
-        self._backend_validate = _backend_validator(config.backend)
+        # "auto" is hf or llama_cpp, whose request rules are the same (hf.validate).
+        self._backend_validate = _backend_validator(
+            "hf" if config.backend == AUTO else config.backend
+        )
+        # Why the pool serves on its backend; set by start() (see backend_choice).
+        self._backend_reason: str | None = None
         self._futures: weakref.WeakValueDictionary[str, PoolFuture] = weakref.WeakValueDictionary()
         # Only start() takes a lock. Everything a caller, a signal handler or a finalizer
         # can reach while another call is half done on the same thread (submit, stats,
@@ -150,17 +156,27 @@ class ModelPool:
             config = self.config
             probe = self._gpu_probe or gpu.GpuProbe()
             devices = check_devices(config, probe)
+            config, reason = _choose_backend(config, devices)
+            if config.backend != self.config.backend:
+                devices = check_devices(config, probe)  # with the chosen backend's checks
             model = _resolve_model(config.model, config.backend)
             if model != config.model:
                 config = config.replace(model=model)
             worker_environ = check_model_source(
                 config.model, config.backend, config.backend_options
             )
+            if self.config.backend == AUTO:
+                # After the preflight: a start it refuses stays one line of error.
+                logger.info(
+                    "serving %s on the %s backend (%s)", self.config.model, config.backend, reason
+                )
             with self._start_lock:
                 if self._closed:
                     raise PoolClosed("the pool is closed")
                 if self._loop is None:
                     self.config = config
+                    self._backend_reason = reason
+                    self._backend_validate = _backend_validator(config.backend)
                     self._loop = EventLoop(
                         config,
                         devices,
@@ -456,6 +472,9 @@ class ModelPool:
         return PoolHealth(True, state, age)
 
     def _with_heartbeat(self, snapshot: PoolStats) -> PoolStats:
+        """The snapshot with what the pool, not its dispatcher, knows: the heartbeat's age
+        and why it serves on its backend."""
+        snapshot = dataclasses.replace(snapshot, backend_reason=self._backend_reason)
         loop = self._loop
         if loop is None or not loop.thread.is_alive():
             return snapshot
@@ -811,6 +830,20 @@ def _checked_ids(token_ids: object) -> tuple[int, ...]:
 def _set_if_pending(future: asyncio.Future[PoolStats], stats: PoolStats) -> None:
     if not future.done():
         future.set_result(stats)
+
+
+def _choose_backend(config: PoolConfig, devices: list[str]) -> tuple[PoolConfig, str]:
+    """``config`` with ``backend = "auto"`` resolved (and the embedded model's hf options
+    filled in), and why it serves on that backend (start() logs it once the checks pass)."""
+    if config.backend == AUTO:
+        choice = choose_backend(config.model, config.backend_options, devices)
+        backend, reason = choice.backend, f"auto: {choice.reason}"
+    else:
+        backend, reason = config.backend, f"configured: backend = {config.backend!r}"
+    options = embedded_backend_options(config.model, backend, config.backend_options)
+    if backend != config.backend or options != config.backend_options:
+        config = config.replace(backend=backend, backend_options=options)
+    return config, reason
 
 
 def _resolve_model(model: str, backend: str) -> str:

@@ -132,6 +132,9 @@ class PoolStats:
     throughput: dict[str, float | int] = field(default_factory=dict)
     queue_by_priority: dict[str, int] = field(default_factory=dict)
     recent_events: list[dict[str, Any]] = field(default_factory=list)
+    # The backend the workers run ("auto" until start() chose one) and why, in a sentence.
+    backend: str = ""
+    backend_reason: str | None = None
 
     @property
     def batch_occupancy(self) -> float:

@@ -14,7 +14,8 @@ Data flow::
       one timer heap: attempt deadlines, kill-ladder steps,  |   post their results
       start-up timeouts, stall checks, respawn backoff       |   back as commands
       |                                                   <--+
-      |  ("run", attempt_id, slot, payload) over the worker's socket
+      |  ("run", attempt_id, slot, payload) over the worker's socket (queued; each
+      |   worker's outbox is written once per turn, before the select)
       v
     worker processes (spawn.py: a new interpreter running modelpool.worker, own group)
       |  ("chunk" ...)*, then ("done" ...) or ("error" ...)
@@ -137,6 +138,7 @@ class EventLoop:
                     timeout = min(max(0.0, next_at - time.monotonic()), timeout)
                 if self._eof_without_exit:
                     timeout = min(timeout, 0.005)
+                self._write_outboxes()
                 for key, mask in self.selector.select(timeout):
                     kind, worker = key.data
                     if kind == "wake":
@@ -191,6 +193,9 @@ class EventLoop:
         self._lifeline_r, self._lifeline_w = os.pipe()
         _lifeline_writers.add(self._lifeline_w)
         self._eof_without_exit: list[Worker] = []
+        # Workers with frames queued this turn (ProcessWorkerIO.send), written before the
+        # loop waits: one write per worker per turn.
+        self._outboxes: list[ProcessWorkerIO] = []
         # Devices are mapped once, here: an application that changes CUDA_VISIBLE_DEVICES
         # after start() (to hide the GPU from itself, say) must not remap its workers.
         self.environ = dict(os.environ)
@@ -228,6 +233,12 @@ class EventLoop:
         while commands:
             action, args = commands.popleft()
             action(*args)
+
+    def _write_outboxes(self) -> None:
+        for io in self._outboxes:
+            if not io.closed:
+                io.flush()
+        self._outboxes.clear()  # the same list: every worker's io appends to it
 
     def _drain_wake(self) -> None:
         # One read suffices: a writer only writes while no wake-up is pending.
@@ -395,6 +406,7 @@ class EventLoop:
             self._lifeline_r,
             lambda io: self._want_write(worker, io),
             spec.max_batch_size,
+            self._outboxes.append,
         )
         try:
             self.selector.register(io.sock, selectors.EVENT_READ, ("sock", worker))

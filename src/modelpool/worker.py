@@ -31,6 +31,7 @@ generation never holds a short one back.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import logging
 import os
@@ -41,7 +42,7 @@ import socket
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from modelpool import cuda_faults
@@ -75,16 +76,40 @@ EXIT_LOAD_FAILED = 3
 
 
 class _Channel:
-    """The worker's end of the socket pair: blocking reads, locked writes."""
+    """The worker's end of the socket pair: blocking reads, locked writes.
+
+    Inside :meth:`gathered` the thread that entered it queues its frames and writes them
+    in one ``sendall`` at the end (other threads, a log record say, still write at once):
+    the batched loop sends what a step ended (the room report, the prefix report, every
+    answer) in one write, read by the supervisor in one wake-up. Chunks are written as
+    they are emitted: a step that hangs after some rows streamed must not hold back text
+    the pool keeps as their partial answers."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._send_lock = threading.Lock()
+        self._gathering: int | None = None  # the thread id whose frames are held
+        self._held = bytearray()
 
     def send(self, message: tuple[Any, ...]) -> None:
         frame = encode_frame(message)
         with self._send_lock:
-            self._sock.sendall(frame)
+            if self._gathering == threading.get_ident():
+                self._held += frame
+            else:
+                self._sock.sendall(frame)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        self._gathering = threading.get_ident()
+        try:
+            yield
+        finally:
+            with self._send_lock:
+                self._gathering = None
+                held, self._held = self._held, bytearray()
+                if held:
+                    self._sock.sendall(held)
 
     def recv(self) -> tuple[Any, ...] | None:
         return recv_frame(self._sock)
@@ -527,7 +552,12 @@ class _BatchLoop:
     def _answer(self, finished: list[Finished]) -> None:
         """Send each finished attempt's answer, after the reports of what the step changed
         (KV room, the prefix cache): the pool resolves a request when its answer arrives,
-        and what its caller reads in ``stats()`` right after must hold that effect."""
+        and what its caller reads in ``stats()`` right after must hold that effect. One
+        write for all of it (``_Channel.gathered``)."""
+        with self.channel.gathered():
+            self._send_answers(finished)
+
+    def _send_answers(self, finished: list[Finished]) -> None:
         self._report_room()
         if finished:
             self.report_prefix_cache()

@@ -359,9 +359,9 @@ def test_pool_reports_model_load_failed(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pool(gguf_dir: Path) -> Iterator[ModelPool]:
+    # No backend named: "auto" serves the embedded GGUF on llama_cpp (installed, on the CPU).
     config = PoolConfig(
         model="embedded:smollm2-135m-instruct",
-        backend="llama_cpp",
         backend_options={"threads": 1},
         workers=1,
         max_batch_size=4,
@@ -371,6 +371,14 @@ def pool(gguf_dir: Path) -> Iterator[ModelPool]:
     )
     with ModelPool(config) as started:
         yield started
+
+
+def test_auto_chose_llama_cpp_and_says_why(pool: ModelPool) -> None:
+    stats = pool.stats()
+    assert stats.backend == "llama_cpp"
+    assert stats.backend_reason is not None
+    assert stats.backend_reason.startswith("auto: a GGUF model on the CPU and llama-cpp-python")
+    assert stats.to_dict()["backend_reason"] == stats.backend_reason
 
 
 @pytest.mark.slow

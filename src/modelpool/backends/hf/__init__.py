@@ -11,6 +11,8 @@ target.
 Importing it costs nothing heavy: torch and transformers are imported by :func:`load`.
 """
 
-from modelpool.backends.hf.handler import load
+# validate: the pool checks a request's parameters with it before dispatch
+# (ModelPool._backend_validator reads it from the module the backend name resolves to).
+from modelpool.backends.hf.handler import load, validate
 
-__all__ = ["load"]
+__all__ = ["load", "validate"]

@@ -461,12 +461,8 @@ class HFRunner:
         old_width, new_width = int(self._mask.shape[1]), int(mask.shape[1])
         width = max(old_width, new_width)
         for old_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
-            old_keys = _pad_left(old_layer.keys, width - old_width)
-            old_values = _pad_left(old_layer.values, width - old_width)
-            old_layer.keys = torch.cat([old_keys, _pad_left(new_layer.keys, width - new_width)])
-            old_layer.values = torch.cat(
-                [old_values, _pad_left(new_layer.values, width - new_width)]
-            )
+            old_layer.keys = _stacked(old_layer.keys, new_layer.keys, width)
+            old_layer.values = _stacked(old_layer.values, new_layer.values, width)
         self._mask = torch.cat(
             [
                 torch.nn.functional.pad(self._mask, (width - old_width, 0)),
@@ -700,13 +696,14 @@ def _constrained(rows: list[HFRequest]) -> list[tuple[int, RowGrammar]]:
     return [(index, row.grammar) for index, row in enumerate(rows) if row.grammar is not None]
 
 
-def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
-    """Left-pad a [rows, heads, columns, dim] cache tensor along its columns."""
-    import torch
-
-    if columns == 0:
-        return tensor
-    return torch.nn.functional.pad(tensor, (0, 0, columns, 0))
+def _stacked(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, heads, columns, dim] cache tensors one above the other, each left-padded with
+    zeros to ``width`` columns: written once into the result, where padding each and then
+    concatenating wrote every byte twice."""
+    stacked = old.new_zeros((old.shape[0] + new.shape[0], old.shape[1], width, old.shape[3]))
+    stacked[: old.shape[0], :, width - old.shape[2] :] = old
+    stacked[old.shape[0] :, :, width - new.shape[2] :] = new
+    return stacked
 
 
 def _sample(

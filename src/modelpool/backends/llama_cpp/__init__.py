@@ -12,6 +12,8 @@
 Importing it costs nothing heavy: llama-cpp-python and numpy are imported by :func:`load`.
 """
 
-from modelpool.backends.llama_cpp.handler import load
+# validate: the pool checks a request's parameters with it before dispatch
+# (ModelPool._backend_validator reads it from the module the backend name resolves to).
+from modelpool.backends.llama_cpp.handler import load, validate
 
-__all__ = ["load"]
+__all__ = ["load", "validate"]
