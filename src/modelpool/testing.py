@@ -139,6 +139,7 @@ from modelpool.grammar import (
     wait_for_any,
 )
 from modelpool.logprob_columns import TokenLogprobs
+from modelpool.prefixes import CACHE_SALT_PARAM
 from modelpool.protocol import (
     BatchCall,
     Call,
@@ -172,6 +173,7 @@ ACCEPTED_PARAMS = frozenset(
         GRAMMAR_PARAM,
         COMPILE_TIMEOUT_PARAM,
         "ignore_eos",
+        CACHE_SALT_PARAM,
     }
 )
 TOKEN_LOGPROB = -0.25

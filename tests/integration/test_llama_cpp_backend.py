@@ -17,7 +17,14 @@ from typing import Any
 import jsonschema
 import pytest
 
-from helpers import FakeCall, Recorder, skip_unless_pypi
+from helpers import (
+    FakeCall,
+    Recorder,
+    assert_oracle_blind,
+    assert_oracle_leaks,
+    cache_oracle,
+    skip_unless_pypi,
+)
 from modelpool import ModelPool, PoolConfig
 from modelpool.backends.llama_cpp import options, probe
 from modelpool.backends.llama_cpp.handler import LlamaCppHandler, load
@@ -268,6 +275,31 @@ def test_prefix_cache_second_turn_equals_cache_off(
     assert on_cached and on_cached > 200 and off_cached == 0
     report = handler.prefix_cache_report()
     assert report is not None and report.hits >= 1 and report.fingerprints
+
+
+def test_a_request_never_sees_another_partitions_cached_prefix(gguf_dir: Path) -> None:
+    """Issue 40, review #4: the digit-guessing oracle, blind across partitions (another
+    tenant's, another salt), alone and batched; one partition still shares its prefixes."""
+    fresh = load(str(gguf_dir), threads=1, kv_cache_tokens=4096)
+
+    def alone_cached(prompt: Prompt, params: dict[str, Any]) -> int:
+        return alone(fresh, prompt, **params, max_new_tokens=2)[0].cached_tokens or 0
+
+    def batched_cached(prompt: Prompt, params: dict[str, Any]) -> int:
+        call = Recorder(prompt, {**params, "max_new_tokens": 2})
+        return run_batched(fresh, [call])[0].cached_tokens or 0
+
+    def empty_cache() -> None:
+        cache = fresh.runner.prefix_cache
+        while cache is not None and cache.evict():
+            pass
+
+    for cached_tokens in (alone_cached, batched_cached):
+        for victim, attacker in (({}, {"cache_salt": "b"}), ({"cache_salt": "a"}, {})):
+            empty_cache()
+            assert_oracle_blind(cache_oracle(cached_tokens, victim, attacker))
+        empty_cache()
+        assert_oracle_leaks(cache_oracle(cached_tokens, {"cache_salt": "a"}, {"cache_salt": "a"}))
 
 
 def test_prefix_cache_stays_in_its_bound_and_gives_way(gguf_dir: Path) -> None:

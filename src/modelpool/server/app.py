@@ -120,7 +120,7 @@ from modelpool.server.streaming import (
     answer_tokens,
     note_results,
 )
-from modelpool.server.tenants import Keys, Tenant
+from modelpool.server.tenants import Keys, Tenant, partition
 from modelpool.server.tokenize import (
     TokenizeJob,
     parse_detokenize,
@@ -667,6 +667,12 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
     runs = job.choices()
+    # Every run in its tenant's partition of the prefix cache, whatever the body said.
+    cache_partition = partition(client.tenant, job.params.get("cache_salt"))
+    for _, _, params in runs:
+        params.pop("cache_salt", None)
+        if cache_partition is not None:
+            params["cache_salt"] = cache_partition
     ticket = state.fair_share.reserve(client.name, len(runs), client.limits)
 
     if job.stream:

@@ -17,6 +17,7 @@ from modelpool.backends.common.text import stop_strings
 from modelpool.context import fit_to_context
 from modelpool.errors import InvalidRequest
 from modelpool.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, check_grammar_params
+from modelpool.prefixes import CACHE_SALT_PARAM
 from modelpool.protocol import Call
 from modelpool.tools import check_template_tools
 from modelpool.validation import MAX_INT, check_generation_params, is_int, is_number
@@ -46,6 +47,7 @@ GENERATION_PARAMS = frozenset(
         GRAMMAR_PARAM,
         COMPILE_TIMEOUT_PARAM,
         "ignore_eos",
+        CACHE_SALT_PARAM,
     }
 )
 

@@ -320,14 +320,16 @@ class HFHandler(ScheduledHandler):
         layers: list[tuple[torch.Tensor, torch.Tensor]],
         answer_text: str,
         answer_ids: list[int],
+        partition: int = 0,
     ) -> None:
         """Keep the KV of a finished request's prompt and answer (``token_ids``, as many as
-        ``layers`` hold) in the prefix cache, with the fingerprints the pool places by."""
+        ``layers`` hold) in the prefix cache's ``partition``, with the fingerprints the
+        pool places by."""
         if self.prefix_cache is None:
             return
         try:
-            fingerprints = answered_fingerprints(prompt, answer_text, answer_ids)
-            self.prefix_cache.insert(token_ids, layers, fingerprints)
+            fingerprints = answered_fingerprints(prompt, answer_text, answer_ids, partition)
+            self.prefix_cache.insert(token_ids, layers, fingerprints, partition)
         except Exception:
             # The cache only saves work: failing to fill it must not fail the request.
             logger.warning("could not keep a finished request's KV", exc_info=True)
