@@ -18,11 +18,15 @@ import jsonschema
 import pytest
 
 from helpers import (
+    ORDINARY_CHATS,
+    TOOL_INJECTION,
     FakeCall,
     Recorder,
     assert_oracle_blind,
     assert_oracle_leaks,
     cache_oracle,
+    injected_chat,
+    ordinary_tools,
     skip_unless_pypi,
 )
 from modelpool import ModelPool, PoolConfig
@@ -163,6 +167,25 @@ def test_tokenize_and_detokenize_are_the_generation_path(handler: LlamaCppHandle
     assert handler.detokenize(handler.tokenize("Hello, world")).endswith("Hello, world")
     with pytest.raises(InvalidRequest, match="outside this model's vocabulary"):
         handler.detokenize([10**7])
+
+
+def test_chat_content_is_text_and_ordinary_chats_tokenize_as_before(
+    handler: LlamaCppHandler,
+) -> None:
+    """Issue 40, review #7: only the template's own markers are special-token ids."""
+    runtime = handler.runtime
+    im_start = handler.specials.ids["<|im_start|>"]
+    assert handler.chat_as_text
+    chat, tools = injected_chat()
+    ids = handler.encode(chat, tools)
+    # The template's own: system, user, assistant, tool, and the generation prompt's.
+    assert ids.count(im_start) == 5
+    assert handler.specials.ids["<|endoftext|>"] not in ids
+    assert TOOL_INJECTION in handler.detokenize(ids)
+    for ordinary in ORDINARY_CHATS:
+        for offered in (None, ordinary_tools()):
+            text = handler.render_chat(ordinary, offered)
+            assert handler.encode(ordinary, offered) == runtime.tokenize(text, add_special=False)
 
 
 def test_context_limit_refuses_like_hf(gguf_dir: Path) -> None:
