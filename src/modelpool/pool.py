@@ -35,7 +35,7 @@ from modelpool.config import PoolConfig, embedded_backend_options
 from modelpool.dispatcher import Dispatcher
 from modelpool.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded, QueueFull
 from modelpool.observe import Observers, RequestRecord, WorkerEvent
-from modelpool.prefixes import prompt_fingerprints
+from modelpool.prefixes import partition_of, prompt_fingerprints
 from modelpool.preflight import check_devices, check_model_source
 from modelpool.protocol import (
     DetokenizeRequest,
@@ -545,10 +545,8 @@ class ModelPool:
         counted: bool = False,
     ) -> PoolFuture:
         """``counted``: ``on_chunk(text, counts)`` gets each chunk's ``TokenCounts`` too."""
-        fingerprints: tuple[int, ...] = ()
         if not isinstance(prompt, (TokenizeRequest, DetokenizeRequest)):
             prompt = check_prompt(prompt)
-            fingerprints = prompt_fingerprints(prompt)
         if deadline_s is None:
             deadline_s = self.config.deadline_s
         else:
@@ -567,6 +565,10 @@ class ModelPool:
                 raise
             except (ValueError, TypeError) as exc:
                 raise InvalidRequest(str(exc)) from exc
+        fingerprints: tuple[int, ...] = ()
+        if not isinstance(prompt, (TokenizeRequest, DetokenizeRequest)):
+            # In the request's partition of the workers' prefix caches (its cache_salt).
+            fingerprints = prompt_fingerprints(prompt, partition_of(params))
         try:
             # The caller's own params only: the worker adds the defaults it was given once.
             payload = encode_request(prompt, gen_kwargs)

@@ -14,38 +14,66 @@ caller's thread, and prefers the worker whose report holds the longest part of i
     answered_fingerprints(messages, "the answer")   # ... + fp of messages + the answer
 
 Hashes are blake2b (the same in every process, unlike ``hash``), 8 bytes each.
+
+A request's ``cache_salt`` (vLLM's per-request field; the daemon makes it from the
+tenant and the client's own salt) names its *partition*: the chain of a partition other
+than the shared default one (no salt) starts from the partition's id, so its
+fingerprints and the worker cache's block keys (``backends.common.prefix_cache``) match
+nothing of another partition, and neither placement nor ``cached_tokens`` can tell one
+request what another partition's prompts were::
+
+    partition_of(None)                               # 0: the shared partition
+    prompt_fingerprints(messages, partition_of("tenant-a"))   # another chain
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from modelpool.protocol import ChatMessage, Prompt, TokenIds
 
 TEXT_BLOCK_CHARS = 256
 ID_BLOCK = 64
+CACHE_SALT_PARAM = "cache_salt"
+"""The generation parameter naming a request's prefix-cache partition (a string)."""
+MAX_CACHE_SALT_CHARS = 1024
 
 
-def prompt_fingerprints(prompt: Prompt) -> tuple[int, ...]:
-    """The chain of ``prompt``'s units (only whole blocks of a string or of token ids)."""
+def partition_of(params: Mapping[str, Any]) -> int:
+    """The prefix-cache partition of a request's parameters: 0, the shared one, without a
+    ``cache_salt``; else a 64-bit id of the salt (never 0)."""
+    salt = params.get(CACHE_SALT_PARAM)
+    if not salt:
+        return 0
+    digest = hashlib.blake2b(
+        str(salt).encode("utf-8", "surrogatepass"), digest_size=8, person=b"cache_salt"
+    ).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
+def prompt_fingerprints(prompt: Prompt, partition: int = 0) -> tuple[int, ...]:
+    """The chain of ``prompt``'s units (only whole blocks of a string or of token ids) in
+    ``partition``."""
     if isinstance(prompt, str):
-        return _chain(_text_blocks(prompt))
+        return _chain(_text_blocks(prompt), partition)
     if isinstance(prompt, TokenIds):
-        return _chain(_id_blocks(prompt.ids))
-    return _chain(_message_units(prompt))
+        return _chain(_id_blocks(prompt.ids), partition)
+    return _chain(_message_units(prompt), partition)
 
 
 def answered_fingerprints(
-    prompt: Prompt, answer_text: str, answer_ids: Sequence[int]
+    prompt: Prompt, answer_text: str, answer_ids: Sequence[int], partition: int = 0
 ) -> tuple[int, ...]:
     """The chain of ``prompt`` followed by its answer, as the next turn sends it back: the
     answer as an assistant message, appended to a string, or its ids after the prompt's."""
     if isinstance(prompt, str):
-        return _chain(_text_blocks(prompt + answer_text))
+        return _chain(_text_blocks(prompt + answer_text), partition)
     if isinstance(prompt, TokenIds):
-        return _chain(_id_blocks((*prompt.ids, *answer_ids)))
-    return _chain(_message_units([*prompt, {"role": "assistant", "content": answer_text}]))
+        return _chain(_id_blocks((*prompt.ids, *answer_ids)), partition)
+    answered = [*prompt, {"role": "assistant", "content": answer_text}]
+    return _chain(_message_units(answered), partition)
 
 
 def matched_units(chain: Sequence[int], held: frozenset[int]) -> int:
@@ -81,9 +109,10 @@ def _message_units(messages: Sequence[ChatMessage]) -> list[bytes]:
     ]
 
 
-def _chain(units: list[bytes]) -> tuple[int, ...]:
+def _chain(units: list[bytes], partition: int) -> tuple[int, ...]:
     chain = []
-    previous = b""
+    # The shared partition's chain is what it always was; another starts from its id.
+    previous = partition.to_bytes(8, "little") if partition else b""
     for unit in units:
         previous = hashlib.blake2b(previous + unit, digest_size=8).digest()
         chain.append(int.from_bytes(previous, "little"))

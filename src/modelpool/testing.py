@@ -142,6 +142,7 @@ from modelpool.grammar import (
     wait_for_any,
 )
 from modelpool.logprob_columns import TokenLogprobs
+from modelpool.prefixes import CACHE_SALT_PARAM
 from modelpool.protocol import (
     BatchCall,
     Call,
@@ -178,6 +179,7 @@ ACCEPTED_PARAMS = frozenset(
         COMPILE_TIMEOUT_PARAM,
         "ignore_eos",
         PRIORITY_PARAM,
+        CACHE_SALT_PARAM,
     }
 )
 TOKEN_LOGPROB = -0.25

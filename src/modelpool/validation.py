@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from modelpool.errors import InvalidRequest
+from modelpool.prefixes import CACHE_SALT_PARAM, MAX_CACHE_SALT_CHARS
 from modelpool.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
 
 # The widest integer any backend is asked to take (a C int64: torch, numpy, CUDA); a
@@ -71,6 +72,12 @@ def check_generation_params(params: Mapping[str, Any], *, where: str = "") -> No
         value = params["top_p"]
         if not is_number(value) or not 0 < value <= 1:
             raise InvalidRequest(f"{prefix}top_p must be in (0, 1], got {value!r}")
+    salt = params.get(CACHE_SALT_PARAM)
+    if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS):
+        raise InvalidRequest(
+            f"{prefix}{CACHE_SALT_PARAM} must be a string of at most {MAX_CACHE_SALT_CHARS} "
+            "characters (the prefix cache's partition)"
+        )
     if "ignore_eos" in params and not isinstance(params["ignore_eos"], bool):
         raise InvalidRequest(
             f"{prefix}ignore_eos must be true or false, got {params['ignore_eos']!r}"

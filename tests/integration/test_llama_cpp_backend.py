@@ -17,7 +17,18 @@ from typing import Any
 import jsonschema
 import pytest
 
-from helpers import FakeCall, Recorder, skip_unless_pypi
+from helpers import (
+    ORDINARY_CHATS,
+    TOOL_INJECTION,
+    FakeCall,
+    Recorder,
+    assert_oracle_blind,
+    assert_oracle_leaks,
+    cache_oracle,
+    injected_chat,
+    ordinary_tools,
+    skip_unless_pypi,
+)
 from modelpool import ModelPool, PoolConfig
 from modelpool.backends.llama_cpp import options, probe
 from modelpool.backends.llama_cpp.handler import LlamaCppHandler, load
@@ -167,6 +178,25 @@ def test_tokenize_and_detokenize_are_the_generation_path(handler: LlamaCppHandle
         handler.detokenize([10**7])
 
 
+def test_chat_content_is_text_and_ordinary_chats_tokenize_as_before(
+    handler: LlamaCppHandler,
+) -> None:
+    """Issue 40, review #7: only the template's own markers are special-token ids."""
+    runtime = handler.runtime
+    im_start = handler.specials.ids["<|im_start|>"]
+    assert handler.chat_as_text
+    chat, tools = injected_chat()
+    ids = handler.encode(chat, tools)
+    # The template's own: system, user, assistant, tool, and the generation prompt's.
+    assert ids.count(im_start) == 5
+    assert handler.specials.ids["<|endoftext|>"] not in ids
+    assert TOOL_INJECTION in handler.detokenize(ids)
+    for ordinary in ORDINARY_CHATS:
+        for offered in (None, ordinary_tools()):
+            text = handler.render_chat(ordinary, offered)
+            assert handler.encode(ordinary, offered) == runtime.tokenize(text, add_special=False)
+
+
 def test_context_limit_refuses_like_hf(gguf_dir: Path) -> None:
     small = load(str(gguf_dir), threads=1, max_model_len=32)
     assert small.max_model_len == 32
@@ -291,6 +321,31 @@ def test_prefix_cache_second_turn_equals_cache_off(
     assert on_cached and on_cached > 200 and off_cached == 0
     report = handler.prefix_cache_report()
     assert report is not None and report.hits >= 1 and report.fingerprints
+
+
+def test_a_request_never_sees_another_partitions_cached_prefix(gguf_dir: Path) -> None:
+    """Issue 40, review #4: the digit-guessing oracle, blind across partitions (another
+    tenant's, another salt), alone and batched; one partition still shares its prefixes."""
+    fresh = load(str(gguf_dir), threads=1, kv_cache_tokens=4096)
+
+    def alone_cached(prompt: Prompt, params: dict[str, Any]) -> int:
+        return alone(fresh, prompt, **params, max_new_tokens=2)[0].cached_tokens or 0
+
+    def batched_cached(prompt: Prompt, params: dict[str, Any]) -> int:
+        call = Recorder(prompt, {**params, "max_new_tokens": 2})
+        return run_batched(fresh, [call])[0].cached_tokens or 0
+
+    def empty_cache() -> None:
+        cache = fresh.runner.prefix_cache
+        while cache is not None and cache.evict():
+            pass
+
+    for cached_tokens in (alone_cached, batched_cached):
+        for victim, attacker in (({}, {"cache_salt": "b"}), ({"cache_salt": "a"}, {})):
+            empty_cache()
+            assert_oracle_blind(cache_oracle(cached_tokens, victim, attacker))
+        empty_cache()
+        assert_oracle_leaks(cache_oracle(cached_tokens, {"cache_salt": "a"}, {"cache_salt": "a"}))
 
 
 def test_prefix_cache_stays_in_its_bound_and_gives_way(gguf_dir: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import Recorder
+from helpers import Recorder, assert_oracle_blind, assert_oracle_leaks, cache_oracle
 from modelpool.backends.hf.handler import HFHandler, load
 from modelpool.backends.hf.prefix_cache import PrefixCache
 from modelpool.protocol import Generation, Prompt
@@ -137,6 +137,31 @@ def test_a_string_prompt_reuses_the_cached_prefix_and_counts_it(
     # The same prompt again: all but its last token come from the cache.
     same = cached.generate(Recorder(longer, {"max_new_tokens": 8}))
     assert same.prompt_tokens is not None and same.cached_tokens == same.prompt_tokens - 1
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-call", "batched"])
+def test_a_request_never_sees_another_partitions_cached_prefix(
+    handlers: tuple[HFHandler, HFHandler], batched: bool
+) -> None:
+    """Issue 40, review #4: the digit-guessing oracle on ``cached_tokens``, blind across
+    partitions (another tenant's, another salt), still served within one."""
+    _, cached = handlers
+
+    def cached_tokens(prompt: Prompt, params: dict[str, object]) -> int:
+        call = Recorder(prompt, {**params, "max_new_tokens": 2})
+        result = run_batched(cached, [call])[0] if batched else cached.generate(call)
+        return result.cached_tokens or 0
+
+    assert cached.prefix_cache is not None
+    for victim, attacker in (({}, {"cache_salt": "b"}), ({"cache_salt": "a"}, {})):
+        cached.prefix_cache.clear()
+        assert_oracle_blind(cache_oracle(cached_tokens, victim, attacker))
+    for shared in ({}, {"cache_salt": "a"}):
+        cached.prefix_cache.clear()
+        assert_oracle_leaks(cache_oracle(cached_tokens, shared, shared))
+    # Partitions apart, a lookup costs what it did: the report counts its entries together.
+    report = cached.prefix_cache_report()
+    assert report is not None and report.entries >= 2
 
 
 def test_the_cache_stays_within_its_bound_over_thousands_of_prefixes() -> None:

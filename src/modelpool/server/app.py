@@ -122,7 +122,7 @@ from modelpool.server.streaming import (
     answer_tokens,
     note_results,
 )
-from modelpool.server.tenants import Keys, Tenant
+from modelpool.server.tenants import Keys, Tenant, partition
 from modelpool.server.tokenize import (
     TokenizeJob,
     parse_detokenize,
@@ -743,6 +743,12 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     # each let into the pool when this client's turn comes.
     priority = _admit(request, state, pool, job, deadline)
     runs = job.choices()
+    # Every run in its tenant's partition of the prefix cache, whatever the body said.
+    cache_partition = partition(client.tenant, job.params.get("cache_salt"))
+    for _, _, params in runs:
+        params.pop("cache_salt", None)
+        if cache_partition is not None:
+            params["cache_salt"] = cache_partition
     ticket = state.share_for(request).reserve(client.name, len(runs), client.limits, priority)
 
     if job.stream:

@@ -21,6 +21,7 @@ The keys file is TOML, one table per tenant::
 from __future__ import annotations
 
 import hashlib
+import json
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -131,6 +132,18 @@ class Keys:
 
 
 ANONYMOUS = Tenant("anonymous")
+
+
+def partition(tenant: Tenant | None, salt: str | None) -> str | None:
+    """The prefix-cache partition a request runs in (the pool's ``cache_salt``): its
+    tenant's, and within it its own ``cache_salt``'s; None, the shared partition, only
+    without keys and without a salt. A client's salt can never name another tenant's
+    partition: the pair is encoded as JSON, so no salt spells another name and salt, and
+    hashed, so the worker gets 64 characters whatever the salt and holds no tenant name."""
+    if tenant is None and salt is None:
+        return None
+    pair = json.dumps([tenant.name if tenant is not None else "", salt or ""])
+    return hashlib.sha256(pair.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _digest(key: bytes) -> bytes:

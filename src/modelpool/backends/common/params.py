@@ -17,6 +17,7 @@ from modelpool.backends.common.text import stop_strings
 from modelpool.context import fit_to_context
 from modelpool.errors import InvalidRequest
 from modelpool.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, check_grammar_params
+from modelpool.prefixes import CACHE_SALT_PARAM
 from modelpool.protocol import Call
 from modelpool.tools import check_template_tools
 from modelpool.validation import (
@@ -53,6 +54,7 @@ GENERATION_PARAMS = frozenset(
         COMPILE_TIMEOUT_PARAM,
         "ignore_eos",
         PRIORITY_PARAM,
+        CACHE_SALT_PARAM,
     }
 )
 

@@ -11,13 +11,20 @@ The index is a chain hash per ``BLOCK_TOKENS`` block of ids: a lookup walks the 
 blocks while some entry shares them, then compares the candidates' ids token by token,
 so the longest prefix is found in time proportional to the prompt, not to the cache.
 At least one prompt token is always left to prefill: its logits choose the first token.
+
+Partitioned: every entry belongs to one partition (``prefixes.partition_of`` of its
+request's ``cache_salt``; 0, the shared one, without), whose id seeds its chain of block
+keys, and a lookup or insert of one partition never finds, frees or reports as held an
+entry of another (the ids are compared only among entries of the same partition). So a
+request's ``cached_tokens`` and its prefill time say nothing of another partition's
+prompts; eviction is shared (one bound per worker), which says only how busy it is.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from modelpool.protocol import PrefixCacheReport
@@ -30,12 +37,14 @@ MAX_REPORTED_FINGERPRINTS = 4096
 
 @dataclass(eq=False)
 class Held:
-    """What every entry carries: its token ids, fingerprints, block keys and size."""
+    """What every entry carries: its token ids, fingerprints, block keys, size and
+    partition."""
 
     ids: tuple[int, ...]
     fingerprints: tuple[int, ...]
     block_keys: tuple[int, ...]
     size: int  # in the cache's unit (bytes, cells)
+    partition: int = field(default=0, kw_only=True)
 
 
 Entry = TypeVar("Entry", bound=Held)
@@ -60,12 +69,15 @@ class PrefixLRU(Generic[Entry]):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _find(self, ids: list[int], compared: int | None = None) -> tuple[Entry, int] | None:
-        """The entry holding the longest prefix of ``ids`` (at most all but its last id)
-        and that prefix's length, made the most recently used; counts a lookup and a
-        hit. ``compared``: at most this many candidates compared token by token."""
+    def _find(
+        self, ids: list[int], partition: int = 0, compared: int | None = None
+    ) -> tuple[Entry, int] | None:
+        """The entry of ``partition`` holding the longest prefix of ``ids`` (at most all
+        but its last id) and that prefix's length, made the most recently used; counts a
+        lookup and a hit. ``compared``: at most this many candidates compared token by
+        token."""
         self.lookups += 1
-        found = longest_held(self._entries, self._by_block, ids, compared)
+        found = longest_held(self._entries, self._by_block, ids, compared, partition)
         if found is None:
             return None
         key, length = found
@@ -74,12 +86,17 @@ class PrefixLRU(Generic[Entry]):
         self.cached_tokens += length
         return self._entries[key], length
 
-    def _holds(self, chain: tuple[int, ...], ids: list[int]) -> bool:
-        """Whether an entry already holds ``ids`` (``chain``: their block keys); it is
-        made the most recently used."""
+    def _holds(self, chain: tuple[int, ...], ids: list[int], partition: int = 0) -> bool:
+        """Whether an entry of ``partition`` already holds ``ids`` (``chain``: their block
+        keys); it is made the most recently used."""
         for key in self._sharing(chain):
-            held = self._entries[key].ids
-            if len(held) >= len(ids) and held[: len(ids)] == tuple(ids):
+            entry = self._entries[key]
+            held = entry.ids
+            if (
+                entry.partition == partition
+                and len(held) >= len(ids)
+                and held[: len(ids)] == tuple(ids)
+            ):
                 self._entries.move_to_end(key)
                 return True
         return False
@@ -90,8 +107,10 @@ class PrefixLRU(Generic[Entry]):
         until it fits."""
         ids = list(entry.ids)
         for held_key in list(self._sharing(entry.block_keys)):
-            held = self._entries[held_key].ids
-            if len(held) < len(ids) and tuple(ids[: len(held)]) == held:
+            other = self._entries[held_key]
+            held = other.ids
+            same = other.partition == entry.partition
+            if same and len(held) < len(ids) and tuple(ids[: len(held)]) == held:
                 self._release(self._forget(held_key))
         while self.size + entry.size > self.limit:
             self.evict()
@@ -150,25 +169,32 @@ class HeldPrefix(Protocol):
     @property
     def fingerprints(self) -> tuple[int, ...]: ...
 
+    @property
+    def partition(self) -> int: ...
+
 
 def longest_held(
     entries: Mapping[int, HeldPrefix],
     by_block: Mapping[int, set[int]],
     ids: list[int],
     compared: int | None = None,
+    partition: int = 0,
 ) -> tuple[int, int] | None:
-    """The key of the entry holding the longest prefix of ``ids`` (at most all but its last
-    id: that one's logits choose the first new token) and the prefix's length; at most
-    ``compared`` candidates are compared token by token (all when None)."""
+    """The key of the entry of ``partition`` holding the longest prefix of ``ids`` (at
+    most all but its last id: that one's logits choose the first new token) and the
+    prefix's length; at most ``compared`` candidates are compared token by token (all
+    when None)."""
     limit = len(ids) - 1
     candidates: set[int] = set()
-    for block_key in block_keys(ids[:limit]):
+    for block_key in block_keys(ids[:limit], partition):
         sharing = by_block.get(block_key)
         if not sharing:
             break
         candidates = sharing
     best: tuple[int, int] | None = None
-    for key in list(candidates)[:compared]:
+    # Another partition's entry is never a candidate, even on a block-key collision.
+    same = [key for key in candidates if entries[key].partition == partition]
+    for key in same[:compared]:
         length = common_prefix(entries[key].ids, ids, limit)
         if length >= BLOCK_TOKENS and (best is None or length > best[1]):
             best = (key, length)
@@ -202,10 +228,11 @@ def recent_fingerprints(entries: Iterable[HeldPrefix]) -> frozenset[int]:
     return frozenset(fingerprints)
 
 
-def block_keys(ids: list[int]) -> tuple[int, ...]:
-    """A chain hash per whole block: key k stands for ids[: (k + 1) * BLOCK_TOKENS]."""
+def block_keys(ids: list[int], partition: int = 0) -> tuple[int, ...]:
+    """A chain hash per whole block: key k stands for ids[: (k + 1) * BLOCK_TOKENS] in
+    ``partition`` (the chain's seed)."""
     keys = []
-    previous = 0
+    previous = partition
     for start in range(0, len(ids) - len(ids) % BLOCK_TOKENS, BLOCK_TOKENS):
         previous = hash((previous, *ids[start : start + BLOCK_TOKENS]))
         keys.append(previous)

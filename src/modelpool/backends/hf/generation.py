@@ -21,6 +21,7 @@ from modelpool.backends.common.params import DEFAULT_MAX_NEW_TOKENS
 from modelpool.backends.common.penalties import PENALTY_PARAMS, Penalties
 from modelpool.backends.common.text import TextProgress, stop_strings
 from modelpool.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, RowGrammar
+from modelpool.prefixes import CACHE_SALT_PARAM, partition_of
 from modelpool.protocol import Call, FinishReason, Generation, TokenLogprob, note_prompt
 from modelpool.validation import PRIORITY_PARAM
 
@@ -100,6 +101,8 @@ def generate(handler: HFHandler, call: Call) -> Generation:
     grammar_text = params.pop(GRAMMAR_PARAM, None)
     params.pop(COMPILE_TIMEOUT_PARAM, None)
     params.pop(PRIORITY_PARAM, None)  # the one-call form runs alone: nothing to order
+    partition = partition_of(params)
+    params.pop(CACHE_SALT_PARAM, None)
     ignore_eos = params.pop("ignore_eos", False)
     if ignore_eos:
         # No end-of-sequence id: generate() stops at max_new_tokens or a stop string.
@@ -138,7 +141,9 @@ def generate(handler: HFHandler, call: Call) -> Generation:
         params.update(output_logits=True, return_dict_in_generate=True)
     progress = TextProgress(handler.tokenizer, call, prompt_tokens, stops)
     prompt_ids: list[int] = input_ids[0].tolist()
-    kv, cached_tokens = _prefix_kv(handler, prompt_ids, params, prompt_top_logprobs is None)
+    kv, cached_tokens = _prefix_kv(
+        handler, prompt_ids, params, prompt_top_logprobs is None, partition
+    )
     note_prompt(call, prompt_tokens, cached_tokens)
     if seed is not None:
         torch.manual_seed(seed)
@@ -173,6 +178,7 @@ def generate(handler: HFHandler, call: Call) -> Generation:
             held,
             progress.text,
             progress.token_ids,
+            partition,
         )
     logprobs = None
     if top_logprobs is not None:
@@ -206,15 +212,20 @@ def generate(handler: HFHandler, call: Call) -> Generation:
 
 
 def _prefix_kv(
-    handler: HFHandler, prompt_ids: list[int], params: dict[str, Any], usable: bool
+    handler: HFHandler,
+    prompt_ids: list[int],
+    params: dict[str, Any],
+    usable: bool,
+    partition: int,
 ) -> tuple[Any, int]:
-    """The cache generate() starts from (the longest cached prefix of the prompt, or an
-    empty one to keep after) in ``params``, and the prompt tokens it already holds."""
+    """The cache generate() starts from (the longest prefix of the prompt cached in
+    ``partition``, or an empty one to keep after) in ``params``, and the prompt tokens it
+    already holds."""
     from transformers import DynamicCache
 
     if handler.prefix_cache is None or not usable:
         return None, 0
-    found = handler.prefix_cache.lookup(prompt_ids)
+    found = handler.prefix_cache.lookup(prompt_ids, partition)
     kv, cached_tokens = found if found is not None else (DynamicCache(), 0)
     params[handler.cache_keyword] = kv
     return kv, cached_tokens

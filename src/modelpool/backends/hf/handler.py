@@ -47,6 +47,12 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from modelpool.backends.common.chat_text import (
+    NO_SPECIALS,
+    EscapedChat,
+    Specials,
+    splices_exactly,
+)
 from modelpool.backends.common.params import (
     chat_template_option,
     check_load_options,
@@ -269,6 +275,24 @@ class HFHandler(ScheduledHandler):
         embeddings: Any = self.model.get_input_embeddings()
         self.vocab_size = int(embeddings.num_embeddings)
         self.token_texts: dict[int, str] = {}
+        # What a chat's content may not write as special tokens (common.chat_text).
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        self.specials = Specials.of(
+            {token.content: int(id_) for id_, token in added.items() if token.special}
+        )
+        self.chat_as_text = tokenizer.chat_template is None or splices_exactly(
+            lambda messages: str(
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ),
+            lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]),
+            self._text_ids,
+            self.specials,
+        )
+        if not self.chat_as_text:
+            logger.warning(
+                "this tokenizer reads text otherwise in pieces than whole: special tokens in "
+                "chat content are read as special tokens (see modelpool.backends.common.chat_text)"
+            )
         # llguidance is imported (and the tokenizer's view made) on the first grammar.
         self.grammars = LLGuidanceGrammars(tokenizer, self.vocab_size, self.eos_ids)
         self.runner = HFRunner(self)
@@ -320,14 +344,16 @@ class HFHandler(ScheduledHandler):
         layers: list[tuple[torch.Tensor, torch.Tensor]],
         answer_text: str,
         answer_ids: list[int],
+        partition: int = 0,
     ) -> None:
         """Keep the KV of a finished request's prompt and answer (``token_ids``, as many as
-        ``layers`` hold) in the prefix cache, with the fingerprints the pool places by."""
+        ``layers`` hold) in the prefix cache's ``partition``, with the fingerprints the
+        pool places by."""
         if self.prefix_cache is None:
             return
         try:
-            fingerprints = answered_fingerprints(prompt, answer_text, answer_ids)
-            self.prefix_cache.insert(token_ids, layers, fingerprints)
+            fingerprints = answered_fingerprints(prompt, answer_text, answer_ids, partition)
+            self.prefix_cache.insert(token_ids, layers, fingerprints, partition)
         except Exception:
             # The cache only saves work: failing to fill it must not fail the request.
             logger.warning("could not keep a finished request's KV", exc_info=True)
@@ -416,21 +442,33 @@ class HFHandler(ScheduledHandler):
                     "this model's tokenizer has no chat template: send a string prompt, "
                     "or give the hf backend a chat_template option"
                 )
+            # The content's special tokens are text; the template writes its own (BOS
+            # included), the only ones read as such.
+            specials = self.specials if self.chat_as_text else NO_SPECIALS
+            chat = EscapedChat.of(prompt, tools, specials)
             if tools or any(len(message) > 2 for message in prompt):
-                text = render_chat(tokenizer, prompt, tools, add_generation_prompt)
+                text = render_chat(tokenizer, chat.messages, chat.tools, add_generation_prompt)
             else:
                 text = tokenizer.apply_chat_template(
-                    [dict(message) for message in prompt],
-                    add_generation_prompt=add_generation_prompt,
-                    tokenize=False,
+                    chat.messages, add_generation_prompt=add_generation_prompt, tokenize=False
                 )
-            # The template writes its own special tokens (BOS included).
-            input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            if self.chat_as_text:
+                ids = chat.token_ids(text, self._text_ids)
+            else:
+                ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            input_ids = torch.tensor([ids], dtype=torch.long)
         if input_ids.shape[1] == 0:
             if tokenizer.bos_token_id is None:
                 raise InvalidRequest("the prompt is empty and the tokenizer has no BOS token")
             input_ids = torch.tensor([[tokenizer.bos_token_id]])
         return input_ids.to(self.model.device)
+
+    def _text_ids(self, text: str) -> list[int]:
+        """``text``'s ids with no special token read (a chat's content, between the
+        template's markers)."""
+        encoded = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)
+        ids: list[int] = encoded["input_ids"]
+        return ids
 
 
 def _cache_has_layers() -> bool:

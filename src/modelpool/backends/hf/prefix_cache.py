@@ -8,7 +8,9 @@ request takes the KV of the longest cached prefix of its token ids and prefills 
 the rest: on the one-call path through ``generate()``'s cache argument, in the batched
 loop as the start of the request's own prefill cache.
 
-Keyed by token ids alone, because a cache belongs to one loaded model: the same
+Keyed by token ids and the request's partition (``common.prefix_cache``: a request
+never sees another partition's entries), and by nothing more, because a cache belongs
+to one loaded model: the same
 weights, dtype and device, and the chat template is already in the ids. It is off for a
 model with adapters (PEFT) loaded, whose KV depends on more than the ids, and for the
 models the batched loop does not take (sliding-window layers: their caches are cropped).
@@ -56,12 +58,13 @@ class PrefixCache(PrefixLRU[_Entry]):
     def limit_bytes(self) -> int:
         return self.limit
 
-    def lookup(self, ids: list[int]) -> tuple[Any, int] | None:
-        """A DynamicCache holding the KV of the longest cached prefix of ``ids`` (at most
-        all but the last id), and that prefix's length; None when nothing useful is held."""
+    def lookup(self, ids: list[int], partition: int = 0) -> tuple[Any, int] | None:
+        """A DynamicCache holding the KV of the longest prefix of ``ids`` (at most all but
+        the last id) cached in ``partition``, and that prefix's length; None when nothing
+        useful is held."""
         from transformers import DynamicCache
 
-        found = self._find(ids, _CANDIDATES_COMPARED)
+        found = self._find(ids, partition, _CANDIDATES_COMPARED)
         if found is None:
             return None
         entry, length = found
@@ -76,14 +79,16 @@ class PrefixCache(PrefixLRU[_Entry]):
         ids: list[int],
         layers: list[tuple[torch.Tensor, torch.Tensor]],
         fingerprints: tuple[int, ...],
+        partition: int = 0,
     ) -> None:
         """Keep the KV of ``ids`` (``layers``: each [1, heads, len(ids), dim], taken over as
-        they are if they own their storage, else copied). An entry whose ids are a prefix
-        of these is dropped (this one holds all of it); ids already held are only touched."""
+        they are if they own their storage, else copied) in ``partition``. An entry of it
+        whose ids are a prefix of these is dropped (this one holds all of it); ids already
+        held are only touched."""
         if len(ids) < BLOCK_TOKENS or self.limit <= 0:
             return
-        chain = block_keys(ids)
-        if self._holds(chain, ids):
+        chain = block_keys(ids, partition)
+        if self._holds(chain, ids, partition):
             return
         owned = [(_owned(keys), _owned(values)) for keys, values in layers]
         nbytes = sum(keys.nbytes + values.nbytes for keys, values in owned)
@@ -91,7 +96,8 @@ class PrefixCache(PrefixLRU[_Entry]):
             return
         key = self._next_key
         self._next_key += 1
-        self._add(key, _Entry(tuple(ids), fingerprints, chain, nbytes, owned))
+        entry = _Entry(tuple(ids), fingerprints, chain, nbytes, owned, partition=partition)
+        self._add(key, entry)
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:

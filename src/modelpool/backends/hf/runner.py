@@ -90,6 +90,7 @@ from modelpool.backends.common.text import TextProgress, stop_strings
 from modelpool.backends.hf.fused import FusionUnsupported, fusable, fused_forward
 from modelpool.errors import InvalidRequest
 from modelpool.grammar import RowGrammar
+from modelpool.prefixes import partition_of
 from modelpool.protocol import BatchCall, Call, Prompt
 
 if TYPE_CHECKING:
@@ -173,6 +174,7 @@ class LoadedModel(Protocol):
         layers: list[tuple[torch.Tensor, torch.Tensor]],
         answer_text: str,
         answer_ids: list[int],
+        partition: int = 0,
     ) -> None: ...
 
 
@@ -285,7 +287,8 @@ class HFRunner:
 
         cache = self.handler.prefix_cache
         with torch.inference_mode():
-            found = None if cache is None else cache.lookup(row.prompt_ids)
+            partition = partition_of(row.call.params)
+            found = None if cache is None else cache.lookup(row.prompt_ids, partition)
         if found is not None:
             row.state.cache, row.prefilled = found
             row.cached_tokens = row.prefilled
@@ -336,7 +339,14 @@ class HFRunner:
             ]
             answer = row.progress.token_ids
             ids = (row.prompt_ids + answer)[:held]
-            self.handler.remember(row.call.prompt, ids, layers, row.progress.text, answer)
+            self.handler.remember(
+                row.call.prompt,
+                ids,
+                layers,
+                row.progress.text,
+                answer,
+                partition_of(row.call.params),
+            )
         except Exception:
             # The cache only saves work: failing to fill it must not fail the batch.
             logger.warning("could not keep a finished request's KV", exc_info=True)

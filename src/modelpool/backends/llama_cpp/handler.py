@@ -47,6 +47,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from modelpool.backends.common.chat_text import EscapedChat, Specials, splices_exactly
 from modelpool.backends.common.params import check_vocabulary, fit_new_tokens
 from modelpool.backends.common.params import validate as validate_params
 from modelpool.backends.common.scheduler import (
@@ -161,6 +162,19 @@ class LlamaCppHandler(ScheduledHandler):
         self._eos = int(llama.llama_vocab_eos(runtime.vocab))
         self._render: Any = None
         self._grammars: LlamaGrammars | None = None
+        # What a chat's content may not write as special tokens (common.chat_text).
+        self.specials = Specials.of(runtime.control_tokens())
+        self.chat_as_text = self.chat_template is None or splices_exactly(
+            lambda messages: self.render_chat(messages),
+            lambda text: runtime.tokenize(text, add_special=False),
+            self._text_ids,
+            self.specials,
+        )
+        if not self.chat_as_text:
+            logger.warning(
+                "this vocabulary reads text otherwise in pieces than whole: special tokens in "
+                "chat content are read as special tokens (see modelpool.backends.common.chat_text)"
+            )
 
     def grammars(self) -> LlamaGrammars:
         """The grammar engine, made on the first constrained request."""
@@ -218,8 +232,13 @@ class LlamaCppHandler(ScheduledHandler):
             ids = list(prompt.ids)
         elif isinstance(prompt, str):
             ids = runtime.tokenize(prompt, add_special=True)
+        elif self.chat_as_text:
+            # The content's special tokens are text; the template writes its own (BOS
+            # included), the only ones read as such.
+            chat = EscapedChat.of(prompt, tools, self.specials)
+            text = self.render_chat(chat.messages, chat.tools, add_generation_prompt)
+            ids = chat.token_ids(text, self._text_ids)
         else:
-            # The template writes its own special tokens (BOS included).
             text = self.render_chat(prompt, tools, add_generation_prompt)
             ids = runtime.tokenize(text, add_special=False)
         if not ids:
@@ -227,6 +246,11 @@ class LlamaCppHandler(ScheduledHandler):
                 raise InvalidRequest("the prompt is empty and the model has no BOS token")
             ids = [self._bos]
         return ids
+
+    def _text_ids(self, text: str) -> list[int]:
+        """``text``'s ids with no special token read (a chat's content, between the
+        template's markers)."""
+        return self.runtime.tokenize(text, add_special=False, parse_special=False)
 
     def render_chat(
         self,

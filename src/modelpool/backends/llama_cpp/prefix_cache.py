@@ -44,10 +44,11 @@ class SequencePrefixCache(PrefixLRU[CachedSequence]):
     def cells(self) -> int:
         return self.size
 
-    def lookup(self, ids: list[int]) -> tuple[CachedSequence, int] | None:
-        """The entry holding the longest prefix of ``ids`` (at most all but the last id)
-        and that prefix's length; None when nothing useful is held. Counts a hit."""
-        return self._find(ids)
+    def lookup(self, ids: list[int], partition: int = 0) -> tuple[CachedSequence, int] | None:
+        """The entry of ``partition`` holding the longest prefix of ``ids`` (at most all
+        but the last id) and that prefix's length; None when nothing useful is held.
+        Counts a hit."""
+        return self._find(ids, partition)
 
     def take(self, entry: CachedSequence) -> int:
         """Hand ``entry``'s sequence over to a request as it is (its cells stay): the
@@ -55,17 +56,22 @@ class SequencePrefixCache(PrefixLRU[CachedSequence]):
         self._forget(entry.seq_id)
         return entry.seq_id
 
-    def insert(self, seq_id: int, ids: list[int], fingerprints: tuple[int, ...]) -> bool:
-        """Keep sequence ``seq_id`` (its cells hold ``ids``) as an entry; True when the
-        cache took it over, False when the caller should free it (too short or too long
-        for the bound, or its ids already held). Entries whose ids are a prefix of these
-        are freed: this one holds all of their cells' content."""
+    def insert(
+        self, seq_id: int, ids: list[int], fingerprints: tuple[int, ...], partition: int = 0
+    ) -> bool:
+        """Keep sequence ``seq_id`` (its cells hold ``ids``) as an entry of ``partition``;
+        True when the cache took it over, False when the caller should free it (too short
+        or too long for the bound, or its ids already held there). Entries of it whose ids
+        are a prefix of these are freed: this one holds all of their cells' content."""
         if len(ids) < BLOCK_TOKENS or len(ids) > self.limit:
             return False
-        chain = block_keys(ids)
-        if self._holds(chain, ids):
+        chain = block_keys(ids, partition)
+        if self._holds(chain, ids, partition):
             return False
-        self._add(seq_id, CachedSequence(tuple(ids), fingerprints, chain, len(ids), seq_id))
+        entry = CachedSequence(
+            tuple(ids), fingerprints, chain, len(ids), seq_id, partition=partition
+        )
+        self._add(seq_id, entry)
         return True
 
     def _release(self, entry: CachedSequence) -> None:

@@ -42,7 +42,7 @@ from modelpool.backends.common.text import TextProgress, stop_strings
 from modelpool.backends.llama_cpp.prefix_cache import SequencePrefixCache
 from modelpool.backends.llama_cpp.sampling import choose_token, token_logprob
 from modelpool.grammar import RowGrammar
-from modelpool.prefixes import answered_fingerprints
+from modelpool.prefixes import answered_fingerprints, partition_of
 from modelpool.protocol import BatchCall, Call, PrefixCacheReport, Prompt, TokenLogprob
 
 if TYPE_CHECKING:
@@ -264,7 +264,7 @@ class LlamaRunner:
         cache = self.prefix_cache
         found = None
         if cache is not None and row.state.prompt_top_logprobs is None:
-            found = cache.lookup(row.prompt_ids)
+            found = cache.lookup(row.prompt_ids, partition_of(row.call.params))
         if cache is not None and found is not None:
             entry, length = found
             if self._free_seq_ids:
@@ -290,8 +290,12 @@ class LlamaRunner:
         if keep and self.prefix_cache is not None and row.state.seq_id >= 0:
             try:
                 answer = row.progress.token_ids
-                fingerprints = answered_fingerprints(row.call.prompt, row.progress.text, answer)
-                if self.prefix_cache.insert(row.state.seq_id, held_ids(row), fingerprints):
+                partition = partition_of(row.call.params)
+                fingerprints = answered_fingerprints(
+                    row.call.prompt, row.progress.text, answer, partition
+                )
+                held = held_ids(row)
+                if self.prefix_cache.insert(row.state.seq_id, held, fingerprints, partition):
                     row.state.seq_id = -1
             except Exception:
                 # The cache only saves work: failing to fill it must not fail the request.

@@ -180,15 +180,18 @@ class Runtime:
 
     # ---- text ------------------------------------------------------------------------------
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
         """Special tokens written in ``text`` are read as such (as a Hugging Face
-        tokenizer does); ``add_special`` adds the BOS the model's vocabulary asks for."""
+        tokenizer does) unless not ``parse_special``; ``add_special`` adds the BOS the
+        model's vocabulary asks for."""
         data = text.encode("utf-8")
         room = len(data) + 8
         for _ in range(2):
             ids = (self.llama.llama_token * room)()
             count = int(
-                self.llama.llama_tokenize(self.vocab, data, len(data), ids, room, add_special, True)
+                self.llama.llama_tokenize(
+                    self.vocab, data, len(data), ids, room, add_special, parse_special
+                )
             )
             if count >= 0:
                 return list(ids[:count])
@@ -225,6 +228,19 @@ class Runtime:
             buffer = ctypes.create_string_buffer(count + 1)
             self.llama.llama_model_meta_val_str(self.model, key.encode(), buffer, count + 1)
         return buffer.value.decode("utf-8", errors="replace")
+
+    def control_tokens(self) -> dict[str, int]:
+        """The text of each token llama.cpp reads as special only when told to (control
+        and unknown tokens), and its id: what chat content may not write."""
+        llama = self.llama
+        special = int(llama.LLAMA_TOKEN_ATTR_CONTROL) | int(llama.LLAMA_TOKEN_ATTR_UNKNOWN)
+        tokens: dict[str, int] = {}
+        for token_id in range(self.n_vocab):
+            if int(llama.llama_vocab_get_attr(self.vocab, token_id)) & special:
+                text = self.token_text(token_id)
+                if text:
+                    tokens.setdefault(text, token_id)
+        return tokens
 
     def special_text(self, token_id: int) -> str:
         if token_id < 0:

@@ -55,6 +55,7 @@ MESSAGES_FIELDS = frozenset(
         "stream",
         "output_format",
         "output_config",
+        "cache_salt",  # vLLM's, passed to the chat body as it is
     }
 )
 COUNT_FIELDS = frozenset({"messages", "system", "tools", "tool_choice", "output_format"})
@@ -150,6 +151,7 @@ def parse_messages(body: Mapping[str, Any], *, count: bool = False) -> MessagesR
         ("top_p", "top_p"),
         ("top_k", "top_k"),
         ("stream", "stream"),
+        ("cache_salt", "cache_salt"),
     ):
         if body.get(name) is not None and not count:
             chat[chat_name] = body[name]

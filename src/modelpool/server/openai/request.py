@@ -63,6 +63,7 @@ MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 # OpenAI's bound on the legacy completions ``logprobs`` (chat's top_logprobs allows 20).
 MAX_LEGACY_LOGPROBS = 5
+MAX_CACHE_SALT = 256
 _COMMON_FIELDS = frozenset(
     {
         "max_tokens",
@@ -88,6 +89,8 @@ _COMMON_FIELDS = frozenset(
         "structured_outputs",
         *GUIDED_FIELDS,
         "ignore_eos",
+        # vLLM's (PR #17045): the prefix-cache partition within the tenant's own.
+        "cache_salt",
     }
 )
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of"}
@@ -259,6 +262,15 @@ def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str,
             params["stop"] = list(stop)
     elif stop is not None:
         raise invalid("stop must be a string or a list of strings", param="stop")
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT:
+            raise invalid(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters",
+                param="cache_salt",
+            )
+        # The client's part only: the daemon puts it in the tenant's partition (app.py).
+        params["cache_salt"] = salt
     return params
 
 

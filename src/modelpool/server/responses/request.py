@@ -53,6 +53,7 @@ RESPONSES_FIELDS = frozenset(
         "stream",
         "store",
         "previous_response_id",
+        "cache_salt",  # vLLM's, passed to the chat body as it is
     }
 )
 # Accepted, and without effect on what is generated: echoed where the response object
@@ -167,6 +168,7 @@ def parse_responses(body: Mapping[str, Any], store: ResponseStore) -> ResponsesR
         ("top_p", "top_p"),
         ("max_output_tokens", "max_tokens"),
         ("stream", "stream"),
+        ("cache_salt", "cache_salt"),
     ):
         if body.get(name) is not None:
             chat[chat_name] = body[name]
