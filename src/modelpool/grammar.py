@@ -46,6 +46,11 @@ COMPILE_TIMEOUT_PARAM = "grammar_compile_timeout_s"
 """The request parameter holding its compilation bound (the pool sets it from its config)."""
 DEFAULT_COMPILE_TIMEOUT_S = 5.0
 DEFAULT_CACHE_SIZE = 256
+# The cache's bound in grammar text: a compiled grammar's memory grows with its text (a
+# choice list's lexer holds every item), so a burst of distinct huge grammars must not
+# stay in the worker. 256 grammars of the supervisor's largest (256 KiB) would be 64 MiB
+# of text and several times that compiled; 16 MiB of text holds 64 of them.
+DEFAULT_CACHE_TEXT_BYTES = 16 * 1024 * 1024
 _POLL_S = 0.05  # how often a one-call request waiting for its grammar reads its cancel flag
 
 Compiled = TypeVar("Compiled")
@@ -89,7 +94,9 @@ class PendingGrammar(Generic[Compiled]):
 
 
 class GrammarCompiler(Generic[Compiled]):
-    """Compiles grammar texts on threads of their own; results cached by text (LRU).
+    """Compiles grammar texts on threads of their own; results cached by text (LRU),
+    within ``cache_size`` grammars and ``cache_text_bytes`` of their text together (the
+    newest is always kept).
 
     ``compile(text)`` returns the compiled form or raises (a ``GrammarError`` for a grammar
     the engine refuses). Threads rather than a fixed pool: a compilation that never ends
@@ -97,11 +104,16 @@ class GrammarCompiler(Generic[Compiled]):
     """
 
     def __init__(
-        self, compile: Callable[[str], Compiled], cache_size: int = DEFAULT_CACHE_SIZE
+        self,
+        compile: Callable[[str], Compiled],
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        cache_text_bytes: int = DEFAULT_CACHE_TEXT_BYTES,
     ) -> None:
         self._compile = compile
         self._cache: OrderedDict[str, Future[Compiled]] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_text_bytes = cache_text_bytes
+        self.cached_text_bytes = 0  # the cached grammars' text, together
         self.compilations = 0  # compilations started (cache misses)
 
     def start(self, text: str, bound_s: float) -> PendingGrammar[Compiled]:
@@ -113,8 +125,13 @@ class GrammarCompiler(Generic[Compiled]):
                 target=self._run, args=(text, future), name="modelpool-grammar", daemon=True
             ).start()
             self._cache[text] = future
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            self.cached_text_bytes += len(text)
+            while len(self._cache) > 1 and (
+                len(self._cache) > self._cache_size
+                or self.cached_text_bytes > self._cache_text_bytes
+            ):
+                evicted, _ = self._cache.popitem(last=False)
+                self.cached_text_bytes -= len(evicted)
         else:
             self._cache.move_to_end(text)
         return PendingGrammar(text, future, time.monotonic(), bound_s)
@@ -236,7 +253,9 @@ class GuidanceGrammars:
 
     def _compile(self, text: str) -> Any:
         llguidance = import_llguidance()
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), text)
+        # Short errors: a verbose one dumps the engine's parser state into the answer.
+        limits = llguidance.LLParserLimits(verbose_errors=False)
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), text, limits=limits)
         if matcher.is_error():
             raise GrammarError(f"the grammar cannot be compiled: {matcher.get_error()}")
         return matcher
