@@ -838,8 +838,8 @@ def _config_options(sub: argparse.ArgumentParser, *, server: bool) -> None:
     )
     sub.add_argument(
         "--backend",
-        help="'auto' (the default: llama_cpp for a GGUF model on the CPU when installed, "
-        "else hf), 'hf', 'llama_cpp', 'testing' or 'pkg.module:factory'",
+        help="'hf' (the default), 'auto' (llama_cpp for a GGUF model on the CPU when "
+        "installed, else hf), 'llama_cpp', 'testing' or 'pkg.module:factory'",
     )
     sub.add_argument("--workers", type=int, help=f"serving workers (built-in: {_BUILT_IN.workers})")
     sub.add_argument(
