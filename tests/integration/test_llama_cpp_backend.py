@@ -414,9 +414,10 @@ def test_pool_reports_model_load_failed(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pool(gguf_dir: Path) -> Iterator[ModelPool]:
-    # No backend named: "auto" serves the embedded GGUF on llama_cpp (installed, on the CPU).
+    # "auto" serves the embedded GGUF on llama_cpp (installed, on the CPU).
     config = PoolConfig(
         model="embedded:smollm2-135m-instruct",
+        backend="auto",
         backend_options={"threads": 1},
         workers=1,
         max_batch_size=4,
