@@ -12,15 +12,19 @@ syntax, JSON schemas embedded with ``%json {...}``), built and checked by the su
   request's ``grammar_compile_timeout_s`` fails that request with
   :class:`~modelpool.errors.GrammarCompileTimeout`; the worker stays warm (a later request
   for the same text waits on the same compilation, never starts a second one).
-- A text new to the worker is first compiled in a forked child (:func:`probe_in_child`,
-  a copy of the worker with its tokenizer), killed once the bound passes: a compilation
+- A text new to the worker, of ``PROBE_MIN_TEXT_BYTES`` or more, is first compiled in a
+  forked child (:func:`probe_in_child`, a copy of the worker with its tokenizer), killed
+  once the request's bound passes: a compilation
   that would outlast its timeout then stops consuming CPU when its request fails, instead
   of running on in a thread nobody can stop (llguidance's own limits bound its memory, not
   its time: a 250k-alternative grammar was refused after 117 s). Only a text that compiled
   in the child within its bound is compiled in the worker (about as long again: the
   compiled matcher cannot cross processes); one that crashed the child is refused, and
   one that ran out of time stays refused for that bound. Passed texts are remembered by
-  their hash, so an evicted grammar compiles again without a second child.
+  their hash, so an evicted grammar compiles again without a second child. Smaller texts
+  compile in the worker directly: llguidance's time grows with the grammar's size (its
+  lexer fuel bounds the rest), 30 ms of CPU for 16 KiB, while forking a 1 GB worker
+  costs 100-250 ms, which the usual schema (a few KB, new to the worker) should not pay.
 - :class:`GuidanceGrammars` is what every backend's engine shares: the tokenizer's
   llguidance view (made on the first compilation, about a second for a 50k vocabulary),
   one compiled ``LLMatcher`` per grammar text, a fresh copy of it per row
@@ -70,6 +74,8 @@ DEFAULT_CACHE_SIZE = 256
 # of text and several times that compiled; 16 MiB of text holds 64 of them.
 DEFAULT_CACHE_TEXT_BYTES = 16 * 1024 * 1024
 _POLL_S = 0.05  # how often a one-call request waiting for its grammar reads its cancel flag
+# Texts this long or longer compile in a child first (see the module's docstring).
+PROBE_MIN_TEXT_BYTES = 16 * 1024
 # Texts whose compilation passed in a child, remembered by hash (32 bytes each).
 PASSED_CACHE_SIZE = 4096
 # What a child's refusal may say (the first line of an engine's message is enough).
@@ -123,8 +129,9 @@ class GrammarCompiler(Generic[Compiled]):
 
     ``compile(text)`` returns the compiled form or raises (a ``GrammarError`` for a grammar
     the engine refuses). Threads rather than a fixed pool: a compilation that never ends
-    must not hold up the ones after it. With ``probe``, a text not yet passed is first
-    given to ``probe(text)`` in a child process killed past the request's bound
+    must not hold up the ones after it. With ``probe``, a text of ``probe_min_bytes`` or
+    more not yet passed is first given to ``probe(text)`` in a child process killed past
+    the request's bound
     (:func:`probe_in_child`), and compiled here only if it passed there; ``prepare()``
     runs first, in the worker, so that what every child needs (the tokenizer) is made
     once, before the fork.
@@ -138,9 +145,11 @@ class GrammarCompiler(Generic[Compiled]):
         *,
         probe: Callable[[str], object] | None = None,
         prepare: Callable[[], object] | None = None,
+        probe_min_bytes: int = PROBE_MIN_TEXT_BYTES,
     ) -> None:
         self._compile = compile
         self._probe = probe
+        self._probe_min_bytes = probe_min_bytes
         self._prepare = prepare
         self._cache: OrderedDict[str, Future[Compiled]] = OrderedDict()
         self._cache_size = cache_size
@@ -186,7 +195,11 @@ class GrammarCompiler(Generic[Compiled]):
 
     def _run(self, text: str, future: Future[Compiled], deadline: float, bound_s: float) -> None:
         try:
-            if self._probe is not None and not self._has_passed(text):
+            if (
+                self._probe is not None
+                and len(text) >= self._probe_min_bytes
+                and not self._has_passed(text)
+            ):
                 if self._prepare is not None:
                     # The tokenizer (made on a worker's first grammar) is not the grammar's
                     # time: the child's deadline moves by it.

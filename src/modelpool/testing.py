@@ -68,9 +68,9 @@ step itself, ``spin`` keeps the loop iterating without delivering tokens.
 
 A request with a ``grammar`` (``response_format`` and the like) has its grammar "compiled"
 the way the hf backend compiles one, on a thread of its own within
-``grammar_compile_timeout_s``, first in a forked child killed past the bound, then in the
-worker, cached by text, solo and in a batch; the output is not constrained (there is no
-tokenizer). What the compilation does is said in the grammar text:
+``grammar_compile_timeout_s``, first in a forked child killed past the bound (every text,
+however short), then in the worker, cached by text, solo and in a batch; the output is
+not constrained (there is no tokenizer). What the compilation does is said in the grammar text:
 
 =========================  ==================================================
 ``compile_sleep:SECONDS``  takes SECONDS (in the child, then in the worker),
@@ -288,7 +288,7 @@ class FaultBackend:
         self._jobs: list[_Job] = []
         self._pause = threading.Event()
         self.grammars: GrammarCompiler[str] = GrammarCompiler(
-            rehearse_compile, probe=rehearse_probe
+            rehearse_compile, probe=rehearse_probe, probe_min_bytes=0
         )
 
     def device_memory_allocated(self) -> int:
