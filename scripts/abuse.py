@@ -14,10 +14,10 @@ attack has a fresh daemon), and what the attacker got. Goals (issue 25): ``/heal
 its phase, and the script after all of them (about 4 x phase + 5 s per attack). Exits 1
 if a goal was missed.
 
-The second review's attacks that need a real model (cache-oracle, role-markers,
-prefill-kill, grammar-burst: :mod:`abuse_model`) run on a daemon of the embedded SmolLM2
-(hf, one worker, three API keys); each prints its own figure and whether it is within
-its bound, and a figure past its bound is a missed goal too.
+The second review's attacks that need a real model or keys (cache-oracle, role-markers,
+prefill-kill, grammar-burst: :mod:`abuse_model`; pending-bodies-keyed) run on a daemon of
+the embedded SmolLM2 (hf, one worker, three API keys); each prints its own figure and
+whether it is within its bound, and a figure past its bound is a missed goal too.
 
     scripts/abuse [--phase 6] [--only noread,fairness] [--json]
 """
@@ -560,6 +560,36 @@ def attack_pending_bodies(url: str, stop: threading.Event) -> dict[str, Any]:
     return {**held, "other client's 200 KB bodies": _count(legit)}
 
 
+def attack_pending_bodies_keyed(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 2, #6 with a key set: the same 8 held bodies without a key must be answered
+    401 on their head and closed, so that they hold nothing; meanwhile a client with a
+    key sends 200 KB bodies (on the model daemon, which has keys)."""
+    head = _post_head(b"", content_length=1_048_576) + b'{"prompt":"' + b"x" * 1_040_000
+    legit: list[str] = []
+
+    def legit_bodies() -> None:
+        body = {"prompt": "y " * 100_000, "max_tokens": 1}
+        with httpx.Client(base_url=url, timeout=30, headers=abuse_model.ORDINARY_HEADERS) as client:
+            while not stop.wait(0.5):
+                with contextlib.suppress(httpx.TransportError):
+                    legit.append(str(client.post("/v1/completions", json=body).status_code))
+
+    thread = threading.Thread(target=legit_bodies)
+    thread.start()
+    held = _hold(url, stop, 8, head, b"")
+    thread.join()
+    answered = held["answered"]
+    passed = held["still open at end"] == 0 and set(answered) <= {"401", "closed"}
+    return {
+        **held,
+        "keyed client's 200 KB bodies": _count(legit),
+        "figure": f"{held['still open at end']} of 8 unauthenticated bodies still open, "
+        f"answered {answered}",
+        "bound": "all answered 401 or closed, none held",
+        "passed": passed,
+    }
+
+
 def attack_tokenize(url: str, stop: threading.Event) -> dict[str, Any]:
     """Review 2, #11: 4 clients looping /tokenize with a 1 MB string."""
     body = {"prompt": "x" * 1_000_000}
@@ -602,13 +632,16 @@ ATTACKS: dict[str, Attack] = {
     "tokenize": attack_tokenize,
     "empty-messages": attack_empty_messages,
     "logprobs": attack_logprobs,
+    "pending-bodies-keyed": attack_pending_bodies_keyed,
     "cache-oracle": abuse_model.attack_cache_oracle,
     "role-markers": abuse_model.attack_role_markers,
     "prefill-kill": abuse_model.attack_prefill_kill,
     "grammar-burst": abuse_model.attack_grammar_burst,
 }
 # Those that run on the embedded model's daemon (abuse_model).
-MODEL_ATTACKS = frozenset({"cache-oracle", "role-markers", "prefill-kill", "grammar-burst"})
+MODEL_ATTACKS = frozenset(
+    {"pending-bodies-keyed", "cache-oracle", "role-markers", "prefill-kill", "grammar-burst"}
+)
 
 
 @contextlib.contextmanager
@@ -649,9 +682,14 @@ def run(phase_s: float, only: list[str]) -> list[dict[str, Any]]:
             try:
                 with Observer(url, process.pid, *ordinary) as observer:
                     time.sleep(phase_s)  # warm up: imports, connections, first dispatches
+                    warm_until = time.monotonic() + 60
+                    while len(observer.current.latencies) < 3 and time.monotonic() < warm_until:
+                        time.sleep(0.2)  # a model's first forward passes take longer
                     observer.phase()
                     time.sleep(phase_s)
                     before = observer.phase()
+                    if not before.latencies:
+                        raise SystemExit(f"{name}: no ordinary answer before: {before.errors}")
                     baseline = {
                         "p50": statistics.median(before.latencies),
                         "rss": max(before.rss_mb),
