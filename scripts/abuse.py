@@ -572,7 +572,10 @@ def attack_pending_bodies_keyed(url: str, stop: threading.Event) -> dict[str, An
         with httpx.Client(base_url=url, timeout=30, headers=abuse_model.ORDINARY_HEADERS) as client:
             while not stop.wait(0.5):
                 with contextlib.suppress(httpx.TransportError):
-                    legit.append(str(client.post("/v1/completions", json=body).status_code))
+                    response = client.post("/v1/completions", json=body)
+                    # Past the model's context: a 400 that says the body was read whole.
+                    code = response.json().get("error", {}).get("code")
+                    legit.append(f"{response.status_code} {code}" if code else "200")
 
     thread = threading.Thread(target=legit_bodies)
     thread.start()
