@@ -207,13 +207,20 @@ class GrammarCompiler(Generic[Compiled]):
                     self._prepare()
                     deadline += time.monotonic() - prepared
                 self.probes += 1
-                refusal = probe_in_child(self._probe, text, deadline, bound_s)
+                try:
+                    refusal = probe_in_child(self._probe, text, deadline, bound_s)
+                except OSError:
+                    # No child to be had (fork refused: memory, process limits): the
+                    # compilation runs here unprobed, as it would for a small text.
+                    refusal = None
+                else:
+                    if refusal is None:
+                        self._remember_passed(text)
                 if refusal is not None:
                     if isinstance(refusal, GrammarCompileTimeout):
                         self.probes_killed += 1
                     future.set_exception(refusal)
                     return
-                self._remember_passed(text)
             future.set_result(self._compile(text))
         except BaseException as exc:
             future.set_exception(exc)
@@ -257,11 +264,16 @@ def probe_in_child(
     only the probe, with its CPU time limited to the bound as well (the kernel ends it if
     this thread cannot), and dies with the thread that forked it."""
     read_fd, write_fd = os.pipe()
-    with warnings.catch_warnings():
-        # Python 3.12+ warns about forking a process with threads: the child runs only the
-        # engine's code and exits, taking none of the locks the other threads hold.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns about forking a process with threads: the child runs only
+            # the engine's code and exits, taking none of the locks the other threads hold.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    except OSError:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise
     if pid == 0:
         _probe_child(probe, text, bound_s, read_fd, write_fd)
     os.close(write_fd)
