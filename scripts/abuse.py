@@ -14,6 +14,11 @@ attack has a fresh daemon), and what the attacker got. Goals (issue 25): ``/heal
 its phase, and the script after all of them (about 4 x phase + 5 s per attack). Exits 1
 if a goal was missed.
 
+The second review's attacks that need a real model or keys (cache-oracle, role-markers,
+prefill-kill, grammar-burst: :mod:`abuse_model`; pending-bodies-keyed) run on a daemon of
+the embedded SmolLM2 (hf, one worker, three API keys); each prints its own figure and
+whether it is within its bound, and a figure past its bound is a missed goal too.
+
     scripts/abuse [--phase 6] [--only noread,fairness] [--json]
 """
 
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import abuse_model
 import httpx
 import psutil
 
@@ -74,10 +80,12 @@ def _free_port() -> int:
         return port
 
 
-def start_daemon(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_daemon(workdir: Path, model: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+    """``modelpool serve`` on a free port: the testing backend, or with ``model`` the
+    embedded SmolLM2 with API keys (:mod:`abuse_model`)."""
     port = _free_port()
     config = workdir / "abuse.toml"
-    config.write_text(CONFIG.format(port=port))
+    config.write_text(abuse_model.config(port, workdir) if model else CONFIG.format(port=port))
     log = open(workdir / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it
     process = subprocess.Popen(
         [sys.executable, "-m", "modelpool", "serve", "--config", str(config)],
@@ -86,7 +94,7 @@ def start_daemon(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
         env={k: v for k, v in os.environ.items() if k != "MODELPOOL_ABUSE_UNSET_KEY"},
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise SystemExit(f"the daemon exited:\n{(workdir / 'daemon.log').read_text()[-3000:]}")
@@ -95,7 +103,7 @@ def start_daemon(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
                 return process, url
         time.sleep(0.05)
     process.kill()
-    raise SystemExit("the daemon was not ready within 60 s")
+    raise SystemExit("the daemon was not ready within 120 s")
 
 
 # ---- measuring -----------------------------------------------------------------------------
@@ -113,8 +121,16 @@ class Samples:
 class Observer:
     """Ordinary clients and the prober, recording into the current phase's Samples."""
 
-    def __init__(self, url: str, daemon_pid: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        daemon_pid: int,
+        prompt: dict[str, Any] = ORDINARY_PROMPT,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.url = url
+        self.prompt = prompt
+        self.headers = headers or {}
         self.daemon = psutil.Process(daemon_pid)
         self.current = Samples()
         self.stop = threading.Event()
@@ -141,12 +157,14 @@ class Observer:
 
     def _ordinary(self, address: str) -> None:
         transport = httpx.HTTPTransport(local_address=address)
-        with httpx.Client(base_url=self.url, transport=transport, timeout=60) as client:
+        with httpx.Client(
+            base_url=self.url, transport=transport, timeout=60, headers=self.headers
+        ) as client:
             while not self.stop.is_set():
                 samples = self.current
                 started = time.perf_counter()
                 try:
-                    response = client.post("/v1/completions", json=ORDINARY_PROMPT)
+                    response = client.post("/v1/completions", json=self.prompt)
                     outcome = "ok" if response.status_code == 200 else str(response.status_code)
                 except httpx.HTTPError as exc:
                     outcome = type(exc).__name__
@@ -542,6 +560,39 @@ def attack_pending_bodies(url: str, stop: threading.Event) -> dict[str, Any]:
     return {**held, "other client's 200 KB bodies": _count(legit)}
 
 
+def attack_pending_bodies_keyed(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Review 2, #6 with a key set: the same 8 held bodies without a key must be answered
+    401 on their head and closed, so that they hold nothing; meanwhile a client with a
+    key sends 200 KB bodies (on the model daemon, which has keys)."""
+    head = _post_head(b"", content_length=1_048_576) + b'{"prompt":"' + b"x" * 1_040_000
+    legit: list[str] = []
+
+    def legit_bodies() -> None:
+        body = {"prompt": "y " * 100_000, "max_tokens": 1}
+        with httpx.Client(base_url=url, timeout=30, headers=abuse_model.ORDINARY_HEADERS) as client:
+            while not stop.wait(0.5):
+                with contextlib.suppress(httpx.TransportError):
+                    response = client.post("/v1/completions", json=body)
+                    # Past the model's context: a 400 that says the body was read whole.
+                    code = response.json().get("error", {}).get("code")
+                    legit.append(f"{response.status_code} {code}" if code else "200")
+
+    thread = threading.Thread(target=legit_bodies)
+    thread.start()
+    held = _hold(url, stop, 8, head, b"")
+    thread.join()
+    answered = held["answered"]
+    passed = held["still open at end"] == 0 and set(answered) <= {"401", "closed"}
+    return {
+        **held,
+        "keyed client's 200 KB bodies": _count(legit),
+        "figure": f"{held['still open at end']} of 8 unauthenticated bodies still open, "
+        f"answered {answered}",
+        "bound": "all answered 401 or closed, none held",
+        "passed": passed,
+    }
+
+
 def attack_tokenize(url: str, stop: threading.Event) -> dict[str, Any]:
     """Review 2, #11: 4 clients looping /tokenize with a 1 MB string."""
     body = {"prompt": "x" * 1_000_000}
@@ -584,7 +635,16 @@ ATTACKS: dict[str, Attack] = {
     "tokenize": attack_tokenize,
     "empty-messages": attack_empty_messages,
     "logprobs": attack_logprobs,
+    "pending-bodies-keyed": attack_pending_bodies_keyed,
+    "cache-oracle": abuse_model.attack_cache_oracle,
+    "role-markers": abuse_model.attack_role_markers,
+    "prefill-kill": abuse_model.attack_prefill_kill,
+    "grammar-burst": abuse_model.attack_grammar_burst,
 }
+# Those that run on the embedded model's daemon (abuse_model).
+MODEL_ATTACKS = frozenset(
+    {"pending-bodies-keyed", "cache-oracle", "role-markers", "prefill-kill", "grammar-burst"}
+)
 
 
 @contextlib.contextmanager
@@ -615,13 +675,24 @@ def run(phase_s: float, only: list[str]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name in only:
         with tempfile.TemporaryDirectory(prefix="modelpool-abuse-") as tmp:
-            process, url = start_daemon(Path(tmp))
+            model = name in MODEL_ATTACKS
+            process, url = start_daemon(Path(tmp), model=model)
+            ordinary = (
+                (abuse_model.ORDINARY_PROMPT, abuse_model.ORDINARY_HEADERS)
+                if model
+                else (ORDINARY_PROMPT, None)
+            )
             try:
-                with Observer(url, process.pid) as observer:
+                with Observer(url, process.pid, *ordinary) as observer:
                     time.sleep(phase_s)  # warm up: imports, connections, first dispatches
+                    warm_until = time.monotonic() + 60
+                    while len(observer.current.latencies) < 3 and time.monotonic() < warm_until:
+                        time.sleep(0.2)  # a model's first forward passes take longer
                     observer.phase()
                     time.sleep(phase_s)
                     before = observer.phase()
+                    if not before.latencies:
+                        raise SystemExit(f"{name}: no ordinary answer before: {before.errors}")
                     baseline = {
                         "p50": statistics.median(before.latencies),
                         "rss": max(before.rss_mb),
@@ -640,7 +711,11 @@ def run(phase_s: float, only: list[str]) -> list[dict[str, Any]]:
                     process.kill()
         for label, samples in (("before", before), ("during", during), ("after", after)):
             rows.append({"attack": name, "phase": label, **summary(samples, baseline)})
-        rows[-2]["attacker got"] = outcome()
+        got = outcome()
+        rows[-2]["attacker got"] = got
+        if "figure" in got:
+            verdict = "pass" if got.get("passed") else "FAIL"
+            print(f"{name}: {got['figure']} ({verdict}: {got['bound']})", flush=True)
         print(f"{name}: done", file=sys.stderr, flush=True)
     return rows
 
@@ -675,6 +750,9 @@ def missed_goals(rows: list[dict[str, Any]]) -> list[str]:
             missed.append(f"{where}: RSS {row['rss_ratio']:.2f}x idle")
         if not row["p50_ratio"] < GOALS["p50_ratio"]:
             missed.append(f"{where}: ordinary p50 {row['p50_ratio']:.2f}x baseline")
+        got = row.get("attacker got") or {}
+        if "passed" in got and not got["passed"]:
+            missed.append(f"{where}: {got['figure']} (bound: {got['bound']})")
     return missed
 
 

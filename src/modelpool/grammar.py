@@ -10,9 +10,21 @@ syntax, JSON schemas embedded with ``%json {...}``), built and checked by the su
   whose grammar is not ready yet waits beside the batch, which goes on decoding; a one-call
   request polls its cancel flag while it waits. A compilation still running after the
   request's ``grammar_compile_timeout_s`` fails that request with
-  :class:`~modelpool.errors.GrammarCompileTimeout`; the worker stays warm (the thread is
-  left to finish or hang on its own; a later request for the same text waits on the same
-  compilation, never starts a second one).
+  :class:`~modelpool.errors.GrammarCompileTimeout`; the worker stays warm (a later request
+  for the same text waits on the same compilation, never starts a second one).
+- A text new to the worker, of ``PROBE_MIN_TEXT_BYTES`` or more, is first compiled in a
+  forked child (:func:`probe_in_child`, a copy of the worker with its tokenizer), killed
+  once the request's bound passes: a compilation
+  that would outlast its timeout then stops consuming CPU when its request fails, instead
+  of running on in a thread nobody can stop (llguidance's own limits bound its memory, not
+  its time: a 250k-alternative grammar was refused after 117 s). Only a text that compiled
+  in the child within its bound is compiled in the worker (about as long again: the
+  compiled matcher cannot cross processes); one that crashed the child is refused, and
+  one that ran out of time stays refused for that bound. Passed texts are remembered by
+  their hash, so an evicted grammar compiles again without a second child. Smaller texts
+  compile in the worker directly: llguidance's time grows with the grammar's size (its
+  lexer fuel bounds the rest), 30 ms of CPU for 16 KiB, while forking a 1 GB worker
+  costs 100-250 ms, which the usual schema (a few KB, new to the worker) should not pay.
 - :class:`GuidanceGrammars` is what every backend's engine shares: the tokenizer's
   llguidance view (made on the first compilation, about a second for a 50k vocabulary),
   one compiled ``LLMatcher`` per grammar text, a fresh copy of it per row
@@ -27,8 +39,18 @@ like any other: the pool's poison isolation and collateral retries apply.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import hashlib
+import math
+import os
+import resource
+import select
+import signal
+import sys
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -52,6 +74,13 @@ DEFAULT_CACHE_SIZE = 256
 # of text and several times that compiled; 16 MiB of text holds 64 of them.
 DEFAULT_CACHE_TEXT_BYTES = 16 * 1024 * 1024
 _POLL_S = 0.05  # how often a one-call request waiting for its grammar reads its cancel flag
+# Texts this long or longer compile in a child first (see the module's docstring).
+PROBE_MIN_TEXT_BYTES = 16 * 1024
+# Texts whose compilation passed in a child, remembered by hash (32 bytes each).
+PASSED_CACHE_SIZE = 4096
+# What a child's refusal may say (the first line of an engine's message is enough).
+_PROBE_MESSAGE_BYTES = 4096
+_PR_SET_PDEATHSIG = 1
 
 Compiled = TypeVar("Compiled")
 
@@ -100,7 +129,12 @@ class GrammarCompiler(Generic[Compiled]):
 
     ``compile(text)`` returns the compiled form or raises (a ``GrammarError`` for a grammar
     the engine refuses). Threads rather than a fixed pool: a compilation that never ends
-    must not hold up the ones after it.
+    must not hold up the ones after it. With ``probe``, a text of ``probe_min_bytes`` or
+    more not yet passed is first given to ``probe(text)`` in a child process killed past
+    the request's bound
+    (:func:`probe_in_child`), and compiled here only if it passed there; ``prepare()``
+    runs first, in the worker, so that what every child needs (the tokenizer) is made
+    once, before the fork.
     """
 
     def __init__(
@@ -108,21 +142,40 @@ class GrammarCompiler(Generic[Compiled]):
         compile: Callable[[str], Compiled],
         cache_size: int = DEFAULT_CACHE_SIZE,
         cache_text_bytes: int = DEFAULT_CACHE_TEXT_BYTES,
+        *,
+        probe: Callable[[str], object] | None = None,
+        prepare: Callable[[], object] | None = None,
+        probe_min_bytes: int = PROBE_MIN_TEXT_BYTES,
     ) -> None:
         self._compile = compile
+        self._probe = probe
+        self._probe_min_bytes = probe_min_bytes
+        self._prepare = prepare
         self._cache: OrderedDict[str, Future[Compiled]] = OrderedDict()
         self._cache_size = cache_size
         self._cache_text_bytes = cache_text_bytes
+        self._passed: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()  # _passed: compile threads write it
         self.cached_text_bytes = 0  # the cached grammars' text, together
         self.compilations = 0  # compilations started (cache misses)
+        self.probes = 0  # texts compiled in a child first
+        self.probes_killed = 0  # children killed past their bound
 
     def start(self, text: str, bound_s: float) -> PendingGrammar[Compiled]:
         future = self._cache.get(text)
+        if future is not None and _timed_out_sooner(future, bound_s):
+            # Refused under a shorter bound than this request's: it may compile in this one.
+            self._forget(text)
+            future = None
+        started = time.monotonic()
         if future is None:
             future = Future()
             self.compilations += 1
             threading.Thread(
-                target=self._run, args=(text, future), name="modelpool-grammar", daemon=True
+                target=self._run,
+                args=(text, future, started + bound_s, bound_s),
+                name="modelpool-grammar",
+                daemon=True,
             ).start()
             self._cache[text] = future
             self.cached_text_bytes += len(text)
@@ -134,13 +187,165 @@ class GrammarCompiler(Generic[Compiled]):
                 self.cached_text_bytes -= len(evicted)
         else:
             self._cache.move_to_end(text)
-        return PendingGrammar(text, future, time.monotonic(), bound_s)
+        return PendingGrammar(text, future, started, bound_s)
 
-    def _run(self, text: str, future: Future[Compiled]) -> None:
+    def _forget(self, text: str) -> None:
+        del self._cache[text]
+        self.cached_text_bytes -= len(text)
+
+    def _run(self, text: str, future: Future[Compiled], deadline: float, bound_s: float) -> None:
         try:
+            if (
+                self._probe is not None
+                and len(text) >= self._probe_min_bytes
+                and not self._has_passed(text)
+            ):
+                if self._prepare is not None:
+                    # The tokenizer (made on a worker's first grammar) is not the grammar's
+                    # time: the child's deadline moves by it.
+                    prepared = time.monotonic()
+                    self._prepare()
+                    deadline += time.monotonic() - prepared
+                self.probes += 1
+                try:
+                    refusal = probe_in_child(self._probe, text, deadline, bound_s)
+                except OSError:
+                    # No child to be had (fork refused: memory, process limits): the
+                    # compilation runs here unprobed, as it would for a small text.
+                    refusal = None
+                else:
+                    if refusal is None:
+                        self._remember_passed(text)
+                if refusal is not None:
+                    if isinstance(refusal, GrammarCompileTimeout):
+                        self.probes_killed += 1
+                    future.set_exception(refusal)
+                    return
             future.set_result(self._compile(text))
         except BaseException as exc:
             future.set_exception(exc)
+
+    def _has_passed(self, text: str) -> bool:
+        digest = _digest(text)
+        with self._lock:
+            if digest in self._passed:
+                self._passed.move_to_end(digest)
+                return True
+            return False
+
+    def _remember_passed(self, text: str) -> None:
+        with self._lock:
+            self._passed[_digest(text)] = None
+            while len(self._passed) > PASSED_CACHE_SIZE:
+                self._passed.popitem(last=False)
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+def _timed_out_sooner(future: Future[Any], bound_s: float) -> bool:
+    if not future.done() or future.cancelled():
+        return False
+    refusal = future.exception()
+    return isinstance(refusal, GrammarCompileTimeout) and (refusal.bound_s or 0.0) < bound_s
+
+
+def probe_in_child(
+    probe: Callable[[str], object], text: str, deadline: float, bound_s: float
+) -> Exception | None:
+    """Run ``probe(text)`` in a forked child and wait for it until ``deadline``
+    (``time.monotonic()``; the request's ``bound_s`` after its start): None if it
+    returned; the GrammarError it raised (as a GrammarError of its message); a
+    GrammarCompileTimeout once the deadline passed, the child killed; a GrammarError if
+    the child died (the engine crashed on the text: the worker does not).
+
+    The child is a fork of the worker, so it has the tokenizer without making it; it runs
+    only the probe, with its CPU time limited to the bound as well (the kernel ends it if
+    this thread cannot), and dies with the thread that forked it."""
+    read_fd, write_fd = os.pipe()
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns about forking a process with threads: the child runs only
+            # the engine's code and exits, taking none of the locks the other threads hold.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    except OSError:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise
+    if pid == 0:
+        _probe_child(probe, text, bound_s, read_fd, write_fd)
+    os.close(write_fd)
+    message = b""
+    finished = False
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            readable, _, _ = select.select([read_fd], [], [], left)
+            if not readable:
+                continue
+            chunk = os.read(read_fd, _PROBE_MESSAGE_BYTES)
+            if not chunk:
+                finished = True
+                break
+            message += chunk
+    finally:
+        os.close(read_fd)
+        if not finished:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    if not finished:
+        return GrammarCompileTimeout(
+            f"the grammar did not compile within grammar_compile_timeout_s = {bound_s:g} s "
+            "(its compilation was stopped)",
+            bound_s=bound_s,
+            param=COMPILE_TIMEOUT_PARAM,
+        )
+    if message.startswith(b"ok"):
+        return None
+    if message.startswith(b"error:"):
+        return GrammarError(message[6:].decode("utf-8", "replace"))
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL):
+        return GrammarCompileTimeout(
+            f"the grammar did not compile within grammar_compile_timeout_s = {bound_s:g} s "
+            "of CPU time (its compilation was stopped)",
+            bound_s=bound_s,
+            param=COMPILE_TIMEOUT_PARAM,
+        )
+    how = (
+        f"signal {os.WTERMSIG(status)}"
+        if os.WIFSIGNALED(status)
+        else f"exit status {os.WEXITSTATUS(status)}"
+    )
+    return GrammarError(f"the grammar engine crashed compiling this grammar ({how})")
+
+
+def _probe_child(
+    probe: Callable[[str], object], text: str, bound_s: float, read_fd: int, write_fd: int
+) -> None:
+    """The forked child's whole life: the probe, one message, ``os._exit``."""
+    try:
+        os.close(read_fd)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        seconds = math.ceil(bound_s) + 1
+        resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 1))
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        try:
+            probe(text)
+            message = b"ok"
+        except GrammarError as exc:
+            message = b"error:" + str(exc).encode("utf-8", "replace")
+        except Exception as exc:
+            message = b"error:" + f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
+        os.write(write_fd, message[:_PROBE_MESSAGE_BYTES])
+    finally:
+        os._exit(0)
 
 
 def check_grammar_params(params: Mapping[str, Any]) -> None:
@@ -243,7 +448,9 @@ class GuidanceGrammars:
         self.eos_ids = eos_ids
         self._tokenizer: Any = None
         self._tokenizer_lock = threading.Lock()
-        self.compiler: GrammarCompiler[Any] = GrammarCompiler(self._compile)
+        self.compiler: GrammarCompiler[Any] = GrammarCompiler(
+            self._compile, probe=self._probe, prepare=self._llg_tokenizer
+        )
 
     def _llg_tokenizer(self) -> Any:
         with self._tokenizer_lock:
@@ -259,6 +466,16 @@ class GuidanceGrammars:
         if matcher.is_error():
             raise GrammarError(f"the grammar cannot be compiled: {matcher.get_error()}")
         return matcher
+
+    def _probe(self, text: str) -> None:
+        """What the child compiles: the grammar and its first mask (where the engine's
+        per-row limits and a first step's lexer work show)."""
+        matcher = self._compile(text)
+        words = (self._llg_tokenizer().vocab_size + 31) // 32
+        mask = (ctypes.c_int32 * words)()
+        matcher.unsafe_compute_mask_ptr(ctypes.addressof(mask), ctypes.sizeof(mask))
+        if matcher.is_error():
+            raise GrammarError(f"the grammar cannot be used: {matcher.get_error()}")
 
     def start(self, params: Mapping[str, Any]) -> PendingGrammar[Any]:
         return self.compiler.start(params[GRAMMAR_PARAM], compile_bound(params))

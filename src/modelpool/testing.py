@@ -68,18 +68,24 @@ step itself, ``spin`` keeps the loop iterating without delivering tokens.
 
 A request with a ``grammar`` (``response_format`` and the like) has its grammar "compiled"
 the way the hf backend compiles one, on a thread of its own within
-``grammar_compile_timeout_s``, cached by text, solo and in a batch; the output is not
-constrained (there is no tokenizer). What the compilation does is said in the grammar text:
+``grammar_compile_timeout_s``, first in a forked child killed past the bound (every text,
+however short), then in the worker, cached by text, solo and in a batch; the output is
+not constrained (there is no tokenizer). What the compilation does is said in the grammar text:
 
 =========================  ==================================================
-``compile_sleep:SECONDS``  takes SECONDS, then succeeds
-``compile_hang``           never finishes (its request fails past the bound;
-                           the worker stays warm)
-``compile_segfault``       dereferences NULL on the compiling thread (the
-                           worker dies, with its batch)
-``compile_wedge``          blocks in C holding the GIL, as an engine that
-                           forgot to release it would: the whole worker
-                           stops (a stall, then a kill)
+``compile_sleep:SECONDS``  takes SECONDS (in the child, then in the worker),
+                           then succeeds
+``compile_hang``           never finishes (the child is killed, its request
+                           fails past the bound; the worker stays warm)
+``compile_burn``           burns CPU and never finishes, as a huge grammar
+                           does (the child is killed at the bound)
+``compile_segfault``       dereferences NULL on the worker's compiling thread,
+                           not in the child (an engine whose crash the probe
+                           does not show): the worker dies, with its batch
+``compile_wedge``          blocks in C holding the GIL on the worker's
+                           compiling thread, as an engine that forgot to
+                           release it would: the whole worker stops (a stall,
+                           then a kill)
 ``compile_error``          fails, as a grammar the engine refuses does
 =========================  ==================================================
 
@@ -197,10 +203,19 @@ def validate(params: dict[str, Any]) -> None:
 _COMPILE_SLEEP = re.compile(r"compile_sleep:([0-9.]+)")
 
 
+def rehearse_probe(text: str) -> None:
+    """What the testing backend's grammar "compiler" does in the child that compiles a
+    new text first: all but the faults that only the worker's compilation rehearses."""
+    if "compile_segfault" not in text and "compile_wedge" not in text:
+        rehearse_compile(text)
+
+
 def rehearse_compile(text: str) -> str:
     """The testing backend's grammar "compiler": does what the grammar text says."""
     if "compile_hang" in text:
         _block_forever()
+    if "compile_burn" in text:
+        _burn_forever()
     if "compile_segfault" in text:
         ctypes.string_at(0)
     if "compile_wedge" in text:
@@ -272,7 +287,9 @@ class FaultBackend:
         self.poisoned = False
         self._jobs: list[_Job] = []
         self._pause = threading.Event()
-        self.grammars: GrammarCompiler[str] = GrammarCompiler(rehearse_compile)
+        self.grammars: GrammarCompiler[str] = GrammarCompiler(
+            rehearse_compile, probe=rehearse_probe, probe_min_bytes=0
+        )
 
     def device_memory_allocated(self) -> int:
         return self.allocated_bytes
@@ -642,6 +659,12 @@ def _touch(block: bytearray) -> None:
 
 def _block_forever() -> None:
     threading.Event().wait()
+
+
+def _burn_forever() -> None:
+    total = 0
+    while True:
+        total = (total + 1) % 1_000_003
 
 
 def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:

@@ -28,11 +28,18 @@ from helpers import (
     injected_chat,
     ordinary_tools,
     skip_unless_pypi,
+    slack,
+    wait_until,
 )
 from modelpool import ModelPool, PoolConfig
 from modelpool.backends.llama_cpp import options, probe
 from modelpool.backends.llama_cpp.handler import LlamaCppHandler, load
-from modelpool.errors import ContextLengthExceeded, InvalidRequest, ModelLoadFailed
+from modelpool.errors import (
+    ContextLengthExceeded,
+    GrammarCompileTimeout,
+    InvalidRequest,
+    ModelLoadFailed,
+)
 from modelpool.protocol import Generation, Prompt, TokenIds
 from modelpool.tools import parse_tool_request, read_answer
 
@@ -472,6 +479,28 @@ def test_pool_answers_cached_tokens_and_reports_the_cache(pool: ModelPool) -> No
     pool.generate("Hi", max_new_tokens=1)
     report = pool.stats().workers[0].prefix_cache
     assert report is not None and report.hits >= 1 and 0 < report.bytes <= report.limit_bytes
+
+
+@pytest.mark.slow
+def test_a_compilation_past_its_bound_stops_in_the_llama_cpp_worker(pool: ModelPool) -> None:
+    """Issue 40, item 7: a large grammar past its bound is compiled in a child of the
+    worker that is killed at the bound, so the worker's CPU stays idle after the refusal
+    (on main's code it ran on in a thread)."""
+    import psutil
+
+    # The tokenizer's llguidance view is made on a worker's first grammar, not counted.
+    assert pool.generate("Hi", max_new_tokens=4, grammar='start: "ok"').text == "ok"
+    huge = "start: " + " | ".join(json.dumps(f"s{i}") for i in range(22_000))
+    with pytest.raises(GrammarCompileTimeout):
+        pool.generate("Hi", max_new_tokens=2, grammar=huge, grammar_compile_timeout_s=0.05)
+    (pid,) = [w.pid for w in pool.stats().workers if w.pid]
+    worker = psutil.Process(pid)
+    wait_until(lambda: worker.children() == [], slack(1.0), message="the child gone")
+    before = worker.cpu_times()
+    threading.Event().wait(2.0)  # the measuring window
+    after = worker.cpu_times()
+    assert after.user + after.system - before.user - before.system < 0.3
+    assert pool.generate("Hi", max_new_tokens=4, grammar='start: "fine"').text == "fine"
 
 
 # ---- structured outputs ---------------------------------------------------------------------
