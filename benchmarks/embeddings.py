@@ -28,6 +28,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -180,12 +181,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                 case = f"{clients} clients"
                 rows.append(Row(case, kind, statistics.median(library), statistics.median(ours)))
+                _progress(rows[-1])
             chunks = [batch[i : i + 32] for i in range(0, len(batch), 32)]
             library, ours = [], []
             for _ in range(args.rounds):
                 library.append(timed(partial(_embed_each, pool, chunks), len(batch)))
                 ours.append(timed(partial(reference.encode, batch, batch_size=32), len(batch)))
             rows.append(Row("batch 32", kind, statistics.median(library), statistics.median(ours)))
+            _progress(rows[-1])
 
         def reference_rerank() -> object:
             vectors = reference.encode([query, *documents], batch_size=32, convert_to_tensor=True)
@@ -207,6 +210,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": [{**asdict(row), "ratio": row.ratio} for row in rows],
         "rerank": rerank,
     }
+
+
+def _progress(row: Row) -> None:
+    """Each row as it is measured (on stderr), so that a run cut short still tells."""
+    print(
+        f"measured {row.case} {row.texts}: {row.library_per_s:.1f}/s vs "
+        f"{row.reference_per_s:.1f}/s ({row.ratio:.2f})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def show(report: dict[str, Any]) -> None:
