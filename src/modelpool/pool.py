@@ -43,7 +43,7 @@ from modelpool.embeddings import (
 )
 from modelpool.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded, QueueFull
 from modelpool.observe import Observers, RequestRecord, WorkerEvent
-from modelpool.pooling_answers import wrong_task
+from modelpool.pooling_answers import check_task
 from modelpool.prefixes import partition_of, prompt_fingerprints
 from modelpool.preflight import check_devices, check_model_source
 from modelpool.protocol import (
@@ -677,7 +677,7 @@ class ModelPool:
             raise PoolClosed("the pool is closed")
         if loop is None:
             raise PoolError("the pool is not started: call start() or use `with ModelPool(...)`")
-        _check_task(loop.dispatcher.worker_manager.task, prompt, generation)
+        check_task(loop.dispatcher.worker_manager.task, prompt, generation)
         failure = loop.dispatcher.load_failure()
         if failure is not None:
             raise failure
@@ -922,17 +922,6 @@ class AsyncPoolStream(_Stream, AsyncIterator[str]):
 
 
 _NOT_GENERATIONS = (TokenizeRequest, DetokenizeRequest, EmbedRequest, ScoreRequest)
-
-
-def _check_task(task: Task, prompt: object, generation: bool) -> None:
-    """``WrongTask`` before dispatch for a request the model cannot answer (the worker
-    refuses it too)."""
-    if generation and task != "generate":
-        raise wrong_task(task, "generate text")
-    if isinstance(prompt, EmbedRequest) and task != "embed":
-        raise wrong_task(task, "embed")
-    if isinstance(prompt, ScoreRequest) and task == "generate":
-        raise wrong_task(task, "score")
 
 
 def _priority(priority: int) -> dict[str, Any]:

@@ -49,6 +49,17 @@ def wrong_task(task: Task, asked: str) -> WrongTask:
     return WrongTask(f"this model {_WHAT[task]}; it cannot {asked}", task=task)
 
 
+def check_task(task: Task, request: object, generation: bool) -> None:
+    """``WrongTask`` for a request a model that ``task``s cannot answer (``generation``: the
+    request is a generation); the pool checks before dispatch, the worker refuses too."""
+    if generation and task != "generate":
+        raise wrong_task(task, "generate text")
+    if isinstance(request, EmbedRequest) and task != "embed":
+        raise wrong_task(task, "embed")
+    if isinstance(request, ScoreRequest) and task == "generate":
+        raise wrong_task(task, "score")
+
+
 def answer_pooling_request(handler: object, request: PoolingRequest, call: Call) -> Generation:
     """The backend's answer to ``request``, or ``WrongTask`` when its model does not do
     that (a generation model asked to embed, a cross-encoder asked to embed)."""

@@ -130,7 +130,7 @@ def test_wrong_task_is_a_typed_refusal_both_ways() -> None:
 def test_worker_refuses_the_wrong_task_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pool's own check bypassed (a request that reached the worker anyway): the
     worker's refusal is the same typed error, and the worker stays."""
-    monkeypatch.setattr("modelpool.pool._check_task", lambda *args: None)
+    monkeypatch.setattr("modelpool.pool.check_task", lambda *args: None)
     with open_pool(workers=1) as pool:
         with pytest.raises(WrongTask) as caught:
             pool.embed("text")
