@@ -113,6 +113,7 @@ from modelpool.server.openai.request import (
     prompt_size,
 )
 from modelpool.server.openai.stream import ChatChunks
+from modelpool.server.pooling_routes import install_pooling_routes
 from modelpool.server.responses.api import ResponsesApi
 from modelpool.server.responses.store import ResponseStore
 from modelpool.server.streaming import (
@@ -510,6 +511,7 @@ def create_app(
         _, tokens = await _on_a_worker(request, state, _parse_count, run)
         return JSONResponse({"input_tokens": len(tokens)})
 
+    install_pooling_routes(app, state, _on_a_worker)
     return app
 
 
