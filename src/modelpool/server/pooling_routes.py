@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from modelpool.config import ServerConfig
+from modelpool.errors import InvalidRequest
 from modelpool.server.embeddings import (
     EmbedJob,
     embeddings_body,
@@ -108,12 +109,14 @@ def install_pooling_routes(app: FastAPI, state: ServerState, on_a_worker: OnAWor
             _check_task(pool, request, SCORES)
             done, result = await run_unless_disconnected(
                 request.receive,
-                pool.ascore(
-                    job.query,
-                    list(job.documents),
-                    raw_scores=job.raw_scores,
-                    truncate=job.truncate,
-                    deadline_s=left_s,
+                _naming_fields(
+                    pool.ascore(
+                        job.query,
+                        list(job.documents),
+                        raw_scores=job.raw_scores,
+                        truncate=job.truncate,
+                        deadline_s=left_s,
+                    )
                 ),
             )
             if not done or result is None:
@@ -141,7 +144,7 @@ def install_pooling_routes(app: FastAPI, state: ServerState, on_a_worker: OnAWor
         async def run(pool: ModelPool, job: ScoreJob, left_s: float) -> Response:
             _check_task(pool, request, SCORES)
             done, scored = await run_unless_disconnected(
-                request.receive, _score_pairs(pool, job, left_s)
+                request.receive, _naming_fields(_score_pairs(pool, job, left_s))
             )
             if not done or scored is None:
                 return ClientGone()
@@ -173,11 +176,13 @@ async def _embed(
         _check_task(pool, request, EMBEDS)
         done, result = await run_unless_disconnected(
             request.receive,
-            pool.aembed(
-                list(job.inputs),
-                dimensions=job.dimensions,
-                truncate=job.truncate,
-                deadline_s=left_s,
+            _naming_fields(
+                pool.aembed(
+                    list(job.inputs),
+                    dimensions=job.dimensions,
+                    truncate=job.truncate,
+                    deadline_s=left_s,
+                )
             ),
         )
         if not done or result is None:
@@ -208,6 +213,30 @@ async def _score_pairs(pool: ModelPool, job: ScoreJob, left_s: float) -> tuple[l
         for index, value in zip(indices, result.scores, strict=True):
             scores[index] = value
     return scores, prompt_tokens
+
+
+# The fields the pool's own refusals (InvalidRequest) of these requests may name.
+POOL_FIELDS = ("dimensions", "input", "query", "documents")
+
+
+async def _naming_fields(work: Awaitable[T]) -> T:
+    """``work``, its plain ``InvalidRequest`` a 400 naming the field its message opens
+    with (the pool's refusals of these requests say the field first: "dimensions is 512,
+    but ..."; the HTTP field names are the library's). Its typed subclasses
+    (ContextLengthExceeded, WrongTask) keep their own answers."""
+    try:
+        return await work
+    except InvalidRequest as exc:
+        if type(exc) is not InvalidRequest:
+            raise
+        field = exc.message.split(" ", 1)[0].split("[", 1)[0]
+        raise ApiError(
+            400,
+            exc.message,
+            param=field if field in POOL_FIELDS else None,
+            code="invalid_value",
+            extra={"request_id": exc.request_id},
+        ) from None
 
 
 def _parse_embeddings(body: dict[str, Any], config: ServerConfig) -> EmbedJob:
