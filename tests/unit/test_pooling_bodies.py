@@ -231,3 +231,8 @@ def test_vllm_score_groups_by_query_and_refuses_uneven_lists() -> None:
         {"index": 1, "object": "score", "score": 0.75},
     ]
     assert body["object"] == "list" and body["usage"]["prompt_tokens"] == 9
+
+
+def test_pool_inputs_are_all_texts_or_all_token_ids() -> None:
+    assert parse_embeddings({"input": ["a", "b"]}).pool_inputs() == ["a", "b"]
+    assert parse_embeddings({"input": [[1], [2, 3]]}).pool_inputs() == [(1,), (2, 3)]

@@ -58,6 +58,14 @@ class EmbedJob:
     # TEI's ``normalize``: the vectors scaled to length 1 (whatever the model's pooling).
     normalize: bool = False
 
+    def pool_inputs(self) -> list[str] | list[tuple[int, ...]]:
+        """The inputs as ``ModelPool.aembed`` takes them: all texts or all token ids (the
+        parser lets no request mix them)."""
+        texts = [item for item in self.inputs if isinstance(item, str)]
+        if len(texts) == len(self.inputs):
+            return texts
+        return [item for item in self.inputs if not isinstance(item, str)]
+
 
 def parse_embeddings(body: Mapping[str, Any]) -> EmbedJob:
     """OpenAI's body: ``input`` as a string, strings, token ids or lists of token ids;
@@ -78,7 +86,7 @@ def parse_embeddings(body: Mapping[str, Any]) -> EmbedJob:
         inputs=parse_inputs(body["input"], "input"),
         dimensions=_opt_int(body, "dimensions", 1),
         truncate=bool(_opt_bool(body, "truncate")),
-        encoding_format=encoding,
+        encoding_format="base64" if encoding == "base64" else "float",
     )
 
 

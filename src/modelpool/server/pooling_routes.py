@@ -178,7 +178,7 @@ async def _embed(
             request.receive,
             _naming_fields(
                 pool.aembed(
-                    list(job.inputs),
+                    job.pool_inputs(),
                     dimensions=job.dimensions,
                     truncate=job.truncate,
                     deadline_s=left_s,
