@@ -155,7 +155,7 @@ def init_worker(model_dir: str, threads: int, options: Mapping[str, Any]) -> Non
     global _worker_handler
     # The pool sets this in its workers' environment; the same here keeps tokenizers alike.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _worker_handler = hf.load(model_dir, "cpu", torch_threads=threads, **options)
+    _worker_handler = hf.load_generation(model_dir, "cpu", torch_threads=threads, **options)
 
 
 def generate_with(handler: hf.HFHandler, prompt: Prompt, params: Params) -> Reply:
@@ -209,7 +209,7 @@ def hang_backend(model: str, device: str = "cpu", **options: Any) -> HangingHand
     The hung-request scenario needs the real model in the pool's workers, so
     that a replacement worker pays the real load time.
     """
-    return HangingHandler(hf.load(model, device, **options))
+    return HangingHandler(hf.load_generation(model, device, **options))
 
 
 def naive_child(
@@ -227,7 +227,7 @@ def naive_child(
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     imported = time.time()
-    handler = hf.load(model_dir, "cpu", torch_threads=threads, **options)
+    handler = hf.load_generation(model_dir, "cpu", torch_threads=threads, **options)
     loaded = time.time()
     reply = generate_with(handler, prompt, params)
     out.put(
@@ -843,7 +843,7 @@ class Harness:
     def inprocess_handler(self) -> hf.HFHandler:
         if self._inprocess is None:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-            self._inprocess = hf.load(self.model_dir, "cpu",
+            self._inprocess = hf.load_generation(self.model_dir, "cpu",
                                       torch_threads=worker_threads(self.cores, 1),
                                       **self.settings.backend_options)
         return self._inprocess
@@ -1736,8 +1736,8 @@ def memory_probe(kind: str, model_dir: str, dtype: str) -> Json:
         harness = Harness(settings, stack, model_dir)
         initargs = harness.initargs(1)
         if kind == "inprocess":
-            generate_with(hf.load(model_dir, "cpu", torch_threads=harness.cores, **options),
-                          PROMPT, params)
+            handler = hf.load_generation(model_dir, "cpu", torch_threads=harness.cores, **options)
+            generate_with(handler, PROMPT, params)
         elif kind == "naive":
             ctx = spawn_context()
             out: Queue[Json] = ctx.Queue()

@@ -1085,6 +1085,12 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
 
     pool = ModelPool(config)
     pool.start()
+    embedding_chaos = None
+    if args.embeddings:
+        from benchmarks.chaos_embeddings import EmbeddingChaos
+
+        embedding_chaos = EmbeddingChaos(args, tmp.name, args.embedding_requests)
+        embedding_chaos.start()
     started_stats = pool.stats()
     seen_pids.update(w.pid for w in started_stats.workers if w.pid is not None)
     harness = Harness(args, pool, tmp.name)
@@ -1132,6 +1138,11 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
     if agent.thread.is_alive():
         agent.thread.join(10)
     violations.extend(f"agent failed: {e}" for e in agent.errors)
+    embedding_summary, embedding_figures = "", dict[str, Any]()
+    if embedding_chaos is not None:
+        # Closed before the leftover checks below, which count every child of this process.
+        embedding_summary, embedding_violations, embedding_figures = embedding_chaos.finish()
+        violations.extend(embedding_violations)
 
     # ---- back to full strength --------------------------------------------------------
     recovery_started = time.monotonic()
@@ -1256,6 +1267,8 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
         f"load={load_s:.1f}s wall={wall:.1f}s | violations={len(violations)}"
     )
     out(summary)
+    if embedding_summary:
+        out(embedding_summary)
     return {
         "summary": summary,
         "ok": not violations,
@@ -1287,6 +1300,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
             "rss_slope_mb_per_min": slope,
             "rss_growth_second_half_mb": growth,
             "latency_s": before_close.latency_s,
+            "embeddings": embedding_figures,
         },
         "requests": [asdict(r) for r in sorted(records, key=lambda r: r.index)],
         "rss_samples": rss_samples,
@@ -1339,6 +1353,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--grammar",
         action="store_true",
         help="mix structured-output compilations in: honest, hanging and crashing ones",
+    )
+    parser.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="beside the generation pool, an embedding pool under its own agent and mix "
+        "(benchmarks/chaos_embeddings.py)",
+    )
+    parser.add_argument(
+        "--embedding-requests",
+        type=int,
+        default=200,
+        help="embed and score requests with --embeddings",
     )
     parser.add_argument(
         "--backend",

@@ -48,6 +48,9 @@ _EXPORTS = {
     "DeviceError": "modelpool.errors",
     "InvalidRequest": "modelpool.errors",
     "ContextLengthExceeded": "modelpool.errors",
+    "WrongTask": "modelpool.errors",
+    "EmbeddingResult": "modelpool.embeddings",
+    "ScoreResult": "modelpool.embeddings",
     "GrammarError": "modelpool.errors",
     "GrammarCompileTimeout": "modelpool.errors",
     "GrammarEngineMissing": "modelpool.errors",
@@ -62,6 +65,7 @@ __all__ = [
     "CudaError",
     "DeadlineExceeded",
     "DeviceError",
+    "EmbeddingResult",
     "Generation",
     "GrammarCompileTimeout",
     "GrammarEngineMissing",
@@ -85,16 +89,19 @@ __all__ = [
     "Result",
     "RetryPolicy",
     "SchemaTooComplex",
+    "ScoreResult",
     "ServerConfig",
     "TokenIds",
     "TokenLogprob",
     "TokenLogprobs",
     "WorkerCrashed",
+    "WrongTask",
     "__version__",
 ]
 
 if TYPE_CHECKING:
     from modelpool.config import PoolConfig, RetryPolicy, ServerConfig
+    from modelpool.embeddings import EmbeddingResult, ScoreResult
     from modelpool.errors import (
         Attempt,
         BackendError,
@@ -117,6 +124,7 @@ if TYPE_CHECKING:
         QueueFull,
         SchemaTooComplex,
         WorkerCrashed,
+        WrongTask,
     )
     from modelpool.logprob_columns import TokenLogprobs
     from modelpool.pool import AsyncPoolStream, ModelPool, PoolFuture, PoolStream, Result

@@ -7,7 +7,7 @@ the model is prepared, and keeps the reason for the log and ``stats()``::
     choice.backend      # "llama_cpp"
     choice.reason       # "a GGUF model on the CPU and llama-cpp-python 0.3.36 ..."
 
-The rule: a GGUF model (every ``embedded:`` model ships as one; a ``.gguf`` file; a
+The rule: a GGUF model (an ``embedded:`` model that ships as one; a ``.gguf`` file; a
 directory that holds one and no transformers ``config.json``) runs on ``llama_cpp``
 when llama-cpp-python is installed, every worker's device is the CPU, and the
 ``backend_options`` given are ones llama_cpp takes. Anything else runs on ``hf``. On a
@@ -84,10 +84,14 @@ def choose_backend(
 
 
 def is_gguf_model(model: str, options: Mapping[str, Any]) -> bool:
-    """``model`` is a GGUF checkpoint: an ``embedded:`` model, a ``.gguf`` file, or a
-    directory holding one (named by ``gguf_file``, or without a transformers config)."""
+    """``model`` is a GGUF checkpoint: an ``embedded:`` model that ships as one, a ``.gguf``
+    file, or a directory holding one (named by ``gguf_file``, or without a transformers
+    config)."""
     if model.startswith("embedded:"):
-        return True
+        from modelpool.embedded import MODELS
+
+        spec = MODELS.get(model.removeprefix("embedded:"))
+        return spec is None or not spec.directory_member
     path = Path(model).expanduser()
     if path.is_file():
         return path.suffix == ".gguf"

@@ -136,6 +136,8 @@ def _check_embedded_extra(model: str, backend: str = "hf") -> None:
     name = model.removeprefix(EMBEDDED_SCHEME)
     if not model.startswith(EMBEDDED_SCHEME) or name not in MODELS:
         return
+    if MODELS[name].directory_member:
+        return  # extracted as it is: nothing to convert
     if backend == "llama_cpp" or (backend == AUTO and installed_llama_cpp() is not None):
         return
     if (modelpool_home() / "models" / name / MARKER_FILE).is_file():
@@ -848,8 +850,7 @@ def _config_options(sub: argparse.ArgumentParser, *, server: bool) -> None:
     sub.add_argument(
         "--max-batch-size",
         type=int,
-        help="requests one worker decodes at once, batched "
-        f"(built-in: {_BUILT_IN.max_batch_size})",
+        help=f"requests one worker decodes at once, batched (built-in: {_BUILT_IN.max_batch_size})",
     )
     sub.add_argument(
         "--devices", type=_devices, help="where workers run, comma-separated: cpu,cuda:0,auto"

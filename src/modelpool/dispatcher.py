@@ -59,6 +59,7 @@ from modelpool.errors import (
     PoolClosed,
     PoolError,
     WorkerCrashed,
+    WrongTask,
 )
 from modelpool.grammar import grammar_refusal
 from modelpool.observe import (
@@ -382,6 +383,7 @@ class Dispatcher:
             last_load_error=self.worker_manager.last_load_error,
             kill_reasons=dict(self.worker_manager.kill_reasons),
             max_model_len=self.worker_manager.max_model_len,
+            task=self.worker_manager.task,
             # workers x slots, as the workers report them (a one-call backend has one)
             capacity=self.config.workers
             * max(
@@ -867,6 +869,7 @@ class Dispatcher:
             cached_tokens=generation.cached_tokens or 0,
             token_ids=generation.token_ids,
             stop_sequence=generation.stop_sequence,
+            pooled=generation.pooled,
         )
 
     def _fail(self, request: Request, error: PoolError) -> None:
@@ -951,6 +954,8 @@ def _refusal(
     """The typed error for a worker's refusal; ``detail`` carries a context refusal's numbers
     or a grammar refusal's bound, param and keyword."""
     if isinstance(detail, Mapping):
+        if "task" in detail:
+            return WrongTask(text, task=str(detail["task"]))
         return grammar_refusal(text, detail)
     if detail is None:
         return InvalidRequest(text)

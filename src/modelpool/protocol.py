@@ -21,11 +21,12 @@ supervisor -> worker::
 
 worker -> supervisor::
 
-    ("ready", version, pid, rss_bytes, max_model_len, slots)
+    ("ready", version, pid, rss_bytes, max_model_len, slots, task)
                                             backend loaded; max_model_len: its context
                                             length in tokens, or None if it has none;
                                             slots: how many attempts it runs at once
-                                            (1 for a one-call backend)
+                                            (1 for a one-call backend); task: what its
+                                            model does (Task)
     ("load_failed", traceback_text)         backend could not load; the worker exits
     ("chunk", attempt_id, text, counts)     streamed text; counts: the attempt's TokenCounts
                                             so far, or None when its backend does not say
@@ -84,9 +85,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 FinishReason = Literal["stop", "length", "cancelled"]
+Task = Literal["generate", "embed", "score"]
+"""What a worker's model does: generate text, embed (a bi-encoder, which also scores by
+cosine), or score (a cross-encoder: a query and a document in, one relevance score out).
+A handler says so in a ``task`` attribute; without one it generates."""
+TASKS: tuple[Task, ...] = ("generate", "embed", "score")
 ChatMessage = Mapping[str, Any]
 """``{"role", "content"}`` strings; in tool calling an assistant message may carry
 ``tool_calls`` and a ``tool`` message ``tool_call_id`` and ``name`` (see ``tools``)."""
@@ -157,6 +163,8 @@ class Generation:
     token_ids: list[int] | None = None
     # The stop string (one of the request's ``stop``) that ended the text, when one did.
     stop_sequence: str | None = None
+    # An embed or score request's answer (see EmbedRequest, ScoreRequest).
+    pooled: PooledAnswer | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +194,46 @@ class DetokenizeRequest:
     """Not a generation: the worker answers with the text of ``ids`` (``Generation.text``)."""
 
     ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    """Not a generation: the worker answers with one vector per input
+    (``Generation.pooled.vectors``; ``prompt_tokens`` the tokens read). An input is a text
+    or the token ids of one. An input longer than the model's context is refused
+    (``ContextLengthExceeded``) unless ``truncate``. ``dimensions``: keep the first that
+    many of each vector and renormalise it (Matryoshka); more than the model has is
+    refused."""
+
+    inputs: tuple[str | tuple[int, ...], ...]
+    truncate: bool = False
+    dimensions: int | None = None
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Not a generation: the worker answers with one relevance score of ``query`` per
+    document (``Generation.pooled.scores``): a cross-encoder's (the sigmoid of its logit,
+    or the logit itself with ``raw_scores``), or an embedding model's cosine similarity."""
+
+    query: str
+    documents: tuple[str, ...]
+    raw_scores: bool = False
+    truncate: bool = False
+
+
+PoolingRequest = EmbedRequest | ScoreRequest
+"""A request for a pooling model (embedding or scoring), not a generation."""
+
+
+@dataclass(frozen=True)
+class PooledAnswer:
+    """What an embed or score request got: ``vectors`` (embed) or ``scores`` (score) and
+    how they were scored (``method``: "cross-encoder" or "cosine")."""
+
+    vectors: list[list[float]] | None = None
+    scores: list[float] | None = None
+    method: str = ""
 
 
 @dataclass(frozen=True)
@@ -356,7 +404,7 @@ def encode_frame(message: tuple[Any, ...]) -> bytes:
 
 
 def encode_request(
-    prompt: Prompt | TokenizeRequest | DetokenizeRequest, params: dict[str, Any]
+    prompt: Prompt | TokenizeRequest | DetokenizeRequest | PoolingRequest, params: dict[str, Any]
 ) -> bytes:
     """The run payload. Pickled on the caller's thread so that an argument that cannot be
     pickled is the caller's error, and the dispatcher and every retry reuse the bytes."""

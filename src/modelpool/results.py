@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from modelpool.errors import PoolError
-from modelpool.protocol import FinishReason, TokenLogprob
+from modelpool.protocol import FinishReason, PooledAnswer, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class Result:
     token_ids: list[int] | None = None
     # The stop string that ended the text (finish_reason "stop"), None when none did.
     stop_sequence: str | None = None
+    # An embed or score request's answer (ModelPool.embed and score read it).
+    pooled: PooledAnswer | None = None
 
 
 class PoolFuture(concurrent.futures.Future[Result]):

@@ -7,6 +7,7 @@ self-consistent and taking one never waits on a busy worker::
     snapshot = pool.stats()
     snapshot.counters["timeouts"], snapshot.to_dict()["workers"][0]["rss_mb"]
     snapshot.max_model_len          # the model's context length, once a worker is ready
+    snapshot.task                   # "generate", "embed" or "score" (protocol.Task)
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ class PoolStats:
     # The backend the workers run ("auto" until start() chose one) and why, in a sentence.
     backend: str = ""
     backend_reason: str | None = None
+    # What the model does, as the workers report it: "generate", "embed" or "score".
+    task: str = "generate"
 
     @property
     def batch_occupancy(self) -> float:

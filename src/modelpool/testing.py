@@ -97,7 +97,9 @@ Load-time options (``backend_options``): ``env_command`` (allow ``env:NAME``),
 ``load_delay_s`` (sleep before ready),
 ``fail_load`` (raise during load), ``exit_on_load`` (``os._exit`` during load),
 ``exit_after_load_s`` (``os._exit(1)`` that many seconds after a successful load: a
-worker that says ready and dies), ``max_model_len`` (a context length, so that
+worker that says ready and dies), ``task`` ("embed" or "score": an embedding model or a
+cross-encoder, which refuse to generate; its faults are in ``testing_embeddings``),
+``max_model_len`` (a context length, so that
 the pool's side of context limits is tested without a model). With it, a string
 prompt counts one token per whitespace-separated word, chat messages count as a
 template renders them (a role marker, the words and an end marker each, then one
@@ -129,6 +131,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from modelpool import testing_embeddings
 from modelpool.backends.common.text import first_stop, stop_strings
 from modelpool.context import check_max_model_len, fit_to_context
 from modelpool.errors import GrammarError, InvalidRequest, PoolError
@@ -144,12 +147,16 @@ from modelpool.grammar import (
 from modelpool.logprob_columns import TokenLogprobs
 from modelpool.prefixes import CACHE_SALT_PARAM
 from modelpool.protocol import (
+    TASKS,
     BatchCall,
     Call,
+    EmbedRequest,
     Finished,
     FinishReason,
     Generation,
     Prompt,
+    ScoreRequest,
+    Task,
     TokenIds,
     note_prompt,
 )
@@ -261,8 +268,13 @@ class FaultBackend:
     simulated (see the CUDA commands)."""
 
     def __init__(
-        self, device: str = "cpu", max_model_len: int | None = None, env_command: bool = False
+        self,
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        env_command: bool = False,
+        task: Task = "generate",
     ) -> None:
+        self.task = task
         self.env_command = env_command
         self._leaked: list[bytearray] = []
         self.max_model_len = max_model_len
@@ -290,6 +302,15 @@ class FaultBackend:
         if isinstance(prompt, TokenIds):
             return list(prompt.ids)
         return [ord(char) for char in _prompt_text(prompt)]
+
+    def embed(self, request: EmbedRequest, call: Call) -> Generation:
+        """Vectors from a hash, and the faults of a real embedding model (see
+        ``testing_embeddings``)."""
+        return testing_embeddings.embed(request, call, self.max_model_len)
+
+    def score(self, request: ScoreRequest, call: Call) -> Generation:
+        cross_encoder = self.task == "score"
+        return testing_embeddings.score(request, call, self.max_model_len, cross_encoder)
 
     def detokenize(self, token_ids: list[int]) -> str:
         if any(token_id > sys.maxunicode for token_id in token_ids):
@@ -656,10 +677,14 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
             "exit_on_load",
             "exit_after_load_s",
             "max_model_len",
+            "task",
         }
     )
     if unknown:
         raise ValueError(f"unknown testing backend option {unknown[0]!r}")
+    task = options.get("task", "generate")
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
     max_model_len = check_max_model_len(options.get("max_model_len"))
     if options.get("load_delay_s"):
         time.sleep(float(options["load_delay_s"]))
@@ -669,7 +694,9 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
         raise RuntimeError(f"testing backend asked to fail its load: {options['fail_load']}")
     if options.get("exit_after_load_s") is not None:
         threading.Timer(float(options["exit_after_load_s"]), os._exit, args=(1,)).start()
-    return FaultBackend(device, max_model_len, env_command=options.get("env_command") is True)
+    return FaultBackend(
+        device, max_model_len, env_command=options.get("env_command") is True, task=task
+    )
 
 
 def run_on_dispatcher(pool: ModelPool, action: Callable[[], None]) -> threading.Thread:

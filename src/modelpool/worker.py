@@ -48,20 +48,23 @@ from typing import Any
 from modelpool import cuda_faults
 from modelpool.backends import import_backend
 from modelpool.context import check_max_model_len
-from modelpool.errors import ContextLengthExceeded, GrammarError, InvalidRequest
+from modelpool.errors import ContextLengthExceeded, GrammarError, InvalidRequest, WrongTask
 from modelpool.logprob_columns import TokenLogprobs
+from modelpool.pooling_answers import answer_pooling_request, handler_task, wrong_task
 from modelpool.processes import process_rss_bytes
 from modelpool.protocol import (
     PROTOCOL_VERSION,
     BatchedHandler,
     ControlBlock,
     DetokenizeRequest,
+    EmbedRequest,
     Finished,
     Generation,
     Handler,
     PrefixCacheReport,
     Prompt,
     RowsLost,
+    ScoreRequest,
     TokenCounts,
     TokenizeRequest,
     TokenLogprob,
@@ -260,6 +263,22 @@ def _read_attempt(
     if isinstance(prompt, (TokenizeRequest, DetokenizeRequest)):
         _answer_tokenizer_request(handler, attempt_id, prompt, channel)
         return None
+    if isinstance(prompt, (EmbedRequest, ScoreRequest)):
+        # Its cancel checks count as progress, in either loop: a pooling backend reads
+        # the flag between micro-batches, and that is how the stall clock sees it alive.
+        # The request goes to the backend beside the call, which carries no prompt.
+        call = WorkerCall(attempt_id, slot, "", {}, control, channel)
+        try:
+            answer = answer_pooling_request(handler, prompt, call)
+        except Exception as exc:
+            _send_failure(channel, attempt_id, exc, handler)
+            return None
+        channel.send(("done", attempt_id, answer, process_rss_bytes()))
+        return None
+    task = handler_task(handler)
+    if task != "generate":
+        _send_failure(channel, attempt_id, wrong_task(task, "generate text"))
+        return None
     params = {**defaults, **own_params}
     defaulted = frozenset(defaults.keys() - own_params.keys())
     validate = getattr(handler, "validate", None)
@@ -366,6 +385,12 @@ def _send_failure(
         }
         channel.send(
             ("error", attempt_id, "grammar", str(exc), "", process_rss_bytes(), grammar_detail)
+        )
+        return
+    if isinstance(exc, WrongTask):
+        task_detail = {"task": exc.task}
+        channel.send(
+            ("error", attempt_id, "invalid", str(exc), "", process_rss_bytes(), task_detail)
         )
         return
     if isinstance(exc, InvalidRequest):
@@ -502,7 +527,6 @@ class _BatchLoop:
             retired.append((call, generation))
         if retired:
             self._answer(retired)
-
 
     def _step(self) -> None:
         try:
@@ -653,13 +677,14 @@ def serve(channel: _Channel, control: ControlBlock) -> int:
         max_model_len = check_max_model_len(
             getattr(handler, "max_model_len", None), f"{spec.backend} backend's max_model_len"
         )
+        task = handler_task(handler)
     except BaseException:
         channel.send(("load_failed", traceback.format_exc()))
         return EXIT_LOAD_FAILED
     baseline = cuda_faults.MemoryBaseline.measure(handler)
     slots = min(spec.max_batch_size, control.slots) if is_batched(handler) else 1
     channel.send(
-        ("ready", PROTOCOL_VERSION, os.getpid(), process_rss_bytes(), max_model_len, slots)
+        ("ready", PROTOCOL_VERSION, os.getpid(), process_rss_bytes(), max_model_len, slots, task)
     )
     if slots > 1:
         batched: BatchedHandler = handler  # type: ignore[assignment]

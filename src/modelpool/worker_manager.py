@@ -44,7 +44,7 @@ from modelpool.config import PoolConfig
 from modelpool.devices import group_devices
 from modelpool.errors import ModelLoadFailed
 from modelpool.observe import Observers, WorkerEvent
-from modelpool.protocol import PROTOCOL_VERSION, PrefixCacheReport, WorkerSpec
+from modelpool.protocol import PROTOCOL_VERSION, TASKS, PrefixCacheReport, Task, WorkerSpec
 from modelpool.records import DispatcherIO, TimerHeap, Worker, describe_exit
 from modelpool.stats import DeviceStats, GpuStats, PrefixCacheStats, ReleaseStats, WorkerStats
 
@@ -116,6 +116,8 @@ class WorkerManager:
         # The model's context length as the workers report it (the smallest, should they
         # ever differ); kept when they leave, so stats still show it between respawns.
         self.max_model_len: int | None = None
+        # What the model does, from the workers' "ready" (protocol.Task).
+        self.task: Task = "generate"
         self.consecutive_startup_failures = 0
         self.pending_release_checks = 0
         self._worker_ids = itertools.count()
@@ -259,6 +261,7 @@ class WorkerManager:
         rss_bytes: int,
         max_model_len: int | None = None,  # absent from an older worker, refused just below
         slots: int = 1,
+        task: str = "generate",
     ) -> None:
         if worker.state != "starting" or worker.signalled:
             return  # A "ready" that crossed the start-up timeout's SIGKILL: it is dying.
@@ -278,6 +281,8 @@ class WorkerManager:
         worker.ready_at = self.clock()
         worker.rss_bytes = rss_bytes
         worker.max_model_len = max_model_len
+        if task in TASKS:
+            self.task = task
         if max_model_len is not None and (
             self.max_model_len is None or max_model_len < self.max_model_len
         ):

@@ -2,6 +2,7 @@
 target.
 
 - ``handler``: :func:`load` (load options, the model) and the handler;
+- ``pooling``: embedding models and cross-encoders (a sentence-transformers directory);
 - ``generation``: the one-call form, through transformers' ``generate()``;
 - ``runner``: the batched form's decoding loop over one shared KV cache;
 - ``fused``: a decoding step and a prefill slice in one forward pass;
@@ -13,6 +14,6 @@ Importing it costs nothing heavy: torch and transformers are imported by :func:`
 
 # validate: the pool checks a request's parameters with it before dispatch
 # (ModelPool._backend_validator reads it from the module the backend name resolves to).
-from modelpool.backends.hf.handler import load, validate
+from modelpool.backends.hf.handler import load, load_generation, validate
 
-__all__ = ["load", "validate"]
+__all__ = ["load", "load_generation", "validate"]

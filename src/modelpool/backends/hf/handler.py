@@ -77,6 +77,7 @@ from modelpool.backends.hf.options import (
     torch_device,
     torch_dtype,
 )
+from modelpool.backends.hf.pooling import PoolingHandler, load_pooling, pooling_task
 from modelpool.backends.hf.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from modelpool.backends.hf.runner import (
     DEFAULT_KV_CACHE_TOKENS,
@@ -115,7 +116,19 @@ def validate(params: Mapping[str, Any]) -> None:
     validate_params(params, "hf")
 
 
-def load(model: str, device: str = "cpu", **options: Any) -> HFHandler:
+def load(model: str, device: str = "cpu", **options: Any) -> HFHandler | PoolingHandler:
+    """The backend's factory: a local directory of a sentence-transformers embedding model or
+    of a cross-encoder is a pooling model, loaded by
+    :func:`modelpool.backends.hf.pooling.load_pooling` (its own options; its worker embeds
+    and scores instead of generating); anything else a generation model
+    (:func:`load_generation`)."""
+    task = pooling_task(model)
+    if task is not None:
+        return load_pooling(model, device, task, **options)
+    return load_generation(model, device, **options)
+
+
+def load_generation(model: str, device: str = "cpu", **options: Any) -> HFHandler:
     """Load ``model`` (a hub id or a local directory) once per worker and return its handler.
 
     Options (the pool's ``backend_options``): ``dtype`` ("auto", "float32",

@@ -1,0 +1,94 @@
+"""The worker's side of embed and score requests: which task a backend serves, and its
+answer to an ``EmbedRequest`` or ``ScoreRequest``, checked into plain types.
+
+A backend that embeds has a ``task`` attribute (``protocol.Task``) and the methods::
+
+    handler.embed(request: EmbedRequest, call: Call) -> Generation   # pooled.vectors
+    handler.score(request: ScoreRequest, call: Call) -> Generation   # pooled.scores
+
+They read ``call.cancelled()`` between pieces of work (a micro-batch), so that a deadline
+never has to kill a worker that computes honestly, and return ``Generation("",
+"cancelled")`` when it is set. The worker answers these requests as it answers tokenize
+(between two decoding steps in the batched loop); they are never admitted into a batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+from modelpool.errors import WrongTask
+from modelpool.protocol import (
+    TASKS,
+    Call,
+    EmbedRequest,
+    Generation,
+    PooledAnswer,
+    PoolingRequest,
+    ScoreRequest,
+    Task,
+)
+
+_WHAT = {
+    "generate": "generates text (a generation model)",
+    "embed": "embeds text (an embedding model)",
+    "score": "scores a query against documents (a cross-encoder)",
+}
+
+
+def handler_task(handler: object) -> Task:
+    """What ``handler``'s model does: its ``task`` attribute, else "generate"."""
+    task = getattr(handler, "task", "generate")
+    if task not in TASKS:
+        raise ValueError(f"the backend's task is {task!r}, not one of {', '.join(TASKS)}")
+    return task
+
+
+def wrong_task(task: Task, asked: str) -> WrongTask:
+    """The typed refusal of asking a model that ``task``s to ``asked`` (embed, score,
+    generate)."""
+    return WrongTask(f"this model {_WHAT[task]}; it cannot {asked}", task=task)
+
+
+def answer_pooling_request(handler: object, request: PoolingRequest, call: Call) -> Generation:
+    """The backend's answer to ``request``, or ``WrongTask`` when its model does not do
+    that (a generation model asked to embed, a cross-encoder asked to embed)."""
+    task = handler_task(handler)
+    if isinstance(request, EmbedRequest):
+        method = getattr(handler, "embed", None) if task == "embed" else None
+        if method is None:
+            raise wrong_task(task, "embed")
+        return _checked(method(request, call), len(request.inputs), "vectors")
+    if not isinstance(request, ScoreRequest):
+        raise TypeError(f"not a pooling request: {type(request).__name__}")
+    method = getattr(handler, "score", None) if task != "generate" else None
+    if method is None:
+        raise wrong_task(task, "score")
+    return _checked(method(request, call), len(request.documents), "scores")
+
+
+def _checked(output: object, count: int, field: str) -> Generation:
+    """Plain lists of floats only cross the pipe (a tensor would drag torch into the
+    supervisor), one per input, all finite."""
+    if not isinstance(output, Generation):
+        raise TypeError(f"a pooling backend returned {type(output).__name__}, not Generation")
+    if output.finish_reason == "cancelled":
+        return Generation("", "cancelled", output.prompt_tokens, 0)
+    pooled = output.pooled
+    if pooled is None:
+        raise TypeError(f"a pooling backend's Generation has no pooled {field}")
+    prompt_tokens = None if output.prompt_tokens is None else int(output.prompt_tokens)
+    if field == "vectors":
+        vectors = [[float(value) for value in vector] for vector in pooled.vectors or []]
+        if len(vectors) != count or any(not _finite(vector) for vector in vectors):
+            raise ValueError(f"a pooling backend gave {len(vectors)} vectors for {count} inputs")
+        return Generation("", "stop", prompt_tokens, 0, pooled=PooledAnswer(vectors=vectors))
+    scores = [float(value) for value in pooled.scores or []]
+    if len(scores) != count or not _finite(scores):
+        raise ValueError(f"a pooling backend gave {len(scores)} scores for {count} documents")
+    method = "cross-encoder" if pooled.method == "cross-encoder" else "cosine"
+    answer = PooledAnswer(scores=scores, method=method)
+    return Generation("", "stop", prompt_tokens, 0, pooled=answer)
+
+
+def _finite(values: list[float]) -> bool:
+    return all(math.isfinite(value) for value in values)

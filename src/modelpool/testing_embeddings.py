@@ -1,0 +1,133 @@
+"""The testing backend's embeddings and scores (``backend="testing"`` with the load option
+``task = "embed"`` or ``"score"``): vectors without a model, and the faults of a real one.
+
+An input's text says what to do (anything else is embedded)::
+
+    pool.embed(["hello", "embed_sleep:0.5"])   # the second takes 0.5 s, checking cancel
+    pool.embed(["embed_hang"])                  # never returns, ignores SIGTERM
+
+==========================  ====================================================
+``embed_sleep:SECONDS``     takes SECONDS, reading the cancel flag every 10 ms
+                            (an honest slow model: a deadline needs no kill)
+``embed_hang``              never returns, never reads the flag, ignores SIGTERM
+``embed_segfault``          dereferences NULL
+``embed_crash_once:PATH``   exits if PATH does not exist (creating it), else embeds
+``embed_hang_once:PATH``    hangs if PATH does not exist (creating it), else embeds
+==========================  ====================================================
+
+A vector has ``DIMENSIONS`` values made from a hash of the input (equal inputs, equal
+vectors), unit length. An input counts one token per whitespace-separated word (token
+ids: one each); with ``max_model_len`` a longer one is refused (``ContextLengthExceeded``)
+unless truncated. An embedding model scores by cosine; a cross-encoder (``task =
+"score"``) gives the logit ``shared words - 0.5`` between query and document, through a
+sigmoid unless raw scores are asked for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import signal
+import threading
+import time
+
+from modelpool.embeddings import check_dimensions, cosine, cut_and_normalise
+from modelpool.errors import ContextLengthExceeded
+from modelpool.protocol import Call, EmbedRequest, Generation, PooledAnswer, ScoreRequest
+
+DIMENSIONS = 8
+_SLEEP_STEP_S = 0.01
+
+
+def embed(request: EmbedRequest, call: Call, max_model_len: int | None) -> Generation:
+    size = check_dimensions(request.dimensions, DIMENSIONS)
+    tokens = [_fit(_tokens(item), max_model_len, request.truncate, index)
+              for index, item in enumerate(request.inputs)]  # fmt: skip
+    vectors = []
+    for item, count in zip(request.inputs, tokens, strict=True):
+        if isinstance(item, str) and not _act(item, call):
+            return Generation("", "cancelled", sum(tokens), 0)
+        vectors.append(cut_and_normalise(vector(item, count), size))
+    return Generation("", "stop", sum(tokens), 0, pooled=PooledAnswer(vectors=vectors))
+
+
+def score(
+    request: ScoreRequest, call: Call, max_model_len: int | None, cross_encoder: bool
+) -> Generation:
+    query_tokens = _fit(_tokens(request.query), max_model_len, request.truncate, 0)
+    prompt_tokens = 0
+    scores = []
+    for index, document in enumerate(request.documents):
+        if not _act(document, call):
+            return Generation("", "cancelled", prompt_tokens, 0)
+        tokens = _fit(_tokens(document), max_model_len, request.truncate, index)
+        prompt_tokens += query_tokens + tokens
+        if cross_encoder:
+            shared = len(set(request.query.split()) & set(document.split()))
+            logit = shared - 0.5
+            scores.append(logit if request.raw_scores else 1 / (1 + math.exp(-logit)))
+        else:
+            query = vector(request.query, query_tokens)
+            scores.append(cosine(query, vector(document, tokens)))
+    method = "cross-encoder" if cross_encoder else "cosine"
+    return Generation(
+        "", "stop", prompt_tokens, 0, pooled=PooledAnswer(scores=scores, method=method)
+    )
+
+
+def _tokens(item: str | tuple[int, ...]) -> int:
+    return len(item) if isinstance(item, tuple) else max(1, len(item.split()))
+
+
+def _fit(tokens: int, max_model_len: int | None, truncate: bool, index: int) -> int:
+    if max_model_len is None or tokens <= max_model_len:
+        return tokens
+    if truncate:
+        return max_model_len
+    raise ContextLengthExceeded(
+        f"input[{index}] is {tokens} tokens; this model's maximum context length is "
+        f"{max_model_len} tokens (truncate=True cuts it to fit)",
+        prompt_tokens=tokens,
+        max_new_tokens=None,
+        max_model_len=max_model_len,
+    )
+
+
+def vector(item: str | tuple[int, ...], tokens: int | None = None) -> list[float]:
+    """The unit vector this backend gives ``item`` (its first ``tokens`` words)."""
+    tokens = _tokens(item) if tokens is None else tokens
+    text = item if isinstance(item, str) else " ".join(map(str, item))
+    words = text.split()[:tokens] if isinstance(item, str) else text.split()
+    digest = hashlib.sha256(" ".join(words).encode()).digest()
+    return cut_and_normalise([byte / 127.5 - 1.0 for byte in digest[:DIMENSIONS]], DIMENSIONS)
+
+
+def _act(text: str, call: Call) -> bool:
+    """Do what ``text`` asks (see the table); False once the call was cancelled."""
+    command, _, argument = text.partition(":")
+    if command == "embed_sleep":
+        until = time.monotonic() + float(argument)
+        while time.monotonic() < until:
+            if call.cancelled():
+                return False
+            time.sleep(_SLEEP_STEP_S)
+    elif command == "embed_segfault":
+        ctypes.string_at(0)
+    elif command == "embed_hang" or (
+        command in ("embed_hang_once", "embed_crash_once") and _first_time(argument)
+    ):
+        if command == "embed_crash_once":
+            os._exit(1)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        threading.Event().wait()
+    return not call.cancelled()
+
+
+def _first_time(marker: str) -> bool:
+    try:
+        with open(marker, "x"):
+            return True
+    except FileExistsError:
+        return False

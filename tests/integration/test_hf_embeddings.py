@@ -1,0 +1,172 @@
+"""The hf backend's pooling models (``backends/hf/pooling.py``): tiny random
+sentence-transformers directories and a cross-encoder (``tests/embedding_models.py``),
+compared with sentence-transformers itself, in process and through real workers.
+
+The packaged all-MiniLM-L6-v2 is in ``test_embedded_minilm.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from embedding_models import MAX_SEQ_LENGTH, build_cross_encoder, build_embedding_model
+from helpers import FakeCall
+from modelpool import ContextLengthExceeded, InvalidRequest, ModelPool, PoolConfig, WrongTask
+from modelpool.backends.hf import load
+from modelpool.backends.hf.pooling import PoolingHandler, pooling_task, read_layout
+from modelpool.protocol import EmbedRequest, ScoreRequest
+
+sentence_transformers = pytest.importorskip("sentence_transformers")
+
+TEXTS = [
+    "hello world",
+    "the capital of france is paris",
+    "a",
+    "banana fruit yellow " * 8,
+    "  Mixed Case text!  ",
+    "cat dog animal",
+]
+
+
+def _cosines(first: list[list[float]], second: Any) -> list[float]:
+    result = []
+    for mine, theirs in zip(first, second.tolist(), strict=True):
+        dot = sum(a * b for a, b in zip(mine, theirs, strict=True))
+        norms = math.sqrt(sum(a * a for a in mine) * sum(b * b for b in theirs))
+        result.append(dot / norms)
+    return result
+
+
+def _pooling(path: Path, **options: Any) -> PoolingHandler:
+    handler = load(str(path), **options)
+    assert isinstance(handler, PoolingHandler)
+    return handler
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pooling-models")
+
+
+@pytest.mark.parametrize("mode", ["mean", "cls", "max", "lasttoken", "mean_sqrt_len"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_vectors_equal_sentence_transformers(models: Path, mode: Any, normalize: bool) -> None:
+    path = build_embedding_model(models / f"st-{mode}-{normalize}", mode=mode, normalize=normalize)
+    assert pooling_task(str(path)) == "embed"
+    assert read_layout(path).modes == (mode,)
+    handler = _pooling(path)
+    assert handler.task == "embed" and handler.max_model_len == MAX_SEQ_LENGTH
+    answer = handler.embed(EmbedRequest(tuple(TEXTS)), FakeCall(""))
+    assert answer.pooled is not None and answer.pooled.vectors is not None
+    reference = sentence_transformers.SentenceTransformer(str(path), device="cpu").encode(TEXTS)
+    assert min(_cosines(answer.pooled.vectors, reference)) >= 0.9999
+    for mine, theirs in zip(answer.pooled.vectors, reference.tolist(), strict=True):
+        assert mine == pytest.approx(theirs, abs=1e-5)
+
+
+def test_micro_batches_pack_by_tokens_and_keep_input_order(models: Path) -> None:
+    path = build_embedding_model(models / "st-mean-True")
+    whole = _pooling(path).embed(EmbedRequest(tuple(TEXTS)), FakeCall(""))
+    packed = _pooling(path, batch_tokens=20)
+    batches = packed._micro_batches(packed._features(TEXTS, False))
+    widths = [len(packed._features([TEXTS[i]], False)[0]["input_ids"]) for i in range(6)]
+    # Longest first; every batch's rows x widest row within the budget (or one row alone).
+    assert batches[0] == [widths.index(max(widths))]
+    assert all(len(batch) == 1 or widths[batch[0]] * len(batch) <= 20 for batch in batches)
+    assert len(batches) > 1 and sorted(i for b in batches for i in b) == list(range(6))
+    split = packed.embed(EmbedRequest(tuple(TEXTS)), FakeCall(""))
+    assert split.pooled is not None and whole.pooled is not None
+    for mine, theirs in zip(split.pooled.vectors or [], whole.pooled.vectors or [], strict=True):
+        assert mine == pytest.approx(theirs, abs=1e-5)
+
+
+def test_cancel_is_read_between_micro_batches(models: Path) -> None:
+    handler = _pooling(build_embedding_model(models / "st-mean-True"), batch_tokens=1)
+    call = FakeCall("", flag=True)
+    answer = handler.embed(EmbedRequest(tuple(TEXTS)), call)
+    assert answer.finish_reason == "cancelled" and call.checks_after_cancel == 1
+
+
+def test_context_truncate_token_ids_and_dimensions(models: Path) -> None:
+    handler = _pooling(build_embedding_model(models / "st-mean-True"))
+    long_text = "paris " * 100
+    with pytest.raises(ContextLengthExceeded, match=r"input\[1\]") as caught:
+        handler.embed(EmbedRequest(("short", long_text)), FakeCall(""))
+    assert caught.value.max_model_len == MAX_SEQ_LENGTH
+    cut = handler.embed(EmbedRequest(("short", long_text), truncate=True), FakeCall(""))
+    reference = sentence_transformers.SentenceTransformer(
+        str(models / "st-mean-True"), device="cpu"
+    ).encode(["short", long_text])
+    assert cut.pooled is not None and cut.pooled.vectors is not None
+    assert min(_cosines(cut.pooled.vectors, reference)) >= 0.9999
+    ids = tuple(handler.tokenize("hello world"))
+    by_ids = handler.embed(EmbedRequest((ids,)), FakeCall(""))
+    by_text = handler.embed(EmbedRequest(("hello world",)), FakeCall(""))
+    assert by_ids.pooled == by_text.pooled and by_ids.prompt_tokens == len(ids)
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        handler.embed(EmbedRequest(((10**6,),)), FakeCall(""))
+    small = handler.embed(EmbedRequest(("hello world",), dimensions=8), FakeCall(""))
+    assert small.pooled is not None and small.pooled.vectors is not None
+    vector = small.pooled.vectors[0]
+    assert len(vector) == 8 and math.isclose(sum(v * v for v in vector), 1.0, rel_tol=1e-5)
+    with pytest.raises(InvalidRequest, match="dimensions"):
+        handler.embed(EmbedRequest(("x",), dimensions=33), FakeCall(""))
+
+
+def test_cross_encoder_scores_equal_sentence_transformers(models: Path) -> None:
+    path = build_cross_encoder(models / "cross-encoder")
+    assert pooling_task(str(path)) == "score"
+    handler = _pooling(path)
+    assert handler.task == "score"
+    documents = ("paris is the capital", "bananas", "the capital of france is paris, a city")
+    scored = handler.score(ScoreRequest("capital of france", documents), FakeCall(""))
+    raw = handler.score(ScoreRequest("capital of france", documents, True), FakeCall(""))
+    reference = sentence_transformers.CrossEncoder(str(path), device="cpu")
+    expected = reference.predict([("capital of france", d) for d in documents]).tolist()
+    assert scored.pooled is not None and raw.pooled is not None
+    assert scored.pooled.method == "cross-encoder"
+    assert scored.pooled.scores == pytest.approx(expected, abs=1e-6)
+    assert [1 / (1 + math.exp(-s)) for s in raw.pooled.scores or []] == pytest.approx(expected)
+
+
+def test_unsupported_modules_are_refused_by_name(tmp_path: Path, models: Path) -> None:
+    import json
+    import shutil
+
+    path = tmp_path / "with-dense"
+    shutil.copytree(build_embedding_model(models / "st-mean-True"), path)
+    modules = json.loads((path / "modules.json").read_text())
+    modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="Dense"):
+        load(str(path))
+
+
+@pytest.mark.slow
+def test_pools_of_an_embedding_model_and_a_cross_encoder(models: Path) -> None:
+    """Through real workers, with no setting but the directory."""
+    embedding = build_embedding_model(models / "st-mean-True")
+    with ModelPool(PoolConfig(model=str(embedding), workers=1, devices=["cpu"])) as pool:
+        assert pool.task == "embed" and pool.stats().task == "embed"
+        assert pool.stats().max_model_len == MAX_SEQ_LENGTH
+        result = pool.embed(TEXTS)
+        reference = sentence_transformers.SentenceTransformer(str(embedding), device="cpu")
+        assert min(_cosines(result.vectors, reference.encode(TEXTS))) >= 0.9999
+        assert result.dimensions == 32 and result.prompt_tokens > len(TEXTS)
+        assert pool.score("capital of france", ["paris", "banana"]).method == "cosine"
+        with pytest.raises(WrongTask):
+            pool.generate("hello")
+        with pytest.raises(ContextLengthExceeded):
+            pool.embed("paris " * 100)
+        assert len(pool.tokenize("hello world")) == 4
+    cross = build_cross_encoder(models / "cross-encoder")
+    with ModelPool(PoolConfig(model=str(cross), workers=1, devices=["cpu"])) as pool:
+        assert pool.task == "score"
+        scored = pool.score("capital of france", ["paris is the capital", "bananas"])
+        assert scored.method == "cross-encoder" and len(scored.scores) == 2
+        with pytest.raises(WrongTask, match="embed"):
+            pool.embed("text")
