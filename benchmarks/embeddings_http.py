@@ -79,11 +79,11 @@ def texts_of(tokens: int, model_dir: str, count: int = 64) -> list[str]:
 
 
 def start_modelpool(
-    model: str, workdir: Path, max_batch_size: int
+    model: str, workdir: Path, max_batch_size: int, workers: int
 ) -> tuple[subprocess.Popen[bytes], str]:
     config = workdir / "modelpool.toml"
     config.write_text(
-        f'model = "{model}"\nbackend = "hf"\nworkers = 1\ndevices = ["cpu"]\n'
+        f'model = "{model}"\nbackend = "hf"\nworkers = {workers}\ndevices = ["cpu"]\n'
         f"max_batch_size = {max_batch_size}\nmax_queue = 4096\ndeadline_s = 120.0\n\n"
         '[server]\nhost = "127.0.0.1"\nport = 0\nclient_max_running = 4096\n'
         "client_max_queued = 4096\n"
@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", nargs="+", default=list(LENGTHS), choices=list(LENGTHS))
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--workers", type=int, default=1, help="modelpool's worker processes")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args(argv)
 
@@ -191,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="embeddings-http.") as scratch:
         workdir = Path(scratch)
         try:
-            servers["modelpool"] = start_modelpool(model_dir, workdir, args.batch_size)
+            servers["modelpool"] = start_modelpool(
+                model_dir, workdir, args.batch_size, args.workers
+            )
             if args.infinity:
                 servers["infinity"] = start_infinity(
                     args.infinity, model_dir, workdir, args.batch_size

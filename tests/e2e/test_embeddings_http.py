@@ -316,3 +316,22 @@ def test_one_client_past_its_share_is_refused(daemon: Daemon, http: httpx.Client
     finally:
         thread.join(slack(20.0))
     assert slow and slow[0].status_code == 200, slow
+
+
+def test_a_client_that_goes_away_cancels_its_embedding(daemon: Daemon, http: httpx.Client) -> None:
+    def cancelled() -> int:
+        count: int = ok(http.get("/stats"))["models"]["emb"]["pool"]["counters"]["cancelled"]
+        return count
+
+    before = cancelled()
+    # Longer than the wait below and shorter than the deadline: only the disconnect ends it.
+    body = {"model": "emb", "input": "embed_sleep:15"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            daemon.url + "/v1/embeddings",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=1.0,
+        )
+    wait_until(lambda: cancelled() == before + 1 or None, slack(10.0), interval=0.05)
+    assert "/v1/embeddings 499" in daemon.log()
