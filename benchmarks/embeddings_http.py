@@ -3,7 +3,8 @@ same model, side by side in one run (issue 37's HTTP leg; the library leg agains
 sentence-transformers in-process is ``benchmarks/embeddings.py``).
 
 Both servers run on 127.0.0.1 with the same model directory (by default the packaged
-``embedded:all-minilm-l6-v2``), on the CPU. ``clients`` concurrent clients each send one
+``embedded:all-minilm-l6-v2``), on the CPU, with the same torch threads
+(``OMP_NUM_THREADS`` = the cores, ``OMP_WAIT_POLICY=PASSIVE``). ``clients`` concurrent clients each send one
 text per request, OpenAI's ``/embeddings`` body, for ``--seconds`` per cell; a short text
 is 16 tokens and a long one 256 (the model's own tokens, special ones included). The
 servers take turns cell by cell, so that a busy machine slows both alike; the table
@@ -46,6 +47,9 @@ WORDS = (
 )  # fmt: skip
 BOUND_PORT = re.compile(r"Uvicorn running on http://[^\s:]+:(\d+)")
 INFINITY_PORT_WAIT_S = 300.0
+# Both servers get the same torch thread budget, and threads that sleep when idle (an
+# idle server's spinning threads would steal the cores of the one whose turn it is).
+THREADS_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,13 @@ def start_modelpool(
     log = workdir / "modelpool.log"
     command = [sys.executable, "-m", "modelpool.cli", "serve", "--config", str(config)]
     with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        process = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, **THREADS_ENV},
+        )
     deadline = time.monotonic() + INFINITY_PORT_WAIT_S
     while time.monotonic() < deadline:
         found = BOUND_PORT.search(log.read_text(errors="replace"))
@@ -118,7 +128,12 @@ def start_infinity(
         "--device", "cpu", "--engine", "torch", "--batch-size", str(batch_size),
         "--no-model-warmup",
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0"}
+    env = {
+        **os.environ,
+        **THREADS_ENV,
+        "HF_HUB_OFFLINE": "1",
+        "INFINITY_ANONYMOUS_USAGE_STATS": "0",
+    }
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
