@@ -201,9 +201,9 @@ LLAMA_CANCEL_GRACE_S = 2.0
 
 def real_texts(model_dir: str) -> dict[int, str]:
     """The greedy count up to each stop string, decoded once in this process."""
-    from modelpool.backends.llama_cpp import load
+    from modelpool.backends.llama_cpp import load_generation
 
-    handler = load(model_dir, threads=1)
+    handler = load_generation(model_dir, threads=1)
     texts: dict[int, str] = {}
     for stop_at in (*STOP_AT, CANCEL_STOP_AT):
         call = _CountCall(COUNT_PROMPT, {"max_new_tokens": 200, "stop": [f" {stop_at},"]})

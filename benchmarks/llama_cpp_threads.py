@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpool.backends.llama_cpp.handler import LlamaCppHandler, load
+from modelpool.backends.llama_cpp.handler import LlamaCppHandler, load_generation
 from modelpool.protocol import Generation, Prompt
 
 
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from modelpool.embedded import prepare_gguf
 
     gguf_dir = str(prepare_gguf())
-    handlers = {threads: load(gguf_dir, threads=threads) for threads in args.threads}
+    handlers = {threads: load_generation(gguf_dir, threads=threads) for threads in args.threads}
     rates: dict[tuple[int, int], list[float]] = {}
     decode_shares: dict[tuple[int, int], list[float]] = {}
     for round_index in range(args.rounds):

@@ -140,7 +140,9 @@ def test_unsupported_modules_are_refused_by_name(tmp_path: Path, models: Path) -
     path = tmp_path / "with-dense"
     shutil.copytree(build_embedding_model(models / "st-mean-True"), path)
     modules = json.loads((path / "modules.json").read_text())
-    modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+    modules.append(
+        {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}
+    )
     (path / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match="Dense"):
         load(str(path))

@@ -14,6 +14,6 @@ Importing it costs nothing heavy: llama-cpp-python and numpy are imported by :fu
 
 # validate: the pool checks a request's parameters with it before dispatch
 # (ModelPool._backend_validator reads it from the module the backend name resolves to).
-from modelpool.backends.llama_cpp.handler import load, validate
+from modelpool.backends.llama_cpp.handler import load, load_generation, validate
 
-__all__ = ["load", "validate"]
+__all__ = ["load", "load_generation", "validate"]

@@ -56,6 +56,12 @@ from modelpool.backends.common.scheduler import (
     WarmUpCall,
     run_alone,
 )
+from modelpool.backends.llama_cpp.embedding import (
+    LlamaEmbeddingHandler,
+    is_embedding_model,
+    load_embedding,
+    read_metadata,
+)
 from modelpool.backends.llama_cpp.grammars import LlamaGrammars
 from modelpool.backends.llama_cpp.options import (
     ALL_LAYERS,
@@ -87,7 +93,9 @@ def validate(params: Mapping[str, Any]) -> None:
     validate_params(params, "llama_cpp")
 
 
-def load(model: str, device: str = "cpu", **options: Any) -> LlamaCppHandler:
+def load(
+    model: str, device: str = "cpu", **options: Any
+) -> LlamaCppHandler | LlamaEmbeddingHandler:
     """Load the GGUF ``model`` once per worker and return its handler.
 
     Options (the pool's ``backend_options``): ``gguf_file`` (the file in a directory
@@ -102,7 +110,8 @@ def load(model: str, device: str = "cpu", **options: Any) -> LlamaCppHandler:
     finished requests, default half of the KV cells, 0 turns it off; see
     ``llama_cpp.prefix_cache``), ``use_mmap`` (default true), and the placement ones
     (:func:`placement`): ``n_gpu_layers``, ``main_gpu``, ``split_mode``,
-    ``tensor_split``::
+    ``tensor_split``, and ``embedding`` (true: an embedding model, see
+    ``llama_cpp.embedding``; default: what the GGUF's architecture says)::
 
         handler = load("/models/qwen2.5-0.5b-instruct-q4_k_m.gguf", threads=4)
         handler = load("/models/llama", device="cuda:0", n_gpu_layers=-1)
@@ -111,6 +120,13 @@ def load(model: str, device: str = "cpu", **options: Any) -> LlamaCppHandler:
     path = gguf_path(model, options.get("gguf_file"))
     llama = import_llama_cpp()
     layout = placement(device, options, gpu_offload=bool(llama.llama_supports_gpu_offload()))
+    embedding = options.get("embedding")
+    if embedding is not None and not isinstance(embedding, bool):
+        raise ValueError(f"embedding must be true or false, got {embedding!r}")
+    if embedding or (embedding is None and is_embedding_model(read_metadata(path))):
+        return load_embedding(
+            path, settings.threads, settings.max_model_len, layout.n_gpu_layers, settings.use_mmap
+        )
     probe_once(path, layout)
     started = time.monotonic()
     runtime = Runtime.open(llama, path, layout, settings)
@@ -126,6 +142,13 @@ def load(model: str, device: str = "cpu", **options: Any) -> LlamaCppHandler:
         runtime.kv_cells,
         time.monotonic() - started,
     )
+    return handler
+
+
+def load_generation(model: str, device: str = "cpu", **options: Any) -> LlamaCppHandler:
+    """:func:`load` for a generation model (``embedding`` false, whatever the GGUF says)."""
+    handler = load(model, device, **{**options, "embedding": False})
+    assert isinstance(handler, LlamaCppHandler)
     return handler
 
 

@@ -36,6 +36,7 @@ LOAD_OPTIONS = frozenset(
         "split_mode",
         "tensor_split",
         "use_mmap",
+        "embedding",
     }
 )
 DEFAULT_MAX_SEQUENCES = 64
