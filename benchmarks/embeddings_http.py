@@ -7,9 +7,9 @@ Both servers run on 127.0.0.1 with the same model directory (by default the pack
 (``OMP_NUM_THREADS`` = the cores, ``OMP_WAIT_POLICY=PASSIVE``). ``clients`` concurrent
 clients each send one text per request, OpenAI's ``/embeddings`` body, for ``--seconds``
 per cell; a short text is 16 tokens and a long one 256 (the model's own tokens, special
-ones included). The servers take turns cell by cell, so that a busy machine slows both alike; the table
-says embeddings/s for each, p50 latency, and modelpool's ratio to infinity, with the
-load average before and after::
+ones included). The servers take turns cell by cell, so that a busy machine slows both
+alike; the table says embeddings/s for each, p50 latency, and modelpool's ratio to
+infinity, with the load average before and after::
 
     python -m benchmarks.embeddings_http                        # modelpool only
     python -m benchmarks.embeddings_http --infinity /tmp/infinity-venv/bin/infinity_emb
