@@ -4,7 +4,7 @@ reaches its model, and the numbers are sentence-transformers' own for the same
 directories, read in this process: the vectors (cosine >= 0.9999), the cross-encoder's
 scores, and the embedding model's cosine scores when it reranks.
 
-README, Embeddings and reranking.
+README, Embeddings and reranking over HTTP.
 """
 
 from __future__ import annotations
