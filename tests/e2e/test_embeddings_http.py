@@ -335,3 +335,12 @@ def test_a_client_that_goes_away_cancels_its_embedding(daemon: Daemon, http: htt
         )
     wait_until(lambda: cancelled() == before + 1 or None, slack(10.0), interval=0.05)
     assert "/v1/embeddings 499" in daemon.log()
+
+
+def test_score_pairs_of_several_queries_share_one_deadline(http: httpx.Client) -> None:
+    # Two text_1s: two pool requests, one after the other, each taking 1.5 s, within a
+    # request deadline of 2 s: the second gets what the first left, and the whole is a 504.
+    body = {"model": "ce", "text_1": ["a", "b"], "text_2": ["embed_sleep:1.5"] * 2}
+    response = http.post("/score", json=body, headers={"X-Request-Timeout": "2"})
+    assert response.status_code == 504, response.text
+    assert response.json()["error"]["code"] == "deadline_exceeded"

@@ -18,6 +18,7 @@ Bodies and answers are ``embeddings`` (vectors) and ``rerank`` (scores).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -203,12 +204,15 @@ async def _embed(
 
 
 async def _score_pairs(pool: ModelPool, job: ScoreJob, left_s: float) -> tuple[list[float], int]:
-    """Each ``text_1``'s pairs in one pool request; the scores in the pairs' order."""
+    """Each ``text_1``'s pairs in one pool request, one after another within the one
+    deadline; the scores in the pairs' order."""
     scores = [0.0] * len(job.pairs)
     prompt_tokens = 0
+    ends = time.monotonic() + left_s
     for query, indices in job.by_query():
         documents = [job.pairs[index][1] for index in indices]
-        result = await pool.ascore(query, documents, truncate=job.truncate, deadline_s=left_s)
+        remaining = max(0.001, ends - time.monotonic())
+        result = await pool.ascore(query, documents, truncate=job.truncate, deadline_s=remaining)
         prompt_tokens += result.prompt_tokens
         for index, value in zip(indices, result.scores, strict=True):
             scores[index] = value
