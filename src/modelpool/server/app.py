@@ -113,6 +113,7 @@ from modelpool.server.openai.request import (
     prompt_size,
 )
 from modelpool.server.openai.stream import ChatChunks
+from modelpool.server.pooling_routes import install_pooling_routes
 from modelpool.server.responses.api import ResponsesApi
 from modelpool.server.responses.store import ResponseStore
 from modelpool.server.streaming import (
@@ -510,6 +511,7 @@ def create_app(
         _, tokens = await _on_a_worker(request, state, _parse_count, run)
         return JSONResponse({"input_tokens": len(tokens)})
 
+    install_pooling_routes(app, state, _on_a_worker)
     return app
 
 
@@ -520,7 +522,10 @@ def _install_model_routes(app: FastAPI, state: ServerState, pool: ModelPool) -> 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         snapshot = await pool.astats()
-        return {"object": "list", "data": [_model_card(state, snapshot.max_model_len)]}
+        return {
+            "object": "list",
+            "data": [_model_card(state, snapshot.max_model_len, snapshot.task)],
+        }
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
@@ -533,7 +538,7 @@ def _install_model_routes(app: FastAPI, state: ServerState, pool: ModelPool) -> 
                 param="model",
             )
         snapshot = await pool.astats()
-        return _model_card(state, snapshot.max_model_len)
+        return _model_card(state, snapshot.max_model_len, snapshot.task)
 
 
 async def _registry_ready(state: ServerState, registry: ModelRegistry) -> Response:
@@ -591,14 +596,16 @@ def _observe_pools(
         observe(model_name, served)
 
 
-def _model_card(state: ServerState, max_model_len: int | None) -> dict[str, Any]:
-    # max_model_len as vLLM reports it, so that clients can size their requests.
+def _model_card(state: ServerState, max_model_len: int | None, task: str) -> dict[str, Any]:
+    # max_model_len as vLLM reports it, so that clients can size their requests; task:
+    # what the model serves ("generate", "embed", "score").
     return {
         "id": state.model_name,
         "object": "model",
         "created": state.started,
         "owned_by": "modelpool",
         "max_model_len": max_model_len,
+        "task": task,
     }
 
 

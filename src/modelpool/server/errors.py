@@ -29,6 +29,7 @@ from modelpool.errors import (
     QueueFull,
     SchemaTooComplex,
     WorkerCrashed,
+    WrongTask,
 )
 from modelpool.server.http import ApiError
 
@@ -70,6 +71,10 @@ def pool_error_to_api(error: PoolError) -> ApiError:
         return ApiError(
             400, error.message, code="unsupported_value", param=error.param, extra=extra
         )
+    if isinstance(error, WrongTask):
+        # The model does not do what the route asks (an embedding model asked to chat).
+        extra["task"] = error.task
+        return ApiError(400, error.message, code="wrong_task", param="model", extra=extra)
     if isinstance(error, InvalidRequest):
         return ApiError(400, error.message, code="invalid_value", extra=extra)
     if isinstance(error, QueueFull):

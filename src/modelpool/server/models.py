@@ -134,6 +134,8 @@ def model_card(stats: ModelStats, created: int) -> dict[str, Any]:
         "measured_need_bytes": stats.need_bytes,
         "gpu_memory_bytes": stats.gpu_bytes,
         "max_model_len": None if pool is None else pool.max_model_len,
+        # What it serves ("generate", "embed", "score"); known once loaded.
+        "task": None if pool is None else pool.task,
     }
 
 
