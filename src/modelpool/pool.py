@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 from modelpool import gpu
@@ -611,6 +611,7 @@ class ModelPool:
             priority=priority,
             max_new_tokens=params.get("max_new_tokens"),
             traceparent=traceparent,
+            reproducible=_reproducible(params),
         )
         self._futures[request_id] = future
         if not loop.post(loop.dispatcher.submit, request):
@@ -885,3 +886,10 @@ class _NoIO:
 
     def gpu_workers_changed(self, workers: list[GpuWorker]) -> None:
         return None
+
+
+def _reproducible(params: Mapping[str, Any]) -> bool:
+    """Would running the request again give the same text: greedy decoding (the backends'
+    rule: sampling with ``do_sample``, else with a temperature above 0), or a seed."""
+    sampled = params.get("do_sample", (params.get("temperature") or 0) > 0)
+    return not sampled or params.get("seed") is not None
