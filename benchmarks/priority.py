@@ -100,6 +100,7 @@ def _offer(
     priorities: bool,
     bound_s: float | None,
     seed: int,
+    high_share: float = 0.2,
 ) -> None:
     """Poisson arrivals at ``rate`` per second for ``seconds``; waits for every answer."""
     rng = random.Random(seed)
@@ -110,7 +111,7 @@ def _offer(
     while at < end:
         at += rng.expovariate(rate)
         time.sleep(max(0.0, at - time.monotonic()))
-        klass = HIGH if rng.random() < 0.2 else LOW
+        klass = HIGH if rng.random() < high_share else LOW
         phase.sent[klass] += 1
         sent = time.monotonic()
         first: list[float] = []
@@ -141,7 +142,7 @@ def _offer(
                     ran = any(a.outcome != "preempted" for a in error.attempts)
                     bucket = phase.timed_out_running if ran else phase.timed_out_queued
                     bucket[klass] += 1
-                    phase.preempted[klass] += len(error.attempts) > 0
+                    phase.preempted[klass] += any(a.outcome == "preempted" for a in error.attempts)
 
         future.add_done_callback(done)
         pending.append(future)
@@ -171,14 +172,18 @@ def load(args: argparse.Namespace) -> list[dict[str, Any]]:
             priority_aging_s=args.aging_s,
         )
         capacity = workers * batch / run_s  # requests per second
+        # (name, seconds, offered load, priorities, max_queue_time_s, high share). "high
+        # alone" offers only the high-priority arrivals of the loaded phases (0.2 x 2): the
+        # wait the high requests make each other, with no low request at all.
         phases = [
-            ("unloaded", args.unloaded_seconds, 0.2, True, None),
-            ("fifo", args.fifo_seconds, 2.0, False, None),
-            ("priority", args.seconds, 2.0, True, None),
-            ("priority+max_queue_time_s", args.seconds, 2.0, True, args.max_queue_time_s),
+            ("unloaded", args.unloaded_seconds, 0.2, True, None, 0.2),
+            ("high alone", args.unloaded_seconds, 0.4, True, None, 1.0),
+            ("fifo", args.fifo_seconds, 2.0, False, None, 0.2),
+            ("priority", args.seconds, 2.0, True, None, 0.2),
+            ("priority+max_queue_time_s", args.seconds, 2.0, True, args.max_queue_time_s, 0.2),
         ]
         with ModelPool(config) as pool:
-            for index, (name, seconds, load_factor, priorities, bound) in enumerate(phases):
+            for index, (name, seconds, load_factor, priorities, bound, share) in enumerate(phases):
                 phase = Phase(f"{shape}, {name}")
                 _offer(
                     pool,
@@ -189,6 +194,7 @@ def load(args: argparse.Namespace) -> list[dict[str, Any]]:
                     priorities=priorities,
                     bound_s=bound,
                     seed=index,
+                    high_share=share,
                 )
                 phase.load_average = os.getloadavg()[0]
                 rows += [phase.row(HIGH), phase.row(LOW)]
@@ -260,7 +266,8 @@ def _record(number: int) -> RequestRecord:
 
 def observer_cost(endpoint: str, records: int) -> dict[str, float]:
     """CPU microseconds per request of the two observers, alone: the ``vllm:`` series'
-    observation (on the dispatcher thread) and the tracer's spans, built and exported."""
+    observation (on the dispatcher thread) and the tracer's spans, built and exported
+    (the local receiver's CPU included: it runs in this process)."""
     from prometheus_client import CollectorRegistry
 
     from modelpool.server.vllm_metrics import VllmMetrics
@@ -280,10 +287,9 @@ def observer_cost(endpoint: str, records: int) -> dict[str, float]:
     pool = _Pool()
     tracer = PoolTracer(pool, endpoint, model_name="bench", schedule_delay_s=0.2)  # type: ignore[arg-type]
     cpu = time.process_time()
-    for start in range(0, records, 200):  # within the exporter's queue (2048 spans)
-        for record in sample[start : start + 200]:
-            pool.observers["on_request"](record)
-        tracer.force_flush(timeout_s=60.0)
+    for record in sample:
+        pool.observers["on_request"](record)
+    tracer.force_flush(timeout_s=60.0)
     tracing_us = (time.process_time() - cpu) / records * 1e6
     tracer.shutdown()
     figures = {"vllm_observe_us": round(vllm_us, 1), "tracing_us": round(tracing_us, 1)}

@@ -80,14 +80,12 @@ def test_a_rerun_with_other_text_is_reported_diverged() -> None:
 
 
 def test_a_run_near_its_deadline_or_preempted_before_is_spared_if_it_can_be() -> None:
-    near = _request("near", 5, at=-50.0 + 9.0)  # 14 s left of its 60
+    near = _request("near", 5, deadline=19.0)  # 14 s left at 5.0
     again = _request("again", 5, preemptions=1)
     fresh = _request("fresh", 5)
     worker = _worker(1, near, again, fresh)
-    assert _victims([_request("u1", 0), _request("u2", 0)], worker, left_s=20.0) == [
-        "fresh",
-        "again",
-    ]
+    waiting = [_request(f"u{i}", 0) for i in range(3)]
+    assert _victims(waiting, worker, left_s=20.0) == ["fresh", "again", "near"]
 
 
 def _chunk(world: World, request: Request, text: str) -> None:
