@@ -11,7 +11,7 @@ answered requests, requests refused at once (``QueueFull``), requests that timed
 (``DeadlineExceeded``; "in the queue" when no attempt ran but preempted ones), the
 requests preempted (``preempt_for_priority``), and the load average::
 
-    python -m benchmarks.priority load       # 120 s loaded phases: about 11 minutes
+    python -m benchmarks.priority load       # 120 s phases with priorities: about 19 minutes
 
 ``overhead``: three daemons side by side (``vllm:`` names off, on, and on with tracing to
 a local OTLP receiver that drops what it gets), sequential requests to each in turn:
@@ -69,7 +69,16 @@ class Phase:
     sent: dict[int, int] = field(default_factory=lambda: {HIGH: 0, LOW: 0})
     load_average: float = 0.0
 
-    def row(self, klass: int) -> dict[str, Any]:
+    def row(self, klass: int | None) -> dict[str, Any]:
+        """The figures of one class, or (None) of both together."""
+        if klass is None:
+            both = Phase(self.name, load_average=self.load_average)
+            for field_name in ("refused", "timed_out_queued", "timed_out_running", "preempted"):
+                counts = getattr(self, field_name)
+                getattr(both, field_name)[HIGH] = counts[HIGH] + counts[LOW]
+            both.ttft[HIGH] = self.ttft[HIGH] + self.ttft[LOW]
+            both.sent[HIGH] = self.sent[HIGH] + self.sent[LOW]
+            return {**both.row(HIGH), "class": "all"}
         samples = self.ttft[klass]
 
         def rank(q: float) -> float | None:
@@ -197,8 +206,11 @@ def load(args: argparse.Namespace) -> list[dict[str, Any]]:
                     high_share=share,
                 )
                 phase.load_average = os.getloadavg()[0]
-                rows += [phase.row(HIGH), phase.row(LOW)]
-                print(json.dumps(rows[-2]), json.dumps(rows[-1]), sep="\n", flush=True)
+                # Unloaded, the classes share one figure: what "its unloaded value" is.
+                new = [phase.row(None)] if name == "unloaded" else []
+                new += [phase.row(HIGH), phase.row(LOW)]
+                print(*(json.dumps(row) for row in new), sep="\n", flush=True)
+                rows += new
     print(_markdown(rows))
     return rows
 
@@ -365,8 +377,8 @@ def main() -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("load")
     run.add_argument("--seconds", type=float, default=120.0, help="each phase with priorities")
-    run.add_argument("--fifo-seconds", type=float, default=30.0)
-    run.add_argument("--unloaded-seconds", type=float, default=30.0)
+    run.add_argument("--fifo-seconds", type=float, default=20.0)
+    run.add_argument("--unloaded-seconds", type=float, default=20.0)
     run.add_argument("--shapes", default="one-call,batched")
     run.add_argument("--workers", type=int, default=2)
     run.add_argument("--tokens", type=int, default=10)
