@@ -74,8 +74,10 @@ class FairShare:
     ) -> None:
         self.capacity = capacity
         self.preempt = preempt
-        # The runs in the pool by priority: what a more urgent run could preempt.
+        # The runs in the pool by priority (all, and each client's): what a more urgent
+        # run could preempt.
         self._in_pool_by_priority: collections.Counter[int] = collections.Counter()
+        self._client_priorities: dict[str, collections.Counter[int]] = {}
         self.max_running = min(max_running or capacity, capacity)
         self.max_queued = max_queued
         self.max_waiting = max_waiting
@@ -203,17 +205,24 @@ class FairShare:
     def _may_run(self, client: str, priority: int) -> bool:
         free = self.capacity - self._in_pool
         running = self._running[client]
+        if free <= 0:
+            return self.preempt and self._may_preempt(client, priority)
         if running >= self._max_running(client):
             return False
-        if free <= 0:
-            return self.preempt and self._may_preempt(priority)
         return running == 0 or free > self._held_back(client)
 
-    def _may_preempt(self, priority: int) -> bool:
+    def _may_preempt(self, client: str, priority: int) -> bool:
         """The pool is full: is there a less urgent run in it that a run of ``priority``
-        would preempt, and that no run let in beyond capacity already claimed."""
+        would preempt, and that no run let in beyond capacity already claimed. The
+        client's own bound counts its less urgent runs as the ones to give way (a client
+        may preempt its own background work)."""
         less_urgent = sum(n for level, n in self._in_pool_by_priority.items() if level > priority)
-        return less_urgent > self._in_pool - self.capacity
+        own = self._client_priorities.get(client, collections.Counter())
+        own_less_urgent = sum(n for level, n in own.items() if level > priority)
+        return (
+            less_urgent > self._in_pool - self.capacity
+            and self._running[client] < self._max_running(client) + own_less_urgent
+        )
 
     def _held_back(self, client: str) -> int:
         """Places kept free for the other active clients that have nothing running."""
@@ -232,6 +241,7 @@ class FairShare:
         self._running[client] += 1
         self._in_pool += 1
         self._in_pool_by_priority[priority] += 1
+        self._client_priorities.setdefault(client, collections.Counter())[priority] += 1
 
     def _release(self, client: str, priority: int) -> None:
         self._running[client] -= 1
@@ -241,6 +251,12 @@ class FairShare:
         self._in_pool_by_priority[priority] -= 1
         if self._in_pool_by_priority[priority] <= 0:
             del self._in_pool_by_priority[priority]
+        own = self._client_priorities[client]
+        own[priority] -= 1
+        if own[priority] <= 0:
+            del own[priority]
+            if not own:
+                del self._client_priorities[client]
         self._last_active[client] = time.monotonic()
         self._admit()
 
