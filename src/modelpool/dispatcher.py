@@ -428,6 +428,7 @@ class Dispatcher:
         worker = run.worker
         run.preempted = True
         self.counters["preemptions"] += 1
+        self.predictor.dispatched(preempted=True)
         self._soft_cancel(worker, run, "preempt")
         request = self._end_attempt(run, "preempted")
         request.preemptions += 1
@@ -466,6 +467,7 @@ class Dispatcher:
         self._dequeued(request)
         self.priorities.queued(request.priority, -1)
         self.priorities.dispatched_one(request.priority)
+        self.predictor.dispatched(preempted=False)
         request.state = "running"
         request.run = run
         worker.state = "busy"

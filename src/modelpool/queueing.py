@@ -13,9 +13,10 @@ more than it would in a first-come-first-served queue::
 finished runs measured (time from dispatch to the first token, time from dispatch to the
 end and its spread, prefill and decode tokens per second) and, from them, a new request's
 predicted time to first token given the requests ahead of it, and the share of the slots
-that more urgent requests took of the last dispatches (they will pass it too). It is
-meant to err long: a run is counted at its mean plus its mean deviation, so that a
-request it admits meets its bound even when the runs ahead of it are long ones::
+that more urgent requests took of the last dispatches (they will pass it too), and of
+the slot time lost to runs they preempted. It is meant to err long: a run is counted at
+its mean plus its mean deviation, so that a request it admits meets its bound even when
+the runs ahead of it are long ones::
 
     predictor.observe(run_s=0.8, ttft_s=0.1, prompt_tokens=40, completion_tokens=32)
     predictor.predict_ttft(ahead=6, free=0, capacity=4)   # 6 ahead, 4 slots busy
@@ -41,6 +42,8 @@ MIN_SAMPLES = 3
 MIN_SHARE = 0.05
 # Dispatches whose priorities say what share of the slots each priority takes.
 RECENT_DISPATCHES = 256
+# Weight of the newest dispatch or preemption in the share of runs preempted.
+PREEMPTED_WEIGHT = 1 / RECENT_DISPATCHES
 
 
 def urgent_share(dispatched_by_priority: Mapping[int, int], priority: int) -> float:
@@ -111,6 +114,9 @@ class WaitPredictor:
         self.samples = 0
         self.run_s = 0.0
         self.run_spread_s = 0.0  # the moving mean of |run - its moving average|
+        # Of the recent dispatches and preemptions, the share that were preemptions: the
+        # slot time lost to runs that will run again (preempt_for_priority).
+        self.preempted_share = 0.0
         self.ttft_s = 0.0
         self.prefill_tokens_per_s = 0.0
         self.decode_tokens_per_s = 0.0
@@ -144,6 +150,10 @@ class WaitPredictor:
             )
         self.samples += 1
 
+    def dispatched(self, *, preempted: bool) -> None:
+        """A run was dispatched (False) or preempted (True)."""
+        self.preempted_share += PREEMPTED_WEIGHT * (float(preempted) - self.preempted_share)
+
     def _mix(self, old: float, new: float) -> float:
         return new if self.samples == 0 else old + EWMA_WEIGHT * (new - old)
 
@@ -153,12 +163,14 @@ class WaitPredictor:
         """Seconds until a new request's first token: the ``ahead - free + 1``-th request
         in line leaves the queue once that many runs ended, ``capacity`` runs of
         ``run_s + run_spread_s`` each ending at once, of which ``urgent_share`` go to
-        more urgent requests that arrive meanwhile and pass it; then its own time to
-        first token. None until measured."""
+        more urgent requests that arrive meanwhile and pass it, and, when there are such,
+        ``preempted_share`` are lost to runs they preempt (those run again, first); then
+        its own time to first token. None until measured."""
         if self.samples < MIN_SAMPLES or capacity <= 0:
             return None
         in_line = max(0, ahead - free + 1)
-        left_for_it = max(1.0 - urgent_share, MIN_SHARE)
+        lost = self.preempted_share if urgent_share > 0 else 0.0
+        left_for_it = max(1.0 - urgent_share - lost, MIN_SHARE)
         run_s = self.run_s + self.run_spread_s
         return in_line * run_s / (capacity * left_for_it) + self.ttft_s
 
@@ -168,6 +180,7 @@ class WaitPredictor:
             "samples": self.samples,
             "run_s": round(self.run_s, 4),
             "run_spread_s": round(self.run_spread_s, 4),
+            "preempted_share": round(self.preempted_share, 4),
             "ttft_s": round(self.ttft_s, 4),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 1),

@@ -150,6 +150,20 @@ def test_the_predictor_counts_runs_long_by_their_spread() -> None:
     assert uneven_s - steady_s == pytest.approx(2 * uneven.run_spread_s, abs=0.2)
 
 
+def test_the_predictor_counts_the_slot_time_lost_to_preempted_runs() -> None:
+    predictor = WaitPredictor()
+    for _ in range(5):
+        predictor.observe(run_s=1.0, ttft_s=0.25, prompt_tokens=10, completion_tokens=5)
+    for n in range(2000):  # one run in five is preempted
+        predictor.dispatched(preempted=n % 5 == 4)
+    assert predictor.preempted_share == pytest.approx(0.2, abs=0.05)
+    share = predictor.preempted_share
+    slowed = predictor.predict_ttft(ahead=3, free=0, capacity=2, urgent_share=0.2)
+    assert slowed == pytest.approx(2.0 / (1 - 0.2 - share) + 0.25)
+    # Nothing more urgent: nothing preempts it, the line moves at full speed.
+    assert predictor.predict_ttft(ahead=3, free=0, capacity=2) == pytest.approx(2.25)
+
+
 def test_the_dispatcher_counts_the_priorities_of_its_recent_dispatches() -> None:
     world = World(workers=1, batch=1)
     for priority in (0, 5, 5):
