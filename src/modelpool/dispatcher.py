@@ -31,6 +31,11 @@ delivered), an ignored cancel or a death settle the whole batch through
 ``Retries.batch_lost`` (collateral retries, poison isolation), after signalling the
 worker, so that its replacement counts as another worker; ``_on_batch_error`` settles
 the rows of a step that failed in a worker that goes on the same way.
+
+Preemption (``preempt_for_priority``): ``_pump`` asks ``preemption.py`` which running
+attempts give way to more urgent requests once no open worker has a slot; ``_preempt``
+cancels each and queues its request again, and ``_on_chunk`` / ``_on_done`` keep a
+rerun from streaming again what its caller saw (``Run.skip``).
 """
 
 from __future__ import annotations
@@ -211,7 +216,8 @@ class Dispatcher:
         request.caller_gone = request.caller_gone or caller_gone
         if request.state in ("queued", "backoff"):
             self.queue.pop(request_id, None)
-            self._resolve_cancelled(request, "", None)
+            # A preempted request waiting to run again has shown its caller this much.
+            self._resolve_cancelled(request, request.shown, None)
             return
         run = request.run
         if request.state != "running" or run is None or request.cancel_requested:
