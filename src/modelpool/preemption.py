@@ -6,9 +6,9 @@ With ``preempt_for_priority`` (the default), when requests are still queued afte
 :func:`choose_victims` which running attempts to preempt: for each waiting request, most
 urgent first, the least urgent running attempt of a strictly less urgent priority (of
 those, the one preempted fewest times, then the one started last: it loses the least
-work; and before those, one whose deadline leaves time to run again:
-``min_time_left_s``, twice the measured run, from the dispatcher), never one promoted
-by aging, never more than the waiting requests that a slot already on its way (a
+work), never one promoted by aging nor one whose deadline leaves too little time to run
+again (``min_time_left_s``, twice the measured run, from the dispatcher: it would time
+out rather than answer), never more than the waiting requests that a slot already on its way (a
 preempted attempt still winding down) does not cover. The dispatcher soft-cancels each
 victim, records its attempt as "preempted" (not charged to its retries) and queues its
 request again first of its priority; the waiting request takes the slot once the worker lets the
@@ -34,11 +34,14 @@ from typing import Literal
 from modelpool.records import Request, Run, Worker
 
 
-def preemptible(run: Run, *, now: float, aging_s: float) -> bool:
-    """May ``run`` give its slot to a more urgent request."""
+def preemptible(run: Run, *, now: float, aging_s: float, min_time_left_s: float = 0.0) -> bool:
+    """May ``run`` give its slot to a more urgent request. Not when its deadline leaves
+    less than ``min_time_left_s``: it would not finish a rerun, and preempting it would
+    turn an answer almost done into a timeout."""
     request = run.request
     return (
         request is not None
+        and request.deadline - now >= min_time_left_s
         and not run.cancel_sent
         and not run.alone
         and run.worker.state == "busy"
@@ -74,8 +77,12 @@ def choose_victims(
     running = [run for worker in workers for run in worker.runs.values()]
     freeing = sum(run.preempted for run in running)  # slots already on their way
     candidates = sorted(
-        (run for run in running if preemptible(run, now=now, aging_s=aging_s)),
-        key=lambda run: _cost_order(run, now + min_time_left_s),
+        (
+            run
+            for run in running
+            if preemptible(run, now=now, aging_s=aging_s, min_time_left_s=min_time_left_s)
+        ),
+        key=_cost_order,
     )
     victims: list[Run] = []
     for waiting in order:
@@ -100,14 +107,13 @@ def _priority(run: Run) -> int:
     return run.request.priority
 
 
-def _cost_order(run: Run, late: float) -> tuple[int, bool, int, float]:
-    """Sorted by this, the last is the first to preempt: the least urgent, then one with
-    time to run again before its deadline (its deadline after ``late``), then the one
+def _cost_order(run: Run) -> tuple[int, int, float]:
+    """Sorted by this, the last is the first to preempt: the least urgent, then the one
     preempted fewest times (no request is preempted over and over while others run on),
     then the one started last (it loses the least work)."""
     assert run.request is not None
     request = run.request
-    return (request.priority, request.deadline > late, -request.preemptions, run.started_at)
+    return (request.priority, -request.preemptions, run.started_at)
 
 
 def continue_stream(run: Run, text: str) -> tuple[Literal["send", "diverged"], str]:

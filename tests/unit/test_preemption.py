@@ -79,13 +79,13 @@ def test_a_rerun_with_other_text_is_reported_diverged() -> None:
     assert continue_stream(run, "x1 ") == ("diverged", "")
 
 
-def test_a_run_near_its_deadline_or_preempted_before_is_spared_if_it_can_be() -> None:
+def test_a_run_near_its_deadline_is_spared_and_one_preempted_before_goes_last() -> None:
     near = _request("near", 5, deadline=19.0)  # 14 s left at 5.0
     again = _request("again", 5, preemptions=1)
     fresh = _request("fresh", 5)
     worker = _worker(1, near, again, fresh)
     waiting = [_request(f"u{i}", 0) for i in range(3)]
-    assert _victims(waiting, worker, left_s=20.0) == ["fresh", "again", "near"]
+    assert _victims(waiting, worker, left_s=20.0) == ["fresh", "again"], "near would time out"
 
 
 def _chunk(world: World, request: Request, text: str) -> None:
