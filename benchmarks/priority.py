@@ -11,7 +11,7 @@ answered requests, requests refused at once (``QueueFull``), requests that timed
 (``DeadlineExceeded``; "in the queue" when no attempt ran but preempted ones), the
 requests preempted (``preempt_for_priority``), and the load average::
 
-    python -m benchmarks.priority load       # 120 s phases with priorities: about 19 minutes
+    python -m benchmarks.priority load       # 120 s phases with priorities: about 12 minutes
 
 ``overhead``: three daemons side by side (``vllm:`` names off, on, and on with tracing to
 a local OTLP receiver that drops what it gets), sequential requests to each in turn:

@@ -15,8 +15,8 @@ to memory release check) with its ``release_check``::
 Spans are built after the fact from the pool's records (``observe.py``), on a thread of
 the tracer's own: the dispatcher thread only hands a record over. They are built
 straight into OTLP's protobuf messages (``opentelemetry-proto``), with no SDK span
-objects, processors or per-span locks (those cost six times as much per request: issue
-38), and sent as one export request per ``schedule_delay_s`` (or per
+objects, processors or per-span locks (those cost eight times as much per request:
+issue 38), and sent as one export request per ``schedule_delay_s`` (or per
 ``MAX_BATCH_SPANS``) by :class:`OtlpHttpSender` (a POST of ``application/x-protobuf``,
 with the headers of ``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` or
 ``OTEL_EXPORTER_OTLP_HEADERS``); an export that fails is logged and dropped. A kill and
