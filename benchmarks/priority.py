@@ -5,11 +5,13 @@ offered twice its capacity, Poisson arrivals, 20 % of them high priority, three 
 one run: first all at priority 0 (first come, first served: the "FIFO" figures), then
 with the two priorities, then with the two priorities and ``max_queue_time_s``. Before
 that, the same requests at a fifth of capacity give the unloaded time to first token.
-Per phase and class: p50/p99 TTFT of the answered requests, requests refused at once
-(``QueueFull``) and requests that timed out (``DeadlineExceeded``; "in the queue" when
-no attempt ran)::
+All of it twice, side by side: one-call workers (two of them) and one batched worker
+(``max_batch_size`` 2: the same capacity). Per phase and class: p50/p99 TTFT of the
+answered requests, requests refused at once (``QueueFull``), requests that timed out
+(``DeadlineExceeded``; "in the queue" when no attempt ran but preempted ones), the
+requests preempted (``preempt_for_priority``), and the load average::
 
-    python -m benchmarks.priority load --seconds 30        # about 2 minutes in all
+    python -m benchmarks.priority load       # 120 s phases with priorities: about 12 minutes
 
 ``overhead``: three daemons side by side (``vllm:`` names off, on, and on with tracing to
 a local OTLP receiver that drops what it gets), sequential requests to each in turn:
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import http.server
 import json
+import os
 import random
 import statistics
 import sys
@@ -62,9 +65,20 @@ class Phase:
     refused: dict[int, int] = field(default_factory=lambda: {HIGH: 0, LOW: 0})
     timed_out_queued: dict[int, int] = field(default_factory=lambda: {HIGH: 0, LOW: 0})
     timed_out_running: dict[int, int] = field(default_factory=lambda: {HIGH: 0, LOW: 0})
+    preempted: dict[int, int] = field(default_factory=lambda: {HIGH: 0, LOW: 0})
     sent: dict[int, int] = field(default_factory=lambda: {HIGH: 0, LOW: 0})
+    load_average: float = 0.0
 
-    def row(self, klass: int) -> dict[str, Any]:
+    def row(self, klass: int | None) -> dict[str, Any]:
+        """The figures of one class, or (None) of both together."""
+        if klass is None:
+            both = Phase(self.name, load_average=self.load_average)
+            for field_name in ("refused", "timed_out_queued", "timed_out_running", "preempted"):
+                counts = getattr(self, field_name)
+                getattr(both, field_name)[HIGH] = counts[HIGH] + counts[LOW]
+            both.ttft[HIGH] = self.ttft[HIGH] + self.ttft[LOW]
+            both.sent[HIGH] = self.sent[HIGH] + self.sent[LOW]
+            return {**both.row(HIGH), "class": "all"}
         samples = self.ttft[klass]
 
         def rank(q: float) -> float | None:
@@ -80,6 +94,8 @@ class Phase:
             "refused_early": self.refused[klass],
             "timed_out_in_queue": self.timed_out_queued[klass],
             "timed_out_running": self.timed_out_running[klass],
+            "preempted": self.preempted[klass],
+            "load_average": round(self.load_average, 2),
         }
 
 
@@ -93,6 +109,7 @@ def _offer(
     priorities: bool,
     bound_s: float | None,
     seed: int,
+    high_share: float = 0.2,
 ) -> None:
     """Poisson arrivals at ``rate`` per second for ``seconds``; waits for every answer."""
     rng = random.Random(seed)
@@ -103,7 +120,7 @@ def _offer(
     while at < end:
         at += rng.expovariate(rate)
         time.sleep(max(0.0, at - time.monotonic()))
-        klass = HIGH if rng.random() < 0.2 else LOW
+        klass = HIGH if rng.random() < high_share else LOW
         phase.sent[klass] += 1
         sent = time.monotonic()
         first: list[float] = []
@@ -128,9 +145,13 @@ def _offer(
             with lock:
                 if error is None and first:
                     phase.ttft[klass].append(first[0])
+                    phase.preempted[klass] += f.result().attempts > 1
                 elif isinstance(error, DeadlineExceeded):
-                    bucket = phase.timed_out_running if error.attempts else phase.timed_out_queued
+                    # Preempted attempts and then the queue: it timed out waiting there.
+                    ran = any(a.outcome != "preempted" for a in error.attempts)
+                    bucket = phase.timed_out_running if ran else phase.timed_out_queued
                     bucket[klass] += 1
+                    phase.preempted[klass] += any(a.outcome == "preempted" for a in error.attempts)
 
         future.add_done_callback(done)
         pending.append(future)
@@ -142,42 +163,76 @@ def _offer(
 
 
 def load(args: argparse.Namespace) -> list[dict[str, Any]]:
-    config = PoolConfig(
-        model="none",
-        backend="testing",
-        workers=args.workers,
-        devices=("cpu",),
-        deadline_s=args.deadline_s,
-        retry=RetryPolicy(max_retries=0),
-        priority_aging_s=args.aging_s,
-    )
     prompt = f"tokens:{args.tokens}:{args.delay_s}"
     run_s = args.tokens * args.delay_s
-    capacity = args.workers / run_s  # requests per second
     rows: list[dict[str, Any]] = []
-    with ModelPool(config) as pool:
+    # One-call workers, then one batched worker of as many rows: the same capacity.
+    shapes = {"one-call": (args.workers, 1), "batched": (1, args.workers)}
+    for shape in args.shapes.split(","):
+        workers, batch = shapes[shape]
+        config = PoolConfig(
+            model="none",
+            backend="testing",
+            workers=workers,
+            max_batch_size=batch,
+            devices=("cpu",),
+            deadline_s=args.deadline_s,
+            retry=RetryPolicy(max_retries=0),
+            priority_aging_s=args.aging_s,
+        )
+        capacity = workers * batch / run_s  # requests per second
+        # (name, seconds, offered load, priorities, max_queue_time_s, high share). "high
+        # alone" offers only the high-priority arrivals of the loaded phases (0.2 x 2): the
+        # wait the high requests make each other, with no low request at all.
         phases = [
-            ("unloaded", 0.2, True, None),
-            ("fifo", 2.0, False, None),
-            ("priority", 2.0, True, None),
-            ("priority+max_queue_time_s", 2.0, True, args.max_queue_time_s),
+            ("unloaded", args.unloaded_seconds, 0.2, True, None, 0.2),
+            ("high alone", args.unloaded_seconds, 0.4, True, None, 1.0),
+            ("fifo", args.fifo_seconds, 2.0, False, None, 0.2),
+            ("priority", args.seconds, 2.0, True, None, 0.2),
+            ("priority+max_queue_time_s", args.seconds, 2.0, True, args.max_queue_time_s, 0.2),
         ]
-        for index, (name, load_factor, priorities, bound) in enumerate(phases):
-            phase = Phase(name)
-            seconds = args.seconds
-            _offer(
-                pool,
-                phase,
-                rate=capacity * load_factor,
-                seconds=seconds,
-                prompt=prompt,
-                priorities=priorities,
-                bound_s=bound,
-                seed=index,
-            )
-            rows += [phase.row(HIGH), phase.row(LOW)]
-            print(json.dumps(rows[-2]), json.dumps(rows[-1]), sep="\n", flush=True)
+        with ModelPool(config) as pool:
+            for index, (name, seconds, load_factor, priorities, bound, share) in enumerate(phases):
+                phase = Phase(f"{shape}, {name}")
+                _offer(
+                    pool,
+                    phase,
+                    rate=capacity * load_factor,
+                    seconds=seconds,
+                    prompt=prompt,
+                    priorities=priorities,
+                    bound_s=bound,
+                    seed=index,
+                    high_share=share,
+                )
+                phase.load_average = os.getloadavg()[0]
+                # Unloaded, the classes share one figure: what "its unloaded value" is.
+                new = [phase.row(None)] if name == "unloaded" else []
+                new += [phase.row(HIGH), phase.row(LOW)]
+                print(*(json.dumps(row) for row in new), sep="\n", flush=True)
+                rows += new
+    print(_markdown(rows))
     return rows
+
+
+def _markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as the README's table."""
+    keys = [
+        "phase",
+        "class",
+        "sent",
+        "answered",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "refused_early",
+        "timed_out_in_queue",
+        "timed_out_running",
+        "preempted",
+        "load_average",
+    ]
+    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+    lines += ["| " + " | ".join(str(row[key]) for key in keys) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 class _Sink(http.server.BaseHTTPRequestHandler):
@@ -223,7 +278,8 @@ def _record(number: int) -> RequestRecord:
 
 def observer_cost(endpoint: str, records: int) -> dict[str, float]:
     """CPU microseconds per request of the two observers, alone: the ``vllm:`` series'
-    observation (on the dispatcher thread) and the tracer's spans, built and exported."""
+    observation (on the dispatcher thread) and the tracer's spans, built and exported
+    (the local receiver's CPU included: it runs in this process)."""
     from prometheus_client import CollectorRegistry
 
     from modelpool.server.vllm_metrics import VllmMetrics
@@ -243,10 +299,9 @@ def observer_cost(endpoint: str, records: int) -> dict[str, float]:
     pool = _Pool()
     tracer = PoolTracer(pool, endpoint, model_name="bench", schedule_delay_s=0.2)  # type: ignore[arg-type]
     cpu = time.process_time()
-    for start in range(0, records, 200):  # within the exporter's queue (2048 spans)
-        for record in sample[start : start + 200]:
-            pool.observers["on_request"](record)
-        tracer.force_flush(timeout_s=60.0)
+    for record in sample:
+        pool.observers["on_request"](record)
+    tracer.force_flush(timeout_s=60.0)
     tracing_us = (time.process_time() - cpu) / records * 1e6
     tracer.shutdown()
     figures = {"vllm_observe_us": round(vllm_us, 1), "tracing_us": round(tracing_us, 1)}
@@ -321,7 +376,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("load")
-    run.add_argument("--seconds", type=float, default=30.0, help="each loaded phase")
+    run.add_argument("--seconds", type=float, default=120.0, help="each phase with priorities")
+    run.add_argument("--fifo-seconds", type=float, default=20.0)
+    run.add_argument("--unloaded-seconds", type=float, default=20.0)
+    run.add_argument("--shapes", default="one-call,batched")
     run.add_argument("--workers", type=int, default=2)
     run.add_argument("--tokens", type=int, default=10)
     run.add_argument("--delay-s", type=float, default=0.02)

@@ -303,7 +303,7 @@ COUNTER_KEYS = {
     "submitted", "completed", "failed", "cancelled", "timeouts", "crashes", "kills",
     "retries", "respawns", "overloaded", "stalls", "cancel_escalations", "recycled",
     "startup_failures", "collateral_retries", "poison_requests", "withdrawn", "cuda_oom",
-    "cuda_errors", "queue_full",
+    "cuda_errors", "queue_full", "preemptions",
 }  # fmt: skip
 GPU_KEYS = {
     "available", "reason", "devices", "releases", "blocked_devices", "blocked_held_mb",

@@ -132,6 +132,10 @@ class PoolConfig:
     # refused at once with QueueFull (None: every request is queued).
     priority_aging_s: float = 10.0
     max_queue_time_s: float | None = None
+    # A queued request finding every slot taken preempts the least urgent running one of
+    # a less urgent priority: that one is cancelled and queued again, first of its
+    # priority (only one whose rerun gives the same text, if its caller saw some).
+    preempt_for_priority: bool = True
     max_requests_per_worker: int | None = None
     max_worker_rss_mb: float | None = None
     max_worker_gpu_mb: float | None = None
@@ -179,6 +183,10 @@ class PoolConfig:
         _check_int("max_queue", self.max_queue, minimum=1)
         _check_number("priority_aging_s", self.priority_aging_s, allow_zero=False)
         _check_number("max_queue_time_s", self.max_queue_time_s, allow_zero=False, optional=True)
+        if not isinstance(self.preempt_for_priority, bool):
+            raise ValueError(
+                f"preempt_for_priority must be true or false, got {self.preempt_for_priority!r}"
+            )
         _check_int(
             "max_requests_per_worker", self.max_requests_per_worker, minimum=1, optional=True
         )

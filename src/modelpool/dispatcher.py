@@ -31,6 +31,11 @@ delivered), an ignored cancel or a death settle the whole batch through
 ``Retries.batch_lost`` (collateral retries, poison isolation), after signalling the
 worker, so that its replacement counts as another worker; ``_on_batch_error`` settles
 the rows of a step that failed in a worker that goes on the same way.
+
+Preemption (``preempt_for_priority``): ``_pump`` asks ``preemption.py`` which running
+attempts give way to more urgent requests once no open worker has a slot; ``_preempt``
+cancels each and queues its request again, and ``_on_chunk`` / ``_on_done`` keep a
+rerun from streaming again what its caller saw (``Run.skip``).
 """
 
 from __future__ import annotations
@@ -44,24 +49,18 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from modelpool import placement
+from modelpool import placement, preemption
 from modelpool.config import PoolConfig
 from modelpool.errors import (
     Attempt,
     BackendError,
-    ContextLengthExceeded,
-    CudaError,
     DeadlineExceeded,
-    InvalidRequest,
     ModelLoadFailed,
     Outcome,
-    OutOfMemory,
     PoolClosed,
     PoolError,
     WorkerCrashed,
-    WrongTask,
 )
-from modelpool.grammar import grammar_refusal
 from modelpool.observe import (
     AttemptRecord,
     Observers,
@@ -80,9 +79,9 @@ from modelpool.records import (
     Worker,
 )
 from modelpool.results import Result, set_future
-from modelpool.retries import Retries
+from modelpool.retries import Retries, backend_failure, worker_refusal
 from modelpool.stats import COUNTER_NAMES, DeviceStats, PoolStats, percentiles
-from modelpool.worker_manager import WorkerManager, pool_device
+from modelpool.worker_manager import WorkerManager
 
 logger = logging.getLogger(__name__)
 worker_logger = logging.getLogger("modelpool.worker")
@@ -217,7 +216,8 @@ class Dispatcher:
         request.caller_gone = request.caller_gone or caller_gone
         if request.state in ("queued", "backoff"):
             self.queue.pop(request_id, None)
-            self._resolve_cancelled(request, "", None)
+            # A preempted request waiting to run again has shown its caller this much.
+            self._resolve_cancelled(request, request.shown, None)
             return
         run = request.run
         if request.state != "running" or run is None or request.cancel_requested:
@@ -400,20 +400,48 @@ class Dispatcher:
     # ---- requests to workers -------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Hand queued requests to workers, by the rules of ``placement.py``."""
+        """Hand queued requests to workers, by the rules of ``placement.py``; with every
+        slot taken, preempt for the more urgent ones that still wait (``preemption.py``)."""
         if not self.queue:
             return
         open_workers = placement.open_workers(
             self.workers.values(), self.worker_manager.retire_reason
         )
-        if not open_workers:
-            return
-        order = dispatch_order(
-            self.queue.values(), now=self.clock(), aging_s=self.config.priority_aging_s
+        may_preempt = self.config.preempt_for_priority and preemption.worth_looking(
+            self.priorities.waiting, self.workers.values()
         )
+        if not open_workers and not may_preempt:
+            return
+        now = self.clock()
+        order = dispatch_order(self.queue.values(), now=now, aging_s=self.config.priority_aging_s)
         for request, worker in placement.assign(order, open_workers):
             del self.queue[request.request_id]
             self._dispatch(request, worker)
+        if not may_preempt or any(len(w.runs) < w.slots for w in open_workers):
+            return  # a free slot left: what still waits waits for a rule, not a slot
+        waiting = [request for request in order if request.state == "queued"]
+        for run in preemption.choose_victims(
+            waiting,
+            self.workers.values(),
+            now=now,
+            aging_s=self.config.priority_aging_s,
+            min_time_left_s=2 * self.predictor.run_s,
+        ):
+            self._preempt(run)
+
+    def _preempt(self, run: Run) -> None:
+        """Give ``run``'s slot to a more urgent request: cancel it, record the attempt as
+        "preempted" (not charged) and queue its request again, first of its priority."""
+        worker = run.worker
+        run.preempted = True
+        self.counters["preemptions"] += 1
+        self.predictor.dispatched(preempted=True)
+        self._soft_cancel(worker, run, "preempt")
+        request = self._end_attempt(run, "preempted")
+        request.preemptions += 1
+        if request.streamed and len(request.last_partial) > len(request.shown):
+            request.shown = request.last_partial  # what its caller has seen (rerun: all of it)
+        self.retries.requeue(request)
 
     def _dispatch(self, request: Request, worker: Worker) -> None:
         now = self.clock()
@@ -430,6 +458,7 @@ class Dispatcher:
             started_at=now,
             deadline=attempt_deadline,
             alone=worker.slots > 1 and request.isolated,
+            skip=request.shown,
         )
         if not worker.runs:
             # One-call workers: the stall clock starts at the first progress after the worker
@@ -445,6 +474,7 @@ class Dispatcher:
         self._dequeued(request)
         self.priorities.queued(request.priority, -1)
         self.priorities.dispatched_one(request.priority)
+        self.predictor.dispatched(preempted=False)
         request.state = "running"
         request.run = run
         worker.state = "busy"
@@ -482,8 +512,24 @@ class Dispatcher:
                 run.record.first_token_at = now
             if run.owner.first_token_at is None:
                 run.owner.first_token_at = now
-        if run.request is not None:
-            self._deliver_chunk(run.request, text, counts)
+        if run.request is None:
+            return
+        if run.skip:  # a rerun after a preemption: what its caller saw is not sent twice
+            verdict, text = preemption.continue_stream(run, text)
+            if verdict == "diverged":
+                self._soft_cancel(worker, run, "diverged")
+                self._rerun_diverged(run)
+                return
+            if not text:
+                return
+        self._deliver_chunk(run.request, text, counts)
+
+    def _rerun_diverged(self, run: Run) -> None:
+        """A preempted request's rerun gave other text than its caller was shown: its
+        stream cannot go on as one answer, so the request fails (and is not retried)."""
+        request = self._end_attempt(run, "error")
+        message = f"preempted, then rerun on worker pid {run.worker.pid} with other text"
+        self._fail(request, BackendError(f"{message} than it had streamed (not deterministic)"))
 
     def _deliver_chunk(
         self, request: Request, text: str, counts: TokenCounts | None = None
@@ -514,6 +560,9 @@ class Dispatcher:
         if request is None:
             return
         cancelled = request.cancel_requested or generation.finish_reason == "cancelled"
+        if not cancelled and run.skip and not generation.text.startswith(run.skip):
+            self._rerun_diverged(run)
+            return
         self._end_attempt(run, "cancelled" if cancelled else "ok")
         if not cancelled:
             self.predictor.observe(
@@ -527,7 +576,7 @@ class Dispatcher:
             return
         if request.on_chunk is not None:
             # A backend may return text it never emitted; a stream still gets all of it.
-            sent = run.partial_text()
+            sent = run.skip or run.partial_text()
             if len(generation.text) > len(sent) and generation.text.startswith(sent):
                 self._deliver_chunk(request, generation.text[len(sent) :])
         self._succeed(request, generation, worker.pid)
@@ -590,9 +639,9 @@ class Dispatcher:
             # A refusal is the request's fault, not the attempt's: no failed attempt is
             # recorded and nothing is retried (another worker would refuse it the same way).
             self._end_attempt(run, None)
-            self._fail(request, _refusal(text, detail))
+            self._fail(request, worker_refusal(text, detail))
             return
-        outcome, error = _typed_backend_error(worker, kind, text, remote_traceback, details)
+        outcome, error = backend_failure(worker, kind, text, remote_traceback, details)
         self._end_attempt(run, outcome)
         self.retries.attempt_failed(request, worker, outcome, error)
 
@@ -615,9 +664,11 @@ class Dispatcher:
         self.worker_manager.maybe_retire(worker)
 
     def _update_busy_state(self, worker: Worker) -> None:
-        """ "cancelling" once every running attempt on it was asked to stop, else "busy"."""
+        """ "cancelling" once every running attempt on it was asked to stop, else "busy".
+        A preempted run does not count: its worker stays open for the urgent request."""
         if worker.state in ("busy", "cancelling"):
-            cancelling = all(run.cancel_sent for run in worker.runs.values())
+            runs = [run for run in worker.runs.values() if not run.preempted]
+            cancelling = bool(runs) and all(run.cancel_sent for run in runs)
             worker.state = "cancelling" if cancelling else "busy"
 
     # ---- deadlines, stalls, the kill ladder ----------------------------------------------
@@ -775,13 +826,11 @@ class Dispatcher:
         self.worker_manager.after_backend_error(worker, kind, text, details)
         self.retries.batch_lost(
             worker,
-            _typed_backend_error(worker, kind, text, remote_traceback, details)[0],
+            backend_failure(worker, kind, text, remote_traceback, details)[0],
             f"a batched step failed on worker pid {worker.pid}: {text}",
             None,
             runs=runs,
-            backend_error=lambda: _typed_backend_error(
-                worker, kind, text, remote_traceback, details
-            )[1],
+            backend_error=lambda: backend_failure(worker, kind, text, remote_traceback, details)[1],
         )
         for run in runs:
             self._run_ended(worker, run)
@@ -946,47 +995,3 @@ class Dispatcher:
         if not self._started_reported:
             self._started_reported = True
             self.on_started(error)
-
-
-def _refusal(
-    text: str, detail: tuple[int, int | None, int] | Mapping[str, Any] | None
-) -> InvalidRequest:
-    """The typed error for a worker's refusal; ``detail`` carries a context refusal's numbers
-    or a grammar refusal's bound, param and keyword."""
-    if isinstance(detail, Mapping):
-        if "task" in detail:
-            return WrongTask(text, task=str(detail["task"]))
-        return grammar_refusal(text, detail)
-    if detail is None:
-        return InvalidRequest(text)
-    prompt_tokens, max_new_tokens, max_model_len = detail
-    return ContextLengthExceeded(
-        text,
-        prompt_tokens=prompt_tokens,
-        max_new_tokens=max_new_tokens,
-        max_model_len=max_model_len,
-    )
-
-
-def _typed_backend_error(
-    worker: Worker, kind: str, text: str, remote_traceback: str, details: Mapping[str, Any]
-) -> tuple[Outcome, BackendError]:
-    """The attempt's outcome and the typed error for what a worker's backend raised."""
-    if kind == "oom":
-        device = pool_device(worker, details.get("device"))
-        return "oom", OutOfMemory(
-            f"CUDA out of memory on worker pid {worker.pid} ({device or worker.device}): {text}",
-            remote_traceback=remote_traceback,
-            device=device,
-            bytes_requested=details.get("bytes_requested"),
-        )
-    if kind == "cuda_error":
-        return "cuda_error", CudaError(
-            f"CUDA error on worker pid {worker.pid} ({worker.device}); the worker was "
-            f"replaced: {text}",
-            remote_traceback=remote_traceback,
-        )
-    return "error", BackendError(
-        f"the backend raised on worker pid {worker.pid}: {text}",
-        remote_traceback=remote_traceback,
-    )

@@ -45,13 +45,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Outcome = Literal["ok", "timeout", "crash", "cancelled", "error", "collateral", "oom", "cuda_error"]
+Outcome = Literal[
+    "ok", "timeout", "crash", "cancelled", "error", "collateral", "preempted", "oom", "cuda_error"
+]
 """What became of one attempt. "collateral": the request's worker died or was killed because of
 something in its batch while the request had shown its caller nothing; it was retried at once
-and the attempt is not charged to its retry budget. "oom": the backend ran out of GPU memory;
-"cuda_error": a CUDA error that leaves the worker's context unusable. "ok" and "cancelled" end a
-request with a Result, so they are in the dispatcher's records but never in an error's
-attempts."""
+and the attempt is not charged to its retry budget. "preempted": a more urgent request took
+its slot (``preempt_for_priority``); it was queued again, not charged either. "oom": the
+backend ran out of GPU memory; "cuda_error": a CUDA error that leaves the worker's context
+unusable. "ok" and "cancelled" end a request with a Result, so they are in the dispatcher's
+records but never in an error's attempts."""
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from modelpool import gpu
@@ -710,6 +710,7 @@ class ModelPool:
             # A generation's only: an embedding's params are the pool's defaults, unused.
             max_new_tokens=params.get("max_new_tokens") if generation else None,
             traceparent=traceparent,
+            reproducible=_reproducible(params),
         )
         self._futures[request_id] = future
         if not loop.post(loop.dispatcher.submit, request):
@@ -1000,3 +1001,10 @@ class _NoIO:
 
     def gpu_workers_changed(self, workers: list[GpuWorker]) -> None:
         return None
+
+
+def _reproducible(params: Mapping[str, Any]) -> bool:
+    """Would running the request again give the same text: greedy decoding (the backends'
+    rule: sampling with ``do_sample``, else with a temperature above 0), or a seed."""
+    sampled = params.get("do_sample", (params.get("temperature") or 0) > 0)
+    return not sampled or params.get("seed") is not None

@@ -11,9 +11,12 @@ more than it would in a first-come-first-served queue::
 
 ``WaitPredictor`` is the admission side (``max_queue_time_s``): moving averages of what
 finished runs measured (time from dispatch to the first token, time from dispatch to the
-end, prefill and decode tokens per second) and, from them, a new request's predicted
-time to first token given the requests ahead of it, and the share of the slots that more
-urgent requests took of the last dispatches (they will pass it too)::
+end and its spread, prefill and decode tokens per second) and, from them, a new request's
+predicted time to first token given the requests ahead of it, and the share of the slots
+that more urgent requests took of the last dispatches (they will pass it too), and of
+the slot time lost to runs they preempted. It is meant to err long: a run is counted at
+its mean plus its mean deviation, so that a request it admits meets its bound even when
+the runs ahead of it are long ones::
 
     predictor.observe(run_s=0.8, ttft_s=0.1, prompt_tokens=40, completion_tokens=32)
     predictor.predict_ttft(ahead=6, free=0, capacity=4)   # 6 ahead, 4 slots busy
@@ -39,6 +42,8 @@ MIN_SAMPLES = 3
 MIN_SHARE = 0.05
 # Dispatches whose priorities say what share of the slots each priority takes.
 RECENT_DISPATCHES = 256
+# Weight of the newest dispatch or preemption in the share of runs preempted.
+PREEMPTED_WEIGHT = 1 / RECENT_DISPATCHES
 
 
 def urgent_share(dispatched_by_priority: Mapping[int, int], priority: int) -> float:
@@ -108,6 +113,10 @@ class WaitPredictor:
     def __init__(self) -> None:
         self.samples = 0
         self.run_s = 0.0
+        self.run_spread_s = 0.0  # the moving mean of |run - its moving average|
+        # Of the recent dispatches and preemptions, the share that were preemptions: the
+        # slot time lost to runs that will run again (preempt_for_priority).
+        self.preempted_share = 0.0
         self.ttft_s = 0.0
         self.prefill_tokens_per_s = 0.0
         self.decode_tokens_per_s = 0.0
@@ -128,6 +137,8 @@ class WaitPredictor:
         first = ttft_s if ttft_s is not None else run_s
         self.prompt_tokens += prompt_tokens or 0
         self.completion_tokens += completion_tokens or 0
+        if self.samples:
+            self.run_spread_s = self._mix(self.run_spread_s, abs(run_s - self.run_s))
         self.run_s = self._mix(self.run_s, run_s)
         self.ttft_s = self._mix(self.ttft_s, first)
         if prompt_tokens and first > 0:
@@ -139,6 +150,10 @@ class WaitPredictor:
             )
         self.samples += 1
 
+    def dispatched(self, *, preempted: bool) -> None:
+        """A run was dispatched (False) or preempted (True)."""
+        self.preempted_share += PREEMPTED_WEIGHT * (float(preempted) - self.preempted_share)
+
     def _mix(self, old: float, new: float) -> float:
         return new if self.samples == 0 else old + EWMA_WEIGHT * (new - old)
 
@@ -146,21 +161,26 @@ class WaitPredictor:
         self, *, ahead: int, free: int, capacity: int, urgent_share: float = 0.0
     ) -> float | None:
         """Seconds until a new request's first token: the ``ahead - free + 1``-th request
-        in line leaves the queue once that many runs ended, ``capacity / run_s`` runs
-        ending per second, of which ``urgent_share`` go to more urgent requests that
-        arrive meanwhile and pass it; then its own time to first token. None until
-        measured."""
+        in line leaves the queue once that many runs ended, ``capacity`` runs of
+        ``run_s + run_spread_s`` each ending at once, of which ``urgent_share`` go to
+        more urgent requests that arrive meanwhile and pass it, and, when there are such,
+        ``preempted_share`` are lost to runs they preempt (those run again, first); then
+        its own time to first token. None until measured."""
         if self.samples < MIN_SAMPLES or capacity <= 0:
             return None
         in_line = max(0, ahead - free + 1)
-        left_for_it = max(1.0 - urgent_share, MIN_SHARE)
-        return in_line * self.run_s / (capacity * left_for_it) + self.ttft_s
+        lost = self.preempted_share if urgent_share > 0 else 0.0
+        left_for_it = max(1.0 - urgent_share - lost, MIN_SHARE)
+        run_s = self.run_s + self.run_spread_s
+        return in_line * run_s / (capacity * left_for_it) + self.ttft_s
 
     def to_dict(self) -> dict[str, float | int]:
         """What stats show under ``throughput``."""
         return {
             "samples": self.samples,
             "run_s": round(self.run_s, 4),
+            "run_spread_s": round(self.run_spread_s, 4),
+            "preempted_share": round(self.preempted_share, 4),
             "ttft_s": round(self.ttft_s, 4),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 1),

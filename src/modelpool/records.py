@@ -79,6 +79,12 @@ class Request:
     batch_failures: int = 0
     suspected_in: list[FailedBatch] = field(default_factory=list)
     alone_failures: int = 0
+    # Preemption (Dispatcher._preempt): may it run again from the start and be sure to
+    # give the same text (greedy or seeded), and the text its caller was already shown
+    # by attempts a more urgent request preempted, which a rerun does not stream again.
+    reproducible: bool = True
+    shown: str = ""
+    preemptions: int = 0
 
     @property
     def isolated(self) -> bool:
@@ -116,6 +122,11 @@ class Run:
     grace_timer: Timer | None = None
     first_token_at: float | None = None
     record: AttemptRecord | None = None  # its entry in the owner's attempt_log
+    preempted: bool = False  # cancelled for a more urgent request: its slot is on its way
+    # A rerun after a preemption: the text its caller was shown already (not streamed
+    # again), and how much of its own text has arrived.
+    skip: str = ""
+    produced: int = 0
 
     def partial_text(self) -> str:
         return "".join(self.chunks)

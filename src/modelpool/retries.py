@@ -7,7 +7,8 @@ to) and either fails the request or queues it again, away from the worker that f
 it. :meth:`Retries.batch_lost` settles every request of a batched worker that died, was
 killed or failed a step: innocents are retried as "collateral" (not charged), suspects
 are tracked so that a poison request takes down at most two batches, and a request that
-fails alone after that fails with ``PoisonRequest``.
+fails alone after that fails with ``PoisonRequest``. :func:`backend_failure` and
+:func:`worker_refusal` type what a worker's backend raised or refused.
 
 It owns one piece of state, ``avoiding``: for each worker, the retries that must not go
 back to it. It runs on the dispatcher thread, with the dispatcher's clock, timers,
@@ -19,18 +20,27 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from modelpool.config import PoolConfig
 from modelpool.errors import (
+    BackendError,
+    ContextLengthExceeded,
+    CudaError,
     DeadlineExceeded,
+    InvalidRequest,
     Outcome,
+    OutOfMemory,
     PoisonRequest,
     PoolError,
     WorkerCrashed,
+    WrongTask,
 )
+from modelpool.grammar import grammar_refusal
 from modelpool.observe import WorkerEvent
 from modelpool.records import FailedBatch, Request, Run, TimerHeap, Worker
+from modelpool.worker_manager import pool_device
 
 logger = logging.getLogger("modelpool.dispatcher")
 
@@ -182,7 +192,9 @@ class Retries:
             allowed = sum(a.outcome == "oom" for a in request.attempts) <= policy.oom_retries
         else:
             allowed = outcome in policy.on
-        charged = sum(attempt.outcome != "collateral" for attempt in request.attempts)
+        charged = sum(
+            attempt.outcome not in ("collateral", "preempted") for attempt in request.attempts
+        )
         retry = (
             allowed
             and charged <= policy.max_retries
@@ -260,3 +272,47 @@ class Retries:
         self.queue[request.request_id] = request
         if not request.isolated:
             self.queue.move_to_end(request.request_id, last=False)
+
+
+def worker_refusal(
+    text: str, detail: tuple[int, int | None, int] | Mapping[str, Any] | None
+) -> InvalidRequest:
+    """The typed error for a worker's refusal; ``detail`` carries a context refusal's numbers
+    or a grammar refusal's bound, param and keyword, or the task of a model asked for another."""
+    if isinstance(detail, Mapping):
+        if "task" in detail:
+            return WrongTask(text, task=str(detail["task"]))
+        return grammar_refusal(text, detail)
+    if detail is None:
+        return InvalidRequest(text)
+    prompt_tokens, max_new_tokens, max_model_len = detail
+    return ContextLengthExceeded(
+        text,
+        prompt_tokens=prompt_tokens,
+        max_new_tokens=max_new_tokens,
+        max_model_len=max_model_len,
+    )
+
+
+def backend_failure(
+    worker: Worker, kind: str, text: str, remote_traceback: str, details: Mapping[str, Any]
+) -> tuple[Outcome, BackendError]:
+    """The attempt's outcome and the typed error for what a worker's backend raised."""
+    if kind == "oom":
+        device = pool_device(worker, details.get("device"))
+        return "oom", OutOfMemory(
+            f"CUDA out of memory on worker pid {worker.pid} ({device or worker.device}): {text}",
+            remote_traceback=remote_traceback,
+            device=device,
+            bytes_requested=details.get("bytes_requested"),
+        )
+    if kind == "cuda_error":
+        return "cuda_error", CudaError(
+            f"CUDA error on worker pid {worker.pid} ({worker.device}); the worker was "
+            f"replaced: {text}",
+            remote_traceback=remote_traceback,
+        )
+    return "error", BackendError(
+        f"the backend raised on worker pid {worker.pid}: {text}",
+        remote_traceback=remote_traceback,
+    )

@@ -36,6 +36,7 @@ COUNTER_NAMES = (
     "cuda_oom",
     "cuda_errors",
     "queue_full",
+    "preemptions",
 )
 
 

@@ -3,12 +3,16 @@
 README, Priority and queue-time bounds: a bad value is a 400 naming the field; a
 higher-priority request goes into the pool before lower ones that waited longer (fair
 share applies within one priority); a request whose predicted wait passes its bound is
-a 429 ``queue_full`` at once, with a ``Retry-After``, and an accepted one is served.
+a 429 ``queue_full`` at once, with a ``Retry-After``, and an accepted one is served; a
+more urgent request goes into a full pool and preempts a less urgent one, whose stream
+reads as one answer.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,8 +53,9 @@ def test_higher_priority_goes_in_first_and_a_late_one_is_refused(one_worker: Dae
     for _ in range(3):  # the predictor's samples: runs of about 0.4 s
         assert _post(one_worker, {"prompt": "tokens:4:0.1"}).status_code == 200
     with concurrent.futures.ThreadPoolExecutor(8) as threads:
-        # 3 s: long enough for the others to queue behind it on a loaded machine.
-        blocker = threads.submit(_post, one_worker, {"prompt": "tokens:60:0.05"})
+        # 3 s: long enough for the others to queue behind it on a loaded machine; more
+        # urgent than all of them, so that none preempts it.
+        blocker = threads.submit(_post, one_worker, {"prompt": "tokens:60:0.05", "priority": -5})
         wait_for(
             one_worker.stats,
             lambda s: s["running"] == 1,
@@ -89,3 +94,35 @@ def test_higher_priority_goes_in_first_and_a_late_one_is_refused(one_worker: Dae
     # The three low ones were sent together: their arrival order is the threads'.
     assert texts[0] == "high" and sorted(texts[1:]) == ["low0", "low1", "low2"]
     assert one_worker.stats()["counters"]["queue_full"] == 1
+
+
+def _stream_texts(daemon: Daemon, body: dict[str, object], started: list[float]) -> list[str]:
+    """The text of each event of a streamed completion."""
+    texts = []
+    with httpx.stream(
+        "POST", f"{daemon.url}/v1/completions", json={**body, "stream": True}, timeout=slack(30)
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                texts.append(json.loads(line[len("data: ") :])["choices"][0]["text"])
+                started.append(time.monotonic())
+    return texts
+
+
+@pytest.mark.slow
+def test_an_urgent_request_preempts_a_streaming_low_one(one_worker: Daemon) -> None:
+    expected = "".join(f"t{i} " for i in range(30))
+    events: list[float] = []
+    with concurrent.futures.ThreadPoolExecutor(2) as threads:
+        low = threads.submit(
+            _stream_texts, one_worker, {"prompt": "tokens:30:0.1", "priority": 5}, events
+        )
+        wait_for(lambda: len(events), lambda n: n >= 3, timeout=slack(10), what="streaming")
+        urgent = _post(one_worker, {"prompt": "echo:urgent", "priority": 0})
+        answered_at = time.monotonic()
+        assert urgent.status_code == 200 and urgent.json()["choices"][0]["text"] == "urgent"
+        texts = low.result()
+    assert events[-1] > answered_at, "the urgent request did not wait for the long one"
+    assert "".join(texts) == expected, "a token twice, or one lost"
+    assert one_worker.stats()["counters"]["preemptions"] >= 1

@@ -45,7 +45,7 @@ def test_a_higher_priority_request_runs_before_lower_ones_that_waited_longer() -
             with lock:
                 finished.append(name)
 
-        blocker = pool.submit("tokens:10:0.05")
+        blocker = pool.submit("tokens:10:0.05", priority=-5)  # none preempts it
         wait_busy(pool, 1)
         futures = [pool.submit(f"echo:low{i}", priority=5) for i in range(3)]
         futures.append(pool.submit("echo:high", priority=-1))

@@ -153,3 +153,65 @@ def test_a_run_that_waited_aging_s_goes_ahead_of_any_priority() -> None:
     order = _admission_order(fair, [("a", "a-low", 9), ("b", "b-high", -9)])
     assert order == ["a-low", "b-high"]
     assert fair.waiting_ahead(0) == 0
+
+
+def test_with_preempt_a_more_urgent_run_goes_into_a_full_pool_once_per_less_urgent_run() -> None:
+    """The pool preempts for it (preempt_for_priority): one beyond capacity for each less
+    urgent run in the pool, no more; an equally urgent run waits its turn."""
+
+    async def scenario() -> tuple[list[str], int]:
+        fair = FairShare(capacity=1, max_running=None, max_queued=8, max_waiting=64, preempt=True)
+        order: list[str] = []
+        gate = asyncio.Event()
+
+        async def run(client: str, name: str, priority: int) -> None:
+            ticket = fair.reserve(client, 1, priority=priority)
+            try:
+                async with ticket.slot(deadline_s=10):
+                    order.append(name)
+                    await gate.wait()
+            finally:
+                ticket.close()
+
+        tasks = [asyncio.ensure_future(run("a", "low", 5))]
+        await _until(lambda: order == ["low"])
+        tasks.append(asyncio.ensure_future(run("b", "high", 0)))
+        await _until(lambda: order == ["low", "high"])
+        tasks.append(asyncio.ensure_future(run("c", "high2", 0)))
+        tasks.append(asyncio.ensure_future(run("d", "low2", 5)))
+        for _ in range(5):  # both had their chance to go in: they wait
+            await asyncio.sleep(0)
+        in_pool = fair.snapshot()["in_pool"]
+        gate.set()
+        await asyncio.wait_for(asyncio.wait(tasks), 5)
+        return order, in_pool
+
+    order, in_pool = asyncio.run(scenario())
+    assert in_pool == 2, "the low run and the one urgent run it can give way to"
+    assert order[:2] == ["low", "high"] and sorted(order[2:]) == ["high2", "low2"]
+
+
+def test_with_preempt_a_client_may_preempt_its_own_background_run() -> None:
+    async def scenario() -> list[str]:
+        fair = FairShare(capacity=1, max_running=None, max_queued=8, max_waiting=64, preempt=True)
+        order: list[str] = []
+        gate = asyncio.Event()
+
+        async def run(name: str, priority: int) -> None:
+            ticket = fair.reserve("a", 1, priority=priority)
+            try:
+                async with ticket.slot(deadline_s=10):
+                    order.append(name)
+                    await gate.wait()
+            finally:
+                ticket.close()
+
+        tasks = [asyncio.ensure_future(run("background", 5))]
+        await _until(lambda: order == ["background"])
+        tasks.append(asyncio.ensure_future(run("interactive", 0)))
+        await _until(lambda: order == ["background", "interactive"])
+        gate.set()
+        await asyncio.wait_for(asyncio.wait(tasks), 5)
+        return order
+
+    assert asyncio.run(scenario()) == ["background", "interactive"]

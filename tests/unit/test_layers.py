@@ -43,6 +43,7 @@ SUPERVISOR_SIDE = (
     "modelpool.preflight",
     "modelpool.stats",
     "modelpool.queueing",
+    "modelpool.preemption",
     "modelpool.observe",
     "modelpool.tracing",
 )

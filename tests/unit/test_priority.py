@@ -22,7 +22,7 @@ def _queued_counts(world: World) -> dict[int, int]:
 
 
 def test_a_higher_priority_request_takes_the_next_free_slot() -> None:
-    world = World(workers=1, batch=1)
+    world = World(workers=1, batch=1, preempt_for_priority=False)
     busy = world.submit("p0")
     low = [world.submit(f"low{index}", priority=5) for index in range(3)]
     high = world.submit("high", priority=-1)
@@ -47,7 +47,7 @@ def test_aging_promotes_a_request_that_waited_priority_aging_s() -> None:
 
 
 def test_a_retry_keeps_its_priority_and_goes_first_within_it() -> None:
-    world = World(workers=1, spares=1, batch=1)
+    world = World(workers=1, spares=1, batch=1, preempt_for_priority=False)
     first = world.submit("p0", priority=1)
     same = world.submit("p1", priority=1)
     better = world.submit("p2", priority=0)
@@ -132,6 +132,36 @@ def test_the_predictor_needs_samples_then_counts_the_line() -> None:
     assert urgent_share({0: 20, 10: 80}, 10) == pytest.approx(0.2)
     assert urgent_share({0: 20, 10: 80}, 0) == 0.0
     assert urgent_share({}, 3) == 0.0
+
+
+def test_the_predictor_counts_runs_long_by_their_spread() -> None:
+    """Runs of 0.5 s and 1.5 s average 1 s; a line of them is predicted at the mean plus
+    the mean deviation (issue 38: an admitted request timed out behind long runs)."""
+    steady, uneven = WaitPredictor(), WaitPredictor()
+    for n in range(40):
+        steady.observe(run_s=1.0, ttft_s=0.25, prompt_tokens=10, completion_tokens=5)
+        uneven.observe(run_s=0.5 + n % 2, ttft_s=0.25, prompt_tokens=10, completion_tokens=5)
+    assert steady.to_dict()["run_spread_s"] == 0.0
+    assert uneven.run_s == pytest.approx(1.0, abs=0.1)
+    assert 0.3 < uneven.run_spread_s < 0.6
+    steady_s = steady.predict_ttft(ahead=3, free=0, capacity=2)
+    uneven_s = uneven.predict_ttft(ahead=3, free=0, capacity=2)
+    assert steady_s is not None and uneven_s is not None
+    assert uneven_s - steady_s == pytest.approx(2 * uneven.run_spread_s, abs=0.2)
+
+
+def test_the_predictor_counts_the_slot_time_lost_to_preempted_runs() -> None:
+    predictor = WaitPredictor()
+    for _ in range(5):
+        predictor.observe(run_s=1.0, ttft_s=0.25, prompt_tokens=10, completion_tokens=5)
+    for n in range(2000):  # one run in five is preempted
+        predictor.dispatched(preempted=n % 5 == 4)
+    assert predictor.preempted_share == pytest.approx(0.2, abs=0.05)
+    share = predictor.preempted_share
+    slowed = predictor.predict_ttft(ahead=3, free=0, capacity=2, urgent_share=0.2)
+    assert slowed == pytest.approx(2.0 / (1 - 0.2 - share) + 0.25)
+    # Nothing more urgent: nothing preempts it, the line moves at full speed.
+    assert predictor.predict_ttft(ahead=3, free=0, capacity=2) == pytest.approx(2.25)
 
 
 def test_the_dispatcher_counts_the_priorities_of_its_recent_dispatches() -> None:

@@ -1,13 +1,13 @@
 """The tracer's sampling, decided once a request is over (``PoolTracer(sample_ratio=)``):
 whatever went wrong is traced, the caller's flag decides for its own request, and of the
-rest ``sample_ratio`` are; spans into an in-memory exporter, records made up."""
+rest ``sample_ratio`` are; the export requests kept and decoded, records made up."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from modelpool.observe import AttemptRecord, RequestRecord
 from modelpool.tracing import PoolTracer
@@ -38,13 +38,13 @@ def _record(request_id: str, *, retried: bool = False, traceparent: str | None =
 
 
 def test_only_what_went_wrong_or_was_asked_for_is_traced_at_ratio_zero() -> None:
-    exporter = InMemorySpanExporter()
+    bodies: list[bytes] = []
     pool = FakePool()
     tracer = PoolTracer(
         pool,  # type: ignore[arg-type]
         "http://127.0.0.1:9/v1/traces",
         model_name="m",
-        exporter=exporter,
+        export=bodies.append,
         sample_ratio=0.0,
     )
     caller = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7"
@@ -56,10 +56,18 @@ def test_only_what_went_wrong_or_was_asked_for_is_traced_at_ratio_zero() -> None
     ):
         pool.observers["on_request"](record)
     tracer.force_flush()
+    spans = [
+        span
+        for body in bodies
+        for resource in ExportTraceServiceRequest.FromString(body).resource_spans
+        for scope in resource.scope_spans
+        for span in scope.spans
+    ]
     roots = {
-        span.attributes["modelpool.request_id"]
-        for span in exporter.get_finished_spans()
-        if span.attributes is not None and "modelpool.request_id" in span.attributes
+        attribute.value.string_value
+        for span in spans
+        for attribute in span.attributes
+        if attribute.key == "modelpool.request_id"
     }
     assert roots == {"retried", "asked"}
     tracer.shutdown()

@@ -290,6 +290,7 @@ def create_app(
         max_queued=server_config.client_max_queued,
         max_waiting=sum(c.max_queue for c in configs),
         aging_s=min(c.priority_aging_s for c in configs),
+        preempt=all(c.preempt_for_priority for c in configs),
     )
     shares = {
         spec.name: FairShare(
@@ -298,6 +299,7 @@ def create_app(
             max_queued=server_config.client_max_queued,
             max_waiting=spec.pool.max_queue,
             aging_s=spec.pool.priority_aging_s,
+            preempt=spec.pool.preempt_for_priority,
         )
         for spec in (registry.config.models if registry is not None else ())
     }

@@ -12,7 +12,12 @@ in is one of the lowest priority waiting, and fair share applies between the cli
 that have one of that priority. A run that has waited ``aging_s`` counts as the most
 urgent (the pool's ``priority_aging_s``), so that no priority starves another.
 
-Runs are not preempted, so round robin alone would let a client whose runs are long
+With ``preempt`` (the pool's ``preempt_for_priority``) a run more urgent than some run
+in the pool goes in even when the pool is full, one beyond capacity for each less urgent
+run in the pool: the pool then preempts one of those for it (``preemption.py``); the
+share lets in at most as many such runs as there are less urgent ones to preempt.
+
+Round robin alone would let a client whose runs are long
 fill every worker between two requests of a client whose runs are short, which would
 then wait a whole long run each time. So a free place in the pool is held back for each
 other active client that has nothing running (one that sent a request within
@@ -65,8 +70,14 @@ class FairShare:
         max_queued: int,
         max_waiting: int,
         aging_s: float = 10.0,
+        preempt: bool = False,
     ) -> None:
         self.capacity = capacity
+        self.preempt = preempt
+        # The runs in the pool by priority (all, and each client's): what a more urgent
+        # run could preempt.
+        self._in_pool_by_priority: collections.Counter[int] = collections.Counter()
+        self._client_priorities: dict[str, collections.Counter[int]] = {}
         self.max_running = min(max_running or capacity, capacity)
         self.max_queued = max_queued
         self.max_waiting = max_waiting
@@ -172,8 +183,8 @@ class FairShare:
             del self._reserved[client]
 
     async def _acquire(self, client: str, priority: int) -> None:
-        if client not in self._waiters and self._may_run(client):
-            self._take(client)
+        if client not in self._waiters and self._may_run(client, priority):
+            self._take(client, priority)
             return
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(priority, time.monotonic(), turn)
@@ -182,7 +193,7 @@ class FairShare:
             await turn
         except asyncio.CancelledError:
             if turn.done() and not turn.cancelled():
-                self._release(client)  # admitted just as it was cancelled
+                self._release(client, priority)  # admitted just as it was cancelled
             else:
                 waiters = self._waiters.get(client)
                 if waiters is not None and waiter in waiters:
@@ -191,12 +202,27 @@ class FairShare:
                         del self._waiters[client]
             raise
 
-    def _may_run(self, client: str) -> bool:
+    def _may_run(self, client: str, priority: int) -> bool:
         free = self.capacity - self._in_pool
         running = self._running[client]
-        if free <= 0 or running >= self._max_running(client):
+        if free <= 0:
+            return self.preempt and self._may_preempt(client, priority)
+        if running >= self._max_running(client):
             return False
         return running == 0 or free > self._held_back(client)
+
+    def _may_preempt(self, client: str, priority: int) -> bool:
+        """The pool is full: is there a less urgent run in it that a run of ``priority``
+        would preempt, and that no run let in beyond capacity already claimed. The
+        client's own bound counts its less urgent runs as the ones to give way (a client
+        may preempt its own background work)."""
+        less_urgent = sum(n for level, n in self._in_pool_by_priority.items() if level > priority)
+        own = self._client_priorities.get(client, collections.Counter())
+        own_less_urgent = sum(n for level, n in own.items() if level > priority)
+        return (
+            less_urgent > self._in_pool - self.capacity
+            and self._running[client] < self._max_running(client) + own_less_urgent
+        )
 
     def _held_back(self, client: str) -> int:
         """Places kept free for the other active clients that have nothing running."""
@@ -211,23 +237,34 @@ class FairShare:
                 held += other != client
         return held
 
-    def _take(self, client: str) -> None:
+    def _take(self, client: str, priority: int) -> None:
         self._running[client] += 1
         self._in_pool += 1
+        self._in_pool_by_priority[priority] += 1
+        self._client_priorities.setdefault(client, collections.Counter())[priority] += 1
 
-    def _release(self, client: str) -> None:
+    def _release(self, client: str, priority: int) -> None:
         self._running[client] -= 1
         if self._running[client] <= 0:
             del self._running[client]
         self._in_pool -= 1
+        self._in_pool_by_priority[priority] -= 1
+        if self._in_pool_by_priority[priority] <= 0:
+            del self._in_pool_by_priority[priority]
+        own = self._client_priorities[client]
+        own[priority] -= 1
+        if own[priority] <= 0:
+            del own[priority]
+            if not own:
+                del self._client_priorities[client]
         self._last_active[client] = time.monotonic()
         self._admit()
 
     def _admit(self) -> None:
-        while self._in_pool < self.capacity:
+        while self._in_pool < self.capacity or (self.preempt and self._waiters):
             client, waiter = self._next_waiter()
             if client is None or waiter is None:
-                if self._waiters and self._recheck is None:
+                if self._waiters and self._recheck is None and self._in_pool < self.capacity:
                     # Held back for clients that may have gone: look again once they
                     # no longer count as active.
                     self._recheck = asyncio.get_running_loop().call_later(
@@ -242,7 +279,7 @@ class FairShare:
             if turn.cancelled():
                 # Its task was cancelled and has not run since: it takes no place.
                 continue
-            self._take(client)
+            self._take(client, waiter.priority)
             turn.set_result(None)
 
     def _next_waiter(self) -> tuple[str | None, _Waiter | None]:
@@ -252,9 +289,9 @@ class FairShare:
         now = time.monotonic()
         best: tuple[tuple[int, int], str, _Waiter] | None = None
         for client, waiters in self._waiters.items():
-            if not self._may_run(client):
-                continue
             waiter = min(waiters, key=lambda w: w.urgency(now, self.aging_s))
+            if not self._may_run(client, waiter.priority):
+                continue
             urgency = waiter.urgency(now, self.aging_s)
             if best is None or urgency < best[0]:
                 best = (urgency, client, waiter)
@@ -306,7 +343,7 @@ class Ticket:
         try:
             yield max(deadline_s - (time.monotonic() - started), 0.001)
         finally:
-            self._share._release(self._client)
+            self._share._release(self._client, self.priority)
 
     def _claim(self) -> None:
         if self._unclaimed > 0:

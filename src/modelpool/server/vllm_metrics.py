@@ -121,6 +121,9 @@ class VllmMetrics:
             "prefix_hits": counter(
                 "vllm:prefix_cache_hits", "Prompt tokens read from the prefix cache."
             ),
+            "preemptions": counter(
+                "vllm:num_preemptions", "Attempts preempted for a more urgent request."
+            ),
         }
         self.success = Counter(
             "vllm:request_success",
@@ -176,6 +179,10 @@ class _ModelSeries:
             h["max_generation"].observe(record.max_new_tokens)
         if record.first_token_at is not None:
             h["ttft"].observe(record.first_token_at - record.submitted_at)
+        if len(record.attempts) > 1:
+            preempted = sum(a.outcome == "preempted" for a in record.attempts)
+            if preempted:
+                c["preemptions"].inc(preempted)
         last = record.attempts[-1] if record.attempts else None
         if last is not None and last.ended_at is not None:
             h["inference"].observe(last.ended_at - last.started_at)

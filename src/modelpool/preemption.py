@@ -1,0 +1,133 @@
+"""Preemption for priority: which running attempts give their slot to more urgent requests,
+and how a preempted request's rerun continues its caller's stream.
+
+With ``preempt_for_priority`` (the default), when requests are still queued after
+``_pump`` placed what it could and no open worker has a free slot, the dispatcher asks
+:func:`choose_victims` which running attempts to preempt: for each waiting request, most
+urgent first, the least urgent running attempt of a strictly less urgent priority (of
+those, the one preempted fewest times, then the one started last: it loses the least
+work), never one promoted by aging nor one whose deadline leaves too little time to run
+again (``min_time_left_s``, twice the measured run, from the dispatcher: it would time
+out rather than answer), never more than the waiting requests that a slot already on its way (a
+preempted attempt still winding down) does not cover. The dispatcher soft-cancels each
+victim, records its attempt as "preempted" (not charged to its retries) and queues its
+request again first of its priority; the waiting request takes the slot once the worker lets the
+victim go (its next token or step)::
+
+    if worth_looking(priorities.waiting, workers.values()):
+        victims = choose_victims(waiting, workers.values(), now=clock(), aging_s=10.0)
+
+A rerun starts again from the prompt (the prefix cache makes the prompt cheap to read
+again). A request whose caller was shown text is preempted only when its rerun gives the
+same text (greedy or seeded: ``Request.reproducible``); :func:`continue_stream` then
+drops what the caller saw already, so the stream reads as one answer, no token twice and
+none lost; a rerun that says otherwise (a backend that is not deterministic after all)
+is reported as diverged, and the dispatcher fails the request rather than send a
+contradiction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
+
+from modelpool.records import Request, Run, Worker
+
+
+def preemptible(run: Run, *, now: float, aging_s: float, min_time_left_s: float = 0.0) -> bool:
+    """May ``run`` give its slot to a more urgent request. Not when its deadline leaves
+    less than ``min_time_left_s``: it would not finish a rerun, and preempting it would
+    turn an answer almost done into a timeout."""
+    request = run.request
+    return (
+        request is not None
+        and request.deadline - now >= min_time_left_s
+        and not run.cancel_sent
+        and not run.alone
+        and run.worker.state == "busy"
+        and run.worker.role == "serving"
+        and now - request.submitted_at < aging_s  # promoted: it has waited enough
+        and (request.reproducible or not request.streamed)
+    )
+
+
+def worth_looking(waiting_by_priority: Mapping[int, int], workers: Iterable[Worker]) -> bool:
+    """Is a request waiting more urgent than one running (the cheap check, first)."""
+    if not waiting_by_priority:
+        return False
+    most_urgent = min(waiting_by_priority)
+    return any(
+        run.request is not None and run.request.priority > most_urgent
+        for worker in workers
+        for run in worker.runs.values()
+    )
+
+
+def choose_victims(
+    order: Sequence[Request],
+    workers: Iterable[Worker],
+    *,
+    now: float,
+    aging_s: float,
+    min_time_left_s: float = 0.0,
+) -> list[Run]:
+    """The running attempts to preempt for the waiting requests ``order`` (in dispatch
+    order; see the module docstring). The cost is the number of running attempts plus
+    the victims, not the queue's length."""
+    running = [run for worker in workers for run in worker.runs.values()]
+    freeing = sum(run.preempted for run in running)  # slots already on their way
+    candidates = sorted(
+        (
+            run
+            for run in running
+            if preemptible(run, now=now, aging_s=aging_s, min_time_left_s=min_time_left_s)
+        ),
+        key=_cost_order,
+    )
+    victims: list[Run] = []
+    for waiting in order:
+        if not candidates:
+            break
+        aged = now - waiting.submitted_at >= aging_s
+        if _priority(candidates[-1]) <= waiting.priority:
+            if aged:
+                continue  # promoted ahead of its priority: the ones after it may preempt
+            break  # the rest wait at the same priority or a less urgent one
+        if waiting.isolated:
+            continue  # it needs an empty worker: one freed slot does not make one
+        if freeing > 0:
+            freeing -= 1  # a slot on its way is this one's
+            continue
+        victims.append(candidates.pop())
+    return victims
+
+
+def _priority(run: Run) -> int:
+    assert run.request is not None
+    return run.request.priority
+
+
+def _cost_order(run: Run) -> tuple[int, int, float]:
+    """Sorted by this, the last is the first to preempt: the least urgent, then the one
+    preempted fewest times (no request is preempted over and over while others run on),
+    then the one started last (it loses the least work)."""
+    assert run.request is not None
+    request = run.request
+    return (request.priority, -request.preemptions, run.started_at)
+
+
+def continue_stream(run: Run, text: str) -> tuple[Literal["send", "diverged"], str]:
+    """What of a rerun's chunk ``text`` its caller has not seen: ("send", the unseen part,
+    maybe ""), or ("diverged", "") when the rerun's text is not what was shown."""
+    start = run.produced
+    run.produced += len(text)
+    shown = run.skip
+    if start >= len(shown):
+        return "send", text
+    overlap = min(len(text), len(shown) - start)
+    if text[:overlap] != shown[start : start + overlap]:
+        return "diverged", ""
+    if run.produced >= len(shown):
+        run.skip = ""  # caught up: from here on its chunks go straight through
+        run.produced = 0
+    return "send", text[overlap:]
