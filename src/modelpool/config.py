@@ -108,10 +108,7 @@ class PoolConfig:
     model: str
     # "auto": llama_cpp for a GGUF model on the CPU when llama-cpp-python is installed, else
     # hf (modelpool.backend_choice); ModelPool.start() resolves it and stats() says why.
-    # Not the default yet: the same checkpoint answers differently on llama.cpp (its bf16
-    # weights, computed as they are) than on hf (cast to float32), and the examples, the
-    # evaluation and the embedded model's checks are written against hf's answers.
-    backend: str = "hf"
+    backend: str = "auto"
     backend_options: dict[str, Any] = field(default_factory=dict)
     workers: int = 2
     max_batch_size: int = 1
