@@ -12,7 +12,7 @@ from modelpool import ModelPool, PoolConfig
 
 # A chat model is asked with chat messages, which its chat template renders.
 # A string is raw text, continued as it is: a chat model does not answer it.
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "Name the capital of France."}]
 
 
 async def ask(pool: ModelPool) -> str:

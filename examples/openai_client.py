@@ -18,7 +18,7 @@ client = OpenAI(
 )
 reply = client.chat.completions.create(
     model="smollm2",  # a daemon serves one model, whatever this says
-    messages=[{"role": "user", "content": "What is the capital of France?"}],
+    messages=[{"role": "user", "content": "Name the capital of France."}],
     max_tokens=32,
 )
 print(reply.choices[0].message.content)

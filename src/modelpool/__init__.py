@@ -3,7 +3,7 @@
     from modelpool import ModelPool, PoolConfig
 
     with ModelPool(PoolConfig(model="./my-model", workers=2, deadline_s=30)) as pool:
-        print(pool.generate("What is the capital of France?").text)
+        print(pool.generate("Name the capital of France.").text)
 
 Names are loaded on first use so that a worker process, which imports
 ``modelpool.worker``, never pays for (or imports) the supervisor.

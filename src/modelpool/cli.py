@@ -1,7 +1,7 @@
 """The ``modelpool`` command: serve, generate, stats, config, prepare-model, bench.
 
     modelpool serve [--config FILE] [--host H --port P --workers N --set KEY=VALUE ...]
-    modelpool generate "What is the capital of France?" [--url http://127.0.0.1:8000]
+    modelpool generate "Name the capital of France." [--url http://127.0.0.1:8000]
     modelpool stats [--url URL] [--json]
     modelpool config --show [--config FILE] [flags]   # the effective configuration, as TOML
     modelpool prepare-model
@@ -241,7 +241,9 @@ def _serve(args: argparse.Namespace) -> int:
         except (PoolError, EmbeddedModelError) as exc:
             logger.error("the pool did not start: %s", exc)
             return 1
-        model_name = served_model_name(pool.config, server_config)
+        # The configured model, not the path start() resolved it to: the embedded model's
+        # name is the same on every backend (its GGUF directory is NAME-gguf).
+        model_name = served_model_name(pool_config, server_config)
         app = create_app(pool, server_config, model_name, api_key=api_key)
         logger.info(
             "pool ready (%d workers, model %s); opening http://%s:%d",
@@ -840,8 +842,8 @@ def _config_options(sub: argparse.ArgumentParser, *, server: bool) -> None:
     )
     sub.add_argument(
         "--backend",
-        help="'hf' (the default), 'auto' (llama_cpp for a GGUF model on the CPU when "
-        "installed, else hf), 'llama_cpp', 'testing' or 'pkg.module:factory'",
+        help="'auto' (the default: llama_cpp for a GGUF model on the CPU when installed, "
+        "else hf), 'hf', 'llama_cpp', 'testing' or 'pkg.module:factory'",
     )
     sub.add_argument("--workers", type=int, help=f"serving workers (built-in: {_BUILT_IN.workers})")
     sub.add_argument(

@@ -108,13 +108,14 @@ class PoolConfig:
     model: str
     # "auto": llama_cpp for a GGUF model on the CPU when llama-cpp-python is installed, else
     # hf (modelpool.backend_choice); ModelPool.start() resolves it and stats() says why.
-    # Not the default yet: the same checkpoint answers differently on llama.cpp (its bf16
-    # weights, computed as they are) than on hf (cast to float32), and the examples, the
-    # evaluation and the embedded model's checks are written against hf's answers.
-    backend: str = "hf"
+    backend: str = "auto"
     backend_options: dict[str, Any] = field(default_factory=dict)
     workers: int = 2
     max_batch_size: int = 1
+    # A one-call worker (max_batch_size 1) is sent its next request while it runs one, so
+    # it never waits a round trip for work; recalled when another worker is idle or a
+    # more urgent request is queued (modelpool.prefetch).
+    prefetch: bool = True
     spares: int = 0
     devices: tuple[DeviceEntry, ...] = ("auto",)
     gpus_per_worker: int = 1
@@ -164,6 +165,8 @@ class PoolConfig:
         object.__setattr__(self, "backend_options", dict(self.backend_options))
         _check_int("workers", self.workers, minimum=1)
         _check_int("max_batch_size", self.max_batch_size, minimum=1)
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch must be true or false, got {self.prefetch!r}")
         _check_int("spares", self.spares, minimum=0)
         _check_int("gpus_per_worker", self.gpus_per_worker, minimum=1)
         object.__setattr__(self, "devices", _check_devices(self.devices))

@@ -36,6 +36,10 @@ Preemption (``preempt_for_priority``): ``_pump`` asks ``preemption.py`` which ru
 attempts give way to more urgent requests once no open worker has a slot; ``_preempt``
 cancels each and queues its request again, and ``_on_chunk`` / ``_on_done`` keep a
 rerun from streaming again what its caller saw (``Run.skip``).
+
+Prefetch (``max_batch_size`` 1, ``prefetch.py``): a busy one-call worker holds one run
+more, not started; ``_promote`` starts it when the worker answers, ``_drop_prefetched``
+ends it unrun (cancel, deadline, taken back in ``_pump``), ``on_exit`` requeues it.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from modelpool import placement, preemption
+from modelpool import placement, preemption, prefetch
 from modelpool.config import PoolConfig
 from modelpool.errors import (
     Attempt,
@@ -78,9 +82,10 @@ from modelpool.records import (
     TimerHeap,
     Worker,
 )
-from modelpool.results import Result, set_future
-from modelpool.retries import Retries, backend_failure, worker_refusal
+from modelpool.results import set_future
+from modelpool.retries import Retries
 from modelpool.stats import COUNTER_NAMES, DeviceStats, PoolStats, percentiles
+from modelpool.worker_errors import typed_backend_error, worker_refusal
 from modelpool.worker_manager import WorkerManager
 
 logger = logging.getLogger(__name__)
@@ -125,6 +130,9 @@ class Dispatcher:
         self.crashed = False
         self.created_at = clock()
         self._attempt_ids = itertools.count(1)
+        # Attached runs sent to one-call workers behind their current one (prefetch.py),
+        # by attempt id in dispatch order.
+        self.prefetched: dict[int, Run] = {}
         self._stall_timer: Timer | None = None
         self._started_reported = False
         # Observers of finished requests and worker events (observe.py), the moving
@@ -222,6 +230,9 @@ class Dispatcher:
         run = request.run
         if request.state != "running" or run is None or request.cancel_requested:
             return
+        if run.prefetched:
+            self._resolve_cancelled(self._drop_prefetched(run), "", None)
+            return
         request.cancel_requested = True
         worker = run.worker
         self._soft_cancel(worker, run, "cancel")
@@ -294,7 +305,11 @@ class Dispatcher:
         for lost in runs:
             self.timers.cancel(lost.deadline_timer)
             self.timers.cancel(lost.grace_timer)
-        run = runs[0] if runs else None
+        for waiting in reversed([lost for lost in runs if lost.prefetched]):
+            # Never started there: back to the front of the queue, uncharged.
+            if waiting.request is not None:
+                self.retries.requeue(self._end_attempt(waiting, None))
+        run = runs[0] if runs and not runs[0].prefetched else None
         if run is not None and run.request is not None:
             request = self._end_attempt(run, outcome)
             error = WorkerCrashed(
@@ -400,21 +415,43 @@ class Dispatcher:
     # ---- requests to workers -------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Hand queued requests to workers, by the rules of ``placement.py``; with every
-        slot taken, preempt for the more urgent ones that still wait (``preemption.py``)."""
+        """Hand queued requests to workers, by the rules of ``placement.py``, after taking
+        back the prefetched runs that should not wait where they are (``prefetch.py``);
+        with every slot taken, preempt for the more urgent ones that still wait
+        (``preemption.py``)."""
+        if self.prefetched:
+            by_priority = self.priorities.waiting
+            for run in prefetch.recalls(
+                self.prefetched.values(),
+                self.workers.values(),
+                self.worker_manager.retire_reason,
+                min(by_priority) if by_priority else None,
+                queued=len(self.queue),
+                now=self.clock(),
+                aging_s=self.config.priority_aging_s,
+            ):
+                self.retries.requeue(self._drop_prefetched(run))
         if not self.queue:
             return
-        open_workers = placement.open_workers(
-            self.workers.values(), self.worker_manager.retire_reason
-        )
         may_preempt = self.config.preempt_for_priority and preemption.worth_looking(
             self.priorities.waiting, self.workers.values()
+        )
+        # While a waiting request could preempt, nothing is prefetched: an urgent request
+        # held behind a less urgent run would wait for it instead of taking its slot.
+        capacity = _slots_only if may_preempt else self._capacity
+        open_workers = placement.open_workers(
+            self.workers.values(), self.worker_manager.retire_reason, capacity
         )
         if not open_workers and not may_preempt:
             return
         now = self.clock()
-        order = dispatch_order(self.queue.values(), now=now, aging_s=self.config.priority_aging_s)
-        for request, worker in placement.assign(order, open_workers):
+        order = dispatch_order(
+            self.queue.values(),
+            now=now,
+            aging_s=self.config.priority_aging_s,
+            priorities=len(self.priorities.waiting),
+        )
+        for request, worker in placement.assign(order, open_workers, capacity):
             del self.queue[request.request_id]
             self._dispatch(request, worker)
         if not may_preempt or any(len(w.runs) < w.slots for w in open_workers):
@@ -443,6 +480,9 @@ class Dispatcher:
             request.shown = request.last_partial  # what its caller has seen (rerun: all of it)
         self.retries.requeue(request)
 
+    def _capacity(self, worker: Worker) -> int:
+        return prefetch.capacity(worker, self.config, self.worker_manager.retire_reason)
+
     def _dispatch(self, request: Request, worker: Worker) -> None:
         now = self.clock()
         attempt_deadline = request.deadline
@@ -459,6 +499,7 @@ class Dispatcher:
             deadline=attempt_deadline,
             alone=worker.slots > 1 and request.isolated,
             skip=request.shown,
+            prefetched=worker.slots == 1 and bool(worker.runs),
         )
         if not worker.runs:
             # One-call workers: the stall clock starts at the first progress after the worker
@@ -471,7 +512,8 @@ class Dispatcher:
             request.first_dispatch_at = now
         run.record = AttemptRecord(run.attempt_id, worker.id, worker.pid, now)
         request.attempt_log.append(run.record)
-        self._dequeued(request)
+        if not run.prefetched:  # a prefetched one still counts against max_queue
+            self._dequeued(request)
         self.priorities.queued(request.priority, -1)
         self.priorities.dispatched_one(request.priority)
         self.predictor.dispatched(preempted=False)
@@ -480,7 +522,9 @@ class Dispatcher:
         worker.state = "busy"
         worker.runs[run.attempt_id] = run
         worker.io.send(("run", run.attempt_id, run.slot, request.payload))
-        if attempt_deadline < request.deadline:
+        if run.prefetched:
+            self.prefetched[run.attempt_id] = run  # its attempt deadline starts in _promote
+        elif attempt_deadline < request.deadline:
             run.deadline_timer = self.timers.call_at(
                 attempt_deadline, self._attempt_timed_out, run, "timeout"
             )
@@ -493,6 +537,44 @@ class Dispatcher:
         if request.counted_as_queued:
             request.counted_as_queued = False
             self.on_dequeued()
+
+    def _drop_prefetched(self, run: Run) -> Request:
+        """Detach a prefetched run, unstarted and uncharged: its cancel word makes the worker
+        answer it "cancelled" without running it, an answer nobody waits for."""
+        assert run.worker.io is not None
+        run.worker.io.request_cancel(run.slot, run.attempt_id)
+        run.cancel_sent = run.recalled = True
+        request = run.request
+        assert request is not None
+        partial = request.last_partial  # an earlier attempt's text, not this empty one's
+        self._end_attempt(run, None)
+        request.last_partial = partial
+        return request
+
+    def _promote(self, worker: Worker) -> None:
+        """The one-call worker answered its current run and goes on to its prefetched one:
+        that attempt starts now (its deadline, its stall clock)."""
+        run = next(iter(worker.runs.values()))
+        if not run.prefetched:
+            return
+        run.prefetched = False
+        self.prefetched.pop(run.attempt_id, None)
+        now = run.started_at = self.clock()
+        if run.record is not None:
+            run.record.started_at = now
+        assert worker.io is not None
+        worker.progress_seen = worker.io.progress()
+        worker.progress_at = None
+        request = run.request
+        if request is None:
+            return
+        self._dequeued(request)  # out of max_queue's count now that it runs
+        if self.config.attempt_timeout_s is not None:
+            run.deadline = min(request.deadline, now + self.config.attempt_timeout_s)
+            if run.deadline < request.deadline:
+                run.deadline_timer = self.timers.call_at(
+                    run.deadline, self._attempt_timed_out, run, "timeout"
+                )
 
     # ---- what workers send ---------------------------------------------------------------
 
@@ -554,7 +636,8 @@ class Dispatcher:
         run = self._current_run(worker, attempt_id)
         if run is None:
             return
-        worker.requests += 1
+        if not run.recalled:  # answered unrun: not a request it served
+            worker.requests += 1
         self._run_ended(worker, run)
         request = run.request
         if request is None:
@@ -641,7 +724,7 @@ class Dispatcher:
             self._end_attempt(run, None)
             self._fail(request, worker_refusal(text, detail))
             return
-        outcome, error = backend_failure(worker, kind, text, remote_traceback, details)
+        outcome, error = typed_backend_error(worker, kind, text, remote_traceback, details)
         self._end_attempt(run, outcome)
         self.retries.attempt_failed(request, worker, outcome, error)
 
@@ -656,6 +739,8 @@ class Dispatcher:
         if worker.state not in ("busy", "cancelling"):
             return
         if worker.runs:
+            if not run.prefetched:
+                self._promote(worker)
             self._update_busy_state(worker)
             return
         worker.state = "idle"
@@ -667,25 +752,28 @@ class Dispatcher:
         """ "cancelling" once every running attempt on it was asked to stop, else "busy".
         A preempted run does not count: its worker stays open for the urgent request."""
         if worker.state in ("busy", "cancelling"):
-            runs = [run for run in worker.runs.values() if not run.preempted]
+            runs = [
+                run for run in worker.runs.values() if not run.preempted and not run.prefetched
+            ]
             cancelling = bool(runs) and all(run.cancel_sent for run in runs)
             worker.state = "cancelling" if cancelling else "busy"
 
     # ---- deadlines, stalls, the kill ladder ----------------------------------------------
 
     def _on_request_deadline(self, request: Request) -> None:
-        if request.state in ("queued", "backoff"):
+        run = request.run
+        if request.state == "running" and run is not None and not run.prefetched:
+            self._attempt_timed_out(run, "timeout")
+            return
+        if request.state == "running" and run is not None:
+            self._drop_prefetched(run)  # on a worker, not started: as if still queued
+        elif request.state in ("queued", "backoff"):
             self.queue.pop(request.request_id, None)
-            self.counters["timeouts"] += 1
-            self._fail(
-                request,
-                DeadlineExceeded(
-                    "deadline passed before a worker could finish the request",
-                    partial_text=request.last_partial,
-                ),
-            )
-        elif request.state == "running" and request.run is not None:
-            self._attempt_timed_out(request.run, "timeout")
+        else:
+            return
+        self.counters["timeouts"] += 1
+        message = "deadline passed before a worker could finish the request"
+        self._fail(request, DeadlineExceeded(message, partial_text=request.last_partial))
 
     def _attempt_timed_out(self, run: Run, reason: str) -> None:
         request = run.request
@@ -765,7 +853,11 @@ class Dispatcher:
         busy = False
         for worker in list(self.workers.values()):
             watched = worker.state == "busy" or (worker.slots > 1 and worker.state == "cancelling")
-            attached = [run for run in worker.runs.values() if run.request is not None]
+            attached = [
+                run
+                for run in worker.runs.values()
+                if run.request is not None and not run.prefetched
+            ]
             if not attached or not watched or worker.io is None:
                 continue
             busy = True
@@ -826,11 +918,13 @@ class Dispatcher:
         self.worker_manager.after_backend_error(worker, kind, text, details)
         self.retries.batch_lost(
             worker,
-            backend_failure(worker, kind, text, remote_traceback, details)[0],
+            typed_backend_error(worker, kind, text, remote_traceback, details)[0],
             f"a batched step failed on worker pid {worker.pid}: {text}",
             None,
             runs=runs,
-            backend_error=lambda: backend_failure(worker, kind, text, remote_traceback, details)[1],
+            backend_error=lambda: typed_backend_error(
+                worker, kind, text, remote_traceback, details
+            )[1],
         )
         for run in runs:
             self._run_ended(worker, run)
@@ -848,6 +942,7 @@ class Dispatcher:
         assert request is not None
         run.request = None
         request.run = None
+        self.prefetched.pop(run.attempt_id, None)
         self.timers.cancel(run.deadline_timer)
         if run.record is not None:
             run.record.ended_at = self.clock()
@@ -878,7 +973,7 @@ class Dispatcher:
         if not self._finish(request):
             return
         self.counters["completed"] += 1
-        result = self._result(request, generation, worker_pid)
+        result = request.result(generation, worker_pid, self.clock())
         self.latencies.append(result.latency_s)
         # Observed first: a caller that has its answer finds it in the metrics.
         self._observe(request, "completed", generation)
@@ -899,27 +994,7 @@ class Dispatcher:
         else:
             generation = dataclasses.replace(generation, text=text, finish_reason="cancelled")
         self._observe(request, "cancelled", generation)
-        set_future(request.future, self._result(request, generation, worker_pid))
-
-    def _result(self, request: Request, generation: Generation, worker_pid: int | None) -> Result:
-        now = self.clock()
-        return Result(
-            text=generation.text,
-            finish_reason=generation.finish_reason,
-            request_id=request.request_id,
-            attempts=len(request.attempts),
-            worker_pid=worker_pid,
-            latency_s=now - request.submitted_at,
-            queue_s=(request.first_dispatch_at or now) - request.submitted_at,
-            prompt_tokens=generation.prompt_tokens,
-            completion_tokens=generation.completion_tokens,
-            logprobs=generation.logprobs,
-            prompt_logprobs=generation.prompt_logprobs,
-            cached_tokens=generation.cached_tokens or 0,
-            token_ids=generation.token_ids,
-            stop_sequence=generation.stop_sequence,
-            pooled=generation.pooled,
-        )
+        set_future(request.future, request.result(generation, worker_pid, self.clock()))
 
     def _fail(self, request: Request, error: PoolError) -> None:
         if not self._finish(request):
@@ -951,6 +1026,7 @@ class Dispatcher:
             run = request.run
             if run is not None and run.worker.runs.get(run.attempt_id) is run:
                 run.request = None
+                self.prefetched.pop(run.attempt_id, None)
                 self._soft_cancel(run.worker, run, "close")
             self._fail(request, PoolClosed("the pool closed before the request finished"))
 
@@ -995,3 +1071,8 @@ class Dispatcher:
         if not self._started_reported:
             self._started_reported = True
             self.on_started(error)
+
+
+def _slots_only(worker: Worker) -> int:
+    """The runs ``worker`` may hold when nothing is to be prefetched: its slots."""
+    return worker.slots

@@ -7,7 +7,8 @@ dispatcher dispatches what :func:`assign` returns.
 
 The rules, in order of precedence:
 
-- Only warm serving workers with a free slot take requests; a batched worker is closed
+- Only warm serving workers with a free slot take requests (a busy one-call worker has
+  one more, for a prefetched request: ``modelpool.prefetch``); a batched worker is closed
   while an isolated request runs alone on it, while it is due for retirement, and while
   requests sent to it wait there for KV room (a new one would wait behind them: it waits
   in the pool instead, where stats show it, and goes to the first worker with room).
@@ -38,15 +39,18 @@ more than the least loaded one: the prefill it saves is worth a slot, not a queu
 
 
 def open_workers(
-    workers: Iterable[Worker], retire_reason: Callable[[Worker], str | None]
+    workers: Iterable[Worker],
+    retire_reason: Callable[[Worker], str | None],
+    capacity: Callable[[Worker], int] = lambda worker: worker.slots,
 ) -> list[Worker]:
-    """The workers that may take a request now."""
+    """The workers that may take a request now. ``capacity``: the runs a worker may hold,
+    its slots and any prefetched one (``modelpool.prefetch``)."""
     return [
         worker
         for worker in workers
         if worker.state in ("idle", "busy")
         and worker.role == "serving"
-        and len(worker.runs) < worker.slots
+        and len(worker.runs) < capacity(worker)
         and not any(run.alone for run in worker.runs.values())
         and not (worker.slots > 1 and retire_reason(worker) is not None)
         # One with requests waiting for KV room has rows running, which will leave.
@@ -54,15 +58,20 @@ def open_workers(
     ]
 
 
-def assign(queue: Iterable[Request], candidates: list[Worker]) -> list[tuple[Request, Worker]]:
+def assign(
+    queue: Iterable[Request],
+    candidates: list[Worker],
+    capacity: Callable[[Worker], int] = lambda worker: worker.slots,
+) -> list[tuple[Request, Worker]]:
     """Queued requests and the worker each goes to, in queue order, stopping as soon as
     the free slots are spoken for: the cost is the number of free slots, not the length
     of the queue."""
-    free = {w.id: w.slots - len(w.runs) for w in candidates}
+    size = {w.id: capacity(w) for w in candidates}
+    free = {w.id: size[w.id] - len(w.runs) for w in candidates}
     suspects = {w.id for w in candidates if any(r.owner.suspect for r in w.runs.values())}
     assignments: list[tuple[Request, Worker]] = []
     for request in queue:
-        choice = _choose(request, candidates, free, suspects)
+        choice = _choose(request, candidates, size, free, suspects)
         if choice is None:
             if request.isolated:
                 # It waits for an empty worker: let one drain rather than starve it.
@@ -97,7 +106,11 @@ def prefix_held(request: Request, worker: Worker) -> int:
 
 
 def _choose(
-    request: Request, candidates: list[Worker], free: dict[int, int], suspects: set[int]
+    request: Request,
+    candidates: list[Worker],
+    size: dict[int, int],
+    free: dict[int, int],
+    suspects: set[int],
 ) -> Worker | None:
     """The worker ``request`` goes to now, if any (see the module docstring)."""
     eligible = []
@@ -112,11 +125,16 @@ def _choose(
         eligible.append(worker)
     if not eligible:
         return None
-    least = min(worker.slots - free[worker.id] for worker in eligible)
+    least = min(size[worker.id] - free[worker.id] for worker in eligible)
 
     def preference(worker: Worker) -> tuple[int, int, int]:
-        load = worker.slots - free[worker.id]
-        held = prefix_held(request, worker) if load <= least + PREFIX_LOAD_SLACK else 0
+        load = size[worker.id] - free[worker.id]
+        # A one-call worker's prefix counts only if it would start the request now, not
+        # hold it prefetched behind another while a worker is idle.
+        starts_now = load < worker.slots
+        held = (
+            prefix_held(request, worker) if load <= least + PREFIX_LOAD_SLACK and starts_now else 0
+        )
         return (-held, load, -(worker.kv_free_tokens or 0))
 
     return min(eligible, key=preference)

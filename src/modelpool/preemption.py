@@ -57,7 +57,7 @@ def worth_looking(waiting_by_priority: Mapping[int, int], workers: Iterable[Work
         return False
     most_urgent = min(waiting_by_priority)
     return any(
-        run.request is not None and run.request.priority > most_urgent
+        run.request is not None and not run.prefetched and run.request.priority > most_urgent
         for worker in workers
         for run in worker.runs.values()
     )
@@ -74,7 +74,7 @@ def choose_victims(
     """The running attempts to preempt for the waiting requests ``order`` (in dispatch
     order; see the module docstring). The cost is the number of running attempts plus
     the victims, not the queue's length."""
-    running = [run for worker in workers for run in worker.runs.values()]
+    running = [run for worker in workers for run in worker.runs.values() if not run.prefetched]
     freeing = sum(run.preempted for run in running)  # slots already on their way
     candidates = sorted(
         (

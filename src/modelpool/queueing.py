@@ -55,11 +55,19 @@ def urgent_share(dispatched_by_priority: Mapping[int, int], priority: int) -> fl
     return urgent / total
 
 
-def dispatch_order(queue: Iterable[Request], *, now: float, aging_s: float) -> list[Request]:
-    """The queued requests in the order they go to workers (see the module docstring)."""
+def dispatch_order(
+    queue: Iterable[Request], *, now: float, aging_s: float, priorities: int | None = None
+) -> Iterable[Request]:
+    """The queued requests in the order they go to workers (see the module docstring).
+    ``priorities``: how many distinct priorities the queue holds, when the caller counts
+    them (``PriorityCounts.waiting``). With one, the queue is returned as it is, unread:
+    the dispatcher asks after every event, and a pass over a long queue each time (the
+    set of its priorities) was most of its cost per request under a backlog."""
+    if priorities is not None and priorities <= 1:
+        return queue  # one priority: arrival order already (the common case)
     requests = list(queue)
     if len({request.priority for request in requests}) <= 1:
-        return requests  # one priority: arrival order already (the common case, no sort)
+        return requests
 
     def key(request: Request) -> tuple[int, int]:
         if now - request.submitted_at >= aging_s:

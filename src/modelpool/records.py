@@ -24,8 +24,8 @@ from typing import Any, Literal, Protocol
 
 from modelpool.errors import Attempt, PoolError
 from modelpool.observe import AttemptRecord
-from modelpool.protocol import PrefixCacheReport, WorkerSpec
-from modelpool.results import PoolFuture
+from modelpool.protocol import Generation, PrefixCacheReport, WorkerSpec
+from modelpool.results import PoolFuture, Result
 
 RequestState = Literal["new", "queued", "backoff", "running", "done"]
 WorkerState = Literal["starting", "idle", "busy", "cancelling", "killing", "stopping", "dead"]
@@ -97,6 +97,26 @@ class Request:
         worker."""
         return bool(self.suspected_in)
 
+    def result(self, generation: Generation, worker_pid: int | None, now: float) -> Result:
+        """What the request resolves with: ``generation`` and its own times and attempts."""
+        return Result(
+            text=generation.text,
+            finish_reason=generation.finish_reason,
+            request_id=self.request_id,
+            attempts=len(self.attempts),
+            worker_pid=worker_pid,
+            latency_s=now - self.submitted_at,
+            queue_s=(self.first_dispatch_at or now) - self.submitted_at,
+            prompt_tokens=generation.prompt_tokens,
+            completion_tokens=generation.completion_tokens,
+            logprobs=generation.logprobs,
+            prompt_logprobs=generation.prompt_logprobs,
+            cached_tokens=generation.cached_tokens or 0,
+            token_ids=generation.token_ids,
+            stop_sequence=generation.stop_sequence,
+            pooled=generation.pooled,
+        )
+
 
 @dataclass(eq=False)
 class Run:
@@ -117,6 +137,10 @@ class Run:
     chunks: list[str] = field(default_factory=list)
     cancel_sent: bool = False
     withdraw_sent: bool = False  # asked back from a worker where it waits for KV room
+    # Sent to a one-call worker behind the run it is busy with (modelpool.prefetch): not
+    # started, so no attempt deadline or stall clock yet, and never charged if it is lost.
+    prefetched: bool = False
+    recalled: bool = False  # dropped while prefetched: the worker answers it unrun
     lost: bool = False  # counted against its owner as a failed batch or a failure alone
     deadline_timer: Timer | None = None
     grace_timer: Timer | None = None
@@ -184,8 +208,10 @@ class Worker:
     prefix_cache: PrefixCacheReport | None = None
 
     def free_slot(self) -> int:
+        """The lowest cancel word no run of it holds: below ``slots`` on a batched worker,
+        which holds at most that many; a one-call worker's prefetched run takes word 1."""
         used = {run.slot for run in self.runs.values()}
-        return next(slot for slot in range(self.slots) if slot not in used)
+        return next(slot for slot in range(len(self.runs) + 1) if slot not in used)
 
 
 class DispatcherIO(Protocol):

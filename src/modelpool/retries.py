@@ -7,8 +7,7 @@ to) and either fails the request or queues it again, away from the worker that f
 it. :meth:`Retries.batch_lost` settles every request of a batched worker that died, was
 killed or failed a step: innocents are retried as "collateral" (not charged), suspects
 are tracked so that a poison request takes down at most two batches, and a request that
-fails alone after that fails with ``PoisonRequest``. :func:`backend_failure` and
-:func:`worker_refusal` type what a worker's backend raised or refused.
+fails alone after that fails with ``PoisonRequest``.
 
 It owns one piece of state, ``avoiding``: for each worker, the retries that must not go
 back to it. It runs on the dispatcher thread, with the dispatcher's clock, timers,
@@ -20,27 +19,18 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from modelpool.config import PoolConfig
 from modelpool.errors import (
-    BackendError,
-    ContextLengthExceeded,
-    CudaError,
     DeadlineExceeded,
-    InvalidRequest,
     Outcome,
-    OutOfMemory,
     PoisonRequest,
     PoolError,
     WorkerCrashed,
-    WrongTask,
 )
-from modelpool.grammar import grammar_refusal
 from modelpool.observe import WorkerEvent
 from modelpool.records import FailedBatch, Request, Run, TimerHeap, Worker
-from modelpool.worker_manager import pool_device
 
 logger = logging.getLogger("modelpool.dispatcher")
 
@@ -273,46 +263,3 @@ class Retries:
         if not request.isolated:
             self.queue.move_to_end(request.request_id, last=False)
 
-
-def worker_refusal(
-    text: str, detail: tuple[int, int | None, int] | Mapping[str, Any] | None
-) -> InvalidRequest:
-    """The typed error for a worker's refusal; ``detail`` carries a context refusal's numbers
-    or a grammar refusal's bound, param and keyword, or the task of a model asked for another."""
-    if isinstance(detail, Mapping):
-        if "task" in detail:
-            return WrongTask(text, task=str(detail["task"]))
-        return grammar_refusal(text, detail)
-    if detail is None:
-        return InvalidRequest(text)
-    prompt_tokens, max_new_tokens, max_model_len = detail
-    return ContextLengthExceeded(
-        text,
-        prompt_tokens=prompt_tokens,
-        max_new_tokens=max_new_tokens,
-        max_model_len=max_model_len,
-    )
-
-
-def backend_failure(
-    worker: Worker, kind: str, text: str, remote_traceback: str, details: Mapping[str, Any]
-) -> tuple[Outcome, BackendError]:
-    """The attempt's outcome and the typed error for what a worker's backend raised."""
-    if kind == "oom":
-        device = pool_device(worker, details.get("device"))
-        return "oom", OutOfMemory(
-            f"CUDA out of memory on worker pid {worker.pid} ({device or worker.device}): {text}",
-            remote_traceback=remote_traceback,
-            device=device,
-            bytes_requested=details.get("bytes_requested"),
-        )
-    if kind == "cuda_error":
-        return "cuda_error", CudaError(
-            f"CUDA error on worker pid {worker.pid} ({worker.device}); the worker was "
-            f"replaced: {text}",
-            remote_traceback=remote_traceback,
-        )
-    return "error", BackendError(
-        f"the backend raised on worker pid {worker.pid}: {text}",
-        remote_traceback=remote_traceback,
-    )

@@ -405,7 +405,9 @@ class EventLoop:
             build_env({**self.worker_environ, **device_env}, self._threads_per_worker),
             self._lifeline_r,
             lambda io: self._want_write(worker, io),
-            spec.max_batch_size,
+            # One cancel word per run it may hold: a one-call worker's prefetched run
+            # (modelpool.prefetch) takes the second.
+            max(spec.max_batch_size, 2),
             self._outboxes.append,
         )
         try:

@@ -677,7 +677,9 @@ class WorkerManager:
                     running=[
                         run.request.request_id
                         for run in runs
-                        if run.request is not None and run.attempt_id not in waiting
+                        if run.request is not None
+                        and run.attempt_id not in waiting
+                        and not run.prefetched
                     ],
                     waiting_for_room=[
                         run.request.request_id

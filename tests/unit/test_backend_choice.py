@@ -73,12 +73,12 @@ def test_installed_llama_cpp_is_found_without_importing_it() -> None:
 
 
 def test_the_pool_resolves_auto_fills_the_embedded_hf_options_and_keeps_the_reason() -> None:
-    config = PoolConfig(model=EMBEDDED, backend="auto", backend_options={"dtype": "bfloat16"})
+    config = PoolConfig(model=EMBEDDED, backend_options={"dtype": "bfloat16"})
     resolved, reason = _choose_backend(config, ["cpu"])
     assert resolved.backend == "hf"
     assert resolved.backend_options == {"dtype": "bfloat16"}
     assert reason.startswith("auto: ")
-    on_gpu, _ = _choose_backend(PoolConfig(model=EMBEDDED, backend="auto"), ["cuda:0"])
+    on_gpu, _ = _choose_backend(PoolConfig(model=EMBEDDED), ["cuda:0"])
     assert (on_gpu.backend, on_gpu.backend_options) == ("hf", {"dtype": "float32"})
     configured, why = _choose_backend(PoolConfig(model="m", backend="testing"), ["cpu"])
     assert configured.backend == "testing"
@@ -86,7 +86,7 @@ def test_the_pool_resolves_auto_fills_the_embedded_hf_options_and_keeps_the_reas
 
 
 def test_stats_say_auto_until_start_chose() -> None:
-    stats = ModelPool(PoolConfig(model=EMBEDDED, backend="auto")).stats()
+    stats = ModelPool(PoolConfig(model=EMBEDDED)).stats()
     assert stats.backend == "auto"
     assert stats.backend_reason is None
     assert stats.to_dict()["backend"] == "auto"

@@ -76,7 +76,9 @@ class World:
             cancel_grace_s=0.5,
             term_grace_s=0.5,
             retry=RetryPolicy(max_retries=2),
-            **overrides,
+            # A one-call world (batch=1) answers only the runs a test finishes: the run a
+            # one-call worker holds prefetched behind its current one is test_prefetch's.
+            **{"prefetch": False, **overrides},
         )
         self.d = Dispatcher(self.config, self, devices=["cpu"], clock=self.clock)
         self.d.start()

@@ -22,7 +22,7 @@ def write_toml(tmp_path: Path, text: str) -> Path:
 
 def test_defaults_are_valid_and_match_the_design() -> None:
     cfg = PoolConfig(model="m")
-    assert cfg.backend == "hf"
+    assert cfg.backend == "auto"
     assert cfg.workers == 2
     assert cfg.spares == 0
     assert cfg.devices == ("auto",)

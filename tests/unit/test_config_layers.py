@@ -40,7 +40,9 @@ def write(tmp_path: Path, text: str, name: str = "my.toml") -> Path:
 def test_no_file_serves_the_embedded_model_on_loopback_8000() -> None:
     effective = layered_config()
     assert effective.config_path is None
-    assert effective.pool == PoolConfig(model=DEFAULT_MODEL, backend_options={"dtype": "float32"})
+    # backend "auto": start() picks hf (and then float32) or llama_cpp (backend_choice).
+    assert effective.pool == PoolConfig(model=DEFAULT_MODEL)
+    assert effective.pool.backend == "auto"
     assert effective.server == ServerConfig()
     assert (effective.server.host, effective.server.port) == ("127.0.0.1", 8000)
     assert effective.server.api_key_env == "MODELPOOL_API_KEY"
@@ -69,7 +71,7 @@ def test_the_embedded_float32_is_only_for_the_embedded_model_on_hf(tmp_path: Pat
     assert layered_config(flags={"backend": "hf"}).pool.backend_options == {"dtype": "float32"}
     assert layered_config(flags={"backend": "hf"}).sources["backend_options.dtype"] == "built-in"
     assert layered_config(flags={"backend": "testing"}).pool.backend_options == {}
-    assert layered_config(flags={"backend": "auto"}).pool.backend_options == {}
+    assert layered_config().pool.backend_options == {}
     assert layered_config(flags={"model": "./mine"}).pool.backend_options == {}
     path = write(tmp_path, '[backend_options]\ndtype = "bfloat16"\n')
     chosen = layered_config(path)

@@ -53,7 +53,8 @@ def test_model_tables_layer_over_the_top_level_keys(tmp_path: Path) -> None:
         ("gpt-4o-mini", "default"),
     )
     assert chat.pool.workers == 3 and chat.pool.deadline_s == 15.0
-    assert chat.pool.backend_options == {"dtype": "float32"}  # the embedded default
+    # backend "auto": its pool's start() adds the embedded float32 if it chooses hf.
+    assert chat.pool.backend == "auto" and chat.pool.backend_options == {}
     assert coder.pool.workers == 1 and coder.ttl_s == 300 and coder.pool.backend == "llama_cpp"
     assert coder.pool.backend_options == {"n_ctx": 2048}
     # Tables merge key by key: the top level's max_new_tokens stays.

@@ -281,6 +281,9 @@ class DispatcherMachine(RuleBasedStateMachine):
             max_requests_per_worker=max_requests,
             max_worker_rss_mb=max_rss,
             startup_failures_before_giving_up=give_up,
+            # The machine's fake worker holds one run at a time; a one-call worker's
+            # prefetched run is tests/unit/test_prefetch.py's.
+            prefetch=False,
         )
         self.dispatcher = CheckedDispatcher(
             self.config,

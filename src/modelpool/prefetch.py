@@ -1,0 +1,96 @@
+"""A one-call worker's next request, sent while it runs one: the rules, as pure functions.
+
+A worker with ``max_batch_size = 1`` runs one request at a time. Sent its next request
+only once the pool has read its answer, it waits a round trip between two requests (its
+answer to the supervisor, the supervisor's wake-up, the next request back), which is
+what held the pool under ``ProcessPoolExecutor`` (which queues the next task in the
+worker's pipe ahead). With ``PoolConfig.prefetch`` a busy one-call worker holds one run
+more, ``Run.prefetched``: it waits in the worker's socket, and the worker reads it as
+soon as it has answered the current one (``worker.serve`` needs nothing more). The
+dispatcher keeps these rules:
+
+- Which worker takes one (:func:`capacity`): a serving one-call worker that is not due
+  to retire, nor would be after its current run (``max_requests_per_worker``).
+- A prefetched run has not started: it gets its attempt deadline and the stall clock
+  when the current run's answer arrives (``Dispatcher._promote``). Its request's deadline
+  and its caller's cancel end it at once through its cancel word, which the worker reads
+  before it starts a request (``worker._read_attempt`` answers "cancelled" without
+  running it); the worker is never signalled for it.
+- It is never charged: a worker that dies with it puts it back at the front of the queue.
+- It is taken back (:func:`recalls`) when a worker could start it now (one is idle, with
+  nothing queued for it), when a more urgent request is queued, and when its worker may
+  no longer take one (retiring, a spare, stopping): a request must not wait behind
+  another's generation while a worker stands idle, nor ahead of one that goes first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from modelpool.config import PoolConfig
+from modelpool.records import Run, Worker
+
+
+def capacity(
+    worker: Worker, config: PoolConfig, retire_reason: Callable[[Worker], str | None]
+) -> int:
+    """The runs ``worker`` may hold now: its slots, and on a one-call worker one more."""
+    if not config.prefetch or worker.slots != 1 or not _may_hold_one(worker, retire_reason):
+        return worker.slots
+    limit = config.max_requests_per_worker
+    if limit is not None and worker.requests + 1 >= limit:
+        return worker.slots  # the current run is its last: nothing may wait behind it
+    return 2
+
+
+def recalls(
+    prefetched: Iterable[Run],
+    workers: Iterable[Worker],
+    retire_reason: Callable[[Worker], str | None],
+    most_urgent_queued: int | None,
+    *,
+    queued: int,
+    now: float,
+    aging_s: float,
+) -> list[Run]:
+    """The prefetched runs to take back now, oldest first (see the module docstring).
+    ``most_urgent_queued``: the lowest priority number in the queue (None: it is empty);
+    ``queued``: how many requests the queue holds, which idle workers take first (taking
+    one back costs a round trip, and a worker that answered two requests in one read is
+    idle for a moment under a full queue: it must not pull work off the others).
+    A request past ``aging_s`` is not taken back for a more urgent one: it goes ahead of
+    every younger request anyway (``queueing.dispatch_order``), and would come straight
+    back."""
+    waiting = list(prefetched)
+    if not waiting:
+        return []
+    idle = -queued + sum(
+        1
+        for worker in workers
+        if worker.state == "idle"
+        and not worker.runs
+        and _may_hold_one(worker, retire_reason)
+        and not worker.stopping
+    )
+    taken: list[Run] = []
+    for run in waiting:
+        outranked = (
+            most_urgent_queued is not None
+            and most_urgent_queued < run.owner.priority
+            and now - run.owner.submitted_at < aging_s
+        )
+        if outranked or not _may_hold_one(run.worker, retire_reason):
+            taken.append(run)
+        elif idle > 0:
+            idle -= 1
+            taken.append(run)
+    return taken
+
+
+def _may_hold_one(worker: Worker, retire_reason: Callable[[Worker], str | None]) -> bool:
+    return (
+        worker.role == "serving"
+        and not worker.stopping
+        and not worker.signalled
+        and retire_reason(worker) is None
+    )
