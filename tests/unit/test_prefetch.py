@@ -190,7 +190,7 @@ def test_a_worker_idle_for_a_moment_under_a_full_queue_takes_from_the_queue() ->
 
 
 def test_a_more_urgent_request_takes_the_place_of_a_prefetched_one() -> None:
-    world = World(workers=1)
+    world = World(workers=1, preempt_for_priority=False)
     world.submit("echo:running", priority=5)
     low = world.submit("echo:low", priority=5)
     assert low.run is not None and low.run.prefetched
@@ -204,6 +204,16 @@ def test_a_more_urgent_request_takes_the_place_of_a_prefetched_one() -> None:
     world.answer_next(worker, "urgent")
     world.answer_next(worker, "low")
     assert (urgent.future.result().text, low.future.result().text) == ("urgent", "low")
+
+
+def test_with_preemption_an_urgent_request_takes_the_running_slot_not_the_prefetch() -> None:
+    world = World(workers=1)
+    running = world.submit("echo:running", priority=5)
+    low = world.submit("echo:low", priority=5)
+    urgent = world.submit("echo:urgent", priority=0)
+    assert urgent.run is None or not urgent.run.prefetched, "held behind a less urgent run"
+    assert running.preemptions == 1 and low.run is None
+    assert world.d.counters["preemptions"] == 1
 
 
 def test_a_cancel_of_a_prefetched_request_acts_at_once_without_a_signal() -> None:
