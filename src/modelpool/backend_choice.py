@@ -15,6 +15,12 @@ CPU, llama.cpp decodes the embedded model several times faster than transformers
 (the README's benchmark: 6.6x a single stream); on a GPU the hf backend is the one that
 runs on it by default, so a GPU keeps hf.
 
+A pooling model's batch (``pooling_batch_size``): an embedding model or a cross-encoder
+whose worker batches embed and score requests (the hf backend's, the testing backend's
+``task`` option) gets ``max_batch_size = pooling_batch_size`` when ``max_batch_size`` was
+left at 1, since one-text requests of concurrent clients are exactly what a shared
+forward pass is for; a llama_cpp embedding model answers one request at a time anyway.
+
 Nothing is imported to decide: llama-cpp-python is looked up (``find_spec``), not
 loaded, so the supervisor never maps libllama; a broken install is then the worker's
 load failure, which names it.
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from modelpool.config import PoolConfig
 from modelpool.devices import group_devices
 
 AUTO = "auto"
@@ -114,3 +121,20 @@ def installed_llama_cpp() -> str | None:
         return importlib.metadata.version("llama_cpp_python")
     except importlib.metadata.PackageNotFoundError:
         return "(version unknown)"
+
+
+def with_pooling_batches(config: PoolConfig) -> PoolConfig:
+    """``config`` with a pooling model's batch size filled in (see above); the backend and
+    the model must be resolved (a local directory, not ``embedded:``)."""
+    if config.max_batch_size != 1 or config.pooling_batch_size == 1:
+        return config
+    if config.backend == "testing":
+        pooling = config.backend_options.get("task") in ("embed", "score")
+    elif config.backend == "hf":
+        # Two small JSON files; the hf backend's package is imported at start() anyway.
+        from modelpool.backends.hf.pooling import pooling_task
+
+        pooling = pooling_task(config.model) is not None
+    else:
+        pooling = False
+    return config.replace(max_batch_size=config.pooling_batch_size) if pooling else config

@@ -112,6 +112,10 @@ class PoolConfig:
     backend_options: dict[str, Any] = field(default_factory=dict)
     workers: int = 2
     max_batch_size: int = 1
+    # A pooling model (an embedding model, a cross-encoder) batches the requests of
+    # concurrent clients: with max_batch_size left at 1, its workers hold this many
+    # (ModelPool.start() sets max_batch_size to it; 1 serves them one at a time).
+    pooling_batch_size: int = 32
     # A one-call worker (max_batch_size 1) is sent its next request while it runs one, so
     # it never waits a round trip for work; recalled when another worker is idle or a
     # more urgent request is queued (modelpool.prefetch).
@@ -165,6 +169,7 @@ class PoolConfig:
         object.__setattr__(self, "backend_options", dict(self.backend_options))
         _check_int("workers", self.workers, minimum=1)
         _check_int("max_batch_size", self.max_batch_size, minimum=1)
+        _check_int("pooling_batch_size", self.pooling_batch_size, minimum=1)
         if not isinstance(self.prefetch, bool):
             raise ValueError(f"prefetch must be true or false, got {self.prefetch!r}")
         _check_int("spares", self.spares, minimum=0)

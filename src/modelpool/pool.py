@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from modelpool import gpu
-from modelpool.backend_choice import AUTO, choose_backend
+from modelpool.backend_choice import AUTO, choose_backend, with_pooling_batches
 from modelpool.backends import resolve_backend
 from modelpool.config import PoolConfig, embedded_backend_options
 from modelpool.dispatcher import Dispatcher
@@ -175,6 +175,7 @@ class ModelPool:
             model = _resolve_model(config.model, config.backend)
             if model != config.model:
                 config = config.replace(model=model)
+            config = with_pooling_batches(config)
             worker_environ = check_model_source(
                 config.model, config.backend, config.backend_options
             )

@@ -9,7 +9,11 @@ A backend that embeds has a ``task`` attribute (``protocol.Task``) and the metho
 They read ``call.cancelled()`` between pieces of work (a micro-batch), so that a deadline
 never has to kill a worker that computes honestly, and return ``Generation("",
 "cancelled")`` when it is set. The worker answers these requests as it answers tokenize
-(between two decoding steps in the batched loop); they are never admitted into a batch.
+(between two decoding steps in the batched loop), unless the backend batches them: a
+``protocol.BatchedHandler`` with ``batches_pooling = True`` is admitted each one as a
+call whose ``request`` attribute is the ``EmbedRequest`` or ``ScoreRequest``, and one
+``step()`` answers every admitted request together (the requests of concurrent clients
+packed into shared forward passes); its answers are checked by :func:`checked_answer`.
 """
 
 from __future__ import annotations
@@ -60,6 +64,11 @@ def check_task(task: Task, request: object, generation: bool) -> None:
         raise wrong_task(task, "score")
 
 
+def batches_pooling(handler: object) -> bool:
+    """Does ``handler`` admit embed and score requests into its batch (see above)?"""
+    return getattr(handler, "batches_pooling", False) is True
+
+
 def answer_pooling_request(handler: object, request: PoolingRequest, call: Call) -> Generation:
     """The backend's answer to ``request``, or ``WrongTask`` when its model does not do
     that (a generation model asked to embed, a cross-encoder asked to embed)."""
@@ -68,18 +77,23 @@ def answer_pooling_request(handler: object, request: PoolingRequest, call: Call)
         method = getattr(handler, "embed", None) if task == "embed" else None
         if method is None:
             raise wrong_task(task, "embed")
-        return _checked(method(request, call), len(request.inputs), "vectors")
+        return checked_answer(request, method(request, call))
     if not isinstance(request, ScoreRequest):
         raise TypeError(f"not a pooling request: {type(request).__name__}")
     method = getattr(handler, "score", None) if task != "generate" else None
     if method is None:
         raise wrong_task(task, "score")
-    return _checked(method(request, call), len(request.documents), "scores")
+    return checked_answer(request, method(request, call))
 
 
-def _checked(output: object, count: int, field: str) -> Generation:
-    """Plain lists of floats only cross the pipe (a tensor would drag torch into the
-    supervisor), one per input, all finite."""
+def checked_answer(request: PoolingRequest, output: object) -> Generation:
+    """A backend's answer to ``request`` as plain lists of floats, the only thing that
+    crosses the pipe (a tensor would drag torch into the supervisor): one per input, all
+    finite, else ``TypeError``/``ValueError``."""
+    if isinstance(request, EmbedRequest):
+        count, field = len(request.inputs), "vectors"
+    else:
+        count, field = len(request.documents), "scores"
     if not isinstance(output, Generation):
         raise TypeError(f"a pooling backend returned {type(output).__name__}, not Generation")
     if output.finish_reason == "cancelled":

@@ -105,7 +105,8 @@ Load-time options (``backend_options``): ``env_command`` (allow ``env:NAME``),
 ``exit_after_load_s`` (``os._exit(1)`` that many seconds after a successful load: a
 worker that says ready and dies), ``task`` ("embed" or "score": an embedding model or a
 cross-encoder, which refuse to generate; its faults are in ``testing_embeddings``),
-``max_model_len`` (a context length, so that
+``batch_log`` (a file each batched step of pooling requests appends its number of
+requests to), ``max_model_len`` (a context length, so that
 the pool's side of context limits is tested without a model). With it, a string
 prompt counts one token per whitespace-separated word, chat messages count as a
 template renders them (a role marker, the words and an end marker each, then one
@@ -288,8 +289,11 @@ class FaultBackend:
         max_model_len: int | None = None,
         env_command: bool = False,
         task: Task = "generate",
+        batch_log: str | None = None,
     ) -> None:
         self.task = task
+        self.batches_pooling = task != "generate"
+        self._pooled = testing_embeddings.PooledBatch(max_model_len, task == "score", batch_log)
         self.env_command = env_command
         self._leaked: list[bytearray] = []
         self.max_model_len = max_model_len
@@ -337,6 +341,8 @@ class FaultBackend:
     # ---- batched form ------------------------------------------------------------------
 
     def admit(self, call: BatchCall) -> None:
+        if self._pooled.admit(call):
+            return
         prompt = call.prompt
         text = _prompt_text(prompt)
         command, _, argument = text.partition(":")
@@ -359,7 +365,7 @@ class FaultBackend:
         self._jobs.append(job)
 
     def step(self) -> list[Finished]:
-        finished: list[Finished] = []
+        finished = self._pooled.step()
         compiling = [job.grammar for job in self._jobs if job.grammar is not None]
         if compiling and len(compiling) == len(self._jobs):
             wait_for_any(compiling, _SPIN_STEP_S * 10)  # nothing else to do: no spinning
@@ -400,6 +406,8 @@ class FaultBackend:
         return finished
 
     def retire(self, call: BatchCall) -> Generation:
+        if self._pooled.retire(call):
+            return Generation("", "cancelled", None, 0)
         for job in self._jobs:
             if job.call is call:
                 self._jobs.remove(job)
@@ -408,6 +416,7 @@ class FaultBackend:
 
     def abort(self) -> None:
         self._jobs.clear()
+        self._pooled.calls.clear()
 
     def _advance(self, job: _Job) -> Generation | str | None:
         """One step of one request: its result once it ends, else None."""
@@ -701,6 +710,7 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
             "exit_after_load_s",
             "max_model_len",
             "task",
+            "batch_log",
         }
     )
     if unknown:
@@ -717,8 +727,13 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
         raise RuntimeError(f"testing backend asked to fail its load: {options['fail_load']}")
     if options.get("exit_after_load_s") is not None:
         threading.Timer(float(options["exit_after_load_s"]), os._exit, args=(1,)).start()
+    batch_log = options.get("batch_log")
     return FaultBackend(
-        device, max_model_len, env_command=options.get("env_command") is True, task=task
+        device,
+        max_model_len,
+        env_command=options.get("env_command") is True,
+        task=task,
+        batch_log=None if batch_log is None else str(batch_log),
     )
 
 

@@ -9,11 +9,21 @@ An input's text says what to do (anything else is embedded)::
 ==========================  ====================================================
 ``embed_sleep:SECONDS``     takes SECONDS, reading the cancel flag every 10 ms
                             (an honest slow model: a deadline needs no kill)
+``embed_wait:PATH``         waits until PATH exists, reading the cancel flag every
+                            10 ms (a test holds a batch open with it)
 ``embed_hang``              never returns, never reads the flag, ignores SIGTERM
 ``embed_segfault``          dereferences NULL
 ``embed_crash_once:PATH``   exits if PATH does not exist (creating it), else embeds
 ``embed_hang_once:PATH``    hangs if PATH does not exist (creating it), else embeds
 ==========================  ====================================================
+
+With ``max_batch_size`` above 1 the requests batch (``PooledBatch``): the worker admits
+every embed or score request that has arrived, and one step answers them all, one after
+the other, so a fault in one is a fault of the step (``embed_segfault`` and
+``embed_crash_once`` take the worker and its whole batch down, ``embed_hang`` freezes
+it); a request refused (its context, its dimensions) fails alone. The load option
+``batch_log = PATH`` appends each step's number of requests to PATH, one a line, so that
+a test sees how its requests were batched.
 
 A vector has ``DIMENSIONS`` values made from a hash of the input (equal inputs, equal
 vectors), unit length. An input counts one token per whitespace-separated word (token
@@ -35,7 +45,16 @@ import time
 
 from modelpool.embeddings import check_dimensions, cosine, cut_and_normalise
 from modelpool.errors import ContextLengthExceeded
-from modelpool.protocol import Call, EmbedRequest, Generation, PooledAnswer, ScoreRequest
+from modelpool.protocol import (
+    BatchCall,
+    Call,
+    EmbedRequest,
+    Finished,
+    Generation,
+    PooledAnswer,
+    PoolingRequest,
+    ScoreRequest,
+)
 
 DIMENSIONS = 8
 _SLEEP_STEP_S = 0.01
@@ -77,6 +96,51 @@ def score(
     )
 
 
+class PooledBatch:
+    """The admitted embed and score requests of a batched worker, answered together."""
+
+    def __init__(self, max_model_len: int | None, cross_encoder: bool, log: str | None) -> None:
+        self.max_model_len = max_model_len
+        self.cross_encoder = cross_encoder
+        self.log = log
+        self.calls: list[tuple[BatchCall, PoolingRequest]] = []
+
+    def admit(self, call: BatchCall) -> bool:
+        """Take ``call`` if it carries a pooling request (the worker's ``PoolingCall``)."""
+        request = getattr(call, "request", None)
+        if not isinstance(request, (EmbedRequest, ScoreRequest)):
+            return False
+        self.calls.append((call, request))
+        return True
+
+    def step(self) -> list[Finished]:
+        """Every admitted request's answer (or its own refusal)."""
+        calls, self.calls = self.calls, []
+        if not calls:
+            return []
+        if self.log is not None:
+            with open(self.log, "a") as log:
+                log.write(f"{len(calls)}\n")
+        finished: list[Finished] = []
+        for call, request in calls:
+            try:
+                if isinstance(request, EmbedRequest):
+                    answer = embed(request, call, self.max_model_len)
+                else:
+                    answer = score(request, call, self.max_model_len, self.cross_encoder)
+            except Exception as exc:
+                finished.append((call, exc))
+                continue
+            finished.append((call, answer))
+        return finished
+
+    def retire(self, call: BatchCall) -> bool:
+        kept = [entry for entry in self.calls if entry[0] is not call]
+        retired = len(kept) < len(self.calls)
+        self.calls = kept
+        return retired
+
+
 def _tokens(item: str | tuple[int, ...]) -> int:
     return len(item) if isinstance(item, tuple) else max(1, len(item.split()))
 
@@ -110,6 +174,11 @@ def _act(text: str, call: Call) -> bool:
     if command == "embed_sleep":
         until = time.monotonic() + float(argument)
         while time.monotonic() < until:
+            if call.cancelled():
+                return False
+            time.sleep(_SLEEP_STEP_S)
+    elif command == "embed_wait":
+        while not os.path.exists(argument):
             if call.cancelled():
                 return False
             time.sleep(_SLEEP_STEP_S)

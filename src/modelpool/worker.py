@@ -25,7 +25,9 @@ thread, as always. A batched backend (``protocol.BatchedHandler``) with a
 batch size above 1 gets the stepping loop (``_BatchLoop``): a reader thread
 queues incoming messages, and between two decoding steps the loop admits what
 arrived, retires what was cancelled, and answers what finished, so a long
-generation never holds a short one back.
+generation never holds a short one back. A backend that batches pooling requests too
+(``pooling_answers.batches_pooling``) is admitted embed and score requests as
+``PoolingCall``s: one step embeds every admitted request's inputs together.
 """
 
 from __future__ import annotations
@@ -50,7 +52,14 @@ from modelpool.backends import import_backend
 from modelpool.context import check_max_model_len
 from modelpool.errors import ContextLengthExceeded, GrammarError, InvalidRequest, WrongTask
 from modelpool.logprob_columns import TokenLogprobs
-from modelpool.pooling_answers import answer_pooling_request, handler_task, wrong_task
+from modelpool.pooling_answers import (
+    answer_pooling_request,
+    batches_pooling,
+    check_task,
+    checked_answer,
+    handler_task,
+    wrong_task,
+)
 from modelpool.processes import process_rss_bytes
 from modelpool.protocol import (
     PROTOCOL_VERSION,
@@ -214,6 +223,26 @@ class WorkerCall:
         self._control.bump_progress(tokens)
 
 
+class PoolingCall(WorkerCall):
+    """An embed or score request admitted into a batch (``pooling_answers``): the call,
+    with the request it answers (its prompt is empty)."""
+
+    __slots__ = ("request",)
+
+    def __init__(
+        self,
+        attempt_id: int,
+        slot: int,
+        request: EmbedRequest | ScoreRequest,
+        control: ControlBlock,
+        channel: _Channel,
+    ) -> None:
+        # Its cancel checks count as progress, in either loop: a pooling backend reads
+        # the flag between micro-batches, and that is how the stall clock sees it alive.
+        super().__init__(attempt_id, slot, "", {}, control, channel)
+        self.request = request
+
+
 def _leave_channel(root: logging.Logger, forwarding: logging.Handler, channel: _Channel) -> None:
     root.removeHandler(forwarding)
     channel.close()
@@ -240,10 +269,12 @@ def _read_attempt(
     defaults: dict[str, Any],
     *,
     checks_count: bool,
+    admit_pooling: bool = False,
 ) -> WorkerCall | None:
     """The attempt's call, or None once it has been answered (unreadable, invalid, or
     cancelled while in flight to us). ``defaults``: the pool's generation defaults, under
-    the request's own parameters."""
+    the request's own parameters. ``admit_pooling``: an embed or score request becomes a
+    ``PoolingCall`` for the batch, rather than being answered here and now."""
     _, attempt_id, slot, payload = message
     try:
         prompt, own_params = pickle.loads(payload)
@@ -264,9 +295,15 @@ def _read_attempt(
         _answer_tokenizer_request(handler, attempt_id, prompt, channel)
         return None
     if isinstance(prompt, (EmbedRequest, ScoreRequest)):
-        # Its cancel checks count as progress, in either loop: a pooling backend reads
-        # the flag between micro-batches, and that is how the stall clock sees it alive.
-        # The request goes to the backend beside the call, which carries no prompt.
+        if admit_pooling:
+            try:
+                check_task(handler_task(handler), prompt, generation=False)
+            except WrongTask as exc:
+                _send_failure(channel, attempt_id, exc)
+                return None
+            return PoolingCall(attempt_id, slot, prompt, control, channel)
+        # The request goes to the backend beside the call, which carries no prompt; its
+        # cancel checks count as progress (see PoolingCall).
         call = WorkerCall(attempt_id, slot, "", {}, control, channel)
         try:
             answer = answer_pooling_request(handler, prompt, call)
@@ -442,6 +479,7 @@ class _BatchLoop:
         self.stopping = False
         self.last_room: tuple[int, list[int]] | None = None
         self.report_prefix_cache = _PrefixCacheReporter(handler, channel)
+        self.admit_pooling = batches_pooling(handler)
 
     def _read(self) -> None:
         while True:
@@ -485,6 +523,7 @@ class _BatchLoop:
                 self.channel,
                 self.defaults,
                 checks_count=False,
+                admit_pooling=self.admit_pooling,
             )
             if call is None:
                 return True
@@ -593,7 +632,10 @@ class _BatchLoop:
                 _send_failure(self.channel, attempt_id, outcome, self.handler)
                 continue
             try:
-                generation = _normalise(outcome)
+                if isinstance(call, PoolingCall):
+                    generation = checked_answer(call.request, outcome)
+                else:
+                    generation = _normalise(outcome)
             except Exception as exc:
                 _send_failure(self.channel, attempt_id, exc, self.handler)
                 continue

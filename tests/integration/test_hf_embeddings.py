@@ -8,6 +8,8 @@ The packaged all-MiniLM-L6-v2 is in ``test_embedded_minilm.py``.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from helpers import FakeCall
 from modelpool import ContextLengthExceeded, InvalidRequest, ModelPool, PoolConfig, WrongTask
 from modelpool.backends.hf import load
 from modelpool.backends.hf.pooling import PoolingHandler, pooling_task, read_layout
-from modelpool.protocol import EmbedRequest, ScoreRequest
+from modelpool.protocol import EmbedRequest, Generation, ScoreRequest
 
 sentence_transformers = pytest.importorskip("sentence_transformers")
 
@@ -172,3 +174,65 @@ def test_pools_of_an_embedding_model_and_a_cross_encoder(models: Path) -> None:
         assert scored.method == "cross-encoder" and len(scored.scores) == 2
         with pytest.raises(WrongTask, match="embed"):
             pool.embed("text")
+
+
+@dataclass(eq=False)
+class _PoolingCall(FakeCall):
+    """The worker's PoolingCall as a batched backend sees it: a call with its request."""
+
+    request: EmbedRequest | ScoreRequest | None = None
+
+
+def test_one_step_embeds_every_admitted_request_as_it_would_alone(models: Path) -> None:
+    handler = _pooling(build_embedding_model(models / "st-mean-True"), batch_tokens=64)
+    requests = [
+        EmbedRequest((TEXTS[0],)),
+        EmbedRequest(tuple(TEXTS[1:4]), dimensions=16),
+        ScoreRequest("capital of france", (TEXTS[1], TEXTS[5])),
+        EmbedRequest((TEXTS[4],)),
+    ]
+    alone = [
+        (handler.embed if isinstance(r, EmbedRequest) else handler.score)(r, FakeCall(""))  # type: ignore[arg-type]
+        for r in requests
+    ]
+    calls = [_PoolingCall("", request=request) for request in requests]
+    cancelled = _PoolingCall("", flag=True, request=EmbedRequest(tuple(TEXTS)))
+    for call in (*calls[:2], cancelled, *calls[2:]):
+        handler.admit(call)
+    finished = handler.step()
+    order = [*calls[:2], cancelled, *calls[2:]]
+    assert all(call is want for (call, _), want in zip(finished, order, strict=True))
+    answers = [outcome for _, outcome in finished]
+    assert isinstance(answers[2], Generation) and answers[2].finish_reason == "cancelled"
+    for answer, solo in zip(answers[:2] + answers[3:], alone, strict=True):
+        assert isinstance(answer, Generation) and answer.pooled is not None
+        assert solo.pooled is not None and answer.prompt_tokens == solo.prompt_tokens
+        mine = answer.pooled.vectors or [answer.pooled.scores]
+        theirs = solo.pooled.vectors or [solo.pooled.scores]
+        for row, solo_row in zip(mine, theirs, strict=True):
+            assert row == pytest.approx(solo_row, abs=1e-5)
+    assert handler.step() == []
+
+
+def test_a_bad_request_is_refused_at_admission_alone(models: Path) -> None:
+    handler = _pooling(build_embedding_model(models / "st-mean-True"))
+    good = _PoolingCall("", request=EmbedRequest(("fine",)))
+    handler.admit(good)
+    with pytest.raises(ContextLengthExceeded):
+        handler.admit(_PoolingCall("", request=EmbedRequest(("paris " * 100,))))
+    with pytest.raises(InvalidRequest):
+        handler.admit(_PoolingCall("", request=EmbedRequest(("x",), dimensions=10_000)))
+    assert [call is good for call, _ in handler.step()] == [True]
+
+
+@pytest.mark.slow
+def test_concurrent_clients_batch_in_a_real_worker(models: Path) -> None:
+    embedding = build_embedding_model(models / "st-mean-True")
+    config = PoolConfig(model=str(embedding), workers=1, max_batch_size=8, devices=["cpu"])
+    with ModelPool(config) as pool, ThreadPoolExecutor(8) as executor:
+        assert pool.stats().capacity == 8
+        solo = [pool.embed(text).vectors[0] for text in TEXTS]
+        together = list(executor.map(lambda text: pool.embed(text).vectors[0], TEXTS * 3))
+        for mine, theirs in zip(together, solo * 3, strict=True):
+            assert mine == pytest.approx(theirs, abs=1e-5)
+        assert pool.stats().counters["completed"] == len(TEXTS) * 4

@@ -16,10 +16,15 @@ its own (``ModelPool(model=DIR)``), when it holds either
 
 An embedding model scores by cosine. Texts are stripped (and lower-cased where the
 config says) as sentence-transformers does before tokenizing; token ids are fed as they
-are. A request's inputs are packed by tokens, not by count: sorted by length, then cut
-into micro-batches whose padded size (rows x longest row) stays under ``batch_tokens``,
-so one long text never pads thirty short ones. The cancel flag is read between
-micro-batches: a deadline stops an honest worker after the micro-batch it is in.
+are. Inputs are packed by tokens, not by count: sorted by length, then cut into
+micro-batches whose padded size (rows x longest row) stays under ``batch_tokens``, so one
+long text never pads thirty short ones. With ``max_batch_size`` above 1 the handler is
+batched (``protocol.BatchedHandler``, ``batches_pooling``): the worker admits every
+request that has arrived, and one ``step()`` packs all their rows together, so the
+one-text requests of concurrent clients share forward passes. A request is read and
+checked (context, vocabulary, dimensions) when admitted, so a bad one fails alone. The
+cancel flags are read between micro-batches: a deadline stops an honest worker after the
+micro-batch it is in, and a cancelled request's rows leave the rest of the step.
 
 Load options: ``dtype``, ``torch_threads``, ``max_model_len`` (at most the model's
 own), ``trust_remote_code``, ``batch_tokens`` (default ``DEFAULT_BATCH_TOKENS``).
@@ -42,8 +47,10 @@ from modelpool.context import check_max_model_len
 from modelpool.embeddings import check_dimensions
 from modelpool.errors import ContextLengthExceeded, InvalidRequest
 from modelpool.protocol import (
+    BatchCall,
     Call,
     EmbedRequest,
+    Finished,
     Generation,
     PooledAnswer,
     Prompt,
@@ -209,9 +216,23 @@ def load_pooling(model: str, device: str, task: Task, **options: Any) -> Pooling
     return handler
 
 
+@dataclass(eq=False)
+class _Pending:
+    """An embed or score request, its rows read, waiting for its forward passes."""
+
+    call: Call
+    request: EmbedRequest | ScoreRequest
+    features: list[dict[str, list[int]]]
+    dimensions: int  # an embedding's, after the cut
+
+
 class PoolingHandler:
     """A loaded embedding model or cross-encoder: ``embed`` and ``score`` (see
-    ``modelpool.pooling_answers``), ``tokenize`` and ``detokenize``; no generation."""
+    ``modelpool.pooling_answers``), in the batched form too (``batches_pooling``: the
+    requests a worker holds embedded together), ``tokenize`` and ``detokenize``; no
+    generation."""
+
+    batches_pooling = True
 
     def __init__(
         self,
@@ -231,50 +252,115 @@ class PoolingHandler:
         self.size = int(network.config.hidden_size) * (len(layout.modes) if layout else 1)
         self.vocab_size = int(network.config.vocab_size)
         self._pad_id = int(tokenizer.pad_token_id or 0)
+        self._pending: list[tuple[BatchCall, _Pending]] = []
 
     def warm_up(self) -> None:
         """One forward pass, so that the first request does not pay for torch's first."""
         if self.layout is not None:
-            self._forward([self._encode_texts(["warm up"], None, True)[0]])
+            self._forward(self._encode_texts(["warm up"], None, True))
         else:
-            self._logits(self._encode_pairs("warm", ["up"], True), _NeverCancelled())
+            self._forward(self._encode_pairs("warm", ["up"], True))
 
-    # ---- the two requests --------------------------------------------------------------
+    # ---- the two requests, alone (the one-call loop) -----------------------------------
 
     def embed(self, request: EmbedRequest, call: Call) -> Generation:
-        dimensions = check_dimensions(request.dimensions, self.size)
-        features = self._features(request.inputs, request.truncate)
-        vectors = self._vectors(
-            features, call, normalize=self.layout is not None and self.layout.normalize
-        )
-        if vectors is None:
-            return Generation("", "cancelled", 0, 0)
-        if dimensions < self.size:
-            import torch
-
-            vectors = torch.nn.functional.normalize(vectors[:, :dimensions], dim=1)
-        tokens = sum(len(feature["input_ids"]) for feature in features)
-        return Generation("", "stop", tokens, 0, pooled=PooledAnswer(vectors=vectors.tolist()))
+        return self._answers([self._prepare(request, call)])[0]
 
     def score(self, request: ScoreRequest, call: Call) -> Generation:
+        return self._answers([self._prepare(request, call)])[0]
+
+    # ---- batched form: the requests of concurrent clients in shared forward passes -----
+
+    def admit(self, call: BatchCall) -> None:
+        request = getattr(call, "request", None)
+        if not isinstance(request, (EmbedRequest, ScoreRequest)):
+            raise InvalidRequest("a pooling model answers embed and score requests only")
+        self._pending.append((call, self._prepare(request, call)))
+
+    def step(self) -> list[Finished]:
+        """Every admitted request's answer: all their rows packed together by tokens."""
+        pending, self._pending = self._pending, []
+        answers = self._answers([entry for _, entry in pending])
+        return [(call, answer) for (call, _), answer in zip(pending, answers, strict=True)]
+
+    def retire(self, call: BatchCall) -> Generation:
+        self._pending = [(own, entry) for own, entry in self._pending if own is not call]
+        return Generation("", "cancelled", 0, 0)
+
+    def abort(self) -> None:
+        self._pending.clear()
+
+    def _prepare(self, request: EmbedRequest | ScoreRequest, call: Call) -> _Pending:
+        """``request``'s rows, checked (dimensions, context, vocabulary) before any
+        forward pass, so that a bad request fails alone and never in a shared batch."""
+        if isinstance(request, EmbedRequest):
+            dimensions = check_dimensions(request.dimensions, self.size)
+            features = self._features(request.inputs, request.truncate)
+            return _Pending(call, request, features, dimensions)
         if self.layout is not None:
             features = self._features((request.query, *request.documents), request.truncate)
-            vectors = self._vectors(features, call, normalize=True)
-            if vectors is None:
-                return Generation("", "cancelled", 0, 0)
-            scores = (vectors[1:] @ vectors[0]).tolist()
-            tokens = sum(len(feature["input_ids"]) for feature in features)
-            return Generation(
-                "", "stop", tokens, 0, pooled=PooledAnswer(scores=scores, method="cosine")
-            )
-        features = self._encode_pairs(request.query, request.documents, request.truncate)
-        logits = self._logits(features, call)
-        if logits is None:
-            return Generation("", "cancelled", 0, 0)
-        if not request.raw_scores:
-            logits = logits.sigmoid()
-        tokens = sum(len(feature["input_ids"]) for feature in features)
-        answer = PooledAnswer(scores=logits.tolist(), method="cross-encoder")
+        else:
+            features = self._encode_pairs(request.query, request.documents, request.truncate)
+        return _Pending(call, request, features, self.size)
+
+    def _answers(self, pending: list[_Pending]) -> list[Generation]:
+        """Each pending request's answer, in order (``Generation("", "cancelled")`` for one
+        whose call was cancelled): every row of every request in micro-batches by tokens;
+        the cancel flags are read before each micro-batch, and a cancelled request's rows
+        are left out of the ones after."""
+        import torch
+
+        rows = [
+            (owner, feature) for owner, entry in enumerate(pending) for feature in entry.features
+        ]
+        width = self.size if self.layout is not None else 1
+        out = torch.empty((len(rows), width), dtype=torch.float32)
+        cancelled: set[int] = set()
+        for batch in self._micro_batches([feature for _, feature in rows]):
+            cancelled |= {
+                owner for owner, entry in enumerate(pending)
+                if owner not in cancelled and entry.call.cancelled()
+            }  # fmt: skip
+            if len(cancelled) == len(pending):
+                break
+            batch = [index for index in batch if rows[index][0] not in cancelled]
+            if batch:
+                pooled = self._forward([rows[index][1] for index in batch])
+                out[torch.tensor(batch)] = pooled.float().cpu().reshape(len(batch), width)
+        answers = []
+        first = 0
+        for owner, entry in enumerate(pending):
+            own = out[first : first + len(entry.features)]
+            first += len(entry.features)
+            if owner in cancelled:
+                answers.append(Generation("", "cancelled", 0, 0))
+            else:
+                answers.append(self._answer(entry, own))
+        return answers
+
+    def _answer(self, entry: _Pending, pooled: torch.Tensor) -> Generation:
+        """One request's answer from its rows' pooled vectors (logits for a
+        cross-encoder)."""
+        import torch
+
+        tokens = sum(len(feature["input_ids"]) for feature in entry.features)
+        request = entry.request
+        if isinstance(request, EmbedRequest):
+            assert self.layout is not None
+            vectors = pooled
+            if self.layout.normalize:
+                vectors = torch.nn.functional.normalize(vectors, dim=1)
+            if entry.dimensions < self.size:
+                vectors = torch.nn.functional.normalize(vectors[:, : entry.dimensions], dim=1)
+            answer = PooledAnswer(vectors=vectors.tolist())
+        elif self.layout is not None:
+            vectors = torch.nn.functional.normalize(pooled, dim=1)
+            answer = PooledAnswer(scores=(vectors[1:] @ vectors[0]).tolist(), method="cosine")
+        else:
+            logits = pooled[:, 0]
+            if not request.raw_scores:
+                logits = logits.sigmoid()
+            answer = PooledAnswer(scores=logits.tolist(), method="cross-encoder")
         return Generation("", "stop", tokens, 0, pooled=answer)
 
     def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
@@ -381,35 +467,6 @@ class PoolingHandler:
                 batches.append([index])
         return batches
 
-    def _vectors(
-        self, features: list[dict[str, list[int]]], call: Call, *, normalize: bool
-    ) -> torch.Tensor | None:
-        """One pooled vector per feature row, in order; None once cancelled."""
-        import torch
-
-        out = torch.empty((len(features), self.size), dtype=torch.float32)
-        for batch in self._micro_batches(features):
-            if call.cancelled():
-                return None
-            pooled = self._forward([features[i] for i in batch])
-            if normalize:
-                pooled = torch.nn.functional.normalize(pooled, dim=1)
-            out[torch.tensor(batch)] = pooled.float().cpu()
-        return out
-
-    def _logits(self, features: list[dict[str, list[int]]], call: Call) -> torch.Tensor | None:
-        import torch
-
-        out = torch.empty(len(features), dtype=torch.float32)
-        for batch in self._micro_batches(features):
-            if call.cancelled():
-                return None
-            tensors = self._padded([features[i] for i in batch])
-            with torch.inference_mode():
-                logits = self.network(**tensors).logits
-            out[torch.tensor(batch)] = logits[:, 0].float().cpu()
-        return out
-
     def _padded(self, rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
         import torch
 
@@ -424,14 +481,16 @@ class PoolingHandler:
 
     def _forward(self, rows: list[dict[str, list[int]]]) -> torch.Tensor:
         """The pooled (not yet normalised) vectors of ``rows``, as sentence-transformers'
-        Transformer and Pooling modules compute them."""
+        Transformer and Pooling modules compute them; a cross-encoder's logits."""
         import torch
 
         tensors = self._padded(rows)
         with torch.inference_mode():
+            if self.layout is None:
+                logits: torch.Tensor = self.network(**tensors).logits
+                return logits[:, 0]
             tokens = self.network(**tensors, return_dict=False)[0]
             mask = tensors["attention_mask"].unsqueeze(-1).to(tokens.dtype)
-            assert self.layout is not None
             pooled = []
             for mode in self.layout.modes:
                 if mode == "cls":
@@ -445,19 +504,6 @@ class PoolingHandler:
                 else:
                     pooled.append(_last_tokens(tokens, tensors["attention_mask"]))
             return torch.cat(pooled, dim=1)
-
-
-class _NeverCancelled:
-    """The warm-up's call."""
-
-    prompt: Prompt = ""
-    params: dict[str, Any] = {}
-
-    def cancelled(self) -> bool:
-        return False
-
-    def emit(self, text: str) -> None:
-        raise AssertionError("a pooling model emits no text")
 
 
 def _last_tokens(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
