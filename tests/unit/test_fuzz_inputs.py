@@ -51,6 +51,12 @@ FAULT_COMMANDS = frozenset(
         "crash_once",
         "hang_once",
         "pid",
+        "spin",
+        "batch_raise",
+        "env",
+        "device",
+        "device_memory",
+        "detach",
     }
 )
 # Stable examples in CI; MODELPOOL_FUZZ_RANDOM=1 explores new ones (a nightly or local run).
@@ -115,7 +121,9 @@ def _has_huge_int(value: Any) -> bool:
 
 def neutral(content: str) -> str:
     """A prompt text the testing backend echoes instead of acting on."""
-    return "echo:" + content if content.partition(":")[0] in FAULT_COMMANDS else content
+    command = content.partition(":")[0]
+    acted_on = command in FAULT_COMMANDS or command.startswith("cuda_")
+    return "echo:" + content if acted_on else content
 
 
 def echoed(content: str) -> str:
