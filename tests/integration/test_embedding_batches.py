@@ -32,9 +32,10 @@ def _held_batch(
     pool: ModelPool, log: Path, gate: Path
 ) -> Iterator[concurrent.futures.Future[EmbeddingResult]]:
     """A request whose step waits for ``gate``: what is sent meanwhile batches behind it."""
+    earlier = _steps(log)  # the steps of requests sent before this one
     with concurrent.futures.ThreadPoolExecutor(1) as executor:
         held = executor.submit(pool.embed, f"embed_wait:{gate}", deadline_s=slack(30))
-        wait_until(lambda: _steps(log) == [1], timeout=slack(5), message="the held step")
+        wait_until(lambda: _steps(log) == [*earlier, 1], timeout=slack(5), message="the held step")
         yield held
 
 
