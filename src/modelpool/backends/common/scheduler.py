@@ -190,13 +190,22 @@ class PrefillBudget:
     long prompt is read (under 3, the bound kept); about a second when none is (cancels
     are still read every second). Beside rows the slice starts small, so the first one
     costs the running rows little. The median, not an average: a few slow first steps
-    raised an average, and the slices grew where they should have shrunk."""
+    raised an average, and the slices grew where they should have shrunk.
+
+    The step that reads a prompt's last slice also takes its first token and joins the
+    row to the batch (the hf runner copies its cache into the batch's): that join's
+    measured time is taken out of the last slice's share (``last_slice``), so that the
+    step that ends a prompt is no longer than the ones before it."""
 
     def __init__(self, prefill_chunk_tokens: PrefillChunk) -> None:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.auto = prefill_chunk_tokens == "auto"
         self._auto_slice = {True: _AUTO_MIN_SLICE, False: _AUTO_FIRST_SOLO_SLICE}
         self._decode_steps_s: deque[float] = deque(maxlen=_STEPS_TIMED)
+        # Seconds per prompt token of a slice ridden beside rows, and of a join per cache
+        # cell it writes (rows after it times their width): the latest measured.
+        self._slice_token_s: float | None = None
+        self._join_cell_s: float | None = None
 
     def size(self, beside_rows: bool) -> int:
         if self.prefill_chunk_tokens != "auto":
@@ -220,6 +229,8 @@ class PrefillBudget:
         Steered by time, not by a per-token cost: a pass has a fixed cost (reading the
         weights) that small slices would overweight, shrinking the slice further and
         further."""
+        if beside_rows and tokens > 0:
+            self._slice_token_s = seconds / tokens
         if self.prefill_chunk_tokens != "auto" or tokens < self._auto_slice[beside_rows]:
             return
         step_s = self.decode_step_s
@@ -228,6 +239,30 @@ class PrefillBudget:
         scale = min(growth, max(0.5, target_s / max(seconds, 1e-6)))
         resized = int(min(_AUTO_MAX_SLICE, max(_AUTO_MIN_SLICE, tokens * scale)))
         self._auto_slice[beside_rows] = resized
+
+    def joined(self, cells: int, seconds: float) -> None:
+        """A row took its first token and joined the running rows in ``seconds``; the
+        batch's cache has ``cells`` positions after it (rows times width: the merge
+        writes them all)."""
+        self._join_cell_s = seconds / max(1, cells)
+
+    def last_slice(self, count: int, rest: int, cells: int) -> int:
+        """Of a prompt's ``rest``, how much to read beside rows in a step whose budget is
+        ``count`` tokens: all of it when it fits with the join (``cells``: the batch's
+        cache positions after it; before a join is measured, a join is counted as one
+        decoding step), else at most what leaves a last slice that does, and at least a
+        minimum slice, so that the prompt ends."""
+        if not self.auto or rest > count or self._slice_token_s is None:
+            return min(count, rest)
+        if self._join_cell_s is not None:
+            join_s = self._join_cell_s * cells
+        else:
+            join_s = self.decode_step_s or 0.0
+        room = count - int(join_s / max(self._slice_token_s, 1e-9))
+        last = max(_AUTO_MIN_SLICE, room)
+        if rest <= last:
+            return rest
+        return max(_AUTO_MIN_SLICE, rest - last)
 
 
 class Scheduler(Generic[State]):
@@ -405,7 +440,14 @@ class Scheduler(Generic[State]):
                 continue
             if budget <= 0:
                 break
-            count = rest if read_whole else min(budget, rest)
+            if read_whole:
+                count = rest
+            elif self.rows:
+                width = max(len(row.prompt_ids), *(len(other.prompt_ids) for other in self.rows))
+                cells = (len(self.rows) + 1) * width
+                count = self.budget.last_slice(budget, rest, cells)
+            else:
+                count = min(budget, rest)
             budget -= count
             slices.append((row, count))
         return StepPlan(list(self.rows), whole, slices, fused)

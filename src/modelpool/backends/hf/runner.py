@@ -417,6 +417,7 @@ class HFRunner:
         it joins the batch."""
         import torch
 
+        started = time.perf_counter()
         try:
             tokens, failures = self._choose([row], logits)
             if failures:
@@ -428,7 +429,11 @@ class HFRunner:
             return
         cache, row.state.cache = row.state.cache, None
         mask = torch.ones((1, len(row.prompt_ids)), dtype=torch.long, device=tokens.device)
+        beside_rows = bool(self.batch)
         self._merge([row], cache, mask, tokens[:1])
+        if beside_rows and self._mask is not None:
+            cells = int(self._mask.shape[0]) * int(self._mask.shape[1])
+            step.budget.joined(cells, time.perf_counter() - started)
 
     def _prefill_slice(
         self, row: HFRequest, count: int, step: Scheduler[HFRow]
