@@ -236,3 +236,26 @@ def test_vllm_score_groups_by_query_and_refuses_uneven_lists() -> None:
 def test_pool_inputs_are_all_texts_or_all_token_ids() -> None:
     assert parse_embeddings({"input": ["a", "b"]}).pool_inputs() == ["a", "b"]
     assert parse_embeddings({"input": [[1], [2, 3]]}).pool_inputs() == [(1,), (2, 3)]
+
+
+def test_priority_is_taken_by_every_pooling_body_and_checked() -> None:
+    assert parse_embeddings({"input": "a", "priority": -3}).priority == -3
+    assert parse_embeddings({"input": "a"}).priority == 0
+    assert parse_tei_embed({"inputs": "a", "priority": 2}).priority == 2
+    rerank = parse_rerank(
+        {"query": "q", "documents": ["d"], "priority": 1}, return_documents_default=True
+    )
+    assert rerank.priority == 1
+    assert (
+        parse_rerank(
+            {"query": "q", "texts": ["d"], "priority": 4}, return_documents_default=True
+        ).priority
+        == 4
+    )
+    assert parse_score({"text_1": "q", "text_2": ["d"], "priority": -1}).priority == -1
+    for bad in ("high", 1.5, True, 2**31):
+        assert refused(parse_embeddings, {"input": "a", "priority": bad}).param == "priority"
+        assert (
+            refused(parse_score, {"text_1": "q", "text_2": "d", "priority": bad}).param
+            == "priority"
+        )

@@ -683,10 +683,13 @@ async def _on_a_worker(
     state: ServerState,
     parse: Callable[[dict[str, Any], ServerConfig], T],
     call: Callable[[ModelPool, T, float], Awaitable[R]],
+    *,
+    priority_of: Callable[[T], int] | None = None,
 ) -> tuple[ModelPool, R]:
     """A tokenizer route's walk: its body parsed and checked in a check thread, its
     model's pool, then ``call(pool, job, seconds_left)`` in the client's turn of fair
-    share (tokenizing takes a worker, as a generation does)."""
+    share (tokenizing takes a worker, as a generation does) at the job's priority
+    (``priority_of``; 0 without it)."""
     waiting_s = deadline_from({}, request.headers, state.default_deadline_s(), None)
     body, job = await _read_json(request, state, waiting_s, parse, state.config)
     pool = await state.pool_for(request, body)
@@ -694,7 +697,8 @@ async def _on_a_worker(
         request, deadline_from({}, request.headers, pool.config.deadline_s, None)
     )
     client = _client(request, state)
-    ticket = state.share_for(request).reserve(client.name, 1, client.limits)
+    priority = 0 if priority_of is None else priority_of(job)
+    ticket = state.share_for(request).reserve(client.name, 1, client.limits, priority)
     try:
         async with ticket.slot(deadline) as left_s:
             return pool, await call(pool, job, left_s)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from modelpool.server.http import invalid
-from modelpool.server.openai.request import _check_fields, _opt_bool, _opt_int
+from modelpool.server.openai.request import _check_fields, _opt_bool, _opt_int, parse_priority
 
 # OpenAI's bound on the inputs of one request.
 MAX_INPUTS = 2048
@@ -40,10 +40,10 @@ EmbedInput = str | tuple[int, ...]
 EncodingFormat = Literal["float", "base64"]
 
 EMBEDDINGS_FIELDS = frozenset(
-    {"model", "input", "encoding_format", "dimensions", "user", "truncate"}
+    {"model", "input", "encoding_format", "dimensions", "user", "truncate", "priority"}
 )
 TEI_EMBED_FIELDS = frozenset(
-    {"model", "inputs", "normalize", "truncate", "truncation_direction", "dimensions"}
+    {"model", "inputs", "normalize", "truncate", "truncation_direction", "dimensions", "priority"}
 )
 
 
@@ -57,6 +57,7 @@ class EmbedJob:
     encoding_format: EncodingFormat = "float"
     # TEI's ``normalize``: the vectors scaled to length 1 (whatever the model's pooling).
     normalize: bool = False
+    priority: int = 0  # vLLM's: lower runs first
 
     def pool_inputs(self) -> list[str] | list[tuple[int, ...]]:
         """The inputs as ``ModelPool.aembed`` takes them: all texts or all token ids (the
@@ -87,6 +88,7 @@ def parse_embeddings(body: Mapping[str, Any]) -> EmbedJob:
         dimensions=_opt_int(body, "dimensions", 1),
         truncate=bool(_opt_bool(body, "truncate")),
         encoding_format="base64" if encoding == "base64" else "float",
+        priority=parse_priority(body) or 0,
     )
 
 
@@ -108,6 +110,7 @@ def parse_tei_embed(body: Mapping[str, Any]) -> EmbedJob:
         dimensions=_opt_int(body, "dimensions", 1),
         truncate=bool(_opt_bool(body, "truncate")),
         normalize=_opt_bool(body, "normalize") is not False,
+        priority=parse_priority(body) or 0,
     )
 
 

@@ -82,6 +82,8 @@ class OnAWorker(Protocol):
         state: ServerState,
         parse: Callable[[dict[str, Any], ServerConfig], T],
         call: Callable[[ModelPool, T, float], Awaitable[R]],
+        *,
+        priority_of: Callable[[T], int] | None = None,
     ) -> tuple[ModelPool, R]: ...
 
 
@@ -117,6 +119,7 @@ def install_pooling_routes(app: FastAPI, state: ServerState, on_a_worker: OnAWor
                         raw_scores=job.raw_scores,
                         truncate=job.truncate,
                         deadline_s=left_s,
+                        priority=job.priority,
                     )
                 ),
             )
@@ -125,7 +128,7 @@ def install_pooling_routes(app: FastAPI, state: ServerState, on_a_worker: OnAWor
             body = rerank_body(job, result.scores, result.prompt_tokens, _model(request, state))
             return Response(json_bytes(body), media_type="application/json")
 
-        _, response = await on_a_worker(request, state, parse, run)
+        _, response = await on_a_worker(request, state, parse, run, priority_of=_priority)
         return response
 
     # Jina's and vLLM's answers carry the documents unless asked not to; Cohere's v2 none.
@@ -153,7 +156,7 @@ def install_pooling_routes(app: FastAPI, state: ServerState, on_a_worker: OnAWor
             body = score_body(scores, prompt_tokens, _model(request, state))
             return Response(json_bytes(body), media_type="application/json")
 
-        _, response = await on_a_worker(request, state, _parse_score, run)
+        _, response = await on_a_worker(request, state, _parse_score, run, priority_of=_priority)
         return response
 
     @app.post("/score")
@@ -183,6 +186,7 @@ async def _embed(
                     dimensions=job.dimensions,
                     truncate=job.truncate,
                     deadline_s=left_s,
+                    priority=job.priority,
                 )
             ),
         )
@@ -199,8 +203,12 @@ async def _embed(
         )
         return Response(content, media_type="application/json")
 
-    _, response = await on_a_worker(request, state, parse, run)
+    _, response = await on_a_worker(request, state, parse, run, priority_of=_priority)
     return response
+
+
+def _priority(job: EmbedJob | RerankJob | ScoreJob) -> int:
+    return job.priority
 
 
 async def _score_pairs(pool: ModelPool, job: ScoreJob, left_s: float) -> tuple[list[float], int]:
@@ -212,7 +220,9 @@ async def _score_pairs(pool: ModelPool, job: ScoreJob, left_s: float) -> tuple[l
     for query, indices in job.by_query():
         documents = [job.pairs[index][1] for index in indices]
         remaining = max(0.001, ends - time.monotonic())
-        result = await pool.ascore(query, documents, truncate=job.truncate, deadline_s=remaining)
+        result = await pool.ascore(
+            query, documents, truncate=job.truncate, deadline_s=remaining, priority=job.priority
+        )
         prompt_tokens += result.prompt_tokens
         for index, value in zip(indices, result.scores, strict=True):
             scores[index] = value

@@ -31,17 +31,26 @@ from typing import Any, Literal
 
 from modelpool.server.embeddings import MAX_INPUTS
 from modelpool.server.http import invalid
-from modelpool.server.openai.request import _check_fields, _opt_bool, _opt_int
+from modelpool.server.openai.request import _check_fields, _opt_bool, _opt_int, parse_priority
 
 RerankShape = Literal["cohere", "tei"]
 
 RERANK_FIELDS = frozenset(
-    {"model", "query", "documents", "top_n", "return_documents", "max_tokens_per_doc"}
+    {"model", "query", "documents", "top_n", "return_documents", "max_tokens_per_doc", "priority"}
 )
 TEI_RERANK_FIELDS = frozenset(
-    {"model", "query", "texts", "raw_scores", "return_text", "truncate", "truncation_direction"}
+    {
+        "model",
+        "query",
+        "texts",
+        "raw_scores",
+        "return_text",
+        "truncate",
+        "truncation_direction",
+        "priority",
+    }
 )
-SCORE_FIELDS = frozenset({"model", "text_1", "text_2", "truncate"})
+SCORE_FIELDS = frozenset({"model", "text_1", "text_2", "truncate", "priority"})
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class RerankJob:
     return_documents: bool = False
     raw_scores: bool = False
     truncate: bool = False
+    priority: int = 0  # vLLM's: lower runs first
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,7 @@ class ScoreJob:
 
     pairs: tuple[tuple[str, str], ...]
     truncate: bool = False
+    priority: int = 0
 
     def by_query(self) -> list[tuple[str, list[int]]]:
         """The pairs grouped by their ``text_1`` (one pool request each), in first-seen
@@ -96,6 +107,7 @@ def parse_rerank(body: Mapping[str, Any], *, return_documents_default: bool) -> 
         top_n=_opt_int(body, "top_n", 1),
         return_documents=return_documents_default if return_documents is None else return_documents,
         truncate=max_tokens is not None,
+        priority=parse_priority(body) or 0,
     )
 
 
@@ -121,6 +133,7 @@ def _parse_tei_rerank(body: Mapping[str, Any]) -> RerankJob:
         return_documents=bool(_opt_bool(body, "return_text")),
         raw_scores=bool(_opt_bool(body, "raw_scores")),
         truncate=bool(_opt_bool(body, "truncate")),
+        priority=parse_priority(body) or 0,
     )
 
 
@@ -141,7 +154,11 @@ def parse_score(body: Mapping[str, Any]) -> ScoreJob:
             param="text_2",
         )
     _check_count(len(first), "text_2")
-    return ScoreJob(tuple(zip(first, second, strict=True)), bool(_opt_bool(body, "truncate")))
+    return ScoreJob(
+        tuple(zip(first, second, strict=True)),
+        bool(_opt_bool(body, "truncate")),
+        parse_priority(body) or 0,
+    )
 
 
 def _score_texts(body: Mapping[str, Any], name: str) -> list[str]:

@@ -124,6 +124,18 @@ _MESSAGE_KEYS: dict[str, frozenset[str]] = {
 # Request parsing
 
 
+def parse_priority(body: Mapping[str, Any]) -> int | None:
+    """vLLM's ``priority``: an integer, lower runs first; None when the body has none."""
+    priority = body.get("priority")
+    if priority is not None and not is_int(priority, minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY):
+        raise invalid(
+            f"priority must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}] (lower runs "
+            f"first), got {priority!r}",
+            param="priority",
+        )
+    return priority
+
+
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
     for name in body:
         if name not in allowed and name not in _IGNORED_FIELDS:
@@ -232,14 +244,8 @@ def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str,
     seed = _opt_int(body, "seed", 0)
     if seed is not None:
         params["seed"] = seed
-    priority = body.get("priority")
+    priority = parse_priority(body)
     if priority is not None:
-        if not is_int(priority, minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY):
-            raise invalid(
-                f"priority must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}] (lower "
-                f"runs first), got {priority!r}",
-                param="priority",
-            )
         params["priority"] = priority
     max_queue_time_s = _opt_number(body, "max_queue_time_s")
     if max_queue_time_s is not None:
