@@ -134,6 +134,34 @@ def test_a_crashing_batch_loses_its_innocents_and_they_are_retried(tmp_path: Pat
         assert 4 in _steps(log) and len(_steps(log)) > 2
 
 
+@pytest.mark.slow
+def test_a_hung_batch_is_killed_and_its_innocents_are_answered(tmp_path: Path) -> None:
+    log, gate, marker = tmp_path / "steps", tmp_path / "gate", tmp_path / "hung"
+    # The second input hangs its step the first time (never reading the cancel flag,
+    # ignoring SIGTERM): four clients' requests are frozen in one step.
+    inputs = ["first", f"embed_hang_once:{marker}", "third", "fourth"]
+    with (
+        _open_batched(tmp_path, stall_timeout_s=slack(1), term_grace_s=0.2) as pool,
+        concurrent.futures.ThreadPoolExecutor(4) as executor,
+    ):
+        with _held_batch(pool, log, gate):
+            futures = _send(
+                executor,
+                [lambda text=text: pool.embed(text, deadline_s=slack(30)) for text in inputs],
+            )
+            wait_until(lambda: pool.stats().running == 5, timeout=slack(5), message="5 runs")
+            gate.touch()
+            results = [future.result(timeout=slack(30)) for future in futures]
+        assert marker.exists()
+        for text, result in zip(inputs, results, strict=True):
+            assert result.vectors[0] == pytest.approx(vector(text))
+        counters = pool.stats().counters
+        # One kill (the ladder's SIGKILL: SIGTERM is ignored), the batch's four retried.
+        assert counters["kills"] == 1 and counters["stalls"] == 1
+        assert counters["collateral_retries"] == 4
+        assert 4 in _steps(log) and len(_steps(log)) > 2
+
+
 @pytest.mark.parametrize(
     ("overrides", "capacity"),
     [
