@@ -9,6 +9,7 @@ once per machine.
 from __future__ import annotations
 
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,33 @@ def test_a_pool_of_the_packaged_model_ranks_the_relevant_document_first() -> Non
         result = pool.embed(TEXTS[:2], dimensions=128)
         assert result.dimensions == 128
         assert math.isclose(sum(v * v for v in result.vectors[0]), 1.0, rel_tol=1e-5)
+
+
+def test_a_hub_id_in_the_hub_cache_is_served_as_an_embedding_model(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    # The packaged model laid out as the hub cache holds a download of it.
+    revision = "0" * 40
+    repo = tmp_path / "hub" / "models--sentence-transformers--all-MiniLM-L6-v2"
+    snapshot = repo / "snapshots" / revision
+    shutil.copytree(model_dir, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    config = PoolConfig(
+        model="sentence-transformers/all-MiniLM-L6-v2",
+        backend="hf",
+        workers=1,
+        devices=("cpu",),
+        backend_options={"dtype": "float32"},
+    )
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        patch.setattr("huggingface_hub.constants.HF_HUB_CACHE", env["HF_HUB_CACHE"])
+        with ModelPool(config) as pool:
+            assert pool.task == "embed" and pool.config.max_batch_size == 32
+            from_hub = pool.embed(TEXTS[:3]).vectors
+    with ModelPool(config.replace(model=str(model_dir))) as pool:
+        for local, hub in zip(pool.embed(TEXTS[:3]).vectors, from_hub, strict=True):
+            assert local == pytest.approx(hub, abs=1e-6)

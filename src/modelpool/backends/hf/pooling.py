@@ -2,7 +2,9 @@
 cross-encoders, read the way sentence-transformers reads them, without it.
 
 A model directory is a pooling model, loaded by :func:`load_pooling` with no setting of
-its own (``ModelPool(model=DIR)``), when it holds either
+its own (``ModelPool(model=DIR)``; a hub id such as
+``sentence-transformers/all-MiniLM-L6-v2`` reads its snapshot in the hub cache, which the
+preflight filled), when it holds either
 
 - a sentence-transformers ``modules.json`` (an embedding model, task "embed"): its
   ``Transformer`` module (``AutoModel``; ``max_seq_length`` and ``do_lower_case`` from
@@ -107,10 +109,29 @@ class EmbeddingLayout:
     do_lower_case: bool
 
 
-def pooling_task(model: str) -> Task | None:
-    """ "embed" or "score" for a local pooling model directory, None for anything else
-    (a generation model, a hub id). Reads two small JSON files."""
+def model_dir(model: str) -> Path | None:
+    """Where ``model``'s files are here: the directory it names, or the hub cache's
+    snapshot of the hub id it is (the preflight downloaded it; the hub is not asked);
+    None when neither."""
     path = Path(os.path.expanduser(model))
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "config.json")
+    except Exception:  # not a hub id (HFValidationError), or no hub client at all
+        return None
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
+def pooling_task(model: str) -> Task | None:
+    """ "embed" or "score" for a pooling model (a local directory, or a hub id already in
+    the hub cache), None for anything else (a generation model). Reads two small JSON
+    files."""
+    path = model_dir(model)
+    if path is None:
+        return None
     if (path / "modules.json").is_file():
         return "embed"
     try:
@@ -171,7 +192,7 @@ def load_pooling(model: str, device: str, task: Task, **options: Any) -> Pooling
     trust_remote_code = options.get("trust_remote_code", False)
     if not isinstance(trust_remote_code, bool):
         raise ValueError(f"trust_remote_code must be true or false, got {trust_remote_code!r}")
-    path = Path(os.path.expanduser(model))
+    path = model_dir(model) or Path(os.path.expanduser(model))
     layout = read_layout(path) if task == "embed" else None
 
     started = time.monotonic()
