@@ -17,9 +17,11 @@ runs on it by default, so a GPU keeps hf.
 
 A pooling model's batch (``pooling_batch_size``): an embedding model or a cross-encoder
 whose worker batches embed and score requests (the hf backend's, the testing backend's
-``task`` option) gets ``max_batch_size = pooling_batch_size`` when ``max_batch_size`` was
-left at 1, since one-text requests of concurrent clients are exactly what a shared
-forward pass is for; a llama_cpp embedding model answers one request at a time anyway.
+``task`` option; a llama_cpp GGUF loaded with ``embedding = true``) gets
+``max_batch_size = pooling_batch_size`` when ``max_batch_size`` was left at 1, since
+one-text requests of concurrent clients are exactly what a shared forward pass is for.
+A GGUF that is an embedding model by its metadata alone is not opened here (see below):
+it batches with ``embedding = true`` or a ``max_batch_size`` of its own.
 
 Nothing is imported to decide: llama-cpp-python is looked up (``find_spec``), not
 loaded, so the supervisor never maps libllama; a broken install is then the worker's
@@ -135,6 +137,8 @@ def with_pooling_batches(config: PoolConfig) -> PoolConfig:
         from modelpool.backends.hf.pooling import pooling_task
 
         pooling = pooling_task(config.model) is not None
+    elif config.backend == "llama_cpp":
+        pooling = config.backend_options.get("embedding") is True
     else:
         pooling = False
     return config.replace(max_batch_size=config.pooling_batch_size) if pooling else config

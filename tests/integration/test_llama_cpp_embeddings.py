@@ -8,6 +8,7 @@ sentence-transformers' for the same model.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import subprocess
@@ -20,7 +21,7 @@ import pytest
 from helpers import FakeCall, skip_unless_pypi
 from modelpool import ContextLengthExceeded, ModelPool, PoolConfig, WrongTask
 from modelpool.embedded import EMBEDDING_NAME, prepare_model
-from modelpool.protocol import EmbedRequest
+from modelpool.protocol import EmbedRequest, Generation
 
 pytestmark = pytest.mark.slow
 
@@ -112,3 +113,39 @@ def test_a_pool_serves_the_gguf_as_an_embedding_model(gguf_file: Path) -> None:
         assert pool.embed("word " * 600, truncate=True).prompt_tokens == 512
         with pytest.raises(WrongTask):
             pool.generate("hello")
+
+
+def test_concurrent_requests_batch_and_keep_their_vectors(gguf_file: Path) -> None:
+    from modelpool.backends.llama_cpp import load
+
+    handler = load(str(gguf_file), threads=1)
+    solo = []
+    for text in TEXTS:
+        answer = handler.embed(EmbedRequest((text,)), FakeCall(""))
+        assert answer.pooled is not None and answer.pooled.vectors is not None
+        solo.append(answer.pooled.vectors[0])
+    # Admitted together, one step embeds them all; a cancelled one is answered cancelled.
+    calls = [FakeCall("") for _ in TEXTS]
+    cancelled = FakeCall("", flag=True)
+    for call, text in zip(calls, TEXTS, strict=True):
+        call.request = EmbedRequest((text,))  # type: ignore[attr-defined]
+        handler.admit(call)  # type: ignore[arg-type]
+    cancelled.request = EmbedRequest(("dropped",))  # type: ignore[attr-defined]
+    handler.admit(cancelled)  # type: ignore[arg-type]
+    finished = handler.step()
+    assert [call for call, _ in finished] == [*calls, cancelled]
+    answers = [answer for _, answer in finished]
+    assert isinstance(answers[-1], Generation) and answers[-1].finish_reason == "cancelled"
+    for answer, expected in zip(answers, solo, strict=False):
+        assert isinstance(answer, Generation) and answer.pooled is not None
+        assert answer.pooled.vectors is not None
+        assert _cosine(answer.pooled.vectors[0], expected) > 0.99999
+    config = PoolConfig(
+        model=str(gguf_file), backend="llama_cpp", workers=1, devices=["cpu"],
+        backend_options={"threads": 1, "embedding": True},
+    )  # fmt: skip
+    with ModelPool(config) as pool, concurrent.futures.ThreadPoolExecutor(4) as executor:
+        assert pool.config.max_batch_size == 32
+        results = list(executor.map(pool.embed, TEXTS))
+        for result, expected in zip(results, solo, strict=True):
+            assert _cosine(result.vectors[0], expected) > 0.99999

@@ -11,6 +11,12 @@ as they are) are packed into micro-batches of at most the context's tokens, each
 ``llama_decode`` with a sequence per input, the cancel flag read between them. An input
 longer than the context is refused unless truncated. This is how
 ``Llama.embed`` itself packs, with token ids and the cancel check added.
+
+With ``max_batch_size`` above 1 the handler is batched (``protocol.BatchedHandler``,
+``batches_pooling``), as the hf backend's pooling handler is: the worker admits every
+embed or score request that has arrived (each checked then, so that a bad one fails
+alone) and one ``step()`` packs all their inputs into the same micro-batches; a
+cancelled request's inputs leave the micro-batches after its flag is read.
 """
 
 from __future__ import annotations
@@ -18,12 +24,21 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from modelpool.embeddings import check_dimensions, cosine, cut_and_normalise
 from modelpool.errors import ContextLengthExceeded, InvalidRequest
-from modelpool.protocol import Call, EmbedRequest, Generation, PooledAnswer, ScoreRequest
+from modelpool.protocol import (
+    BatchCall,
+    Call,
+    EmbedRequest,
+    Finished,
+    Generation,
+    PooledAnswer,
+    ScoreRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,38 +101,92 @@ def load_embedding(
     return handler
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """An embed or score request, its inputs read into token rows, waiting for a step."""
+
+    call: Call
+    request: EmbedRequest | ScoreRequest
+    rows: list[list[int]]
+    dimensions: int  # an embedding's, after the cut
+
+
 class LlamaEmbeddingHandler:
-    """A GGUF embedding model: ``embed`` and ``score`` (``modelpool.pooling_answers``),
-    ``tokenize``, ``detokenize``; no generation."""
+    """A GGUF embedding model: ``embed`` and ``score`` (``modelpool.pooling_answers``), in
+    the batched form too (``batches_pooling``: the requests a worker holds embedded
+    together), ``tokenize``, ``detokenize``; no generation."""
 
     task = "embed"
+    batches_pooling = True
 
     def __init__(self, model: Any, max_model_len: int) -> None:
         self.model = model
         self.max_model_len = max_model_len
         self.size = int(model.n_embd())
         self.vocab_size = int(model.n_vocab())
+        self._pending: list[tuple[BatchCall, _Pending]] = []
+
+    # ---- the two requests, alone (the one-call loop) -----------------------------------
 
     def embed(self, request: EmbedRequest, call: Call) -> Generation:
-        dimensions = check_dimensions(request.dimensions, self.size)
-        rows = self._rows(request.inputs, request.truncate)
-        vectors = self._vectors(rows, call)
-        if vectors is None:
-            return Generation("", "cancelled", 0, 0)
-        cut = [cut_and_normalise(vector, dimensions) for vector in vectors]
-        tokens = sum(len(row) for row in rows)
-        return Generation("", "stop", tokens, 0, pooled=PooledAnswer(vectors=cut))
+        return self._answers([self._prepare(request, call)])[0]
 
     def score(self, request: ScoreRequest, call: Call) -> Generation:
+        return self._answers([self._prepare(request, call)])[0]
+
+    # ---- batched form: the requests of concurrent clients in shared decodes ------------
+
+    def admit(self, call: BatchCall) -> None:
+        request = getattr(call, "request", None)
+        if not isinstance(request, (EmbedRequest, ScoreRequest)):
+            raise InvalidRequest("an embedding model answers embed and score requests only")
+        self._pending.append((call, self._prepare(request, call)))
+
+    def step(self) -> list[Finished]:
+        """Every admitted request's answer: all their inputs packed together."""
+        pending, self._pending = self._pending, []
+        answers = self._answers([entry for _, entry in pending])
+        return [(call, answer) for (call, _), answer in zip(pending, answers, strict=True)]
+
+    def retire(self, call: BatchCall) -> Generation:
+        self._pending = [(own, entry) for own, entry in self._pending if own is not call]
+        return Generation("", "cancelled", 0, 0)
+
+    def abort(self) -> None:
+        self._pending.clear()
+
+    def _prepare(self, request: EmbedRequest | ScoreRequest, call: Call) -> _Pending:
+        """``request``'s rows, checked (dimensions, context, vocabulary) before any decode."""
+        if isinstance(request, EmbedRequest):
+            dimensions = check_dimensions(request.dimensions, self.size)
+            return _Pending(call, request, self._rows(request.inputs, request.truncate), dimensions)
         rows = self._rows((request.query, *request.documents), request.truncate)
-        vectors = self._vectors(rows, call)
-        if vectors is None:
-            return Generation("", "cancelled", 0, 0)
-        scores = [cosine(vectors[0], vector) for vector in vectors[1:]]
-        tokens = sum(len(row) for row in rows)
-        return Generation(
-            "", "stop", tokens, 0, pooled=PooledAnswer(scores=scores, method="cosine")
-        )
+        return _Pending(call, request, rows, self.size)
+
+    def _answers(self, pending: list[_Pending]) -> list[Generation]:
+        """Each pending request's answer, in order (``Generation("", "cancelled")`` for one
+        whose call was cancelled)."""
+        owners = [owner for owner, entry in enumerate(pending) for _ in entry.rows]
+        rows = [row for entry in pending for row in entry.rows]
+        vectors, cancelled = self._vectors(rows, owners, [entry.call for entry in pending])
+        answers = []
+        first = 0
+        for owner, entry in enumerate(pending):
+            own = vectors[first : first + len(entry.rows)]
+            first += len(entry.rows)
+            if owner in cancelled:
+                answers.append(Generation("", "cancelled", 0, 0))
+                continue
+            tokens = sum(len(row) for row in entry.rows)
+            if isinstance(entry.request, EmbedRequest):
+                cut = [cut_and_normalise(vector, entry.dimensions) for vector in own]
+                answer = PooledAnswer(vectors=cut)
+            else:
+                answer = PooledAnswer(
+                    scores=[cosine(own[0], vector) for vector in own[1:]], method="cosine"
+                )
+            answers.append(Generation("", "stop", tokens, 0, pooled=answer))
+        return answers
 
     def tokenize(self, prompt: object, add_generation_prompt: bool = True) -> list[int]:
         if not isinstance(prompt, str):
@@ -152,36 +221,56 @@ class LlamaEmbeddingHandler:
             rows.append(ids)
         return rows
 
-    def _vectors(self, rows: list[list[int]], call: Call) -> list[list[float]] | None:
-        """Each row's pooled vector, in order; None once cancelled. One ``llama_decode`` per
-        micro-batch: rows packed, in order, until the next would pass the context."""
+    def _vectors(
+        self, rows: list[list[int]], owners: list[int], calls: list[Call]
+    ) -> tuple[list[list[float]], set[int]]:
+        """Each row's pooled vector, in order (empty for a row of a cancelled request), and
+        the requests found cancelled (``owners[i]``: the index in ``calls`` of row ``i``'s
+        request). One ``llama_decode`` per micro-batch: rows packed, in order, until the
+        next would pass the context; the flags are read before each."""
         import llama_cpp
 
         model = self.model
         sequences = int(model.context_params.n_seq_max)
-        vectors: list[list[float]] = []
+        vectors: list[list[float]] = [[] for _ in rows]
+        cancelled: set[int] = set()
+        for batch in self._micro_batches(rows, sequences):
+            cancelled |= {
+                owner for owner, call in enumerate(calls)
+                if owner not in cancelled and call.cancelled()
+            }  # fmt: skip
+            if len(cancelled) == len(calls):
+                break
+            batch = [index for index in batch if owners[index] not in cancelled]
+            if not batch:
+                continue
+            model._batch.reset()
+            for sequence, index in enumerate(batch):
+                model._batch.add_sequence(rows[index], sequence, True)
+            model._ctx.kv_cache_clear()
+            model._ctx.decode(model._batch)
+            for sequence, index in enumerate(batch):
+                pointer = llama_cpp.llama_get_embeddings_seq(model._ctx.ctx, sequence)
+                vectors[index] = _unit([float(value) for value in pointer[: self.size]])
+        model._batch.reset()
+        model._ctx.kv_cache_clear()
+        return vectors, cancelled
+
+    def _micro_batches(self, rows: list[list[int]], sequences: int) -> list[list[int]]:
+        """The rows' indices in micro-batches of at most the context's tokens and
+        ``sequences`` rows, in order."""
+        batches: list[list[int]] = []
         batch: list[int] = []
         used = 0
-        model._batch.reset()
-        for position in [*range(len(rows)), None]:
-            row = rows[position] if position is not None else None
-            full = row is None or used + len(row) > self.max_model_len or len(batch) >= sequences
-            if batch and full:
-                if call.cancelled():
-                    return None
-                model._ctx.kv_cache_clear()
-                model._ctx.decode(model._batch)
-                for sequence in range(len(batch)):
-                    pointer = llama_cpp.llama_get_embeddings_seq(model._ctx.ctx, sequence)
-                    vectors.append(_unit([float(value) for value in pointer[: self.size]]))
-                model._batch.reset()
+        for index, row in enumerate(rows):
+            if batch and (used + len(row) > self.max_model_len or len(batch) >= sequences):
+                batches.append(batch)
                 batch, used = [], 0
-            if row is not None:
-                model._batch.add_sequence(row, len(batch), True)
-                batch.append(position)
-                used += len(row)
-        model._ctx.kv_cache_clear()
-        return vectors
+            batch.append(index)
+            used += len(row)
+        if batch:
+            batches.append(batch)
+        return batches
 
 
 def _unit(vector: list[float]) -> list[float]:
