@@ -5,8 +5,10 @@ worker only its own.
 labels, ``resolve_worker_devices`` spreads them over workers (a label may name a group
 of GPUs, "cuda:0+cuda:1"), and ``worker_env_for`` builds a worker's
 ``CUDA_VISIBLE_DEVICES`` in NVML's index order. Measuring those devices (NVML, release
-checks) is :mod:`modelpool.gpu`; this module only reads names and the environment, so
-it imports neither NVML nor torch.
+checks) and reading ``CUDA_VISIBLE_DEVICES`` (``cvd_entries``) is :mod:`modelpool.gpu`,
+which this module imports and which does not import it; this module only reads names
+and the environment, and asks NVML only through a ``GpuProbe``, so it imports neither
+NVML nor torch.
 """
 
 from __future__ import annotations
@@ -15,25 +17,12 @@ import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from modelpool.gpu import GpuProbe
+from modelpool.gpu import GpuProbe, cvd_entries
 
 log = logging.getLogger(__name__)
 
 NVML_INDEX_ORDER = "PCI_BUS_ID"  # NVML enumerates devices in PCI bus order
-
-
-def cvd_entries(environ: Mapping[str, str] | None) -> list[str] | None:
-    """CUDA_VISIBLE_DEVICES split into entries; None when unset."""
-    env = os.environ if environ is None else environ
-    value = env.get("CUDA_VISIBLE_DEVICES")
-    if value is None:
-        return None
-    if not value.strip():
-        return []
-    return [entry.strip() for entry in value.split(",")]
 
 
 _CUDA_PATTERN = re.compile(r"cuda(?::(\d+))?")
@@ -92,7 +81,7 @@ def resolve_devices(
                 continue
             raise ValueError(
                 f"device {device!r} does not exist: no NVIDIA GPU is usable here "
-                f"(NVML: {probe.reason}; no /dev/nvidia* device); use \"cpu\" or \"auto\""
+                f'(NVML: {probe.reason}; no /dev/nvidia* device); use "cpu" or "auto"'
             )
         if ordinal >= len(visible):
             raise ValueError(_not_visible(device, len(visible), environ))

@@ -70,7 +70,6 @@ from modelpool.observe import (
     Observers,
     RequestStatus,
     WorkerEvent,
-    request_record,
 )
 from modelpool.protocol import Generation, PrefixCacheReport, TokenCounts
 from modelpool.queueing import PriorityCounts, WaitPredictor, dispatch_order
@@ -81,6 +80,7 @@ from modelpool.records import (
     Timer,
     TimerHeap,
     Worker,
+    request_record,
 )
 from modelpool.results import set_future
 from modelpool.retries import Retries

@@ -1,4 +1,5 @@
-"""NVML probe and the GPU memory release check (device naming is :mod:`modelpool.devices`).
+"""NVML probe, the GPU memory release check, and ``CUDA_VISIBLE_DEVICES`` read as entries
+(``cvd_entries``; device naming, which uses them, is :mod:`modelpool.devices`).
 
 Nothing here imports torch: the supervisor uses this module to watch devices
 it never touches itself. The CPU-side checks (process groups, a process's own
@@ -52,7 +53,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from modelpool.devices import cvd_entries
 from modelpool.processes import ReleaseMethod, ReleaseReport
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,17 @@ class MemoryReading:
 
 
 # ----------------------------------------------------------------------------- NVML probe
+
+
+def cvd_entries(environ: Mapping[str, str] | None) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES split into entries; None when unset."""
+    env = os.environ if environ is None else environ
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    if not value.strip():
+        return []
+    return [entry.strip() for entry in value.split(",")]
 
 
 def _class_names(exc: BaseException) -> set[str]:

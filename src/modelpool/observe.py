@@ -2,8 +2,9 @@
 
 The dispatcher keeps timestamps (its monotonic clock) as a request moves: submitted,
 each attempt's dispatch, first token and end on a worker (pid, outcome), resolution.
-When the request is resolved it hands one :class:`RequestRecord` to every observer; a
-worker the pool signals, and its memory release check, are :class:`WorkerEvent` s.
+When the request is resolved it hands one :class:`RequestRecord` (made by
+``records.request_record``) to every observer; a worker the pool signals, and its
+memory release check, are :class:`WorkerEvent` s.
 Observers are the daemon's ``vllm:`` metrics (``server/vllm_metrics.py``) and the
 OpenTelemetry exporter (``tracing.py``); the last events are also kept for stats
 (``recent_events``, which the ``/ui`` page shows)::
@@ -20,12 +21,7 @@ import collections
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-    from modelpool.errors import PoolError
-    from modelpool.protocol import Generation
-    from modelpool.records import Request
+from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
 
@@ -75,34 +71,6 @@ class RequestRecord:
     def queue_s(self) -> float:
         """Submitted to the first dispatch (the whole life, if it never ran)."""
         return (self.first_dispatch_at or self.finished_at) - self.submitted_at
-
-
-def request_record(
-    request: Request,
-    status: RequestStatus,
-    now: float,
-    generation: Generation | None = None,
-    error: PoolError | None = None,
-) -> RequestRecord:
-    """The record of ``request``, resolved at ``now`` (the dispatcher's clock)."""
-    return RequestRecord(
-        request_id=request.request_id,
-        priority=request.priority,
-        submitted_at=request.submitted_at,
-        finished_at=now,
-        status=status,
-        first_dispatch_at=request.first_dispatch_at,
-        first_token_at=request.first_token_at,
-        attempts=list(request.attempt_log),
-        finish_reason=None if generation is None else generation.finish_reason,
-        error=None if error is None else type(error).__name__,
-        error_message=None if error is None else error.message,
-        prompt_tokens=None if generation is None else generation.prompt_tokens,
-        completion_tokens=None if generation is None else generation.completion_tokens,
-        cached_tokens=0 if generation is None else generation.cached_tokens or 0,
-        max_new_tokens=request.max_new_tokens,
-        traceparent=request.traceparent,
-    )
 
 
 @dataclass(frozen=True)

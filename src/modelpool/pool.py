@@ -480,8 +480,7 @@ class ModelPool:
         ``truncate``; an empty input raises ``InvalidRequest`` naming ``input``; a
         generation model raises ``WrongTask``. A request like any other: deadline,
         cancel, retried elsewhere if its worker dies."""
-        request = embed_request(inputs, dimensions, truncate)
-        future = self._submit(request, deadline_s, _priority(priority), None)
+        future = self._embed_future(inputs, dimensions, truncate, deadline_s, priority)
         return embedding_result(_waited(future))
 
     async def aembed(
@@ -494,8 +493,7 @@ class ModelPool:
         priority: int = 0,
     ) -> EmbeddingResult:
         """asyncio version of :meth:`embed`; cancelling the task stops the worker."""
-        request = embed_request(inputs, dimensions, truncate)
-        future = self._submit(request, deadline_s, _priority(priority), None)
+        future = self._embed_future(inputs, dimensions, truncate, deadline_s, priority)
         result: Result = await asyncio.wrap_future(future)
         return embedding_result(result)
 
@@ -514,8 +512,7 @@ class ModelPool:
 
             result = pool.score("capital of France", ["Paris is...", "Bananas are..."])
             best = max(range(len(result.scores)), key=result.scores.__getitem__)"""
-        request = score_request(query, documents, raw_scores, truncate)
-        future = self._submit(request, deadline_s, _priority(priority), None)
+        future = self._score_future(query, documents, raw_scores, truncate, deadline_s, priority)
         return score_result(_waited(future))
 
     async def ascore(
@@ -529,10 +526,34 @@ class ModelPool:
         priority: int = 0,
     ) -> ScoreResult:
         """asyncio version of :meth:`score`."""
-        request = score_request(query, documents, raw_scores, truncate)
-        future = self._submit(request, deadline_s, _priority(priority), None)
+        future = self._score_future(query, documents, raw_scores, truncate, deadline_s, priority)
         result: Result = await asyncio.wrap_future(future)
         return score_result(result)
+
+    def _embed_future(
+        self,
+        inputs: object,
+        dimensions: int | None,
+        truncate: bool,
+        deadline_s: float | None,
+        priority: int,
+    ) -> PoolFuture:
+        """``embed``'s and ``aembed``'s request, checked (``embed_request``) and submitted."""
+        request = embed_request(inputs, dimensions, truncate)
+        return self._submit(request, deadline_s, _priority(priority), None)
+
+    def _score_future(
+        self,
+        query: str,
+        documents: Sequence[str],
+        raw_scores: bool,
+        truncate: bool,
+        deadline_s: float | None,
+        priority: int,
+    ) -> PoolFuture:
+        """``score``'s and ``ascore``'s request, checked (``score_request``) and submitted."""
+        request = score_request(query, documents, raw_scores, truncate)
+        return self._submit(request, deadline_s, _priority(priority), None)
 
     def health(self) -> PoolHealth:
         """Is the pool alive? Cheap and never waits on the dispatcher thread, so that a

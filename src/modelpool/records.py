@@ -1,4 +1,5 @@
-"""The dispatcher's records: requests, attempts, workers, timers, and the I/O seams.
+"""The dispatcher's records: requests, attempts, workers, timers, and the I/O seams; and
+the record of a resolved request that observers get (``request_record``).
 
 Everything here is owned by the dispatcher thread (see ``supervisor``) and needs no
 locks. The states are ``Literal`` types so that a typo is a type error:
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from modelpool.errors import Attempt, PoolError
-from modelpool.observe import AttemptRecord
+from modelpool.observe import AttemptRecord, RequestRecord, RequestStatus
 from modelpool.protocol import Generation, PrefixCacheReport, WorkerSpec
 from modelpool.results import PoolFuture, Result
 
@@ -116,6 +117,35 @@ class Request:
             stop_sequence=generation.stop_sequence,
             pooled=generation.pooled,
         )
+
+
+def request_record(
+    request: Request,
+    status: RequestStatus,
+    now: float,
+    generation: Generation | None = None,
+    error: PoolError | None = None,
+) -> RequestRecord:
+    """The record of ``request`` that observers get (``observe``), resolved at ``now``
+    (the dispatcher's clock)."""
+    return RequestRecord(
+        request_id=request.request_id,
+        priority=request.priority,
+        submitted_at=request.submitted_at,
+        finished_at=now,
+        status=status,
+        first_dispatch_at=request.first_dispatch_at,
+        first_token_at=request.first_token_at,
+        attempts=list(request.attempt_log),
+        finish_reason=None if generation is None else generation.finish_reason,
+        error=None if error is None else type(error).__name__,
+        error_message=None if error is None else error.message,
+        prompt_tokens=None if generation is None else generation.prompt_tokens,
+        completion_tokens=None if generation is None else generation.completion_tokens,
+        cached_tokens=0 if generation is None else generation.cached_tokens or 0,
+        max_new_tokens=request.max_new_tokens,
+        traceparent=request.traceparent,
+    )
 
 
 @dataclass(eq=False)

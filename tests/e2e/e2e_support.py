@@ -17,7 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,50 @@ def daemon_config(
         lines.append(f"\n[{name}]")
         lines += [f"{key} = {toml_value(value)}" for key, value in table.items()]
     return "\n".join(lines) + "\n"
+
+
+# The variable a keyed daemon reads its API key from (``registry_config``, ``keyed_daemon``).
+KEY_ENV = "MODELPOOL_TEST_KEY"
+
+
+def registry_config(
+    models: Mapping[str, Mapping[str, Any]], *, workers: int, server: Mapping[str, Any]
+) -> str:
+    """A TOML config of the testing backend with a ``[models.NAME]`` table per entry of
+    ``models``, its API key read from ``$MODELPOOL_TEST_KEY`` and ``server`` added to its
+    ``[server]`` table."""
+    lines = [
+        'backend = "testing"',
+        f"workers = {workers}",
+        'devices = ["cpu"]',
+        "deadline_s = 20.0",
+        "cancel_grace_s = 0.2",
+        "term_grace_s = 0.2",
+        "",
+        "[server]",
+        'host = "127.0.0.1"',
+        "port = 0",
+        f"api_key_env = {toml_value(KEY_ENV)}",
+    ]
+    lines += [f"{key} = {toml_value(value)}" for key, value in server.items()]
+    for name, table in models.items():
+        lines += ["", f"[models.{name}]"]
+        lines += [f"{key} = {toml_value(value)}" for key, value in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def keyed_daemon(workdir: Path, config_text: str, key: str) -> Iterator[Daemon]:
+    """A module fixture's body (``yield from``): a daemon whose API key is ``key``,
+    stopped at the end with its exit status 0 asserted."""
+    server = start_daemon(workdir, config_text, env={KEY_ENV: key})
+    yield server
+    assert server.stop() == 0, server.log()[-4000:]
+
+
+def keyed_http(daemon: Daemon, key: str, timeout: float) -> httpx.Client:
+    """An httpx client of ``daemon`` that sends ``key`` as its bearer token."""
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.Client(base_url=daemon.url, timeout=timeout, headers=headers)
 
 
 class Daemon:

@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_support import Daemon, start_daemon
+from e2e_support import Daemon, keyed_daemon, keyed_http, registry_config
 
-from helpers import slack, toml_value, wait_until
+from helpers import slack, wait_until
 
 KEY = "test-embeddings-key"
 CONTEXT = 16
@@ -39,45 +39,23 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def config_text() -> str:
-    lines = [
-        'backend = "testing"',
-        "workers = 1",
-        'devices = ["cpu"]',
-        "deadline_s = 20.0",
-        "cancel_grace_s = 0.2",
-        "term_grace_s = 0.2",
-        "",
-        "[server]",
-        'host = "127.0.0.1"',
-        "port = 0",
-        'api_key_env = "MODELPOOL_TEST_EMBEDDINGS_KEY"',
-        "max_request_tokens = 2000",
-        "max_body_bytes = 32768",
-        "client_max_running = 1",
-        "client_max_queued = 0",
-    ]
-    for name, table in MODELS.items():
-        lines += ["", f"[models.{name}]"]
-        lines += [f"{key} = {toml_value(value)}" for key, value in table.items()]
-    return "\n".join(lines) + "\n"
+SERVER = {
+    "max_request_tokens": 2000,
+    "max_body_bytes": 32768,
+    "client_max_running": 1,
+    "client_max_queued": 0,
+}
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    server = start_daemon(
-        tmp_path_factory.mktemp("embeddings"),
-        config_text(),
-        env={"MODELPOOL_TEST_EMBEDDINGS_KEY": KEY},
-    )
-    yield server
-    assert server.stop() == 0, server.log()[-4000:]
+    config = registry_config(MODELS, workers=1, server=SERVER)
+    yield from keyed_daemon(tmp_path_factory.mktemp("embeddings"), config, KEY)
 
 
 @pytest.fixture()
 def http(daemon: Daemon) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {KEY}"}
-    with httpx.Client(base_url=daemon.url, timeout=slack(20.0), headers=headers) as client:
+    with keyed_http(daemon, KEY, timeout=slack(20.0)) as client:
         yield client
 
 

@@ -161,7 +161,7 @@ def test_healthz_fails_when_the_pool_failed(served: InProcessServer, pool: Model
 
 
 def test_loop_watch_reports_a_blocked_loop() -> None:
-    from modelpool.server.app import LoopWatch
+    from modelpool.server.state import LoopWatch
 
     async def scenario() -> tuple[float, float]:
         watch = LoopWatch(interval_s=0.05)

@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from e2e_support import Daemon, start_daemon
+from e2e_support import Daemon, keyed_daemon, keyed_http, registry_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import slack, toml_value, wait_until
+from helpers import slack, wait_until
 
 KEY = "test-models-key"
 
@@ -30,43 +30,15 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def models_config() -> str:
-    lines = [
-        'backend = "testing"',
-        "workers = 2",
-        'devices = ["cpu"]',
-        "deadline_s = 20.0",
-        "cancel_grace_s = 0.2",
-        "term_grace_s = 0.2",
-        "",
-        "[server]",
-        'host = "127.0.0.1"',
-        "port = 0",
-        'api_key_env = "MODELPOOL_TEST_MODELS_KEY"',
-        "load_backoff_s = 30.0",
-    ]
-    for name, table in MODELS.items():
-        lines += ["", f"[models.{name}]"]
-        lines += [f"{key} = {toml_value(value)}" for key, value in table.items()]
-    return "\n".join(lines) + "\n"
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    server = start_daemon(
-        tmp_path_factory.mktemp("models"),
-        models_config(),
-        env={"MODELPOOL_TEST_MODELS_KEY": KEY},
-    )
-
-    yield server
-    assert server.stop() == 0, server.log()[-4000:]
+    config = registry_config(MODELS, workers=2, server={"load_backoff_s": 30.0})
+    yield from keyed_daemon(tmp_path_factory.mktemp("models"), config, KEY)
 
 
 @pytest.fixture()
 def http(daemon: Daemon) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {KEY}"}
-    with httpx.Client(base_url=daemon.url, timeout=30.0, headers=headers) as client:
+    with keyed_http(daemon, KEY, timeout=30.0) as client:
         yield client
 
 

@@ -13,20 +13,11 @@ from typing import Any
 
 import pytest
 
+from fake_world import FakeWorld
 from modelpool.config import PoolConfig, RetryPolicy
-from modelpool.dispatcher import Dispatcher
 from modelpool.errors import BackendError, PoisonRequest, WorkerCrashed
-from modelpool.protocol import PROTOCOL_VERSION, Generation, WorkerSpec, encode_request
+from modelpool.protocol import Generation
 from modelpool.records import FailedBatch, Request, Worker
-from modelpool.results import PoolFuture
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Proc:
@@ -61,11 +52,9 @@ class Proc:
         self.signals.append(signum)
 
 
-class World:
+class World(FakeWorld[Proc]):
     def __init__(self, workers: int, spares: int = 0, batch: int = 4, **overrides: Any) -> None:
-        self.clock = Clock()
-        self.procs: dict[int, Proc] = {}
-        self.config = PoolConfig(
+        config = PoolConfig(
             model="m",
             backend="testing",
             workers=workers,
@@ -80,62 +69,19 @@ class World:
             # one-call worker holds prefetched behind its current one is test_prefetch's.
             **{"prefetch": False, **overrides},
         )
-        self.d = Dispatcher(self.config, self, devices=["cpu"], clock=self.clock)
-        self.d.start()
-        for worker in list(self.d.workers.values()):
-            self.ready(worker)
-        self.d.after_event()
-        self.numbers = 0
-
-    # DispatcherIO
-    def spawn(self, worker: Worker, spec: WorkerSpec) -> Proc:
-        proc = Proc(1000 + worker.id)
-        self.procs[worker.id] = proc
-        return proc
-
-    def check_release(self, worker: Worker) -> None:
-        self.d.worker_manager.on_release_checked(worker.id, True, 0.0, "psutil", None, None)
-
-    def watch_device_free(self, device: str, needed_bytes: int) -> None:
-        return None
-
-    def gpu_workers_changed(self, workers: list[tuple[int, int, str, int | None]]) -> None:
-        return None
-
-    # driving
-    def ready(self, worker: Worker) -> None:
-        self.d.on_message(worker, ("ready", PROTOCOL_VERSION, 1000 + worker.id, 0, None, 8))
+        super().__init__(config, Proc, slots=8)
 
     def submit(
         self, prompt: str, *, pump: bool = True, batch_failures: int = 0, priority: int = 0
     ) -> Request:
-        self.numbers += 1
-        request_id = f"r{self.numbers}"
-        request = Request(
-            request_id=request_id,
-            payload=encode_request(prompt, {}),
-            future=PoolFuture(request_id, lambda _: None),
-            submitted_at=self.clock.now,
-            deadline=self.clock.now + self.config.deadline_s,
-            priority=priority,
-        )
+        request = self.new_request(prompt, priority=priority, deadline_s=self.config.deadline_s)
         request.batch_failures = batch_failures
         request.suspected_in = [FailedBatch([request]) for _ in range(batch_failures)]
-        self.d.submit(request)
-        if pump:
-            self.d.after_event()
-        return request
+        return self.submit_request(request, pump=pump)
 
     def worker_of(self, request: Request) -> Worker:
         assert request.run is not None, request.state
         return request.run.worker
-
-    def die(self, worker: Worker, code: int = -11) -> None:
-        self.d.on_exit(worker, code)
-        for fresh in list(self.d.workers.values()):
-            if fresh.state == "starting":
-                self.ready(fresh)
-        self.d.after_event()
 
     def finish(self, request: Request, text: str = "ok") -> None:
         run = request.run

@@ -10,20 +10,11 @@ from typing import Any
 
 import pytest
 
+from fake_world import FakeWorld
 from modelpool.config import PoolConfig, RetryPolicy
-from modelpool.dispatcher import Dispatcher
 from modelpool.errors import DeadlineExceeded
-from modelpool.protocol import PROTOCOL_VERSION, Generation, WorkerSpec, encode_request
+from modelpool.protocol import Generation
 from modelpool.records import Request, Worker
-from modelpool.results import PoolFuture
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Proc:
@@ -52,10 +43,8 @@ class Proc:
         self.signals.append(signum)
 
 
-class World:
+class World(FakeWorld[Proc]):
     def __init__(self, workers: int, **overrides: Any) -> None:
-        self.clock = Clock()
-        self.procs: dict[int, Proc] = {}
         values: dict[str, Any] = {
             "model": "m",
             "backend": "testing",
@@ -66,47 +55,11 @@ class World:
             "term_grace_s": 0.5,
             "retry": RetryPolicy(max_retries=2),
         }
-        self.config = PoolConfig(**{**values, **overrides})
-        self.d = Dispatcher(self.config, self, devices=["cpu"], clock=self.clock)
-        self.d.start()
-        for worker in list(self.d.workers.values()):
-            self.ready(worker)
-        self.d.after_event()
-        self.numbers = 0
-
-    # DispatcherIO
-    def spawn(self, worker: Worker, spec: WorkerSpec) -> Proc:
-        proc = Proc(1000 + worker.id)
-        self.procs[worker.id] = proc
-        return proc
-
-    def check_release(self, worker: Worker) -> None:
-        self.d.worker_manager.on_release_checked(worker.id, True, 0.0, "psutil", None, None)
-
-    def watch_device_free(self, device: str, needed_bytes: int) -> None:
-        return None
-
-    def gpu_workers_changed(self, workers: list[tuple[int, int, str, int | None]]) -> None:
-        return None
-
-    # driving
-    def ready(self, worker: Worker) -> None:
-        self.d.on_message(worker, ("ready", PROTOCOL_VERSION, 1000 + worker.id, 0, None, 1))
+        super().__init__(PoolConfig(**{**values, **overrides}), Proc, slots=1)
 
     def submit(self, prompt: str, *, priority: int = 0, deadline_s: float = 60.0) -> Request:
-        self.numbers += 1
-        request_id = f"r{self.numbers}"
-        request = Request(
-            request_id=request_id,
-            payload=encode_request(prompt, {}),
-            future=PoolFuture(request_id, lambda _: None),
-            submitted_at=self.clock.now,
-            deadline=self.clock.now + deadline_s,
-            priority=priority,
-        )
-        self.d.submit(request)
-        self.d.after_event()
-        return request
+        request = self.new_request(prompt, priority=priority, deadline_s=deadline_s)
+        return self.submit_request(request)
 
     def answer_next(self, worker: Worker, text: str = "ok") -> None:
         """The worker answers the first run in its socket, as a one-call worker does:
@@ -120,13 +73,9 @@ class World:
         self.d.on_message(worker, ("done", attempt_id, generation, 0))
         self.d.after_event()
 
-    def die(self, worker: Worker) -> None:
+    def die(self, worker: Worker, code: int = -9) -> None:
         self.procs[worker.id].inbox.clear()
-        self.d.on_exit(worker, -9)
-        for fresh in list(self.d.workers.values()):
-            if fresh.state == "starting":
-                self.ready(fresh)
-        self.d.after_event()
+        super().die(worker, code)
 
     def serving(self) -> list[Worker]:
         return [w for w in self.d.workers.values() if w.state != "dead"]

@@ -11,6 +11,8 @@ on uvicorn::
 
 Every route that runs a model gets its pool from ``state.pool_for(request, body)``: the
 one pool, whatever ``model`` says, or the registry's model of that name (``models.py``).
+The state the routes share (``ServerState``) and the walk of the small routes
+(``on_a_worker``) are ``state.py``'s; the route modules import it, never this one.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
 sends server-sent events ending with ``data: [DONE]``), ``POST /v1/responses`` (with
@@ -58,14 +60,12 @@ import socket
 import time
 from collections.abc import (
     AsyncIterator,
-    Awaitable,
     Callable,
     Coroutine,
     Iterator,
     Mapping,
 )
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -90,7 +90,7 @@ from modelpool.server.errors import (
     pool_error_to_api,
     shutting_down,
 )
-from modelpool.server.fair_share import FairShare, Limits
+from modelpool.server.fair_share import FairShare
 from modelpool.server.generation import Api, P, Plain
 from modelpool.server.guard import BrowserGuard, Gate, require_json
 from modelpool.server.http import (
@@ -116,6 +116,7 @@ from modelpool.server.openai.stream import ChatChunks
 from modelpool.server.pooling_routes import install_pooling_routes
 from modelpool.server.responses.api import ResponsesApi
 from modelpool.server.responses.store import ResponseStore
+from modelpool.server.state import ServerState, check_not_draining, client_of, on_a_worker
 from modelpool.server.streaming import (
     ENCODE_OFF_LOOP_TOKENS,
     EventStream,
@@ -123,7 +124,7 @@ from modelpool.server.streaming import (
     answer_tokens,
     note_results,
 )
-from modelpool.server.tenants import Keys, Tenant, partition
+from modelpool.server.tenants import Keys, partition
 from modelpool.server.tokenize import (
     TokenizeJob,
     parse_detokenize,
@@ -131,7 +132,6 @@ from modelpool.server.tokenize import (
     tokenize_body,
 )
 from modelpool.server.ui import add_ui_routes
-from modelpool.stats import PoolHealth
 from modelpool.validation import valid_traceparent
 
 if TYPE_CHECKING:
@@ -139,123 +139,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-R = TypeVar("R")
-
 READY_WORKER_STATES = frozenset({"idle", "busy", "spare"})
 
 
 # --------------------------------------------------------------------------------------------
 # The app
-
-
-class LoopWatch:
-    """How late this event loop runs a timer: the server's half of ``/healthz``.
-
-    A task sleeps ``interval_s`` at a time and records how late it woke. A loop blocked
-    by synchronous code shows either as that lateness or, while the block lasts, as a
-    tick overdue, whichever the probe's handler sees first::
-
-        watch = LoopWatch()
-        watch.ensure_started()            # from a coroutine on the loop to watch
-        watch.lag_s()                     # 0.0 on a loop that keeps up
-    """
-
-    def __init__(self, interval_s: float = 0.25) -> None:
-        self.interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
-        self._last_tick: float | None = None
-        self._last_lag = 0.0
-
-    def ensure_started(self) -> None:
-        if self._task is None or self._task.done():
-            loop = asyncio.get_running_loop()
-            self._last_tick = loop.time()
-            self._task = loop.create_task(self._tick(), name="modelpool-loop-watch")
-
-    async def _tick(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + self.interval_s
-            await asyncio.sleep(self.interval_s)
-            now = loop.time()
-            self._last_lag = max(0.0, now - due)
-            self._last_tick = now
-
-    def lag_s(self) -> float:
-        """Seconds late: the latest tick's lateness, or how overdue the next one is."""
-        if self._last_tick is None:
-            return 0.0
-        overdue = asyncio.get_running_loop().time() - self._last_tick - self.interval_s
-        return round(max(self._last_lag, overdue, 0.0), 3)
-
-
-@dataclass
-class ServerState:
-    """Mutable state shared by the routes and the CLI's signal handler. One of ``pool``
-    (one model) and ``registry`` (many) is set."""
-
-    pool: ModelPool | None
-    config: ServerConfig
-    model_name: str
-    metrics: PoolMetrics
-    started: int
-    # The one pool's; with a registry it holds the requests being checked (their model
-    # not known yet) and ``shares`` the runs, one per model (each has its own workers).
-    fair_share: FairShare
-    responses: ResponsesApi  # its store: previous_response_id, GET/DELETE
-    keys: Keys
-    checks: Checks
-    # Parsing and building large bodies and answers, in a thread, one at a time.
-    heavy_work: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
-    draining: bool = False
-    loop_watch: LoopWatch = field(default_factory=LoopWatch)
-    registry: ModelRegistry | None = None
-    shares: dict[str, FairShare] = field(default_factory=dict)
-
-    def share_for(self, request: Request) -> FairShare:
-        """The fair share the request's runs take their turn in: its model's (set by
-        ``pool_for``) with a registry, else the one pool's."""
-        name = request.scope.get("state", {}).get("model")
-        return self.shares.get(name, self.fair_share) if isinstance(name, str) else self.fair_share
-
-    async def pool_for(self, request: Request, body: dict[str, Any]) -> ModelPool:
-        """The pool for the body's ``model``, held until the answer is sent (see
-        ``server.models``): the one pool, or the registry's, loaded if need be."""
-        return await multi.pool_for(self, request, body)
-
-    def pool_config_for(self, body: dict[str, Any]) -> PoolConfig:
-        """The configuration of the pool that serves the body's ``model``, without loading
-        it (a check thread costs a request with it before its model is chosen)."""
-        if self.registry is None:
-            assert self.pool is not None
-            return self.pool.config
-        return multi.config_for(self.registry, body)
-
-    def default_deadline_s(self) -> float:
-        """The deadline of a request whose body does not say (yet): the pool's, or the
-        longest of the registry's models."""
-        if self.registry is None:
-            assert self.pool is not None
-            return self.pool.config.deadline_s
-        return max(spec.pool.deadline_s for spec in self.registry.config.models)
-
-    def time_left(self, request: Request, deadline_s: float) -> float:
-        """``deadline_s`` less what the request waited for its model to load."""
-        return multi.time_left(request, deadline_s)
-
-    async def read_json(self, request: Request) -> dict[str, Any]:
-        """A small JSON body (the admin routes'), parsed in a check thread."""
-        deadline = deadline_from({}, request.headers, self.default_deadline_s(), None)
-        body, _ = await _read_json(request, self, deadline, _no_parse)
-        return body
-
-    def health(self) -> PoolHealth:
-        """The pool's liveness, or the registry's (its supervisor's heartbeat)."""
-        if self.registry is not None:
-            return self.registry.health()
-        assert self.pool is not None
-        return self.pool.health()
 
 
 def api_key_from_env(server_config: ServerConfig) -> str | None:
@@ -465,7 +353,7 @@ def create_app(
                 job.prompt, add_generation_prompt=job.add_generation_prompt, deadline_s=left_s
             )
 
-        pool, tokens = await _on_a_worker(request, state, _parse_tokenize, run)
+        pool, tokens = await on_a_worker(request, state, _parse_tokenize, run)
         snapshot = await pool.astats()
         body = tokenize_body(tokens, snapshot.max_model_len)
         content = await off_loop_if(
@@ -478,7 +366,7 @@ def create_app(
         async def run(pool: ModelPool, tokens: list[int], left_s: float) -> str:
             return await pool.adetokenize(tokens, deadline_s=left_s) if tokens else ""
 
-        _, text = await _on_a_worker(request, state, _parse_detokenize, run)
+        _, text = await on_a_worker(request, state, _parse_detokenize, run)
         return JSONResponse({"prompt": text})
 
     @app.post("/v1/completions")
@@ -510,10 +398,10 @@ def create_app(
         async def run(pool: ModelPool, prompt: Prompt, left_s: float) -> list[int]:
             return await pool.atokenize(prompt, deadline_s=left_s)
 
-        _, tokens = await _on_a_worker(request, state, _parse_count, run)
+        _, tokens = await on_a_worker(request, state, _parse_count, run)
         return JSONResponse({"input_tokens": len(tokens)})
 
-    install_pooling_routes(app, state, _on_a_worker)
+    install_pooling_routes(app, state, on_a_worker)
     return app
 
 
@@ -619,93 +507,6 @@ def _note_attempts(scope: Scope, request_id: str | None, attempts: list[Any]) ->
         note["worker_pid"] = attempts[-1].worker_pid
 
 
-def _check_not_draining(state: ServerState) -> None:
-    if state.draining:
-        raise ApiError(
-            503,
-            "the server is shutting down",
-            type="unavailable_error",
-            code="draining",
-            headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE), "Connection": "close"},
-        )
-
-
-@dataclass(frozen=True)
-class Client:
-    """Who a request counts against: its tenant when keys are set, else its address."""
-
-    name: str
-    tenant: Tenant | None
-
-    @property
-    def limits(self) -> Limits | None:
-        if self.tenant is None:
-            return None
-        return (self.tenant.client_max_running, self.tenant.client_max_queued)
-
-
-def _client(request: Request, state: ServerState) -> Client:
-    if state.keys.required:
-        # The key was checked already (the protocol, the Gate): it names a tenant.
-        tenant = state.keys.tenant(
-            request.headers.get("authorization", "").encode("latin-1"),
-            request.headers.get("x-api-key", "").encode("latin-1"),
-        )
-        if tenant is not None:
-            return Client(f"tenant:{tenant.name}", tenant)
-    return Client(request.client.host if request.client is not None else "-", None)
-
-
-async def _read_json(
-    request: Request, state: ServerState, deadline_s: float, parse: Callable[..., T], *args: Any
-) -> tuple[dict[str, Any], T]:
-    """A small route's body and what ``parse(body, *args)`` makes of it, both in a check
-    thread (never on the loop, whatever its size)."""
-    _check_not_draining(state)
-    require_json(request.headers.get("content-type"))
-    raw = await read_body(request, state.config.max_body_bytes)
-    client = _client(request, state)
-    checks = state.checks
-    return await checks.run(client.name, client.limits, deadline_s, _parsed, raw, parse, *args)
-
-
-def _parsed(raw: bytes, parse: Callable[..., T], *args: Any) -> tuple[dict[str, Any], T]:
-    body = parse_json_object(raw)
-    return body, parse(body, *args)
-
-
-def _no_parse(body: dict[str, Any]) -> None:
-    return None
-
-
-async def _on_a_worker(
-    request: Request,
-    state: ServerState,
-    parse: Callable[[dict[str, Any], ServerConfig], T],
-    call: Callable[[ModelPool, T, float], Awaitable[R]],
-    *,
-    priority_of: Callable[[T], int] | None = None,
-) -> tuple[ModelPool, R]:
-    """A tokenizer route's walk: its body parsed and checked in a check thread, its
-    model's pool, then ``call(pool, job, seconds_left)`` in the client's turn of fair
-    share (tokenizing takes a worker, as a generation does) at the job's priority
-    (``priority_of``; 0 without it)."""
-    waiting_s = deadline_from({}, request.headers, state.default_deadline_s(), None)
-    body, job = await _read_json(request, state, waiting_s, parse, state.config)
-    pool = await state.pool_for(request, body)
-    deadline = state.time_left(
-        request, deadline_from({}, request.headers, pool.config.deadline_s, None)
-    )
-    client = _client(request, state)
-    priority = 0 if priority_of is None else priority_of(job)
-    ticket = state.share_for(request).reserve(client.name, 1, client.limits, priority)
-    try:
-        async with ticket.slot(deadline) as left_s:
-            return pool, await call(pool, job, left_s)
-    finally:
-        ticket.close()
-
-
 def _parse_tokenize(body: dict[str, Any], config: ServerConfig) -> TokenizeJob:
     job = parse_tokenize(body)
     check_size(prompt_size(job.prompt), limit=config.max_request_tokens, param="prompt")
@@ -727,13 +528,13 @@ def _parse_detokenize(body: dict[str, Any], config: ServerConfig) -> list[int]:
 async def _generate(request: Request, state: ServerState, api: Api[P]) -> Response:
     """The one walk of every generating route: ``api`` parses the body into a job and
     writes the answer (see ``generation``)."""
-    _check_not_draining(state)
+    check_not_draining(state)
     require_json(request.headers.get("content-type"))
     try:
         raw = await read_body(request, state.config.max_body_bytes)
     except ClientDisconnect:
         return ClientGone()
-    client = _client(request, state)
+    client = client_of(request, state)
     # The wait for a check thread counts against the request's deadline, which only the
     # body says exactly: until it is parsed, the header's or the pool's.
     waiting_s = deadline_from(

@@ -1,7 +1,7 @@
 """Many models behind one daemon: a request's ``model`` → its pool, through a
 :class:`~modelpool.registry.ModelRegistry`, and the routes that show and steer the models.
 
-Every route that runs a model asks ``state.pool_for(request, body)`` (``app.ServerState``)
+Every route that runs a model asks ``state.pool_for(request, body)`` (``state.ServerState``)
 for its pool, which ends here in :func:`pool_for`: the registry loads the model if need
 be, within the request's deadline, and the lease that keeps it loaded is released by
 :class:`ModelLeases` once the answer, a stream included, has gone out::
@@ -22,26 +22,44 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from modelpool.config import PoolConfig
+from modelpool.config import PoolConfig, ServerConfig
 from modelpool.registry import ModelLease, ModelRegistry, ModelStats, parse_keep_alive
 from modelpool.server.http import invalid
 from modelpool.server.openai.request import deadline_from
 
 if TYPE_CHECKING:
     from modelpool.pool import ModelPool
-    from modelpool.server.app import ServerState
 
 LEASES = "model_leases"
 WAITED = "model_wait_s"
 # A body field Ollama reads (seconds or "5m"; 0 unloads once idle, -1 keeps loaded).
 KEEP_ALIVE = "keep_alive"
 _UNSET = object()
+
+
+class ServedModels(Protocol):
+    """What this module reads of the daemon's ``state.ServerState`` (which imports this
+    module, so not the other way round)."""
+
+    @property
+    def pool(self) -> ModelPool | None: ...
+
+    @property
+    def registry(self) -> ModelRegistry | None: ...
+
+    @property
+    def config(self) -> ServerConfig: ...
+
+    @property
+    def started(self) -> int: ...
+
+    async def read_json(self, request: Request) -> dict[str, Any]: ...
 
 
 class ModelLeases:
@@ -85,7 +103,7 @@ def config_for(registry: ModelRegistry, body: Mapping[str, Any]) -> PoolConfig:
     return registry.spec(_model_name(body)).pool
 
 
-async def pool_for(state: ServerState, request: Request, body: Mapping[str, Any]) -> ModelPool:
+async def pool_for(state: ServedModels, request: Request, body: Mapping[str, Any]) -> ModelPool:
     """The pool that serves ``body["model"]`` (see the module docstring)."""
     registry = state.registry
     if registry is None:
@@ -139,7 +157,7 @@ def model_card(stats: ModelStats, created: int) -> dict[str, Any]:
     }
 
 
-def install_routes(app: FastAPI, state: ServerState, registry: ModelRegistry) -> None:
+def install_routes(app: FastAPI, state: ServedModels, registry: ModelRegistry) -> None:
     """``/v1/models`` (every model, with its status) and the admin load/unload routes."""
 
     async def cards() -> list[dict[str, Any]]:

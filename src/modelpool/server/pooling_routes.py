@@ -2,7 +2,7 @@
 ``/embed`` (TEI's), ``/v1/rerank``, ``/rerank`` and ``/v2/rerank`` (Cohere's and Jina's
 shape, or TEI's when the body sends ``texts``), ``/score`` and ``/v1/score`` (vLLM's).
 
-Each takes the tokenizer routes' walk (``app._on_a_worker``): its body parsed, checked
+Each takes the tokenizer routes' walk (``state.on_a_worker``): its body parsed, checked
 and costed against ``max_request_tokens`` (the inputs' size) in a check thread, its
 model's pool (``state.pool_for``: the one pool, or the registry's ``[models.NAME]``),
 then one pool request in the client's turn of fair share, within the request's
@@ -11,7 +11,7 @@ route. A model that does not do what the route asks (a chat model asked for
 embeddings, a cross-encoder asked for vectors) is a 400 ``wrong_task`` naming the model
 and what it serves::
 
-    install_pooling_routes(app, state, _on_a_worker)      # in create_app
+    install_pooling_routes(app, state, on_a_worker)      # in create_app
 
 Bodies and answers are ``embeddings`` (vectors) and ``rerank`` (scores).
 """
@@ -55,7 +55,7 @@ from modelpool.server.rerank import (
 
 if TYPE_CHECKING:
     from modelpool.pool import ModelPool
-    from modelpool.server.app import ServerState
+    from modelpool.server.state import ServerState
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -74,7 +74,7 @@ SCORES = frozenset({"embed", "score"})
 
 
 class OnAWorker(Protocol):
-    """``app._on_a_worker``: the tokenizer routes' walk, passed in (app.py imports this)."""
+    """``state.on_a_worker``: the tokenizer routes' walk, passed in by ``app.create_app``."""
 
     async def __call__(
         self,

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from modelpool.backends.common.params import DEFAULT_MAX_NEW_TOKENS
 from modelpool.backends.common.penalties import PENALTY_PARAMS, Penalties
 from modelpool.backends.common.text import TextProgress, stop_strings
+from modelpool.backends.hf.runner import LoadedModel
 from modelpool.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, RowGrammar
 from modelpool.prefixes import CACHE_SALT_PARAM, partition_of
 from modelpool.protocol import Call, FinishReason, Generation, TokenLogprob, note_prompt
@@ -29,10 +30,24 @@ if TYPE_CHECKING:
     import torch
 
     from modelpool.backends.hf.grammars import LLGuidanceGrammars
-    from modelpool.backends.hf.handler import HFHandler
 
 # Set in greedy mode they change nothing but make transformers warn on every request.
 _SAMPLING_ONLY = ("temperature", "top_p", "top_k")
+
+
+class GeneratingModel(LoadedModel, Protocol):
+    """What the one-call form needs of the hf handler (``hf.handler.HFHandler``, which
+    imports this module), beyond what the batched runner needs."""
+
+    cache_keyword: str
+
+    def validate(self, params: Mapping[str, Any]) -> None: ...
+
+    def token_logprobs(
+        self, logits: torch.Tensor, ids: list[int], top: int
+    ) -> list[TokenLogprob]: ...
+
+    def token_text(self, token_id: int) -> str: ...
 
 
 class PrefillCancelled(Exception):
@@ -85,7 +100,7 @@ def decoder_layers(model: Any) -> list[Any]:
     return []
 
 
-def generate(handler: HFHandler, call: Call) -> Generation:
+def generate(handler: GeneratingModel, call: Call) -> Generation:
     """Answer one request; see the module docstring for what the parameters mean."""
     import torch
 
@@ -212,7 +227,7 @@ def generate(handler: HFHandler, call: Call) -> Generation:
 
 
 def _prefix_kv(
-    handler: HFHandler,
+    handler: GeneratingModel,
     prompt_ids: list[int],
     params: dict[str, Any],
     usable: bool,
@@ -232,7 +247,7 @@ def _prefix_kv(
 
 
 def _prompt_logprobs(
-    handler: HFHandler, input_ids: torch.Tensor, top: int
+    handler: GeneratingModel, input_ids: torch.Tensor, top: int
 ) -> tuple[list[TokenLogprob], dict[str, Any] | None]:
     """Each prompt token's logprob given the tokens before it, and the KV cache of all
     but the last prompt token as a generate() keyword (None for a one-token prompt).

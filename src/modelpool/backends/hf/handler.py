@@ -76,6 +76,8 @@ from modelpool.backends.hf.options import (
     thread_count,
     torch_device,
     torch_dtype,
+    trust_remote_code,
+    use_torch_threads,
 )
 from modelpool.backends.hf.pooling import PoolingHandler, load_pooling, pooling_task
 from modelpool.backends.hf.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
@@ -160,7 +162,6 @@ def load_generation(model: str, device: str = "cpu", **options: Any) -> HFHandle
     dtype = options.get("dtype")
     device_map = options.get("device_map")
     gguf_file = options.get("gguf_file")
-    trust_remote_code = options.get("trust_remote_code", False)
     chat_template = chat_template_option(options)
     if dtype is not None and not isinstance(dtype, str):
         raise ValueError(f"dtype must be a string such as 'bfloat16', got {dtype!r}")
@@ -171,8 +172,7 @@ def load_generation(model: str, device: str = "cpu", **options: Any) -> HFHandle
         device_map = "auto"
     if gguf_file is not None and not isinstance(gguf_file, str):
         raise ValueError(f"gguf_file must be a file name, got {gguf_file!r}")
-    if not isinstance(trust_remote_code, bool):
-        raise ValueError(f"trust_remote_code must be true or false, got {trust_remote_code!r}")
+    trusted = trust_remote_code(options)
     threads = thread_count(options.get("torch_threads"))
     kv_cache_tokens = options.get("kv_cache_tokens", DEFAULT_KV_CACHE_TOKENS)
     if (
@@ -205,15 +205,9 @@ def load_generation(model: str, device: str = "cpu", **options: Any) -> HFHandle
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     library_logs_through_root()
-    if threads is not None:
-        torch.set_num_threads(threads)
-        try:
-            torch.set_num_interop_threads(1)
-        except RuntimeError:
-            # Only settable before the first inter-op parallel work in the process.
-            logger.debug("torch inter-op threads already fixed; leaving them")
+    use_torch_threads(threads)
 
-    shared: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    shared: dict[str, Any] = {"trust_remote_code": trusted}
     if gguf_file is not None:
         shared["gguf_file"] = gguf_file
     model_kwargs = dict(shared)

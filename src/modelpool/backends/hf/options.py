@@ -1,9 +1,11 @@
 """The hf backend's load options: sizes, memory maps, dtypes and devices, read and checked
-before torch is imported.
+before torch is imported; and what both loaders (``handler.load``, ``pooling.load_pooling``)
+do with them once it is (``use_torch_threads``).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -13,6 +15,8 @@ from modelpool.validation import is_int
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 LOAD_OPTIONS = frozenset(
     {
@@ -42,6 +46,29 @@ def thread_count(option: object) -> int | None:
     if option is not None:
         return positive_int("torch_threads", option)
     return threads_from_env()
+
+
+def trust_remote_code(options: Mapping[str, Any]) -> bool:
+    """The ``trust_remote_code`` option: false unless it says true."""
+    trusted = options.get("trust_remote_code", False)
+    if not isinstance(trusted, bool):
+        raise ValueError(f"trust_remote_code must be true or false, got {trusted!r}")
+    return trusted
+
+
+def use_torch_threads(threads: int | None) -> None:
+    """Torch's intra-op threads set to ``threads`` (None: left to torch), and one
+    inter-op thread where that can still be set."""
+    if threads is None:
+        return
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        # Only settable before the first inter-op parallel work in the process.
+        logger.debug("torch inter-op threads already fixed; leaving them")
 
 
 _SIZE_UNITS = {

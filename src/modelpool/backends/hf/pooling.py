@@ -44,7 +44,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from modelpool.backends.common.params import check_load_options, positive_int
-from modelpool.backends.hf.options import thread_count, torch_device, torch_dtype
+from modelpool.backends.hf.options import (
+    thread_count,
+    torch_device,
+    torch_dtype,
+    trust_remote_code,
+    use_torch_threads,
+)
 from modelpool.context import check_max_model_len
 from modelpool.embeddings import check_dimensions
 from modelpool.errors import ContextLengthExceeded, InvalidRequest
@@ -189,9 +195,7 @@ def load_pooling(model: str, device: str, task: Task, **options: Any) -> Pooling
     threads = thread_count(options.get("torch_threads"))
     batch_tokens = positive_int("batch_tokens", options.get("batch_tokens", DEFAULT_BATCH_TOKENS))
     max_model_len = check_max_model_len(options.get("max_model_len"))
-    trust_remote_code = options.get("trust_remote_code", False)
-    if not isinstance(trust_remote_code, bool):
-        raise ValueError(f"trust_remote_code must be true or false, got {trust_remote_code!r}")
+    trusted = trust_remote_code(options)
     path = model_dir(model) or Path(os.path.expanduser(model))
     layout = read_layout(path) if task == "embed" else None
 
@@ -199,17 +203,12 @@ def load_pooling(model: str, device: str, task: Task, **options: Any) -> Pooling
     import torch
     from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
-    if threads is not None:
-        torch.set_num_threads(threads)
-        try:
-            torch.set_num_interop_threads(1)
-        except RuntimeError:
-            logger.debug("torch inter-op threads already fixed; leaving them")
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    use_torch_threads(threads)
+    kwargs: dict[str, Any] = {"trust_remote_code": trusted}
     if options.get("dtype") is not None:
         kwargs["dtype"] = torch_dtype(str(options["dtype"]))
     source = path if layout is None else layout.transformer_dir
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trusted)
     loader: Any = AutoModel if layout is not None else AutoModelForSequenceClassification
     network = loader.from_pretrained(source, **kwargs)
     network.to(torch_device(device))

@@ -1,0 +1,241 @@
+"""The daemon's state, shared by its routes, and the walk of its small routes.
+
+:class:`ServerState` is what every route reads: the one pool or the registry
+(``pool_for`` asks ``server.models``), the fair shares, the check threads, the keys,
+the metrics. :func:`on_a_worker` is the walk of the routes that run one short pool
+call (the tokenizer routes in ``app``, the embedding and scoring routes in
+``pooling_routes``): the body parsed and checked in a check thread, the model's pool,
+then the call in the client's turn of fair share::
+
+    pool, tokens = await on_a_worker(request, state, parse, run)
+
+``app.create_app`` builds the state and wires the routes; the route modules import
+this one, never ``app``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import Request
+
+from modelpool.config import PoolConfig, ServerConfig
+from modelpool.registry import ModelRegistry
+from modelpool.server import models as multi
+from modelpool.server.checks import Checks
+from modelpool.server.errors import RETRY_AFTER_UNAVAILABLE
+from modelpool.server.fair_share import FairShare, Limits
+from modelpool.server.guard import require_json
+from modelpool.server.http import ApiError, parse_json_object, read_body
+from modelpool.server.metrics import PoolMetrics
+from modelpool.server.openai.request import deadline_from
+from modelpool.server.responses.api import ResponsesApi
+from modelpool.server.tenants import Keys, Tenant
+from modelpool.stats import PoolHealth
+
+if TYPE_CHECKING:
+    from modelpool.pool import ModelPool
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class LoopWatch:
+    """How late this event loop runs a timer: the server's half of ``/healthz``.
+
+    A task sleeps ``interval_s`` at a time and records how late it woke. A loop blocked
+    by synchronous code shows either as that lateness or, while the block lasts, as a
+    tick overdue, whichever the probe's handler sees first::
+
+        watch = LoopWatch()
+        watch.ensure_started()            # from a coroutine on the loop to watch
+        watch.lag_s()                     # 0.0 on a loop that keeps up
+    """
+
+    def __init__(self, interval_s: float = 0.25) -> None:
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+        self._last_tick: float | None = None
+        self._last_lag = 0.0
+
+    def ensure_started(self) -> None:
+        if self._task is None or self._task.done():
+            loop = asyncio.get_running_loop()
+            self._last_tick = loop.time()
+            self._task = loop.create_task(self._tick(), name="modelpool-loop-watch")
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.interval_s
+            await asyncio.sleep(self.interval_s)
+            now = loop.time()
+            self._last_lag = max(0.0, now - due)
+            self._last_tick = now
+
+    def lag_s(self) -> float:
+        """Seconds late: the latest tick's lateness, or how overdue the next one is."""
+        if self._last_tick is None:
+            return 0.0
+        overdue = asyncio.get_running_loop().time() - self._last_tick - self.interval_s
+        return round(max(self._last_lag, overdue, 0.0), 3)
+
+
+@dataclass
+class ServerState:
+    """Mutable state shared by the routes and the CLI's signal handler. One of ``pool``
+    (one model) and ``registry`` (many) is set."""
+
+    pool: ModelPool | None
+    config: ServerConfig
+    model_name: str
+    metrics: PoolMetrics
+    started: int
+    # The one pool's; with a registry it holds the requests being checked (their model
+    # not known yet) and ``shares`` the runs, one per model (each has its own workers).
+    fair_share: FairShare
+    responses: ResponsesApi  # its store: previous_response_id, GET/DELETE
+    keys: Keys
+    checks: Checks
+    # Parsing and building large bodies and answers, in a thread, one at a time.
+    heavy_work: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+    draining: bool = False
+    loop_watch: LoopWatch = field(default_factory=LoopWatch)
+    registry: ModelRegistry | None = None
+    shares: dict[str, FairShare] = field(default_factory=dict)
+
+    def share_for(self, request: Request) -> FairShare:
+        """The fair share the request's runs take their turn in: its model's (set by
+        ``pool_for``) with a registry, else the one pool's."""
+        name = request.scope.get("state", {}).get("model")
+        return self.shares.get(name, self.fair_share) if isinstance(name, str) else self.fair_share
+
+    async def pool_for(self, request: Request, body: dict[str, Any]) -> ModelPool:
+        """The pool for the body's ``model``, held until the answer is sent (see
+        ``server.models``): the one pool, or the registry's, loaded if need be."""
+        return await multi.pool_for(self, request, body)
+
+    def pool_config_for(self, body: dict[str, Any]) -> PoolConfig:
+        """The configuration of the pool that serves the body's ``model``, without loading
+        it (a check thread costs a request with it before its model is chosen)."""
+        if self.registry is None:
+            assert self.pool is not None
+            return self.pool.config
+        return multi.config_for(self.registry, body)
+
+    def default_deadline_s(self) -> float:
+        """The deadline of a request whose body does not say (yet): the pool's, or the
+        longest of the registry's models."""
+        if self.registry is None:
+            assert self.pool is not None
+            return self.pool.config.deadline_s
+        return max(spec.pool.deadline_s for spec in self.registry.config.models)
+
+    def time_left(self, request: Request, deadline_s: float) -> float:
+        """``deadline_s`` less what the request waited for its model to load."""
+        return multi.time_left(request, deadline_s)
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        """A small JSON body (the admin routes'), parsed in a check thread."""
+        deadline = deadline_from({}, request.headers, self.default_deadline_s(), None)
+        body, _ = await read_checked(request, self, deadline, _no_parse)
+        return body
+
+    def health(self) -> PoolHealth:
+        """The pool's liveness, or the registry's (its supervisor's heartbeat)."""
+        if self.registry is not None:
+            return self.registry.health()
+        assert self.pool is not None
+        return self.pool.health()
+
+
+def check_not_draining(state: ServerState) -> None:
+    """503 ``draining`` once a signal has asked the daemon to stop."""
+    if state.draining:
+        raise ApiError(
+            503,
+            "the server is shutting down",
+            type="unavailable_error",
+            code="draining",
+            headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE), "Connection": "close"},
+        )
+
+
+@dataclass(frozen=True)
+class Client:
+    """Who a request counts against: its tenant when keys are set, else its address."""
+
+    name: str
+    tenant: Tenant | None
+
+    @property
+    def limits(self) -> Limits | None:
+        if self.tenant is None:
+            return None
+        return (self.tenant.client_max_running, self.tenant.client_max_queued)
+
+
+def client_of(request: Request, state: ServerState) -> Client:
+    """Who ``request`` counts against in the fair share and the check threads."""
+    if state.keys.required:
+        # The key was checked already (the protocol, the Gate): it names a tenant.
+        tenant = state.keys.tenant(
+            request.headers.get("authorization", "").encode("latin-1"),
+            request.headers.get("x-api-key", "").encode("latin-1"),
+        )
+        if tenant is not None:
+            return Client(f"tenant:{tenant.name}", tenant)
+    return Client(request.client.host if request.client is not None else "-", None)
+
+
+async def read_checked(
+    request: Request, state: ServerState, deadline_s: float, parse: Callable[..., T], *args: Any
+) -> tuple[dict[str, Any], T]:
+    """A small route's body and what ``parse(body, *args)`` makes of it, both in a check
+    thread (never on the loop, whatever its size)."""
+    check_not_draining(state)
+    require_json(request.headers.get("content-type"))
+    raw = await read_body(request, state.config.max_body_bytes)
+    client = client_of(request, state)
+    checks = state.checks
+    return await checks.run(client.name, client.limits, deadline_s, _parsed, raw, parse, *args)
+
+
+def _parsed(raw: bytes, parse: Callable[..., T], *args: Any) -> tuple[dict[str, Any], T]:
+    body = parse_json_object(raw)
+    return body, parse(body, *args)
+
+
+def _no_parse(body: dict[str, Any]) -> None:
+    return None
+
+
+async def on_a_worker(
+    request: Request,
+    state: ServerState,
+    parse: Callable[[dict[str, Any], ServerConfig], T],
+    call: Callable[[ModelPool, T, float], Awaitable[R]],
+    *,
+    priority_of: Callable[[T], int] | None = None,
+) -> tuple[ModelPool, R]:
+    """A tokenizer route's walk: its body parsed and checked in a check thread, its
+    model's pool, then ``call(pool, job, seconds_left)`` in the client's turn of fair
+    share (tokenizing takes a worker, as a generation does) at the job's priority
+    (``priority_of``; 0 without it)."""
+    waiting_s = deadline_from({}, request.headers, state.default_deadline_s(), None)
+    body, job = await read_checked(request, state, waiting_s, parse, state.config)
+    pool = await state.pool_for(request, body)
+    deadline = state.time_left(
+        request, deadline_from({}, request.headers, pool.config.deadline_s, None)
+    )
+    client = client_of(request, state)
+    priority = 0 if priority_of is None else priority_of(job)
+    ticket = state.share_for(request).reserve(client.name, 1, client.limits, priority)
+    try:
+        async with ticket.slot(deadline) as left_s:
+            return pool, await call(pool, job, left_s)
+    finally:
+        ticket.close()
