@@ -1,7 +1,7 @@
 """The layers of ``src/modelpool`` and their import rules (docs/architecture.md, "Layers").
 
 Read from the source, statically: every ``import`` and ``from ... import`` of a module,
-inside functions too, so that a lazy import cannot hide an arrow. Three rules:
+inside functions too, so that a lazy import cannot hide an arrow. Four rules:
 
 - the worker side (``worker.py``, ``testing.py`` and every backend) imports nothing of
   the supervisor side or the server, at run time, however indirectly: a worker process
@@ -9,7 +9,9 @@ inside functions too, so that a lazy import cannot hide an arrow. Three rules:
 - no backend imports another backend (``backends/hf/`` and ``backends/llama_cpp/`` share
   only what lies beside them in ``backends/``), and the shared part imports none;
 - the server imports the pool, never the reverse: nothing outside ``server/`` (and the
-  command and the Ray app above it) imports ``modelpool.server``, not even for types.
+  command and the Ray app above it) imports ``modelpool.server``, not even for types;
+- imports go one way: no module imports itself back through others, ``TYPE_CHECKING``
+  imports included.
 """
 
 from __future__ import annotations
@@ -155,3 +157,49 @@ def test_only_the_server_side_imports_the_server() -> None:
         if _in(name, ["modelpool.server"])
     ]
     assert not arrows
+
+
+def _named_imports(module: str) -> set[str]:
+    """The modules ``module`` imports by name, under ``TYPE_CHECKING`` and in functions
+    too: ``from a.b import c`` is ``a.b.c`` if that is a module, else ``a.b`` (not the
+    packages above it, which every import runs but which are not what it reads)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            names = [f"{base}.{alias.name}" for alias in node.names]
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+def test_no_two_modules_import_each_other_however_indirectly() -> None:
+    """Imports go one way (a module a cycle joins cannot be read, or loaded, alone)."""
+    graph = {module: _named_imports(module) for module in MODULES}
+    state: dict[str, str] = {}
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for name in sorted(graph[module]):
+            if state.get(name) == "open":
+                cycles.append([*path[path.index(name) :], module, name])
+            elif name not in state:
+                visit(name, [*path, module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    assert not cycles, [" -> ".join(cycle) for cycle in cycles]
