@@ -19,12 +19,15 @@ packed into shared forward passes); its answers are checked by :func:`checked_an
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from modelpool.errors import WrongTask
+from modelpool.errors import InvalidRequest, WrongTask
 from modelpool.protocol import (
     TASKS,
+    BatchCall,
     Call,
     EmbedRequest,
+    Finished,
     Generation,
     PooledAnswer,
     PoolingRequest,
@@ -117,3 +120,37 @@ def checked_answer(request: PoolingRequest, output: object) -> Generation:
 
 def _finite(values: list[float]) -> bool:
     return all(math.isfinite(value) for value in values)
+
+
+class PooledBatching:
+    """The batched surface (``admit``, ``step``, ``retire``, ``abort``) of a pooling
+    handler that reads a request with ``_prepare(request, call)`` and answers a list of
+    prepared requests together with ``_answers(pending)`` (the hf and llama.cpp ones)."""
+
+    batches_pooling = True
+    _pending: list[tuple[BatchCall, Any]]
+
+    def _prepare(self, request: EmbedRequest | ScoreRequest, call: Call) -> Any:
+        raise NotImplementedError  # each handler reads its own rows
+
+    def _answers(self, pending: list[Any]) -> list[Generation]:
+        raise NotImplementedError  # each handler runs its own forward passes
+
+    def admit(self, call: BatchCall) -> None:
+        request = getattr(call, "request", None)
+        if not isinstance(request, (EmbedRequest, ScoreRequest)):
+            raise InvalidRequest("a pooling model answers embed and score requests only")
+        self._pending.append((call, self._prepare(request, call)))
+
+    def step(self) -> list[Finished]:
+        """Every admitted request's answer: all their inputs packed together."""
+        pending, self._pending = self._pending, []
+        answers = self._answers([entry for _, entry in pending])
+        return [(call, answer) for (call, _), answer in zip(pending, answers, strict=True)]
+
+    def retire(self, call: BatchCall) -> Generation:
+        self._pending = [(own, entry) for own, entry in self._pending if own is not call]
+        return Generation("", "cancelled", 0, 0)
+
+    def abort(self) -> None:
+        self._pending.clear()

@@ -54,11 +54,11 @@ from modelpool.backends.hf.options import (
 from modelpool.context import check_max_model_len
 from modelpool.embeddings import check_dimensions
 from modelpool.errors import ContextLengthExceeded, InvalidRequest
+from modelpool.pooling_answers import PooledBatching
 from modelpool.protocol import (
     BatchCall,
     Call,
     EmbedRequest,
-    Finished,
     Generation,
     PooledAnswer,
     Prompt,
@@ -246,13 +246,11 @@ class _Pending:
     dimensions: int  # an embedding's, after the cut
 
 
-class PoolingHandler:
+class PoolingHandler(PooledBatching):
     """A loaded embedding model or cross-encoder: ``embed`` and ``score`` (see
     ``modelpool.pooling_answers``), in the batched form too (``batches_pooling``: the
     requests a worker holds embedded together), ``tokenize`` and ``detokenize``; no
     generation."""
-
-    batches_pooling = True
 
     def __init__(
         self,
@@ -290,25 +288,6 @@ class PoolingHandler:
         return self._answers([self._prepare(request, call)])[0]
 
     # ---- batched form: the requests of concurrent clients in shared forward passes -----
-
-    def admit(self, call: BatchCall) -> None:
-        request = getattr(call, "request", None)
-        if not isinstance(request, (EmbedRequest, ScoreRequest)):
-            raise InvalidRequest("a pooling model answers embed and score requests only")
-        self._pending.append((call, self._prepare(request, call)))
-
-    def step(self) -> list[Finished]:
-        """Every admitted request's answer: all their rows packed together by tokens."""
-        pending, self._pending = self._pending, []
-        answers = self._answers([entry for _, entry in pending])
-        return [(call, answer) for (call, _), answer in zip(pending, answers, strict=True)]
-
-    def retire(self, call: BatchCall) -> Generation:
-        self._pending = [(own, entry) for own, entry in self._pending if own is not call]
-        return Generation("", "cancelled", 0, 0)
-
-    def abort(self) -> None:
-        self._pending.clear()
 
     def _prepare(self, request: EmbedRequest | ScoreRequest, call: Call) -> _Pending:
         """``request``'s rows, checked (dimensions, context, vocabulary) before any

@@ -30,11 +30,11 @@ from typing import Any
 
 from modelpool.embeddings import check_dimensions, cosine, cut_and_normalise
 from modelpool.errors import ContextLengthExceeded, InvalidRequest
+from modelpool.pooling_answers import PooledBatching
 from modelpool.protocol import (
     BatchCall,
     Call,
     EmbedRequest,
-    Finished,
     Generation,
     PooledAnswer,
     ScoreRequest,
@@ -111,13 +111,12 @@ class _Pending:
     dimensions: int  # an embedding's, after the cut
 
 
-class LlamaEmbeddingHandler:
+class LlamaEmbeddingHandler(PooledBatching):
     """A GGUF embedding model: ``embed`` and ``score`` (``modelpool.pooling_answers``), in
     the batched form too (``batches_pooling``: the requests a worker holds embedded
     together), ``tokenize``, ``detokenize``; no generation."""
 
     task = "embed"
-    batches_pooling = True
 
     def __init__(self, model: Any, max_model_len: int) -> None:
         self.model = model
@@ -135,25 +134,6 @@ class LlamaEmbeddingHandler:
         return self._answers([self._prepare(request, call)])[0]
 
     # ---- batched form: the requests of concurrent clients in shared decodes ------------
-
-    def admit(self, call: BatchCall) -> None:
-        request = getattr(call, "request", None)
-        if not isinstance(request, (EmbedRequest, ScoreRequest)):
-            raise InvalidRequest("an embedding model answers embed and score requests only")
-        self._pending.append((call, self._prepare(request, call)))
-
-    def step(self) -> list[Finished]:
-        """Every admitted request's answer: all their inputs packed together."""
-        pending, self._pending = self._pending, []
-        answers = self._answers([entry for _, entry in pending])
-        return [(call, answer) for (call, _), answer in zip(pending, answers, strict=True)]
-
-    def retire(self, call: BatchCall) -> Generation:
-        self._pending = [(own, entry) for own, entry in self._pending if own is not call]
-        return Generation("", "cancelled", 0, 0)
-
-    def abort(self) -> None:
-        self._pending.clear()
 
     def _prepare(self, request: EmbedRequest | ScoreRequest, call: Call) -> _Pending:
         """``request``'s rows, checked (dimensions, context, vocabulary) before any decode."""
