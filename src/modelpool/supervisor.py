@@ -187,8 +187,10 @@ class EventLoop:
         self.stopped = False
         # post() runs on any thread, in signal handlers and finalizers too, and takes no
         # lock; so the wake-up pipe is closed only once nothing can post any more: when
-        # this object is collected, not at teardown.
-        weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
+        # this object is collected, not at teardown. Nor at interpreter exit: weakref's
+        # own exit hook, registered after the pool's (so called before it), would close
+        # the pipe under the close() that the pool's hook is about to post.
+        weakref.finalize(self, _close_fds, self._wake_r, self._wake_w).atexit = False
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         self._lifeline_r, self._lifeline_w = os.pipe()
         _lifeline_writers.add(self._lifeline_w)
