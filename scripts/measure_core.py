@@ -39,8 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # fake_nvml, the scripted NVML stand-in
 
 from fake_nvml import GIB, FakeGpu, FakeNvml  # noqa: E402
-from modelpool import ModelPool, PoolConfig, RetryPolicy  # noqa: E402
-from modelpool import workers as worker_manager  # noqa: E402
+from modelpool import (  # noqa: E402
+    ModelPool,
+    PoolConfig,
+    RetryPolicy,
+    worker_manager,
+)
 from modelpool.gpu import GpuProbe  # noqa: E402
 from modelpool.processes import process_rss_bytes  # noqa: E402
 
