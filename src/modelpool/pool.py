@@ -19,6 +19,7 @@ import dataclasses
 import importlib
 import itertools
 import logging
+import math
 import os
 import queue
 import secrets
@@ -263,17 +264,23 @@ class ModelPool:
         deadline_s: float,
         *,
         also_waiting: int = 0,
-    ) -> None:
+    ) -> float | None:
         """Raise ``QueueFull`` if a new request's predicted time to first token passes
         ``max_queue_time_s`` (None: the pool's setting) or ``deadline_s``. No bound set, or
-        no prediction yet: nothing is refused."""
+        no prediction yet: nothing is refused. Returns the seconds by which the request,
+        admitted by its prediction, is to leave the queue, its deadline (None when none
+        was judged): ``due_in_s`` for :meth:`promotion_at`. Not ``max_queue_time_s``:
+        admitted ones are promoted only to keep them from timing out; promoting them at
+        the bound would put nearly every one ahead of the more urgent requests."""
         limit = self.config.max_queue_time_s if max_queue_time_s is None else max_queue_time_s
         if limit is None or limit == float("inf"):
-            return
+            return None
         predicted = self.predicted_ttft(priority, also_waiting=also_waiting)
         bound = min(limit, deadline_s)
-        if predicted is None or predicted <= bound:
-            return
+        if predicted is None:
+            return None
+        if predicted <= bound:
+            return deadline_s
         loop = self._loop
         if loop is not None:
             loop.post(loop.dispatcher.count_overloaded, True)
@@ -284,6 +291,15 @@ class ModelPool:
             predicted_ttft_s=predicted,
             retry_after_s=predicted - bound,
         )
+
+    def promotion_at(self, now: float, due_in_s: float | None) -> float:
+        """When a request admitted at ``now`` with ``due_in_s`` (:meth:`check_admission`)
+        is promoted ahead of every younger request (``queueing.promoted``): its deadline,
+        less a few runs' time for it to reach a slot and answer. Never, without a bound."""
+        loop = self._loop
+        if due_in_s is None or loop is None:
+            return math.inf
+        return now + max(0.0, due_in_s - loop.dispatcher.predictor.promotion_lead_s())
 
     def close(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop accepting requests, finish (``drain``) or fail in-flight ones, stop every worker.
@@ -712,7 +728,7 @@ class ModelPool:
             loop.post(loop.dispatcher.count_overloaded)
             raise PoolOverloaded(f"the queue is full ({self.config.max_queue} waiting)")
         try:
-            self.check_admission(priority, max_queue_time_s, deadline_s)
+            due_in_s = self.check_admission(priority, max_queue_time_s, deadline_s)
         except QueueFull:
             self._on_dequeued()
             raise
@@ -729,6 +745,7 @@ class ModelPool:
             counted_chunks=counted,
             prefix_fingerprints=fingerprints,
             priority=priority,
+            due_at=self.promotion_at(now, due_in_s),
             # A generation's only: an embedding's params are the pool's defaults, unused.
             max_new_tokens=params.get("max_new_tokens") if generation else None,
             traceparent=traceparent,

@@ -6,10 +6,11 @@ With ``preempt_for_priority`` (the default), when requests are still queued afte
 :func:`choose_victims` which running attempts to preempt: for each waiting request, most
 urgent first, the least urgent running attempt of a strictly less urgent priority (of
 those, the one preempted fewest times, then the one started last: it loses the least
-work), never one promoted by aging nor one whose deadline leaves too little time to run
-again (``min_time_left_s``, twice the measured run, from the dispatcher: it would time
-out rather than answer), never more than the waiting requests that a slot already on its way (a
-preempted attempt still winding down) does not cover. The dispatcher soft-cancels each
+work), never one promoted (by aging, or due: ``queueing.promoted``) nor one whose
+deadline leaves too little time to run again (``min_time_left_s``, twice the measured
+run, from the dispatcher: it would time out rather than answer), never more than the
+waiting requests that a slot already on its way (a preempted attempt still winding
+down) does not cover. The dispatcher soft-cancels each
 victim, records its attempt as "preempted" (not charged to its retries) and queues its
 request again first of its priority; the waiting request takes the slot once the worker lets the
 victim go (its next token or step)::
@@ -31,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
+from modelpool.queueing import promoted
 from modelpool.records import Request, Run, Worker
 
 
@@ -46,7 +48,7 @@ def preemptible(run: Run, *, now: float, aging_s: float, min_time_left_s: float 
         and not run.alone
         and run.worker.state == "busy"
         and run.worker.role == "serving"
-        and now - request.submitted_at < aging_s  # promoted: it has waited enough
+        and not promoted(request, now=now, aging_s=aging_s)  # it has waited enough
         and (request.reproducible or not request.streamed)
     )
 
@@ -88,7 +90,7 @@ def choose_victims(
     for waiting in order:
         if not candidates:
             break
-        aged = now - waiting.submitted_at >= aging_s
+        aged = promoted(waiting, now=now, aging_s=aging_s)
         if _priority(candidates[-1]) <= waiting.priority:
             if aged:
                 continue  # promoted ahead of its priority: the ones after it may preempt

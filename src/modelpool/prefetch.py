@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from modelpool.config import PoolConfig
+from modelpool.queueing import promoted
 from modelpool.records import Run, Worker
 
 
@@ -58,9 +59,9 @@ def recalls(
     ``queued``: how many requests the queue holds, which idle workers take first (taking
     one back costs a round trip, and a worker that answered two requests in one read is
     idle for a moment under a full queue: it must not pull work off the others).
-    A request past ``aging_s`` is not taken back for a more urgent one: it goes ahead of
-    every younger request anyway (``queueing.dispatch_order``), and would come straight
-    back."""
+    A promoted request (past ``aging_s``, or due: ``queueing.promoted``) is not taken back
+    for a more urgent one: it goes ahead of every younger request anyway
+    (``queueing.dispatch_order``), and would come straight back."""
     waiting = list(prefetched)
     if not waiting:
         return []
@@ -77,7 +78,7 @@ def recalls(
         outranked = (
             most_urgent_queued is not None
             and most_urgent_queued < run.owner.priority
-            and now - run.owner.submitted_at < aging_s
+            and not promoted(run.owner, now=now, aging_s=aging_s)
         )
         if outranked or not _may_hold_one(run.worker, retire_reason):
             taken.append(run)

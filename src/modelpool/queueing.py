@@ -5,7 +5,13 @@ gives the order requests are handed to workers in: lower ``priority`` first (vLL
 meaning: an integer, lower runs first, default 0), arrival order within one priority.
 Starvation is bounded by aging: a request that has waited ``aging_s`` goes ahead of
 every request, of any priority, that has waited less, so it waits at most ``aging_s``
-more than it would in a first-come-first-served queue::
+more than it would in a first-come-first-served queue. A request admitted by its
+predicted wait (``max_queue_time_s``) is promoted so, sooner, at its ``due_at``: a few
+runs' time before its deadline, so that it does not time out in the queue when more
+urgent requests keep coming after it (``promotion_lead_s``; admitted, it is never
+refused later). Its deadline, not its bound: promoted at the bound, nearly every admitted
+request would go ahead of the urgent ones (measured: a high-priority p99 of 2.0 s against
+0.81 s, benchmarks/priority.py)::
 
     order = dispatch_order(queue.values(), now=clock(), aging_s=10.0)
 
@@ -44,6 +50,15 @@ MIN_SHARE = 0.05
 RECENT_DISPATCHES = 256
 # Weight of the newest dispatch or preemption in the share of runs preempted.
 PREEMPTED_WEIGHT = 1 / RECENT_DISPATCHES
+# A request admitted by its predicted wait is promoted this many runs (mean plus spread)
+# before its deadline: one for a slot to free, the others for promoted requests ahead.
+DUE_RUNS = 3
+
+
+def promoted(request: Request, *, now: float, aging_s: float) -> bool:
+    """Does ``request`` go ahead of every younger request, of any priority: it has waited
+    ``aging_s``, or it was admitted by its predicted wait and its ``due_at`` came."""
+    return now >= request.due_at or now - request.submitted_at >= aging_s
 
 
 def urgent_share(dispatched_by_priority: Mapping[int, int], priority: int) -> float:
@@ -70,8 +85,8 @@ def dispatch_order(
         return requests
 
     def key(request: Request) -> tuple[int, int]:
-        if now - request.submitted_at >= aging_s:
-            return (0, 0)  # promoted: ahead of every younger request, in arrival order
+        if promoted(request, now=now, aging_s=aging_s):
+            return (0, 0)  # ahead of every request not promoted, in arrival order
         return (1, request.priority)
 
     return sorted(requests, key=key)  # stable: arrival order within one key
@@ -181,6 +196,11 @@ class WaitPredictor:
         left_for_it = max(1.0 - urgent_share - lost, MIN_SHARE)
         run_s = self.run_s + self.run_spread_s
         return in_line * run_s / (capacity * left_for_it) + self.ttft_s
+
+    def promotion_lead_s(self) -> float:
+        """How long before its bound a request admitted by its predicted wait is promoted
+        (``Request.due_at``): DUE_RUNS runs of mean plus spread, and a time to first token."""
+        return DUE_RUNS * (self.run_s + self.run_spread_s) + self.ttft_s
 
     def to_dict(self) -> dict[str, float | int]:
         """What stats show under ``throughput``."""

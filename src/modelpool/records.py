@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +59,10 @@ class Request:
     # Lower runs first (queueing.dispatch_order); the caller's max_new_tokens, if it said;
     # its W3C trace context. For observers (observe.RequestRecord): each attempt's times.
     priority: int = 0
+    # When it is promoted ahead of younger requests of every priority before it has
+    # waited priority_aging_s: a request admitted by its predicted wait must leave the
+    # queue within its bound (queueing.promoted).
+    due_at: float = math.inf
     max_new_tokens: int | None = None
     traceparent: str | None = None
     attempt_log: list[AttemptRecord] = field(default_factory=list)

@@ -4,6 +4,8 @@ bounds, and nothing leaked by a run cancelled while it waits (issue 25)."""
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import Callable
 
 import pytest
@@ -108,16 +110,19 @@ def test_a_request_being_checked_counts_against_its_clients_share() -> None:
     fair.reserve("a", 2).close()
 
 
-def _admission_order(fair: FairShare, arrivals: list[tuple[str, str, int]]) -> list[str]:
+def _admission_order(
+    fair: FairShare, arrivals: list[tuple[str, str, int]], due: dict[str, float] | None = None
+) -> list[str]:
     """Names in the order their runs went in: one place, held by a first run until every
-    other (client, name, priority) waits."""
+    other (client, name, priority) waits; ``due``: the ``due_at`` of some, by name."""
+    due_at = due or {}
 
     async def scenario() -> list[str]:
         order: list[str] = []
         gate = asyncio.Event()
 
         async def run(client: str, name: str, priority: int) -> None:
-            ticket = fair.reserve(client, 1, priority=priority)
+            ticket = fair.reserve(client, 1, priority=priority, due_at=due_at.get(name, math.inf))
             try:
                 async with ticket.slot(deadline_s=10):
                     order.append(name)
@@ -153,6 +158,15 @@ def test_a_run_that_waited_aging_s_goes_ahead_of_any_priority() -> None:
     order = _admission_order(fair, [("a", "a-low", 9), ("b", "b-high", -9)])
     assert order == ["a-low", "b-high"]
     assert fair.waiting_ahead(0) == 0
+
+
+def test_a_run_admitted_by_its_predicted_wait_goes_ahead_once_it_is_due() -> None:
+    """Admitted with a bound (ModelPool.promotion_at), a low run past its due time goes in
+    before more urgent ones that came after it; one not yet due waits its priority."""
+    arrivals = [("a", "a-due", 9), ("c", "c-later", 9), ("b", "b-high", 0), ("b", "b-high2", 0)]
+    due = {"a-due": time.monotonic() - 1.0, "c-later": time.monotonic() + 3600.0}
+    order = _admission_order(share(capacity=1), arrivals, due)
+    assert order == ["a-due", "b-high", "b-high2", "c-later"]
 
 
 def test_with_preempt_a_more_urgent_run_goes_into_a_full_pool_once_per_less_urgent_run() -> None:

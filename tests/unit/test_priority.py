@@ -12,7 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_batch_dispatch import World
 
-from modelpool.queueing import WaitPredictor, ahead_of, dispatch_order, urgent_share
+from modelpool.queueing import (
+    DUE_RUNS,
+    WaitPredictor,
+    ahead_of,
+    dispatch_order,
+    promoted,
+    urgent_share,
+)
 from modelpool.records import Request
 from modelpool.results import PoolFuture
 
@@ -44,6 +51,36 @@ def test_aging_promotes_a_request_that_waited_priority_aging_s() -> None:
     world.finish(busy)
     assert old_low.state == "running", "it waited priority_aging_s: ahead of every younger one"
     assert young_high.state == "queued"
+
+
+def test_a_request_admitted_by_its_predicted_wait_goes_ahead_once_due() -> None:
+    """Its due time (ModelPool.promotion_at) comes before priority_aging_s: from then on
+    it is ahead of younger, more urgent requests, and no more urgent one preempts it."""
+    world = World(workers=1, batch=1, priority_aging_s=60.0)
+    busy = world.submit("p0", priority=-10)  # as urgent as any: nothing preempts it
+    bounded = world.submit("low", priority=10)
+    bounded.due_at = world.clock.now + 2.0
+    unbounded = world.submit("low2", priority=10)
+    world.clock.now += 2.0
+    high = world.submit("high", priority=-10)
+    assert [
+        r.request_id
+        for r in dispatch_order(world.d.queue.values(), now=world.clock.now, aging_s=60.0)
+    ] == [bounded.request_id, high.request_id, unbounded.request_id]
+    world.finish(busy)
+    assert bounded.state == "running", "due: ahead of the more urgent one that came later"
+    assert high.state == "queued", "and it does not preempt it"
+    assert promoted(bounded, now=world.clock.now, aging_s=60.0)
+    assert not promoted(unbounded, now=world.clock.now, aging_s=60.0)
+
+
+def test_the_promotion_lead_is_a_few_runs_and_a_first_token() -> None:
+    predictor = WaitPredictor()
+    for run_s in (1.0, 3.0, 1.0, 3.0):
+        predictor.observe(run_s=run_s, ttft_s=0.5, prompt_tokens=10, completion_tokens=8)
+    lead = predictor.promotion_lead_s()
+    assert lead == pytest.approx(DUE_RUNS * (predictor.run_s + predictor.run_spread_s) + 0.5)
+    assert lead > DUE_RUNS * predictor.run_s, "the spread counts: runs ahead may be long ones"
 
 
 def test_a_retry_keeps_its_priority_and_goes_first_within_it() -> None:

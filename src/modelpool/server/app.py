@@ -555,7 +555,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     )
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
-    priority = _admit(request, state, pool, job, deadline)
+    priority, due_at = _admit(request, state, pool, job, deadline)
     runs = job.choices()
     # Every run in its tenant's partition of the prefix cache, whatever the body said.
     cache_partition = partition(client.tenant, job.params.get("cache_salt"))
@@ -563,7 +563,9 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         params.pop("cache_salt", None)
         if cache_partition is not None:
             params["cache_salt"] = cache_partition
-    ticket = state.share_for(request).reserve(client.name, len(runs), client.limits, priority)
+    ticket = state.share_for(request).reserve(
+        client.name, len(runs), client.limits, priority, due_at
+    )
 
     if job.stream:
 
@@ -621,14 +623,18 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     )
 
 
-def _admit(request: Request, state: ServerState, pool: ModelPool, job: Job, deadline: float) -> int:
+def _admit(
+    request: Request, state: ServerState, pool: ModelPool, job: Job, deadline: float
+) -> tuple[int, float]:
     """Admission by predicted wait (QueueFull, a 429, when it would wait too long), once,
     here: the runs wait in the fair share and then in the pool, so the prediction counts
     both, and the pool does not judge again a request the daemon accepted. The caller's
-    ``traceparent`` goes with the runs. Returns the request's priority."""
+    ``traceparent`` goes with the runs. Returns the request's priority and when its runs,
+    admitted by their prediction, are promoted in the fair share (``ModelPool.
+    promotion_at``: before their deadline; never without a bound)."""
     params = job.params
     priority: int = params.get("priority", 0)
-    pool.check_admission(
+    due_in_s = pool.check_admission(
         priority,
         params.get("max_queue_time_s"),
         deadline,
@@ -638,7 +644,7 @@ def _admit(request: Request, state: ServerState, pool: ModelPool, job: Job, dead
     traceparent = request.headers.get("traceparent")
     if traceparent is not None and valid_traceparent(traceparent):
         params["traceparent"] = traceparent
-    return priority
+    return priority, pool.promotion_at(time.monotonic(), due_in_s)
 
 
 def _parse(

@@ -10,7 +10,10 @@ served within one). A client is its address: every client shares the one API key
 Priority (the request's ``priority``, lower first) comes before the turn: the next run
 in is one of the lowest priority waiting, and fair share applies between the clients
 that have one of that priority. A run that has waited ``aging_s`` counts as the most
-urgent (the pool's ``priority_aging_s``), so that no priority starves another.
+urgent (the pool's ``priority_aging_s``), so that no priority starves another, and so
+does a run admitted by its predicted wait once its ``due_at`` came (``ModelPool.
+promotion_at``, a few runs before its deadline): an accepted run must not time out
+waiting.
 
 With ``preempt`` (the pool's ``preempt_for_priority``) a run more urgent than some run
 in the pool goes in even when the pool is full, one beyond capacity for each less urgent
@@ -43,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -96,10 +100,16 @@ class FairShare:
         self._recheck: asyncio.TimerHandle | None = None
 
     def reserve(
-        self, client: str, runs: int, limits: Limits | None = None, priority: int = 0
+        self,
+        client: str,
+        runs: int,
+        limits: Limits | None = None,
+        priority: int = 0,
+        due_at: float = math.inf,
     ) -> Ticket:
         """Room for ``runs`` more runs of ``client``, or a 429 saying which bound it met;
-        ``limits`` are the client's own (a tenant's), else the share's."""
+        ``limits`` are the client's own (a tenant's), else the share's. From ``due_at``
+        (monotonic) on, its waiting runs count as the most urgent."""
         held = self._running[client] + self._reserved[client] + self._checking[client]
         if held + runs > self._bound(client, limits):
             raise ApiError(
@@ -123,7 +133,7 @@ class FairShare:
             )
         self._reserved[client] += runs
         self._last_active[client] = time.monotonic()
-        return Ticket(self, client, runs, priority)
+        return Ticket(self, client, runs, priority, due_at)
 
     def waiting_ahead(self, priority: int) -> int:
         """Runs waiting here that a new run of ``priority`` would wait behind."""
@@ -182,12 +192,12 @@ class FairShare:
         if self._reserved[client] <= 0:
             del self._reserved[client]
 
-    async def _acquire(self, client: str, priority: int) -> None:
+    async def _acquire(self, client: str, priority: int, due_at: float = math.inf) -> None:
         if client not in self._waiters and self._may_run(client, priority):
             self._take(client, priority)
             return
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(priority, time.monotonic(), turn)
+        waiter = _Waiter(priority, time.monotonic(), turn, due_at)
         self._waiters.setdefault(client, collections.deque()).append(waiter)
         try:
             await turn
@@ -303,28 +313,41 @@ class FairShare:
 
 
 class _Waiter:
-    """One run waiting for its turn: its priority, since when, and the future it awaits."""
+    """One run waiting for its turn: its priority, since when, the future it awaits, and
+    when it is due (promoted however long it waited)."""
 
-    __slots__ = ("priority", "since", "turn")
+    __slots__ = ("due_at", "priority", "since", "turn")
 
-    def __init__(self, priority: int, since: float, turn: asyncio.Future[None]) -> None:
+    def __init__(
+        self, priority: int, since: float, turn: asyncio.Future[None], due_at: float
+    ) -> None:
         self.priority = priority
         self.since = since
         self.turn = turn
+        self.due_at = due_at
 
     def urgency(self, now: float, aging_s: float) -> tuple[int, int]:
-        """Lower goes first: aged runs, then by priority."""
-        return (0, 0) if now - self.since >= aging_s else (1, self.priority)
+        """Lower goes first: aged or due runs, then by priority."""
+        promoted = now >= self.due_at or now - self.since >= aging_s
+        return (0, 0) if promoted else (1, self.priority)
 
 
 class Ticket:
     """One request's reserved runs; each run takes one ``slot``."""
 
-    def __init__(self, share: FairShare, client: str, runs: int, priority: int = 0) -> None:
+    def __init__(
+        self,
+        share: FairShare,
+        client: str,
+        runs: int,
+        priority: int = 0,
+        due_at: float = math.inf,
+    ) -> None:
         self._share = share
         self._client = client
         self._unclaimed = runs
         self.priority = priority
+        self.due_at = due_at
 
     @contextlib.asynccontextmanager
     async def slot(self, deadline_s: float) -> AsyncIterator[float]:
@@ -333,7 +356,7 @@ class Ticket:
         started = time.monotonic()
         try:
             async with asyncio.timeout(deadline_s):
-                await self._share._acquire(self._client, self.priority)
+                await self._share._acquire(self._client, self.priority, self.due_at)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"the deadline ({deadline_s:g} s) passed while the request waited for its "
