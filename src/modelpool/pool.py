@@ -687,7 +687,7 @@ class ModelPool:
         else:
             check_deadline(deadline_s)
         gen_kwargs = dict(gen_kwargs)
-        priority, max_queue_time_s, traceparent = check_queue_params(gen_kwargs)
+        priority, max_queue_time_s, traceparent, admitted = check_queue_params(gen_kwargs)
         if priority:
             gen_kwargs[PRIORITY_PARAM] = priority  # for the worker's scheduler too
         gen_kwargs = constrain(gen_kwargs, self.config.grammar_compile_timeout_s)
@@ -727,11 +727,16 @@ class ModelPool:
             self._on_dequeued()
             loop.post(loop.dispatcher.count_overloaded)
             raise PoolOverloaded(f"the queue is full ({self.config.max_queue} waiting)")
-        try:
-            due_in_s = self.check_admission(priority, max_queue_time_s, deadline_s)
-        except QueueFull:
-            self._on_dequeued()
-            raise
+        if admitted:
+            # Judged and accepted by the caller (the daemon): not judged again, and
+            # promoted before its deadline as a request admitted here would be.
+            due_in_s: float | None = deadline_s
+        else:
+            try:
+                due_in_s = self.check_admission(priority, max_queue_time_s, deadline_s)
+            except QueueFull:
+                self._on_dequeued()
+                raise
         now = time.monotonic()
         request_id = f"req-{self._id_prefix}{next(self._request_numbers):x}"
         future = PoolFuture(request_id, self._cancel_from_future)

@@ -6,7 +6,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from modelpool.errors import InvalidRequest
 from modelpool.prefixes import CACHE_SALT_PARAM, MAX_CACHE_SALT_CHARS
@@ -216,10 +216,20 @@ def valid_traceparent(value: object) -> bool:
     )
 
 
-def check_queue_params(params: dict[str, Any]) -> tuple[int, float | None, str | None]:
+class QueueParams(NamedTuple):
+    """A request's queueing keywords, checked (:func:`check_queue_params`)."""
+
+    priority: int
+    max_queue_time_s: float | None
+    traceparent: str | None
+    admitted: bool
+
+
+def check_queue_params(params: dict[str, Any]) -> QueueParams:
     """Pop and check the queueing keywords of a request: ``priority`` (an int, lower runs
     first, default 0), ``max_queue_time_s`` (a number > 0, or ``math.inf`` for no bound;
-    None: the pool's) and ``traceparent`` (a W3C trace context string)."""
+    None: the pool's), ``traceparent`` (a W3C trace context string) and ``admitted``
+    (a bool: its caller judged its predicted wait already and accepted it)."""
     priority = params.pop("priority", 0)
     if priority is None:
         priority = 0
@@ -236,4 +246,12 @@ def check_queue_params(params: dict[str, Any]) -> tuple[int, float | None, str |
     traceparent = params.pop("traceparent", None)
     if traceparent is not None and not valid_traceparent(traceparent):
         raise InvalidRequest(f"traceparent must be a W3C trace context, got {traceparent!r}")
-    return priority, None if max_queue_time_s is None else float(max_queue_time_s), traceparent
+    admitted = params.pop("admitted", False)
+    if not isinstance(admitted, bool):
+        raise InvalidRequest(f"admitted must be true or false, got {admitted!r}")
+    return QueueParams(
+        priority,
+        None if max_queue_time_s is None else float(max_queue_time_s),
+        traceparent,
+        admitted,
+    )

@@ -97,6 +97,30 @@ def test_a_request_past_its_own_deadline_is_refused_when_a_bound_is_set() -> Non
         blocker.result(timeout=slack(10))
 
 
+def test_an_admitted_request_is_not_judged_again_and_is_promoted_before_its_deadline() -> None:
+    # ``admitted=True`` is what the daemon passes for a request it judged and accepted.
+    with open_pool(workers=1, max_queue_time_s=0.05) as pool:
+        for _ in range(3):  # measured runs of about 0.4 s: the predictor's samples
+            pool.generate("tokens:4:0.1", max_queue_time_s=math.inf)
+        blocker = pool.submit("tokens:4:0.1", max_queue_time_s=math.inf)
+        wait_busy(pool, 1)
+        # The pool's own bound would refuse it (its predicted wait is ~0.4 s): not here.
+        low = pool.submit("echo:low", priority=5, admitted=True, deadline_s=slack(4))
+        # More urgent work than its deadline holds, all of it sent after it.
+        urgent = [
+            pool.submit("tokens:4:0.1", priority=0, max_queue_time_s=math.inf)
+            for _ in range(int(slack(4) / 0.4) + 4)
+        ]
+        assert low.result(timeout=slack(10)).text == "low"
+        assert not all(future.done() for future in urgent), "it went ahead of younger ones"
+        blocker.result(timeout=slack(10))
+        for future in urgent:
+            future.cancel()
+        assert pool.stats().counters["queue_full"] == 0
+    with open_pool(workers=1) as pool, pytest.raises(InvalidRequest, match="admitted"):
+        pool.submit("echo:x", admitted="yes")
+
+
 @pytest.mark.slow
 def test_priority_reaches_a_batched_hf_worker_and_its_answers(tiny_model_dir: Path) -> None:
     """The worker's scheduler reads ``priority`` (tests/unit/test_scheduler_priority.py

@@ -628,7 +628,9 @@ def _admit(
 ) -> tuple[int, float]:
     """Admission by predicted wait (QueueFull, a 429, when it would wait too long), once,
     here: the runs wait in the fair share and then in the pool, so the prediction counts
-    both, and the pool does not judge again a request the daemon accepted. The caller's
+    both, and the pool does not judge again a request the daemon accepted (``admitted``:
+    it promotes them before their deadline as its own admitted requests, so that more
+    urgent runs let in after them do not keep them past it). The caller's
     ``traceparent`` goes with the runs. Returns the request's priority and when its runs,
     admitted by their prediction, are promoted in the fair share (``ModelPool.
     promotion_at``: before their deadline; never without a bound)."""
@@ -640,7 +642,11 @@ def _admit(
         deadline,
         also_waiting=state.share_for(request).waiting_ahead(priority),
     )
-    params["max_queue_time_s"] = math.inf
+    if due_in_s is None:
+        params["max_queue_time_s"] = math.inf
+    else:
+        params.pop("max_queue_time_s", None)
+        params["admitted"] = True
     traceparent = request.headers.get("traceparent")
     if traceparent is not None and valid_traceparent(traceparent):
         params["traceparent"] = traceparent
