@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from modelpool import gpu, processes
 from modelpool.config import PoolConfig
@@ -74,28 +76,21 @@ class Monitors:
     def check_release(self, worker: Worker) -> None:
         listed = {device for pid, device in self._gpu_pids_listed if pid == worker.pid}
         children = set(self._gpu_children.pop(worker.pid, ())) if worker.pid is not None else set()
-        threading.Thread(
-            target=self._check_release,
-            args=(
-                worker.id,
-                worker.pid,
-                worker.device,
-                dict(worker.gpu_baselines),
-                worker.rss_bytes,
-                listed,
-                children,
-            ),
-            name=f"modelpool-release-{worker.id}",
-            daemon=True,
-        ).start()
+        args = (
+            worker.id,
+            worker.pid,
+            worker.device,
+            dict(worker.gpu_baselines),
+            worker.rss_bytes,
+            listed,
+            children,
+        )
+        if not _start_thread(self._check_release, args, f"modelpool-release-{worker.id}"):
+            # At interpreter exit: checked here, since close() waits for every report.
+            self._check_release(*args)
 
     def watch_device_free(self, device: str, needed_bytes: int) -> None:
-        threading.Thread(
-            target=self._wait_device_free,
-            args=(device, needed_bytes),
-            name=f"modelpool-watch-{device}",
-            daemon=True,
-        ).start()
+        _start_thread(self._wait_device_free, (device, needed_bytes), f"modelpool-watch-{device}")
 
     def gpu_workers_changed(self, workers: list[GpuWorker]) -> None:
         self._gpu_workers = workers
@@ -272,3 +267,18 @@ class Monitors:
                     self._not_started_by_workers.add(listed)
                 else:
                     self._gpu_children.setdefault(owner, set()).add(listed)
+
+
+def _start_thread(target: Callable[..., None], args: tuple[Any, ...], name: str) -> bool:
+    """Start a daemon thread for one check; False if the interpreter is exiting: a pool
+    closed by its exit hook reaps its workers then, and Python 3.12 refuses new threads
+    at that point."""
+    try:
+        threading.Thread(target=target, args=args, name=name, daemon=True).start()
+    except RuntimeError as refused:
+        # 3.12's words; sys.is_finalizing() is still False in an exit hook there.
+        if "interpreter shutdown" not in str(refused) and not sys.is_finalizing():
+            raise
+        logger.debug("%s not started: the interpreter is exiting", name)
+        return False
+    return True
