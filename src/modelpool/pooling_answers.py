@@ -18,6 +18,7 @@ packed into shared forward passes); its answers are checked by :func:`checked_an
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any
 
@@ -122,7 +123,7 @@ def _finite(values: list[float]) -> bool:
     return all(math.isfinite(value) for value in values)
 
 
-class PooledBatching:
+class PooledBatching(abc.ABC):
     """The batched surface (``admit``, ``step``, ``retire``, ``abort``) of a pooling
     handler that reads a request with ``_prepare(request, call)`` and answers a list of
     prepared requests together with ``_answers(pending)`` (the hf and llama.cpp ones)."""
@@ -130,11 +131,13 @@ class PooledBatching:
     batches_pooling = True
     _pending: list[tuple[BatchCall, Any]]
 
+    @abc.abstractmethod
     def _prepare(self, request: EmbedRequest | ScoreRequest, call: Call) -> Any:
-        raise NotImplementedError  # each handler reads its own rows
+        """The request's rows, read the handler's way (tokenized, checked)."""
 
+    @abc.abstractmethod
     def _answers(self, pending: list[Any]) -> list[Generation]:
-        raise NotImplementedError  # each handler runs its own forward passes
+        """One answer per prepared request, from the handler's own forward passes."""
 
     def admit(self, call: BatchCall) -> None:
         request = getattr(call, "request", None)
