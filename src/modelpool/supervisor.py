@@ -39,7 +39,8 @@ Follow one request (each name is a function; the file is in brackets)::
          (batched: _BatchLoop.serve -> _step -> HFHandler.step -> Scheduler.step
           [backends/common/scheduler.py]: admission, prefill slices, grammars ->
           HFRunner.run [backends/hf/runner.py]: prefix cache [backends/hf/prefix_cache.py],
-          prefill slices riding on one decoding step's pass [backends/hf/fused.py],
+          each row on its own KV cache, one packed pass a step with a prefill slice
+          riding on it [backends/hf/packed.py] (else one padded cache [hf/padded.py]),
           each row's grammar mask [backends/hf/grammars.py];
           on llama.cpp: LlamaCppHandler.step -> Scheduler.step -> LlamaRunner.run
           [backends/llama_cpp/runner.py])

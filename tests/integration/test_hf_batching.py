@@ -277,7 +277,7 @@ def count_passes(handler: HFHandler) -> Callable[[], int]:
     return lambda: len(calls)
 
 
-def test_a_failed_fused_pass_is_undone_and_read_apart(tiny_model_dir: Path) -> None:
+def test_a_failed_packed_pass_is_undone_and_read_apart(tiny_model_dir: Path) -> None:
     handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1, prefill_chunk_tokens=8)
     running = Recorder(PROMPTS[2], {"max_new_tokens": 24})
     long = Recorder(LONG_PROMPT, {"max_new_tokens": 8})
@@ -289,9 +289,13 @@ def test_a_failed_fused_pass_is_undone_and_read_apart(tiny_model_dir: Path) -> N
     failed: list[int] = []
 
     def fused_pass_fails_every_other_time(*args: Any, **kwargs: Any) -> Any:
-        # The fused pass is the one packing rows and slice into one sequence (no cache of
-        # its own); it fails after some layers have appended to both caches.
-        if kwargs.get("use_cache") is False and len(failed) % 2 == 0:
+        # A packed pass (no transformers cache of its own) with a slice on it: more tokens
+        # than the one running row's. It fails after some layers have written to both
+        # caches.
+        packed = kwargs.get("use_cache") is False
+        if not packed or kwargs["input_ids"].shape[1] == 1:
+            return original(*args, **kwargs)
+        if len(failed) % 2 == 0:
             failed.append(1)
             layers = model.model.layers
             layer_forward = layers[-1].forward
@@ -304,8 +308,7 @@ def test_a_failed_fused_pass_is_undone_and_read_apart(tiny_model_dir: Path) -> N
                 return original(*args, **kwargs)
             finally:
                 layers[-1].forward = layer_forward
-        if kwargs.get("use_cache") is False:
-            failed.append(0)
+        failed.append(0)
         return original(*args, **kwargs)
 
     model.forward = fused_pass_fails_every_other_time
@@ -317,7 +320,7 @@ def test_a_failed_fused_pass_is_undone_and_read_apart(tiny_model_dir: Path) -> N
                 results[id(call)] = outcome
     finally:
         model.forward = original
-    assert failed.count(1) >= 2 and failed.count(0) >= 1, "the premise: fused passes ran and failed"
+    assert failed.count(1) >= 2 and failed.count(0) >= 1, "the premise: some packed passes failed"
     for call in (running, long):
         alone = handler.generate(Recorder(call.prompt, dict(call.params)))
         assert results[id(call)].text == alone.text, call.prompt
@@ -456,3 +459,68 @@ def test_a_short_request_never_waits_for_kv_room_behind_a_long_one(tiny_model_di
         assert not long.done(), "a short request waited for the long generation"
         assert long.result(timeout=60).completion_tokens == 230
         assert all(not w.waiting_for_room for w in pool.stats().workers)
+
+
+def test_rows_of_different_lengths_each_hold_only_their_own_columns(
+    tiny_model_dir: Path,
+) -> None:
+    from modelpool.backends.hf.packed import GATHER_COLUMNS
+
+    handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1)
+    longer = " ".join(f"word{index}" for index in range(120))
+    assert len(handler.encode(longer)[0]) > GATHER_COLUMNS, "the premise: a row attends alone"
+    prompts: list[Prompt] = [longer, *PROMPTS]
+    params = {"max_new_tokens": 12, "min_new_tokens": 12}
+    alone = [handler.generate(Recorder(prompt, dict(params))) for prompt in prompts]
+    calls = [Recorder(prompt, dict(params)) for prompt in prompts]
+    for call in calls:
+        handler.admit(call)
+    results: dict[int, Generation] = {}
+    compared = 0
+    while len(results) < len(calls):
+        for call, outcome in handler.step():
+            assert isinstance(outcome, Generation), outcome
+            results[id(call)] = outcome
+        rows = handler.runner.batch
+        if len(rows) > 1:
+            held = [len(row.prompt_ids) + row.generated - 1 for row in rows]
+            # Each row's own tokens, not rows x the longest as a padded cache would hold.
+            assert handler.runner.cache_tokens == sum(held) < len(rows) * max(held)
+            compared += 1
+    assert compared, "the premise: rows of different lengths ran together"
+    for call, solo in zip(calls, alone, strict=True):
+        assert results[id(call)].text == solo.text, call.prompt
+
+
+def test_a_model_that_cannot_run_packed_passes_moves_to_one_padded_cache(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelpool.backends.hf import packed
+
+    handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1, prefill_chunk_tokens=8)
+    params = {"max_new_tokens": 16}
+    prompts: list[Prompt] = [PROMPTS[0], PROMPTS[2], LONG_PROMPT]
+    alone = [handler.generate(Recorder(prompt, dict(params))) for prompt in prompts]
+    calls = [Recorder(prompt, dict(params)) for prompt in prompts]
+    handler.admit(calls[0])
+    handler.admit(calls[1])
+    handler.step()
+    handler.step()
+    assert handler.runner.slices_ride_on_decode and len(handler.runner.batch) == 2
+    # As a model whose layers do not all dispatch to the packed attention: a pass notices
+    # only once it has run (and written to the rows' buffers).
+    layers = packed._layer_count(handler.model.config)
+    monkeypatch.setattr(packed, "_layer_count", lambda config: layers + 1)
+    handler.admit(calls[2])
+    results: dict[int, Generation] = {}
+    while len(results) < len(calls):
+        for call, outcome in handler.step():
+            assert isinstance(outcome, Generation), outcome
+            results[id(call)] = outcome
+        rows = handler.runner.batch
+        if len(rows) > 1:
+            widest = max(len(row.prompt_ids) + row.generated - 1 for row in rows)
+            assert handler.runner.cache_tokens == len(rows) * widest, "one padded cache"
+    assert not handler.runner.slices_ride_on_decode
+    for call, solo in zip(calls, alone, strict=True):
+        assert results[id(call)].text == solo.text, call.prompt

@@ -162,6 +162,11 @@ class ModelRunner(Protocol[State]):
         """KV room, in ``Scheduler.kv_tokens``' measure, ``rows`` may come to take."""
         ...
 
+    def join_cells(self, rows: Sequence[Row[State]], joining: Row[State]) -> int:
+        """Cache positions written when ``joining``, its prompt read, joins ``rows``
+        (what a join's measured time per position is scaled by)."""
+        ...
+
     def start(self, row: Row[State], need: int) -> bool:
         """Reserve ``row``'s KV as its prefill starts (``need``: every started row's with
         it), from the longest cached prefix of its prompt when there is one (setting
@@ -443,8 +448,7 @@ class Scheduler(Generic[State]):
             if read_whole:
                 count = rest
             elif self.rows:
-                width = max(len(row.prompt_ids), *(len(other.prompt_ids) for other in self.rows))
-                cells = (len(self.rows) + 1) * width
+                cells = self.runner.join_cells(self.rows, row)
                 count = self.budget.last_slice(budget, rest, cells)
             else:
                 count = min(budget, rest)

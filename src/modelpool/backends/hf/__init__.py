@@ -4,8 +4,11 @@ target.
 - ``handler``: :func:`load` (load options, the model) and the handler;
 - ``pooling``: embedding models and cross-encoders (a sentence-transformers directory);
 - ``generation``: the one-call form, through transformers' ``generate()``;
-- ``runner``: the batched form's decoding loop over one shared KV cache;
-- ``fused``: a decoding step and a prefill slice in one forward pass;
+- ``runner``: the batched form's decoding loop;
+- ``packed``: each running row on a KV cache of its own, a decoding step (and a prefill
+  slice riding on it) one packed forward pass;
+- ``padded``: the running rows on one left-padded KV cache, for models ``packed`` does
+  not fit;
 - ``grammars``: llguidance masks as torch bitmasks;
 - ``prefix_cache``: the KV of recent prompts and answers, per worker.
 

@@ -144,8 +144,8 @@ def load_generation(model: str, device: str = "cpu", **options: Any) -> HFHandle
     (a Jinja template replacing the tokenizer's), ``max_model_len`` (the
     context length in tokens, prompt and completion together; default: the
     model config's ``max_position_embeddings`` or the like) and
-    ``kv_cache_tokens`` (the batched form's KV-cache bound, rows x columns of
-    the padded cache; see ``hf.runner``), ``prefill_chunk_tokens`` (the batched
+    ``kv_cache_tokens`` (the batched form's KV-cache bound in tokens, every running
+    row's prompt and generation; see ``hf.runner``), ``prefill_chunk_tokens`` (the batched
     form's prompt tokens prefilled per step, or "auto", the default) and
     ``prefix_cache_bytes`` (the bound of the worker's prefix cache, bytes or a size such
     as "512MiB"; 0 turns it off; default ``DEFAULT_PREFIX_CACHE_BYTES``, see

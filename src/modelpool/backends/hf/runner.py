@@ -1,32 +1,36 @@
-"""The hf backend's model runner for the batched form: forward passes over one shared,
-left-padded KV cache, and each row's token choice in torch.
+"""The hf backend's model runner for the batched form: forward passes over the running
+rows' KV caches, and each row's token choice in torch.
 
 The shared scheduler (``common.scheduler``) decides what each step computes: which
-waiting requests start (the KV budget here is ``kv_cache_tokens``, rows x columns of
-the padded cache, :meth:`HFRunner.kv_need`), which prompts are read whole and which
-slices are read (chunked prefill, with "auto" slices steered by the times reported
-here). :class:`HFRunner` runs the plan:
+waiting requests start (the KV budget here is ``kv_cache_tokens``: every running row's
+prompt and every token it may still generate, :meth:`HFRunner.kv_need`), which prompts
+are read whole and which slices are read (chunked prefill, with "auto" slices steered by
+the times reported here). :class:`HFRunner` runs the plan:
 
 1. fresh short prompts are read together in one left-padded pass (if that pass fails,
    each again alone, so a fault is still one request's); other slices each in a pass
    of their own, on the request's own prefill cache;
-2. a request whose prompt is read gets its first token and is merged into the running
-   batch: the narrower of the two caches is left-padded with masked columns, rows are
-   concatenated;
-3. one decoding step for every running request (one forward pass); the first long
-   prompt's slice rides on that same pass (``hf.fused``: the rows' tokens and the
-   slice's go through the weights together as one packed sequence, attention is
-   split), so a slice costs its tokens, not a pass's fixed cost;
+2. a request whose prompt is read gets its first token and joins the running batch: its
+   cache row is copied into buffers of its own (``hf.packed.RowCache``);
+3. one decoding step for every running request: one packed forward pass, each row's
+   last token at its own position, attention split per row (``hf.packed``), so a short
+   row never pays for a long one; the first long prompt's slice rides on that same
+   pass, so a slice costs its tokens, not a pass's fixed cost;
 4. every request that ended (EOS, stop string, ``max_new_tokens``, its grammar
-   complete) leaves: its cache rows are dropped, with any leading columns that are now
-   padding in every row.
+   complete) leaves, and its buffers with it.
+
+A model the packed pass does not fit (attention not dispatched through transformers'
+interface, a sliding window, soft capping) keeps its rows on one left-padded cache
+instead (``hf.padded``: every row pays for the longest, a join rewrites the cache) and
+reads each slice in a pass of its own, which on a CPU costs about one more decoding step
+per slice; a model found out only at its first packed pass has its rows moved there.
 
 A constrained row's mask is computed on a helper thread while the forward pass runs and
 applied to its logits before its own penalties and sampling.
 
 Faults stay in their row where they can be attributed: a prefill runs one
 request at a time, so its failure (an out-of-memory on a long prompt, say) is
-that request's (a failed fused pass is undone, and its slice and the decoding
+that request's (a failed packed pass is undone, and its slice and the decoding
 step run apart, so this holds there too); so is a failure choosing or emitting
 one row's token. A failure of the shared decoding pass cannot be blamed on one
 row: those rows leave the batch together as ``protocol.RowsLost`` (the pool retries
@@ -35,9 +39,7 @@ them and tracks suspects) while waiting and prefilling requests stay.
 ``prefill_chunk_tokens`` (a load option): a number of prompt tokens per step, or
 "auto" (the default, see ``common.scheduler.PrefillBudget``). A long prompt's time to
 first token grows while it shares the worker with decoding rows: that is the price of
-their inter-token latency. A model the fused pass does not fit (attention not
-dispatched through transformers' interface, a sliding window) reads each slice in a
-pass of its own, which on a CPU costs about one more decoding step per slice.
+their inter-token latency.
 
 Why our own loop rather than transformers' ``ContinuousBatchingManager``
 (``generate_batch``): on CPU its paged path measured 33 tok/s against 94 tok/s
@@ -64,13 +66,14 @@ in any batched server.
 The prefix cache (``hf.prefix_cache``, the handler's) touches the loop at two points:
 when a request's prefill starts, the longest cached prefix of its prompt becomes the
 start of its prefill cache (it prefills only the rest); when a row finishes, its
-columns (prompt and answer) are copied out of the batch's cache into the prefix cache.
+columns (prompt and answer) are copied out of its cache into the prefix cache.
 
-KV-cache memory: ``kv_cache_tokens`` bounds rows x columns of the padded cache
-(prompt plus every token the running requests may still generate, prefilling
-ones included); a request that would push the batch past it waits in the
-worker until rows leave, and ``room()`` tells the pool, which places new
-requests elsewhere meanwhile. A request alone is always admitted, whatever its
+KV-cache memory: ``kv_cache_tokens`` bounds the tokens the running rows may come to
+hold (each one's prompt plus every token it may still generate, prefilling ones
+included; on the padded cache, rows x the widest such row). A row's buffers grow by
+half when full, never past what it may hold. A request that would push the batch past
+the bound waits in the worker until rows leave, and ``room()`` tells the pool, which
+places new requests elsewhere meanwhile. A request alone is always admitted, whatever its
 size: the bound limits batching, never what one request may ask.
 """
 
@@ -87,7 +90,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from modelpool.backends.common.sampling import Sampling, banned_ngram_tokens
 from modelpool.backends.common.scheduler import Row, Scheduler, StepPlan
 from modelpool.backends.common.text import TextProgress, stop_strings
-from modelpool.backends.hf.fused import FusionUnsupported, fusable, fused_forward
+from modelpool.backends.hf.packed import FusionUnsupported, RowCache, fusable, packed_forward
+from modelpool.backends.hf.padded import PaddedRows
 from modelpool.errors import InvalidRequest
 from modelpool.grammar import RowGrammar
 from modelpool.prefixes import partition_of
@@ -104,7 +108,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_TOKENS = 16384
-"""Rows x columns of one worker's padded KV cache when ``kv_cache_tokens`` is not given:
+"""The KV tokens one worker's running rows may hold when ``kv_cache_tokens`` is not given:
 about 750 MB for SmolLM2-135M in float32 (30 layers x 2 x 3 heads x 64 x 4 bytes a token)."""
 
 UNBATCHED_PARAMS = ("logprobs", "prompt_logprobs")
@@ -206,13 +210,13 @@ class HFRunner:
             {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
         )
         self._mask_thread: ThreadPoolExecutor | None = None
-        self.batch: list[HFRequest] = []  # the decoding rows, in the cache's row order
-        self._cache: Any = None
-        self._mask: torch.Tensor | None = None  # [rows, columns], 1 where a real token is
+        # Each running row on a cache of its own, stepped in packed passes a slice beside
+        # decoding rows rides on (hf.packed), when the model allows it; else one padded
+        # cache (hf.padded), and a slice gets a pass of its own.
+        self._packed = fusable(handler.model)
+        self.batch: list[HFRequest] = []  # the decoding rows, in the caches' row order
+        self._rows: RowCache | PaddedRows = RowCache() if self._packed else PaddedRows()
         self._last: torch.Tensor | None = None  # [rows], each row's latest token
-        # A slice beside decoding rows rides on their step's forward pass (hf.fused) when
-        # the model allows it; else it is a pass of its own.
-        self._fuse = fusable(handler.model)
 
     # ---- the ModelRunner surface ---------------------------------------------------------
 
@@ -222,7 +226,7 @@ class HFRunner:
 
     @property
     def slices_ride_on_decode(self) -> bool:
-        return self._fuse
+        return self._packed
 
     def grammars(self) -> LLGuidanceGrammars:
         return self.handler.grammars
@@ -276,10 +280,21 @@ class HFRunner:
         )
 
     def kv_need(self, rows: Sequence[HFRequest]) -> int:
-        """Rows x columns the padded cache may reach with ``rows`` in it."""
+        """The KV tokens ``rows`` may come to hold: each row's prompt and every token it
+        may generate (on one padded cache: rows x the widest such row)."""
+        if self._packed:
+            return sum(len(row.prompt_ids) + row.generated + row.remaining for row in rows)
         width = max(len(row.prompt_ids) + row.generated for row in rows)
         longest_rest = max(row.remaining for row in rows)
         return len(rows) * (width + longest_rest)
+
+    def join_cells(self, rows: Sequence[HFRequest], joining: HFRequest) -> int:
+        """Cache positions written when ``joining`` joins ``rows``: its own on a cache of
+        its own, the whole padded cache's on one padded cache."""
+        if self._packed:
+            return len(joining.prompt_ids)
+        width = max(len(joining.prompt_ids), *(len(row.prompt_ids) for row in rows))
+        return (len(rows) + 1) * width
 
     def start(self, row: HFRequest, need: int) -> bool:
         """Start the row's prefill cache from the longest cached prefix of its prompt."""
@@ -320,23 +335,19 @@ class HFRunner:
 
     @property
     def cache_tokens(self) -> int:
-        """Rows x columns of the padded cache now (prefilling caches not included)."""
-        return 0 if self._mask is None else int(self._mask.numel())
+        """KV tokens the running rows hold now (on one padded cache: rows x columns;
+        prefilling caches not included)."""
+        return self._rows.tokens
 
     # ---- the prefix cache ------------------------------------------------------------------
 
     def _remember(self, index: int, row: HFRequest) -> None:
         """Keep a finished row's KV (its prompt and answer) in the prefix cache."""
-        assert self._mask is not None
         if self.handler.prefix_cache is None:
             return
         try:
-            held = int(self._mask[index].sum())
-            start = int(self._mask.shape[1]) - held  # left-padded: its columns are the last
-            row_columns = (slice(index, index + 1), slice(None), slice(start, None))
-            layers = [
-                (layer.keys[row_columns], layer.values[row_columns]) for layer in self._cache.layers
-            ]
+            layers = self._rows.row_layers(index)
+            held = int(layers[0][0].shape[-2])
             answer = row.progress.token_ids
             ids = (row.prompt_ids + answer)[:held]
             self.handler.remember(
@@ -398,7 +409,8 @@ class HFRunner:
         if keep:
             kept = torch.tensor(keep, device=device)
             cache.batch_select_indices(kept)
-            self._merge([rows[index] for index in keep], cache, mask[kept], tokens[kept])
+            columns = [(width - len(rows[index].prompt_ids), width) for index in keep]
+            self._join([rows[index] for index in keep], cache, columns, tokens[kept])
         return True
 
     def _prefill_alone(self, row: HFRequest, count: int, step: Scheduler[HFRow]) -> None:
@@ -415,8 +427,6 @@ class HFRunner:
     def _prefilled(self, row: HFRequest, logits: torch.Tensor, step: Scheduler[HFRow]) -> None:
         """``row``'s prompt is read (``logits``: its last position's): its first token, and
         it joins the batch."""
-        import torch
-
         started = time.perf_counter()
         try:
             tokens, failures = self._choose([row], logits)
@@ -428,12 +438,10 @@ class HFRunner:
             step.fail(row, exc)
             return
         cache, row.state.cache = row.state.cache, None
-        mask = torch.ones((1, len(row.prompt_ids)), dtype=torch.long, device=tokens.device)
-        beside_rows = bool(self.batch)
-        self._merge([row], cache, mask, tokens[:1])
-        if beside_rows and self._mask is not None:
-            cells = int(self._mask.shape[0]) * int(self._mask.shape[1])
-            step.budget.joined(cells, time.perf_counter() - started)
+        beside = list(self.batch)
+        self._join([row], cache, [(0, len(row.prompt_ids))], tokens[:1])
+        if beside:
+            step.budget.joined(self.join_cells(beside, row), time.perf_counter() - started)
 
     def _prefill_slice(
         self, row: HFRequest, count: int, step: Scheduler[HFRow]
@@ -463,68 +471,58 @@ class HFRunner:
         logits: torch.Tensor = output.logits[:, -1, :]
         return logits
 
-    def _merge(
-        self, rows: list[HFRequest], cache: Any, mask: torch.Tensor, last: torch.Tensor
+    def _join(
+        self,
+        rows: list[HFRequest],
+        cache: Any,
+        columns: list[tuple[int, int]],
+        last: torch.Tensor,
     ) -> None:
-        """Requests whose prompts are read join the running batch with their cache rows."""
+        """Requests whose prompts are read join the running batch: row ``i`` of their
+        prefill ``cache`` holds its KV in columns ``columns[i]``; ``last``: their first
+        tokens."""
         import torch
 
-        if self._cache is None or self._mask is None or self._last is None:
-            self.batch, self._cache, self._mask, self._last = rows, cache, mask, last
-            self._trim()
-            return
-        old_width, new_width = int(self._mask.shape[1]), int(mask.shape[1])
-        width = max(old_width, new_width)
-        for old_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
-            old_layer.keys = _stacked(old_layer.keys, new_layer.keys, width)
-            old_layer.values = _stacked(old_layer.values, new_layer.values, width)
-        self._mask = torch.cat(
-            [
-                torch.nn.functional.pad(self._mask, (width - old_width, 0)),
-                torch.nn.functional.pad(mask, (width - new_width, 0)),
-            ]
-        )
-        self._last = torch.cat([self._last, last])
+        limits = [len(row.prompt_ids) + row.generated + row.remaining for row in rows]
+        self._rows.add(cache, columns, limits)
+        self._last = last if self._last is None else torch.cat([self._last, last])
         self.batch = [*self.batch, *rows]
 
     def _decode(self, step: Scheduler[HFRow], beside: tuple[HFRequest, int] | None) -> None:
         """One decoding step for every running row, with the slice ``beside`` in the same
-        pass when one is given. If that fused pass fails, the slice is read in a pass of
+        pass when one is given. If that packed pass fails, the slice is read in a pass of
         its own and the step runs alone, so that a fault is still one request's or the
         batch's."""
         if beside is not None:
-            if self._fuse and self._decode_with_slice(*beside, step):
+            if self._packed and self._decode_with_slice(*beside, step):
                 return
             self._prefill_alone(*beside, step)
         if self.batch:
             self._decode_step(step)
 
     def _decode_with_slice(self, row: HFRequest, count: int, step: Scheduler[HFRow]) -> bool:
-        """The fused pass (hf.fused): False, with nothing changed, when it failed."""
-        import torch
+        """The packed pass with a slice (hf.packed): False, with nothing changed, when it
+        failed."""
         from transformers import DynamicCache
 
-        assert self._mask is not None and self._last is not None
-        mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
+        assert isinstance(self._rows, RowCache) and self._last is not None
         if row.state.cache is None:
             row.state.cache = DynamicCache()
         start, end = row.prefilled, row.prefilled + count
         masks = self._masks_beside_forward()
         started = time.perf_counter()
         try:
-            logits = fused_forward(
+            logits = packed_forward(
                 self.handler.model,
-                batch_cache=self._cache,
-                batch_mask=mask,
-                last_tokens=self._last,
+                self._rows,
+                self._last,
                 slice_cache=row.state.cache,
                 read=start,
                 slice_ids=row.prompt_ids[start:end],
                 slice_logits=end == len(row.prompt_ids),
             )
         except FusionUnsupported as exc:
-            logger.info("prefill slices get passes of their own with this model: %s", exc)
-            self._fuse = False
+            self._unpack(exc)
             return False
         except Exception:
             # The step runs again apart, with masks of its own (these are discarded).
@@ -535,30 +533,27 @@ class HFRunner:
             step.budget.steer(count, time.perf_counter() - started - step_s, bool(self.batch))
         step.prefilled(row, count)
         rows = len(self.batch)
-        self._mask = mask
         self._decoded(logits[:rows], step, masks)
         if end == len(row.prompt_ids):
             self._prefilled(row, logits[rows:], step)
         return True
 
     def _decode_step(self, step: Scheduler[HFRow]) -> None:
-        import torch
-
-        assert self._mask is not None and self._last is not None
-        mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
+        assert self._last is not None
         # The grammar masks are computed while the forward pass runs (llguidance releases
         # the GIL): they depend only on the tokens already taken.
         masks = self._masks_beside_forward()
         started = time.perf_counter()
         try:
-            output = self.handler.model(
-                input_ids=self._last[:, None],
-                attention_mask=mask,
-                position_ids=mask.sum(-1, keepdim=True) - 1,
-                use_cache=True,
-                **{self._cache_keyword: self._cache},
-                **self._last_logits,
-            )
+            try:
+                logits = self._rows.decode(
+                    self.handler.model, self._last, self._cache_keyword, self._last_logits
+                )
+            except FusionUnsupported as exc:
+                self._unpack(exc)
+                logits = self._rows.decode(
+                    self.handler.model, self._last, self._cache_keyword, self._last_logits
+                )
         except Exception as exc:
             # One pass over every running row: no one of them can be blamed. They leave
             # together; waiting and prefilling requests stay.
@@ -566,8 +561,15 @@ class HFRunner:
             self._reset_batch()
             step.lost(lost, exc)
         step.budget.timed_decode(time.perf_counter() - started)
-        self._mask = mask
-        self._decoded(output.logits[:, -1, :], step, masks)
+        self._decoded(logits, step, masks)
+
+    def _unpack(self, reason: FusionUnsupported) -> None:
+        """The model turned out not to run packed passes: its rows move to one padded
+        cache, and from now on slices get passes of their own."""
+        logger.info("this model's rows share one padded cache: %s", reason)
+        self._packed = False
+        if isinstance(self._rows, RowCache):
+            self._rows = PaddedRows.of(self._rows)
 
     def _decoded(
         self, logits: torch.Tensor, step: Scheduler[HFRow], masks: Future[GrammarMasks] | None
@@ -595,7 +597,8 @@ class HFRunner:
 
     def _reset_batch(self) -> None:
         self.batch = []
-        self._cache = self._mask = self._last = None
+        self._rows = RowCache() if self._packed else PaddedRows()
+        self._last = None
 
     def _drop(self, indices: list[int]) -> None:
         import torch
@@ -604,25 +607,10 @@ class HFRunner:
         if not keep:
             self._reset_batch()
             return
-        assert self._mask is not None and self._last is not None
-        kept = torch.tensor(keep, device=self._mask.device)
-        self._cache.batch_select_indices(kept)
-        self._mask = self._mask[kept]
-        self._last = self._last[kept]
+        assert self._last is not None
+        self._rows.select(keep)
+        self._last = self._last[torch.tensor(keep, device=self._last.device)]
         self.batch = [self.batch[index] for index in keep]
-        self._trim()
-
-    def _trim(self) -> None:
-        """Drop leading columns that are padding in every row (the longest request left)."""
-        assert self._mask is not None
-        real = self._mask.any(dim=0).nonzero()
-        start = int(real[0]) if real.numel() else 0
-        if start == 0:
-            return
-        for layer in self._cache.layers:
-            layer.keys = layer.keys[:, :, start:, :]
-            layer.values = layer.values[:, :, start:, :]
-        self._mask = self._mask[:, start:]
 
     # ---- per-request token choice and bookkeeping ------------------------------------------
 
@@ -709,16 +697,6 @@ GrammarMasks = tuple["torch.Tensor", dict[int, Exception]]
 
 def _constrained(rows: list[HFRequest]) -> list[tuple[int, RowGrammar]]:
     return [(index, row.grammar) for index, row in enumerate(rows) if row.grammar is not None]
-
-
-def _stacked(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
-    """[rows, heads, columns, dim] cache tensors one above the other, each left-padded with
-    zeros to ``width`` columns: written once into the result, where padding each and then
-    concatenating wrote every byte twice."""
-    stacked = old.new_zeros((old.shape[0] + new.shape[0], old.shape[1], width, old.shape[3]))
-    stacked[: old.shape[0], :, width - old.shape[2] :] = old
-    stacked[old.shape[0] :, :, width - new.shape[2] :] = new
-    return stacked
 
 
 def _sample(

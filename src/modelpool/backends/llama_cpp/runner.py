@@ -192,6 +192,10 @@ class LlamaRunner:
         them at once."""
         return sum(reserved(row) for row in rows)
 
+    def join_cells(self, rows: Sequence[LlamaRequest], joining: LlamaRequest) -> int:
+        # A row joins by decoding beside the others in its sequence's cells: nothing is copied.
+        return 0
+
     def start(self, row: LlamaRequest, need: int) -> bool:
         cache = self.prefix_cache
         if cache is not None:

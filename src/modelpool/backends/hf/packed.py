@@ -1,0 +1,334 @@
+"""The batched hf loop's running rows, each on a KV cache of its own, stepped in one packed
+forward pass (with a prefill slice riding on it when there is one).
+
+Why not one left-padded cache: with rows of different lengths every row then pays for the
+longest, in attention (a 50-token row reads the 1,200 masked columns of its neighbour) and in
+memory, and transformers' ``DynamicCache`` concatenates, so every step copies the whole
+cache once more. Measured on SmolLM2-135M in float32, two threads, one step: one row of 1,200
+tokens with seven of 50 took 169-176 ms padded against 88-101 ms here; one with fifteen of
+50, 261-303 ms against 149-156 ms; a batch of equal short rows costs the same either way.
+
+:class:`RowCache` holds each row's keys and values in buffers of its own ([kv_heads,
+capacity, dim] a layer, grown by half when full), with its length. A step is one forward
+pass over a packed sequence: every running row's last token (then the slice's prompt tokens,
+when one rides along), each at its own position. Only attention is split, by an attention
+function registered with transformers' ``AttentionInterface`` and switched on for the pass
+alone: each row's new key and value are written after its columns, then
+
+- a row longer than :data:`GATHER_COLUMNS` attends to its own buffer alone (a view: nothing
+  is copied);
+- the shorter rows are gathered into one padded call (copying short rows costs less than a
+  call of attention each);
+- the slice attends to its prompt's own prefill cache, causally.
+
+A row's length grows only once the pass has succeeded, so a failed pass leaves every row as
+it was (what it wrote past a row's length is never read) and the slice's cache is cut back.
+
+A model whose layers do not all call this attention (attention not dispatched through the
+interface), or that needs more than plain attention (a sliding window, soft capping),
+raises :class:`FusionUnsupported`; the runner then moves its rows into the padded cache
+(``hf.padded``) and reads slices in passes of their own.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+_ATTENTION_NAME = "modelpool_packed"
+
+GATHER_COLUMNS = 256
+"""Rows holding at most this many columns share one attention call; longer ones have one each."""
+
+_HEADROOM = 32
+"""Columns a row's buffers hold beyond its length when it joins (at most its ``limit``)."""
+
+
+class FusionUnsupported(Exception):
+    """This model cannot run a packed pass; it runs on the padded cache instead."""
+
+
+def fusable(model: Any) -> bool:
+    """Whether ``model`` may run packed passes: plain sdpa attention over full context."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    if getattr(config, "sliding_window", None) is not None:
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is None or all(kind == "full_attention" for kind in layer_types)
+
+
+@dataclass(eq=False)
+class RowKV:
+    """One row's keys and values, a [kv_heads, capacity, dim] buffer a layer; ``length``
+    columns of them are its tokens, ``limit`` the most it may come to hold (its prompt
+    and every token it may generate: the buffers never grow past it)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int
+    limit: int
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys[0].shape[1])
+
+    def reserve(self, columns: int) -> None:
+        """Grow the buffers so that they hold ``columns``: by half at least, short of the
+        row's limit (a copy of the row now and then, not at every step)."""
+        if columns <= self.capacity:
+            return
+        capacity = max(columns, min(self.limit, self.capacity + self.capacity // 2))
+        self.keys = [_grown(buffer, self.length, capacity) for buffer in self.keys]
+        self.values = [_grown(buffer, self.length, capacity) for buffer in self.values]
+
+
+def _grown(buffer: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
+    # Zeros, not empty memory: a gathered call reads columns past a row's length (masked
+    # out), and a NaN there would still reach the output through a zero weight.
+    grown = buffer.new_zeros((buffer.shape[0], capacity, buffer.shape[2]))
+    grown[:, :length] = buffer[:, :length]
+    return grown
+
+
+class RowCache:
+    """The running rows' caches, in the batch's row order."""
+
+    def __init__(self) -> None:
+        self.rows: list[RowKV] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def tokens(self) -> int:
+        """Columns held across rows (their tokens, not their spare capacity)."""
+        return sum(row.length for row in self.rows)
+
+    def add(self, cache: Any, columns: list[tuple[int, int]], limits: list[int]) -> None:
+        """Rows of a prefill cache join: row ``i`` of ``cache`` holds its KV in columns
+        ``columns[i]`` (start, end) and may come to hold ``limits[i]``."""
+        for index, ((start, end), limit) in enumerate(zip(columns, limits, strict=True)):
+            length = end - start
+            capacity = max(length, min(limit, length + _HEADROOM))
+            keys: list[torch.Tensor] = []
+            values: list[torch.Tensor] = []
+            for layer in cache.layers:
+                for source, target in ((layer.keys, keys), (layer.values, values)):
+                    buffer = source.new_zeros(
+                        (source.shape[1], capacity, source.shape[3])
+                    )
+                    buffer[:, :length] = source[index, :, start:end]
+                    target.append(buffer)
+            self.rows.append(RowKV(keys, values, length, limit))
+
+    def select(self, keep: list[int]) -> None:
+        """Keep rows ``keep`` (indices, in order); the others leave."""
+        self.rows = [self.rows[index] for index in keep]
+
+    def decode(
+        self, model: Any, last_tokens: torch.Tensor, cache_keyword: str, extra: dict[str, int]
+    ) -> torch.Tensor:
+        """One decoding step of every row, a packed pass with no slice (the arguments
+        after ``last_tokens`` are the padded form's, not needed here)."""
+        return packed_forward(model, self, last_tokens)
+
+    def row_layers(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row ``index``'s KV, [1, kv_heads, length, dim] a layer (views)."""
+        row = self.rows[index]
+        return [
+            (keys[None, :, : row.length], values[None, :, : row.length])
+            for keys, values in zip(row.keys, row.values, strict=True)
+        ]
+
+
+@dataclass
+class _Plan:
+    """What the packed attention needs for one pass."""
+
+    rows: list[RowKV]
+    alone: list[int]  # rows attending to their own buffer alone
+    gathered: list[int]  # rows sharing one padded call
+    gathered_index: torch.Tensor | None
+    gathered_mask: torch.Tensor | None  # [gathered, 1, 1, width], True where a row may attend
+    slice_cache: Any
+    slice_mask: torch.Tensor | None  # [1, 1, slice, read + slice]
+    layers_called: int = 0
+    gathered_width: int = 0
+    slice_keys: list[Any] = field(default_factory=list)
+
+
+_PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar(
+    "modelpool_packed_plan", default=None
+)
+
+
+def packed_forward(
+    model: Any,
+    cache: RowCache,
+    last_tokens: torch.Tensor,
+    *,
+    slice_cache: Any = None,
+    read: int = 0,
+    slice_ids: list[int] | None = None,
+    slice_logits: bool = False,
+) -> torch.Tensor:
+    """One pass: a decoding step of every row in ``cache`` (``last_tokens``: each row's
+    latest token), and ``slice_ids`` when given, the next prompt tokens of a request that has
+    ``read`` of them in ``slice_cache``. Returns the logits, one per row, then the slice's
+    last position when ``slice_logits``.
+
+    On success every row is one column longer and the slice is in ``slice_cache``; on any
+    failure, nothing has changed."""
+    import torch
+
+    _register()
+    device = last_tokens.device
+    slice_ids = slice_ids or []
+    count = len(slice_ids)
+    rows = cache.rows
+    for row in rows:
+        row.reserve(row.length + 1)
+    gathered = [index for index, row in enumerate(rows) if row.length < GATHER_COLUMNS]
+    alone = [index for index, row in enumerate(rows) if row.length >= GATHER_COLUMNS]
+    gathered_index = gathered_mask = None
+    width = 0
+    if gathered:
+        lengths = torch.tensor([rows[index].length for index in gathered], device=device)
+        width = int(lengths.max()) + 1
+        for index in gathered:
+            rows[index].reserve(width)  # the gathered call reads ``width`` columns of each
+        gathered_index = torch.tensor(gathered, device=device)
+        gathered_mask = (torch.arange(width, device=device)[None, :] <= lengths[:, None])[
+            :, None, None, :
+        ]
+    slice_mask = None
+    if count:
+        read_positions = torch.arange(read + count, device=device)
+        slice_mask = (read_positions[None, :] <= read_positions[read:, None])[None, None]
+    plan = _Plan(
+        rows=rows,
+        alone=alone,
+        gathered=gathered,
+        gathered_index=gathered_index,
+        gathered_mask=gathered_mask,
+        slice_cache=slice_cache if count else None,
+        slice_mask=slice_mask,
+        gathered_width=width,
+    )
+    positions = [row.length for row in rows]
+    input_ids = torch.cat([last_tokens, torch.tensor(slice_ids, dtype=torch.long, device=device)])
+    position_ids = torch.tensor(positions + list(range(read, read + count)), device=device)
+    keep = list(range(len(rows))) + ([len(rows) + count - 1] if slice_logits and count else [])
+    config = model.config
+    implementation = config._attn_implementation
+    token = _PLAN.set(plan)
+    config._attn_implementation = _ATTENTION_NAME
+    try:
+        output = model(
+            input_ids=input_ids[None, :],
+            position_ids=position_ids[None, :],
+            # Never read: the packed attention builds its own masks. A 4D mask is passed as
+            # it is, so transformers builds none.
+            attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
+            use_cache=False,
+            logits_to_keep=torch.tensor(keep, device=device),
+        )
+        if plan.layers_called != _layer_count(config):
+            raise FusionUnsupported(
+                f"{plan.layers_called} of {_layer_count(config)} layers used the packed attention"
+            )
+    except BaseException:
+        if count:
+            _crop(slice_cache, read)
+        raise
+    finally:
+        config._attn_implementation = implementation
+        _PLAN.reset(token)
+    for row in rows:
+        row.length += 1
+    logits: torch.Tensor = output.logits[0]
+    return logits
+
+
+def _layer_count(config: Any) -> int:
+    text_config = getattr(config, "get_text_config", lambda: config)()
+    return int(text_config.num_hidden_layers)
+
+
+def _crop(cache: Any, columns: int) -> None:
+    """Take out the columns after the first ``columns`` that a failed pass appended."""
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if keys is not None and keys.dim() == 4 and keys.shape[-2] > columns:
+            layer.keys = keys[:, :, :columns, :]
+            layer.values = layer.values[:, :, :columns, :]
+
+
+def _packed_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention for a packed [1, heads, rows + slice, dim] pass: each row against its own
+    cache, the slice against its prompt's cache. Output [1, tokens, heads, dim], as
+    transformers' sdpa gives it."""
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plan = _PLAN.get()
+    if plan is None or kwargs.get("softcap") is not None or kwargs.get("sliding_window"):
+        raise FusionUnsupported("attention beyond plain sdpa in a packed pass")
+    plan.layers_called += 1
+    layer, scale = module.layer_idx, kwargs.get("scaling")
+    rows = len(plan.rows)
+    for index, row in enumerate(plan.rows):
+        row.keys[layer][:, row.length] = key[0, :, index]
+        row.values[layer][:, row.length] = value[0, :, index]
+    decoded = query.new_empty((1, query.shape[1], rows, query.shape[3]))
+    for index in plan.alone:
+        row = plan.rows[index]
+        columns = row.length + 1
+        decoded[:, :, index : index + 1] = scaled_dot_product_attention(
+            query[:, :, index : index + 1],
+            row.keys[layer][None, :, :columns],
+            row.values[layer][None, :, :columns],
+            scale=scale,
+            enable_gqa=True,
+        )
+    if plan.gathered:
+        width = plan.gathered_width
+        keys = torch.stack([plan.rows[index].keys[layer][:, :width] for index in plan.gathered])
+        values = torch.stack(
+            [plan.rows[index].values[layer][:, :width] for index in plan.gathered]
+        )
+        # [1, heads, gathered, dim] -> [gathered, heads, 1, dim]: one query per row.
+        queries = query[0][:, plan.gathered_index].transpose(0, 1).unsqueeze(2)
+        answered = scaled_dot_product_attention(
+            queries, keys, values, attn_mask=plan.gathered_mask, scale=scale, enable_gqa=True
+        )
+        decoded[0][:, plan.gathered_index] = answered[:, :, 0].transpose(0, 1)
+    output = decoded.transpose(1, 2)
+    if plan.slice_cache is None:
+        return output, None
+    keys, values = plan.slice_cache.update(key[:, :, rows:], value[:, :, rows:], layer)
+    sliced, _ = sdpa_attention_forward(
+        module, query[:, :, rows:], keys, values, plan.slice_mask, **kwargs
+    )
+    return torch.cat([output, sliced], dim=1), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    if _ATTENTION_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(_ATTENTION_NAME, _packed_attention)
