@@ -461,6 +461,21 @@ def test_a_short_request_never_waits_for_kv_room_behind_a_long_one(tiny_model_di
         assert all(not w.waiting_for_room for w in pool.stats().workers)
 
 
+def step_to_the_end(
+    handler: HFHandler, count: int, check: Callable[[list[Any]], None]
+) -> dict[int, Generation]:
+    """Step until ``count`` calls have ended; ``check`` sees the running rows after each
+    step that has more than one."""
+    results: dict[int, Generation] = {}
+    while len(results) < count:
+        for call, outcome in handler.step():
+            assert isinstance(outcome, Generation), outcome
+            results[id(call)] = outcome
+        if len(handler.runner.batch) > 1:
+            check(handler.runner.batch)
+    return results
+
+
 def test_rows_of_different_lengths_each_hold_only_their_own_columns(
     tiny_model_dir: Path,
 ) -> None:
@@ -475,18 +490,16 @@ def test_rows_of_different_lengths_each_hold_only_their_own_columns(
     calls = [Recorder(prompt, dict(params)) for prompt in prompts]
     for call in calls:
         handler.admit(call)
-    results: dict[int, Generation] = {}
     compared = 0
-    while len(results) < len(calls):
-        for call, outcome in handler.step():
-            assert isinstance(outcome, Generation), outcome
-            results[id(call)] = outcome
-        rows = handler.runner.batch
-        if len(rows) > 1:
-            held = [len(row.prompt_ids) + row.generated - 1 for row in rows]
-            # Each row's own tokens, not rows x the longest as a padded cache would hold.
-            assert handler.runner.cache_tokens == sum(held) < len(rows) * max(held)
-            compared += 1
+
+    def holds_each_rows_own_tokens(rows: list[Any]) -> None:
+        nonlocal compared
+        held = [len(row.prompt_ids) + row.generated - 1 for row in rows]
+        # Each row's own tokens, not rows x the longest as a padded cache would hold.
+        assert handler.runner.cache_tokens == sum(held) < len(rows) * max(held)
+        compared += 1
+
+    results = step_to_the_end(handler, len(calls), holds_each_rows_own_tokens)
     assert compared, "the premise: rows of different lengths ran together"
     for call, solo in zip(calls, alone, strict=True):
         assert results[id(call)].text == solo.text, call.prompt
@@ -512,15 +525,12 @@ def test_a_model_that_cannot_run_packed_passes_moves_to_one_padded_cache(
     layers = packed._layer_count(handler.model.config)
     monkeypatch.setattr(packed, "_layer_count", lambda config: layers + 1)
     handler.admit(calls[2])
-    results: dict[int, Generation] = {}
-    while len(results) < len(calls):
-        for call, outcome in handler.step():
-            assert isinstance(outcome, Generation), outcome
-            results[id(call)] = outcome
-        rows = handler.runner.batch
-        if len(rows) > 1:
-            widest = max(len(row.prompt_ids) + row.generated - 1 for row in rows)
-            assert handler.runner.cache_tokens == len(rows) * widest, "one padded cache"
+
+    def holds_one_padded_cache(rows: list[Any]) -> None:
+        widest = max(len(row.prompt_ids) + row.generated - 1 for row in rows)
+        assert handler.runner.cache_tokens == len(rows) * widest, "one padded cache"
+
+    results = step_to_the_end(handler, len(calls), holds_one_padded_cache)
     assert not handler.runner.slices_ride_on_decode
     for call, solo in zip(calls, alone, strict=True):
         assert results[id(call)].text == solo.text, call.prompt
