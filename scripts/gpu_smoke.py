@@ -85,7 +85,9 @@ HF_MODULES = (
     "modelpool.backends.hf.handler",
     "modelpool.backends.hf.generation",
     "modelpool.backends.hf.runner",
-    "modelpool.backends.hf.fused",
+    "modelpool.backends.hf.packed",
+    "modelpool.backends.hf.padded",
+    "modelpool.backends.hf.pooling",
     "modelpool.backends.hf.prefix_cache",
     "modelpool.tinymodel",
 )
