@@ -277,7 +277,11 @@ def count_passes(handler: HFHandler) -> Callable[[], int]:
     return lambda: len(calls)
 
 
-def test_a_failed_packed_pass_is_undone_and_read_apart(tiny_model_dir: Path) -> None:
+def test_a_failed_packed_pass_is_undone_and_read_apart(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelpool.backends.hf import runner as runner_module
+
     handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1, prefill_chunk_tokens=8)
     running = Recorder(PROMPTS[2], {"max_new_tokens": 24})
     long = Recorder(LONG_PROMPT, {"max_new_tokens": 8})
@@ -286,14 +290,21 @@ def test_a_failed_packed_pass_is_undone_and_read_apart(tiny_model_dir: Path) -> 
     handler.admit(long)
     model = handler.model
     original = model.forward
+    packed_forward = runner_module.packed_forward
     failed: list[int] = []
+    fused: list[bool] = [False]
+
+    def noting_fused_passes(model: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
+        # A packed pass with running rows and a slice on it (not a slice read apart).
+        fused[0] = len(cache) > 0 and bool(kwargs.get("slice_ids"))
+        try:
+            return packed_forward(model, cache, *args, **kwargs)
+        finally:
+            fused[0] = False
 
     def fused_pass_fails_every_other_time(*args: Any, **kwargs: Any) -> Any:
-        # A packed pass (no transformers cache of its own) with a slice on it: more tokens
-        # than the one running row's. It fails after some layers have written to both
-        # caches.
-        packed = kwargs.get("use_cache") is False
-        if not packed or kwargs["input_ids"].shape[1] == 1:
+        # It fails after some layers have written to the rows' and the slice's buffers.
+        if not fused[0]:
             return original(*args, **kwargs)
         if len(failed) % 2 == 0:
             failed.append(1)
@@ -311,6 +322,7 @@ def test_a_failed_packed_pass_is_undone_and_read_apart(tiny_model_dir: Path) -> 
         failed.append(0)
         return original(*args, **kwargs)
 
+    monkeypatch.setattr(runner_module, "packed_forward", noting_fused_passes)
     model.forward = fused_pass_fails_every_other_time
     results: dict[int, Generation] = {}
     try:

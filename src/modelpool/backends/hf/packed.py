@@ -19,10 +19,18 @@ alone: each row's new key and value are written after its columns, then
   is copied);
 - the shorter rows are gathered into one padded call (copying short rows costs less than a
   call of attention each);
-- the slice attends to its prompt's own prefill cache, causally.
+- the slice's keys and values are written into its request's own buffers (a
+  :class:`RowKV` too, made for the whole prompt when its prefill starts), and it attends
+  to their columns so far, causally.
 
-A row's length grows only once the pass has succeeded, so a failed pass leaves every row as
-it was (what it wrote past a row's length is never read) and the slice's cache is cut back.
+A prompt read in slices thus never copies what it has read: each slice writes its
+columns in place, and once the prompt is read the same buffers join the running rows as
+they are. (A transformers ``DynamicCache`` concatenates: each slice would copy the whole
+prompt so far, and the join copy it once more, in the step the running rows wait for.)
+A slice read while no row is decoding runs the same pass with no rows.
+
+A row's length grows only once the pass has succeeded, so a failed pass leaves every row
+as it was: what it wrote past a row's length is never read.
 
 A model whose layers do not all call this attention (attention not dispatched through the
 interface), or that needs more than plain attention (a sliding window, soft capping),
@@ -33,7 +41,7 @@ raises :class:`FusionUnsupported`; the runner then moves its rows into the padde
 from __future__ import annotations
 
 import contextvars
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -67,16 +75,58 @@ def fusable(model: Any) -> bool:
 class RowKV:
     """One row's keys and values, a [kv_heads, capacity, dim] buffer a layer; ``length``
     columns of them are its tokens, ``limit`` the most it may come to hold (its prompt
-    and every token it may generate: the buffers never grow past it)."""
+    and every token it may generate: the buffers never grow past it).
+
+    A prefilling row's buffers are made by its first pass, each layer's as that layer
+    writes to it (their shapes are known then), ``planned`` columns wide."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     length: int
     limit: int
+    planned: int = 0
+
+    @classmethod
+    def for_prompt(cls, prompt_tokens: int, limit: int, prefix: Any = None, read: int = 0) -> RowKV:
+        """A prefilling row's: room for its whole prompt and a little of its answer; its
+        first ``read`` columns copied from ``prefix`` (a ``DynamicCache``, from the prefix
+        cache or from slices read before) when one is given."""
+        planned = max(prompt_tokens, min(limit, prompt_tokens + _HEADROOM))
+        row = cls([], [], 0, limit, planned)
+        if prefix is not None and read:
+            for layer in prefix.layers:
+                row.keys.append(_grown(layer.keys[0], read, planned))
+                row.values.append(_grown(layer.values[0], read, planned))
+            row.length = read
+        return row
 
     @property
     def capacity(self) -> int:
-        return int(self.keys[0].shape[1])
+        return int(self.keys[0].shape[1]) if self.keys else self.planned
+
+    def made(self, layer: int, key: torch.Tensor) -> None:
+        """Make layer ``layer``'s buffers if they are not yet (``key``: a [1, kv_heads,
+        tokens, dim] key of that layer, for the shape)."""
+        if layer < len(self.keys):
+            return
+        if layer != len(self.keys):
+            raise FusionUnsupported(f"layer {layer} ran before layer {len(self.keys)}")
+        shape = (key.shape[1], self.planned, key.shape[3])
+        self.keys.append(key.new_zeros(shape))
+        self.values.append(key.new_zeros(shape))
+
+    def as_dynamic(self) -> Any:
+        """Its columns as a transformers ``DynamicCache`` (copied), for the padded form."""
+        from transformers import DynamicCache
+
+        if not self.length:
+            return DynamicCache()
+        return DynamicCache(
+            ddp_cache_data=[
+                (keys[None, :, : self.length].clone(), values[None, :, : self.length].clone())
+                for keys, values in zip(self.keys, self.values, strict=True)
+            ]
+        )
 
     def reserve(self, columns: int) -> None:
         """Grow the buffers so that they hold ``columns``: by half at least, short of the
@@ -120,12 +170,14 @@ class RowCache:
             values: list[torch.Tensor] = []
             for layer in cache.layers:
                 for source, target in ((layer.keys, keys), (layer.values, values)):
-                    buffer = source.new_zeros(
-                        (source.shape[1], capacity, source.shape[3])
-                    )
+                    buffer = source.new_zeros((source.shape[1], capacity, source.shape[3]))
                     buffer[:, :length] = source[index, :, start:end]
                     target.append(buffer)
             self.rows.append(RowKV(keys, values, length, limit))
+
+    def adopt(self, row: RowKV) -> None:
+        """A row whose prompt was read into buffers of its own joins, buffers and all."""
+        self.rows.append(row)
 
     def select(self, keep: list[int]) -> None:
         """Keep rows ``keep`` (indices, in order); the others leave."""
@@ -156,11 +208,10 @@ class _Plan:
     gathered: list[int]  # rows sharing one padded call
     gathered_index: torch.Tensor | None
     gathered_mask: torch.Tensor | None  # [gathered, 1, 1, width], True where a row may attend
-    slice_cache: Any
-    slice_mask: torch.Tensor | None  # [1, 1, slice, read + slice]
+    slice_row: RowKV | None
+    slice_mask: torch.Tensor | None  # [1, 1, slice, read + slice]; None: causal from column 0
     layers_called: int = 0
     gathered_width: int = 0
-    slice_keys: list[Any] = field(default_factory=list)
 
 
 _PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar(
@@ -173,17 +224,16 @@ def packed_forward(
     cache: RowCache,
     last_tokens: torch.Tensor,
     *,
-    slice_cache: Any = None,
-    read: int = 0,
+    slice_row: RowKV | None = None,
     slice_ids: list[int] | None = None,
     slice_logits: bool = False,
 ) -> torch.Tensor:
     """One pass: a decoding step of every row in ``cache`` (``last_tokens``: each row's
-    latest token), and ``slice_ids`` when given, the next prompt tokens of a request that has
-    ``read`` of them in ``slice_cache``. Returns the logits, one per row, then the slice's
-    last position when ``slice_logits``.
+    latest token; there may be none), and ``slice_ids`` when given, the next prompt tokens
+    of a request whose prompt so far is in ``slice_row``. Returns the logits, one per row,
+    then the slice's last position when ``slice_logits``.
 
-    On success every row is one column longer and the slice is in ``slice_cache``; on any
+    On success every row is one column longer and the slice is in ``slice_row``; on any
     failure, nothing has changed."""
     import torch
 
@@ -191,6 +241,9 @@ def packed_forward(
     device = last_tokens.device
     slice_ids = slice_ids or []
     count = len(slice_ids)
+    read = 0 if slice_row is None else slice_row.length
+    if count and slice_row is None:
+        raise ValueError("a slice needs the buffers it is read into")
     rows = cache.rows
     for row in rows:
         row.reserve(row.length + 1)
@@ -208,7 +261,7 @@ def packed_forward(
             :, None, None, :
         ]
     slice_mask = None
-    if count:
+    if count and read:
         read_positions = torch.arange(read + count, device=device)
         slice_mask = (read_positions[None, :] <= read_positions[read:, None])[None, None]
     plan = _Plan(
@@ -217,7 +270,7 @@ def packed_forward(
         gathered=gathered,
         gathered_index=gathered_index,
         gathered_mask=gathered_mask,
-        slice_cache=slice_cache if count else None,
+        slice_row=slice_row if count else None,
         slice_mask=slice_mask,
         gathered_width=width,
     )
@@ -225,6 +278,7 @@ def packed_forward(
     input_ids = torch.cat([last_tokens, torch.tensor(slice_ids, dtype=torch.long, device=device)])
     position_ids = torch.tensor(positions + list(range(read, read + count)), device=device)
     keep = list(range(len(rows))) + ([len(rows) + count - 1] if slice_logits and count else [])
+    keep_index = torch.tensor(keep, dtype=torch.long, device=device)
     config = model.config
     implementation = config._attn_implementation
     token = _PLAN.set(plan)
@@ -237,21 +291,19 @@ def packed_forward(
             # it is, so transformers builds none.
             attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
             use_cache=False,
-            logits_to_keep=torch.tensor(keep, device=device),
+            logits_to_keep=keep_index,
         )
         if plan.layers_called != _layer_count(config):
             raise FusionUnsupported(
                 f"{plan.layers_called} of {_layer_count(config)} layers used the packed attention"
             )
-    except BaseException:
-        if count:
-            _crop(slice_cache, read)
-        raise
     finally:
         config._attn_implementation = implementation
         _PLAN.reset(token)
     for row in rows:
         row.length += 1
+    if slice_row is not None:
+        slice_row.length = read + count
     logits: torch.Tensor = output.logits[0]
     return logits
 
@@ -259,15 +311,6 @@ def packed_forward(
 def _layer_count(config: Any) -> int:
     text_config = getattr(config, "get_text_config", lambda: config)()
     return int(text_config.num_hidden_layers)
-
-
-def _crop(cache: Any, columns: int) -> None:
-    """Take out the columns after the first ``columns`` that a failed pass appended."""
-    for layer in cache.layers:
-        keys = getattr(layer, "keys", None)
-        if keys is not None and keys.dim() == 4 and keys.shape[-2] > columns:
-            layer.keys = keys[:, :, :columns, :]
-            layer.values = layer.values[:, :, :columns, :]
 
 
 def _packed_attention(
@@ -283,7 +326,6 @@ def _packed_attention(
     transformers' sdpa gives it."""
     import torch
     from torch.nn.functional import scaled_dot_product_attention
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     plan = _PLAN.get()
     if plan is None or kwargs.get("softcap") is not None or kwargs.get("sliding_window"):
@@ -308,9 +350,7 @@ def _packed_attention(
     if plan.gathered:
         width = plan.gathered_width
         keys = torch.stack([plan.rows[index].keys[layer][:, :width] for index in plan.gathered])
-        values = torch.stack(
-            [plan.rows[index].values[layer][:, :width] for index in plan.gathered]
-        )
+        values = torch.stack([plan.rows[index].values[layer][:, :width] for index in plan.gathered])
         # [1, heads, gathered, dim] -> [gathered, heads, 1, dim]: one query per row.
         queries = query[0][:, plan.gathered_index].transpose(0, 1).unsqueeze(2)
         answered = scaled_dot_product_attention(
@@ -318,13 +358,23 @@ def _packed_attention(
         )
         decoded[0][:, plan.gathered_index] = answered[:, :, 0].transpose(0, 1)
     output = decoded.transpose(1, 2)
-    if plan.slice_cache is None:
+    target = plan.slice_row
+    if target is None:
         return output, None
-    keys, values = plan.slice_cache.update(key[:, :, rows:], value[:, :, rows:], layer)
-    sliced, _ = sdpa_attention_forward(
-        module, query[:, :, rows:], keys, values, plan.slice_mask, **kwargs
+    target.made(layer, key)
+    end = target.length + key.shape[2] - rows
+    target.keys[layer][:, target.length : end] = key[0, :, rows:]
+    target.values[layer][:, target.length : end] = value[0, :, rows:]
+    sliced = scaled_dot_product_attention(
+        query[:, :, rows:],
+        target.keys[layer][None, :, :end],
+        target.values[layer][None, :, :end],
+        attn_mask=plan.slice_mask,
+        is_causal=plan.slice_mask is None,
+        scale=scale,
+        enable_gqa=True,
     )
-    return torch.cat([output, sliced], dim=1), None
+    return torch.cat([output, sliced.transpose(1, 2)], dim=1), None
 
 
 def _register() -> None:

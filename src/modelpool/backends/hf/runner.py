@@ -9,9 +9,11 @@ the times reported here). :class:`HFRunner` runs the plan:
 
 1. fresh short prompts are read together in one left-padded pass (if that pass fails,
    each again alone, so a fault is still one request's); other slices each in a pass
-   of their own, on the request's own prefill cache;
-2. a request whose prompt is read gets its first token and joins the running batch: its
-   cache row is copied into buffers of its own (``hf.packed.RowCache``);
+   of their own, into the request's own buffers (``hf.packed.RowKV``, made for its
+   whole prompt at its first slice: a slice writes its columns in place);
+2. a request whose prompt is read gets its first token and joins the running batch
+   (``hf.packed.RowCache``): a prompt read in slices joins with the buffers it was read
+   into, nothing copied; the prompts read together are copied out of their shared pass;
 3. one decoding step for every running request: one packed forward pass, each row's
    last token at its own position, attention split per row (``hf.packed``), so a short
    row never pays for a long one; the first long prompt's slice rides on that same
@@ -65,7 +67,8 @@ in any batched server.
 
 The prefix cache (``hf.prefix_cache``, the handler's) touches the loop at two points:
 when a request's prefill starts, the longest cached prefix of its prompt becomes the
-start of its prefill cache (it prefills only the rest); when a row finishes, its
+start of its prefill cache (it prefills only the rest; those columns are copied into
+its buffers at its first packed slice); when a row finishes, its
 columns (prompt and answer) are copied out of its cache into the prefix cache.
 
 KV-cache memory: ``kv_cache_tokens`` bounds the tokens the running rows may come to
@@ -90,7 +93,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from modelpool.backends.common.sampling import Sampling, banned_ngram_tokens
 from modelpool.backends.common.scheduler import Row, Scheduler, StepPlan
 from modelpool.backends.common.text import TextProgress, stop_strings
-from modelpool.backends.hf.packed import FusionUnsupported, RowCache, fusable, packed_forward
+from modelpool.backends.hf.packed import (
+    FusionUnsupported,
+    RowCache,
+    RowKV,
+    fusable,
+    packed_forward,
+)
 from modelpool.backends.hf.padded import PaddedRows
 from modelpool.errors import InvalidRequest
 from modelpool.grammar import RowGrammar
@@ -187,6 +196,8 @@ class HFRow:
     """The runner's part of a row: its sampling generator, its own cache while prefilling."""
 
     generator: torch.Generator | None
+    # While prefilling: a DynamicCache (from the prefix cache, or slices read on the
+    # padded form), or the RowKV a packed pass reads its prompt into.
     cache: Any = None
 
 
@@ -448,14 +459,48 @@ class HFRunner:
     ) -> torch.Tensor | None:
         """Read ``count`` more prompt tokens into the row's cache; the logits of its last
         position once the whole prompt is read, else None."""
+        start, end = row.prefilled, row.prefilled + count
+        started = time.perf_counter()
+        logits = None
+        if self._packed:
+            # The packed pass with no decoding rows: the slice goes into the buffers the
+            # row will join with.
+            try:
+                logits = self._packed_slice(row, start, end)
+            except FusionUnsupported as exc:
+                self._unpack(exc)
+        if not self._packed:
+            logits = self._padded_slice(row, start, end)
+        step.budget.steer(count, time.perf_counter() - started, bool(self.batch))
+        step.prefilled(row, count)
+        if end < len(row.prompt_ids):
+            return None
+        assert logits is not None
+        return logits
+
+    def _packed_slice(self, row: HFRequest, start: int, end: int) -> torch.Tensor:
+        import torch
+
+        device = self.handler.model.device
+        return packed_forward(
+            self.handler.model,
+            RowCache(),
+            torch.empty(0, dtype=torch.long, device=device),
+            slice_row=self._prompt_buffers(row),
+            slice_ids=row.prompt_ids[start:end],
+            slice_logits=end == len(row.prompt_ids),
+        )
+
+    def _padded_slice(self, row: HFRequest, start: int, end: int) -> torch.Tensor:
         import torch
         from transformers import DynamicCache
 
         device = self.handler.model.device
         if row.state.cache is None:
             row.state.cache = DynamicCache()
-        start, end = row.prefilled, row.prefilled + count
-        started = time.perf_counter()
+        elif isinstance(row.state.cache, RowKV):
+            # Read in packed passes until the model turned out not to take them.
+            row.state.cache = row.state.cache.as_dynamic()
         output = self.handler.model(
             input_ids=torch.tensor([row.prompt_ids[start:end]], device=device),
             attention_mask=torch.ones((1, end), dtype=torch.long, device=device),
@@ -464,12 +509,19 @@ class HFRunner:
             **{self._cache_keyword: row.state.cache},
             **self._last_logits,
         )
-        step.budget.steer(count, time.perf_counter() - started, bool(self.batch))
-        step.prefilled(row, count)
-        if end < len(row.prompt_ids):
-            return None
         logits: torch.Tensor = output.logits[:, -1, :]
         return logits
+
+    def _prompt_buffers(self, row: HFRequest) -> RowKV:
+        """The buffers a packed pass reads ``row``'s prompt into: made for the whole prompt
+        at its first slice, from the prefix cache's columns when it started from some."""
+        if not isinstance(row.state.cache, RowKV):
+            limit = len(row.prompt_ids) + row.generated + row.remaining
+            row.state.cache = RowKV.for_prompt(
+                len(row.prompt_ids), limit, row.state.cache, row.prefilled
+            )
+        buffers: RowKV = row.state.cache
+        return buffers
 
     def _join(
         self,
@@ -483,8 +535,12 @@ class HFRunner:
         tokens."""
         import torch
 
-        limits = [len(row.prompt_ids) + row.generated + row.remaining for row in rows]
-        self._rows.add(cache, columns, limits)
+        if isinstance(cache, RowKV):
+            assert isinstance(self._rows, RowCache)
+            self._rows.adopt(cache)
+        else:
+            limits = [len(row.prompt_ids) + row.generated + row.remaining for row in rows]
+            self._rows.add(cache, columns, limits)
         self._last = last if self._last is None else torch.cat([self._last, last])
         self.batch = [*self.batch, *rows]
 
@@ -503,12 +559,9 @@ class HFRunner:
     def _decode_with_slice(self, row: HFRequest, count: int, step: Scheduler[HFRow]) -> bool:
         """The packed pass with a slice (hf.packed): False, with nothing changed, when it
         failed."""
-        from transformers import DynamicCache
-
         assert isinstance(self._rows, RowCache) and self._last is not None
-        if row.state.cache is None:
-            row.state.cache = DynamicCache()
         start, end = row.prefilled, row.prefilled + count
+        slice_row = self._prompt_buffers(row)
         masks = self._masks_beside_forward()
         started = time.perf_counter()
         try:
@@ -516,8 +569,7 @@ class HFRunner:
                 self.handler.model,
                 self._rows,
                 self._last,
-                slice_cache=row.state.cache,
-                read=start,
+                slice_row=slice_row,
                 slice_ids=row.prompt_ids[start:end],
                 slice_logits=end == len(row.prompt_ids),
             )
