@@ -268,6 +268,8 @@ def http_request(url: str, body: Callable[[int], Json]) -> OneRequest:
                 for choice in chunk.get("choices") or ():
                     if first is None and (choice.get("delta") or {}).get("content"):
                         first = time.perf_counter() - began
+        if tokens == 0:
+            raise RuntimeError(f"{url}: the stream ended without a usage chunk to count tokens by")
         return tokens, first
 
     return one
@@ -487,6 +489,7 @@ def http_pair(
             "model": model_dir,
             "messages": mix.chat(index),
             "stream": True,
+            "stream_options": {"include_usage": True},
             "generation_config": json.dumps(generation),
         }
 
