@@ -19,9 +19,9 @@ alone: each row's new key and value are written after its columns, then
   is copied);
 - the shorter rows are gathered into one padded call (copying short rows costs less than a
   call of attention each);
-- outside float32, a row's query heads that share a key-value head are that head's query
-  positions in the call (:func:`_decoding_attention`: torch's CPU kernel is slow on a
-  single query position in bfloat16 and float16);
+- on the CPU outside float32, a row's query heads that share a key-value head are that
+  head's query positions in the call (:func:`_decoding_attention`: torch's CPU kernel is
+  slow on a single query position in bfloat16 and float16);
 - the slice's keys and values are written into its request's own buffers (a
   :class:`RowKV` too, made for the whole prompt when its prefill starts), and it attends
   to their columns so far, causally.
@@ -395,12 +395,13 @@ def _decoding_attention(
     single query position 5-6x slower in bfloat16 and 2-3x in float16 than the same
     work as ``group`` positions (SmolLM2-135M's shapes, two threads: 8 rows of 121 columns
     383 against 67 us a layer in bfloat16), and in float32 it is the other way (52 against
-    69 us), so float32 keeps ``enable_gqa``."""
+    69 us), so float32 keeps ``enable_gqa``; so do other devices, whose kernels were not
+    measured here."""
     from torch.nn.functional import scaled_dot_product_attention
 
     rows, heads, _, dim = query.shape
     kv_heads = keys.shape[1]
-    if query.element_size() >= 4 or heads == kv_heads:
+    if query.element_size() >= 4 or heads == kv_heads or query.device.type != "cpu":
         return scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
