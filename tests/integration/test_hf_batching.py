@@ -338,6 +338,35 @@ def test_a_failed_packed_pass_is_undone_and_read_apart(
         assert results[id(call)].text == alone.text, call.prompt
 
 
+def test_a_prompt_whose_buffers_cannot_be_made_fails_alone(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelpool.backends.hf.packed import RowKV
+
+    handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1, prefill_chunk_tokens=8)
+    running = Recorder(PROMPTS[2], {"max_new_tokens": 16})
+    handler.admit(running)
+    handler.step()
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> RowKV:
+        raise RuntimeError("out of memory (simulated) making a prompt's buffers")
+
+    # Made before the pass that carries the slice beside the running row: an error there
+    # (a prefix cache hit copies its columns in) is the long request's, not the batch's.
+    monkeypatch.setattr(RowKV, "for_prompt", out_of_memory)
+    long = Recorder(LONG_PROMPT, {"max_new_tokens": 8})
+    handler.admit(long)
+    outcomes: dict[int, Generation | Exception] = {}
+    for _ in range(64):
+        for call, outcome in handler.step():
+            outcomes[id(call)] = outcome
+        if len(outcomes) == 2:
+            break
+    assert isinstance(outcomes[id(long)], RuntimeError), outcomes
+    finished = outcomes[id(running)]
+    assert isinstance(finished, Generation) and finished.completion_tokens == 16, finished
+
+
 def test_a_request_cancelled_during_its_prefill_leaves_at_once(tiny_model_dir: Path) -> None:
     handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1, prefill_chunk_tokens=8)
     long = Recorder(LONG_PROMPT, {"max_new_tokens": 8})

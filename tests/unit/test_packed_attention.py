@@ -37,3 +37,26 @@ def test_decoding_attention_equals_grouped_query_attention(
     assert answered.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 0.1
     assert torch.allclose(answered.float(), expected, atol=tolerance, rtol=0.02)
+
+
+def test_decoding_attention_groups_a_strided_query_as_the_packed_pass_slices_it() -> None:
+    # transformers hands attention [1, heads, tokens, dim] as a transpose of
+    # [1, tokens, heads, dim]; the packed pass takes one token's column of it (a row alone)
+    # or a gather of them (the gathered rows, not contiguous).
+    generator = torch.Generator().manual_seed(1)
+    tokens, heads, kv_heads, columns, dim = 4, 8, 2, 23, 16
+    query = torch.randn(1, tokens, heads, dim, generator=generator).transpose(1, 2)
+    keys = torch.randn(1, kv_heads, columns, dim, generator=generator)
+    values = torch.randn(1, kv_heads, columns, dim, generator=generator)
+    values = values + torch.tensor([-10.0, 10.0])[None, :, None, None]
+    one = query[:, :, 2:3]
+    gathered = query[0][:, torch.tensor([3, 1])].transpose(0, 1).unsqueeze(2)
+    assert not gathered.is_contiguous()
+    for strided in (one, gathered):
+        rows = strided.shape[0]
+        expanded = (keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1))
+        expected = scaled_dot_product_attention(strided, *expanded, enable_gqa=True)
+        answered = _decoding_attention(
+            strided.bfloat16(), expanded[0].bfloat16(), expanded[1].bfloat16(), None, None
+        )
+        assert torch.allclose(answered.float(), expected, atol=0.1, rtol=0.02)

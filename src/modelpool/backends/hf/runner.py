@@ -521,6 +521,8 @@ class HFRunner:
                 len(row.prompt_ids), limit, row.state.cache, row.prefilled
             )
         buffers: RowKV = row.state.cache
+        # The slice's positions come from the buffers, its token ids from ``prefilled``.
+        assert buffers.length == row.prefilled, (buffers.length, row.prefilled)
         return buffers
 
     def _join(
@@ -561,10 +563,12 @@ class HFRunner:
         failed."""
         assert isinstance(self._rows, RowCache) and self._last is not None
         start, end = row.prefilled, row.prefilled + count
-        slice_row = self._prompt_buffers(row)
         masks = self._masks_beside_forward()
         started = time.perf_counter()
         try:
+            # Inside the try: making the buffers (a prefix cache hit copies its columns in)
+            # may run out of memory, which must fail this request alone, read apart.
+            slice_row = self._prompt_buffers(row)
             logits = packed_forward(
                 self.handler.model,
                 self._rows,
