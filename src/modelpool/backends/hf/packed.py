@@ -70,6 +70,8 @@ def fusable(model: Any) -> bool:
         return False
     if getattr(config, "sliding_window", None) is not None:
         return False
+    if getattr(config, "v_head_dim", None) is not None:
+        return False  # value heads sized apart from the queries' (MLA): not plain attention
     layer_types = getattr(config, "layer_types", None)
     return layer_types is None or all(kind == "full_attention" for kind in layer_types)
 
