@@ -38,6 +38,9 @@ DeviceEntry = str | tuple[str, ...]
 _BACKEND_PATTERN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 
 
+_MAX_WORKER_POLL_S = 0.01
+
+
 def _check_number(name: str, value: object, *, allow_zero: bool, optional: bool = False) -> None:
     if value is None and optional:
         return
@@ -120,6 +123,9 @@ class PoolConfig:
     # it never waits a round trip for work; recalled when another worker is idle or a
     # more urgent request is queued (modelpool.prefetch).
     prefetch: bool = True
+    # A one-call worker that has answered polls its channel this long before it sleeps,
+    # so that the next request, when it comes at once, costs it no wake-up (0: off).
+    worker_poll_s: float = 0.0003
     spares: int = 0
     devices: tuple[DeviceEntry, ...] = ("auto",)
     gpus_per_worker: int = 1
@@ -172,6 +178,12 @@ class PoolConfig:
         _check_int("pooling_batch_size", self.pooling_batch_size, minimum=1)
         if not isinstance(self.prefetch, bool):
             raise ValueError(f"prefetch must be true or false, got {self.prefetch!r}")
+        _check_number("worker_poll_s", self.worker_poll_s, allow_zero=True)
+        if self.worker_poll_s > _MAX_WORKER_POLL_S:
+            raise ValueError(
+                f"worker_poll_s must be at most {_MAX_WORKER_POLL_S} (a worker polls without "
+                f"sleeping that long after every answer), got {self.worker_poll_s!r}"
+            )
         _check_int("spares", self.spares, minimum=0)
         _check_int("gpus_per_worker", self.gpus_per_worker, minimum=1)
         object.__setattr__(self, "devices", _check_devices(self.devices))

@@ -389,6 +389,7 @@ class WorkerSpec:
     # default from the caller's choice (see Call) at no cost to the dispatch path.
     generation_defaults: dict[str, Any]
     max_batch_size: int = 1
+    poll_s: float = 0.0  # PoolConfig.worker_poll_s
 
 
 MAX_FRAME_BYTES = 1 << 30

@@ -146,6 +146,7 @@ class WorkerManager:
             log_level=logging.getLogger("modelpool").getEffectiveLevel(),
             generation_defaults=self.config.generation_defaults,
             max_batch_size=self.config.max_batch_size,
+            poll_s=self.config.worker_poll_s,
         )
         if replacement:
             self.counters["respawns"] += 1
