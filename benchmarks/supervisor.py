@@ -3,6 +3,7 @@
 ::
 
     python -m benchmarks.supervisor [--requests 5000] [--rounds 3] [--batch 1] [--profile]
+                                    [--worker-poll-s 0]   # workers sleep as soon as idle
 
 Every contender runs an echo of one short string with two worker processes: modelpool
 on the testing backend (``echo:x``), ``concurrent.futures.ProcessPoolExecutor(2)`` and
@@ -43,7 +44,8 @@ def echo(text: str) -> str:
     return text
 
 
-def _pool_config(requests: int, batch: int) -> PoolConfig:
+def _pool_config(requests: int, batch: int, worker_poll_s: float | None = None) -> PoolConfig:
+    polling = {} if worker_poll_s is None else {"worker_poll_s": worker_poll_s}
     return PoolConfig(
         model="none",
         backend="testing",
@@ -52,6 +54,7 @@ def _pool_config(requests: int, batch: int) -> PoolConfig:
         max_queue=max(requests, _WARM_UP) + 1,
         devices=("cpu",),
         generation_defaults={},
+        **polling,
     )
 
 
@@ -134,15 +137,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="modelpool's max_batch_size")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--worker-poll-s", type=float, help="modelpool's worker_poll_s (default: the pool's)"
+    )
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     import pebble
 
-    result: dict[str, Any] = {"load_average_before": os.getloadavg(), "batch": args.batch}
+    result: dict[str, Any] = {
+        "load_average_before": os.getloadavg(),
+        "batch": args.batch,
+        "worker_poll_s": _pool_config(1, 1, args.worker_poll_s).worker_poll_s,
+    }
     rates: dict[str, list[float]] = {"modelpool": [], "ppe": [], "pebble": []}
     trips: dict[str, list[float]] = {"modelpool": [], "ppe": [], "pebble": []}
     with (
-        ModelPool(_pool_config(args.requests, args.batch)) as pool,
+        ModelPool(_pool_config(args.requests, args.batch, args.worker_poll_s)) as pool,
         concurrent.futures.ProcessPoolExecutor(2) as ppe,
         pebble.ProcessPool(2) as peb,
     ):
