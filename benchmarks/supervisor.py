@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import cProfile
+import dataclasses
 import functools
 import json
 import os
@@ -45,8 +46,7 @@ def echo(text: str) -> str:
 
 
 def _pool_config(requests: int, batch: int, worker_poll_s: float | None = None) -> PoolConfig:
-    polling = {} if worker_poll_s is None else {"worker_poll_s": worker_poll_s}
-    return PoolConfig(
+    config = PoolConfig(
         model="none",
         backend="testing",
         workers=2,
@@ -54,8 +54,10 @@ def _pool_config(requests: int, batch: int, worker_poll_s: float | None = None) 
         max_queue=max(requests, _WARM_UP) + 1,
         devices=("cpu",),
         generation_defaults={},
-        **polling,
     )
+    if worker_poll_s is None:
+        return config
+    return dataclasses.replace(config, worker_poll_s=worker_poll_s)
 
 
 def _percentile(samples: list[float], fraction: float) -> float:
