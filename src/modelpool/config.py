@@ -182,7 +182,7 @@ class PoolConfig:
         if self.worker_poll_s > _MAX_WORKER_POLL_S:
             raise ValueError(
                 f"worker_poll_s must be at most {_MAX_WORKER_POLL_S} (a worker polls without "
-                f"sleeping that long after every answer), got {self.worker_poll_s!r}"
+                f"sleeping that long after an answer), got {self.worker_poll_s!r}"
             )
         _check_int("spares", self.spares, minimum=0)
         _check_int("gpus_per_worker", self.gpus_per_worker, minimum=1)

@@ -74,6 +74,8 @@ INVALID_KWARGS = [
     ("max_worker_rss_mb", -5),
     ("max_worker_gpu_mb", 0),
     ("gpu_release_timeout_s", -1),
+    ("worker_poll_s", -0.001),
+    ("worker_poll_s", 0.5),
     ("devices", ["gpu"]),
     ("devices", []),
     ("backend", "not a backend!"),
