@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import psutil
@@ -191,6 +191,24 @@ class Recorder:
 
     def note_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_counts = (prompt_tokens, cached_tokens)
+
+
+class Stepped(Protocol):
+    """A batched backend as the tests drive it: each ``step()`` returns the calls it ended."""
+
+    def step(self) -> Iterable[tuple[Any, Any]]: ...
+
+
+def step_until_answered(handler: Stepped, count: int, steps: int = 500) -> dict[int, Any]:
+    """Step ``handler`` until ``count`` calls have ended: each call's outcome (its
+    Generation, or the exception it failed with), by ``id(call)``."""
+    outcomes: dict[int, Any] = {}
+    for _ in range(steps):
+        for call, outcome in handler.step():
+            outcomes[id(call)] = outcome
+        if len(outcomes) >= count:
+            return outcomes
+    raise AssertionError(f"{len(outcomes)} of {count} calls ended in {steps} steps")
 
 
 # ---- TOML for config files the tests write ----------------------------------------------------

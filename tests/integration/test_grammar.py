@@ -16,11 +16,11 @@ from typing import Any
 import jsonschema
 import pytest
 
-from helpers import Recorder, counters, open_pool, workers
+from helpers import Recorder, counters, open_pool, step_until_answered, workers
 from modelpool import ModelPool, PoisonRequest, PoolConfig
 from modelpool.backends.hf.handler import HFHandler, load
 from modelpool.errors import GrammarCompileTimeout, GrammarError
-from modelpool.protocol import Finished, Generation
+from modelpool.protocol import Generation
 from modelpool.structured import grammar_for_body, grammar_for_response_format
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
@@ -52,14 +52,8 @@ def handler(tiny_model_dir: Path) -> HFHandler:
 def run_batch(handler: HFHandler, calls: list[Recorder]) -> dict[int, Generation | Exception]:
     for call in calls:
         handler.admit(call)
-    outcomes: dict[int, Generation | Exception] = {}
-    for _ in range(500):
-        finished: list[Finished] = handler.step()
-        for call, outcome in finished:
-            outcomes[id(call)] = outcome
-        if len(outcomes) == len(calls):
-            return outcomes
-    raise AssertionError("the batch did not finish")
+    outcomes: dict[int, Generation | Exception] = step_until_answered(handler, len(calls))
+    return outcomes
 
 
 def assert_valid(generation: Generation | Exception) -> Any:

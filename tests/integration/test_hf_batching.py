@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from helpers import Recorder
+from helpers import Recorder, step_until_answered
 from modelpool import ModelPool, PoolConfig
 from modelpool.backends.hf.handler import HFHandler, load
 from modelpool.errors import ContextLengthExceeded
@@ -356,12 +356,7 @@ def test_a_prompt_whose_buffers_cannot_be_made_fails_alone(
     monkeypatch.setattr(RowKV, "for_prompt", out_of_memory)
     long = Recorder(LONG_PROMPT, {"max_new_tokens": 8})
     handler.admit(long)
-    outcomes: dict[int, Generation | Exception] = {}
-    for _ in range(64):
-        for call, outcome in handler.step():
-            outcomes[id(call)] = outcome
-        if len(outcomes) == 2:
-            break
+    outcomes = step_until_answered(handler, 2, steps=64)
     assert isinstance(outcomes[id(long)], RuntimeError), outcomes
     finished = outcomes[id(running)]
     assert isinstance(finished, Generation) and finished.completion_tokens == 16, finished
@@ -393,12 +388,7 @@ def test_a_prefill_that_raises_fails_its_own_request_alone(tmp_path: Path) -> No
     culprit = Recorder(" ".join(["word"] * 100), {"max_new_tokens": 8})
     for call in [innocents[0], culprit, innocents[1]]:
         handler.admit(call)
-    outcomes: dict[int, Generation | Exception] = {}
-    for _ in range(64):
-        for call, outcome in handler.step():
-            outcomes[id(call)] = outcome
-        if len(outcomes) == 3:
-            break
+    outcomes = step_until_answered(handler, 3, steps=64)
     assert isinstance(outcomes[id(culprit)], Exception)
     for call in innocents:
         result = outcomes[id(call)]
