@@ -138,10 +138,12 @@ class _Channel:
         trip. Not after a message that was already waiting: the pool is then sending
         work ahead (prefetch), and a worker polling while the supervisor catches up would
         take the CPU it needs."""
+        if poll_s <= 0:
+            return recv_frame(self._sock)
         if self._poller.poll(0):
             self._waited = False
         else:
-            if poll_s > 0 and self._waited:
+            if self._waited:
                 give_up_at = time.monotonic() + poll_s
                 while not self._poller.poll(0) and time.monotonic() < give_up_at:
                     pass
