@@ -38,8 +38,9 @@ cancels each and queues its request again, and ``_on_chunk`` / ``_on_done`` keep
 rerun from streaming again what its caller saw (``Run.skip``).
 
 Prefetch (``max_batch_size`` 1, ``prefetch.py``): a busy one-call worker holds one run
-more, not started; ``_promote`` starts it when the worker answers, ``_drop_prefetched``
-ends it unrun (cancel, deadline, taken back in ``_pump``), ``on_exit`` requeues it.
+more (several when runs are far shorter than a wake-up), not started; ``_promote``
+starts the next when the worker answers, ``_drop_prefetched`` ends one unrun (cancel,
+deadline, taken back in ``_pump``), ``on_exit`` requeues them.
 """
 
 from __future__ import annotations
@@ -438,7 +439,7 @@ class Dispatcher:
         )
         # While a waiting request could preempt, nothing is prefetched: an urgent request
         # held behind a less urgent run would wait for it instead of taking its slot.
-        capacity = _slots_only if may_preempt else self._capacity
+        capacity = _slots_only if may_preempt else self._capacities()
         open_workers = placement.open_workers(
             self.workers.values(), self.worker_manager.retire_reason, capacity
         )
@@ -480,8 +481,16 @@ class Dispatcher:
             request.shown = request.last_partial  # what its caller has seen (rerun: all of it)
         self.retries.requeue(request)
 
-    def _capacity(self, worker: Worker) -> int:
-        return prefetch.capacity(worker, self.config, self.worker_manager.retire_reason)
+    def _capacities(self) -> Callable[[Worker], int]:
+        """The runs each worker may hold now (``prefetch.capacity``), worked out once for
+        a pump: placement asks it for every worker, more than once."""
+        prefetched = prefetch.depth(self.predictor.run_s)
+        retire_reason = self.worker_manager.retire_reason
+        held = {
+            worker.id: prefetch.capacity(worker, self.config, retire_reason, prefetched)
+            for worker in self.workers.values()
+        }
+        return lambda worker: held[worker.id]
 
     def _dispatch(self, request: Request, worker: Worker) -> None:
         now = self.clock()
@@ -752,9 +761,7 @@ class Dispatcher:
         """ "cancelling" once every running attempt on it was asked to stop, else "busy".
         A preempted run does not count: its worker stays open for the urgent request."""
         if worker.state in ("busy", "cancelling"):
-            runs = [
-                run for run in worker.runs.values() if not run.preempted and not run.prefetched
-            ]
+            runs = [run for run in worker.runs.values() if not run.preempted and not run.prefetched]
             cancelling = bool(runs) and all(run.cancel_sent for run in runs)
             worker.state = "cancelling" if cancelling else "busy"
 

@@ -9,6 +9,14 @@ more, ``Run.prefetched``: it waits in the worker's socket, and the worker reads 
 soon as it has answered the current one (``worker.serve`` needs nothing more). The
 dispatcher keeps these rules:
 
+- How many (:func:`depth`): one, and more when the pool's runs are so short that a
+  worker would answer its prefetched one before the next reached it (an echo, a short
+  embedding): then it holds as many as fill ``PREFETCH_WINDOW_S`` of measured runs, up
+  to ``MAX_PREFETCHED``. Otherwise it sleeps between two batches, and waking a sleeping
+  process costs more than such a run (the supervisor's ``send`` pays for it); several
+  runs sent in one turn also go in one write. A request waits at most that window
+  behind the runs ahead of it on its worker.
+
 - Which worker takes one (:func:`capacity`): a serving one-call worker that is not due
   to retire, nor would be after its current run (``max_requests_per_worker``).
 - A prefetched run has not started: it gets its attempt deadline and the stall clock
@@ -31,17 +39,40 @@ from modelpool.config import PoolConfig
 from modelpool.queueing import promoted
 from modelpool.records import Run, Worker
 
+# Prefetched work a one-call worker may hold behind its current run, in measured runs.
+PREFETCH_WINDOW_S = 0.001
+MAX_PREFETCHED = 4
+
+
+def depth(run_s: float) -> int:
+    """How many runs a busy one-call worker holds behind its current one, from the pool's
+    moving mean run time (``WaitPredictor.run_s``; 0 before any run ended): one, or as
+    many as fill ``PREFETCH_WINDOW_S``, at most ``MAX_PREFETCHED``.
+
+    >>> depth(0.0), depth(0.02), depth(0.0004), depth(0.00005)
+    (1, 1, 2, 4)
+    """
+    if run_s <= 0:
+        return 1
+    return max(1, min(MAX_PREFETCHED, int(PREFETCH_WINDOW_S / run_s)))
+
 
 def capacity(
-    worker: Worker, config: PoolConfig, retire_reason: Callable[[Worker], str | None]
+    worker: Worker,
+    config: PoolConfig,
+    retire_reason: Callable[[Worker], str | None],
+    prefetched: int = 1,
 ) -> int:
-    """The runs ``worker`` may hold now: its slots, and on a one-call worker one more."""
+    """The runs ``worker`` may hold now: its slots, and on a one-call worker
+    ``prefetched`` more (:func:`depth`), as many as it may still serve."""
     if not config.prefetch or worker.slots != 1 or not _may_hold_one(worker, retire_reason):
         return worker.slots
+    held = worker.slots + prefetched
     limit = config.max_requests_per_worker
-    if limit is not None and worker.requests + 1 >= limit:
-        return worker.slots  # the current run is its last: nothing may wait behind it
-    return 2
+    if limit is not None:
+        # Its requests left before it retires: nothing may wait behind its last one.
+        held = min(held, limit - worker.requests)
+    return max(worker.slots, held)
 
 
 def recalls(

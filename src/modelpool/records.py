@@ -244,7 +244,9 @@ class Worker:
 
     def free_slot(self) -> int:
         """The lowest cancel word no run of it holds: below ``slots`` on a batched worker,
-        which holds at most that many; a one-call worker's prefetched run takes word 1."""
+        which holds at most that many; a one-call worker's prefetched runs take the next ones."""
+        if not self.runs:
+            return 0
         used = {run.slot for run in self.runs.values()}
         return next(slot for slot in range(len(self.runs) + 1) if slot not in used)
 

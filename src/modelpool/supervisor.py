@@ -94,7 +94,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from modelpool import gpu
+from modelpool import gpu, prefetch
 from modelpool.config import PoolConfig
 from modelpool.devices import group_devices, nvml_index_for, worker_env_for
 from modelpool.dispatcher import Dispatcher
@@ -408,9 +408,9 @@ class EventLoop:
             build_env({**self.worker_environ, **device_env}, self._threads_per_worker),
             self._lifeline_r,
             lambda io: self._want_write(worker, io),
-            # One cancel word per run it may hold: a one-call worker's prefetched run
-            # (modelpool.prefetch) takes the second.
-            max(spec.max_batch_size, 2),
+            # One cancel word per run it may hold: a one-call worker's prefetched runs
+            # (modelpool.prefetch) take the words after the first.
+            max(spec.max_batch_size, 1 + prefetch.MAX_PREFETCHED),
             self._outboxes.append,
         )
         try:

@@ -256,3 +256,47 @@ def test_a_recalled_worker_signal_is_never_sent_for_a_prefetched_run_at_close() 
     world.d.after_event()
     assert signal.SIGTERM not in world.procs[worker.id].signals
     assert not worker.runs and not world.d.prefetched
+
+
+def _measure_runs(world: World, worker: Worker, run_s: float, count: int) -> None:
+    """``count`` requests, each answered ``run_s`` after it went out, one at a time."""
+    for n in range(count):
+        world.submit(f"echo:{n}")
+        world.clock.now += run_s
+        world.answer_next(worker)
+
+
+def test_runs_far_shorter_than_a_wake_up_are_prefetched_several_deep() -> None:
+    world = World(workers=1)
+    (worker,) = world.serving()
+    _measure_runs(world, worker, 0.0001, 20)  # an echo's run: 0.1 ms
+    requests = [world.submit(f"echo:next {n}") for n in range(8)]
+    # One running and prefetch.MAX_PREFETCHED behind it, each in its own cancel word.
+    assert [slot for _, slot, _ in world.procs[worker.id].inbox] == [0, 1, 2, 3, 4]
+    assert sum(run.prefetched for run in worker.runs.values()) == 4
+    assert len(world.d.queue) == 3
+    # The runs behind start one by one, in order, each as the one before it is answered.
+    world.clock.now += 0.0001
+    world.answer_next(worker)
+    started, behind = requests[1].run, requests[2].run
+    assert started is not None and not started.prefetched
+    assert behind is not None and behind.prefetched
+    assert len(worker.runs) == 5, "the queue's next one went behind them at once"
+
+
+def test_runs_as_long_as_a_wake_up_or_longer_are_prefetched_one_deep() -> None:
+    world = World(workers=1)
+    (worker,) = world.serving()
+    _measure_runs(world, worker, 0.002, 5)
+    for n in range(4):
+        world.submit(f"echo:next {n}")
+    assert len(worker.runs) == 2 and len(world.d.queue) == 2
+
+
+def test_a_worker_never_holds_more_runs_than_it_may_still_serve() -> None:
+    world = World(workers=1, max_requests_per_worker=30)
+    (worker,) = world.serving()
+    _measure_runs(world, worker, 0.0001, 27)
+    for n in range(8):
+        world.submit(f"echo:next {n}")
+    assert worker.requests == 27 and len(worker.runs) == 3, "it retires after its 30th"
