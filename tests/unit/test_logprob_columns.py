@@ -5,6 +5,7 @@ built from them held ten times its own size in Python objects)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import pickletools
@@ -14,7 +15,13 @@ import tracemalloc
 import pytest
 
 from modelpool.logprob_columns import TokenLogprobs
-from modelpool.protocol import FrameDecoder, Generation, TokenLogprob, encode_frame
+from modelpool.protocol import (
+    FrameDecoder,
+    Generation,
+    PooledAnswer,
+    TokenLogprob,
+    encode_frame,
+)
 from modelpool.results import Result
 from modelpool.server.http import json_bytes
 from modelpool.server.openai.format import Job, response_body
@@ -70,6 +77,29 @@ def test_a_workers_result_crosses_the_pipe_in_a_few_pickle_operations() -> None:
     (message,) = FrameDecoder().feed(frame)
     received = message[2].prompt_logprobs
     assert isinstance(received, TokenLogprobs) and received == entries
+
+
+def test_every_field_of_a_generation_crosses_the_pipe_and_the_class_is_named_once() -> None:
+    generation = Generation(
+        "text",
+        "length",
+        prompt_tokens=3,
+        completion_tokens=4,
+        logprobs=TokenLogprobs.of(ENTRIES),
+        prompt_logprobs=TokenLogprobs.of(ENTRIES[:1]),
+        cached_tokens=2,
+        token_ids=[1, 2],
+        stop_sequence="\n",
+        pooled=PooledAnswer(vectors=[[0.5]], method="cosine"),
+    )
+    assert {field.name for field in dataclasses.fields(Generation)} == {
+        name for name, value in vars(generation).items() if value is not None
+    }, "a field left unset here is not checked below"
+    frame = encode_frame(("done", 7, generation, 0))
+    (message,) = FrameDecoder().feed(frame)
+    assert message[2] == generation
+    # Its fields go as a constructor's arguments, not as a dict of their names.
+    assert b"stop_sequence" not in frame
 
 
 def test_a_long_echoed_answer_is_built_without_holding_an_object_per_entry() -> None:
