@@ -19,8 +19,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ModelPool": "modelpool.pool",
     "PoolFuture": "modelpool.pool",
-    "PoolStream": "modelpool.pool",
-    "AsyncPoolStream": "modelpool.pool",
+    "PoolStream": "modelpool.streams",
+    "AsyncPoolStream": "modelpool.streams",
     "Result": "modelpool.pool",
     "PoolConfig": "modelpool.config",
     "RetryPolicy": "modelpool.config",
@@ -127,9 +127,10 @@ if TYPE_CHECKING:
         WrongTask,
     )
     from modelpool.logprob_columns import TokenLogprobs
-    from modelpool.pool import AsyncPoolStream, ModelPool, PoolFuture, PoolStream, Result
+    from modelpool.pool import ModelPool, PoolFuture, Result
     from modelpool.protocol import Generation, TokenIds, TokenLogprob
     from modelpool.stats import PoolHealth, PoolStats
+    from modelpool.streams import AsyncPoolStream, PoolStream
 
 
 def __getattr__(name: str) -> Any:

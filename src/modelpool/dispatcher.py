@@ -7,12 +7,13 @@ event loop in production, a recording fake in the property tests) to spawn, send
 signal and check, and its clock is injected, so tests drive this very code with a fake
 world.
 
-Three parts, as pebble splits its pool into a task manager and a worker manager: this
+Four parts, as pebble splits its pool into a task manager and a worker manager: this
 file keeps requests, attempts and runs; its ``worker_manager`` (``worker_manager.py``, an
 object it owns and that calls back only ``give_up_loading``) keeps the worker records
 and the decisions about processes: slots and start-up, recycling and roles, signals,
 memory release checks; its ``retries`` (``retries.py``) decide retry or fail for a
-failed attempt and settle a lost batch. All run on the same thread and share the clock,
+failed attempt and settle a lost batch; its ``stalls`` (``stalls.py``) find the busy
+workers whose progress stands still. All run on the same thread and share the clock,
 the timer heap and the counters.
 
 The entry points come first, in the order of a request's life (``submit``, ``cancel``,
@@ -26,8 +27,8 @@ Batching (``max_batch_size`` above 1): a worker holds up to ``Worker.slots`` run
 KV room; an isolated request gets an empty worker; suspects are spread one per worker;
 a worker whose requests wait there for KV room takes no more), and ``_on_room`` asks
 back a request that waits for room while another worker has some. Deadlines and
-cancels act on one run (its slot's cancel word); ``_worker_stalled`` (no token
-delivered), an ignored cancel or a death settle the whole batch through
+cancels act on one run (its slot's cancel word); a stall (``StallWatch.batch_stalled``:
+no token delivered), an ignored cancel or a death settle the whole batch through
 ``Retries.batch_lost`` (collateral retries, poison isolation), after signalling the
 worker, so that its replacement counts as another worker; ``_on_batch_error`` settles
 the rows of a step that failed in a worker that goes on the same way.
@@ -78,13 +79,13 @@ from modelpool.records import (
     DispatcherIO,
     Request,
     Run,
-    Timer,
     TimerHeap,
     Worker,
     request_record,
 )
 from modelpool.results import set_future
 from modelpool.retries import Retries
+from modelpool.stalls import StallWatch
 from modelpool.stats import COUNTER_NAMES, DeviceStats, PoolStats, percentiles
 from modelpool.worker_errors import typed_backend_error, worker_refusal
 from modelpool.worker_manager import WorkerManager
@@ -134,7 +135,6 @@ class Dispatcher:
         # Attached runs sent to one-call workers behind their current one (prefetch.py),
         # by attempt id in dispatch order.
         self.prefetched: dict[int, Run] = {}
-        self._stall_timer: Timer | None = None
         self._started_reported = False
         # Observers of finished requests and worker events (observe.py), the moving
         # averages that predict a new request's wait (queueing.py), and the queued
@@ -170,6 +170,20 @@ class Dispatcher:
             another_worker_exists=self.worker_manager.another_worker_exists,
             queued=lambda request: self.priorities.queued(request.priority, 1),
             note=self.observers.worker_event,
+        )
+        # A busy worker whose progress word stands still (stalls.py): its run times out,
+        # or its whole batch is lost.
+        self.stalls = StallWatch(
+            config,
+            clock=clock,
+            timers=self.timers,
+            workers=self.workers,
+            counters=self.counters,
+            run_stalled=lambda run: self._attempt_timed_out(run, "stall"),
+            send_signal=self.worker_manager.send_signal,
+            batch_lost=lambda worker, message: self.retries.batch_lost(
+                worker, "timeout", message, None
+            ),
         )
 
     @property
@@ -539,8 +553,7 @@ class Dispatcher:
             )
         # Else the request's own deadline timer ends the attempt (_on_request_deadline),
         # at the same time and the same way: one timer per request, not two.
-        if self.config.stall_timeout_s is not None and self._stall_timer is None:
-            self._arm_stall_check()
+        self.stalls.watch()
 
     def _dequeued(self, request: Request) -> None:
         if request.counted_as_queued:
@@ -847,62 +860,6 @@ class Dispatcher:
                 f"worker pid {worker.pid} ignored a cancel for {self.config.cancel_grace_s}s",
                 None,
             )
-
-    def _arm_stall_check(self) -> None:
-        assert self.config.stall_timeout_s is not None
-        interval = max(0.005, self.config.stall_timeout_s / 4)
-        self._stall_timer = self.timers.call_at(self.clock() + interval, self._check_stalls)
-
-    def _check_stalls(self) -> None:
-        self._stall_timer = None
-        assert self.config.stall_timeout_s is not None
-        now = self.clock()
-        busy = False
-        for worker in list(self.workers.values()):
-            watched = worker.state == "busy" or (worker.slots > 1 and worker.state == "cancelling")
-            attached = [
-                run
-                for run in worker.runs.values()
-                if run.request is not None and not run.prefetched
-            ]
-            if not attached or not watched or worker.io is None:
-                continue
-            busy = True
-            progress = worker.io.progress()
-            if progress != worker.progress_seen:
-                worker.progress_seen = progress
-                worker.progress_at = now
-            elif (
-                worker.progress_at is not None
-                and now - worker.progress_at >= self.config.stall_timeout_s
-            ):
-                logger.warning(
-                    "worker %d (pid %s) stalled: no progress for %.2fs (%d running)",
-                    worker.id,
-                    worker.pid,
-                    now - worker.progress_at,
-                    len(worker.runs),
-                )
-                if worker.slots > 1:
-                    self._worker_stalled(worker)
-                else:
-                    self._attempt_timed_out(attached[0], "stall")
-        if busy:
-            self._arm_stall_check()
-
-    def _worker_stalled(self, worker: Worker) -> None:
-        """A batched worker delivered no token to any of its requests for stall_timeout_s
-        (tokens, not loop turns: a livelocked loop still counts as stalled). Its requests
-        are settled as lost with the batch, and the ladder starts at SIGTERM: signalled
-        first, so that its replacement counts as another worker for their retries."""
-        self.counters["stalls"] += 1
-        self.worker_manager.send_signal(worker, signal.SIGTERM, "stall")
-        self.retries.batch_lost(
-            worker,
-            "timeout",
-            f"worker pid {worker.pid} made no progress for {self.config.stall_timeout_s}s",
-            None,
-        )
 
     def _on_batch_error(
         self,

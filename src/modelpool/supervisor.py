@@ -52,6 +52,7 @@ Follow one request (each name is a function; the file is in brackets)::
 The deadline path (the ladder)::
 
     EventLoop.run -> Dispatcher.run_due_timers -> TimerHeap.run_due   [records.py]
+      (or StallWatch._check                 [stalls.py] no progress for stall_timeout_s)
       -> Dispatcher._attempt_timed_out      the request is detached from the attempt
       -> _soft_cancel                       cancel flag in the ControlBlock (next token)
       -> Retries.attempt_failed -> requeue  [retries.py] retried elsewhere (a spare at once)

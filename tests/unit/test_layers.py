@@ -31,9 +31,11 @@ SERVER_SIDE = ("modelpool.server", "modelpool.cli", "modelpool.ray_serve")
 SUPERVISOR_SIDE = (
     "modelpool.registry",
     "modelpool.pool",
+    "modelpool.streams",
     "modelpool.supervisor",
     "modelpool.dispatcher",
     "modelpool.retries",
+    "modelpool.stalls",
     "modelpool.placement",
     "modelpool.prefetch",
     "modelpool.worker_manager",

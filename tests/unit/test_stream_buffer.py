@@ -1,4 +1,4 @@
-"""pool.StreamBuffer: a stream's chunks between the dispatcher thread and the event loop,
+"""streams.StreamBuffer: a stream's chunks between the dispatcher thread and the event loop,
 bounded in count for a reader that stalls (issue 25: an unbounded queue grew a daemon
 from 57 to 485 MB under a client that stopped reading)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from modelpool.pool import StreamBuffer
+from modelpool.streams import StreamBuffer
 
 END = object()
 

@@ -135,7 +135,8 @@ from modelpool.server.ui import add_ui_routes
 from modelpool.validation import valid_traceparent
 
 if TYPE_CHECKING:
-    from modelpool.pool import AsyncPoolStream, ModelPool, Result
+    from modelpool.pool import ModelPool, Result
+    from modelpool.streams import AsyncPoolStream
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,8 @@ from modelpool.server.http import (
 )
 
 if TYPE_CHECKING:
-    from modelpool.pool import AsyncPoolStream, Result
+    from modelpool.results import Result
+    from modelpool.streams import AsyncPoolStream
 
 logger = logging.getLogger(__name__)
 
