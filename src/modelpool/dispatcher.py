@@ -587,6 +587,7 @@ class Dispatcher:
         assert worker.io is not None
         worker.progress_seen = worker.io.progress()
         worker.progress_at = None
+        self.stalls.watch()  # the checks stop when no run is attached: this one is now
         request = run.request
         if request is None:
             return
@@ -658,7 +659,9 @@ class Dispatcher:
         run = self._current_run(worker, attempt_id)
         if run is None:
             return
-        if not run.recalled:  # answered unrun: not a request it served
+        if not run.recalled or generation.finish_reason != "cancelled":
+            # Taken back but already started there (its cancel word came too late): a
+            # request it served all the same, for max_requests_per_worker.
             worker.requests += 1
         self._run_ended(worker, run)
         request = run.request

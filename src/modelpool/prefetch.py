@@ -14,8 +14,10 @@ dispatcher keeps these rules:
   embedding): then it holds as many as fill ``PREFETCH_WINDOW_S`` of measured runs, up
   to ``MAX_PREFETCHED``. Otherwise it sleeps between two batches, and waking a sleeping
   process costs more than such a run (the supervisor's ``send`` pays for it); several
-  runs sent in one turn also go in one write. A request waits at most that window
-  behind the runs ahead of it on its worker.
+  runs sent in one turn also go in one write. While runs stay that short, a request
+  waits about that window behind the runs ahead of it on its worker; the mean is the
+  pool's, so after a burst of tiny requests a long one can have a few behind it until
+  an idle worker takes them back (:func:`recalls`, newest first).
 
 - Which worker takes one (:func:`capacity`): a serving one-call worker that is not due
   to retire, nor would be after its current run (``max_requests_per_worker``).
@@ -85,7 +87,9 @@ def recalls(
     now: float,
     aging_s: float,
 ) -> list[Run]:
-    """The prefetched runs to take back now, oldest first (see the module docstring).
+    """The prefetched runs to take back now, newest first (see the module docstring):
+    the ones furthest from starting on their worker go first to an idle one, and put
+    back at the front of the queue one by one in this order they keep their own.
     ``most_urgent_queued``: the lowest priority number in the queue (None: it is empty);
     ``queued``: how many requests the queue holds, which idle workers take first (taking
     one back costs a round trip, and a worker that answered two requests in one read is
@@ -93,7 +97,7 @@ def recalls(
     A promoted request (past ``aging_s``, or due: ``queueing.promoted``) is not taken back
     for a more urgent one: it goes ahead of every younger request anyway
     (``queueing.dispatch_order``), and would come straight back."""
-    waiting = list(prefetched)
+    waiting = list(prefetched)[::-1]
     if not waiting:
         return []
     idle = -queued + sum(

@@ -76,14 +76,15 @@ otherwise driven through ``generate`` as before.
 from __future__ import annotations
 
 import mmap
+import operator
 import os
 import pickle
 import socket
 import struct
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, fields
+from typing import Any, Literal, Protocol, SupportsIndex
 
 PROTOCOL_VERSION = 5
 
@@ -166,10 +167,17 @@ class Generation:
     # An embed or score request's answer (see EmbedRequest, ScoreRequest).
     pooled: PooledAnswer | None = None
 
-    def __reduce__(self) -> tuple[type[Generation], tuple[Any, ...]]:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
         # Pickled as its fields in order, a constructor call: every answer carries one,
         # and reading back a pickled dict of its ten names cost the dispatcher twice this.
-        return (Generation, tuple(self.__dict__.values()))
+        # A subclass, or an instance with attributes added or deleted, pickles as usual.
+        if type(self) is Generation and len(self.__dict__) == len(_GENERATION_NAMES):
+            return (Generation, _GENERATION_FIELDS(self))
+        return super().__reduce_ex__(protocol)
+
+
+_GENERATION_NAMES = tuple(field.name for field in fields(Generation))
+_GENERATION_FIELDS = operator.attrgetter(*_GENERATION_NAMES)
 
 
 @dataclass(frozen=True)

@@ -124,3 +124,16 @@ def test_a_long_echoed_answer_is_built_without_holding_an_object_per_entry() -> 
     # The answer's pieces, joined and encoded: three times its size, not ten (a dict per
     # entry and every alternative's text held at once).
     assert peak < 4 * len(answer), (peak, len(answer), built_s)
+
+
+@dataclasses.dataclass
+class _BackendsGeneration(Generation):
+    backend_note: str = ""
+
+
+def test_a_subclass_or_an_added_attribute_still_pickles_whole() -> None:
+    subclassed = _BackendsGeneration("text", backend_note="kept")
+    assert pickle.loads(pickle.dumps(subclassed)) == subclassed
+    noted = Generation("text")
+    noted.trace = "kept"  # type: ignore[attr-defined]
+    assert pickle.loads(pickle.dumps(noted)).trace == "kept"

@@ -300,3 +300,50 @@ def test_a_worker_never_holds_more_runs_than_it_may_still_serve() -> None:
     for n in range(8):
         world.submit(f"echo:next {n}")
     assert worker.requests == 27 and len(worker.runs) == 3, "it retires after its 30th"
+
+
+def test_runs_taken_back_together_keep_their_order_in_the_queue() -> None:
+    world = World(workers=1, preempt_for_priority=False)
+    (worker,) = world.serving()
+    _measure_runs(world, worker, 0.0001, 20)
+    low = [world.submit(f"echo:low {n}", priority=5) for n in range(5)]
+    assert sum(run.prefetched for run in worker.runs.values()) == 4
+    urgent = world.submit("echo:urgent", priority=0)  # the four behind come back
+    waiting = [request_id for request_id in world.d.queue if request_id != urgent.request_id]
+    assert waiting == [request.request_id for request in low[1:]]
+
+
+def test_a_run_taken_back_after_it_started_counts_as_served() -> None:
+    world = World(workers=2)
+    world.submit("echo:long")
+    world.submit("echo:quick")
+    behind = world.submit("echo:behind")
+    first, second = world.serving()
+    taken_back = behind.run
+    assert taken_back is not None and taken_back.worker is first
+    world.answer_next(second)  # idle: the one behind the long run is taken back
+    assert taken_back.recalled
+    world.answer_next(first, "long")
+    served = first.requests
+    # Its cancel word came after the worker had started it: answered with text.
+    world.procs[first.id].inbox.pop(0)
+    world.d.on_message(first, ("done", taken_back.attempt_id, Generation("behind"), 0))
+    assert first.requests == served + 1
+
+
+def test_a_run_started_from_behind_another_is_watched_for_stalls() -> None:
+    world = World(workers=1, stall_timeout_s=1.0)
+    running = world.submit("echo:running")
+    behind = world.submit("echo:behind")
+    (worker,) = world.serving()
+    world.d.cancel(running.request_id, caller_gone=False)
+    world.clock.now += 0.3  # a stall check finds no attached run started: it stops
+    world.d.run_due_timers()
+    world.answer_next(worker)  # the cancelled one ends; the one behind it starts
+    assert behind.run is not None and not behind.run.prefetched
+    world.procs[worker.id].progress = lambda: 1  # type: ignore[method-assign]
+    for _ in range(8):  # one token, then nothing for 2 s
+        world.clock.now += 0.25
+        world.d.run_due_timers()
+        world.d.after_event()
+    assert world.d.counters["stalls"] == 1
