@@ -156,6 +156,11 @@ bootstrap() {
     # ($MODELPOOL_VENV) gets the project installed again, editable, from each checkout.
     digest="$({ cat "$ROOT/pyproject.toml"; echo "$ROOT"; } | sha256sum | cut -c1-16)"
     stamp="$VENV/.modelpool-installed-${extras//,/-}-$digest"
+    # Another checkout sharing the venv may have installed itself over this one since.
+    if [ -f "$stamp" ] && ! "$PY" -c 'import modelpool, sys
+sys.exit(not modelpool.__file__.startswith(sys.argv[1]))' "$ROOT/src/" 2>/dev/null; then
+        rm -f "$stamp"
+    fi
     if [ ! -f "$stamp" ]; then
         echo "bootstrap: installing modelpool[$extras] into $VENV, once (pip is quiet until" \
             "it is done; a minute or more the first time): $(extra_packages "$extras")" >&2
