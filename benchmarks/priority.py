@@ -5,13 +5,15 @@ offered twice its capacity, Poisson arrivals, 20 % of them high priority, three 
 one run: first all at priority 0 (first come, first served: the "FIFO" figures), then
 with the two priorities, then with the two priorities and ``max_queue_time_s``. Before
 that, the same requests at a fifth of capacity give the unloaded time to first token.
-All of it twice, side by side: one-call workers (two of them) and one batched worker
-(``max_batch_size`` 2: the same capacity). Per phase and class: p50/p99 TTFT of the
+All of it three times, side by side: one-call workers (two of them), one batched worker
+(``max_batch_size`` 2: the same capacity), and one wide batched worker (8 rows, four times
+the capacity: where a batch's capacity lies in its rows, as in vLLM, the high-priority
+arrivals alone do not queue behind each other). Per phase and class: p50/p99 TTFT of the
 answered requests, requests refused at once (``QueueFull``), requests that timed out
 (``DeadlineExceeded``; "in the queue" when no attempt ran but preempted ones), the
 requests preempted (``preempt_for_priority``), and the load average::
 
-    python -m benchmarks.priority load       # 120 s phases with priorities: about 12 minutes
+    python -m benchmarks.priority load       # 120 s phases with priorities: about 15 minutes
 
 ``overhead``: three daemons side by side (``vllm:`` names off, on, and on with tracing to
 a local OTLP receiver that drops what it gets), sequential requests to each in turn:
@@ -166,8 +168,13 @@ def load(args: argparse.Namespace) -> list[dict[str, Any]]:
     prompt = f"tokens:{args.tokens}:{args.delay_s}"
     run_s = args.tokens * args.delay_s
     rows: list[dict[str, Any]] = []
-    # One-call workers, then one batched worker of as many rows: the same capacity.
-    shapes = {"one-call": (args.workers, 1), "batched": (1, args.workers)}
+    # One-call workers, one batched worker of as many rows (the same capacity), and one
+    # batched worker of --wide-rows.
+    shapes = {
+        "one-call": (args.workers, 1),
+        "batched": (1, args.workers),
+        "wide": (1, args.wide_rows),
+    }
     for shape in args.shapes.split(","):
         workers, batch = shapes[shape]
         config = PoolConfig(
@@ -379,8 +386,9 @@ def main() -> None:
     run.add_argument("--seconds", type=float, default=120.0, help="each phase with priorities")
     run.add_argument("--fifo-seconds", type=float, default=20.0)
     run.add_argument("--unloaded-seconds", type=float, default=20.0)
-    run.add_argument("--shapes", default="one-call,batched")
+    run.add_argument("--shapes", default="one-call,batched,wide")
     run.add_argument("--workers", type=int, default=2)
+    run.add_argument("--wide-rows", type=int, default=8)
     run.add_argument("--tokens", type=int, default=10)
     run.add_argument("--delay-s", type=float, default=0.02)
     run.add_argument("--deadline-s", type=float, default=5.0)

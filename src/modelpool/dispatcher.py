@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import signal
@@ -472,14 +473,29 @@ class Dispatcher:
         if not may_preempt or any(len(w.runs) < w.slots for w in open_workers):
             return  # a free slot left: what still waits waits for a rule, not a slot
         waiting = [request for request in order if request.state == "queued"]
-        for run in preemption.choose_victims(
+        pairs = preemption.choose_victims(
             waiting,
             self.workers.values(),
             now=now,
             aging_s=self.config.priority_aging_s,
             min_time_left_s=2 * self.predictor.run_s,
-        ):
+        )
+        for run, _ in pairs:
             self._preempt(run)
+        if pairs:
+            self._hand_over([run.worker for run, _ in pairs], [request for _, request in pairs])
+
+    def _hand_over(self, workers: list[Worker], requests: list[Request]) -> None:
+        """Send ``requests`` to the workers of the runs just preempted for them, now, into
+        the slots those runs are letting go (``preemption.py``), by placement's rules: a
+        request a worker may not take there waits for a slot as before."""
+        capacity = functools.partial(preemption.handover_capacity, prefetch=self.config.prefetch)
+        open_workers = placement.open_workers(
+            dict.fromkeys(workers), self.worker_manager.retire_reason, capacity
+        )
+        for request, worker in placement.assign(requests, open_workers, capacity):
+            del self.queue[request.request_id]
+            self._dispatch(request, worker)
 
     def _preempt(self, run: Run) -> None:
         """Give ``run``'s slot to a more urgent request: cancel it, record the attempt as

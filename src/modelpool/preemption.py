@@ -10,13 +10,17 @@ work), never one promoted (by aging, or due: ``queueing.promoted``) nor one whos
 deadline leaves too little time to run again (``min_time_left_s``, twice the measured
 run, from the dispatcher: it would time out rather than answer), never more than the
 waiting requests that a slot already on its way (a preempted attempt still winding
-down) does not cover. The dispatcher soft-cancels each
+down, its slot not yet handed over) does not cover. The dispatcher soft-cancels each
 victim, records its attempt as "preempted" (not charged to its retries) and queues its
-request again first of its priority; the waiting request takes the slot once the worker lets the
-victim go (its next token or step)::
+request again first of its priority, and sends the waiting request it was chosen for to
+the victim's worker at once, with the cancel (the slot is handed over, placement's rules
+permitting: :func:`handover_capacity`): the worker lets the victim go at its next token
+or step and starts the urgent request at the same point, a batched one in the same
+step, rather than after a round trip through the pool. The victim and the request it
+gives way to hold a cancel word each meanwhile (:func:`cancel_words`)::
 
     if worth_looking(priorities.waiting, workers.values()):
-        victims = choose_victims(waiting, workers.values(), now=clock(), aging_s=10.0)
+        pairs = choose_victims(waiting, workers.values(), now=clock(), aging_s=10.0)
 
 A rerun starts again from the prompt (the prefix cache makes the prompt cheap to read
 again). A request whose caller was shown text is preempted only when its rerun gives the
@@ -32,8 +36,29 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
+from modelpool.prefetch import MAX_PREFETCHED
 from modelpool.queueing import promoted
 from modelpool.records import Request, Run, Worker
+
+
+def cancel_words(slots: int) -> int:
+    """The cancel words a worker of ``slots`` runs gets: a batched worker's rows and as
+    many again for the requests handed the rows of preempted ones while those wind down;
+    a one-call worker's run and its prefetched ones (``modelpool.prefetch``), a request
+    handed its slot being one of those."""
+    return max(2 * slots, 1 + MAX_PREFETCHED)
+
+
+def handover_capacity(worker: Worker, *, prefetch: bool = True) -> int:
+    """The runs ``worker`` may hold when preempted runs hand their slots over: its slots
+    and one for each run winding down there (preempted, or prefetched and taken back:
+    the worker answers it unrun), within its cancel words. On a one-call worker the
+    request handed the slot waits prefetched behind the victim, so only where the pool
+    prefetches (``PoolConfig.prefetch``)."""
+    if worker.slots == 1 and not prefetch:
+        return worker.slots
+    winding_down = sum(1 for run in worker.runs.values() if run.preempted or run.recalled)
+    return min(worker.slots + winding_down, cancel_words(worker.slots))
 
 
 def preemptible(run: Run, *, now: float, aging_s: float, min_time_left_s: float = 0.0) -> bool:
@@ -72,12 +97,14 @@ def choose_victims(
     now: float,
     aging_s: float,
     min_time_left_s: float = 0.0,
-) -> list[Run]:
+) -> list[tuple[Run, Request]]:
     """The running attempts to preempt for the waiting requests ``order`` (in dispatch
     order; see the module docstring). The cost is the number of running attempts plus
-    the victims, not the queue's length."""
+    the victims, not the queue's length. Each victim comes with the waiting request it was
+    chosen for."""
+    workers = list(workers)
     running = [run for worker in workers for run in worker.runs.values() if not run.prefetched]
-    freeing = sum(run.preempted for run in running)  # slots already on their way
+    freeing = sum(_unclaimed(worker) for worker in workers)  # slots already on their way
     candidates = sorted(
         (
             run
@@ -86,7 +113,7 @@ def choose_victims(
         ),
         key=_cost_order,
     )
-    victims: list[Run] = []
+    victims: list[tuple[Run, Request]] = []
     for waiting in order:
         if not candidates:
             break
@@ -100,8 +127,20 @@ def choose_victims(
         if freeing > 0:
             freeing -= 1  # a slot on its way is this one's
             continue
-        victims.append(candidates.pop())
+        victims.append((candidates.pop(), waiting))
     return victims
+
+
+def _unclaimed(worker: Worker) -> int:
+    """Slots of ``worker`` that preempted runs will free and no run was sent for yet (a
+    run handed one over, or prefetched behind the victim, claims it)."""
+    preempted = live = 0
+    for run in worker.runs.values():
+        if run.preempted:
+            preempted += 1
+        elif not run.recalled:
+            live += 1
+    return max(0, min(preempted, worker.slots - live))
 
 
 def _priority(run: Run) -> int:

@@ -95,7 +95,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from modelpool import gpu, prefetch
+from modelpool import gpu, preemption
 from modelpool.config import PoolConfig
 from modelpool.devices import group_devices, nvml_index_for, worker_env_for
 from modelpool.dispatcher import Dispatcher
@@ -410,8 +410,9 @@ class EventLoop:
             self._lifeline_r,
             lambda io: self._want_write(worker, io),
             # One cancel word per run it may hold: a one-call worker's prefetched runs
-            # (modelpool.prefetch) take the words after the first.
-            max(spec.max_batch_size, 1 + prefetch.MAX_PREFETCHED),
+            # (modelpool.prefetch), a batched worker's preempted rows winding down beside
+            # the requests handed their slots (modelpool.preemption).
+            preemption.cancel_words(spec.max_batch_size),
             self._outboxes.append,
         )
         try:

@@ -35,8 +35,10 @@ def _worker(identity: int, *requests: Request, started: float = 1.0) -> Worker:
 
 
 def _victims(waiting: list[Request], *workers: Worker, left_s: float = 0.0) -> list[str]:
-    runs = choose_victims(waiting, workers, now=5.0, aging_s=10.0, min_time_left_s=left_s)
-    return [cast(Request, run.request).request_id for run in runs]
+    pairs = choose_victims(waiting, workers, now=5.0, aging_s=10.0, min_time_left_s=left_s)
+    chosen_for = [waiting.index(request) for _, request in pairs]
+    assert chosen_for == sorted(set(chosen_for)), "one each, the most urgent first"
+    return [cast(Request, run.request).request_id for run, _ in pairs]
 
 
 def test_the_least_urgent_and_latest_started_run_is_preempted_first() -> None:
@@ -101,7 +103,7 @@ def _let_go(world: World, run: Run, text: str) -> None:
     world.d.after_event()
 
 
-def test_a_full_batch_frees_a_slot_and_the_victim_reruns_as_one_stream() -> None:
+def test_a_full_batch_hands_a_slot_over_and_the_victim_reruns_as_one_stream() -> None:
     world = World(workers=1, batch=2)
     seen: list[str] = []
     first, second = world.submit("long0", priority=5), world.submit("long1", priority=5)
@@ -113,22 +115,29 @@ def test_a_full_batch_frees_a_slot_and_the_victim_reruns_as_one_stream() -> None
     world.clock.now += 1.0
     urgent = world.submit("urgent", priority=0)
     # The one started last is cancelled and queued again, first of its priority; the
-    # urgent request waits for the slot it frees (its cancel word is still the victim's).
+    # urgent request is sent to its worker with the cancel, in a cancel word of its own,
+    # so that the worker starts it where it lets the victim go.
     proc = world.procs[victim.worker.id]
     assert proc.cancels == [(victim.slot, victim.attempt_id)]
     assert second.state == "queued" and [a.outcome for a in second.attempts] == ["preempted"]
-    assert urgent.state == "queued" and first.state == "running"
+    assert urgent.state == "running" and first.state == "running"
+    assert urgent.run is not None and urgent.run.worker is victim.worker
+    assert urgent.run.slot not in (victim.slot, cast(Run, first.run).slot)
     assert world.d.counters["preemptions"] == 1
     other = first.run
     urgent2 = world.submit("urgent2", priority=0)
     assert world.d.counters["preemptions"] == 2, "another urgent one: the other low run"
-    assert other is not None and first.state == "queued"
+    assert other is not None and first.state == "queued" and urgent2.state == "running"
+    slots = [run.slot for run in victim.worker.runs.values()]
+    assert len(slots) == len(set(slots)) == 4, "two winding down, two handed their slots"
+    late = world.submit("late", priority=0)
+    assert late.state == "queued" and world.d.counters["preemptions"] == 2, "nothing left"
     _let_go(world, victim, "t0 t1 ")
-    assert urgent.state == "running" and urgent2.state == "queued"
     _let_go(world, other, "")
-    assert urgent2.state == "running"
+    assert late.state == "queued", "the two slots are the urgent ones'"
     world.finish(urgent)
     world.finish(urgent2)
+    world.finish(late)
     assert first.state == second.state == "running", "the low ones run again"
     _chunk(world, second, "t0 ")  # the rerun repeats what the caller saw: not sent
     _chunk(world, second, "t1 t2 ")

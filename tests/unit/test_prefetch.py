@@ -160,9 +160,19 @@ def test_with_preemption_an_urgent_request_takes_the_running_slot_not_the_prefet
     running = world.submit("echo:running", priority=5)
     low = world.submit("echo:low", priority=5)
     urgent = world.submit("echo:urgent", priority=0)
-    assert urgent.run is None or not urgent.run.prefetched, "held behind a less urgent run"
     assert running.preemptions == 1 and low.run is None
     assert world.d.counters["preemptions"] == 1
+    # Handed the preempted run's slot: it waits in the worker's socket behind the victim
+    # (which stops at its next token) and the taken-back low one (answered unrun).
+    (worker,) = world.serving()
+    assert urgent.run is not None and urgent.run.prefetched and urgent.run.worker is worker
+    assert [slot for _, slot, _ in world.procs[worker.id].inbox] == [0, 1, 2]
+    world.answer_next(worker, "running")
+    world.answer_next(worker)
+    assert not urgent.run.prefetched, "it runs where the victim stopped"
+    world.answer_next(worker, "urgent")
+    assert urgent.future.result().text == "urgent"
+    assert running.state == "running" and low.state == "running", "the low ones after it"
 
 
 def test_a_cancel_of_a_prefetched_request_acts_at_once_without_a_signal() -> None:
