@@ -22,7 +22,8 @@ The entry points come first, in the order of a request's life (``submit``, ``can
 what they decide: handing requests to workers, what workers send, deadlines and the run
 end of the kill ladder, attempts' end, resolution, closing.
 
-Batching (``max_batch_size`` above 1): a worker holds up to ``Worker.slots`` runs;
+Batching (``max_batch_size`` above 1): a worker holds up to ``Worker.slots`` runs (and
+beside them the preempted ones still winding down: ``_hand_over``);
 ``_pump`` hands the queue to the rules of ``placement.py`` (least loaded, then most free
 KV room; an isolated request gets an empty worker; suspects are spread one per worker;
 a worker whose requests wait there for KV room takes no more), and ``_on_room`` asks
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import logging
 import signal
@@ -489,13 +489,24 @@ class Dispatcher:
         """Send ``requests`` to the workers of the runs just preempted for them, now, into
         the slots those runs are letting go (``preemption.py``), by placement's rules: a
         request a worker may not take there waits for a slot as before."""
-        capacity = functools.partial(preemption.handover_capacity, prefetch=self.config.prefetch)
         open_workers = placement.open_workers(
-            dict.fromkeys(workers), self.worker_manager.retire_reason, capacity
+            dict.fromkeys(workers), self.worker_manager.retire_reason, self._handover_capacity
         )
-        for request, worker in placement.assign(requests, open_workers, capacity):
+        for request, worker in placement.assign(requests, open_workers, self._handover_capacity):
             del self.queue[request.request_id]
             self._dispatch(request, worker)
+
+    def _handover_capacity(self, worker: Worker) -> int:
+        """``preemption.handover_capacity``; on a one-call worker the request handed the
+        slot is a prefetched run, held to prefetch's rules as well: none where the pool
+        does not prefetch, nor behind a worker due to retire or behind its last request
+        (``max_requests_per_worker``: the victim counts)."""
+        held = preemption.handover_capacity(worker)
+        if worker.slots == 1:
+            retire_reason = self.worker_manager.retire_reason
+            most = prefetch.capacity(worker, self.config, retire_reason, prefetch.MAX_PREFETCHED)
+            held = min(held, most)
+        return held
 
     def _preempt(self, run: Run) -> None:
         """Give ``run``'s slot to a more urgent request: cancel it, record the attempt as

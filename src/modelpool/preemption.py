@@ -49,14 +49,12 @@ def cancel_words(slots: int) -> int:
     return max(2 * slots, 1 + MAX_PREFETCHED)
 
 
-def handover_capacity(worker: Worker, *, prefetch: bool = True) -> int:
+def handover_capacity(worker: Worker) -> int:
     """The runs ``worker`` may hold when preempted runs hand their slots over: its slots
     and one for each run winding down there (preempted, or prefetched and taken back:
     the worker answers it unrun), within its cancel words. On a one-call worker the
-    request handed the slot waits prefetched behind the victim, so only where the pool
-    prefetches (``PoolConfig.prefetch``)."""
-    if worker.slots == 1 and not prefetch:
-        return worker.slots
+    request handed the slot waits prefetched behind the victim, so the dispatcher holds
+    it to prefetch's rules too (``prefetch.capacity``)."""
     winding_down = sum(1 for run in worker.runs.values() if run.preempted or run.recalled)
     return min(worker.slots + winding_down, cancel_words(worker.slots))
 

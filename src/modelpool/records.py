@@ -243,8 +243,10 @@ class Worker:
     prefix_cache: PrefixCacheReport | None = None
 
     def free_slot(self) -> int:
-        """The lowest cancel word no run of it holds: below ``slots`` on a batched worker,
-        which holds at most that many; a one-call worker's prefetched runs take the next ones."""
+        """The lowest cancel word no run of it holds. A worker never holds more runs than
+        it has words (``preemption.cancel_words``): a batched worker its rows, and a
+        request handed the row of each preempted run still winding down; a one-call worker
+        its run and its prefetched ones."""
         if not self.runs:
             return 0
         used = {run.slot for run in self.runs.values()}

@@ -357,3 +357,31 @@ def test_a_run_started_from_behind_another_is_watched_for_stalls() -> None:
         world.d.run_due_timers()
         world.d.after_event()
     assert world.d.counters["stalls"] == 1
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"max_requests_per_worker": 1}, {"prefetch": False}],
+    ids=["victim-is-its-last", "prefetch-off"],
+)
+def test_no_request_is_handed_a_slot_where_it_could_not_be_prefetched(
+    overrides: dict[str, Any],
+) -> None:
+    world = World(workers=1, **overrides)
+    low = world.submit("echo:low", priority=5)
+    urgent = world.submit("echo:urgent", priority=0)
+    assert low.preemptions == 1, "preempted all the same"
+    assert urgent.state == "queued", "it waits in the pool for the slot, as before"
+    served: dict[int, int] = {}
+    for _ in range(10):  # the victim lets go; the worker retires where it must
+        for each in list(world.d.workers.values()):
+            served[each.id] = each.requests
+            if each.state == "stopping" and not each.runs:
+                world.die(each, 0)
+        holding = [w for w in world.serving() if world.procs[w.id].inbox]
+        if not holding:
+            break
+        world.answer_next(holding[0])
+    assert urgent.future.result().text == "ok" and low.future.done()
+    limit = overrides.get("max_requests_per_worker")
+    assert limit is None or max(served.values()) <= limit, served
