@@ -487,26 +487,17 @@ class Dispatcher:
 
     def _hand_over(self, workers: list[Worker], requests: list[Request]) -> None:
         """Send ``requests`` to the workers of the runs just preempted for them, now, into
-        the slots those runs are letting go (``preemption.py``), by placement's rules: a
-        request a worker may not take there waits for a slot as before."""
-        open_workers = placement.open_workers(
-            dict.fromkeys(workers), self.worker_manager.retire_reason, self._handover_capacity
-        )
-        for request, worker in placement.assign(requests, open_workers, self._handover_capacity):
+        the slots those runs are letting go (``preemption.handover_capacity``), by
+        placement's rules: a request a worker may not take there waits for a slot as before."""
+        retire_reason = self.worker_manager.retire_reason
+
+        def capacity(worker: Worker) -> int:
+            return preemption.handover_capacity(worker, self.config, retire_reason)
+
+        open_workers = placement.open_workers(dict.fromkeys(workers), retire_reason, capacity)
+        for request, worker in placement.assign(requests, open_workers, capacity):
             del self.queue[request.request_id]
             self._dispatch(request, worker)
-
-    def _handover_capacity(self, worker: Worker) -> int:
-        """``preemption.handover_capacity``; on a one-call worker the request handed the
-        slot is a prefetched run, held to prefetch's rules as well: none where the pool
-        does not prefetch, nor behind a worker due to retire or behind its last request
-        (``max_requests_per_worker``: the victim counts)."""
-        held = preemption.handover_capacity(worker)
-        if worker.slots == 1:
-            retire_reason = self.worker_manager.retire_reason
-            most = prefetch.capacity(worker, self.config, retire_reason, prefetch.MAX_PREFETCHED)
-            held = min(held, most)
-        return held
 
     def _preempt(self, run: Run) -> None:
         """Give ``run``'s slot to a more urgent request: cancel it, record the attempt as

@@ -33,9 +33,11 @@ contradiction.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
+from modelpool import prefetch
+from modelpool.config import PoolConfig
 from modelpool.prefetch import MAX_PREFETCHED
 from modelpool.queueing import promoted
 from modelpool.records import Request, Run, Worker
@@ -49,14 +51,20 @@ def cancel_words(slots: int) -> int:
     return max(2 * slots, 1 + MAX_PREFETCHED)
 
 
-def handover_capacity(worker: Worker) -> int:
+def handover_capacity(
+    worker: Worker, config: PoolConfig, retire_reason: Callable[[Worker], str | None]
+) -> int:
     """The runs ``worker`` may hold when preempted runs hand their slots over: its slots
     and one for each run winding down there (preempted, or prefetched and taken back:
     the worker answers it unrun), within its cancel words. On a one-call worker the
-    request handed the slot waits prefetched behind the victim, so the dispatcher holds
-    it to prefetch's rules too (``prefetch.capacity``)."""
-    winding_down = sum(1 for run in worker.runs.values() if run.preempted or run.recalled)
-    return min(worker.slots + winding_down, cancel_words(worker.slots))
+    request handed the slot is a prefetched run behind the victim, so prefetch's rules
+    hold as well (``prefetch.capacity``: none where the pool does not prefetch, nor
+    behind a worker due to retire or behind its last request, which the victim may be)."""
+    _, live = _tally(worker)
+    held = min(worker.slots + len(worker.runs) - live, cancel_words(worker.slots))
+    if worker.slots == 1:
+        held = min(held, prefetch.capacity(worker, config, retire_reason, MAX_PREFETCHED))
+    return held
 
 
 def preemptible(run: Run, *, now: float, aging_s: float, min_time_left_s: float = 0.0) -> bool:
@@ -132,13 +140,20 @@ def choose_victims(
 def _unclaimed(worker: Worker) -> int:
     """Slots of ``worker`` that preempted runs will free and no run was sent for yet (a
     run handed one over, or prefetched behind the victim, claims it)."""
+    preempted, live = _tally(worker)
+    return max(0, min(preempted, worker.slots - live))
+
+
+def _tally(worker: Worker) -> tuple[int, int]:
+    """``worker``'s preempted runs, and its live ones: neither preempted nor taken back
+    (prefetched runs count: each will take a slot)."""
     preempted = live = 0
     for run in worker.runs.values():
         if run.preempted:
             preempted += 1
         elif not run.recalled:
             live += 1
-    return max(0, min(preempted, worker.slots - live))
+    return preempted, live
 
 
 def _priority(run: Run) -> int:
