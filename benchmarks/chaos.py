@@ -74,7 +74,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -744,16 +744,21 @@ def check_request(
     expected: str | None,
     struck: set[int],
     max_attempts: int,
-    fault_pids: set[int] | None = None,
+    fault_pids: Mapping[int, set[str]] | None = None,
 ) -> str | None:
     """Why this request's outcome is wrong for its kind (``expected``: its text), or None.
 
-    ``fault_pids`` (batching only): workers a fault request ran on. A request may lose an
-    attempt on one of them as it may on a worker the agent struck; a fault request itself
-    may end as the suspect (PoisonRequest) after collateral attempts."""
+    ``fault_pids`` (batching only): the workers fault requests ran on, each with those
+    requests' kinds. A request may lose an attempt on one of them as it may on a worker the
+    agent struck; a fault request itself may end as the suspect (PoisonRequest) after
+    collateral attempts. A batch_raise beside a hang or hog times out with its batch, and
+    beside a segfault dies with it, as any other request there would."""
     batched = fault_pids is not None
-    if fault_pids is not None and record.kind not in BATCH_FAULT_KINDS | LOST_STEP_KINDS:
-        struck = struck | fault_pids
+    if fault_pids is not None and record.kind not in BATCH_FAULT_KINDS:
+        excused = BATCH_FAULT_KINDS if record.kind in LOST_STEP_KINDS else None
+        struck = struck | {
+            pid for pid, kinds in fault_pids.items() if excused is None or kinds & excused
+        }
     if record.violation:
         return record.violation
     if record.outcome is None:
@@ -1189,21 +1194,20 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
 
     # ---- every request -----------------------------------------------------------------
     struck = set(agent.struck)
-    fault_pids: set[int] | None = None
+    fault_pids: dict[int, set[str]] | None = None
     if config.max_batch_size > 1:
-        fault_pids = {
-            pid
-            for record in records
-            if record.kind in BATCH_FAULT_KINDS | LOST_STEP_KINDS
-            for pid, _ in record.attempts
-            if pid is not None
-        }
+        fault_pids = {}
+        for record in records:
+            if record.kind in BATCH_FAULT_KINDS | LOST_STEP_KINDS:
+                for pid, _ in record.attempts:
+                    if pid is not None:
+                        fault_pids.setdefault(pid, set()).add(record.kind)
         # A crash_once that then succeeded reports no attempts; its marker names the
         # worker it took down.
         for marker in Path(tmp.name).glob("once-*"):
             text = marker.read_text().strip()
             if text.isdigit():
-                fault_pids.add(int(text))
+                fault_pids.setdefault(int(text), set()).add("crash_once")
     bad: Counter[str] = Counter()
     for record in records:
         expected = spec_for(args, record.index, tmp.name).expected

@@ -383,3 +383,16 @@ def test_a_run_with_a_violation_exits_1(tmp_path: Path) -> None:
     report = json.loads(report_path.read_text())
     assert report["ok"] is False and report["violations"] == ["forced: supervisor RSS grows"]
     assert report["figures"]["requests"] == 20
+
+
+def test_a_lost_step_may_time_out_only_beside_a_fault_that_stalls_its_batch() -> None:
+    """A batch_raise shared a batch with a hang: its attempt there timed out with the batch
+    (a CI run's seed 1 at batch 4), which is no violation; the same timeout on a worker
+    where only lost steps ran is one."""
+    attempts = [(10, "timeout"), (11, "collateral"), (12, "error")]
+    suspect = record("batch_raise", "PoisonRequest", attempts=attempts)
+    beside_a_hang = {10: {"hang"}, 11: {"batch_raise"}, 12: {"batch_raise"}}
+    assert chaos.check_request(suspect, None, set(), 3, beside_a_hang) is None
+    alone = {10: {"batch_raise"}, 11: {"batch_raise"}, 12: {"batch_raise"}}
+    found = chaos.check_request(suspect, None, set(), 3, alone)
+    assert found is not None and "suspect had attempts" in found
