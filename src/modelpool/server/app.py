@@ -82,6 +82,7 @@ from modelpool.errors import (
 from modelpool.protocol import Prompt
 from modelpool.registry import ModelRegistry
 from modelpool.server import models as multi
+from modelpool.server import rights
 from modelpool.server.anthropic.api import MessagesApi, count_prompt
 from modelpool.server.checks import Checks
 from modelpool.server.errors import (
@@ -241,7 +242,7 @@ def create_app(
     @app.exception_handler(PoolError)
     async def on_pool_error(request: Request, exc: PoolError) -> Response:
         _note_attempts(request.scope, exc.request_id, exc.attempts)
-        return error_response(pool_error_to_api(exc), request.url.path)
+        return error_response(pool_error_to_api(rights.seen_error(request, exc)), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -302,9 +303,9 @@ def create_app(
         return JSONResponse(body, status_code=503 if reasons else 200)
 
     @app.get("/readyz")
-    async def readyz() -> Response:
+    async def readyz(request: Request) -> Response:
         if registry is not None:
-            return await _registry_ready(state, registry)
+            return await _registry_ready(state, registry, listed=rights.known(request))
         assert pool is not None
         stats = await run_in_threadpool(pool.stats)
         ready_workers = sum(1 for w in stats.workers if w.state in READY_WORKER_STATES)
@@ -319,20 +320,22 @@ def create_app(
         return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
 
     @app.get("/stats")
-    async def stats() -> Response:
+    async def stats(request: Request) -> Response:
         server_parts = {
             "fair_share": state.fair_share.snapshot(),
             "checks": state.checks.snapshot(),
+            "responses_store": state.responses.store.snapshot(),
         }
         if registry is not None:
             server_parts["fair_share_by_model"] = {
                 name: share.snapshot() for name, share in state.shares.items()
             }
-            snapshot_all = await run_in_threadpool(registry.stats)
-            return JSONResponse({**snapshot_all.to_dict(), **server_parts})
-        assert pool is not None
-        snapshot = await pool.astats()
-        return JSONResponse({**snapshot.to_dict(), **server_parts})
+            snapshot_all = (await run_in_threadpool(registry.stats)).to_dict()
+        else:
+            assert pool is not None
+            snapshot_all = (await pool.astats()).to_dict()
+        full = {**snapshot_all, **server_parts}
+        return JSONResponse(full if rights.operates(request) else rights.tenant_stats(full))
 
     add_ui_routes(app)
 
@@ -378,17 +381,18 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, state, ChatApi())
 
+    # Each tenant's stored responses are its own: another's id reads as unknown.
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await _generate(request, state, state.responses)
+        return await _generate(request, state, state.responses.of(rights.owner(request)))
 
     @app.get("/v1/responses/{response_id}")
-    async def stored_response(response_id: str) -> Response:
-        return JSONResponse(state.responses.stored(response_id))
+    async def stored_response(request: Request, response_id: str) -> Response:
+        return JSONResponse(state.responses.of(rights.owner(request)).stored(response_id))
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> Response:
-        return JSONResponse(state.responses.delete(response_id))
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return JSONResponse(state.responses.of(rights.owner(request)).delete(response_id))
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
@@ -432,9 +436,11 @@ def _install_model_routes(app: FastAPI, state: ServerState, pool: ModelPool) -> 
         return _model_card(state, snapshot.max_model_len, snapshot.task)
 
 
-async def _registry_ready(state: ServerState, registry: ModelRegistry) -> Response:
+async def _registry_ready(state: ServerState, registry: ModelRegistry, *, listed: bool) -> Response:
     """Ready: not draining, the registry alive, and every preload model loaded (any other
-    model loads on its first request)."""
+    model loads on its first request). The models and their states only when ``listed``
+    (a caller with a key): an unauthenticated probe learns ready or not, and why in
+    general terms, not which models the operator serves."""
     stats = await run_in_threadpool(registry.stats, with_pools=False)
     waiting_for = [
         name
@@ -442,11 +448,11 @@ async def _registry_ready(state: ServerState, registry: ModelRegistry) -> Respon
         if registry.spec(name).preload and model.state != "loaded"
     ]
     ready = not state.draining and registry.health().alive and not waiting_for
-    body = {
-        "status": "ready" if ready else "not ready",
-        "models": {name: model.state for name, model in stats.models.items()},
-        "draining": state.draining,
-    }
+    body: dict[str, Any] = {"status": "ready" if ready else "not ready", "draining": state.draining}
+    if waiting_for:
+        body["reason"] = f"{len(waiting_for)} preloaded model(s) not loaded yet"
+    if listed:
+        body["models"] = {name: model.state for name, model in stats.models.items()}
     headers = {} if ready else {"Retry-After": str(RETRY_AFTER_UNAVAILABLE)}
     return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
 
@@ -541,8 +547,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     waiting_s = deadline_from(
         {}, request.headers, state.default_deadline_s(), state.config.max_request_timeout_s
     )
-    tenant_budget = client.tenant.max_request_tokens if client.tenant is not None else None
-    budget = tenant_budget or state.config.max_request_tokens
+    budget = client.config(state.config).max_request_tokens
     body, parsed = await state.checks.run(
         client.name, client.limits, waiting_s, _parse, raw, api, budget, state.pool_config_for
     )

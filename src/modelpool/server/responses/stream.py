@@ -76,7 +76,12 @@ class ResponseEvents:
             self._request, self._model, status, self.output, result=result
         )
         if self._request.store:
-            self._store.put(self._request.response_id, self.response, self.conversation())
+            self._store.put(
+                self._request.response_id,
+                self.response,
+                self.conversation(),
+                owner=self._request.owner,
+            )
         return events
 
     def closing(self, results: Mapping[int, Result]) -> list[bytes]:
