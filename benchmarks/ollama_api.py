@@ -6,9 +6,11 @@ a fixed ``num_predict``/``max_tokens`` so that both routes write the same tokens
 ``testing`` backend (``--model testing``: ``tokens:N:DELAY`` streams N tokens DELAY
 seconds apart, so what differs is the daemon's own work). Each prompt is streamed through
 both routes in turn, round after round (interleaved, so that a busy machine slows both
-alike). Time to first token is to the first line or event that carries text; tokens/s
-counts the text pieces after it. Prints medians and ``/api/chat``'s ratio to chat
-(target >= 0.95x for tokens/s, TTFT within 5%)::
+alike; each route first every other round). Time to first token is to the first line or
+event that carries text; tokens/s counts the text pieces after it. Prints each route's
+medians and ratio to chat, and the median of the pairs' ratios (the same prompt through
+both routes back to back: the steadier figure on a shared machine); target >= 0.95x for
+tokens/s, TTFT within 5%::
 
     python -m benchmarks.ollama_api                      # SmolLM2, 5 rounds x 4 prompts
     python -m benchmarks.ollama_api --model testing --rounds 20
@@ -117,9 +119,11 @@ def main() -> int:
             with httpx.Client(base_url=daemon.url, timeout=120.0) as client:
                 for route in ROUTES:  # warm-up, not counted
                     measure(client, route, prompts[0], args.tokens)
-                for _ in range(args.rounds):
+                for number in range(args.rounds):
                     for prompt in prompts:
-                        for route in ROUTES:
+                        # Each route first every other round: neither gains by its place.
+                        order = list(ROUTES) if number % 2 == 0 else list(reversed(ROUTES))
+                        for route in order:
                             samples[route].append(measure(client, route, prompt, args.tokens))
         finally:
             daemon.stop()
@@ -142,6 +146,12 @@ def main() -> int:
             f"{route:<10}{ttft * 1000:>10.2f}{rate:>10.1f}"
             f"{ttft / chat_ttft:>14.3f}{rate / chat_rate:>14.3f}"
         )
+    # The same prompt through both routes back to back, pair by pair: what a load that
+    # drifts over the run does to both medians cancels out of each pair's ratio.
+    pairs = list(zip(samples["chat"], samples["ollama"], strict=True))
+    ttft_ratio = statistics.median(o[0] / c[0] for c, o in pairs)
+    rate_ratio = statistics.median(o[1] / c[1] for c, o in pairs if c[1] > 0)
+    print(f"paired medians: /api/chat TTFT {ttft_ratio:.3f}x chat, tokens/s {rate_ratio:.3f}x chat")
     return 0
 
 

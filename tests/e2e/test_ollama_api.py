@@ -261,6 +261,10 @@ def test_errors_in_ollama_shape(daemon: Daemon, client: ollama.Client) -> None:
     assert "options.mirostat" in error_of(post(daemon, "/api/chat", mirostat), 400)
     bad_tokens = {**chat, "messages": hello, "options": {"num_predict": 0}}
     assert error_of(post(daemon, "/api/chat", bad_tokens), 400).startswith("options.num_predict")
+    costly = {**chat, "messages": hello, "options": {"num_predict": 10**6}}
+    assert "max_request_tokens" in error_of(post(daemon, "/api/chat", costly), 400)
+    huge = {**chat, "messages": [{"role": "user", "content": "x" * 70_000}]}
+    assert "larger than" in error_of(post(daemon, "/api/chat", huge), 413)
     pulled = post(daemon, "/api/pull", {"model": "llama3.2"})
     assert "serves the models its configuration names" in error_of(pulled, 501)
     deleted = httpx.request(

@@ -29,6 +29,7 @@ from modelpool import tools
 from modelpool.server.errors import error_response
 from modelpool.server.http import ApiError, json_bytes
 from modelpool.server.models import WAITED
+from modelpool.server.ollama.models import timestamp
 from modelpool.server.ollama.request import OllamaRequest
 from modelpool.server.streaming import StreamedChoice, StreamedText
 
@@ -41,7 +42,7 @@ NS = 1_000_000_000
 
 def created_at() -> str:
     """Now, as Ollama writes its ``created_at`` (RFC 3339, UTC)."""
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return timestamp(datetime.datetime.now(datetime.UTC))
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Clock:
 
 def done_line(kind: Literal["chat", "generate"], model: str, reason: str) -> dict[str, Any]:
     """The answer of a request that ran nothing (``reason``: "load" or "unload")."""
-    line = _line(kind, model, "")
+    line = _line(kind, model)
     line.update(done=True, done_reason=reason)
     return line
 
@@ -103,7 +104,7 @@ class OllamaLines:
         return self._write(self._reader.finish() if self._reader else [])
 
     def closing(self, results: Mapping[int, Result]) -> list[bytes]:
-        return [_encode(self._last(results[0], _line(self._kind, self._model, "")))]
+        return [_encode(self._last(results[0], _line(self._kind, self._model)))]
 
     def failed(self, error: ApiError) -> bytes:
         return _encode({"error": error.message})
@@ -112,7 +113,7 @@ class OllamaLines:
         return error_response(error, f"/api/{self._kind}")
 
     def whole(self, result: Result) -> bytes:
-        answer = _line(self._kind, self._model, "")
+        answer = _line(self._kind, self._model)
         if self._kind == "generate" or self._request.job.tools is None:
             _put_text(answer, result.text)
         else:
@@ -133,24 +134,25 @@ class OllamaLines:
         for event in events:
             if isinstance(event, str):
                 if event:
-                    line = _line(self._kind, self._model, "")
+                    line = _line(self._kind, self._model)
                     _put_text(line, event)
                     line["done"] = False
                     lines.append(_encode(line))
             else:
-                line = _line(self._kind, self._model, "")
+                line = _line(self._kind, self._model)
                 line["message"]["tool_calls"] = [_ollama_call(event)]
                 line["done"] = False
                 lines.append(_encode(line))
         return lines
 
 
-def _line(kind: Literal["chat", "generate"], model: str, text: str) -> dict[str, Any]:
+def _line(kind: Literal["chat", "generate"], model: str) -> dict[str, Any]:
+    """A line's head, its text empty: ``message`` for chat, ``response`` for generate."""
     line: dict[str, Any] = {"model": model, "created_at": created_at()}
     if kind == "chat":
-        line["message"] = {"role": "assistant", "content": text}
+        line["message"] = {"role": "assistant", "content": ""}
     else:
-        line["response"] = text
+        line["response"] = ""
     return line
 
 
