@@ -273,7 +273,7 @@ def test_errors_in_ollama_shape(daemon: Daemon, client: ollama.Client) -> None:
     assert error_of(deleted, 501)
 
 
-def test_key_and_origin_are_required(daemon: Daemon) -> None:
+def test_key_host_and_origin_are_checked(daemon: Daemon) -> None:
     hello = {"model": "chat", "messages": [{"role": "user", "content": "x"}]}
     keyless = httpx.post(daemon.url + "/api/chat", json=hello, timeout=10)
     assert "API key" in error_of(keyless, 401)
@@ -282,6 +282,8 @@ def test_key_and_origin_are_required(daemon: Daemon) -> None:
     assert raised.value.status_code == 401
     browser = post(daemon, "/api/chat", hello, Origin="https://evil.example")
     assert "cross-origin" in error_of(browser, 403)
+    rebound = post(daemon, "/api/chat", hello, Host="evil.example")  # DNS rebinding
+    assert "is not served here" in error_of(rebound, 403)
 
 
 def test_deadline_mid_stream_is_an_error_line(client: ollama.Client, daemon: Daemon) -> None:
@@ -295,15 +297,15 @@ def test_deadline_mid_stream_is_an_error_line(client: ollama.Client, daemon: Dae
 def test_disconnect_cancels_the_run(daemon: Daemon) -> None:
     body = {"model": "chat", "messages": [{"role": "user", "content": "tokens:400:0.05"}]}
     with httpx.stream("POST", daemon.url + "/api/chat", json=body, headers=AUTH, timeout=30) as r:
-        first = next(line for line in r.iter_lines() if line)
-        assert json.loads(first)["done"] is False
+        lines = r.iter_lines()
+        assert json.loads(next(lines))["done"] is False
+        assert running(daemon), "the run goes on while the client reads"
+    wait_until(lambda: not running(daemon), slack(10.0), message="the run cancelled")
 
-    def idle() -> bool:
-        stats = httpx.get(daemon.url + "/stats", headers=AUTH, timeout=10).json()
-        workers = stats["models"]["chat"]["pool"]["workers"]
-        return all(not worker["running"] for worker in workers)
 
-    wait_until(idle, slack(10.0), message="the run cancelled")
+def running(daemon: Daemon) -> bool:
+    stats = httpx.get(daemon.url + "/stats", headers=AUTH, timeout=10).json()
+    return any(worker["running"] for worker in stats["models"]["chat"]["pool"]["workers"])
 
 
 def test_langchain_chat_ollama(daemon: Daemon) -> None:
@@ -399,8 +401,9 @@ def test_ollama_npm_client(daemon: Daemon, tmp_path: Path) -> None:
 
 def test_one_model_daemon(tmp_path: Path) -> None:
     """Without a registry: the one pool whatever ``model`` says, listed, loaded for good
-    (a keep_alive 0 unload is refused, saying why)."""
-    one = start_daemon(tmp_path, daemon_config(workers=1))
+    (a keep_alive 0 unload is refused, saying why); a client past its share is a 429."""
+    server = {"client_max_running": 1, "client_max_queued": 0}
+    one = start_daemon(tmp_path, daemon_config(workers=2, server=server))
     try:
         client = ollama.Client(host=one.url)
         assert client.chat(model="any", messages=[{"role": "user", "content": "tokens:1"}])
@@ -409,6 +412,13 @@ def test_one_model_daemon(tmp_path: Path) -> None:
         with pytest.raises(ollama.ResponseError) as raised:
             client.chat(model="any", messages=[], keep_alive=0)
         assert raised.value.status_code == 400 and "one model" in raised.value.error
+        long = {"model": "any", "messages": [{"role": "user", "content": "tokens:200:0.05"}]}
+        with httpx.stream("POST", one.url + "/api/chat", json=long, timeout=30) as running:
+            lines = running.iter_lines()  # held: a closed iterator closes the stream
+            assert json.loads(next(lines))["done"] is False
+            with pytest.raises(ollama.ResponseError) as raised:
+                client.chat(model="any", messages=[{"role": "user", "content": "tokens:1"}])
+            assert raised.value.status_code == 429
     finally:
         assert one.stop() == 0, one.log()[-4000:]
 
