@@ -206,6 +206,7 @@ def test_list_show_and_version(client: ollama.Client, daemon: Daemon) -> None:
     assert chat.modelinfo is not None and chat.modelinfo["testing.context_length"] == CONTEXT
     emb = client.show("emb")
     assert emb.capabilities == ["embedding"]
+    assert httpx.head(daemon.url + "/", headers=AUTH, timeout=10).status_code == 200  # heartbeat
     version = httpx.get(daemon.url + "/api/version", headers=AUTH, timeout=10).json()
     assert version["version"].count(".") == 2 and version["modelpool_version"]
 

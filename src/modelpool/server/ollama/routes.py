@@ -7,7 +7,8 @@ route module never imports ``app``)::
 and ``/api/embeddings`` the embedding routes' (``pooling_routes.serve_embeddings``), so
 the key, the body bound, the check threads, the budget, the fair share, the deadline and
 cancel-on-disconnect are theirs. ``/api/tags``, ``/api/ps``, ``/api/show`` and
-``/api/version`` read the registry's stats (``ollama.models``). ``/api/pull``, ``push``,
+``/api/version`` read the registry's stats (``ollama.models``); ``/`` answers 200, as
+Ollama's heartbeat expects. ``/api/pull``, ``push``,
 ``create``, ``copy``, ``delete`` and ``blobs`` answer 501 with how modelpool gets its
 models.
 """
@@ -20,7 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from modelpool.config import ServerConfig
@@ -162,6 +163,11 @@ def install_ollama_routes(
     @app.get("/api/version")
     async def version() -> Response:
         return JSONResponse(listing.version_body())
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        # Ollama's CLI and some of its clients probe / for a 200 before anything else.
+        return PlainTextResponse("modelpool is running (Ollama's API under /api/)")
 
     async def no_model_management(request: Request) -> Response:
         raise ApiError(501, NO_MODEL_MANAGEMENT, type="not_implemented", code="not_supported")
