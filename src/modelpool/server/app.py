@@ -17,9 +17,10 @@ The state the routes share (``ServerState``) and the walk of the small routes
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
 sends server-sent events ending with ``data: [DONE]``), ``POST /v1/responses`` (with
 ``GET``/``DELETE /v1/responses/{id}`` for stored ones), ``POST /v1/messages`` and
-``POST /v1/messages/count_tokens`` (Anthropic's, errors in its shape), ``GET
-/v1/models``, ``GET /healthz``, ``GET /readyz``, ``GET /stats``, ``GET /metrics``, ``GET
-/ui`` (the status page, ``server/ui``). Every
+``POST /v1/messages/count_tokens`` (Anthropic's, errors in its shape), Ollama's
+``/api/`` routes (``ollama.routes``), ``GET /v1/models``, ``GET /healthz``, ``GET
+/readyz``, ``GET /stats``, ``GET /metrics``, ``GET /ui`` (the status page,
+``server/ui``). Every
 generating route takes the one walk of ``_generate``; its API family (``generation.Api``)
 only parses the body into a job and writes the answer.
 
@@ -92,7 +93,7 @@ from modelpool.server.errors import (
     shutting_down,
 )
 from modelpool.server.fair_share import FairShare
-from modelpool.server.generation import Api, P, Plain
+from modelpool.server.generation import Api, P, Plain, RunsOnItsModel
 from modelpool.server.guard import BrowserGuard, Gate, require_json
 from modelpool.server.http import (
     ApiError,
@@ -104,6 +105,7 @@ from modelpool.server.http import (
     run_unless_disconnected,
 )
 from modelpool.server.metrics import CONTENT_TYPE, PoolMetrics
+from modelpool.server.ollama.routes import install_ollama_routes
 from modelpool.server.openai.format import Job, response_body
 from modelpool.server.openai.request import (
     check_budget,
@@ -407,6 +409,7 @@ def create_app(
         return JSONResponse({"input_tokens": len(tokens)})
 
     install_pooling_routes(app, state, on_a_worker)
+    install_ollama_routes(app, state, _generate, on_a_worker)
     return app
 
 
@@ -552,7 +555,10 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         client.name, client.limits, waiting_s, _parse, raw, api, budget, state.pool_config_for
     )
     job = parsed.job
-    pool = await state.pool_for(request, body)
+    taken = await api.take_pool(parsed, body, lambda: state.pool_for(request, body))
+    if isinstance(taken, Response):
+        return taken  # answered without a run (Ollama's load and unload)
+    pool = taken
     deadline = state.time_left(
         request,
         deadline_from(
@@ -686,7 +692,7 @@ def _answer_model(state: ServerState, body: dict[str, Any]) -> str:
     return state.registry.spec(str(body.get("model"))).name
 
 
-class CompletionsApi:
+class CompletionsApi(RunsOnItsModel):
     """``/v1/completions``."""
 
     def parse(self, body: dict[str, Any]) -> Plain:

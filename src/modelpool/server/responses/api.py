@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from modelpool.server.generation import RunsOnItsModel
 from modelpool.server.http import ApiError, json_bytes
 from modelpool.server.responses.request import ResponsesRequest, parse_responses
 from modelpool.server.responses.store import ResponseStore
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from modelpool.pool import Result
 
 
-class ResponsesApi:
+class ResponsesApi(RunsOnItsModel):
     """The Responses family: a body read onto the chat job, answers kept in ``store`` as
     ``owner``'s (a tenant's name; "" without keys), which only it reads back::
 

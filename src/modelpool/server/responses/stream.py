@@ -31,7 +31,7 @@ from modelpool.server.http import ApiError
 from modelpool.server.responses.format import Status, response_object
 from modelpool.server.responses.request import ResponsesRequest
 from modelpool.server.responses.store import ResponseStore
-from modelpool.server.streaming import StreamedChoice, StreamedText, sse
+from modelpool.server.streaming import SSE_CONTENT_TYPE, StreamedChoice, StreamedText, sse
 
 if TYPE_CHECKING:
     from modelpool.pool import Result
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 class ResponseEvents:
     """The :class:`~modelpool.server.streaming.StreamWriter` of ``/v1/responses`` (one
     choice: the Responses API has no ``n``)."""
+
+    content_type = SSE_CONTENT_TYPE
 
     def __init__(self, request: ResponsesRequest, model: str, store: ResponseStore) -> None:
         self._request = request
