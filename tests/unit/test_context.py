@@ -144,11 +144,11 @@ def test_the_testing_backend_caps_a_default_and_refuses_the_callers_own() -> Non
 
 
 def test_modelpool_stats_shows_the_context_length() -> None:
-    from modelpool.cli import _stats_tables
+    from modelpool.cli_remote import stats_tables
 
-    _, _, rows = _stats_tables({"max_model_len": 8192})[0]
+    _, _, rows = stats_tables({"max_model_len": 8192})[0]
     assert ["context length", "8192 tokens"] in rows
-    _, _, rows = _stats_tables({"max_model_len": None})[0]
+    _, _, rows = stats_tables({"max_model_len": None})[0]
     assert ["context length", "-"] in rows
 
 
