@@ -376,7 +376,13 @@ def ps_command(args: argparse.Namespace) -> int:
         keys = [column.lower() for column in PS_COLUMNS]
         print(json.dumps([dict(zip(keys, row, strict=True)) for row in rows], indent=2))
     else:
-        print(_plain_table("", PS_COLUMNS, rows).removeprefix("\n"))
+        widths = [max(len(row[i]) for row in [PS_COLUMNS, *rows]) for i in range(len(PS_COLUMNS))]
+        for row in [PS_COLUMNS, *rows]:
+            print(
+                "  ".join(
+                    cell.ljust(width) for cell, width in zip(row, widths, strict=True)
+                ).rstrip()
+            )
     return 0
 
 
