@@ -82,7 +82,7 @@ from modelpool.errors import (
 from modelpool.protocol import Prompt
 from modelpool.registry import ModelRegistry
 from modelpool.server import models as multi
-from modelpool.server.anthropic.api import MessagesApi, count_prompt
+from modelpool.server.anthropic.api import MessagesApi, count_prompt, fit_max_tokens
 from modelpool.server.checks import Checks
 from modelpool.server.errors import (
     RETRY_AFTER_UNAVAILABLE,
@@ -668,6 +668,7 @@ def _parse(
     keep_alive = multi.split_keep_alive(body)
     parsed = api.parse(body)
     multi.put_keep_alive(body, keep_alive)
+    fit_max_tokens(parsed, config_for(body))
     default_max_tokens = config_for(body).generation_defaults.get("max_new_tokens", 0)
     check_budget(parsed.job, limit=budget, default_max_tokens=default_max_tokens)
     return body, parsed
