@@ -75,6 +75,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Scope
 
+from modelpool.backends.common.params import DEFAULT_MAX_NEW_TOKENS
 from modelpool.config import PoolConfig, ServerConfig
 from modelpool.errors import (
     PoolError,
@@ -669,7 +670,10 @@ def _parse(
     parsed = api.parse(body)
     multi.put_keep_alive(body, keep_alive)
     fit_max_tokens(parsed, config_for(body))
-    default_max_tokens = config_for(body).generation_defaults.get("max_new_tokens", 0)
+    # A request with no maximum is costed as before it got the context's room (128).
+    default_max_tokens = config_for(body).generation_defaults.get(
+        "max_new_tokens", DEFAULT_MAX_NEW_TOKENS
+    )
     check_budget(parsed.job, limit=budget, default_max_tokens=default_max_tokens)
     return body, parsed
 
