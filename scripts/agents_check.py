@@ -15,8 +15,11 @@ daemon's access log), the number of requests, and the fields the daemon accepted
 ignored (its log). Then both again against a daemon whose context is too small for their
 prompts (the testing backend's ``max_model_len``, refused as the hf backend refuses a
 prompt past the embedded SmolLM2's 8192): each must show the context-length error it
-received in its own API's shape. Only loopback traffic: the agents' own
-telemetry and update checks are switched off.
+received in its own API's shape. Last, Claude Code against that small context with its
+own prompt left out (``--system-prompt``, ``--tools ""``): its prompt fits, and the
+``max_tokens: 32000`` it asks of every model is cut to what the context leaves, so it
+must answer. Only loopback traffic: the agents' own telemetry and update checks are
+switched off.
 """
 
 from __future__ import annotations
@@ -117,8 +120,12 @@ def run_codex(
     )
 
 
+# Claude Code with its own system prompt and tools left out: a prompt of a few dozen tokens.
+TRIMMED = ("--system-prompt", "You are a helpful assistant.", "--tools", "")
+
+
 def run_claude(
-    bin_dir: Path, daemon: Daemon, workdir: Path, timeout: float
+    bin_dir: Path, daemon: Daemon, workdir: Path, timeout: float, *extra: str
 ) -> subprocess.CompletedProcess[str]:
     config_dir = workdir / "claude-config"
     config_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +138,7 @@ def run_claude(
         "HOME": str(workdir),
     }
     return subprocess.run(
-        [str(bin_dir / "claude"), "-p", PROMPT, "--model", MODEL, "--max-turns", "1"],
+        [str(bin_dir / "claude"), "-p", PROMPT, "--model", MODEL, "--max-turns", "1", *extra],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -200,10 +207,19 @@ def main() -> int:
         small = serve(work / "small", "--max-model-len", str(SMALL_CONTEXT))
         try:
             small_turns = round_of_turns(bin_dir, small, work / "small-run", args.timeout)
+            seen = len(small.log())
+            trimmed = run_claude(bin_dir, small, work / "trimmed", args.timeout, *TRIMMED)
+            trimmed_turn = turn("claude -p (its own prompt left out)", small, trimmed, seen)
         finally:
             small.stop()
         report(f"a context of {SMALL_CONTEXT} tokens: the prompts do not fit", small_turns)
-    return 0 if all(item.exit_status == 0 for item in turns) else 1
+        report(
+            f"a context of {SMALL_CONTEXT} tokens, Claude Code's prompt left out: "
+            "max_tokens 32000 cut to what fits",
+            [trimmed_turn],
+        )
+    answered = [*turns, trimmed_turn]
+    return 0 if all(item.exit_status == 0 for item in answered) else 1
 
 
 if __name__ == "__main__":

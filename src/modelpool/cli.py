@@ -1,8 +1,9 @@
-"""The ``modelpool`` command: serve, generate, stats, config, prepare-model, bench.
+"""The ``modelpool`` command: serve, generate, stats, ps, config, prepare-model, bench.
 
     modelpool serve [--config FILE] [--host H --port P --workers N --set KEY=VALUE ...]
-    modelpool generate "Name the capital of France." [--url http://127.0.0.1:8000]
+    modelpool generate "Name the capital of France." [--url http://127.0.0.1:8000 --model M]
     modelpool stats [--url URL] [--json]
+    modelpool ps [--url URL] [--json]       # the models a daemon serves, as `ollama ps`
     modelpool config --show [--config FILE] [flags]   # the effective configuration, as TOML
     modelpool prepare-model
     modelpool bench                        # says where the benchmarks are (scripts/bench)
@@ -12,9 +13,10 @@ No file is needed: the built-in defaults serve the embedded model on
 127.0.0.1:8000, and a file (``--config`` or ``$MODELPOOL_CONFIG``), environment
 variables and flags are layered on top of them (see :mod:`modelpool.config`).
 
-Only ``serve`` and the ``--url`` modes need the ``server`` extra (fastapi,
-uvicorn, httpx); ``generate`` without ``--url`` runs on the core install, and
-uses rich for its table only when it is installed. Those imports are therefore
+The commands that talk to a daemon (``--url``, ``stats``, ``ps``) are in
+:mod:`modelpool.cli_remote`. Only ``serve`` and the ``--url`` modes need the ``server``
+extra (fastapi, uvicorn, httpx); ``generate`` without ``--url`` runs on the core
+install, and uses rich for its table only when it is installed. Those imports are therefore
 made inside the functions that need them, and a missing one is reported with
 the extra that provides it.
 """
@@ -39,6 +41,16 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import modelpool
+from modelpool.cli_remote import (
+    DEFAULT_KEY_ENV,
+    DEFAULT_URL,
+    CliError,
+    generate_remote,
+    print_stats,
+    ps_command,
+    stats_command,
+    timing_line,
+)
 from modelpool.config import (
     CONFIG_ENV,
     DEFAULT_MODEL,
@@ -55,22 +67,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 # What the help text quotes as the built-in values.
 _BUILT_IN = PoolConfig(model=DEFAULT_MODEL)
 _BUILT_IN_SERVER = ServerConfig()
-DEFAULT_KEY_ENV = "MODELPOOL_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # The daemon's GIL switch interval (seconds): see _serve.
 GIL_SWITCH_INTERVAL_S = 0.001
-
-
-class CliError(Exception):
-    """A user-facing failure: printed as one line, exit status 1 (2 for usage)."""
-
-    def __init__(self, message: str, status: int = 1) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class _StopRequested(BaseException):
@@ -290,12 +292,21 @@ def _serve_models(effective: EffectiveConfig, listener: socket.socket, api_key: 
     ``preload`` models have loaded or failed (a failure stays that model's)."""
     import uvicorn
 
+    from modelpool import gpu
     from modelpool.registry import ModelRegistry, RegistryConfig
+    from modelpool.registry.preflight import ModelCheckFailed, check_models
     from modelpool.server import DrainingServer, create_app
     from modelpool.server.guard import guarded_protocol
 
     server_config = effective.server
-    registry = ModelRegistry(RegistryConfig.from_server(effective.models, server_config))
+    try:
+        # Every table checked (and an embedded model prepared) before the port opens:
+        # a mistake is one line here, not a 503 to whoever asks for that model first.
+        specs = check_models(effective.models, gpu.GpuProbe())
+    except ModelCheckFailed as exc:
+        listener.close()
+        raise CliError(str(exc)) from None
+    registry = ModelRegistry(RegistryConfig.from_server(specs, server_config))
     previous = _on_signals(_raise_stop)
     server: DrainingServer | None = None
     try:
@@ -381,7 +392,7 @@ def _restore_signals(previous: Mapping[int, Any]) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     if args.url:
-        return _generate_remote(args)
+        return generate_remote(args)
     _setup_logging(args.log_level)
     pool_config, _ = _load_configs(args)
     _check_embedded_extra(pool_config.model, pool_config.backend)
@@ -438,248 +449,10 @@ def _generate(args: argparse.Namespace) -> int:
         )
         return 0
     print("" if args.stream else answer)  # a streamed answer is already out, unterminated
-    print(_timing_line({**timing, "startup_s": startup_s}))
-    _print_stats(stats)
+    print(timing_line({**timing, "startup_s": startup_s}))
+    print_stats(stats)
     return 0
 
-
-def _timing_line(timing: Mapping[str, Any]) -> str:
-    parts = []
-    for key, label in (("startup_s", "startup"), ("latency_s", "latency"), ("queue_s", "queue")):
-        if timing.get(key) is not None:
-            parts.append(f"{label} {timing[key] * 1000:.1f} ms")
-    for key, label in (
-        ("attempts", "attempts"),
-        ("worker_pid", "worker pid"),
-        ("finish_reason", "finish"),
-        ("completion_tokens", "tokens"),
-    ):
-        if timing.get(key) is not None:
-            parts.append(f"{label} {timing[key]}")
-    return " | ".join(parts)
-
-
-def _httpx() -> Any:
-    try:
-        import httpx
-    except ImportError:
-        raise CliError("talking to a daemon needs httpx: pip install 'modelpool[server]'") from None
-    return httpx
-
-
-def _http_client(args: argparse.Namespace, timeout: float) -> Any:
-    httpx = _httpx()
-    headers = {}
-    key = os.environ.get(args.api_key_env)
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    return httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=timeout)
-
-
-def _generate_remote(args: argparse.Namespace) -> int:
-    httpx = _httpx()
-    body: dict[str, Any] = {"model": "default"}
-    if args.raw:
-        path, body["prompt"] = "/v1/completions", args.prompt
-    else:
-        path = "/v1/chat/completions"
-        body["messages"] = [{"role": "user", "content": args.prompt}]
-    if args.max_tokens is not None:
-        body["max_tokens"] = args.max_tokens
-    if args.timeout is not None:
-        body["timeout"] = args.timeout
-    started = time.monotonic()
-    with _http_client(args, timeout=(args.timeout or 600.0) + 30.0) as client:
-        try:
-            if args.stream:
-                body["stream"] = True
-                return _stream_remote(client, path, body, args, started)
-            response = client.post(path, json=body)
-        except httpx.HTTPError as exc:
-            raise CliError(f"{args.url}: {exc}") from None
-    data = _json_or_error(response, args.api_key_env)
-    if args.json:
-        print(json.dumps(data, indent=2))
-        return 0
-    choice = data["choices"][0]
-    print(choice["text"] if args.raw else choice["message"]["content"])
-    usage = data.get("usage") or {}
-    print(
-        _timing_line(
-            {
-                "latency_s": time.monotonic() - started,
-                "finish_reason": choice.get("finish_reason"),
-                "completion_tokens": usage.get("completion_tokens"),
-            }
-        )
-        + f" | request {response.headers.get('x-request-id', '-')}"
-    )
-    return 0
-
-
-def _stream_remote(
-    client: Any, path: str, body: dict[str, Any], args: argparse.Namespace, started: float
-) -> int:
-    events = []
-    with client.stream("POST", path, json=body) as response:
-        if response.status_code != 200:
-            response.read()
-            _json_or_error(response, args.api_key_env)
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: ") :]
-            if payload == "[DONE]":
-                break
-            event = json.loads(payload)
-            if "error" in event:
-                raise CliError(f"error while streaming: {event['error'].get('message')}")
-            events.append(event)
-            choice = event["choices"][0]
-            text = choice.get("text") if args.raw else choice["delta"].get("content")
-            if text and not args.json:
-                print(text, end="", flush=True)
-    if args.json:
-        print(json.dumps(events, indent=2))
-    else:
-        print()
-        print(_timing_line({"latency_s": time.monotonic() - started}))
-    return 0
-
-
-def _json_or_error(response: Any, key_env: str) -> dict[str, Any]:
-    try:
-        data: dict[str, Any] = response.json()
-    except ValueError:
-        raise CliError(f"HTTP {response.status_code}: {response.text[:200]}") from None
-    if response.status_code != 200:
-        error = data.get("error", {}) if isinstance(data, dict) else {}
-        message = f"HTTP {response.status_code}: {error.get('message', data)}"
-        if response.status_code == 401:
-            sent = "the key in" if os.environ.get(key_env) else "no key: it is read from"
-            message += (
-                f" (this sent {sent} ${key_env}: set it to the daemon's key, "
-                "or name another variable with --api-key-env)"
-            )
-        raise CliError(message)
-    return data
-
-
-# --------------------------------------------------------------------------------------------
-# stats
-
-
-def _stats(args: argparse.Namespace) -> int:
-    httpx = _httpx()
-    with _http_client(args, timeout=10.0) as client:
-        try:
-            response = client.get("/stats")
-        except httpx.HTTPError as exc:
-            raise CliError(f"{args.url}: {exc}") from None
-    data = _json_or_error(response, args.api_key_env)
-    if args.json:
-        print(json.dumps(data, indent=2, sort_keys=True))
-    else:
-        _print_stats(data)
-    return 0
-
-
-def _fmt(value: Any, unit: str = "") -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.1f}{unit}"
-    return f"{value}{unit}"
-
-
-def _stats_tables(stats: Mapping[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, columns, rows) for the workers and the counters: shared by rich and plain."""
-    latency = stats.get("latency_s", {})
-    gpu = stats.get("gpu", {})
-    releases = gpu.get("releases", {})
-    summary = [
-        ["state", str(stats.get("state"))],
-        ["queue depth", _fmt(stats.get("queue_depth"))],
-        ["uptime", _fmt(stats.get("uptime_s"), " s")],
-        ["context length", _fmt(stats.get("max_model_len"), " tokens")],
-        [
-            "latency p50/p95/p99",
-            " / ".join(
-                "-" if latency.get(p) is None else f"{latency[p] * 1000:.1f} ms"
-                for p in ("p50", "p95", "p99")
-            ),
-        ],
-        ["gpu", "available" if gpu.get("available") else f"unavailable ({gpu.get('reason')})"],
-        [
-            "memory releases ok/failed",
-            f"{releases.get('ok', 0)} / {releases.get('failed', 0)}"
-            + ("" if releases.get("last_ms") is None else f" (last {releases['last_ms']:.0f} ms)"),
-        ],
-    ]
-    if stats.get("kill_reasons"):
-        summary.append(
-            [
-                "kills by reason",
-                ", ".join(
-                    f"{reason} {count}" for reason, count in sorted(stats["kill_reasons"].items())
-                ),
-            ]
-        )
-    workers = [
-        [
-            _fmt(w.get("id")),
-            _fmt(w.get("pid")),
-            str(w.get("state")),
-            str(w.get("role", "-")),
-            str(w.get("device")),
-            _fmt(w.get("requests")),
-            _fmt(w.get("uptime_s"), " s"),
-            _fmt(w.get("rss_mb"), " MB"),
-            _fmt(w.get("gpu_mb"), " MB"),
-        ]
-        for w in stats.get("workers", [])
-    ]
-    counters = [[name, str(value)] for name, value in stats.get("counters", {}).items()]
-    return [
-        ("pool", ["", ""], summary),
-        (
-            "workers",
-            ["id", "pid", "state", "role", "device", "requests", "uptime", "rss", "gpu"],
-            workers,
-        ),
-        ("counters", ["counter", "value"], counters),
-    ]
-
-
-def _print_stats(stats: Mapping[str, Any]) -> None:
-    tables = _stats_tables(stats)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        for title, columns, rows in tables:
-            print(_plain_table(title, columns, rows))
-        return
-    console = Console()
-    for title, columns, rows in tables:
-        table = Table(title=title, title_justify="left", show_header=any(columns))
-        for column in columns:
-            table.add_column(column)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-
-
-def _plain_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    shown = [list(columns)] if any(columns) else []
-    shown += [list(row) for row in rows]
-    widths = [max((len(row[i]) for row in shown), default=0) for i in range(len(columns))]
-    lines = [title]
-    lines += [
-        "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-        for row in shown
-    ]
-    return "\n".join(line.rstrip() for line in lines)
 
 
 # --------------------------------------------------------------------------------------------
@@ -781,7 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
         "stats",
         help="show a daemon's workers and counters",
         description="Show the workers, counters and latency of the daemon at --url, "
-        "as tables (--json: the raw /stats document).",
+        "as tables, per model for a daemon of [models.NAME] tables (--json: the raw "
+        "/stats document).",
     )
     stats.add_argument("--url", default=DEFAULT_URL, help="daemon URL (default: %(default)s)")
     stats.add_argument("--json", action="store_true", help="print the raw /stats JSON")
@@ -790,7 +564,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_KEY_ENV,
         help="environment variable holding the daemon's key",
     )
-    stats.set_defaults(func=_stats)
+    stats.set_defaults(func=stats_command)
+
+    ps = commands.add_parser(
+        "ps",
+        help="list a daemon's models: backend, state, memory, workers, idle time, unload",
+        description="List the models of the daemon at --url, as `ollama ps` does: each "
+        "model's backend (auto resolved), state, memory (its workers' RSS), workers "
+        "started/configured, idle time and when an idle model unloads (--json: objects).",
+    )
+    ps.add_argument("--url", default=DEFAULT_URL, help="daemon URL (default: %(default)s)")
+    ps.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ps.add_argument(
+        "--api-key-env",
+        default=DEFAULT_KEY_ENV,
+        help="environment variable holding the daemon's key",
+    )
+    ps.set_defaults(func=ps_command)
 
     config = commands.add_parser(
         "config",
@@ -838,7 +628,8 @@ def _config_options(sub: argparse.ArgumentParser, *, server: bool) -> None:
         sub.add_argument("--port", type=int, help="port (default: [server] port, 8000)")
     sub.add_argument(
         "--model",
-        help=f"a local dir, a hub id or embedded:NAME (built-in: {_BUILT_IN.model})",
+        help=f"a local dir, a hub id or embedded:NAME (built-in: {_BUILT_IN.model}); "
+        "generate --url: the name of one of the daemon's models",
     )
     sub.add_argument(
         "--backend",

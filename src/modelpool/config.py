@@ -160,7 +160,7 @@ class PoolConfig:
     # A structured-output request's grammar compiles within this, inside its deadline;
     # past it the request fails with GrammarCompileTimeout and the worker stays warm.
     grammar_compile_timeout_s: float = 5.0
-    generation_defaults: dict[str, Any] = field(default_factory=lambda: {"max_new_tokens": 128})
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

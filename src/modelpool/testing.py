@@ -112,8 +112,8 @@ prompt counts one token per whitespace-separated word, chat messages count as a
 template renders them (a role marker, the words and an end marker each, then one
 for the assistant's turn), a request that does not fit is refused as the hf
 backend refuses it, a ``tokens:N`` request without ``max_new_tokens`` of its own
-stops where the context ends (finish_reason "length"), and its result reports
-prompt_tokens::
+stops at 128 tokens or where the context ends, and with ``fit_to_context`` where the
+context ends (finish_reason "length"), and its result reports prompt_tokens::
 
     load(max_model_len=8).generate(call)    # call.prompt "tokens:20" -> t0 .. t6, "length"
 
@@ -139,6 +139,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from modelpool import testing_embeddings
+from modelpool.backends.common.params import DEFAULT_MAX_NEW_TOKENS, requested_new_tokens
 from modelpool.backends.common.text import first_stop, stop_strings
 from modelpool.context import check_max_model_len, fit_to_context
 from modelpool.errors import GrammarError, InvalidRequest, PoolError
@@ -167,7 +168,7 @@ from modelpool.protocol import (
     TokenIds,
     note_prompt,
 )
-from modelpool.validation import PRIORITY_PARAM, check_generation_params
+from modelpool.validation import FIT_PARAM, PRIORITY_PARAM, check_generation_params
 
 if TYPE_CHECKING:
     from modelpool.pool import ModelPool
@@ -194,6 +195,7 @@ ACCEPTED_PARAMS = frozenset(
         "ignore_eos",
         PRIORITY_PARAM,
         CACHE_SALT_PARAM,
+        FIT_PARAM,
     }
 )
 TOKEN_LOGPROB = -0.25
@@ -452,11 +454,10 @@ class FaultBackend:
         prompt_tokens = None
         if self.max_model_len is not None:
             prompt_tokens = count_tokens(call.prompt)
-            # Without any limit, the tokens run to the end of the context.
-            default = self.max_model_len
-            if limit is not None and "max_new_tokens" in getattr(call, "defaulted", ()):
-                default, limit = limit, None
-            limit = fit_to_context(prompt_tokens, limit, self.max_model_len, default=default)
+            asked, default = requested_new_tokens(call, call.params, self.max_model_len)
+            limit = fit_to_context(prompt_tokens, asked, self.max_model_len, default=default)
+        elif limit is None and call.params.get(FIT_PARAM) is not True:
+            limit = DEFAULT_MAX_NEW_TOKENS  # as the real backends' (fitting: to its end)
         return limit, prompt_tokens
 
     def generate(self, call: Call) -> str | Generation:

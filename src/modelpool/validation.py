@@ -72,6 +72,10 @@ def check_generation_params(params: Mapping[str, Any], *, where: str = "") -> No
         value = params["top_p"]
         if not is_number(value) or not 0 < value <= 1:
             raise InvalidRequest(f"{prefix}top_p must be in (0, 1], got {value!r}")
+    if FIT_PARAM in params and not isinstance(params[FIT_PARAM], bool):
+        raise InvalidRequest(
+            f"{prefix}{FIT_PARAM} must be true or false, got {params[FIT_PARAM]!r}"
+        )
     salt = params.get(CACHE_SALT_PARAM)
     if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS):
         raise InvalidRequest(
@@ -198,6 +202,13 @@ def check_deadline(deadline_s: object) -> None:
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 # Priorities as vLLM takes them: any integer; bounded so that no sort key overflows a C long.
 MAX_PRIORITY = 2**31 - 1
+FIT_PARAM = "fit_to_context"
+"""A request parameter: true cuts ``max_new_tokens`` to what the context leaves after the
+prompt (finish_reason "length" there) instead of refusing it, and a request that asks
+for no maximum gets all of that room instead of the worker's own default. The daemon
+sets it for every request that sets no maximum, and on ``/v1/messages`` unless the
+model's ``generation_defaults`` choose otherwise (see ``server.anthropic.api``)."""
+
 PRIORITY_PARAM = "priority"
 """The request parameter a worker's scheduler reads a request's priority from (the pool
 sets it when it is not 0): lower takes the next free row and the prefill budget first."""

@@ -153,6 +153,33 @@ def test_the_cli_answered_401_says_which_variable_holds_the_key(keyed: Daemon) -
     assert allowed.returncode == 0, allowed.stderr
 
 
+def test_ps_and_generate_url_on_a_daemon_of_one_model(keyed: Daemon) -> None:
+    env = {**os.environ, KEY_ENV: KEY}
+    keyed_cli = ("--url", keyed.url, "--api-key-env", KEY_ENV)
+    listed = subprocess.run(
+        [*modelpool_command(), "ps", *keyed_cli, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert listed.returncode == 0, listed.stderr
+    [row] = json.loads(listed.stdout)
+    models = httpx.get(keyed.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert row["name"] == models.json()["data"][0]["id"]
+    assert (row["backend"], row["state"], row["unloads"]) == ("testing", "loaded", "never")
+    # Its one model, whatever it is called: no --model needed.
+    answered = subprocess.run(
+        [*modelpool_command(), "generate", "echo:one model", *keyed_cli],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert answered.returncode == 0, answered.stderr
+    assert answered.stdout.splitlines()[0] == "one model"
+
+
 def _stream_text(url: str, prompt: str) -> str:
     text: list[str] = []
     body = {"prompt": prompt, "stream": True}

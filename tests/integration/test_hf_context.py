@@ -132,3 +132,16 @@ def test_a_chat_prompt_is_measured_after_its_template(handler: HFHandler) -> Non
     with pytest.raises(ContextLengthExceeded) as caught:
         handler.generate(Call(messages, {"max_new_tokens": fits + 1}))
     assert caught.value.prompt_tokens == templated
+
+
+def test_fit_to_context_fills_the_room_or_cuts_a_maximum_past_it(handler: HFHandler) -> None:
+    prompt = prompt_of(handler, LIMIT - 20)
+    # No maximum: all 20 tokens the context leaves (the tiny model ends no sentence).
+    fitted = generate(handler, Call(prompt, {"fit_to_context": True}))
+    assert (fitted.finish_reason, fitted.completion_tokens) == ("length", 20)
+    # A maximum past the context, as Claude Code asks: cut to the 20 that fit.
+    cut = generate(handler, Call(prompt, {"max_new_tokens": 32000, "fit_to_context": True}))
+    assert (cut.finish_reason, cut.completion_tokens) == ("length", 20)
+    with pytest.raises(ContextLengthExceeded) as refused:
+        handler.generate(Call(prompt, {"max_new_tokens": 32000}))
+    assert (refused.value.prompt_tokens, refused.value.max_new_tokens) == (LIMIT - 20, 32000)

@@ -215,6 +215,16 @@ def test_context_limit_refuses_like_hf(gguf_dir: Path) -> None:
     call.defaulted = frozenset({"max_new_tokens"})  # type: ignore[attr-defined]
     capped = small.generate(call)
     assert capped.finish_reason == "length" and capped.completion_tokens == room
+    # fit_to_context (the daemon's Messages route): a maximum past the context is cut to
+    # what fits, not refused.
+    fitted, _ = alone(
+        small,
+        "The capital of France is",
+        max_new_tokens=32000,
+        min_new_tokens=room,
+        fit_to_context=True,
+    )
+    assert fitted.finish_reason == "length" and fitted.completion_tokens == room
 
 
 def test_cancel_stops_at_the_next_token(handler: LlamaCppHandler) -> None:

@@ -32,7 +32,9 @@ def test_defaults_are_valid_and_match_the_design() -> None:
     assert cfg.term_grace_s == 2.0
     assert cfg.max_queue == 1024
     assert cfg.retry == RetryPolicy(max_retries=2, on=("timeout", "crash"), backoff_s=0.0)
-    assert cfg.generation_defaults == {"max_new_tokens": 128}
+    # None: a request that asks for no maximum gets the worker's own (128 new tokens, or
+    # with fit_to_context, as the daemon's requests have, all the room the context leaves).
+    assert cfg.generation_defaults == {}
 
 
 def test_kwargs_are_normalised() -> None:

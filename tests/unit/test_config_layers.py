@@ -109,7 +109,7 @@ def test_each_layer_overrides_the_one_before_and_is_named_as_the_source(tmp_path
     assert pool.devices == ("cpu",)
     assert pool.retry.max_retries == 0
     assert pool.retry.on == ("timeout", "crash")  # a table merges key by key
-    assert pool.generation_defaults == {"max_new_tokens": 128, "temperature": 0.0}
+    assert pool.generation_defaults == {"temperature": 0.0}
     assert (server.host, server.port) == ("127.0.0.3", 9200)
     sources = effective.sources
     assert sources["model"] == "file"

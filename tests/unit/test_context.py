@@ -144,11 +144,11 @@ def test_the_testing_backend_caps_a_default_and_refuses_the_callers_own() -> Non
 
 
 def test_modelpool_stats_shows_the_context_length() -> None:
-    from modelpool.cli import _stats_tables
+    from modelpool.cli_remote import stats_tables
 
-    _, _, rows = _stats_tables({"max_model_len": 8192})[0]
+    _, _, rows = stats_tables({"max_model_len": 8192})[0]
     assert ["context length", "8192 tokens"] in rows
-    _, _, rows = _stats_tables({"max_model_len": None})[0]
+    _, _, rows = stats_tables({"max_model_len": None})[0]
     assert ["context length", "-"] in rows
 
 
@@ -159,3 +159,34 @@ def test_the_testing_backend_reads_the_environment_only_when_a_test_enables_it()
         load_testing().generate(Call("env:PATH"))
     enabled = load_testing(env_command=True).generate(Call("env:PATH"))
     assert enabled and enabled != "env:PATH"
+
+
+def test_a_request_that_fits_the_context_gets_its_room_and_any_other_the_default() -> None:
+    from modelpool.backends.common.params import DEFAULT_MAX_NEW_TOKENS, fit_new_tokens
+
+    fit = {"fit_to_context": True}
+    # Nothing asked: the library's default, or with fit_to_context all the room left.
+    assert fit_new_tokens(Call("p"), {}, 100, 4096) == DEFAULT_MAX_NEW_TOKENS == 128
+    assert fit_new_tokens(Call("p"), fit, 100, 4096) == 3996
+    assert fit_new_tokens(Call("p"), fit, 100, None) == DEFAULT_MAX_NEW_TOKENS
+    # A maximum past the context: refused, or with fit_to_context cut to what fits.
+    with pytest.raises(ContextLengthExceeded) as refused:
+        fit_new_tokens(Call("p"), {"max_new_tokens": 32000}, 31, 8192)
+    assert (refused.value.prompt_tokens, refused.value.max_new_tokens) == (31, 32000)
+    assert fit_new_tokens(Call("p"), {"max_new_tokens": 32000, **fit}, 31, 8192) == 8161
+    assert fit_new_tokens(Call("p"), {"max_new_tokens": 64, **fit}, 31, 8192) == 64
+    # The prompt alone past the context: refused either way, as the prompt's.
+    with pytest.raises(ContextLengthExceeded) as too_long:
+        fit_new_tokens(Call("p"), {"max_new_tokens": 32000, **fit}, 9000, 8192)
+    assert too_long.value.max_new_tokens is None
+
+
+def test_the_testing_backend_fits_the_context_as_the_real_ones_do() -> None:
+    backend = load_testing(max_model_len=4096)
+    fitted = backend.generate(Call("tokens:9000", {"fit_to_context": True}))
+    assert isinstance(fitted, Generation)
+    assert fitted.prompt_tokens is not None and fitted.completion_tokens is not None
+    assert fitted.prompt_tokens + fitted.completion_tokens == 4096
+    assert fitted.finish_reason == "length"
+    default = load_testing().generate(Call("tokens:9000"))
+    assert isinstance(default, Generation) and default.completion_tokens == 128

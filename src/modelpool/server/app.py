@@ -76,6 +76,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Scope
 
+from modelpool.backends.common.params import DEFAULT_MAX_NEW_TOKENS
 from modelpool.config import PoolConfig, ServerConfig
 from modelpool.errors import (
     PoolError,
@@ -84,7 +85,7 @@ from modelpool.protocol import Prompt
 from modelpool.registry import ModelRegistry
 from modelpool.server import models as multi
 from modelpool.server import rights
-from modelpool.server.anthropic.api import MessagesApi, count_prompt
+from modelpool.server.anthropic.api import MessagesApi, count_prompt, fit_max_tokens
 from modelpool.server.checks import Checks
 from modelpool.server.errors import (
     RETRY_AFTER_UNAVAILABLE,
@@ -679,7 +680,11 @@ def _parse(
     keep_alive = multi.split_keep_alive(body)
     parsed = api.parse(body)
     multi.put_keep_alive(body, keep_alive)
-    default_max_tokens = config_for(body).generation_defaults.get("max_new_tokens", 0)
+    fit_max_tokens(parsed, config_for(body))
+    # A request with no maximum is costed as before it got the context's room (128).
+    default_max_tokens = config_for(body).generation_defaults.get(
+        "max_new_tokens", DEFAULT_MAX_NEW_TOKENS
+    )
     check_budget(parsed.job, limit=budget, default_max_tokens=default_max_tokens)
     return body, parsed
 

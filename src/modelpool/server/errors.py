@@ -201,22 +201,35 @@ ANTHROPIC_PREFIX = "/v1/messages"
 
 def anthropic_error_body(error: ApiError) -> dict[str, Any]:
     """``{"type": "error", "error": {"type", "message"}}``, the daemon's code kept beside
-    them. A prompt past the context says so in the words Claude Code looks for."""
+    them. A request past the context says which part does not fit in Anthropic's own
+    words, which Claude Code reads: the prompt alone ("prompt is too long: N tokens > M
+    maximum": it compacts the conversation), or the prompt and the ``max_tokens`` asked
+    ("input length and `max_tokens` exceed context limit: P + N > M": it asks again
+    with fewer)."""
     kind = _ANTHROPIC_TYPES.get(error.status)
     if kind is None:
         kind = "api_error" if error.status >= 500 else "invalid_request_error"
     message = error.message
     if error.code == "context_length_exceeded":
-        prompt = error.extra.get("prompt_tokens")
-        limit = error.extra.get("max_model_len")
-        if prompt is not None and limit is not None:
-            message = f"prompt is too long: {prompt} tokens > {limit} maximum ({error.message})"
-        else:
-            message = f"prompt is too long: {error.message}"
+        message = _context_message(error)
     body: dict[str, Any] = {"type": kind, "message": message, "code": error.code}
     if error.param is not None:
         body["param"] = error.param
     return {"type": "error", "error": body, "request_id": error.extra.get("request_id")}
+
+
+def _context_message(error: ApiError) -> str:
+    prompt = error.extra.get("prompt_tokens")
+    asked = error.extra.get("max_new_tokens")
+    limit = error.extra.get("max_model_len")
+    if prompt is None or limit is None:
+        return f"prompt is too long: {error.message}"
+    if asked is None or prompt >= limit:
+        return f"prompt is too long: {prompt} tokens > {limit} maximum"
+    return (
+        f"input length and `max_tokens` exceed context limit: {prompt} + {asked} > {limit}, "
+        "decrease input length or `max_tokens` and try again"
+    )
 
 
 # The routes whose clients read Ollama's error shape.

@@ -146,7 +146,8 @@ def model_card(stats: ModelStats, created: int) -> dict[str, Any]:
         "owned_by": "modelpool",
         "status": stats.state,
         "reason": stats.reason,
-        "backend": stats.backend,
+        # The pool's once loaded; before, what serve resolved "auto" to at start.
+        "backend": stats.backend if pool is None or not pool.backend else pool.backend,
         "aliases": list(stats.aliases),
         "pinned": stats.pinned,
         "memory_bytes": stats.rss_bytes,

@@ -21,6 +21,7 @@ from modelpool.prefixes import CACHE_SALT_PARAM
 from modelpool.protocol import Call
 from modelpool.tools import check_template_tools
 from modelpool.validation import (
+    FIT_PARAM,
     MAX_INT,
     PRIORITY_PARAM,
     check_generation_params,
@@ -32,6 +33,9 @@ THREADS_ENV = "MODELPOOL_TORCH_THREADS"
 """CPU threads for a worker when the backend's own threads option is not given (the pool
 sets it per worker)."""
 
+# New tokens for a request that asks for no maximum and does not ask to fit the context
+# (FIT_PARAM): a library call's default, as transformers' and vLLM's own generate() cap
+# theirs; the daemon's requests fit the context instead, as OpenAI's servers answer.
 DEFAULT_MAX_NEW_TOKENS = 128
 
 GENERATION_PARAMS = frozenset(
@@ -55,6 +59,7 @@ GENERATION_PARAMS = frozenset(
         "ignore_eos",
         PRIORITY_PARAM,
         CACHE_SALT_PARAM,
+        FIT_PARAM,
     }
 )
 
@@ -99,17 +104,29 @@ def fit_new_tokens(
     call: Call, params: Mapping[str, Any], prompt_tokens: int, max_model_len: int | None
 ) -> int:
     """This request's ``max_new_tokens``, fitted to the context; raises
-    ``ContextLengthExceeded`` if it cannot fit. A ``max_new_tokens`` the pool filled in
-    (``call.defaulted``) is a default, cut down to what the context leaves."""
-    asked = params.get("max_new_tokens")
-    default = DEFAULT_MAX_NEW_TOKENS
-    if asked is not None and "max_new_tokens" in getattr(call, "defaulted", ()):
-        default, asked = asked, None
+    ``ContextLengthExceeded`` if it cannot fit (see :func:`requested_new_tokens`)."""
+    asked, default = requested_new_tokens(call, params, max_model_len)
     new_tokens = fit_to_context(prompt_tokens, asked, max_model_len, default=default)
     if params.get("min_new_tokens", 0) > new_tokens:
         # The caller insists on more than the capped default: refused if that cannot fit.
         fit_to_context(prompt_tokens, params["min_new_tokens"], max_model_len, default=0)
     return new_tokens
+
+
+def requested_new_tokens(
+    call: Call, params: Mapping[str, Any], max_model_len: int | None
+) -> tuple[int | None, int]:
+    """(what the request demands, the ceiling otherwise) for ``fit_to_context``: a
+    ``max_new_tokens`` the pool filled in (``call.defaulted``), or any with ``FIT_PARAM``,
+    is a ceiling cut down to what the context leaves; none at all is
+    ``DEFAULT_MAX_NEW_TOKENS``, or with ``FIT_PARAM`` the whole room the context leaves."""
+    asked = params.get("max_new_tokens")
+    fit = params.get(FIT_PARAM) is True
+    if asked is not None and (fit or "max_new_tokens" in getattr(call, "defaulted", ())):
+        return None, asked
+    if asked is None and fit and max_model_len is not None:
+        return None, max_model_len
+    return asked, DEFAULT_MAX_NEW_TOKENS
 
 
 def check_vocabulary(token_ids: Sequence[int], vocab_size: int) -> None:

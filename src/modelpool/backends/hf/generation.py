@@ -24,7 +24,7 @@ from modelpool.backends.hf.runner import LoadedModel
 from modelpool.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, RowGrammar
 from modelpool.prefixes import CACHE_SALT_PARAM, partition_of
 from modelpool.protocol import Call, FinishReason, Generation, TokenLogprob, note_prompt
-from modelpool.validation import PRIORITY_PARAM
+from modelpool.validation import FIT_PARAM, PRIORITY_PARAM
 
 if TYPE_CHECKING:
     import torch
@@ -125,6 +125,7 @@ def generate(handler: GeneratingModel, call: Call) -> Generation:
     input_ids = handler.encode(call.prompt, params.pop("tools", None))
     prompt_tokens = int(input_ids.shape[1])
     params["max_new_tokens"] = handler.fit_new_tokens(call, params, prompt_tokens)
+    params.pop(FIT_PARAM, None)  # read by the fit above; generate() takes no such kwarg
     # Penalties first: the grammar's mask comes last, so no bias reopens a token it shut.
     processors: list[Any] = []
     if penalties.active:

@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from modelpool.config import PoolConfig
 from modelpool.protocol import Prompt
 from modelpool.server.anthropic.request import MessagesRequest, parse_messages
 from modelpool.server.anthropic.stream import MessageEvents
@@ -14,6 +15,7 @@ from modelpool.server.generation import RunsOnItsModel
 from modelpool.server.http import json_bytes
 from modelpool.server.streaming import StreamedChoice
 from modelpool.tools import GENERIC_PREAMBLE
+from modelpool.validation import FIT_PARAM
 
 if TYPE_CHECKING:
     from modelpool.pool import Result
@@ -32,6 +34,15 @@ class MessagesApi(RunsOnItsModel):
         self, request: MessagesRequest, choices: list[StreamedChoice], model: str
     ) -> MessageEvents:
         return MessageEvents(request, model)
+
+
+def fit_max_tokens(request: object, config: PoolConfig) -> None:
+    """A Messages request's ``max_tokens`` is cut to what the model's context leaves after
+    the prompt, not refused: Claude Code asks 32000 of every model whatever its context.
+    A model whose ``generation_defaults`` set ``fit_to_context`` keeps that choice
+    (false: refused, with the numbers, in Anthropic's words)."""
+    if isinstance(request, MessagesRequest) and FIT_PARAM not in config.generation_defaults:
+        request.job.params[FIT_PARAM] = True
 
 
 def count_prompt(body: Mapping[str, Any]) -> Prompt:

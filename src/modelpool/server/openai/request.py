@@ -39,6 +39,7 @@ from modelpool.tools import (
     parse_tool_request,
 )
 from modelpool.validation import (
+    FIT_PARAM,
     MAX_INT,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
@@ -214,6 +215,11 @@ def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str,
     params: dict[str, Any] = {**_penalty_params(body), **structured_params(body)}
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
+    else:
+        # No maximum: what the context leaves after the prompt (a model's configured
+        # generation_defaults.max_new_tokens still caps it), as OpenAI's and vLLM's
+        # servers answer; the request's deadline bounds it.
+        params[FIT_PARAM] = True
     # vLLM's extension, which load generators use to fix the output length: end-of-sequence
     # is not chosen before this many tokens (a stop string still ends the text).
     min_tokens = _opt_int(body, "min_tokens", 0)
