@@ -20,7 +20,7 @@ import pytest
 
 from helpers import make_config, slack, wait_until
 from modelpool.config import ModelSpec
-from modelpool.errors import ModelTooLarge, PoolOverloaded, QueueFull
+from modelpool.errors import ModelTooLarge, ModelUnavailable, PoolOverloaded, QueueFull
 from modelpool.pool import ModelPool
 from modelpool.registry import ModelRegistry, RegistryConfig
 
@@ -261,7 +261,24 @@ def test_a_client_that_keeps_swapping_waits_its_turn_and_the_other_does_not(
     assert stats["a"].state == "loaded" and stats["c"].state == "unloaded"
 
 
-# ---- 5. waiting places ---------------------------------------------------------------------
+# ---- 5. loads in parallel; waiting places ------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_quick_load_does_not_wait_behind_a_slow_or_failing_one(registry_of: Any) -> None:
+    registry = registry_of(
+        spec("slow", load_delay_s=8.0), spec("broken", fail_load=True), spec("quick")
+    )
+    with concurrent.futures.ThreadPoolExecutor(2) as threads:
+        slow = threads.submit(registry.acquire, "slow", deadline_s=slack(60))
+        wait_until(lambda: registry.model_stats("slow").state == "loading")
+        broken = threads.submit(registry.acquire, "broken", deadline_s=slack(60))
+        with registry.use("quick", deadline_s=slack(30)) as pool:
+            assert pool.generate("echo:quick").text == "quick"
+        assert not slow.done(), "the quick load waited behind the slow one"
+        with pytest.raises(ModelUnavailable):
+            broken.result(timeout=slack(30))
+        slow.result(timeout=slack(60)).release()
 
 
 def test_one_client_holds_at_most_a_quarter_of_the_load_waiting_places(registry_of: Any) -> None:

@@ -56,9 +56,14 @@ class RegistryBase:
         # started until they are, so that the loads behind them are planned meanwhile.
         self._draining: list[Step] = []
         self._swaps_ledger = SwapLedger(config.min_residency_s, config.swap_share)
-        # The budgets read the records and the draining swaps; their decisions are ours.
-        self._budgets = Budgets(config, self._entries, self._draining, self._swaps_ledger)
-        self._step: Step | None = None
+        # The steps running, each on its thread: one of any kind, or several loads that
+        # evict nothing (loads in parallel where memory allows).
+        self._steps: list[Step] = []
+        # The budgets read the records, the draining swaps and the running steps; their
+        # decisions are ours.
+        self._budgets = Budgets(
+            config, self._entries, self._draining, self._swaps_ledger, self._steps
+        )
         self._waiting = 0
         self._waiting_by: dict[str, int] = {}
         self._swaps = 0

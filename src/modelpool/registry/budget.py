@@ -22,12 +22,19 @@ class Budgets:
         entries: dict[str, Entry],
         draining: list[Step],
         ledger: SwapLedger,
+        steps: list[Step],
     ) -> None:
         self.config = config
         self.entries = entries
-        # The swaps planned while their victims drain (the registry's own list).
+        # The swaps planned while their victims drain, and the steps running (the
+        # registry's own lists).
         self.draining = draining
         self.ledger = ledger
+        self.steps = steps
+
+    def loading(self) -> set[int]:
+        """The models a running step is loading (ids): each counts at its need."""
+        return {id(s.entry) for s in self.steps if s.entry is not None and not s.done}
 
     def budget(self, resource: str) -> int | None:
         if resource == MEMORY:
@@ -41,11 +48,13 @@ class Budgets:
         anything counted at its need (the most it was measured to hold), since a model
         that holds less now may grow back to it while the next one loads."""
         total: dict[str, int] = {}
+        loading = self.loading() if at_peak else set()
         for entry in self.entries.values():
             if without is not None and id(entry) in without:
                 continue
             held = dict(entry.held)
-            if at_peak and held and entry.need and entry.lingering is None:
+            counted = held or id(entry) in loading
+            if at_peak and counted and entry.need and entry.lingering is None:
                 held = {r: max(held.get(r, 0), amount) for r, amount in entry.need.items()}
             for resource, amount in held.items():
                 total[resource] = total.get(resource, 0) + amount
@@ -97,6 +106,9 @@ class Budgets:
         lingering = [e for e in self.entries.values() if e.lingering is not None]
         # A swap waiting for its victims to drain: their memory is its, and so is its need.
         draining = {id(v) for step in self.draining for v in step.victims}
+        loading = self.loading() - {id(entry)}
+        if any(e.need is None for e in self.entries.values() if id(e) in loading):
+            return None  # a load under way whose need is not known: nothing beside it
         reserved: dict[str, int] = {}
         for step in self.draining:
             assert step.entry is not None
@@ -111,6 +123,7 @@ class Budgets:
             and e is not entry
             and e.lingering is None
             and id(e) not in draining
+            and id(e) not in loading
             for e in self.entries.values()
         ):
             return None  # a model still unloading or failing: its memory is not back yet

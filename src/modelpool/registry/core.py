@@ -1,7 +1,7 @@
 """Many models in one process: :class:`ModelRegistry`, a supervisor of :class:`ModelPool`\\ s.
 
 Each model is a pool of its own, started on its first request (or at start with
-``preload``), unloaded when idle past its ``ttl_s`` (or a request's ``keep_alive``), and
+``preload``), unloaded when idle past its ``ttl_s`` (or its clients' ``keep_alive``), and
 swapped within a measured memory budget::
 
     registry = ModelRegistry(RegistryConfig(
@@ -24,33 +24,32 @@ request tries again once its backoff (doubling, ``backoff_s`` to ``backoff_max_s
 passed; until then its requests get :class:`~modelpool.errors.ModelUnavailable` at once.
 
 Threads. The state of every model is guarded by one condition lock that no slow call is
-made under. One supervising thread (``modelpool-registry``) makes every decision: it
-starts one *step* at a time (a swap: unload the evicted models, then load; or one
-unload) on a thread of its own, watches the step's deadline, measures memory, unloads
-idle models, and notices a loaded pool that died. It wakes at least twice a second, so
-its heartbeat (``health()``) shows a wedge; a step that outlives its deadline has its
-pool killed and, if even that does not end it, is abandoned with the model ``failed``.
+made under (``base``). One supervising thread (``modelpool-registry``) makes every
+decision: it starts *steps* (a swap: unload the evicted models, then load; or one
+unload) on threads of their own, one at a time except loads that evict nothing, which
+run beside each other and beside a running step where the budget holds them all
+(``_next_step``); it watches each step's deadline, measures memory (``memory``),
+unloads idle models, and notices a loaded pool that died. It wakes at least twice a
+second, so its heartbeat (``health()``) shows a wedge; a step that outlives its
+deadline has its pool killed and, if even that does not end it, is abandoned with the
+model ``failed``.
 
-Memory is measured, not guessed: the RSS of each model's worker processes (and their
-children) by psutil, and each worker's GPU memory by NVML (the pool's own per-PID
-sampling), sampled while the model loads and every second after. A model's *need* is the
-most it was ever measured to hold, its processes' peak RSS (the kernel's high-water mark)
-included, so that a transient between two samples counts. A model that must load
-evicts least-recently-used idle (no request in flight or waiting), unpinned models until
-its need fits; a model never measured yet evicts every such model first, so the budget
-holds from the first load. A swap whose victim still runs requests waits for them
-outside the step, so the loads behind it are planned meanwhile (one that fits now and
-after that swap goes first). An evicted model's release is verified before the next
-model's workers start: every process measured as its own (the workers and their
-children, whatever their process group) gone and its process groups gone (psutil), and
-on a GPU the pool's own release checks passed and NVML no longer listing those
-processes. A release not verified within the load's deadline holds the load back: its
-workers do not start, its requests get :class:`~modelpool.errors.MemoryNotReleased`,
-and what is left is measured and counted against the budget until it is gone (the
-supervisor checks every second); then the models it held back are ``unloaded`` again
-and load on their next request. Requests waiting for a model hold it: a model with
-waiters is never idle, so two models that do not fit together alternate by demand
-instead of evicting each other in a loop.
+Memory is measured, not guessed (``memory``: a model's need, and how it settles; kept
+across restarts and estimated from files before a first load: ``needs``). A model that
+must load evicts least-recently-used idle (no request in flight or waiting), unpinned
+models until its need fits, keeping those that fit beside it (``budget``); one whose
+need is not known at all evicts every such model first, so the budget holds from the
+first load. A swap is charged to the client that asked for it, and a client that owes
+swap time does not evict another client's model in use (``swaps``). A swap whose victim
+still runs requests waits for them outside the step, so the loads behind it are planned
+meanwhile (one that fits now and after that swap goes first). An evicted model's
+release is verified before the next model's workers start (``releases``); a release not
+verified within the load's deadline holds the load back (its requests get
+:class:`~modelpool.errors.MemoryNotReleased`) until the memory is back. Requests
+waiting for a model hold it: a model with waiters is never idle, so two models that do
+not fit together alternate by demand instead of evicting each other in a loop. A
+client's ``keep_alive`` counts for its own use only (``records.Entry.idle_until``); the
+operator unloads, loads and pins.
 """
 
 from __future__ import annotations
@@ -170,11 +169,12 @@ class ModelRegistry(Memory):
             for entry in self._entries.values():
                 if entry.load is not None and not entry.load.done():
                     entry.load.set_exception(PoolClosed("the registry closed"))
-            step = self._step
+            steps = list(self._steps)
             self._cond.notify_all()
-        if step is not None and step.loading is not None:
-            step.loading.close(drain=False, timeout=0.0)
-        for thread in (self._thread, step.thread if step is not None else None):
+        for step in steps:
+            if step.loading is not None:
+                step.loading.close(drain=False, timeout=0.0)
+        for thread in (self._thread, *(step.thread for step in steps)):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout + ABANDON_AFTER_S)
         with self._cond:
@@ -511,10 +511,12 @@ class ModelRegistry(Memory):
                 self._heartbeat = now
                 if self._closing:
                     break
-                self._watch_step(now)
-                if self._step is None:
-                    start = self._step = self._next_step(now)
-                if start is None:
+                for step in list(self._steps):
+                    self._watch_step(step, now)
+                start = self._next_step(now, busy=bool(self._steps))
+                if start is not None:
+                    self._steps.append(start)
+                else:
                     self._cond.wait(TICK_S)
             if start is not None:
                 start.thread = threading.Thread(
@@ -529,14 +531,11 @@ class ModelRegistry(Memory):
                 self._sample()
         self._heartbeat = time.monotonic()
 
-    def _watch_step(self, now: float) -> None:
+    def _watch_step(self, step: Step, now: float) -> None:
         """A finished step is cleared; one past its deadline has its loading pool killed,
         then is abandoned (lock held)."""
-        step = self._step
-        if step is None:
-            return
         if step.done:
-            self._step = None
+            self._steps.remove(step)
             return
         if step.deadline is None or now < step.deadline:
             return
@@ -558,9 +557,9 @@ class ModelRegistry(Memory):
                     "and could not be stopped"
                 )
                 self._fail(entry, reason, now)
-            self._step = None
+            self._steps.remove(step)
 
-    def _next_step(self, now: float) -> Step | None:
+    def _next_step(self, now: float, *, busy: bool) -> Step | None:
         """The next supervised step, if one is due (lock held). In order: close a failed
         model's pool, an operator's unload once its model is idle (or past its drain), a
         planned swap whose victims have drained, the first pending load that can be
@@ -571,12 +570,18 @@ class ModelRegistry(Memory):
         request gets them) but starts only once they are idle, or ``unload_timeout_s``
         after; the loads behind it are planned meanwhile, and one that fits both now and
         once the drained swap is done starts at once instead of waiting its turn. So does
-        one behind a load that cannot be planned yet: a wait is never the whole queue's."""
+        one behind a load that cannot be planned yet: a wait is never the whole queue's.
+
+        While steps run (``busy``) only a load that evicts nothing and waits for no
+        release starts beside them, its plan counting each load under way at its need: a
+        slow or failing load holds no other model's that fits."""
         for entry in self._entries.values():
             if entry.state == "loaded" and entry.pool is not None:
                 health = entry.pool.health()
                 if not health.alive and health.state in ("failed", "closed"):
                     self._fail(entry, health.reason or "its pool died", now)
+        if busy:
+            return self._next_load(now, busy=True)
         for entry in self._entries.values():
             if entry.state == "failed" and entry.pool is not None and entry.in_flight == 0:
                 return Step(
@@ -603,6 +608,27 @@ class ModelRegistry(Memory):
                 assert step.entry is not None
                 step.release_by = now + step.entry.spec.load_deadline_s
                 return step
+        load = self._next_load(now, busy=False)
+        if load is not None:
+            return load
+        for entry in self._entries.values():
+            if entry.state != "loaded" or not entry.idle:
+                continue
+            until = entry.idle_until()
+            if until is not None and now >= until:
+                entry.state = "unloading"
+                why = f"unloading idle model {entry.spec.name}"
+                return Step("unload", None, [entry], why, release_by=now + RELEASE_TIMEOUT_S)
+        if self._budgets.over_budget():
+            idle = [v for v in self._budgets.candidates(None) if v.idle]
+            if idle:
+                idle[0].state = "unloading"
+                why = f"evicting {idle[0].spec.name}: the models outgrew the budget"
+                return Step("unload", None, idle[:1], why, release_by=now + RELEASE_TIMEOUT_S)
+        return None
+
+    def _next_load(self, now: float, *, busy: bool) -> Step | None:
+        """The first pending load that can be planned (see ``_next_step``; lock held)."""
         for entry in list(self._pending):
             if entry.state != "loading" or entry.pool is not None:
                 self._pending.remove(entry)
@@ -614,7 +640,7 @@ class ModelRegistry(Memory):
                 self._pending.remove(entry)
                 self._fail(entry, exc.message, now, error=exc)
                 continue
-            if plan is None:
+            if plan is None or (busy and (plan[0] or plan[1])):
                 continue  # waits for memory not back yet; re-planned each round
             victims, awaits = plan
             self._pending.remove(entry)
@@ -636,20 +662,6 @@ class ModelRegistry(Memory):
                 logger.info("registry: %s: waiting for the evicted models to drain", why)
                 continue
             return step
-        for entry in self._entries.values():
-            if entry.state != "loaded" or not entry.idle:
-                continue
-            until = entry.idle_until()
-            if until is not None and now >= until:
-                entry.state = "unloading"
-                why = f"unloading idle model {entry.spec.name}"
-                return Step("unload", None, [entry], why, release_by=now + RELEASE_TIMEOUT_S)
-        if self._budgets.over_budget():
-            idle = [v for v in self._budgets.candidates(None) if v.idle]
-            if idle:
-                idle[0].state = "unloading"
-                why = f"evicting {idle[0].spec.name}: the models outgrew the budget"
-                return Step("unload", None, idle[:1], why, release_by=now + RELEASE_TIMEOUT_S)
         return None
 
     # ---- internals: steps (their own thread) -----------------------------------------------

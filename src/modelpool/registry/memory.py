@@ -35,17 +35,15 @@ class Memory(Releases):
         now = time.monotonic()
         with self._cond:
             targets = [(e, e.pool) for e in self._entries.values() if e.pool is not None]
-            step = self._step
-            if step is not None and step.loading is not None and step.entry is not None:
-                targets.append((step.entry, step.loading))
-            loading = step is not None and step.loading is not None
-        self._next_sample = now + (SAMPLE_WHILE_LOADING_S if loading else SAMPLE_S)
+            loads = [(s.entry, s.loading) for s in self._steps if s.loading is not None]
+            targets += [(entry, pool) for entry, pool in loads if entry is not None]
+        self._next_sample = now + (SAMPLE_WHILE_LOADING_S if loads else SAMPLE_S)
         readings = [(entry, pool, *self._measure(pool)) for entry, pool in targets]
         self._recheck(list(self._entries.values()))
         with self._cond:
-            step = self._step
+            pools = {id(s.loading) for s in self._steps if s.loading is not None}
             for entry, pool, held, peak in readings:
-                loading = step is not None and step.loading is pool
+                loading = id(pool) in pools
                 # Only a pool still the model's: one unloaded or failed meanwhile holds nothing.
                 if entry.pool is pool or loading:
                     self._note_held(entry, held, now, load_peak=peak if loading else None)

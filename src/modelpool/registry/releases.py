@@ -1,6 +1,14 @@
-"""Unloads and their verified releases: a model's pool drained and closed, every process
-measured as its own gone (or what is left kept as ``lingering`` and counted against the
-budget), and a load held back until the memory it needs is back. Runs on step threads.
+"""Unloads and their verified releases, on step threads.
+
+A model's pool is drained (its running requests finish, within the step's bound) and
+closed; its release is verified before the next model's workers start: every process
+measured as its own (the workers and their children, whatever their process group)
+gone and its process groups gone (psutil), and on a GPU the pool's own release checks
+passed and NVML no longer listing those processes. What is not back in time is kept as
+the model's ``lingering``, measured and counted against the budget (checked every
+second) with the model ``failed``; a load that needs that memory waits for it within
+its deadline, then is held back (``MemoryNotReleased``) until it is back, when the
+models it held back are ``unloaded`` again and load on their next request.
 """
 
 from __future__ import annotations
