@@ -261,6 +261,22 @@ def test_a_client_that_keeps_swapping_waits_its_turn_and_the_other_does_not(
     assert stats["a"].state == "loaded" and stats["c"].state == "unloaded"
 
 
+def test_a_request_whose_deadline_the_load_cannot_meet_is_answered_at_once_and_the_load_goes_on(
+    registry_of: Any,
+) -> None:
+    registry = registry_of(spec("slow", load_delay_s=1.5))
+    registry.acquire("slow", deadline_s=slack(30)).release()  # its load time is known now
+    registry.unload("slow")
+    wait_until(lambda: registry.model_stats("slow").state == "unloaded", timeout=slack(5))
+    with pytest.raises(QueueFull) as refused:
+        registry.acquire("slow", deadline_s=0.5)
+    last = registry.model_stats("slow").last_load_s
+    assert last is not None and refused.value.retry_after_s == pytest.approx(last, abs=0.2)
+    assert registry.model_stats("slow").state == "loading"  # asked for: it goes on
+    wait_until(lambda: registry.model_stats("slow").state == "loaded", timeout=slack(10))
+    registry.acquire("slow", deadline_s=0.5).release()
+
+
 # ---- 5. loads in parallel; waiting places ------------------------------------------------
 
 

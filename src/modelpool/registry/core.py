@@ -68,14 +68,12 @@ from modelpool.errors import (
     ModelLoadFailed,
     ModelNotFound,
     ModelTooLarge,
-    ModelUnavailable,
     PoolClosed,
     PoolOverloaded,
-    QueueFull,
 )
 from modelpool.pool import ModelPool
+from modelpool.registry.admission import Admission
 from modelpool.registry.base import logger
-from modelpool.registry.memory import Memory
 from modelpool.registry.records import (
     ANYONE,
     MEMORY,
@@ -86,7 +84,6 @@ from modelpool.registry.records import (
     Step,
 )
 from modelpool.registry.releases import RELEASE_TIMEOUT_S
-from modelpool.registry.swaps import DEFAULT_LOAD_S
 from modelpool.stats import PoolHealth
 
 # The supervisor wakes at least this often (its heartbeat).
@@ -132,7 +129,7 @@ class ModelLease:
         self.release()
 
 
-class ModelRegistry(Memory):
+class ModelRegistry(Admission):
     """Several :class:`ModelPool`\\ s by name; the module docstring has the rules (the
     state is :class:`~modelpool.registry.base.RegistryBase`'s)."""
 
@@ -410,48 +407,15 @@ class ModelRegistry(Memory):
                     f"{share} of them)"
                 )
             self._refuse_a_swap_past(entry, client, bound_s, now)
+            if entry.state in ("unloaded", "failed"):
+                entry.asked_by = client
             load = self._request_load(entry)
+            self._refuse_a_load_past(entry, bound_s, now)
             entry.waiting += 1
             entry.waiters[client] = entry.waiters.get(client, 0) + 1
             self._waiting += 1
             self._waiting_by[client] = mine + 1
             return entry, load
-
-    def _refuse_a_swap_past(self, entry: Entry, client: str, bound_s: float, now: float) -> None:
-        """QueueFull when the load this request would ask for must evict a model another
-        client is using and this client owes swap time past the request's deadline
-        (``swaps``): answered at once, with when to try again (lock held)."""
-        owes = self._swaps_ledger.owes(client, now)
-        if owes <= bound_s or entry.waiting or entry.state not in ("unloaded", "failed"):
-            return
-        try:
-            if self._budgets.plan(entry, client, now) is not None:
-                return
-        except ModelTooLarge:
-            return  # the supervisor fails it, naming the numbers
-        load_s = entry.last_load_s or DEFAULT_LOAD_S
-        raise QueueFull(
-            f"model {entry.spec.name!r} is not loaded, and loading it would evict a model "
-            f"other clients are using: this client's earlier swaps cost it {owes:.1f} s more "
-            f"of waiting, past this request's deadline ({bound_s:g} s)",
-            predicted_ttft_s=round(owes + load_s, 3),
-            retry_after_s=round(owes, 3),
-        )
-
-    def _unavailable(self, entry: Entry, now: float) -> ModelLoadFailed:
-        if isinstance(entry.error, ModelTooLarge):
-            return entry.error.copy()  # a wait would not make it fit: the numbers say why
-        if isinstance(entry.error, ModelUnavailable):
-            error = entry.error.copy()
-            error.retry_after_s = round(max(0.0, entry.retry_at - now), 3)
-            return error
-        reason = entry.reason or "its last load failed"
-        return ModelUnavailable(
-            f"model {entry.spec.name!r} is failed: {reason}",
-            model=entry.spec.name,
-            reason=reason,
-            retry_after_s=round(max(0.0, entry.retry_at - now), 3),
-        )
 
     def _wait_bound(self, entry: Entry, deadline_s: float | None) -> float:
         return entry.spec.pool.deadline_s if deadline_s is None else max(0.0, deadline_s)
@@ -633,7 +597,8 @@ class ModelRegistry(Memory):
             if entry.state != "loading" or entry.pool is not None:
                 self._pending.remove(entry)
                 continue
-            payer = self._swaps_ledger.payer(entry.waiters, now) or ANYONE
+            # Whoever waits and owes least pays; with no one waiting, who asked for it.
+            payer = self._swaps_ledger.payer(entry.waiters, now) or entry.asked_by
             try:
                 plan = self._budgets.plan(entry, payer, now)
             except ModelTooLarge as exc:

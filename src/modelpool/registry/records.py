@@ -259,6 +259,8 @@ class Entry:
     # for its own use only (see idle_until).
     uses: dict[str, Use] = field(default_factory=dict)
     loaded_at: float = 0.0
+    # The client whose request asked for the load under way (its payer if none waits).
+    asked_by: str = ANYONE
     # An operator's /models/pin or /models/unpin; None: the spec's ``pin``.
     pin_set: bool | None = None
     # An operator's unload: drained (new requests wait for the reload) until unload_by.
