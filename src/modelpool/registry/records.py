@@ -48,8 +48,10 @@ KeepAlive = float | None | Literal["default"]
 # state file), or estimated from its files before it was ever measured.
 NeedSource = Literal["measured", "saved", "estimated"]
 
-# A client of the registry with no name of its own (a library call).
+# A client of the registry with no name of its own (a library call, the operator).
 ANYONE = "-"
+# The clients' uses of one model kept (its idle time is theirs): the most recent ones.
+MAX_USES = 1024
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,8 @@ class Entry:
             until = use.until(ttl)
             if until is not None and until < now:
                 del self.uses[name]
+        if len(self.uses) > MAX_USES:  # many clients of a model kept for ever: bounded
+            del self.uses[min(self.uses, key=lambda name: self.uses[name].at)]
 
     def idle_until(self) -> float | None:
         """When the idle model unloads (monotonic); None: never (pinned, ``ttl_s`` 0).
