@@ -36,6 +36,12 @@ class Budgets:
         """The models a running step is loading (ids): each counts at its need."""
         return {id(s.entry) for s in self.steps if s.entry is not None and not s.done}
 
+    def unbounded(self) -> bool:
+        """No budget at all: any load fits beside any other."""
+        return (
+            self.config.memory_budget_bytes is None and self.config.gpu_memory_budget_bytes is None
+        )
+
     def budget(self, resource: str) -> int | None:
         if resource == MEMORY:
             return self.config.memory_budget_bytes
@@ -99,7 +105,7 @@ class Budgets:
         finish, then it unloads) only when the idle ones do not free enough. Memory an
         unverified release left is counted as measured; the load waits for it (within
         its deadline) only when evicting what may be evicted does not make room."""
-        if self.config.memory_budget_bytes is None and self.config.gpu_memory_budget_bytes is None:
+        if self.unbounded():
             return [], []
         candidates = self.candidates(entry, client, now)
         movable = {id(e) for e in candidates}
@@ -133,10 +139,14 @@ class Budgets:
         if need is None:
             # Not known: every model that may go goes, so that even the first load stays
             # within the budget whatever the model turns out to take.
-            if self.draining or any(
-                e.state == "loaded" and not e.pinned and id(e) not in movable
-                for e in self.entries.values()
-                if e is not entry
+            if (
+                self.draining
+                or loading
+                or any(
+                    e.state == "loaded" and not e.pinned and id(e) not in movable
+                    for e in self.entries.values()
+                    if e is not entry
+                )
             ):
                 return None
             return candidates, lingering

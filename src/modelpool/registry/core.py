@@ -26,13 +26,12 @@ passed; until then its requests get :class:`~modelpool.errors.ModelUnavailable` 
 Threads. The state of every model is guarded by one condition lock that no slow call is
 made under (``base``). One supervising thread (``modelpool-registry``) makes every
 decision: it starts *steps* (a swap: unload the evicted models, then load; or one
-unload) on threads of their own, one at a time except loads that evict nothing, which
-run beside each other and beside a running step where the budget holds them all
-(``_next_step``); it watches each step's deadline, measures memory (``memory``),
-unloads idle models, and notices a loaded pool that died. It wakes at least twice a
-second, so its heartbeat (``health()``) shows a wedge; a step that outlives its
-deadline has its pool killed and, if even that does not end it, is abandoned with the
-model ``failed``.
+unload) on threads of their own, one at a time under a memory budget, and without one
+loads beside each other (``_next_step``); it watches each step's deadline, measures
+memory (``memory``), unloads idle models, and notices a loaded pool that died. It wakes
+at least twice a second, so its heartbeat (``health()``) shows a wedge; a step that
+outlives its deadline has its pool killed and, if even that does not end it, is
+abandoned with the model ``failed``.
 
 Memory is measured, not guessed (``memory``: a model's need, and how it settles; kept
 across restarts and estimated from files before a first load: ``needs``). A model that
@@ -536,16 +535,19 @@ class ModelRegistry(Admission):
         once the drained swap is done starts at once instead of waiting its turn. So does
         one behind a load that cannot be planned yet: a wait is never the whole queue's.
 
-        While steps run (``busy``) only a load that evicts nothing and waits for no
-        release starts beside them, its plan counting each load under way at its need: a
-        slow or failing load holds no other model's that fits."""
+        Without a memory budget, while steps run (``busy``), a load starts beside them
+        (it evicts nothing): a slow or failing load holds no other model's. Under a
+        budget steps run one at a time: a load's memory is not known until its
+        processes are up and gone again (a start-up retry, a load killed at its
+        deadline, a worker killed while it loads all overlap), so a load beside another
+        could pass the budget."""
         for entry in self._entries.values():
             if entry.state == "loaded" and entry.pool is not None:
                 health = entry.pool.health()
                 if not health.alive and health.state in ("failed", "closed"):
                     self._fail(entry, health.reason or "its pool died", now)
         if busy:
-            return self._next_load(now, busy=True)
+            return self._next_load(now, busy=True) if self._budgets.unbounded() else None
         for entry in self._entries.values():
             if entry.state == "failed" and entry.pool is not None and entry.in_flight == 0:
                 return Step(
@@ -658,8 +660,8 @@ class ModelRegistry(Admission):
             hook(spec.name, pool)
         started = time.monotonic()
         with self._cond:
-            # Each load measures the model afresh (the memory module's docstring).
-            entry.load_peak, entry.readings = {}, []
+            # The readings of requests are this load's own (the memory module's docstring).
+            entry.readings = []
             step.loading = pool
             step.deadline = started + spec.load_deadline_s
             if self._closing:

@@ -1,14 +1,15 @@
 """What the models hold: each model's workers measured (RSS by psutil, GPU memory by
 NVML), and its *need*, what a load of it is planned to take.
 
-The need settles: a load's own peak (its processes' high-water marks when it became
-ready: the transient of loading weights counts) and the readings of the last
-``NEED_WINDOW_S`` after it, the most of them. So one request's transient peak (a large
-rerank) raises the need for a while and no longer; each load measures the model afresh,
-and a need saved by an earlier run or estimated from the model's files (``needs``) counts
-only until the first reading of its load. A model whose holding now does not fit the
-budget even beside the pinned models alone is failed and closed once idle; its next load
-(after its backoff) is planned from what its last load took, and measured again.
+The need settles: the peak of the model's loads (their processes' high-water marks when
+they became ready: the transient of loading weights counts; the most over its loads, so
+one load measured while a worker was being replaced does not understate it) and the
+readings of the last ``NEED_WINDOW_S`` of this load, the most of them. So one request's
+transient peak (a large rerank) raises the need for a while and no longer. A need saved
+by an earlier run or estimated from the model's files (``needs``) counts only until its
+load is measured. A model whose holding now does not fit the budget even beside the
+pinned models alone is failed and closed once idle; its next load (after its backoff)
+is planned from what its loads took, and measured afresh.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Memory(Releases):
                     too_large = self._budgets.too_large(entry, entry.held)
                     if too_large is not None:
                         entry.need = dict(entry.load_peak) or entry.need
+                        entry.load_peak = {}  # its next load is measured afresh
                         self._fail(entry, too_large.message, now, error=too_large)
 
     def _note_held(

@@ -283,7 +283,7 @@ class Entry:
     held: dict[str, int] = field(default_factory=dict)
     need: dict[str, int] | None = None
     need_source: NeedSource | None = None
-    # This load's own peak (its processes' high-water marks when it became ready) and the
+    # The peak of its loads (their processes' high-water marks when ready) and this load's
     # readings since, each (time, holding): the need is the most of them in NEED_WINDOW_S.
     load_peak: dict[str, int] = field(default_factory=dict)
     readings: list[tuple[float, dict[str, int]]] = field(default_factory=list)
