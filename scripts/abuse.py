@@ -17,7 +17,10 @@ if a goal was missed.
 The second review's attacks that need a real model or keys (cache-oracle, role-markers,
 prefill-kill, grammar-burst: :mod:`abuse_model`; pending-bodies-keyed) run on a daemon of
 the embedded SmolLM2 (hf, one worker, three API keys); each prints its own figure and
-whether it is within its bound, and a figure past its bound is a missed goal too.
+whether it is within its bound, and a figure past its bound is a missed goal too. The
+third review's attacks between tenants (store-cross, store-evict, route-budget,
+operator-only: :mod:`abuse_tenants`) run on a daemon of the testing backend with
+``[models]`` tables and a keys file, and report the same way.
 
     scripts/abuse [--phase 6] [--only noread,fairness] [--json]
 """
@@ -43,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import abuse_model
+import abuse_tenants
 import httpx
 import psutil
 
@@ -80,12 +84,18 @@ def _free_port() -> int:
         return port
 
 
-def start_daemon(workdir: Path, model: bool = False) -> tuple[subprocess.Popen[bytes], str]:
-    """``modelpool serve`` on a free port: the testing backend, or with ``model`` the
-    embedded SmolLM2 with API keys (:mod:`abuse_model`)."""
+def start_daemon(workdir: Path, kind: str = "testing") -> tuple[subprocess.Popen[bytes], str]:
+    """``modelpool serve`` on a free port: the testing backend, or (``kind``) the embedded
+    SmolLM2 with API keys (:mod:`abuse_model`), or the testing backend's models and
+    tenants (:mod:`abuse_tenants`)."""
     port = _free_port()
     config = workdir / "abuse.toml"
-    config.write_text(abuse_model.config(port, workdir) if model else CONFIG.format(port=port))
+    if kind == "model":
+        config.write_text(abuse_model.config(port, workdir))
+    elif kind == "tenants":
+        config.write_text(abuse_tenants.config(port, workdir))
+    else:
+        config.write_text(CONFIG.format(port=port))
     log = open(workdir / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it
     process = subprocess.Popen(
         [sys.executable, "-m", "modelpool", "serve", "--config", str(config)],
@@ -640,6 +650,7 @@ ATTACKS: dict[str, Attack] = {
     "role-markers": abuse_model.attack_role_markers,
     "prefill-kill": abuse_model.attack_prefill_kill,
     "grammar-burst": abuse_model.attack_grammar_burst,
+    **abuse_tenants.ATTACKS,
 }
 # Those that run on the embedded model's daemon (abuse_model).
 MODEL_ATTACKS = frozenset(
@@ -676,10 +687,14 @@ def run(phase_s: float, only: list[str]) -> list[dict[str, Any]]:
     for name in only:
         with tempfile.TemporaryDirectory(prefix="modelpool-abuse-") as tmp:
             model = name in MODEL_ATTACKS
-            process, url = start_daemon(Path(tmp), model=model)
+            tenants = name in abuse_tenants.ATTACKS
+            kind = "model" if model else "tenants" if tenants else "testing"
+            process, url = start_daemon(Path(tmp), kind)
             ordinary = (
                 (abuse_model.ORDINARY_PROMPT, abuse_model.ORDINARY_HEADERS)
                 if model
+                else (abuse_tenants.ORDINARY_PROMPT, abuse_tenants.ORDINARY_HEADERS)
+                if tenants
                 else (ORDINARY_PROMPT, None)
             )
             try:

@@ -121,6 +121,7 @@ class Request:
             token_ids=generation.token_ids,
             stop_sequence=generation.stop_sequence,
             pooled=generation.pooled,
+            ttft_s=None if self.first_token_at is None else self.first_token_at - self.submitted_at,
         )
 
 

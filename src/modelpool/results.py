@@ -40,6 +40,9 @@ class Result:
     stop_sequence: str | None = None
     # An embed or score request's answer (ModelPool.embed and score read it).
     pooled: PooledAnswer | None = None
+    # Seconds from submission to the first text a worker sent (None: it sent none): with
+    # queue_s and latency_s, how long the prompt and the generation took.
+    ttft_s: float | None = None
 
 
 class PoolFuture(concurrent.futures.Future[Result]):

@@ -2,7 +2,8 @@
 
 A daemon with an API key kills a worker whose request hangs past its deadline; the page,
 given the key in its URL fragment, shows that worker as killed and replaced (by the pid
-that now serves), and a screenshot is taken. Chromium is Debian's package:
+that now serves), and a screenshot is taken. A daemon with ``[models]`` tables shows each
+model's state, memory, workers and queue. Chromium is Debian's package:
 ``scripts/install-chromium`` installs it when it is missing (root and apt needed).
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_support import daemon_config, start_daemon, wait_for
+from e2e_support import KEY_ENV, daemon_config, registry_config, start_daemon, wait_for
 
 from helpers import slack
 
@@ -119,3 +120,46 @@ def test_the_page_shows_a_killed_worker_as_replaced(chromium: str, tmp_path: Pat
             shutil.copy(screenshot, Path(artifacts) / "status-page.png")
     finally:
         assert daemon.stop() == 0, daemon.log()[-4000:]
+
+
+def test_the_page_shows_each_model_of_a_models_daemon(chromium: str, tmp_path: Path) -> None:
+    models = {
+        "chat": {"model": "chat-weights", "preload": True, "workers": 2},
+        "emb": {"model": "emb-weights", "preload": True, "backend_options": {"task": "embed"}},
+        "spare": {"model": "spare-weights"},
+    }
+    config = registry_config(models, workers=1, server={})
+    daemon = start_daemon(tmp_path / "daemon", config, env={KEY_ENV: KEY})
+    try:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        answer = httpx.post(
+            f"{daemon.url}/v1/completions",
+            json={"model": "chat", "prompt": "echo:x"},
+            headers=auth,
+            timeout=slack(30),
+        )
+        assert answer.status_code == 200, answer.text
+        dom = _browse(chromium, tmp_path / "profile", f"{daemon.url}/ui#key={KEY}", "--dump-dom")
+        assert dom.returncode == 0, dom.stderr[-2000:]
+        page = dom.stdout
+        assert "unreachable" not in page and "NaN" not in page
+        assert 'class="badge ready"' in page
+        rows = _rows(page, "models")
+        states = [row[:2] for row in rows]
+        assert states == [["chat", "loaded"], ["emb", "loaded"], ["spare", "unloaded"]]
+        chat = rows[0]
+        assert int(chat[2]) > 0, "its memory in MB"
+        assert chat[3:6] == ["2 / 2", "0", "0"], "workers ready, queued, running"
+        workers = [row[0] for row in _rows(page, "workers")]
+        assert workers == ["chat / 0", "chat / 1", "emb / 0"]
+    finally:
+        assert daemon.stop() == 0, daemon.log()[-4000:]
+
+
+def _rows(page: str, body_id: str) -> list[list[str]]:
+    """The cells of the rows of ``<tbody id=body_id>`` in a dumped DOM."""
+    body = page.split(f'<tbody id="{body_id}">', 1)[1].split("</tbody>", 1)[0]
+    return [
+        [cell.rsplit(">", 1)[1] for cell in row.split("</td>")[:-1]]
+        for row in body.split("</tr>")[:-1]
+    ]

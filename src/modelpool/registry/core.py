@@ -81,6 +81,7 @@ from modelpool.registry.records import (
     ModelStats,
     RegistryStats,
     Step,
+    Use,
 )
 from modelpool.registry.releases import RELEASE_TIMEOUT_S
 from modelpool.stats import PoolHealth
@@ -292,6 +293,16 @@ class ModelRegistry(Admission):
                 entry.unload_by = time.monotonic() + self.config.unload_timeout_s
                 if entry.state == "loaded":
                     entry.state = "unloading"
+            self._cond.notify_all()
+        return self.model_stats(name)
+
+    def let_go(self, name: str, client: str) -> ModelStats:
+        """``client``'s use of the model ends now (a tenant's keep_alive 0 without a run,
+        Ollama's unload): it unloads once idle unless another client's use keeps it."""
+        entry = self._lookup(name)
+        with self._cond:
+            if client in entry.uses:
+                entry.uses[client] = Use(time.monotonic(), 0.0)
             self._cond.notify_all()
         return self.model_stats(name)
 

@@ -17,9 +17,10 @@ The state the routes share (``ServerState``) and the walk of the small routes
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
 sends server-sent events ending with ``data: [DONE]``), ``POST /v1/responses`` (with
 ``GET``/``DELETE /v1/responses/{id}`` for stored ones), ``POST /v1/messages`` and
-``POST /v1/messages/count_tokens`` (Anthropic's, errors in its shape), ``GET
-/v1/models``, ``GET /healthz``, ``GET /readyz``, ``GET /stats``, ``GET /metrics``, ``GET
-/ui`` (the status page, ``server/ui``). Every
+``POST /v1/messages/count_tokens`` (Anthropic's, errors in its shape), Ollama's
+``/api/`` routes (``ollama.routes``), ``GET /v1/models``, ``GET /healthz``, ``GET
+/readyz``, ``GET /stats``, ``GET /metrics``, ``GET /ui`` (the status page,
+``server/ui``). Every
 generating route takes the one walk of ``_generate``; its API family (``generation.Api``)
 only parses the body into a job and writes the answer.
 
@@ -82,6 +83,7 @@ from modelpool.errors import (
 from modelpool.protocol import Prompt
 from modelpool.registry import ModelRegistry
 from modelpool.server import models as multi
+from modelpool.server import rights
 from modelpool.server.anthropic.api import MessagesApi, count_prompt
 from modelpool.server.checks import Checks
 from modelpool.server.errors import (
@@ -91,7 +93,7 @@ from modelpool.server.errors import (
     shutting_down,
 )
 from modelpool.server.fair_share import FairShare
-from modelpool.server.generation import Api, P, Plain
+from modelpool.server.generation import Api, P, Plain, RunsOnItsModel
 from modelpool.server.guard import BrowserGuard, Gate, require_json
 from modelpool.server.http import (
     ApiError,
@@ -103,6 +105,7 @@ from modelpool.server.http import (
     run_unless_disconnected,
 )
 from modelpool.server.metrics import CONTENT_TYPE, PoolMetrics
+from modelpool.server.ollama.routes import install_ollama_routes
 from modelpool.server.openai.format import Job, response_body
 from modelpool.server.openai.request import (
     check_budget,
@@ -241,7 +244,7 @@ def create_app(
     @app.exception_handler(PoolError)
     async def on_pool_error(request: Request, exc: PoolError) -> Response:
         _note_attempts(request.scope, exc.request_id, exc.attempts)
-        return error_response(pool_error_to_api(exc), request.url.path)
+        return error_response(pool_error_to_api(rights.seen_error(request, exc)), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -302,9 +305,9 @@ def create_app(
         return JSONResponse(body, status_code=503 if reasons else 200)
 
     @app.get("/readyz")
-    async def readyz() -> Response:
+    async def readyz(request: Request) -> Response:
         if registry is not None:
-            return await _registry_ready(state, registry)
+            return await _registry_ready(state, registry, listed=rights.known(request))
         assert pool is not None
         stats = await run_in_threadpool(pool.stats)
         ready_workers = sum(1 for w in stats.workers if w.state in READY_WORKER_STATES)
@@ -319,20 +322,22 @@ def create_app(
         return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
 
     @app.get("/stats")
-    async def stats() -> Response:
+    async def stats(request: Request) -> Response:
         server_parts = {
             "fair_share": state.fair_share.snapshot(),
             "checks": state.checks.snapshot(),
+            "responses_store": state.responses.store.snapshot(),
         }
         if registry is not None:
             server_parts["fair_share_by_model"] = {
                 name: share.snapshot() for name, share in state.shares.items()
             }
-            snapshot_all = await run_in_threadpool(registry.stats)
-            return JSONResponse({**snapshot_all.to_dict(), **server_parts})
-        assert pool is not None
-        snapshot = await pool.astats()
-        return JSONResponse({**snapshot.to_dict(), **server_parts})
+            snapshot_all = (await run_in_threadpool(registry.stats)).to_dict()
+        else:
+            assert pool is not None
+            snapshot_all = (await pool.astats()).to_dict()
+        full = {**snapshot_all, **server_parts}
+        return JSONResponse(full if rights.operates(request) else rights.tenant_stats(full))
 
     add_ui_routes(app)
 
@@ -378,17 +383,18 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, state, ChatApi())
 
+    # Each tenant's stored responses are its own: another's id reads as unknown.
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await _generate(request, state, state.responses)
+        return await _generate(request, state, state.responses.of(rights.owner(request)))
 
     @app.get("/v1/responses/{response_id}")
-    async def stored_response(response_id: str) -> Response:
-        return JSONResponse(state.responses.stored(response_id))
+    async def stored_response(request: Request, response_id: str) -> Response:
+        return JSONResponse(state.responses.of(rights.owner(request)).stored(response_id))
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> Response:
-        return JSONResponse(state.responses.delete(response_id))
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return JSONResponse(state.responses.of(rights.owner(request)).delete(response_id))
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
@@ -403,6 +409,7 @@ def create_app(
         return JSONResponse({"input_tokens": len(tokens)})
 
     install_pooling_routes(app, state, on_a_worker)
+    install_ollama_routes(app, state, _generate, on_a_worker)
     return app
 
 
@@ -432,9 +439,11 @@ def _install_model_routes(app: FastAPI, state: ServerState, pool: ModelPool) -> 
         return _model_card(state, snapshot.max_model_len, snapshot.task)
 
 
-async def _registry_ready(state: ServerState, registry: ModelRegistry) -> Response:
+async def _registry_ready(state: ServerState, registry: ModelRegistry, *, listed: bool) -> Response:
     """Ready: not draining, the registry alive, and every preload model loaded (any other
-    model loads on its first request)."""
+    model loads on its first request). The models and their states only when ``listed``
+    (a caller with a key): an unauthenticated probe learns ready or not, and why in
+    general terms, not which models the operator serves."""
     stats = await run_in_threadpool(registry.stats, with_pools=False)
     waiting_for = [
         name
@@ -442,11 +451,11 @@ async def _registry_ready(state: ServerState, registry: ModelRegistry) -> Respon
         if registry.spec(name).preload and model.state != "loaded"
     ]
     ready = not state.draining and registry.health().alive and not waiting_for
-    body = {
-        "status": "ready" if ready else "not ready",
-        "models": {name: model.state for name, model in stats.models.items()},
-        "draining": state.draining,
-    }
+    body: dict[str, Any] = {"status": "ready" if ready else "not ready", "draining": state.draining}
+    if waiting_for:
+        body["reason"] = f"{len(waiting_for)} preloaded model(s) not loaded yet"
+    if listed:
+        body["models"] = {name: model.state for name, model in stats.models.items()}
     headers = {} if ready else {"Retry-After": str(RETRY_AFTER_UNAVAILABLE)}
     return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
 
@@ -541,13 +550,15 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     waiting_s = deadline_from(
         {}, request.headers, state.default_deadline_s(), state.config.max_request_timeout_s
     )
-    tenant_budget = client.tenant.max_request_tokens if client.tenant is not None else None
-    budget = tenant_budget or state.config.max_request_tokens
+    budget = client.config(state.config).max_request_tokens
     body, parsed = await state.checks.run(
         client.name, client.limits, waiting_s, _parse, raw, api, budget, state.pool_config_for
     )
     job = parsed.job
-    pool = await state.pool_for(request, body)
+    taken = await api.take_pool(parsed, body, lambda: state.pool_for(request, body))
+    if isinstance(taken, Response):
+        return taken  # answered without a run (Ollama's load and unload)
+    pool = taken
     deadline = state.time_left(
         request,
         deadline_from(
@@ -681,7 +692,7 @@ def _answer_model(state: ServerState, body: dict[str, Any]) -> str:
     return state.registry.spec(str(body.get("model"))).name
 
 
-class CompletionsApi:
+class CompletionsApi(RunsOnItsModel):
     """``/v1/completions``."""
 
     def parse(self, body: dict[str, Any]) -> Plain:

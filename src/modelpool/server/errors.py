@@ -1,6 +1,7 @@
 """What each of the pool's typed errors answers over HTTP (the README's error table):
 ``pool_error_to_api`` for the daemon's routes and its streams alike; ``error_response``
-writes an error in the shape of the route's API (Anthropic's under ``/v1/messages``).
+writes an error in the shape of the route's API (Anthropic's under ``/v1/messages``,
+Ollama's under ``/api/``).
 """
 
 from __future__ import annotations
@@ -218,11 +219,29 @@ def anthropic_error_body(error: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": body, "request_id": error.extra.get("request_id")}
 
 
-def error_response(error: ApiError, path: str) -> JSONResponse:
+# The routes whose clients read Ollama's error shape.
+OLLAMA_PREFIX = "/api/"
+
+
+def ollama_error_body(error: ApiError) -> dict[str, Any]:
+    """Ollama's ``{"error": "..."}`` (its clients raise with that string and the status),
+    the daemon's code and field beside it."""
+    body: dict[str, Any] = {"error": error.message, "code": error.code}
+    if error.param is not None:
+        body["param"] = error.param
+    return body
+
+
+def error_body(error: ApiError, path: str) -> dict[str, Any]:
     """The error in the shape the route's clients read: Anthropic's under
-    ``/v1/messages``, OpenAI's everywhere else."""
+    ``/v1/messages``, Ollama's under ``/api/``, OpenAI's everywhere else."""
     if path.startswith(ANTHROPIC_PREFIX):
-        return JSONResponse(
-            anthropic_error_body(error), status_code=error.status, headers=error.headers
-        )
-    return error.response()
+        return anthropic_error_body(error)
+    if path.startswith(OLLAMA_PREFIX):
+        return ollama_error_body(error)
+    return error.body()
+
+
+def error_response(error: ApiError, path: str) -> JSONResponse:
+    """The error as the route's clients read it (``error_body``), with its status."""
+    return JSONResponse(error_body(error, path), status_code=error.status, headers=error.headers)

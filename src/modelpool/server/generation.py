@@ -12,18 +12,23 @@ written back, whole or streamed::
         def writer(self, request, choices, model): return ChatChunks(...)
 
 ``parse`` and ``answer`` may run in a thread (large bodies and answers, ``off_loop_if``).
+``take_pool`` is the family's say between the parse and the runs: the pool is the body's
+model's (``RunsOnItsModel``) unless the family answers without a run (Ollama's load and
+unload requests) or checks the request against the loaded model (its context).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from modelpool.server.openai.format import Job
 
 if TYPE_CHECKING:
-    from modelpool.pool import Result
+    from fastapi.responses import Response
+
+    from modelpool.pool import ModelPool, Result
     from modelpool.server.streaming import StreamedChoice, StreamWriter
 
 
@@ -48,6 +53,22 @@ class Api(Protocol[P]):
 
     def writer(self, request: P, choices: list[StreamedChoice], model: str) -> StreamWriter:
         """The events of the streamed answer."""
+
+    async def take_pool(
+        self, request: P, body: dict[str, Any], pool_for: Callable[[], Awaitable[ModelPool]]
+    ) -> ModelPool | Response:
+        """The pool the runs go to (``pool_for()``: the body's model, loaded if need be),
+        or the whole answer of a request that runs nothing; an ``ApiError`` for a request
+        the loaded model cannot serve."""
+
+
+class RunsOnItsModel:
+    """``take_pool`` of a family whose every request runs on its model's pool."""
+
+    async def take_pool(
+        self, request: object, body: dict[str, Any], pool_for: Callable[[], Awaitable[ModelPool]]
+    ) -> ModelPool | Response:
+        return await pool_for()
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from modelpool.config import ServerConfig
-from modelpool.server.errors import error_response
+from modelpool.server.errors import error_body, error_response
 from modelpool.server.http import ApiError, invalid
 from modelpool.server.metrics import PoolMetrics
 from modelpool.server.tenants import Keys
@@ -42,7 +42,14 @@ logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("modelpool.access")
 
 GENERATION_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/api/chat",
+        "/api/generate",
+    }
 )
 
 # Headers a browser may send on a cross-origin call, and answer headers it may read.
@@ -280,9 +287,10 @@ class Gate:
 # Connections
 
 
-def raw_response(error: ApiError) -> bytes:
-    """A complete HTTP response for an error met before any app could answer."""
-    body = json.dumps(error.body(), separators=(",", ":")).encode()
+def raw_response(error: ApiError, path: str) -> bytes:
+    """A complete HTTP response for an error met before any app could answer, in the
+    shape of the route's API (``errors.error_body``)."""
+    body = json.dumps(error_body(error, path), separators=(",", ":")).encode()
     lines = [
         STATUS_LINE[error.status],
         b"content-type: application/json\r\n",
@@ -295,6 +303,16 @@ def raw_response(error: ApiError) -> bytes:
         if name.lower() != "connection"
     ]
     return b"".join([*lines, b"\r\n", body])
+
+
+def url_path(url: bytes) -> str:
+    """The decoded path of a request target ("" for one that does not parse, or a head
+    refused before its target was read)."""
+    try:
+        path = httptools.parse_url(url).path
+    except httptools.HttpParserInvalidURLError:
+        return ""
+    return "" if path is None else urllib.parse.unquote(path.decode("latin-1"))
 
 
 def head_refusal(
@@ -449,7 +467,7 @@ def guarded_protocol(config: ServerConfig, keys: Keys | None = None) -> type[Htt
                 head_keys,
                 dict(self.headers),
                 self.parser.get_method(),
-                urllib.parse.unquote(httptools.parse_url(self.url).path.decode("latin-1")),
+                url_path(self.url),
             )
             if refusal is not None:
                 self._refuse_with(refusal)
@@ -523,7 +541,7 @@ def guarded_protocol(config: ServerConfig, keys: Keys | None = None) -> type[Htt
                 cycle.disconnected = True
                 cycle.message_event.set()
             if cycle is None or cycle.response_complete or not cycle.response_started:
-                self.transport.write(raw_response(error))
+                self.transport.write(raw_response(error, url_path(self.url)))
             # Debug, not info: an attacker opens these by the thousand, and a log line
             # each would amplify the attack onto the disk.
             logger.debug("closing a connection from %s: %s", _peer(self.client), error.message)

@@ -12,10 +12,10 @@ be, within the request's deadline, and the lease that keeps it loaded is release
 Without ``[models]`` the daemon serves its one pool whatever ``model`` says, as always.
 
 Routes added with a registry: ``POST /models/load``, ``POST /models/unload``,
-``POST /models/pin`` and ``POST /models/unpin`` (``{"model": NAME}``, behind the API key
-when one is set, as llama.cpp's router has: the operator's routes);
-``/v1/models`` lists every configured model with its ``status`` (``loaded``,
-``loading``, ``unloaded``, ``unloading``, ``failed`` with ``reason``), backend and
+``POST /models/pin`` and ``POST /models/unpin`` (``{"model": NAME}``, for operators
+only: ``rights.OPERATOR_ONLY``); ``/v1/models`` lists every configured model with its
+``status`` (``loaded``, ``loading``, ``unloaded``, ``unloading``, ``failed`` with
+``reason``: the registry's text for an operator, its class for a tenant), backend and
 measured memory.
 """
 
@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modelpool.config import PoolConfig, ServerConfig
 from modelpool.registry import ModelLease, ModelRegistry, ModelStats, parse_keep_alive
+from modelpool.server import rights
 from modelpool.server.http import invalid
 from modelpool.server.openai.request import deadline_from
 
@@ -165,22 +166,23 @@ def model_card(stats: ModelStats, created: int) -> dict[str, Any]:
 def install_routes(app: FastAPI, state: ServedModels, registry: ModelRegistry) -> None:
     """``/v1/models`` (every model, with its status) and the admin load/unload routes."""
 
-    async def cards() -> list[dict[str, Any]]:
+    async def cards(request: Request) -> list[dict[str, Any]]:
         from starlette.concurrency import run_in_threadpool
 
         stats = await run_in_threadpool(registry.stats)
-        return [model_card(model, state.started) for model in stats.models.values()]
+        cards = [model_card(model, state.started) for model in stats.models.values()]
+        return cards if rights.operates(request) else [rights.tenant_card(c) for c in cards]
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": await cards()}
+    async def models(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": await cards(request)}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict[str, Any]:
+    async def model(request: Request, model_id: str) -> dict[str, Any]:
         name = registry.spec(model_id).name
-        return next(card for card in await cards() if card["id"] == name)
+        return next(card for card in await cards(request) if card["id"] == name)
 
-    @app.post("/models/load")
+    @app.post("/models/load", dependencies=[rights.OPERATOR_ONLY])
     async def load(request: Request) -> Response:
         body = await state.read_json(request)
         name = _admin_name(body)
@@ -190,18 +192,18 @@ def install_routes(app: FastAPI, state: ServedModels, registry: ModelRegistry) -
         lease.release()
         return JSONResponse(model_card(registry.model_stats(name, with_pool=False), state.started))
 
-    @app.post("/models/unload")
+    @app.post("/models/unload", dependencies=[rights.OPERATOR_ONLY])
     async def unload(request: Request) -> Response:
         name = _admin_name(await state.read_json(request))
         return JSONResponse(model_card(registry.unload(name), state.started))
 
     # A runtime pin: never evicted nor unloaded when idle, until unpinned (not loaded by it).
-    @app.post("/models/pin")
+    @app.post("/models/pin", dependencies=[rights.OPERATOR_ONLY])
     async def pin(request: Request) -> Response:
         name = _admin_name(await state.read_json(request))
         return JSONResponse(model_card(registry.pin(name, True), state.started))
 
-    @app.post("/models/unpin")
+    @app.post("/models/unpin", dependencies=[rights.OPERATOR_ONLY])
     async def unpin(request: Request) -> Response:
         name = _admin_name(await state.read_json(request))
         return JSONResponse(model_card(registry.pin(name, False), state.started))

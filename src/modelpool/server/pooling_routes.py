@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from modelpool.config import ServerConfig
+from modelpool.embeddings import EmbeddingResult
 from modelpool.errors import InvalidRequest
 from modelpool.server.embeddings import (
     EmbedJob,
@@ -92,11 +93,13 @@ def install_pooling_routes(app: FastAPI, state: ServerState, on_a_worker: OnAWor
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        return await _embed(request, state, on_a_worker, _parse_embeddings, tei=False)
+        return await serve_embeddings(
+            request, state, on_a_worker, _parse_embeddings, _openai_answer
+        )
 
     @app.post("/embed")
     async def tei_embed(request: Request) -> Response:
-        return await _embed(request, state, on_a_worker, _parse_tei_embed, tei=True)
+        return await serve_embeddings(request, state, on_a_worker, _parse_tei_embed, _tei_answer)
 
     async def rerank(request: Request, return_documents: bool) -> Response:
         def parse(body: dict[str, Any], config: ServerConfig) -> RerankJob:
@@ -168,14 +171,28 @@ def install_pooling_routes(app: FastAPI, state: ServerState, on_a_worker: OnAWor
         return await score(request)
 
 
-async def _embed(
+# An embedding route's answer: (its job, the pool's vectors, the model's name) -> its body.
+EmbedAnswer = Callable[[EmbedJob, EmbeddingResult, str], object]
+
+
+def _openai_answer(job: EmbedJob, result: EmbeddingResult, model: str) -> object:
+    return embeddings_body(job, result.vectors, result.prompt_tokens, model)
+
+
+def _tei_answer(job: EmbedJob, result: EmbeddingResult, model: str) -> object:
+    return tei_embed_body(job, result.vectors)
+
+
+async def serve_embeddings(
     request: Request,
     state: ServerState,
     on_a_worker: OnAWorker,
     parse: Callable[[dict[str, Any], ServerConfig], EmbedJob],
-    *,
-    tei: bool,
+    answer: EmbedAnswer,
 ) -> Response:
+    """An embedding route's walk (``on_a_worker``), whatever shape its body and answer
+    have (OpenAI's, TEI's, Ollama's)."""
+
     async def run(pool: ModelPool, job: EmbedJob, left_s: float) -> Response:
         _check_task(pool, request, EMBEDS)
         done, result = await run_unless_disconnected(
@@ -192,14 +209,10 @@ async def _embed(
         )
         if not done or result is None:
             return ClientGone()
-        answer: object = (
-            tei_embed_body(job, result.vectors)
-            if tei
-            else embeddings_body(job, result.vectors, result.prompt_tokens, _model(request, state))
-        )
+        body = answer(job, result, _model(request, state))
         values = len(result.vectors) * result.dimensions
         content = await off_loop_if(
-            values > ENCODE_OFF_LOOP_VALUES, state.heavy_work, json_bytes, answer
+            values > ENCODE_OFF_LOOP_VALUES, state.heavy_work, json_bytes, body
         )
         return Response(content, media_type="application/json")
 

@@ -16,6 +16,7 @@ this one, never ``app``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,6 +26,7 @@ from fastapi import Request
 from modelpool.config import PoolConfig, ServerConfig
 from modelpool.registry import ModelRegistry
 from modelpool.server import models as multi
+from modelpool.server import rights
 from modelpool.server.checks import Checks
 from modelpool.server.errors import RETRY_AFTER_UNAVAILABLE
 from modelpool.server.fair_share import FairShare, Limits
@@ -177,15 +179,17 @@ class Client:
             return None
         return (self.tenant.client_max_running, self.tenant.client_max_queued)
 
+    def config(self, server: ServerConfig) -> ServerConfig:
+        """``server`` with this client's own request budget: what its body is held to."""
+        budget = self.tenant.max_request_tokens if self.tenant is not None else None
+        return server if budget is None else dataclasses.replace(server, max_request_tokens=budget)
+
 
 def client_of(request: Request, state: ServerState) -> Client:
     """Who ``request`` counts against in the fair share and the check threads."""
     if state.keys.required:
         # The key was checked already (the protocol, the Gate): it names a tenant.
-        tenant = state.keys.tenant(
-            request.headers.get("authorization", "").encode("latin-1"),
-            request.headers.get("x-api-key", "").encode("latin-1"),
-        )
+        tenant = rights.caller(request)
         if tenant is not None:
             return Client(f"tenant:{tenant.name}", tenant)
     return Client(request.client.host if request.client is not None else "-", None)
@@ -221,17 +225,18 @@ async def on_a_worker(
     *,
     priority_of: Callable[[T], int] | None = None,
 ) -> tuple[ModelPool, R]:
-    """A tokenizer route's walk: its body parsed and checked in a check thread, its
-    model's pool, then ``call(pool, job, seconds_left)`` in the client's turn of fair
-    share (tokenizing takes a worker, as a generation does) at the job's priority
-    (``priority_of``; 0 without it)."""
+    """A tokenizer route's walk: its body parsed and checked in a check thread (against
+    the tenant's own ``max_request_tokens`` where its table sets one), its model's pool,
+    then ``call(pool, job, seconds_left)`` in the client's turn of fair share (tokenizing
+    takes a worker, as a generation does) at the job's priority (``priority_of``; 0
+    without it)."""
+    client = client_of(request, state)
     waiting_s = deadline_from({}, request.headers, state.default_deadline_s(), None)
-    body, job = await read_checked(request, state, waiting_s, parse, state.config)
+    body, job = await read_checked(request, state, waiting_s, parse, client.config(state.config))
     pool = await state.pool_for(request, body)
     deadline = state.time_left(
         request, deadline_from({}, request.headers, pool.config.deadline_s, None)
     )
-    client = client_of(request, state)
     priority = 0 if priority_of is None else priority_of(job)
     ticket = state.share_for(request).reserve(client.name, 1, client.limits, priority)
     try:

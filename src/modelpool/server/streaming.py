@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 STREAM_BUFFER_EVENTS = 64
 # Answers whose runs produced more tokens than this are built and encoded off the loop.
 ENCODE_OFF_LOOP_TOKENS = 4_096
+SSE_CONTENT_TYPE = b"text/event-stream; charset=utf-8"
 
 
 def sse(payload: Mapping[str, Any] | str, event: str | None = None) -> bytes:
@@ -79,7 +80,10 @@ class StreamedText:
 
 
 class StreamWriter(Protocol):
-    """The events one API sends for each step of a streamed answer, encoded."""
+    """The events one API sends for each step of a streamed answer, encoded, and the
+    stream's ``content_type`` (server-sent events, or Ollama's NDJSON)."""
+
+    content_type: bytes
 
     def opening(self, request_id: str) -> list[bytes]:
         """The first events, once the first choice has produced something."""
@@ -233,7 +237,7 @@ class EventStream(Response):
                 "type": "http.response.start",
                 "status": 200,
                 "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"content-type", self._writer.content_type),
                     (b"cache-control", b"no-cache"),
                     # Proxies such as nginx would otherwise buffer the whole stream.
                     (b"x-accel-buffering", b"no"),

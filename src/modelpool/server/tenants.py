@@ -16,6 +16,15 @@ The keys file is TOML, one table per tenant::
     client_max_running = 2       # optional: this tenant's own share and budget
     client_max_queued = 64
     max_request_tokens = 100000
+
+    [tenants.ops]
+    key = "sk-ops-..."
+    admin = true                 # an operator: loads and unloads models, /stats in full
+
+Who is an operator (``Keys.operates``; the routes ask ``server.rights``): with a keys
+file, the tenants marked ``admin = true``, and no one else (the ``api_key_env`` key beside
+it is the ordinary tenant "default"); without one, whoever the daemon lets in (its one
+key's holder, or anyone when it has none), as before there were operators.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from modelpool.server.ui import UI_PATHS
 # Without a key: the probes, and the status page's static files (its data is /stats).
 OPEN_PATHS = frozenset({"/healthz", "/readyz"}) | UI_PATHS
 _TENANT_LIMITS = ("client_max_running", "client_max_queued", "max_request_tokens")
+_TENANT_SETTINGS = frozenset({"key", "admin", *_TENANT_LIMITS})
 
 
 @dataclass(frozen=True)
@@ -44,19 +54,22 @@ class Tenant:
     client_max_running: int | None = None
     client_max_queued: int | None = None
     max_request_tokens: int | None = None
+    admin: bool = False  # an operator (``admin = true`` in the keys file)
 
 
 class Keys:
-    """The bearer keys the daemon takes (none: every request is anonymous's)."""
+    """The bearer keys the daemon takes (none: every request is anonymous's).
+    ``every_caller_operates``: no keys file, so whoever gets in is the operator."""
 
-    def __init__(self, tenants: Mapping[str, Tenant]) -> None:
+    def __init__(self, tenants: Mapping[str, Tenant], *, every_caller_operates: bool) -> None:
         # By the key's digest: a lookup's time depends on the digest of the guess, which
         # says nothing of how much of the guess is right (a byte-wise compare would).
         self._by_digest = {_digest(key.encode()): tenant for key, tenant in tenants.items()}
+        self.every_caller_operates = every_caller_operates
 
     @classmethod
     def single(cls, key: str | None) -> Keys:
-        return cls({key: Tenant("default")} if key else {})
+        return cls({key: Tenant("default")} if key else {}, every_caller_operates=True)
 
     @classmethod
     def configured(cls, keys_file: str | None, api_key: str | None) -> Keys:
@@ -81,7 +94,7 @@ class Keys:
             where = f"{path}: tenants.{name}"
             if not isinstance(table, Mapping):
                 raise ValueError(f"{where} must be a table")
-            unknown = sorted(set(table) - {"key", *_TENANT_LIMITS})
+            unknown = sorted(set(table) - _TENANT_SETTINGS)
             if unknown:
                 raise ValueError(f"{where}.{unknown[0]} is not a tenant setting")
             key = table.get("key")
@@ -98,8 +111,11 @@ class Keys:
                 ):
                     raise ValueError(f"{where}.{setting} must be an integer >= {minimum}")
                 limits[setting] = value
-            tenants[key] = Tenant(str(name), **limits)
-        return cls(tenants)
+            admin = table.get("admin", False)
+            if not isinstance(admin, bool):
+                raise ValueError(f"{where}.admin must be true or false")
+            tenants[key] = Tenant(str(name), **limits, admin=admin)
+        return cls(tenants, every_caller_operates=False)
 
     @property
     def required(self) -> bool:
@@ -114,6 +130,10 @@ class Keys:
         if scheme.lower() != b"bearer":
             return None
         return self._by_digest.get(_digest(token.strip()))
+
+    def operates(self, tenant: Tenant | None) -> bool:
+        """Whether ``tenant`` (a request's, None without a key) is an operator."""
+        return self.every_caller_operates or (tenant is not None and tenant.admin)
 
     def refusal(self, headers: Mapping[bytes, bytes], path: str) -> ApiError | None:
         """401 for a request to a keyed path without a key of a tenant."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from modelpool.protocol import Prompt
 from modelpool.server.anthropic.request import MessagesRequest, parse_messages
 from modelpool.server.anthropic.stream import MessageEvents
+from modelpool.server.generation import RunsOnItsModel
 from modelpool.server.http import json_bytes
 from modelpool.server.streaming import StreamedChoice
 from modelpool.tools import GENERIC_PREAMBLE
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from modelpool.pool import Result
 
 
-class MessagesApi:
+class MessagesApi(RunsOnItsModel):
     """The Anthropic Messages family."""
 
     def parse(self, body: dict[str, Any]) -> MessagesRequest:

@@ -26,7 +26,7 @@ from modelpool import tools
 from modelpool.server.anthropic.request import MessagesRequest
 from modelpool.server.errors import anthropic_error_body, error_response
 from modelpool.server.http import ApiError
-from modelpool.server.streaming import StreamedChoice, StreamedText, sse
+from modelpool.server.streaming import SSE_CONTENT_TYPE, StreamedChoice, StreamedText, sse
 
 if TYPE_CHECKING:
     from modelpool.pool import Result
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 class MessageEvents:
     """The :class:`~modelpool.server.streaming.StreamWriter` of ``/v1/messages``."""
+
+    content_type = SSE_CONTENT_TYPE
 
     def __init__(self, request: MessagesRequest, model: str) -> None:
         self._request = request

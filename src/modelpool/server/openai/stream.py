@@ -19,6 +19,7 @@ from modelpool.server.http import ApiError, json_bytes
 from modelpool.server.openai.format import Job, choice_logprobs, total_usage, usage
 from modelpool.server.streaming import (
     ENCODE_OFF_LOOP_TOKENS,
+    SSE_CONTENT_TYPE,
     StreamedChoice,
     StreamedText,
     answer_tokens,
@@ -35,6 +36,8 @@ class ChatChunks:
     the logprobs of all its tokens: the pool streams text, and the scores of the tokens
     come with the result. An error after the first event is a ``data: {"error": ...}``
     event (what the OpenAI clients raise on), and the stream ends without ``[DONE]``."""
+
+    content_type = SSE_CONTENT_TYPE
 
     def __init__(self, job: Job, choices: list[StreamedChoice], model: str) -> None:
         self._job = job

@@ -8,7 +8,7 @@ tool grammar and structured outputs as ``/v1/chat/completions``. A refusal there
 renamed back to the field the client sent (``max_tokens`` → ``max_output_tokens``,
 ``messages[3]`` → ``input[2]``)::
 
-    request = parse_responses(body, store)
+    request = parse_responses(body, store, owner="alice")   # the tenant's name
     request.job          # the pool's Job
     request.messages     # the conversation (previous response's, then this input)
 
@@ -98,10 +98,14 @@ class ResponsesRequest:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]  # the function tools, as the client sent them
     store: bool
+    owner: str  # whose answer this is (the store's owner: the tenant's name)
     ignored: list[str] = field(default_factory=list)
 
 
-def parse_responses(body: Mapping[str, Any], store: ResponseStore) -> ResponsesRequest:
+def parse_responses(
+    body: Mapping[str, Any], store: ResponseStore, *, owner: str
+) -> ResponsesRequest:
+    """The request; its ``previous_response_id`` is looked up among ``owner``'s."""
     for name in body:
         if name not in RESPONSES_FIELDS and name not in IGNORED_RESPONSES_FIELDS:
             raise invalid(f"unsupported field {name!r}", param=name, code="unsupported_field")
@@ -113,7 +117,7 @@ def parse_responses(body: Mapping[str, Any], store: ResponseStore) -> ResponsesR
     if previous is not None:
         if not isinstance(previous, str):
             raise invalid("previous_response_id must be a string", "previous_response_id")
-        entry = store.get(previous)
+        entry = store.get(previous, owner=owner)
         if entry is None:
             raise ApiError(
                 404,
@@ -193,6 +197,7 @@ def parse_responses(body: Mapping[str, Any], store: ResponseStore) -> ResponsesR
         messages=chat_messages[1:] if instructions is not None else chat_messages,
         tools=tools,
         store=stored is not False,
+        owner=owner,
         ignored=ignored,
     )
 

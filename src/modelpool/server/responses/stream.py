@@ -31,7 +31,7 @@ from modelpool.server.http import ApiError
 from modelpool.server.responses.format import Status, response_object
 from modelpool.server.responses.request import ResponsesRequest
 from modelpool.server.responses.store import ResponseStore
-from modelpool.server.streaming import StreamedChoice, StreamedText, sse
+from modelpool.server.streaming import SSE_CONTENT_TYPE, StreamedChoice, StreamedText, sse
 
 if TYPE_CHECKING:
     from modelpool.pool import Result
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 class ResponseEvents:
     """The :class:`~modelpool.server.streaming.StreamWriter` of ``/v1/responses`` (one
     choice: the Responses API has no ``n``)."""
+
+    content_type = SSE_CONTENT_TYPE
 
     def __init__(self, request: ResponsesRequest, model: str, store: ResponseStore) -> None:
         self._request = request
@@ -76,7 +78,12 @@ class ResponseEvents:
             self._request, self._model, status, self.output, result=result
         )
         if self._request.store:
-            self._store.put(self._request.response_id, self.response, self.conversation())
+            self._store.put(
+                self._request.response_id,
+                self.response,
+                self.conversation(),
+                owner=self._request.owner,
+            )
         return events
 
     def closing(self, results: Mapping[int, Result]) -> list[bytes]:

@@ -44,12 +44,88 @@ function when(seconds) {
   return new Date(seconds * 1000).toLocaleTimeString();
 }
 
+const READY = ["idle", "busy", "spare"];
+const COUNTERS = ["completed", "failed", "kills", "retries", "queue_full"];
+
+function added(into, from) {
+  for (const [key, value] of Object.entries(from || {})) {
+    if (typeof value === "number") into[key] = (into[key] || 0) + value;
+  }
+  return into;
+}
+
+function highest(values) {
+  const known = values.filter((v) => v !== null && v !== undefined && isFinite(v));
+  return known.length ? Math.max(...known) : null;
+}
+
+function poolView(stats) {
+  // A daemon with [models] tables has each loaded model's pool under models.NAME.pool:
+  // the page shows them together, each worker and event with its model's name, counters
+  // and queues summed, the worst latency, and a row per model (renderModels).
+  if (!stats.models) return stats;
+  const pools = Object.entries(stats.models).filter(([, m]) => m.pool).map(([n, m]) => [n, m.pool]);
+  const sum = (field) => pools.reduce((total, [, p]) => total + (p[field] || 0), 0);
+  const counters = Object.fromEntries(COUNTERS.map((name) => [name, 0]));
+  const byPriority = {};
+  const throughput = {};
+  for (const [, p] of pools) {
+    added(counters, p.counters);
+    added(byPriority, p.queue_by_priority);
+    added(throughput, p.throughput);
+  }
+  const shares = Object.values(stats.fair_share_by_model || {});
+  const states = Object.values(stats.models).map((m) => m.state);
+  return {
+    state: states.includes("failed") ? "degraded" : "ready",
+    workers: pools.flatMap(([name, p]) => p.workers.map((w) => ({ ...w, model: name }))),
+    recent_events: pools
+      .flatMap(([name, p]) => p.recent_events.map((e) => ({ ...e, model: name })))
+      .sort((a, b) => a.at - b.at),
+    counters,
+    queue_by_priority: byPriority,
+    throughput,
+    latency_s: {
+      p50: highest(pools.map(([, p]) => p.latency_s.p50)),
+      p99: highest(pools.map(([, p]) => p.latency_s.p99)),
+    },
+    queue_depth: sum("queue_depth"),
+    running: sum("running"),
+    capacity: sum("capacity"),
+    fair_share: { waiting: shares.reduce((total, share) => total + share.waiting, 0) },
+    models: stats.models,
+    fair_share_by_model: stats.fair_share_by_model || {},
+  };
+}
+
+function renderModels(stats) {
+  const section = document.getElementById("models-section");
+  section.hidden = !stats.models;
+  if (!stats.models) return;
+  const body = document.getElementById("models");
+  body.replaceChildren();
+  for (const [name, model] of Object.entries(stats.models)) {
+    const pool = model.pool;
+    const share = stats.fair_share_by_model[name];
+    const row = document.createElement("tr");
+    cell(row, name);
+    cell(row, model.state, "state-" + model.state);
+    cell(row, model.rss_bytes === null ? null : (model.rss_bytes / 1e6).toFixed(0));
+    cell(row, pool ? pool.workers.filter((w) => READY.includes(w.state)).length + " / " +
+      pool.workers.length : "0");
+    cell(row, (pool ? pool.queue_depth : 0) + (share ? share.waiting : 0));
+    cell(row, pool ? pool.running : 0);
+    cell(row, model.reason);
+    body.appendChild(row);
+  }
+}
+
 function renderWorkers(stats) {
   const body = document.getElementById("workers");
   body.replaceChildren();
   for (const w of stats.workers) {
     const row = document.createElement("tr");
-    cell(row, w.id);
+    cell(row, w.model ? w.model + " / " + w.id : w.id);
     cell(row, w.pid);
     cell(row, w.state, "state-" + w.state);
     cell(row, w.role);
@@ -65,8 +141,8 @@ function renderWorkers(stats) {
 function replacement(stats, event) {
   // A killed worker is replaced once a new process, ready, holds its pool slot.
   if (stats.workers.some((w) => w.pid === event.pid)) return null;
-  return stats.workers.find((w) => w.pool_slot === event.pool_slot && w.pid !== null &&
-    w.state !== "starting") || null;
+  return stats.workers.find((w) => w.model === event.model && w.pool_slot === event.pool_slot &&
+    w.pid !== null && w.state !== "starting") || null;
 }
 
 function renderEvents(stats) {
@@ -77,7 +153,8 @@ function renderEvents(stats) {
     const row = document.createElement("tr");
     cell(row, when(event.at));
     cell(row, event.kind === "release" ? "release check" : event.kind);
-    cell(row, "worker " + event.worker_id + " (pid " + event.pid + ")");
+    cell(row, (event.model ? event.model + ": " : "") + "worker " + event.worker_id +
+      " (pid " + event.pid + ")");
     let cause = event.reason || "-";
     if (event.kind === "retry") cause = event.reason + ": " + event.detail;
     if (event.kind === "kill") cause = event.reason + " (" + event.detail + ")";
@@ -155,7 +232,8 @@ function renderPlots(stats) {
   plot("plot-queue", [history.map((s) => s.queued), history.map((s) => s.running)], ["#b45309", "#1d4ed8"]);
 }
 
-function render(stats) {
+function render(raw) {
+  const stats = poolView(raw);
   const state = document.getElementById("state");
   state.textContent = stats.state;
   state.className = "badge " + stats.state;
@@ -172,6 +250,7 @@ function render(stats) {
   const levels = Object.entries(stats.queue_by_priority);
   text("queue-by-priority", levels.length
     ? levels.map(([p, n]) => "priority " + p + ": " + n).join(", ") : "empty");
+  renderModels(stats);
   renderWorkers(stats);
   renderEvents(stats);
   renderPlots(stats);
