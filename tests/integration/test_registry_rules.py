@@ -140,6 +140,18 @@ def test_a_clients_keep_alive_never_unloads_a_model_another_client_uses(
     assert registry.model_stats("own").keep_alive_s == 300
 
 
+def test_a_client_letting_go_unloads_only_a_model_no_other_client_keeps(registry_of: Any) -> None:
+    # Ollama's keep_alive 0 without a run, from a tenant: its own use ends, no more.
+    registry = registry_of(spec("shared", ttl_s=300), spec("own", ttl_s=300))
+    registry.acquire("shared", client="alice").release()
+    registry.acquire("shared", client="bob").release()
+    registry.acquire("own", client="bob").release()
+    registry.let_go("shared", "bob")
+    registry.let_go("own", "bob")
+    wait_until(lambda: registry.model_stats("own").state == "unloaded", timeout=slack(5))
+    assert registry.model_stats("shared").state == "loaded"
+
+
 def test_a_runtime_pin_keeps_a_model_from_keep_alive_and_eviction(registry_of: Any) -> None:
     need = measured_need()
     registry = registry_of(
