@@ -711,7 +711,6 @@ class ModelRegistry(Admission):
             # An operator's unload asked for while it loaded: its waiters are served, then
             # it unloads (the supervisor's first step once they are done).
             entry.state = "unloading" if entry.unload_requested else "loaded"
-            entry.loaded_at = now
             entry.reason = None
             entry.error = None
             entry.failures = 0

@@ -260,7 +260,6 @@ class Entry:
     # Each client's last use and the keep_alive it asked for: a client's keep_alive counts
     # for its own use only (see idle_until).
     uses: dict[str, Use] = field(default_factory=dict)
-    loaded_at: float = 0.0
     # The client whose request asked for the load under way (its payer if none waits).
     asked_by: str = ANYONE
     # An operator's /models/pin or /models/unpin; None: the spec's ``pin``.
