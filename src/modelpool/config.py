@@ -19,7 +19,6 @@ the embedded default model), a TOML file, environment variables, flags::
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import tomllib
 from collections.abc import Mapping
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from modelpool.toml_text import toml_key, toml_value
 from modelpool.validation import check_generation_params, is_number
 
 RETRY_REASONS = ("timeout", "crash", "error", "cuda_error")
@@ -305,16 +305,19 @@ class ServerConfig:
     # X-Forwarded-Proto are believed: a client is the address they name. Empty: none, so
     # no client can name itself another address and so take another's fair share.
     forwarded_allow_ips: tuple[str, ...] = ()
-    # Many models ([models.NAME] tables; see modelpool.registry): the host RAM the models'
-    # worker processes may hold together (their RSS as psutil measures it) and the memory
-    # each GPU may hold for them (NVML, by PID); None: no budget. Requests that wait for a
-    # model to load, all models together (past it, 429), and the backoff of a failing
-    # model's loads (doubling from load_backoff_s up to load_backoff_max_s).
+    # Many models ([models.NAME] tables; modelpool.registry): the budgets of host RAM (RSS)
+    # and of each GPU (NVML) for the models' workers (None: none); requests waiting for a
+    # load (429 past it; a client a quarter of them); a failing model's load backoff; swap
+    # rules (min_residency_s, swap_share: registry.swaps); state_dir: the measured needs
+    # kept across restarts (None: $MODELPOOL_HOME/state; "": not kept).
     memory_budget_bytes: int | None = None
     gpu_memory_budget_bytes: int | None = None
     max_load_waiters: int = 256
     load_backoff_s: float = 1.0
     load_backoff_max_s: float = 60.0
+    min_residency_s: float = 3.0
+    swap_share: float = 0.2
+    state_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -398,6 +401,10 @@ class ServerConfig:
         _check_int("server.max_load_waiters", self.max_load_waiters, minimum=0)
         _check_number("server.load_backoff_s", self.load_backoff_s, allow_zero=True)
         _check_number("server.load_backoff_max_s", self.load_backoff_max_s, allow_zero=True)
+        _check_number("server.min_residency_s", self.min_residency_s, allow_zero=True)
+        _check_number("server.swap_share", self.swap_share, allow_zero=False)
+        if self.swap_share > 1 or not isinstance(self.state_dir, str | None):
+            raise ValueError("server.swap_share must be at most 1; server.state_dir a path")
         if self.max_pending_body_bytes < self.max_body_bytes:
             raise ValueError(
                 f"server.max_pending_body_bytes ({self.max_pending_body_bytes}) must be at "
@@ -688,16 +695,16 @@ class EffectiveConfig:
             for key in keys:
                 lines.append(self._line(key, key[len(table) + 1 :], flat[key]))
         for name, model_table in self.model_tables.items():
-            lines += ["", f"[models.{_toml_key(name)}]"]
+            lines += ["", f"[models.{toml_key(name)}]"]
             for key, value in model_table.items():
-                lines.append(f"{_toml_key(key)} = {toml_value(value)}  # file {self.config_path}")
+                lines.append(f"{toml_key(key)} = {toml_value(value)}  # file {self.config_path}")
         return "\n".join(lines) + "\n"
 
     def _line(self, key: str, name: str, value: Any) -> str:
         origin = self.origins.get(key, self.sources.get(key, "built-in"))
         if value is None:
-            return f"# {_toml_key(name)} = (unset)  # {origin}"
-        return f"{_toml_key(name)} = {toml_value(value)}  # {origin}"
+            return f"# {toml_key(name)} = (unset)  # {origin}"
+        return f"{toml_key(name)} = {toml_value(value)}  # {origin}"
 
 
 def layered_config(
@@ -822,26 +829,6 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     except tomllib.TOMLDecodeError:
         value = raw.strip()
     return key, value
-
-
-def toml_value(value: Any) -> str:
-    """``value`` written as TOML (strings, numbers, booleans, lists, tables)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(item) for item in value) + "]"
-    if isinstance(value, Mapping):
-        items = ", ".join(f"{_toml_key(str(k))} = {toml_value(v)}" for k, v in value.items())
-        return "{ " + items + " }" if items else "{}"
-    raise ValueError(f"cannot write {value!r} as TOML")
-
-
-def _toml_key(name: str) -> str:
-    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
 
 
 def _config_file(config_path: str | Path | None, environ: Mapping[str, str]) -> Path | None:

@@ -100,7 +100,8 @@ character (per id for token ids), the first with no logprob. ``max_new_tokens=0`
 with ``prompt_logprobs`` returns no text.
 
 Load-time options (``backend_options``): ``env_command`` (allow ``env:NAME``),
-``load_delay_s`` (sleep before ready),
+``load_delay_s`` (sleep before ready), ``hold_mb`` (megabytes held from the load on, as
+weights are: a model of a given size for the registry's budget),
 ``fail_load`` (raise during load), ``exit_on_load`` (``os._exit`` during load),
 ``exit_after_load_s`` (``os._exit(1)`` that many seconds after a successful load: a
 worker that says ready and dies), ``task`` ("embed" or "score": an embedding model or a
@@ -309,6 +310,12 @@ class FaultBackend:
             rehearse_compile, probe=rehearse_probe, probe_min_bytes=0
         )
 
+
+    def hold(self, megabytes: float) -> None:
+        """Allocate and touch ``megabytes``, kept for the worker's life (a leak, or weights)."""
+        block = bytearray(int(megabytes * 1024 * 1024))
+        _touch(block)
+        self._leaked.append(block)
     def device_memory_allocated(self) -> int:
         return self.allocated_bytes
 
@@ -518,9 +525,7 @@ class FaultBackend:
             _touch(bytearray(int(float(argument) * 1024 * 1024)))
             _block_forever()
         if command == "leak":
-            block = bytearray(int(float(argument) * 1024 * 1024))
-            _touch(block)
-            self._leaked.append(block)
+            self.hold(float(argument))
             return "ok"
         if command in ("crash_once", "hang_once"):
             if _first_time(argument):
@@ -712,6 +717,7 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
             "max_model_len",
             "task",
             "batch_log",
+            "hold_mb",
         }
     )
     if unknown:
@@ -729,13 +735,16 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
     if options.get("exit_after_load_s") is not None:
         threading.Timer(float(options["exit_after_load_s"]), os._exit, args=(1,)).start()
     batch_log = options.get("batch_log")
-    return FaultBackend(
+    backend = FaultBackend(
         device,
         max_model_len,
         env_command=options.get("env_command") is True,
         task=task,
         batch_log=None if batch_log is None else str(batch_log),
     )
+    if options.get("hold_mb"):
+        backend.hold(int(options["hold_mb"]))
+    return backend
 
 
 def run_on_dispatcher(pool: ModelPool, action: Callable[[], None]) -> threading.Thread:

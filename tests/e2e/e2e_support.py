@@ -134,6 +134,8 @@ def registry_config(
         "port = 0",
         f"api_key_env = {toml_value(KEY_ENV)}",
     ]
+    # Hermetic: no needs file kept across runs unless the test names one.
+    server = {"state_dir": "", **server}
     lines += [f"{key} = {toml_value(value)}" for key, value in server.items()]
     for name, table in models.items():
         lines += ["", f"[models.{name}]"]

@@ -181,3 +181,41 @@ def test_fair_share_is_per_model(daemon: Daemon, http: httpx.Client) -> None:
         lambda: http.get("/stats").json()["fair_share_by_model"]["coder"]["in_pool"] == 0,
         message="coder's place back",
     )
+
+
+def test_a_runtime_pin_behind_the_key_keeps_a_model_from_a_requests_keep_alive(
+    daemon: Daemon, http: httpx.Client
+) -> None:
+    assert httpx.post(daemon.url + "/models/pin", json={"model": "coder"}).status_code == 401
+    pinned = http.post("/models/pin", json={"model": "coder"})
+    assert pinned.status_code == 200 and pinned.json()["pinned"] is True
+    try:
+        body = {"model": "coder", "prompt": "echo:x", "keep_alive": 0}
+        assert http.post("/v1/completions", json=body).status_code == 200
+        assert statuses(http)["coder"]["status"] == "loaded"
+        assert http.get("/stats").json()["models"]["coder"]["keep_alive_s"] is None
+    finally:
+        unpinned = http.post("/models/unpin", json={"model": "coder"})
+    assert unpinned.status_code == 200 and unpinned.json()["pinned"] is False
+
+
+def test_a_request_while_an_unload_waits_for_a_running_one_is_served_after_the_reload(
+    daemon: Daemon, http: httpx.Client
+) -> None:
+    # The review's 500 (AssertionError) with the unload dropped: now the new request waits
+    # for the reload and the unload happens.
+    assert http.post("/models/load", json={"model": "coder"}).status_code == 200
+    unloads = http.get("/stats").json()["models"]["coder"]["unloads"]
+    with httpx.Client(base_url=daemon.url, timeout=30.0, headers=http.headers) as other:
+        body = {"model": "coder", "prompt": "tokens:20:0.05", "stream": True, "max_tokens": 20}
+        with other.stream("POST", "/v1/completions", json=body) as streamed:
+            lines = streamed.iter_lines()
+            next(line for line in lines if '"text"' in line)  # running now
+            unloading = http.post("/models/unload", json={"model": "coder"})
+            assert unloading.json()["status"] == "unloading"
+            after = http.post("/v1/completions", json={"model": "coder", "prompt": "echo:after"})
+            for _ in lines:
+                pass
+    assert after.status_code == 200, after.text
+    assert after.json()["choices"][0]["text"] == "after"
+    assert http.get("/stats").json()["models"]["coder"]["unloads"] == unloads + 1

@@ -234,9 +234,8 @@ ROUTES = [
 ]
 # The POST routes that cost no model's work: operators' (see test_only_an_operator_...),
 # Ollama's description of a model, and its model management (refused: 501).
-FREE_ROUTES = {
-    "/models/load",
-    "/models/unload",
+ADMIN_ROUTES = {"/models/load", "/models/unload", "/models/pin", "/models/unpin"}
+FREE_ROUTES = ADMIN_ROUTES | {
     "/api/show",
     "/api/pull",
     "/api/push",
@@ -326,7 +325,7 @@ def test_only_an_operator_loads_and_unloads_models(
     daemon: Daemon, alice: httpx.Client, ops: httpx.Client
 ) -> None:
     default = {"Authorization": "Bearer sk-default-0123456789abcdef"}
-    for path in ("/models/load", "/models/unload"):
+    for path in sorted(ADMIN_ROUTES):
         for refused in (
             alice.post(path, json={"model": "emb"}),
             httpx.post(daemon.url + path, json={"model": "emb"}, headers=default),

@@ -104,9 +104,11 @@ def test_idle_models_unload_after_ttl_and_keep_alive_zero_unloads_once_idle(
     lease.release()
     wait_until(lambda: registry.model_stats("kept").state == "unloaded", timeout=slack(5))
     assert gone(kept)
-    # keep_alive=None (Ollama's -1) keeps it, whatever ttl_s says.
+    # keep_alive=None (Ollama's -1) keeps it as long as its ttl_s allows, never longer.
     registry.acquire("short", keep_alive=None).release()
-    assert registry.model_stats("short").keep_alive_s is None
+    assert registry.model_stats("short").keep_alive_s == 0.5
+    registry.acquire("kept", keep_alive=None).release()
+    assert registry.model_stats("kept").keep_alive_s is None
 
 
 def test_keep_alive_reads_seconds_and_durations() -> None:

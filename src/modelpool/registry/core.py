@@ -1,7 +1,7 @@
 """Many models in one process: :class:`ModelRegistry`, a supervisor of :class:`ModelPool`\\ s.
 
 Each model is a pool of its own, started on its first request (or at start with
-``preload``), unloaded when idle past its ``ttl_s`` (or a request's ``keep_alive``), and
+``preload``), unloaded when idle past its ``ttl_s`` (or its clients' ``keep_alive``), and
 swapped within a measured memory budget::
 
     registry = ModelRegistry(RegistryConfig(
@@ -24,33 +24,31 @@ request tries again once its backoff (doubling, ``backoff_s`` to ``backoff_max_s
 passed; until then its requests get :class:`~modelpool.errors.ModelUnavailable` at once.
 
 Threads. The state of every model is guarded by one condition lock that no slow call is
-made under. One supervising thread (``modelpool-registry``) makes every decision: it
-starts one *step* at a time (a swap: unload the evicted models, then load; or one
-unload) on a thread of its own, watches the step's deadline, measures memory, unloads
-idle models, and notices a loaded pool that died. It wakes at least twice a second, so
-its heartbeat (``health()``) shows a wedge; a step that outlives its deadline has its
-pool killed and, if even that does not end it, is abandoned with the model ``failed``.
+made under (``base``). One supervising thread (``modelpool-registry``) makes every
+decision: it starts *steps* (a swap: unload the evicted models, then load; or one
+unload) on threads of their own, one at a time under a memory budget, and without one
+loads beside each other (``_next_step``); it watches each step's deadline, measures
+memory (``memory``), unloads idle models, and notices a loaded pool that died. It wakes
+at least twice a second, so its heartbeat (``health()``) shows a wedge; a step that
+outlives its deadline has its pool killed and, if even that does not end it, is
+abandoned with the model ``failed``.
 
-Memory is measured, not guessed: the RSS of each model's worker processes (and their
-children) by psutil, and each worker's GPU memory by NVML (the pool's own per-PID
-sampling), sampled while the model loads and every second after. A model's *need* is the
-most it was ever measured to hold, its processes' peak RSS (the kernel's high-water mark)
-included, so that a transient between two samples counts. A model that must load
-evicts least-recently-used idle (no request in flight or waiting), unpinned models until
-its need fits; a model never measured yet evicts every such model first, so the budget
-holds from the first load. A swap whose victim still runs requests waits for them
-outside the step, so the loads behind it are planned meanwhile (one that fits now and
-after that swap goes first). An evicted model's release is verified before the next
-model's workers start: every process measured as its own (the workers and their
-children, whatever their process group) gone and its process groups gone (psutil), and
-on a GPU the pool's own release checks passed and NVML no longer listing those
-processes. A release not verified within the load's deadline holds the load back: its
-workers do not start, its requests get :class:`~modelpool.errors.MemoryNotReleased`,
-and what is left is measured and counted against the budget until it is gone (the
-supervisor checks every second); then the models it held back are ``unloaded`` again
-and load on their next request. Requests waiting for a model hold it: a model with
-waiters is never idle, so two models that do not fit together alternate by demand
-instead of evicting each other in a loop.
+Memory is measured, not guessed (``memory``: a model's need, and how it settles; kept
+across restarts and estimated from files before a first load: ``needs``). A model that
+must load evicts least-recently-used idle (no request in flight or waiting), unpinned
+models until its need fits, keeping those that fit beside it (``budget``); one whose
+need is not known at all evicts every such model first, so the budget holds from the
+first load. A swap is charged to the client that asked for it, and a client that owes
+swap time does not evict another client's model in use (``swaps``). A swap whose victim
+still runs requests waits for them outside the step, so the loads behind it are planned
+meanwhile (one that fits now and after that swap goes first). An evicted model's
+release is verified before the next model's workers start (``releases``); a release not
+verified within the load's deadline holds the load back (its requests get
+:class:`~modelpool.errors.MemoryNotReleased`) until the memory is back. Requests
+waiting for a model hold it: a model with waiters is never idle, so two models that do
+not fit together alternate by demand instead of evicting each other in a loop. A
+client's ``keep_alive`` counts for its own use only (``records.Entry.idle_until``); the
+operator unloads, loads and pins.
 """
 
 from __future__ import annotations
@@ -59,71 +57,67 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import logging
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from modelpool.config import ModelSpec
 from modelpool.errors import (
     DeadlineExceeded,
-    MemoryNotReleased,
     ModelLoadFailed,
     ModelNotFound,
     ModelTooLarge,
-    ModelUnavailable,
     PoolClosed,
-    PoolError,
     PoolOverloaded,
 )
-from modelpool.gpu import GpuProbe
 from modelpool.pool import ModelPool
-from modelpool.processes import group_members, wait_process_group_gone
-from modelpool.registry.budget import Budgets
+from modelpool.registry.admission import Admission
+from modelpool.registry.base import logger
 from modelpool.registry.records import (
+    ANYONE,
     MEMORY,
     Entry,
     KeepAlive,
-    Lingering,
     ModelStats,
-    RegistryConfig,
     RegistryStats,
     Step,
-    process_trees,
-    tree_rss,
+    Use,
 )
+from modelpool.registry.releases import RELEASE_TIMEOUT_S
 from modelpool.stats import PoolHealth
 
-logger = logging.getLogger("modelpool.registry")
-# The supervisor wakes at least this often (its heartbeat), and samples memory this often.
+# The supervisor wakes at least this often (its heartbeat).
 TICK_S = 0.5
-SAMPLE_S = 1.0
-SAMPLE_WHILE_LOADING_S = 0.25
 # A step that its pool's kill did not end within this is abandoned (its thread is stuck
 # outside the pool, e.g. in a model download) and the model marked failed.
 ABANDON_AFTER_S = 10.0
-# An unloaded model's processes must be gone within this after its pool closed (an
-# idle unload; a swap waits up to the deadline of the load it makes room for).
-RELEASE_TIMEOUT_S = 10.0
-# How often a release not yet verified is checked again while a load waits for it.
-RELEASE_POLL_S = 0.1
+# One client holds at most this share of the load-waiter places (max_waiting).
+CLIENT_WAITING_SHARE = 0.25
 
 
 class ModelLease:
     """A model held for one use: its ``pool``, and the promise not to unload it until
     :meth:`release` (idempotent; ``with`` releases it)."""
 
-    def __init__(self, registry: ModelRegistry, entry: Entry, pool: ModelPool) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        entry: Entry,
+        pool: ModelPool,
+        client: str = ANYONE,
+        keep_alive: KeepAlive = "default",
+    ) -> None:
         self.name = entry.spec.name
         self.pool = pool
         self._registry = registry
         self._entry: Entry | None = entry
+        self._client = client
+        self._keep_alive = keep_alive
 
     def release(self) -> None:
         entry, self._entry = self._entry, None
         if entry is not None:
-            self._registry._release(entry)
+            self._registry._release(entry, self._client, self._keep_alive)
 
     def __enter__(self) -> ModelPool:
         return self.pool
@@ -135,41 +129,9 @@ class ModelLease:
         self.release()
 
 
-class ModelRegistry:
-    """Several :class:`ModelPool`\\ s by name; the module docstring has the rules."""
-
-    def __init__(self, config: RegistryConfig, *, gpu_probe: GpuProbe | None = None) -> None:
-        """``gpu_probe`` replaces the NVML probe of every model's pool and of the
-        registry's own release checks (tests); by default each makes its own."""
-        self.config = config
-        self._gpu_probe = gpu_probe
-        self._own_probe: GpuProbe | None = None
-        # Re-entrant: a lease dropped unreleased releases itself in __del__, which the
-        # garbage collector may run on a thread that holds the lock already.
-        self._cond = threading.Condition(threading.RLock())
-        self._entries = {spec.name: Entry(spec) for spec in config.models}
-        self._names = {
-            name: self._entries[spec.name]
-            for spec in config.models
-            for name in (spec.name, *spec.aliases)
-        }
-        self._pending: deque[Entry] = deque()
-        # Swaps planned whose victims are still draining (their requests finishing): not
-        # started until they are, so that the loads behind them are planned meanwhile.
-        self._draining: list[Step] = []
-        # The budgets read the records and the draining swaps; their decisions are ours.
-        self._budgets = Budgets(config, self._entries, self._draining)
-        self._step: Step | None = None
-        self._waiting = 0
-        self._swaps = 0
-        self._closing = False
-        # Called with each pool before it starts (the daemon's observers: add_pool_hook).
-        self._pool_hooks: list[Callable[[str, ModelPool], None]] = []
-        self._thread: threading.Thread | None = None
-        self._heartbeat: float | None = None
-        self._peak: dict[str, int] = {}
-        self._next_sample = 0.0
-        self._started_at = time.monotonic()
+class ModelRegistry(Admission):
+    """Several :class:`ModelPool`\\ s by name; the module docstring has the rules (the
+    state is :class:`~modelpool.registry.base.RegistryBase`'s)."""
 
     # ---- life cycle ---------------------------------------------------------------------
 
@@ -188,11 +150,11 @@ class ModelRegistry:
             loads = {
                 entry.spec.name: self._request_load(entry)
                 for entry in self._entries.values()
-                if entry.spec.preload
+                if entry.spec.preload and entry.state != "loaded"
             }
         if wait_preloads:
             for name, load in loads.items():
-                failure = None if load is None else load.exception()
+                failure = load.exception()
                 if failure is not None:
                     logger.error("registry: preloading %s failed: %s", name, failure)
         return self
@@ -204,11 +166,12 @@ class ModelRegistry:
             for entry in self._entries.values():
                 if entry.load is not None and not entry.load.done():
                     entry.load.set_exception(PoolClosed("the registry closed"))
-            step = self._step
+            steps = list(self._steps)
             self._cond.notify_all()
-        if step is not None and step.loading is not None:
-            step.loading.close(drain=False, timeout=0.0)
-        for thread in (self._thread, step.thread if step is not None else None):
+        for step in steps:
+            if step.loading is not None:
+                step.loading.close(drain=False, timeout=0.0)
+        for thread in (self._thread, *(step.thread for step in steps)):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout + ABANDON_AFTER_S)
         with self._cond:
@@ -239,50 +202,61 @@ class ModelRegistry:
         return self._lookup(name).spec
 
     def acquire(
-        self, name: str, *, deadline_s: float | None = None, keep_alive: KeepAlive = "default"
+        self,
+        name: str,
+        *,
+        deadline_s: float | None = None,
+        keep_alive: KeepAlive = "default",
+        client: str = ANYONE,
     ) -> ModelLease:
         """The model, loaded (waiting for its load, within ``deadline_s``), held until the
-        lease is released. ``keep_alive`` (seconds, None: forever) replaces ``ttl_s``
-        from now on, as Ollama's per-request keep_alive does.
+        lease is released. ``client``: who asks (a tenant or an address: what its swaps
+        cost it, its share of the waiting places, its use of the model); ``keep_alive``
+        (seconds, None: as long as ``ttl_s`` allows): how long this client's use keeps the
+        model loaded once idle, at most ``ttl_s`` (Ollama's per-request keep_alive, for
+        the requester's own use only: another client's use keeps it for its own time).
 
         Raises ``ModelNotFound``, ``ModelUnavailable`` (failed, backing off: at once),
-        ``ModelTooLarge``, ``PoolOverloaded`` (too many waiting), ``DeadlineExceeded``
-        (the load outlasted the deadline; it goes on for the others)."""
-        entry, load, lease = self._reserve(name, keep_alive)
-        if lease is not None:
-            return lease
-        assert load is not None
-        bound = self._wait_bound(entry, deadline_s)
+        ``ModelTooLarge``, ``PoolOverloaded`` (too many waiting), ``QueueFull`` (the swap
+        it needs is the client's to wait for past ``deadline_s``: at once, with when to try
+        again), ``DeadlineExceeded`` (the load outlasted the deadline; it goes on for the
+        others). A refused request changes nothing of the model's."""
+        bound_s = self._wait_bound(self._lookup(name), deadline_s)
+        entry, load = self._reserve(name, keep_alive, client, bound_s)
+        if isinstance(load, ModelLease):
+            return load
         try:
-            pool = load.result(timeout=bound)
+            pool = load.result(timeout=bound_s)
         except concurrent.futures.TimeoutError:
-            raise self._gave_up(entry, bound) from None
+            raise self._gave_up(entry, bound_s, client) from None
         except BaseException as exc:
-            self._unwait(entry, release=True)
+            self._unwait(entry, client)
             raise _fresh(exc) from None
-        self._unwait(entry, release=False)
-        return ModelLease(self, entry, pool)
+        return self._granted(entry, client, pool, keep_alive)
 
     async def aacquire(
-        self, name: str, *, deadline_s: float | None = None, keep_alive: KeepAlive = "default"
+        self,
+        name: str,
+        *,
+        deadline_s: float | None = None,
+        keep_alive: KeepAlive = "default",
+        client: str = ANYONE,
     ) -> ModelLease:
         """:meth:`acquire` for asyncio code: waits for a load without a thread."""
-        entry, load, lease = self._reserve(name, keep_alive)
-        if lease is not None:
-            return lease
-        assert load is not None
-        bound = self._wait_bound(entry, deadline_s)
+        bound_s = self._wait_bound(self._lookup(name), deadline_s)
+        entry, load = self._reserve(name, keep_alive, client, bound_s)
+        if isinstance(load, ModelLease):
+            return load
         try:
-            pool = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(load)), bound)
+            pool = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(load)), bound_s)
         except TimeoutError:
-            raise self._gave_up(entry, bound) from None
+            raise self._gave_up(entry, bound_s, client) from None
         except BaseException as exc:
-            self._unwait(entry, release=True)
+            self._unwait(entry, client)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise _fresh(exc) from None
-        self._unwait(entry, release=False)
-        return ModelLease(self, entry, pool)
+        return self._granted(entry, client, pool, keep_alive)
 
     @contextlib.contextmanager
     def use(self, name: str, *, deadline_s: float | None = None) -> Iterator[ModelPool]:
@@ -308,11 +282,37 @@ class ModelRegistry:
         return self.model_stats(name)
 
     def unload(self, name: str) -> ModelStats:
-        """Unload a model as soon as nothing holds it (pinned or not); returns at once."""
+        """Unload a model (pinned or not: an operator's call); returns at once. A loaded
+        model is ``unloading`` from now: its running requests finish (within
+        ``unload_timeout_s``), a request that comes meanwhile waits for its reload; a
+        loading one serves the requests waiting for it, then unloads the same way."""
         entry = self._lookup(name)
         with self._cond:
-            if entry.state in ("loaded", "loading"):
+            if entry.state in ("loaded", "loading") and not entry.unload_requested:
                 entry.unload_requested = True
+                entry.unload_by = time.monotonic() + self.config.unload_timeout_s
+                if entry.state == "loaded":
+                    entry.state = "unloading"
+            self._cond.notify_all()
+        return self.model_stats(name)
+
+    def let_go(self, name: str, client: str) -> ModelStats:
+        """``client``'s use of the model ends now (a tenant's keep_alive 0 without a run,
+        Ollama's unload): it unloads once idle unless another client's use keeps it."""
+        entry = self._lookup(name)
+        with self._cond:
+            if client in entry.uses:
+                entry.uses[client] = Use(time.monotonic(), 0.0)
+            self._cond.notify_all()
+        return self.model_stats(name)
+
+    def pin(self, name: str, pinned: bool = True) -> ModelStats:
+        """Pin a model (never evicted nor unloaded when idle; an operator's call), or with
+        ``pinned=False`` unpin it, whatever its ``pin`` setting; it is not loaded by this
+        (``load`` does), and an unpinned model idle past its time unloads."""
+        entry = self._lookup(name)
+        with self._cond:
+            entry.pin_set = pinned
             self._cond.notify_all()
         return self.model_stats(name)
 
@@ -396,88 +396,83 @@ class ModelRegistry:
         return entry
 
     def _reserve(
-        self, name: str, keep_alive: KeepAlive
-    ) -> tuple[Entry, concurrent.futures.Future[ModelPool] | None, ModelLease | None]:
+        self, name: str, keep_alive: KeepAlive, client: str, bound_s: float
+    ) -> tuple[Entry, concurrent.futures.Future[ModelPool] | ModelLease]:
+        """A lease on the loaded model, or the load to wait for (counted as waiting)."""
         entry = self._lookup(name)
         now = time.monotonic()
         with self._cond:
             if self._closing or self._thread is None:
                 raise PoolClosed("the registry is not running (start() it, or it was closed)")
-            if keep_alive != "default":
-                entry.keep_alive_s = keep_alive
-                entry.keep_alive_set = True
-            entry.last_used = now
-            if entry.state == "loaded" and entry.pool is not None and not entry.unload_requested:
-                entry.in_flight += 1
-                return entry, None, ModelLease(self, entry, entry.pool)
+            if entry.state == "loaded" and entry.pool is not None:
+                return entry, self._hold(entry, entry.pool, client, keep_alive, now)
             if entry.state == "failed" and (now < entry.retry_at or entry.pool is not None):
                 raise self._unavailable(entry, now)
-            if self._waiting >= self.config.max_waiting:
+            share = max(1, int(self.config.max_waiting * CLIENT_WAITING_SHARE))
+            mine = self._waiting_by.get(client, 0)
+            if self._waiting >= self.config.max_waiting or mine >= share:
                 raise PoolOverloaded(
-                    f"{self._waiting} requests wait for models to load "
-                    f"(max_load_waiters = {self.config.max_waiting})"
+                    f"{self._waiting} requests wait for models to load, {mine} of them this "
+                    f"client's (max_load_waiters = {self.config.max_waiting}, a client "
+                    f"{share} of them)"
                 )
-            entry.unload_requested = False
+            self._refuse_a_swap_past(entry, client, bound_s, now)
+            if entry.state in ("unloaded", "failed"):
+                entry.asked_by = client
             load = self._request_load(entry)
-            assert load is not None
+            self._refuse_a_load_past(entry, bound_s, now)
             entry.waiting += 1
+            entry.waiters[client] = entry.waiters.get(client, 0) + 1
             self._waiting += 1
-            return entry, load, None
-
-    def _request_load(self, entry: Entry) -> concurrent.futures.Future[ModelPool] | None:
-        """The load to wait on, asking for one if none is under way (lock held)."""
-        if entry.state == "loaded":
-            return None
-        if entry.load is None or entry.load.done():
-            entry.load = concurrent.futures.Future()
-        if entry.state in ("unloaded", "failed"):
-            entry.state = "loading"
-            entry.reason = None
-            if entry not in self._pending:
-                self._pending.append(entry)
-            self._cond.notify_all()
-        # "loading": already queued or under way; "unloading": queued once the unload ends.
-        return entry.load
-
-    def _unavailable(self, entry: Entry, now: float) -> ModelLoadFailed:
-        if isinstance(entry.error, ModelTooLarge):
-            return entry.error.copy()  # a wait would not make it fit: the numbers say why
-        if isinstance(entry.error, ModelUnavailable):
-            error = entry.error.copy()
-            error.retry_after_s = round(max(0.0, entry.retry_at - now), 3)
-            return error
-        reason = entry.reason or "its last load failed"
-        return ModelUnavailable(
-            f"model {entry.spec.name!r} is failed: {reason}",
-            model=entry.spec.name,
-            reason=reason,
-            retry_after_s=round(max(0.0, entry.retry_at - now), 3),
-        )
+            self._waiting_by[client] = mine + 1
+            return entry, load
 
     def _wait_bound(self, entry: Entry, deadline_s: float | None) -> float:
         return entry.spec.pool.deadline_s if deadline_s is None else max(0.0, deadline_s)
 
-    def _gave_up(self, entry: Entry, bound: float) -> DeadlineExceeded:
-        self._unwait(entry, release=True)
+    def _gave_up(self, entry: Entry, bound: float, client: str) -> DeadlineExceeded:
+        self._unwait(entry, client)
         return DeadlineExceeded(
             f"model {entry.spec.name!r} did not load within the request's deadline "
             f"({bound:g} s); its load goes on for the other requests"
         )
 
-    def _unwait(self, entry: Entry, *, release: bool) -> None:
-        """A waiter is done waiting: it holds the model now, or (``release``) gave up."""
+    def _unwait(self, entry: Entry, client: str) -> None:
+        """A waiter is done waiting (it gave up, or holds the model: ``_granted``)."""
         with self._cond:
             entry.waiting -= 1
             self._waiting -= 1
-            if not release:
-                entry.in_flight += 1
-            entry.last_used = time.monotonic()
+            for counts in (entry.waiters, self._waiting_by):
+                counts[client] -= 1
+                if not counts[client]:
+                    del counts[client]
             self._cond.notify_all()
 
-    def _release(self, entry: Entry) -> None:
+    def _granted(
+        self, entry: Entry, client: str, pool: ModelPool, keep_alive: KeepAlive
+    ) -> ModelLease:
+        """A waiter's load is done: it holds the model now."""
+        with self._cond:
+            self._unwait(entry, client)
+            return self._hold(entry, pool, client, keep_alive, time.monotonic())
+
+    def _hold(
+        self, entry: Entry, pool: ModelPool, client: str, keep_alive: KeepAlive, now: float
+    ) -> ModelLease:
+        """The lease of one request of ``client`` (lock held): it holds the model, and its
+        use (with its keep_alive) is the model's from now."""
+        entry.in_flight += 1
+        entry.holders[client] = entry.holders.get(client, 0) + 1
+        entry.note_use(client, keep_alive, now)
+        return ModelLease(self, entry, pool, client, keep_alive)
+
+    def _release(self, entry: Entry, client: str, keep_alive: KeepAlive) -> None:
         with self._cond:
             entry.in_flight -= 1
-            entry.last_used = time.monotonic()
+            entry.holders[client] -= 1
+            if not entry.holders[client]:
+                del entry.holders[client]
+            entry.note_use(client, keep_alive, time.monotonic())
             self._cond.notify_all()
 
     # ---- internals: the supervisor --------------------------------------------------------
@@ -490,10 +485,12 @@ class ModelRegistry:
                 self._heartbeat = now
                 if self._closing:
                     break
-                self._watch_step(now)
-                if self._step is None:
-                    start = self._step = self._next_step(now)
-                if start is None:
+                for step in list(self._steps):
+                    self._watch_step(step, now)
+                start = self._next_step(now, busy=bool(self._steps))
+                if start is not None:
+                    self._steps.append(start)
+                else:
                     self._cond.wait(TICK_S)
             if start is not None:
                 start.thread = threading.Thread(
@@ -508,14 +505,11 @@ class ModelRegistry:
                 self._sample()
         self._heartbeat = time.monotonic()
 
-    def _watch_step(self, now: float) -> None:
+    def _watch_step(self, step: Step, now: float) -> None:
         """A finished step is cleared; one past its deadline has its loading pool killed,
         then is abandoned (lock held)."""
-        step = self._step
-        if step is None:
-            return
         if step.done:
-            self._step = None
+            self._steps.remove(step)
             return
         if step.deadline is None or now < step.deadline:
             return
@@ -537,24 +531,34 @@ class ModelRegistry:
                     "and could not be stopped"
                 )
                 self._fail(entry, reason, now)
-            self._step = None
+            self._steps.remove(step)
 
-    def _next_step(self, now: float) -> Step | None:
+    def _next_step(self, now: float, *, busy: bool) -> Step | None:
         """The next supervised step, if one is due (lock held). In order: close a failed
-        model's pool, a planned swap whose victims have drained, the first pending load
-        that can be planned (with its evictions), an idle unload, an eviction back under
-        the budget.
+        model's pool, an operator's unload once its model is idle (or past its drain), a
+        planned swap whose victims have drained, the first pending load that can be
+        planned (with its evictions, charged to a client waiting for it: ``swaps``), an
+        idle unload, an eviction back under the budget.
 
         A load that must drain a busy model is planned (its victims ``unloading``: no new
         request gets them) but starts only once they are idle, or ``unload_timeout_s``
         after; the loads behind it are planned meanwhile, and one that fits both now and
         once the drained swap is done starts at once instead of waiting its turn. So does
-        one behind a load that cannot be planned yet: a wait is never the whole queue's."""
+        one behind a load that cannot be planned yet: a wait is never the whole queue's.
+
+        Without a memory budget, while steps run (``busy``), a load starts beside them
+        (it evicts nothing): a slow or failing load holds no other model's. Under a
+        budget steps run one at a time: a load's memory is not known until its
+        processes are up and gone again (a start-up retry, a load killed at its
+        deadline, a worker killed while it loads all overlap), so a load beside another
+        could pass the budget."""
         for entry in self._entries.values():
             if entry.state == "loaded" and entry.pool is not None:
                 health = entry.pool.health()
                 if not health.alive and health.state in ("failed", "closed"):
                     self._fail(entry, health.reason or "its pool died", now)
+        if busy:
+            return self._next_load(now, busy=True) if self._budgets.unbounded() else None
         for entry in self._entries.values():
             if entry.state == "failed" and entry.pool is not None and entry.in_flight == 0:
                 return Step(
@@ -564,28 +568,64 @@ class ModelRegistry:
                     f"closing failed model {entry.spec.name}",
                     release_by=now + RELEASE_TIMEOUT_S,
                 )
+        for entry in self._entries.values():
+            if (
+                entry.state == "unloading"
+                and entry.unload_requested
+                and entry.pool is not None
+                and (entry.in_flight == 0 or now >= entry.unload_by)
+            ):
+                why = f"unloading {entry.spec.name} (asked for)"
+                step = Step("unload", None, [entry], why, release_by=now + RELEASE_TIMEOUT_S)
+                step.drain_by = now
+                return step
         for step in self._draining:
             if now >= step.drain_by or all(v.in_flight == 0 for v in step.victims):
                 self._draining.remove(step)
                 assert step.entry is not None
                 step.release_by = now + step.entry.spec.load_deadline_s
                 return step
+        load = self._next_load(now, busy=False)
+        if load is not None:
+            return load
+        for entry in self._entries.values():
+            if entry.state != "loaded" or not entry.idle:
+                continue
+            until = entry.idle_until()
+            if until is not None and now >= until:
+                entry.state = "unloading"
+                why = f"unloading idle model {entry.spec.name}"
+                return Step("unload", None, [entry], why, release_by=now + RELEASE_TIMEOUT_S)
+        if self._budgets.over_budget():
+            idle = [v for v in self._budgets.candidates(None) if v.idle]
+            if idle:
+                idle[0].state = "unloading"
+                why = f"evicting {idle[0].spec.name}: the models outgrew the budget"
+                return Step("unload", None, idle[:1], why, release_by=now + RELEASE_TIMEOUT_S)
+        return None
+
+    def _next_load(self, now: float, *, busy: bool) -> Step | None:
+        """The first pending load that can be planned (see ``_next_step``; lock held)."""
         for entry in list(self._pending):
             if entry.state != "loading" or entry.pool is not None:
                 self._pending.remove(entry)
                 continue
+            # Whoever waits and owes least pays; with no one waiting, who asked for it.
+            payer = self._swaps_ledger.payer(entry.waiters, now) or entry.asked_by
             try:
-                plan = self._budgets.plan(entry)
+                plan = self._budgets.plan(entry, payer, now)
             except ModelTooLarge as exc:
                 self._pending.remove(entry)
                 self._fail(entry, exc.message, now, error=exc)
                 continue
-            if plan is None:
+            if plan is None or (busy and (plan[0] or plan[1])):
                 continue  # waits for memory not back yet; re-planned each round
             victims, awaits = plan
             self._pending.remove(entry)
             if victims:
                 self._swaps += 1
+                cost = self._swaps_ledger.charge(payer, entry, victims, now)
+                logger.info("registry: a swap of %.1f s charged to %s", cost, payer)
             for victim in victims:
                 victim.state = "unloading"
             why = f"loading {entry.spec.name}" + (
@@ -600,47 +640,7 @@ class ModelRegistry:
                 logger.info("registry: %s: waiting for the evicted models to drain", why)
                 continue
             return step
-        for entry in self._entries.values():
-            if entry.state != "loaded" or not entry.idle:
-                continue
-            limit = entry.idle_limit_s()
-            if limit is not None and now - entry.last_used >= limit:
-                entry.state = "unloading"
-                why = f"unloading idle model {entry.spec.name}"
-                return Step("unload", None, [entry], why, release_by=now + RELEASE_TIMEOUT_S)
-        if self._budgets.over_budget():
-            idle = [v for v in self._budgets.candidates(None) if v.idle]
-            if idle:
-                idle[0].state = "unloading"
-                why = f"evicting {idle[0].spec.name}: the models outgrew the budget"
-                return Step("unload", None, idle[:1], why, release_by=now + RELEASE_TIMEOUT_S)
         return None
-
-    def _fail(
-        self, entry: Entry, reason: str, now: float, *, error: ModelLoadFailed | None = None
-    ) -> None:
-        """``entry`` is failed; its waiters get the error; its next load backs off (lock held)."""
-        entry.failures += 1
-        entry.load_failures += 1
-        backoff = min(self.config.backoff_max_s, self.config.backoff_s * 2 ** (entry.failures - 1))
-        entry.retry_at = now + backoff
-        entry.state = "failed"
-        entry.reason = reason
-        if entry.pool is None:
-            entry.held = {}  # a failed load's workers are gone (or being killed) with it
-        if isinstance(error, ModelUnavailable):
-            error.retry_after_s = backoff
-        entry.error = error or ModelUnavailable(
-            f"model {entry.spec.name!r} is failed: {reason}",
-            model=entry.spec.name,
-            reason=reason,
-            retry_after_s=backoff,
-        )
-        logger.error(
-            "registry: model %s failed (next load in %.1f s): %s", entry.spec.name, backoff, reason
-        )
-        if entry.load is not None and not entry.load.done():
-            entry.load.set_exception(entry.error.copy())
 
     # ---- internals: steps (their own thread) -----------------------------------------------
 
@@ -662,157 +662,17 @@ class ModelRegistry:
                 step.done = True
                 self._cond.notify_all()
 
-    def _unload(self, entry: Entry, *, evicted: bool, why: str, step: Step) -> None:
-        """Drain ``entry`` (its running requests finish; new ones wait for its reload),
-        close its pool, verify the release (until ``step.release_by`` at most): what is
-        not back is kept as the model's ``lingering``, and the model ``failed``."""
-        with self._cond:
-            pool = entry.pool
-            bound = step.drain_by - time.monotonic() if step.drain_by else None
-            drain_s = self.config.unload_timeout_s if bound is None else max(0.0, bound)
-            self._cond.wait_for(lambda: entry.in_flight == 0, drain_s)
-            had = {**(entry.need or {}), **entry.held}
-        if pool is None:
-            return
-        pids = [w.pid for w in pool.stats().workers if w.pid is not None]
-        # Every process measured as the model's, whatever its process group: a child
-        # that left the group (setsid) outlives the pool's kill of the group.
-        processes = process_trees(pids)
-        started = time.monotonic()
-        pool.close(drain=True, timeout=self.config.unload_timeout_s)
-        until = min(step.release_by, time.monotonic() + RELEASE_TIMEOUT_S)
-        found: list[str] = []
-        for pid in pids:
-            report = wait_process_group_gone(pid, timeout_s=max(0.0, until - time.monotonic()))
-            if not report.ok:
-                # Watched with the rest: a zombie left in the group holds no memory.
-                members = group_members(pid)
-                processes += [p for p in members if p not in processes]
-                if not members:
-                    found.append(report.describe())  # a group whose members are not visible
-        # The pool's own GPU checks: a GPU whose release failed stays blocked until free.
-        gpus = {device: had.get(device, 0) for device in pool.stats().gpu.blocked_devices}
-        lingering = Lingering(processes, frozenset(p.pid for p in processes), gpus)
-        held = self._wait_released(lingering, until)
-        logger.info(
-            "registry: %s: %s unloaded in %.2f s", why, entry.spec.name, time.monotonic() - started
-        )
-        with self._cond:
-            entry.pool = None
-            entry.held = {}
-            entry.unloads += 1
-            entry.evictions += 1 if evicted else 0
-            entry.unload_requested = False
-            entry.keep_alive_set = False
-            if held or found:
-                reason = "its memory was not released: " + "; ".join(
-                    [*found, lingering.describe()] if held else found
-                )
-                self._fail(entry, reason, time.monotonic())
-                if held:
-                    entry.lingering, entry.held, entry.held_back = lingering, held, True
-            elif entry.state != "failed":
-                entry.state = "unloaded"
-                if entry.load is not None and not entry.load.done():
-                    self._request_load(entry)  # requests came while it drained
-            self._cond.notify_all()
-
-    def _wait_released(self, lingering: Lingering, until: float) -> dict[str, int]:
-        """Poll ``lingering`` until all of it is back or ``until``; what is still held."""
-        while True:
-            held = lingering.check(self._probe() if lingering.gpus else None)
-            if not held or time.monotonic() >= until:
-                return held
-            with self._cond:
-                if self._cond.wait_for(lambda: self._closing, RELEASE_POLL_S):
-                    return held
-
-    def _await_release(self, step: Step) -> bool:
-        """Wait (until ``step.release_by``) for the memory the load needs back from the
-        models it evicted or waits for; False (the model failed with MemoryNotReleased,
-        or the registry closing) when it is not back in time."""
-        entry = step.entry
-        assert entry is not None
-        waits = [*step.victims, *step.awaits]
-        while True:
-            self._recheck(waits)
-            with self._cond:
-                left = [e for e in waits if e.lingering is not None]
-                now = time.monotonic()
-                if self._closing:
-                    return False
-                if not left:
-                    return True
-                if now >= step.release_by:
-                    break
-                self._cond.wait(RELEASE_POLL_S)
-        with self._cond:
-            names = tuple(e.spec.name for e in left)
-            what = "; ".join(
-                f"{e.spec.name}: {e.lingering.describe()}" for e in left if e.lingering is not None
-            )
-            reason = (
-                f"memory not released: the memory of {', '.join(names)} was not verified "
-                f"released within {entry.spec.load_deadline_s:g} s, so its workers were not "
-                f"started ({what})"
-            )
-            error = MemoryNotReleased(
-                f"model {entry.spec.name!r} was not loaded: {reason}",
-                model=entry.spec.name,
-                reason=reason,
-                retry_after_s=0.0,
-                held_by=names,
-            )
-            if entry.state == "loading":
-                self._fail(entry, reason, now, error=error)
-                entry.held_back = True
-        return False
-
-    def _recheck(self, entries: list[Entry]) -> None:
-        """Check again what unverified releases left (off the lock); a model whose memory
-        is all back holds nothing more, and the models held back by it are unloaded again."""
-        with self._cond:
-            targets = [(e, e.lingering) for e in entries if e.lingering is not None]
-        if not targets:
-            return
-        readings = [
-            (e, lingering, lingering.check(self._probe() if lingering.gpus else None))
-            for e, lingering in targets
-        ]
-        with self._cond:
-            for entry, lingering, held in readings:
-                if entry.lingering is not lingering:
-                    continue
-                if held:
-                    entry.held = held
-                    continue
-                entry.lingering, entry.held = None, {}
-                logger.info("registry: the memory of %s is back", entry.spec.name)
-            if not any(e.lingering is not None for e in self._entries.values()):
-                for other in self._entries.values():
-                    if other.held_back and other.state == "failed" and other.pool is None:
-                        other.state, other.reason, other.error = "unloaded", None, None
-                        other.retry_at, other.held_back = 0.0, False
-            self._cond.notify_all()
-
-    def _probe(self) -> GpuProbe:
-        """NVML for the registry's own release checks: the given probe, or one of its own."""
-        if self._gpu_probe is not None:
-            return self._gpu_probe
-        with self._cond:
-            if self._own_probe is None:
-                self._own_probe = GpuProbe()
-            return self._own_probe
-
     def _load(self, step: Step) -> None:
         entry = step.entry
         assert entry is not None
         spec = entry.spec
-        pool = ModelPool(spec.pool, gpu_probe=self._gpu_probe)
+        pool = self._pool_class(spec.pool, gpu_probe=self._gpu_probe)
         for hook in self._pool_hooks:
             hook(spec.name, pool)
         started = time.monotonic()
         with self._cond:
+            # The readings of requests are this load's own (the memory module's docstring).
+            entry.readings = []
             step.loading = pool
             step.deadline = started + spec.load_deadline_s
             if self._closing:
@@ -839,7 +699,8 @@ class ModelRegistry:
             if error is not None:
                 self._fail(entry, f"its load failed: {error}", now)
                 return
-            self._note_held(entry, held, peak)
+            self._note_held(entry, held, now, load_peak=peak)
+            entry.need = self._settled(entry) or entry.need
             too_large = self._budgets.too_large(entry, entry.need or {})
             if too_large is not None:
                 entry.held = {}
@@ -847,7 +708,9 @@ class ModelRegistry:
                 self._fail(entry, too_large.message, now, error=too_large)
                 return
             entry.pool = pool
-            entry.state = "loaded"
+            # An operator's unload asked for while it loaded: its waiters are served, then
+            # it unloads (the supervisor's first step once they are done).
+            entry.state = "unloading" if entry.unload_requested else "loaded"
             entry.reason = None
             entry.error = None
             entry.failures = 0
@@ -860,75 +723,11 @@ class ModelRegistry:
                 entry.load.set_result(pool)
             self._cond.notify_all()
         logger.info("registry: %s loaded in %.2f s", spec.name, seconds)
-
-    # ---- internals: memory -----------------------------------------------------------------
-
-    def _sample(self) -> None:
-        """Measure every loaded (and loading) model's workers; off the lock."""
-        now = time.monotonic()
-        with self._cond:
-            targets = [(e, e.pool) for e in self._entries.values() if e.pool is not None]
-            step = self._step
-            if step is not None and step.loading is not None and step.entry is not None:
-                targets.append((step.entry, step.loading))
-            loading = step is not None and step.loading is not None
-        self._next_sample = now + (SAMPLE_WHILE_LOADING_S if loading else SAMPLE_S)
-        readings = [(entry, pool, *self._measure(pool)) for entry, pool in targets]
-        self._recheck(list(self._entries.values()))
-        with self._cond:
-            step = self._step
-            for entry, pool, held, peak in readings:
-                # Only a pool still the model's: one unloaded or failed meanwhile holds nothing.
-                if entry.pool is pool or (step is not None and step.loading is pool):
-                    self._note_held(entry, held, peak)
-                if entry.pool is pool and entry.state == "loaded":
-                    # Memory measured after the load (a GPU's is often taken lazily, at
-                    # the first request) can show a model too large even alone: it is
-                    # failed and closed once idle, not evicted and reloaded in a loop.
-                    too_large = self._budgets.too_large(entry, entry.need or {})
-                    if too_large is not None:
-                        self._fail(entry, too_large.message, now, error=too_large)
-
-    def _note_held(self, entry: Entry, held: dict[str, int], peak_rss: int = 0) -> None:
-        """Record a measurement: the model's holding now, its need (raised to its
-        processes' peak RSS too), the registry's peak (lock held)."""
-        if not held:
-            return
-        entry.held = held
-        need = dict(entry.need or {})
-        for resource, amount in held.items():
-            need[resource] = max(need.get(resource, 0), amount)
-        if MEMORY in held:
-            need[MEMORY] = max(need[MEMORY], peak_rss)
-        entry.need = need
-        for resource, amount in self._budgets.held_total().items():
-            self._peak[resource] = max(self._peak.get(resource, 0), amount)
-
-    @staticmethod
-    def _measure(pool: ModelPool) -> tuple[dict[str, int], int]:
-        """RSS of the pool's worker processes and their children (psutil), and each
-        worker's GPU memory by device (the pool's NVML sampling, by PID); with the sum of
-        those processes' peak RSS (the kernel's high-water mark, so that a transient
-        between two samples, a load's above all, counts in the model's need)."""
-        try:
-            stats = pool.stats()
-        except PoolError:
-            return {}, 0
-        held: dict[str, int] = {MEMORY: 0}
-        peak = 0
-        for worker in stats.workers:
-            if worker.pid is None:
-                continue
-            rss, high = tree_rss(worker.pid)
-            held[MEMORY] += rss
-            peak += high
-            for device, mb in worker.gpu_mb_by_device.items():
-                if mb is not None:
-                    held[device] = held.get(device, 0) + int(mb * 2**20)
-        return held, peak
+        self._keep_need(entry)
 
     def _entry_stats(self, entry: Entry, now: float) -> ModelStats:
         spec = entry.spec
+        until = entry.idle_until()
         return ModelStats(
             name=spec.name,
             state=entry.state,
@@ -936,7 +735,7 @@ class ModelRegistry:
             backend=spec.pool.backend,
             model=spec.pool.model,
             aliases=spec.aliases,
-            pinned=spec.pin,
+            pinned=entry.pinned,
             loads=entry.loads,
             unloads=entry.unloads,
             evictions=entry.evictions,
@@ -954,7 +753,8 @@ class ModelRegistry:
             retry_in_s=round(entry.retry_at - now, 3)
             if entry.state == "failed" and entry.retry_at > now
             else None,
-            keep_alive_s=entry.idle_limit_s(),
+            keep_alive_s=None if until is None else round(max(0.0, until - entry.last_used), 3),
+            need_source=entry.need_source if entry.need is not None else None,
         )
 
 

@@ -15,12 +15,14 @@ import math
 import os
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import psutil
 
 from modelpool.config import ModelSpec, ServerConfig, check_model_names
 from modelpool.devices import nvml_index_for
+from modelpool.embedded import modelpool_home
 from modelpool.errors import ModelLoadFailed
 from modelpool.gpu import GpuProbe
 from modelpool.pool import ModelPool
@@ -35,9 +37,21 @@ MODEL_STATES: tuple[ModelState, ...] = ("unloaded", "loading", "loaded", "unload
 
 MEMORY = "memory"  # the host-RAM resource; GPUs are named "cuda:N"
 
+# The file (in [server] state_dir) each model's measured need is kept in (registry.needs).
+NEEDS_FILE = "model-needs.json"
+
 
 # A request's keep_alive: seconds, None for forever, "default" for the model's ttl_s.
 KeepAlive = float | None | Literal["default"]
+
+# Where a model's need comes from: measured in this process, saved by an earlier one (the
+# state file), or estimated from its files before it was ever measured.
+NeedSource = Literal["measured", "saved", "estimated"]
+
+# A client of the registry with no name of its own (a library call, the operator).
+ANYONE = "-"
+# The clients' uses of one model kept (its idle time is theirs): the most recent ones.
+MAX_USES = 1024
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,14 @@ class RegistryConfig:
     backoff_max_s: float = 60.0
     unload_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 10.0
+    # Swaps that cannot storm (see modelpool.registry.swaps): a model serves a client at
+    # least this long after its last request before a client that owes swap time may
+    # evict it; one client's swaps may take other clients' models away at most this
+    # share of the time.
+    min_residency_s: float = 3.0
+    swap_share: float = 0.2
+    # The file each model's measured need is kept in across restarts (None: not kept).
+    needs_file: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
@@ -69,14 +91,27 @@ class RegistryConfig:
             max_waiting=server.max_load_waiters,
             backoff_s=server.load_backoff_s,
             backoff_max_s=server.load_backoff_max_s,
+            min_residency_s=server.min_residency_s,
+            swap_share=server.swap_share,
+            needs_file=needs_file(server.state_dir),
         )
+
+
+def needs_file(state_dir: str | None) -> str | None:
+    """The needs file in ``state_dir`` (None: ``$MODELPOOL_HOME/state``; "": none kept)."""
+    if state_dir == "":
+        return None
+    folder = Path(state_dir).expanduser() if state_dir else modelpool_home() / "state"
+    return str(folder / NEEDS_FILE)
 
 
 @dataclass(frozen=True)
 class ModelStats:
     """One model as :meth:`ModelRegistry.stats` saw it. Bytes are measured: ``rss_bytes``
-    now (None unless loaded), ``need_bytes`` the most it was ever measured to hold (None
-    before its first load), ``gpu_bytes`` by GPU."""
+    now (None unless loaded), ``need_bytes`` what a load of it is planned to take (None:
+    not known; ``need_source`` says whether it was measured, saved by an earlier run or
+    estimated from its files), ``gpu_bytes`` by GPU. ``keep_alive_s``: idle seconds
+    after its last use before it unloads (None: never)."""
 
     name: str
     state: ModelState
@@ -99,6 +134,7 @@ class ModelStats:
     idle_s: float | None
     retry_in_s: float | None
     keep_alive_s: float | None
+    need_source: NeedSource | None = None
     pool: PoolStats | None = None
 
 
@@ -217,10 +253,20 @@ class Entry:
     # either holds is not idle: it is not unloaded, nor evicted but by a drain.
     in_flight: int = 0
     waiting: int = 0
+    # The same by client: the ones holding a lease, and the ones waiting for the load.
+    holders: dict[str, int] = field(default_factory=dict)
+    waiters: dict[str, int] = field(default_factory=dict)
     last_used: float = 0.0
-    keep_alive_s: float | None = None
-    keep_alive_set: bool = False
+    # Each client's last use and the keep_alive it asked for: a client's keep_alive counts
+    # for its own use only (see idle_until).
+    uses: dict[str, Use] = field(default_factory=dict)
+    # The client whose request asked for the load under way (its payer if none waits).
+    asked_by: str = ANYONE
+    # An operator's /models/pin or /models/unpin; None: the spec's ``pin``.
+    pin_set: bool | None = None
+    # An operator's unload: drained (new requests wait for the reload) until unload_by.
     unload_requested: bool = False
+    unload_by: float = 0.0
     reason: str | None = None
     error: ModelLoadFailed | None = None
     failures: int = 0
@@ -231,9 +277,15 @@ class Entry:
     load_failures: int = 0
     last_load_s: float | None = None
     load_seconds_total: float = 0.0
-    # Measured: now, and the most ever (the need), by resource (MEMORY, "cuda:N").
+    # Measured now, by resource (MEMORY, "cuda:N"); the need: what a load is planned to
+    # take (see modelpool.registry.memory for how it settles).
     held: dict[str, int] = field(default_factory=dict)
     need: dict[str, int] | None = None
+    need_source: NeedSource | None = None
+    # The peak of its loads (their processes' high-water marks when ready) and this load's
+    # readings since, each (time, holding): the need is the most of them in NEED_WINDOW_S.
+    load_peak: dict[str, int] = field(default_factory=dict)
+    readings: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     # Left by an unload whose release was not verified; counted in ``held`` until gone.
     lingering: Lingering | None = None
     # Failed only because memory was not back: unloaded again once it is.
@@ -243,15 +295,65 @@ class Entry:
     def idle(self) -> bool:
         return self.in_flight == 0 and self.waiting == 0
 
-    def idle_limit_s(self) -> float | None:
-        """Idle seconds before an unload; None: never (pinned, ``ttl_s`` 0, keep_alive -1)."""
+    @property
+    def pinned(self) -> bool:
+        return self.spec.pin if self.pin_set is None else self.pin_set
+
+    def note_use(self, client: str, keep_alive: KeepAlive, now: float) -> None:
+        """``client`` uses the model now, asking for ``keep_alive`` (lock held); the uses
+        that no longer keep it loaded are forgotten."""
+        self.last_used = now
+        self.uses[client] = Use(now, keep_alive)
+        ttl = self.spec.ttl_s or None
+        for name, use in list(self.uses.items()):
+            until = use.until(ttl)
+            if until is not None and until < now:
+                del self.uses[name]
+        if len(self.uses) > MAX_USES:  # many clients of a model kept for ever: bounded
+            del self.uses[min(self.uses, key=lambda name: self.uses[name].at)]
+
+    def idle_until(self) -> float | None:
+        """When the idle model unloads (monotonic); None: never (pinned, ``ttl_s`` 0).
+
+        Each client's use keeps it for that client's keep_alive, at most ``ttl_s``: a
+        request's keep_alive shortens the idle time of its own client's use only, so a
+        model another client used within ``ttl_s`` stays; an operator's unload is at once."""
         if self.unload_requested:
-            return 0.0
-        if self.spec.pin:
+            return self.last_used
+        if self.pinned:
             return None
-        if self.keep_alive_set:
-            return self.keep_alive_s
-        return self.spec.ttl_s or None
+        ttl = self.spec.ttl_s or None
+        if not self.uses:
+            return None if ttl is None else self.last_used + ttl
+        latest = 0.0
+        for use in self.uses.values():
+            until = use.until(ttl)
+            if until is None:
+                return None
+            latest = max(latest, until)
+        return latest
+
+    def recent_users(self, since: float) -> set[str]:
+        """The clients that used the model since ``since`` (monotonic)."""
+        return {name for name, use in self.uses.items() if use.at >= since}
+
+
+@dataclass(frozen=True)
+class Use:
+    """A client's last use of a model and the keep_alive it asked for."""
+
+    at: float
+    keep_alive: KeepAlive
+
+    def until(self, ttl: float | None) -> float | None:
+        """When this use stops keeping the model (None: never): its keep_alive, or the
+        model's ``ttl`` (None: never) when it asked for none, and never past ``ttl``."""
+        limit = ttl if self.keep_alive == "default" else self.keep_alive
+        if limit is None:
+            limit = ttl
+        elif ttl is not None:
+            limit = min(limit, ttl)
+        return None if limit is None else self.at + limit
 
 
 @dataclass(eq=False)

@@ -11,11 +11,12 @@ be, within the request's deadline, and the lease that keeps it loaded is release
 
 Without ``[models]`` the daemon serves its one pool whatever ``model`` says, as always.
 
-Routes added with a registry: ``POST /models/load`` and ``POST /models/unload``
-(``{"model": NAME}``, for operators only: ``rights.OPERATOR_ONLY``); ``/v1/models``
-lists every configured model with its ``status`` (``loaded``, ``loading``,
-``unloaded``, ``unloading``, ``failed`` with ``reason``: the registry's text for an
-operator, its class for a tenant), backend and measured memory.
+Routes added with a registry: ``POST /models/load``, ``POST /models/unload``,
+``POST /models/pin`` and ``POST /models/unpin`` (``{"model": NAME}``, for operators
+only: ``rights.OPERATOR_ONLY``); ``/v1/models`` lists every configured model with its
+``status`` (``loaded``, ``loading``, ``unloaded``, ``unloading``, ``failed`` with
+``reason``: the registry's text for an operator, its class for a tenant), backend and
+measured memory.
 """
 
 from __future__ import annotations
@@ -104,8 +105,12 @@ def config_for(registry: ModelRegistry, body: Mapping[str, Any]) -> PoolConfig:
     return registry.spec(_model_name(body)).pool
 
 
-async def pool_for(state: ServedModels, request: Request, body: Mapping[str, Any]) -> ModelPool:
-    """The pool that serves ``body["model"]`` (see the module docstring)."""
+async def pool_for(
+    state: ServedModels, request: Request, body: Mapping[str, Any], client: str
+) -> ModelPool:
+    """The pool that serves ``body["model"]`` (see the module docstring), for ``client``
+    (its tenant or address: the registry charges it the swaps its requests cause, and its
+    ``keep_alive`` counts for its own use only)."""
     registry = state.registry
     if registry is None:
         assert state.pool is not None
@@ -124,7 +129,7 @@ async def pool_for(state: ServedModels, request: Request, body: Mapping[str, Any
     note = request.scope.setdefault("state", {})
     note["model"] = registry.spec(name).name
     started = time.monotonic()
-    lease = await registry.aacquire(name, deadline_s=deadline, keep_alive=keep_alive)
+    lease = await registry.aacquire(name, deadline_s=deadline, keep_alive=keep_alive, client=client)
     note.setdefault(LEASES, []).append(lease)
     note[WAITED] = note.get(WAITED, 0.0) + time.monotonic() - started
     return lease.pool
@@ -192,6 +197,17 @@ def install_routes(app: FastAPI, state: ServedModels, registry: ModelRegistry) -
     async def unload(request: Request) -> Response:
         name = _admin_name(await state.read_json(request))
         return JSONResponse(model_card(registry.unload(name), state.started))
+
+    # A runtime pin: never evicted nor unloaded when idle, until unpinned (not loaded by it).
+    @app.post("/models/pin", dependencies=[rights.OPERATOR_ONLY])
+    async def pin(request: Request) -> Response:
+        name = _admin_name(await state.read_json(request))
+        return JSONResponse(model_card(registry.pin(name, True), state.started))
+
+    @app.post("/models/unpin", dependencies=[rights.OPERATOR_ONLY])
+    async def unpin(request: Request) -> Response:
+        name = _admin_name(await state.read_json(request))
+        return JSONResponse(model_card(registry.pin(name, False), state.started))
 
 
 def _admin_name(body: Mapping[str, Any]) -> str:

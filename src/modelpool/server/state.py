@@ -118,7 +118,7 @@ class ServerState:
     async def pool_for(self, request: Request, body: dict[str, Any]) -> ModelPool:
         """The pool for the body's ``model``, held until the answer is sent (see
         ``server.models``): the one pool, or the registry's, loaded if need be."""
-        return await multi.pool_for(self, request, body)
+        return await multi.pool_for(self, request, body, client_of(request, self).name)
 
     def pool_config_for(self, body: dict[str, Any]) -> PoolConfig:
         """The configuration of the pool that serves the body's ``model``, without loading

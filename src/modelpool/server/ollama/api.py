@@ -7,9 +7,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
+from fastapi import Request
 from fastapi.responses import Response
 
 from modelpool.registry import parse_keep_alive
+from modelpool.server import rights
 from modelpool.server.http import ApiError, invalid, json_bytes
 from modelpool.server.models import KEEP_ALIVE
 from modelpool.server.ollama.answer import Clock, OllamaLines, done_line
@@ -18,6 +20,7 @@ from modelpool.server.ollama.request import (
     parse_chat_body,
     parse_generate_body,
 )
+from modelpool.server.state import client_of
 from modelpool.server.streaming import StreamedChoice
 
 if TYPE_CHECKING:
@@ -28,10 +31,18 @@ if TYPE_CHECKING:
 class OllamaApi:
     """The Ollama family, one per request: ``kind`` says which route."""
 
-    def __init__(self, kind: Literal["chat", "generate"], state: ServerState, clock: Clock) -> None:
+    def __init__(
+        self,
+        kind: Literal["chat", "generate"],
+        state: ServerState,
+        clock: Clock,
+        caller: Request,
+    ) -> None:
         self._kind = kind
         self._state = state
         self._clock = clock
+        # The HTTP request: who asks (an operator's unload is the model's, a tenant's its own).
+        self._caller = caller
 
     def parse(self, body: dict[str, Any]) -> OllamaRequest:
         return parse_chat_body(body) if self._kind == "chat" else parse_generate_body(body)
@@ -90,8 +101,12 @@ class OllamaApi:
             model = self._state.model_name
         else:
             model = registry.spec(request.model).name
-            if unload:
+            if unload and rights.operates(self._caller):
                 registry.unload(model)
+            elif unload:
+                # A tenant's keep_alive 0 ends its own use: the model unloads once idle
+                # only if no other client's use keeps it (README, Many models).
+                registry.let_go(model, client_of(self._caller, self._state).name)
         if not unload:
             await pool_for()
         line = done_line(self._kind, model, "unload" if unload else "load")

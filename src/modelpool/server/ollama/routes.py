@@ -62,11 +62,12 @@ def install_ollama_routes(
 
     @app.post("/api/chat")
     async def chat(request: Request) -> Response:
-        return await generate(request, state, OllamaApi("chat", state, clock(request)))
+        return await generate(request, state, OllamaApi("chat", state, clock(request), request))
 
     @app.post("/api/generate")
     async def generate_route(request: Request) -> Response:
-        return await generate(request, state, OllamaApi("generate", state, clock(request)))
+        api = OllamaApi("generate", state, clock(request), request)
+        return await generate(request, state, api)
 
     @app.post("/api/embed")
     async def embed(request: Request) -> Response:
