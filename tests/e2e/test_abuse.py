@@ -23,7 +23,7 @@ import pytest
 import uvicorn
 from e2e_support import wait_for
 
-from helpers import open_pool, slack
+from helpers import open_pool, slack, wait_busy, wait_idle
 from modelpool import ModelPool
 from modelpool.config import ServerConfig
 from modelpool.server import create_app
@@ -633,6 +633,7 @@ class _Call:
     def __init__(self) -> None:
         self.value: Any = None
         self.error: BaseException | None = None
+        self.finished = threading.Event()
 
     def result(self) -> Any:
         if self.error is not None:
@@ -650,6 +651,8 @@ def threading_call(function: Any, *args: Any, **kwargs: Any) -> Iterator[_Call]:
             call.value = function(*args, **kwargs)
         except BaseException as exc:  # re-raised by result()
             call.error = exc
+        finally:
+            call.finished.set()
 
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
@@ -657,6 +660,91 @@ def threading_call(function: Any, *args: Any, **kwargs: Any) -> Iterator[_Call]:
         yield call
     finally:
         thread.join(slack(30))
+
+
+# ---- pooling requests (issue 58) -------------------------------------------------------------
+
+EMBEDDINGS = "/v1/embeddings"
+# The testing model's forward passes as hf's were: up to 16,384 tokens each, the cancel
+# flag read only between two, 0.25 ms a token. Sent whole, 64 inputs of 256 ids are one
+# pass of 4.1 s, which a deadline's cancel waits for past cancel_grace_s (2 s, the
+# default): a kill. The daemon's micro-batches of 4,096 ids are passes of about 1 s.
+SLOW_PASSES = {"task": "embed", "pooling_token_s": 0.00025}
+LARGE_EMBEDDING = {"input": [[7] * 256] * 64}
+
+
+def _embedding_pool(**backend_options: Any) -> contextlib.AbstractContextManager[ModelPool]:
+    return open_pool(
+        workers=1,
+        max_batch_size=1,
+        cancel_grace_s=2.0,
+        backend_options={"task": "embed", **backend_options},
+    )
+
+
+@pytest.mark.slow
+def test_a_large_embedding_past_its_deadline_is_504_without_a_kill() -> None:
+    with _embedding_pool(**SLOW_PASSES) as pool, serving(pool) as served:
+        (worker,) = wait_idle(pool, 1, slack(10))
+        for _ in range(2):
+            late = served.http.post(
+                EMBEDDINGS, json=LARGE_EMBEDDING, headers={"X-Request-Timeout": "1"}
+            )
+            assert _error(late, 504)["code"] == "deadline_exceeded"
+        # The cancelled micro-batch ends at its pass's end; a kill would have come by now.
+        (after,) = wait_idle(pool, 1, slack(10))
+        assert after.pid == worker.pid
+        stats = pool.stats().counters
+        assert (stats["kills"], stats["respawns"], stats["cancel_escalations"]) == (0, 0, 0)
+        assert served.http.post(EMBEDDINGS, json={"input": "still here"}).status_code == 200
+
+
+@pytest.mark.slow
+def test_another_clients_embedding_goes_in_between_micro_batches() -> None:
+    with (
+        _embedding_pool(**SLOW_PASSES) as pool,
+        serving(pool) as served,
+        _client(served, "127.0.0.2") as large,
+        _client(served, "127.0.0.3") as small,
+    ):
+        with threading_call(large.post, EMBEDDINGS, json=LARGE_EMBEDDING) as whole:
+            wait_busy(pool, 1, slack(5))
+            # About four passes of 1 s: the small one waits for the pass in progress.
+            answered = small.post(EMBEDDINGS, json={"input": "a short one"})
+            assert answered.status_code == 200, answered.text
+            assert not whole.finished.is_set(), "the small request waited for the whole"
+        vectors = whole.result().json()["data"]
+        assert [item["index"] for item in vectors] == list(range(64))
+
+
+def test_a_split_request_answers_as_the_whole_would() -> None:
+    texts = [f"text number {index} " + "word " * (index % 40) for index in range(700)]
+    with _embedding_pool(max_model_len=64) as pool, serving(pool) as served:
+        http = served.http
+        submitted = pool.stats().counters["submitted"]
+        split = http.post(EMBEDDINGS, json={"input": texts}).json()
+        pieces = pool.stats().counters["submitted"] - submitted
+        whole = pool.embed(texts)
+        assert pieces > 1, "the request was not split"
+        assert [item["embedding"] for item in split["data"]] == whole.vectors
+        assert split["usage"]["prompt_tokens"] == whole.prompt_tokens
+
+        scored = pool.score(texts[0], texts[1:])
+        reranked = http.post("/v1/rerank", json={"query": texts[0], "documents": texts[1:]}).json()[
+            "results"
+        ]
+        assert {item["index"]: item["relevance_score"] for item in reranked} == dict(
+            enumerate(scored.scores)
+        )
+        pairs = {"text_1": texts[0], "text_2": texts[1:]}
+        assert [item["score"] for item in http.post("/score", json=pairs).json()["data"]] == (
+            scored.scores
+        )
+
+        # A refusal names the item by its index in the request, not in its micro-batch.
+        too_long = [*texts[:650], "word " * 100, *texts[651:]]
+        refused = _error(http.post(EMBEDDINGS, json={"input": too_long}), 400)
+        assert refused["message"].startswith("input[650] is 100 tokens"), refused
 
 
 # ---- the access log -------------------------------------------------------------------------
@@ -678,9 +766,7 @@ def test_the_logged_path_cannot_forge_a_line(
 # ---- tenants --------------------------------------------------------------------------------
 
 
-def test_each_tenant_has_its_own_share_and_budget(
-    pool: ModelPool, tmp_path: Any
-) -> None:
+def test_each_tenant_has_its_own_share_and_budget(pool: ModelPool, tmp_path: Any) -> None:
     keys = tmp_path / "keys.toml"
     keys.write_text(
         '[tenants.small]\nkey = "sk-small-0123456789"\n'

@@ -402,7 +402,7 @@ def create_app(
         _, tokens = await on_a_worker(request, state, _parse_count, run)
         return JSONResponse({"input_tokens": len(tokens)})
 
-    install_pooling_routes(app, state, on_a_worker)
+    install_pooling_routes(app, state)
     return app
 
 

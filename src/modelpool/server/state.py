@@ -3,8 +3,8 @@
 :class:`ServerState` is what every route reads: the one pool or the registry
 (``pool_for`` asks ``server.models``), the fair shares, the check threads, the keys,
 the metrics. :func:`on_a_worker` is the walk of the routes that run one short pool
-call (the tokenizer routes in ``app``, the embedding and scoring routes in
-``pooling_routes``): the body parsed and checked in a check thread, the model's pool,
+call (the tokenizer routes in ``app``; the embedding and scoring routes split theirs,
+``micro_batches``): the body parsed and checked in a check thread, the model's pool,
 then the call in the client's turn of fair share::
 
     pool, tokens = await on_a_worker(request, state, parse, run)
