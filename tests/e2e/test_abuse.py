@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import logging
 import socket
 import threading
 import time
@@ -557,18 +559,32 @@ def test_a_request_without_a_key_is_closed_before_its_body_is_read(
 # ---- fair share -----------------------------------------------------------------------------
 
 
-def _client(served: Served, address: str, timeout: float = 30.0) -> httpx.Client:
+def _client(
+    served: Served, address: str, timeout: float = 30.0, headers: dict[str, str] | None = None
+) -> httpx.Client:
     """A client from its own loopback address: the daemon tells clients apart by address."""
     transport = httpx.HTTPTransport(local_address=address)
-    return httpx.Client(base_url=served.url, transport=transport, timeout=timeout)
+    return httpx.Client(base_url=served.url, transport=transport, timeout=timeout, headers=headers)
+
+
+# The one key of api_key_env, which every client holds: still told apart by address
+# (issue 58: counted as one client, the burst took every turn and the other's requests
+# 504ed after their whole deadline in the fair share).
+SHARED_KEY = "sk-abuse-shared-key-0123"
 
 
 @pytest.mark.slow
-def test_runs_enter_the_pool_round_robin_between_clients(pool: ModelPool) -> None:
+@pytest.mark.parametrize("keyed", [False, True], ids=["no key", "one shared key"])
+def test_runs_enter_the_pool_round_robin_between_clients(
+    pool: ModelPool, keyed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MODELPOOL_E2E_ABUSE_KEY", SHARED_KEY)
+    settings = {"api_key_env": "MODELPOOL_E2E_ABUSE_KEY"} if keyed else {}
+    key = {"Authorization": f"Bearer {SHARED_KEY}"}
     with (
-        serving(pool) as served,
-        _client(served, "127.0.0.2", timeout=3.0) as abusive,
-        _client(served, "127.0.0.3") as ordinary,
+        serving(pool, **settings) as served,
+        _client(served, "127.0.0.2", timeout=3.0, headers=key) as abusive,
+        _client(served, "127.0.0.3", headers=key) as ordinary,
     ):
         burst = {"prompt": "tokens:20:0.05", "n": 16}  # 16 runs of 1 s on 2 workers
         with threading_call(abusive.post, COMPLETIONS, json=burst) as flood:
@@ -584,7 +600,7 @@ def test_runs_enter_the_pool_round_robin_between_clients(pool: ModelPool) -> Non
         # Every place it held or reserved is given back.
         empty = {"in_pool": 0, "waiting": 0, "clients": 0}
         wait_for(
-            lambda: served.http.get("/stats").json()["fair_share"],
+            lambda: ordinary.get("/stats").json()["fair_share"],
             lambda share: {key: share[key] for key in empty} == empty,
             slack(5),
             "the fair share to be empty",
@@ -594,6 +610,21 @@ def test_runs_enter_the_pool_round_robin_between_clients(pool: ModelPool) -> Non
     assert waits[0] < 2.0, waits
     assert max(waits[1:]) < 0.5, waits
     wait_for(pool.stats, lambda s: s.running == 0, slack(5), "the burst to be cancelled")
+
+
+def test_runs_timing_out_together_leave_no_error_unread(
+    pool: ModelPool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Every run of a request ends at its one deadline; one error answers, and each other
+    # one was logged "Task exception was never retrieved" at ERROR (issue 58).
+    burst = {"prompt": "tokens:20:0.05", "n": 6, "timeout": 0.5}
+    with serving(pool) as served, caplog.at_level(logging.ERROR, logger="asyncio"):
+        for _ in range(3):
+            assert _error(served.http.post(COMPLETIONS, json=burst), 504)["code"] == (
+                "deadline_exceeded"
+            )
+        gc.collect()
+    assert not [record for record in caplog.records if record.name == "asyncio"]
 
 
 def test_a_client_past_its_share_gets_429(pool: ModelPool) -> None:

@@ -717,6 +717,11 @@ async def _all_or_none(work: list[Coroutine[Any, Any, Result]]) -> list[Result]:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
+        # One error answers; the others (every run of a request times out at its one
+        # deadline) are read here, or asyncio logs each as never retrieved, at ERROR.
+        for task in tasks:
+            if not task.cancelled():
+                task.exception()
 
 
 # --------------------------------------------------------------------------------------------

@@ -179,7 +179,9 @@ class Client:
 
 
 def client_of(request: Request, state: ServerState) -> Client:
-    """Who ``request`` counts against in the fair share and the check threads."""
+    """Who ``request`` counts against in the fair share and the check threads: its
+    tenant, or its address without a key or with the key every client shares."""
+    address = request.client.host if request.client is not None else "-"
     if state.keys.required:
         # The key was checked already (the protocol, the Gate): it names a tenant.
         tenant = state.keys.tenant(
@@ -187,8 +189,8 @@ def client_of(request: Request, state: ServerState) -> Client:
             request.headers.get("x-api-key", "").encode("latin-1"),
         )
         if tenant is not None:
-            return Client(f"tenant:{tenant.name}", tenant)
-    return Client(request.client.host if request.client is not None else "-", None)
+            return Client(address if tenant.shared else f"tenant:{tenant.name}", tenant)
+    return Client(address, None)
 
 
 async def read_checked(
