@@ -86,9 +86,10 @@ def install_pooling_routes(app: FastAPI, state: ServerState) -> None:
             )
             return job
 
-        def plan(job: RerankJob) -> Plan:
+        def plan(job: RerankJob, units: int) -> Plan:
             # A cross-encoder reads the query with each document.
-            return Plan.of([len(job.query) + len(document) for document in job.documents])
+            sizes = [len(job.query) + len(document) for document in job.documents]
+            return Plan.of(sizes, units)
 
         async def run(
             pool: ModelPool, job: RerankJob, piece: Sequence[int], left_s: float
@@ -109,8 +110,8 @@ def install_pooling_routes(app: FastAPI, state: ServerState) -> None:
         if answer is None:
             return ClientGone()
         _, job, results = answer
-        scores = [score for result in results for score in result.scores]
-        tokens = sum(result.prompt_tokens for result in results)
+        scores = [score for _, result in results for score in result.scores]
+        tokens = sum(result.prompt_tokens for _, result in results)
         body = rerank_body(job, scores, tokens, _model(request, state))
         return Response(json_bytes(body), media_type="application/json")
 
@@ -138,10 +139,10 @@ def install_pooling_routes(app: FastAPI, state: ServerState) -> None:
             return ClientGone()
         _, job, results = answer
         scores = [0.0] * len(job.pairs)
-        for piece, result in zip(_score_plan(job).pieces, results, strict=True):
+        for piece, result in results:
             for index, value in zip(piece, result.scores, strict=True):
                 scores[index] = value
-        tokens = sum(result.prompt_tokens for result in results)
+        tokens = sum(result.prompt_tokens for _, result in results)
         body = score_body(scores, tokens, _model(request, state))
         return Response(json_bytes(body), media_type="application/json")
 
@@ -164,8 +165,8 @@ async def _embed(
     def check(pool: ModelPool) -> None:
         _check_task(pool, request, EMBEDS)
 
-    def plan(job: EmbedJob) -> Plan:
-        return Plan.of([len(item) for item in job.inputs])
+    def plan(job: EmbedJob, units: int) -> Plan:
+        return Plan.of([len(item) for item in job.inputs], units)
 
     async def run(
         pool: ModelPool, job: EmbedJob, piece: Sequence[int], left_s: float
@@ -182,14 +183,14 @@ async def _embed(
     if answer is None:
         return ClientGone()
     _, job, results = answer
-    vectors = [vector for result in results for vector in result.vectors]
-    prompt_tokens = sum(result.prompt_tokens for result in results)
+    vectors = [vector for _, result in results for vector in result.vectors]
+    prompt_tokens = sum(result.prompt_tokens for _, result in results)
     body: object = (
         tei_embed_body(job, vectors)
         if tei
         else embeddings_body(job, vectors, prompt_tokens, _model(request, state))
     )
-    values = len(vectors) * results[0].dimensions
+    values = len(vectors) * results[0][1].dimensions
     content = await off_loop_if(values > ENCODE_OFF_LOOP_VALUES, state.heavy_work, json_bytes, body)
     return Response(content, media_type="application/json")
 
@@ -198,15 +199,14 @@ def _priority(job: EmbedJob | RerankJob | ScoreJob) -> int:
     return job.priority
 
 
-def _score_plan(job: ScoreJob) -> Plan:
+def _score_plan(job: ScoreJob, units: int) -> Plan:
     """Each ``text_1``'s pairs (one pool request needs one query), in micro-batches."""
-    pieces: list[list[int]] = []
-    units = 0
+    plans = []
     for query, indices in job.by_query():
-        own = Plan.of([len(query) + len(job.pairs[index][1]) for index in indices])
-        pieces.extend([indices[at] for at in span] for span in own.pieces)
-        units += own.units
-    return Plan(pieces, units)
+        own = Plan.of([len(query) + len(job.pairs[index][1]) for index in indices], units)
+        pieces = [[indices[at] for at in piece] for piece in own.pieces]
+        plans.append(Plan(pieces, own.piece_units, own.units))
+    return Plan.joined(plans)
 
 
 async def _score_piece(
