@@ -17,7 +17,10 @@ if a goal was missed.
 The second review's attacks that need a real model or keys (cache-oracle, role-markers,
 prefill-kill, grammar-burst: :mod:`abuse_model`; pending-bodies-keyed) run on a daemon of
 the embedded SmolLM2 (hf, one worker, three API keys); each prints its own figure and
-whether it is within its bound, and a figure past its bound is a missed goal too.
+whether it is within its bound, and a figure past its bound is a missed goal too. The
+third review's pooling attacks (pooling-deadline, pooling-flood: :mod:`abuse_pooling`)
+run on a daemon of the testing backend's embedding model, whose ordinary clients embed,
+and whose p50 goal is an absolute bound (``abuse_pooling.P50_BOUND_S``).
 
     scripts/abuse [--phase 6] [--only noread,fairness] [--json]
 """
@@ -40,9 +43,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import abuse_model
+import abuse_pooling
 import httpx
 import psutil
 
@@ -80,12 +84,20 @@ def _free_port() -> int:
         return port
 
 
-def start_daemon(workdir: Path, model: bool = False) -> tuple[subprocess.Popen[bytes], str]:
-    """``modelpool serve`` on a free port: the testing backend, or with ``model`` the
-    embedded SmolLM2 with API keys (:mod:`abuse_model`)."""
+def start_daemon(
+    workdir: Path, kind: Literal["testing", "model", "embedding"] = "testing"
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``modelpool serve`` on a free port: the testing backend, the embedded SmolLM2 with
+    API keys (``model``: :mod:`abuse_model`) or the testing backend's embedding model
+    (``embedding``: :mod:`abuse_pooling`)."""
     port = _free_port()
     config = workdir / "abuse.toml"
-    config.write_text(abuse_model.config(port, workdir) if model else CONFIG.format(port=port))
+    if kind == "model":
+        config.write_text(abuse_model.config(port, workdir))
+    else:
+        config.write_text(
+            (abuse_pooling.CONFIG if kind == "embedding" else CONFIG).format(port=port)
+        )
     log = open(workdir / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it
     process = subprocess.Popen(
         [sys.executable, "-m", "modelpool", "serve", "--config", str(config)],
@@ -127,9 +139,11 @@ class Observer:
         daemon_pid: int,
         prompt: dict[str, Any] = ORDINARY_PROMPT,
         headers: dict[str, str] | None = None,
+        path: str = "/v1/completions",
     ) -> None:
         self.url = url
         self.prompt = prompt
+        self.path = path
         self.headers = headers or {}
         self.daemon = psutil.Process(daemon_pid)
         self.current = Samples()
@@ -164,7 +178,7 @@ class Observer:
                 samples = self.current
                 started = time.perf_counter()
                 try:
-                    response = client.post("/v1/completions", json=self.prompt)
+                    response = client.post(self.path, json=self.prompt)
                     outcome = "ok" if response.status_code == 200 else str(response.status_code)
                 except httpx.HTTPError as exc:
                     outcome = type(exc).__name__
@@ -640,11 +654,15 @@ ATTACKS: dict[str, Attack] = {
     "role-markers": abuse_model.attack_role_markers,
     "prefill-kill": abuse_model.attack_prefill_kill,
     "grammar-burst": abuse_model.attack_grammar_burst,
+    "pooling-deadline": abuse_pooling.attack_deadline,
+    "pooling-flood": abuse_pooling.attack_flood,
 }
 # Those that run on the embedded model's daemon (abuse_model).
 MODEL_ATTACKS = frozenset(
     {"pending-bodies-keyed", "cache-oracle", "role-markers", "prefill-kill", "grammar-burst"}
 )
+# Those that run on the testing backend's embedding model (abuse_pooling).
+POOLING_ATTACKS = frozenset({"pooling-deadline", "pooling-flood"})
 
 
 @contextlib.contextmanager
@@ -675,12 +693,20 @@ def run(phase_s: float, only: list[str]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name in only:
         with tempfile.TemporaryDirectory(prefix="modelpool-abuse-") as tmp:
-            model = name in MODEL_ATTACKS
-            process, url = start_daemon(Path(tmp), model=model)
-            ordinary = (
-                (abuse_model.ORDINARY_PROMPT, abuse_model.ORDINARY_HEADERS)
-                if model
-                else (ORDINARY_PROMPT, None)
+            kind: Literal["testing", "model", "embedding"] = (
+                "model"
+                if name in MODEL_ATTACKS
+                else "embedding"
+                if name in POOLING_ATTACKS
+                else "testing"
+            )
+            process, url = start_daemon(Path(tmp), kind)
+            ordinary: tuple[dict[str, Any], dict[str, str] | None, str] = (
+                (abuse_model.ORDINARY_PROMPT, abuse_model.ORDINARY_HEADERS, "/v1/completions")
+                if kind == "model"
+                else (abuse_pooling.ORDINARY_BODY, None, abuse_pooling.ORDINARY_PATH)
+                if kind == "embedding"
+                else (ORDINARY_PROMPT, None, "/v1/completions")
             )
             try:
                 with Observer(url, process.pid, *ordinary) as observer:
@@ -748,7 +774,10 @@ def missed_goals(rows: list[dict[str, Any]]) -> list[str]:
             missed.append(f"{where}: /healthz {row['healthz_s']:.2f} s")
         if not row["rss_ratio"] < GOALS["rss_ratio"]:
             missed.append(f"{where}: RSS {row['rss_ratio']:.2f}x idle")
-        if not row["p50_ratio"] < GOALS["p50_ratio"]:
+        if row["attack"] in POOLING_ATTACKS:
+            if not row["p50_ms"] < abuse_pooling.P50_BOUND_S * 1000:
+                missed.append(f"{where}: ordinary p50 {row['p50_ms']:.0f} ms")
+        elif not row["p50_ratio"] < GOALS["p50_ratio"]:
             missed.append(f"{where}: ordinary p50 {row['p50_ratio']:.2f}x baseline")
         got = row.get("attacker got") or {}
         if "passed" in got and not got["passed"]:
