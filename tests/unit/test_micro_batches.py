@@ -1,17 +1,15 @@
 """How the daemon splits a pooling request (server.micro_batches): the micro-batches'
-bounds, a request's cost in the fair share, and the size measured from the pool's time."""
+bounds, the tokens estimated without the model, and a request's cost in the fair share."""
 
 from __future__ import annotations
 
 from modelpool.server.micro_batches import (
-    MAX_UNITS,
+    CHARS_PER_TOKEN,
     MICRO_BATCH_ITEMS,
-    MICRO_BATCH_S,
-    MICRO_BATCH_UNITS,
-    MIN_UNITS,
-    Pace,
+    MICRO_BATCH_TOKENS,
     Plan,
     spans,
+    tokens_of,
 )
 
 
@@ -24,23 +22,18 @@ def test_spans_keep_order_and_bounds() -> None:
     assert spans([]) == []
 
 
-def test_a_request_costs_a_run_per_micro_batch_units_not_per_piece() -> None:
+def test_tokens_are_ids_or_characters_over_a_ratio() -> None:
+    assert tokens_of((7,) * 256) == 256
+    assert tokens_of("x" * (10 * CHARS_PER_TOKEN + 1)) == 11
+    assert tokens_of("a") == 1
+
+
+def test_a_request_costs_a_run_per_micro_batch_tokens_not_per_piece() -> None:
     # Three queries of /score: three pieces, one run of cost.
-    tiny = Plan.joined([Plan.of([5], MICRO_BATCH_UNITS) for _ in range(3)])
+    tiny = Plan.joined([Plan.of([5]) for _ in range(3)])
     assert (len(tiny.pieces), tiny.runs) == (3, 1)
-    large = Plan.of([256] * 1024, 512)
-    assert (len(large.pieces), large.runs) == (512, 1024 * 256 // MICRO_BATCH_UNITS)
-    assert set(large.piece_units) == {512}
-
-
-def test_the_size_follows_the_measured_time_within_bounds() -> None:
-    pace = Pace()
-    assert pace.units() == MICRO_BATCH_UNITS
-    pace.note(1000, 2 * MICRO_BATCH_S)  # 1,000 units in twice the time wanted
-    assert pace.units() == 500
-    for _ in range(50):
-        pace.note(1000, 0.0)  # instant work: the largest micro-batch
-    assert pace.units() == MAX_UNITS
-    for _ in range(50):
-        pace.note(10, 60.0)  # a minute for ten units: the smallest
-    assert pace.units() == MIN_UNITS
+    # The review's 1,024 inputs of 256 ids: 16 in a micro-batch, a run per 4,096 tokens.
+    large = Plan.of([256] * 1024)
+    per_piece = MICRO_BATCH_TOKENS // 256
+    assert [len(piece) for piece in large.pieces] == [per_piece] * (1024 // per_piece)
+    assert large.runs == 1024 * 256 // MICRO_BATCH_TOKENS

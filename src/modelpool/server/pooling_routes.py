@@ -36,7 +36,7 @@ from modelpool.server.embeddings import (
     tei_embed_body,
 )
 from modelpool.server.http import ApiError, ClientGone, json_bytes, off_loop_if
-from modelpool.server.micro_batches import Plan, in_turns
+from modelpool.server.micro_batches import Plan, in_turns, tokens_of
 from modelpool.server.openai.request import check_size
 from modelpool.server.rerank import (
     RerankJob,
@@ -86,10 +86,10 @@ def install_pooling_routes(app: FastAPI, state: ServerState) -> None:
             )
             return job
 
-        def plan(job: RerankJob, units: int) -> Plan:
+        def plan(job: RerankJob) -> Plan:
             # A cross-encoder reads the query with each document.
-            sizes = [len(job.query) + len(document) for document in job.documents]
-            return Plan.of(sizes, units)
+            query = tokens_of(job.query)
+            return Plan.of([query + tokens_of(document) for document in job.documents])
 
         async def run(
             pool: ModelPool, job: RerankJob, piece: Sequence[int], left_s: float
@@ -165,8 +165,8 @@ async def _embed(
     def check(pool: ModelPool) -> None:
         _check_task(pool, request, EMBEDS)
 
-    def plan(job: EmbedJob, units: int) -> Plan:
-        return Plan.of([len(item) for item in job.inputs], units)
+    def plan(job: EmbedJob) -> Plan:
+        return Plan.of([tokens_of(item) for item in job.inputs])
 
     async def run(
         pool: ModelPool, job: EmbedJob, piece: Sequence[int], left_s: float
@@ -199,13 +199,13 @@ def _priority(job: EmbedJob | RerankJob | ScoreJob) -> int:
     return job.priority
 
 
-def _score_plan(job: ScoreJob, units: int) -> Plan:
+def _score_plan(job: ScoreJob) -> Plan:
     """Each ``text_1``'s pairs (one pool request needs one query), in micro-batches."""
     plans = []
     for query, indices in job.by_query():
-        own = Plan.of([len(query) + len(job.pairs[index][1]) for index in indices], units)
+        own = Plan.of([tokens_of(query) + tokens_of(job.pairs[index][1]) for index in indices])
         pieces = [[indices[at] for at in piece] for piece in own.pieces]
-        plans.append(Plan(pieces, own.piece_units, own.units))
+        plans.append(Plan(pieces, own.tokens))
     return Plan.joined(plans)
 
 
