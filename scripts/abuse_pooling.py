@@ -46,7 +46,7 @@ drain_timeout_s = 5.0
 ORDINARY_PATH = "/v1/embeddings"
 ORDINARY_BODY = {"input": "an ordinary short text to embed"}
 # The ordinary clients' p50 during an attack: they wait for the micro-batches in the
-# worker's step (two clients' of 4,096 tokens each), not for the attacker's whole request.
+# worker's step (two clients' of 2,048 tokens each), not for the attacker's whole request.
 P50_BOUND_S = 1.0
 ATTACKER = "127.0.0.2"
 # The review's shapes: 1,024 x 256 ids (0.79 MB), and 2,048 documents of 127 characters.

@@ -699,7 +699,7 @@ EMBEDDINGS = "/v1/embeddings"
 # The testing model's forward passes as hf's were: up to 16,384 tokens each, the cancel
 # flag read only between two, 0.25 ms a token. Sent whole, 64 inputs of 256 ids are one
 # pass of 4.1 s, which a deadline's cancel waits for past cancel_grace_s (2 s, the
-# default): a kill. The daemon's micro-batches of 4,096 ids are passes of about 1 s.
+# default): a kill. The daemon's micro-batches of 2,048 ids are passes of about 0.5 s.
 SLOW_PASSES = {"task": "embed", "pooling_token_s": 0.00025}
 LARGE_EMBEDDING = {"input": [[7] * 256] * 64}
 

@@ -51,13 +51,14 @@ if TYPE_CHECKING:
 J = TypeVar("J")
 R = TypeVar("R")
 
-# A micro-batch's bound in estimated tokens: 4,096 take a small embedding model on two CPU
-# cores 0.5-1 s (the review measured 16,384 at 2-4 s), what another client's request waits
-# for at most behind it; a smaller one costs more in the pool request's own time (sized
-# by a measured time per unit, which that own time inflates at small sizes, micro-batches
-# shrank to a document each and a 2,048-document rerank of MiniLM passed 60 s). Also the
-# tokens of one run of a request's cost in the fair share.
-MICRO_BATCH_TOKENS = 4096
+# A micro-batch's bound in estimated tokens: 2,048 take a small embedding model on two CPU
+# cores 0.2-0.5 s (the review measured 16,384 at 2-4 s), what another client's request
+# waits for behind it (with a batched worker, behind a step of every client's); a smaller
+# one costs more in the pool request's own time, about 20 ms (sized by a measured time
+# per unit, which that own time inflates at small sizes, micro-batches shrank to a
+# document each and a 2,048-document rerank of MiniLM passed 60 s). Also the tokens of
+# one run of a request's cost in the fair share.
+MICRO_BATCH_TOKENS = 2048
 # Characters of a text per token, for the estimate: about what a BPE or WordPiece
 # vocabulary reads of English; a text that packs more tokens than that makes a longer
 # micro-batch, whose passes still read the cancel flag.
