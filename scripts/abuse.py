@@ -20,7 +20,12 @@ the embedded SmolLM2 (hf, one worker, three API keys); each prints its own figur
 whether it is within its bound, and a figure past its bound is a missed goal too. The
 third review's attacks between tenants (store-cross, store-evict, route-budget,
 operator-only: :mod:`abuse_tenants`) run on a daemon of the testing backend with
-``[models]`` tables and a keys file, and report the same way.
+``[models]`` tables and a keys file, and report the same way. Its pooling attacks
+(pooling-deadline, pooling-flood: :mod:`abuse_pooling`) run on a daemon of the testing
+backend's embedding model, whose ordinary clients embed, and whose p50 goal is an
+absolute bound (``abuse_pooling.P50_BOUND_S``). The first review's burst again
+(burst-shared-key) runs on a testing daemon with the one key of ``api_key_env``, which
+the attacker and the ordinary clients all hold.
 
     scripts/abuse [--phase 6] [--only noread,fairness] [--json]
 """
@@ -43,9 +48,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import abuse_model
+import abuse_pooling
 import abuse_tenants
 import httpx
 import psutil
@@ -63,9 +69,12 @@ max_new_tokens = 64
 [server]
 host = "127.0.0.1"
 port = {port}
-api_key_env = "MODELPOOL_ABUSE_UNSET_KEY"
+api_key_env = "{key_env}"
 drain_timeout_s = 5.0
 """
+# The one key of api_key_env that every client holds (burst-shared-key's daemon).
+SHARED_KEY = "sk-abuse-shared-0123456789"
+SHARED_HEADERS = {"Authorization": f"Bearer {SHARED_KEY}"}
 ORDINARY_ADDRESSES = ("127.0.0.10", "127.0.0.11", "127.0.0.12")
 ORDINARY_PROMPT = {"prompt": "tokens:5:0.01"}  # about 50 ms of worker time
 # Between two requests of an ordinary client: three of them then use about a third of
@@ -75,6 +84,8 @@ ORDINARY_THINK_S = 0.2
 ATTACKER_TIMEOUT_S = 5.0
 ATTACKER = "127.0.0.2"
 GOALS = {"healthz_s": 1.0, "rss_ratio": 2.0, "p50_ratio": 1.5}
+# The daemons the attacks run on (start_daemon).
+DaemonKind = Literal["testing", "keyed", "model", "embedding", "tenants"]
 
 
 def _free_port() -> int:
@@ -84,24 +95,31 @@ def _free_port() -> int:
         return port
 
 
-def start_daemon(workdir: Path, kind: str = "testing") -> tuple[subprocess.Popen[bytes], str]:
-    """``modelpool serve`` on a free port: the testing backend, or (``kind``) the embedded
-    SmolLM2 with API keys (:mod:`abuse_model`), or the testing backend's models and
-    tenants (:mod:`abuse_tenants`)."""
+def start_daemon(
+    workdir: Path, kind: DaemonKind = "testing"
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``modelpool serve`` on a free port: the testing backend (``keyed``: with one key,
+    ``SHARED_KEY``), the embedded SmolLM2 with API keys (``model``: :mod:`abuse_model`),
+    the testing backend's embedding model (``embedding``: :mod:`abuse_pooling`) or its
+    models and tenants (``tenants``: :mod:`abuse_tenants`)."""
     port = _free_port()
     config = workdir / "abuse.toml"
     if kind == "model":
         config.write_text(abuse_model.config(port, workdir))
     elif kind == "tenants":
         config.write_text(abuse_tenants.config(port, workdir))
+    elif kind == "embedding":
+        config.write_text(abuse_pooling.CONFIG.format(port=port))
     else:
-        config.write_text(CONFIG.format(port=port))
+        key_env = "MODELPOOL_ABUSE_SHARED_KEY" if kind == "keyed" else "MODELPOOL_ABUSE_UNSET_KEY"
+        config.write_text(CONFIG.format(port=port, key_env=key_env))
     log = open(workdir / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it
     process = subprocess.Popen(
         [sys.executable, "-m", "modelpool", "serve", "--config", str(config)],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={k: v for k, v in os.environ.items() if k != "MODELPOOL_ABUSE_UNSET_KEY"},
+        env={k: v for k, v in os.environ.items() if k != "MODELPOOL_ABUSE_UNSET_KEY"}
+        | {"MODELPOOL_ABUSE_SHARED_KEY": SHARED_KEY},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -137,9 +155,11 @@ class Observer:
         daemon_pid: int,
         prompt: dict[str, Any] = ORDINARY_PROMPT,
         headers: dict[str, str] | None = None,
+        path: str = "/v1/completions",
     ) -> None:
         self.url = url
         self.prompt = prompt
+        self.path = path
         self.headers = headers or {}
         self.daemon = psutil.Process(daemon_pid)
         self.current = Samples()
@@ -174,7 +194,7 @@ class Observer:
                 samples = self.current
                 started = time.perf_counter()
                 try:
-                    response = client.post("/v1/completions", json=self.prompt)
+                    response = client.post(self.path, json=self.prompt)
                     outcome = "ok" if response.status_code == 200 else str(response.status_code)
                 except httpx.HTTPError as exc:
                     outcome = type(exc).__name__
@@ -317,6 +337,31 @@ def attack_fairness(url: str, stop: threading.Event) -> dict[str, Any]:
                     statuses.append(str(client.post("/v1/completions", json=burst).status_code))
                 except httpx.TimeoutException:
                     statuses.append("gave up")  # and disconnected: its runs are cancelled
+                if statuses[-1] == "429":
+                    stop.wait(1.0)  # Retry-After
+
+    threads = [threading.Thread(target=loop) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"bursts": _count(statuses)}
+
+
+def attack_burst_shared_key(url: str, stop: threading.Event) -> dict[str, Any]:
+    """Issue 58, item 9: the first review's burst (n=64 of 40 tokens at 50 ms, its own 5 s
+    deadline) on two connections of one address, on a daemon with one key that every
+    client holds: counted as one client, it took every other's turn."""
+    burst = {"prompt": "tokens:40:0.05", "n": 64, "timeout": 5}
+    statuses: list[str] = []
+
+    def loop() -> None:
+        transport = httpx.HTTPTransport(local_address=ATTACKER)
+        with httpx.Client(
+            base_url=url, transport=transport, timeout=30, headers=SHARED_HEADERS
+        ) as client:
+            while not stop.is_set():
+                statuses.append(str(client.post("/v1/completions", json=burst).status_code))
                 if statuses[-1] == "429":
                     stop.wait(1.0)  # Retry-After
 
@@ -651,11 +696,16 @@ ATTACKS: dict[str, Attack] = {
     "prefill-kill": abuse_model.attack_prefill_kill,
     "grammar-burst": abuse_model.attack_grammar_burst,
     **abuse_tenants.ATTACKS,
+    "pooling-deadline": abuse_pooling.attack_deadline,
+    "pooling-flood": abuse_pooling.attack_flood,
+    "burst-shared-key": attack_burst_shared_key,
 }
 # Those that run on the embedded model's daemon (abuse_model).
 MODEL_ATTACKS = frozenset(
     {"pending-bodies-keyed", "cache-oracle", "role-markers", "prefill-kill", "grammar-burst"}
 )
+# Those that run on the testing backend's embedding model (abuse_pooling).
+POOLING_ATTACKS = frozenset({"pooling-deadline", "pooling-flood"})
 
 
 @contextlib.contextmanager
@@ -686,16 +736,34 @@ def run(phase_s: float, only: list[str]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name in only:
         with tempfile.TemporaryDirectory(prefix="modelpool-abuse-") as tmp:
-            model = name in MODEL_ATTACKS
-            tenants = name in abuse_tenants.ATTACKS
-            kind = "model" if model else "tenants" if tenants else "testing"
+            kind: DaemonKind = (
+                "model"
+                if name in MODEL_ATTACKS
+                else "tenants"
+                if name in abuse_tenants.ATTACKS
+                else "embedding"
+                if name in POOLING_ATTACKS
+                else "keyed"
+                if name == "burst-shared-key"
+                else "testing"
+            )
             process, url = start_daemon(Path(tmp), kind)
-            ordinary = (
-                (abuse_model.ORDINARY_PROMPT, abuse_model.ORDINARY_HEADERS)
-                if model
-                else (abuse_tenants.ORDINARY_PROMPT, abuse_tenants.ORDINARY_HEADERS)
-                if tenants
-                else (ORDINARY_PROMPT, None)
+            ordinary: tuple[dict[str, Any], dict[str, str] | None, str] = (
+                (abuse_model.ORDINARY_PROMPT, abuse_model.ORDINARY_HEADERS, "/v1/completions")
+                if kind == "model"
+                else (
+                    abuse_tenants.ORDINARY_PROMPT,
+                    abuse_tenants.ORDINARY_HEADERS,
+                    "/v1/completions",
+                )
+                if kind == "tenants"
+                else (abuse_pooling.ORDINARY_BODY, None, abuse_pooling.ORDINARY_PATH)
+                if kind == "embedding"
+                else (
+                    ORDINARY_PROMPT,
+                    SHARED_HEADERS if kind == "keyed" else None,
+                    "/v1/completions",
+                )
             )
             try:
                 with Observer(url, process.pid, *ordinary) as observer:
@@ -763,7 +831,10 @@ def missed_goals(rows: list[dict[str, Any]]) -> list[str]:
             missed.append(f"{where}: /healthz {row['healthz_s']:.2f} s")
         if not row["rss_ratio"] < GOALS["rss_ratio"]:
             missed.append(f"{where}: RSS {row['rss_ratio']:.2f}x idle")
-        if not row["p50_ratio"] < GOALS["p50_ratio"]:
+        if row["attack"] in POOLING_ATTACKS:
+            if not row["p50_ms"] < abuse_pooling.P50_BOUND_S * 1000:
+                missed.append(f"{where}: ordinary p50 {row['p50_ms']:.0f} ms")
+        elif not row["p50_ratio"] < GOALS["p50_ratio"]:
             missed.append(f"{where}: ordinary p50 {row['p50_ratio']:.2f}x baseline")
         got = row.get("attacker got") or {}
         if "passed" in got and not got["passed"]:

@@ -107,7 +107,8 @@ weights are: a model of a given size for the registry's budget),
 worker that says ready and dies), ``task`` ("embed" or "score": an embedding model or a
 cross-encoder, which refuse to generate; its faults are in ``testing_embeddings``),
 ``batch_log`` (a file each batched step of pooling requests appends its number of
-requests to), ``max_model_len`` (a context length, so that
+requests to), ``pooling_token_s`` and ``pooling_batch_tokens`` (an embedding's or a
+score's time: ``testing_embeddings.Passes``), ``max_model_len`` (a context length, so that
 the pool's side of context limits is tested without a model). With it, a string
 prompt counts one token per whitespace-separated word, chat messages count as a
 template renders them (a role marker, the words and an end marker each, then one
@@ -293,10 +294,14 @@ class FaultBackend:
         env_command: bool = False,
         task: Task = "generate",
         batch_log: str | None = None,
+        passes: testing_embeddings.Passes = testing_embeddings.INSTANT,
     ) -> None:
         self.task = task
         self.batches_pooling = task != "generate"
-        self._pooled = testing_embeddings.PooledBatch(max_model_len, task == "score", batch_log)
+        self.passes = passes
+        self._pooled = testing_embeddings.PooledBatch(
+            max_model_len, task == "score", batch_log, passes
+        )
         self.env_command = env_command
         self._leaked: list[bytearray] = []
         self.max_model_len = max_model_len
@@ -336,11 +341,13 @@ class FaultBackend:
     def embed(self, request: EmbedRequest, call: Call) -> Generation:
         """Vectors from a hash, and the faults of a real embedding model (see
         ``testing_embeddings``)."""
-        return testing_embeddings.embed(request, call, self.max_model_len)
+        return testing_embeddings.embed(request, call, self.max_model_len, self.passes)
 
     def score(self, request: ScoreRequest, call: Call) -> Generation:
         cross_encoder = self.task == "score"
-        return testing_embeddings.score(request, call, self.max_model_len, cross_encoder)
+        return testing_embeddings.score(
+            request, call, self.max_model_len, cross_encoder, self.passes
+        )
 
     def detokenize(self, token_ids: list[int]) -> str:
         if any(token_id > sys.maxunicode for token_id in token_ids):
@@ -718,6 +725,8 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
             "task",
             "batch_log",
             "hold_mb",
+            "pooling_token_s",
+            "pooling_batch_tokens",
         }
     )
     if unknown:
@@ -735,12 +744,17 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
     if options.get("exit_after_load_s") is not None:
         threading.Timer(float(options["exit_after_load_s"]), os._exit, args=(1,)).start()
     batch_log = options.get("batch_log")
+    passes = testing_embeddings.Passes(
+        float(options.get("pooling_token_s", 0.0)),
+        int(options.get("pooling_batch_tokens", testing_embeddings.Passes.batch_tokens)),
+    )
     backend = FaultBackend(
         device,
         max_model_len,
         env_command=options.get("env_command") is True,
         task=task,
         batch_log=None if batch_log is None else str(batch_log),
+        passes=passes,
     )
     if options.get("hold_mb"):
         backend.hold(int(options["hold_mb"]))

@@ -17,6 +17,12 @@ An input's text says what to do (anything else is embedded)::
 ``embed_hang_once:PATH``    hangs if PATH does not exist (creating it), else embeds
 ==========================  ====================================================
 
+The load options ``pooling_token_s`` and ``pooling_batch_tokens`` make its work take time
+as a real model's does (``Passes``): each request's tokens in forward passes of at most
+``pooling_batch_tokens`` (16,384, hf's default before issue 58), each pass sleeping
+``pooling_token_s`` per token without reading the cancel flag, which is read between two
+passes only: what a deadline meets in a real model's micro-batch.
+
 With ``max_batch_size`` above 1 the requests batch (``PooledBatch``): the worker admits
 every embed or score request that has arrived, and one step answers them all, one after
 the other, so a fault in one is a fault of the step (``embed_segfault`` and
@@ -42,6 +48,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from modelpool.embeddings import check_dimensions, cosine, cut_and_normalise
 from modelpool.errors import ContextLengthExceeded
@@ -60,10 +68,46 @@ DIMENSIONS = 8
 _SLEEP_STEP_S = 0.01
 
 
-def embed(request: EmbedRequest, call: Call, max_model_len: int | None) -> Generation:
+@dataclass(frozen=True)
+class Passes:
+    """A real model's forward passes, simulated (the load options ``pooling_token_s`` and
+    ``pooling_batch_tokens``): rows packed in order into passes of at most
+    ``batch_tokens`` tokens (a longer row alone), each taking ``token_s`` a token."""
+
+    token_s: float = 0.0
+    batch_tokens: int = 16384
+
+    def run(self, rows: Sequence[int], call: Call) -> bool:
+        """Every pass over ``rows`` (their token counts); False, at the first pass
+        boundary after it, once the call was cancelled."""
+        if self.token_s <= 0:
+            return True
+        packed = 0
+        for tokens in rows:
+            if packed and packed + tokens > self.batch_tokens:
+                if call.cancelled():
+                    return False
+                time.sleep(packed * self.token_s)
+                packed = 0
+            packed += tokens
+        if call.cancelled():
+            return False
+        time.sleep(packed * self.token_s)
+        return not call.cancelled()
+
+
+# Passes that take no time: the default, a backend whose work is the hash alone.
+INSTANT = Passes()
+
+
+def embed(
+    request: EmbedRequest, call: Call, max_model_len: int | None, passes: Passes = INSTANT
+) -> Generation:
     size = check_dimensions(request.dimensions, DIMENSIONS)
     tokens = [_fit(_tokens(item), max_model_len, request.truncate, index)
               for index, item in enumerate(request.inputs)]  # fmt: skip
+    if not passes.run(tokens, call):
+        return Generation("", "cancelled", sum(tokens), 0)
     vectors = []
     for item, count in zip(request.inputs, tokens, strict=True):
         if isinstance(item, str) and not _act(item, call):
@@ -73,15 +117,26 @@ def embed(request: EmbedRequest, call: Call, max_model_len: int | None) -> Gener
 
 
 def score(
-    request: ScoreRequest, call: Call, max_model_len: int | None, cross_encoder: bool
+    request: ScoreRequest,
+    call: Call,
+    max_model_len: int | None,
+    cross_encoder: bool,
+    passes: Passes = INSTANT,
 ) -> Generation:
     query_tokens = _fit(_tokens(request.query), max_model_len, request.truncate, 0)
+    lengths = [_fit(_tokens(document), max_model_len, request.truncate, index)
+               for index, document in enumerate(request.documents)]  # fmt: skip
+    # A cross-encoder reads each pair; an embedding model the query once and each document.
+    rows = [query_tokens, *lengths]
+    if cross_encoder:
+        rows = [query_tokens + tokens for tokens in lengths]
+    if not passes.run(rows, call):
+        return Generation("", "cancelled", 0, 0)
     prompt_tokens = 0
     scores = []
-    for index, document in enumerate(request.documents):
+    for document, tokens in zip(request.documents, lengths, strict=True):
         if not _act(document, call):
             return Generation("", "cancelled", prompt_tokens, 0)
-        tokens = _fit(_tokens(document), max_model_len, request.truncate, index)
         prompt_tokens += query_tokens + tokens
         if cross_encoder:
             shared = len(set(request.query.split()) & set(document.split()))
@@ -99,10 +154,17 @@ def score(
 class PooledBatch:
     """The admitted embed and score requests of a batched worker, answered together."""
 
-    def __init__(self, max_model_len: int | None, cross_encoder: bool, log: str | None) -> None:
+    def __init__(
+        self,
+        max_model_len: int | None,
+        cross_encoder: bool,
+        log: str | None,
+        passes: Passes = INSTANT,
+    ) -> None:
         self.max_model_len = max_model_len
         self.cross_encoder = cross_encoder
         self.log = log
+        self.passes = passes
         self.calls: list[tuple[BatchCall, PoolingRequest]] = []
 
     def admit(self, call: BatchCall) -> bool:
@@ -125,9 +187,11 @@ class PooledBatch:
         for call, request in calls:
             try:
                 if isinstance(request, EmbedRequest):
-                    answer = embed(request, call, self.max_model_len)
+                    answer = embed(request, call, self.max_model_len, self.passes)
                 else:
-                    answer = score(request, call, self.max_model_len, self.cross_encoder)
+                    answer = score(
+                        request, call, self.max_model_len, self.cross_encoder, self.passes
+                    )
             except Exception as exc:
                 finished.append((call, exc))
                 continue

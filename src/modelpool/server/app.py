@@ -409,8 +409,8 @@ def create_app(
         _, tokens = await on_a_worker(request, state, _parse_count, run)
         return JSONResponse({"input_tokens": len(tokens)})
 
-    install_pooling_routes(app, state, on_a_worker)
-    install_ollama_routes(app, state, _generate, on_a_worker)
+    install_pooling_routes(app, state)
+    install_ollama_routes(app, state, _generate)
     return app
 
 
@@ -733,6 +733,11 @@ async def _all_or_none(work: list[Coroutine[Any, Any, Result]]) -> list[Result]:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
+        # One error answers; the others (every run of a request times out at its one
+        # deadline) are read here, or asyncio logs each as never retrieved, at ERROR.
+        for task in tasks:
+            if not task.cancelled():
+                task.exception()
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,32 +2,31 @@
 ``/embed`` (TEI's), ``/v1/rerank``, ``/rerank`` and ``/v2/rerank`` (Cohere's and Jina's
 shape, or TEI's when the body sends ``texts``), ``/score`` and ``/v1/score`` (vLLM's).
 
-Each takes the tokenizer routes' walk (``state.on_a_worker``): its body parsed, checked
-and costed against ``max_request_tokens`` (the inputs' size) in a check thread, its
-model's pool (``state.pool_for``: the one pool, or the registry's ``[models.NAME]``),
-then one pool request in the client's turn of fair share, within the request's
-deadline; the API key, the body bound and the Host checks are the Gate's, as for every
-route. A model that does not do what the route asks (a chat model asked for
-embeddings, a cross-encoder asked for vectors) is a 400 ``wrong_task`` naming the model
-and what it serves::
+Each takes the walk of ``micro_batches.in_turns``: its body parsed, checked and costed
+against ``max_request_tokens`` (the inputs' size) in a check thread, its model's pool
+(``state.pool_for``: the one pool, or the registry's ``[models.NAME]``), then its items
+in bounded micro-batches, one pool request each in the client's turn of fair share,
+within the request's one deadline; the API key, the body bound and the Host checks are
+the Gate's, as for every route. A model that does not do what the route asks (a chat
+model asked for embeddings, a cross-encoder asked for vectors) is a 400 ``wrong_task``
+naming the model and what it serves::
 
-    install_pooling_routes(app, state, on_a_worker)      # in create_app
+    install_pooling_routes(app, state)      # in create_app
 
 Bodies and answers are ``embeddings`` (vectors) and ``rerank`` (scores).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from modelpool.config import ServerConfig
-from modelpool.embeddings import EmbeddingResult
-from modelpool.errors import InvalidRequest
+from modelpool.embeddings import EmbeddingResult, ScoreResult
 from modelpool.server.embeddings import (
     EmbedJob,
     embeddings_body,
@@ -36,13 +35,8 @@ from modelpool.server.embeddings import (
     parse_tei_embed,
     tei_embed_body,
 )
-from modelpool.server.http import (
-    ApiError,
-    ClientGone,
-    json_bytes,
-    off_loop_if,
-    run_unless_disconnected,
-)
+from modelpool.server.http import ApiError, ClientGone, json_bytes, off_loop_if
+from modelpool.server.micro_batches import Plan, in_turns, tokens_of
 from modelpool.server.openai.request import check_size
 from modelpool.server.rerank import (
     RerankJob,
@@ -58,9 +52,6 @@ if TYPE_CHECKING:
     from modelpool.pool import ModelPool
     from modelpool.server.state import ServerState
 
-T = TypeVar("T")
-R = TypeVar("R")
-
 # An answer of more values than this is written in a thread (see ``off_loop_if``).
 ENCODE_OFF_LOOP_VALUES = 65_536
 
@@ -74,32 +65,16 @@ EMBEDS = frozenset({"embed"})
 SCORES = frozenset({"embed", "score"})
 
 
-class OnAWorker(Protocol):
-    """``state.on_a_worker``: the tokenizer routes' walk, passed in by ``app.create_app``."""
-
-    async def __call__(
-        self,
-        request: Request,
-        state: ServerState,
-        parse: Callable[[dict[str, Any], ServerConfig], T],
-        call: Callable[[ModelPool, T, float], Awaitable[R]],
-        *,
-        priority_of: Callable[[T], int] | None = None,
-    ) -> tuple[ModelPool, R]: ...
-
-
-def install_pooling_routes(app: FastAPI, state: ServerState, on_a_worker: OnAWorker) -> None:
+def install_pooling_routes(app: FastAPI, state: ServerState) -> None:
     """The embedding and scoring routes (see the module docstring)."""
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        return await serve_embeddings(
-            request, state, on_a_worker, _parse_embeddings, _openai_answer
-        )
+        return await serve_embeddings(request, state, _parse_embeddings, _openai_answer)
 
     @app.post("/embed")
     async def tei_embed(request: Request) -> Response:
-        return await serve_embeddings(request, state, on_a_worker, _parse_tei_embed, _tei_answer)
+        return await serve_embeddings(request, state, _parse_tei_embed, _tei_answer)
 
     async def rerank(request: Request, return_documents: bool) -> Response:
         def parse(body: dict[str, Any], config: ServerConfig) -> RerankJob:
@@ -111,28 +86,34 @@ def install_pooling_routes(app: FastAPI, state: ServerState, on_a_worker: OnAWor
             )
             return job
 
-        async def run(pool: ModelPool, job: RerankJob, left_s: float) -> Response:
-            _check_task(pool, request, SCORES)
-            done, result = await run_unless_disconnected(
-                request.receive,
-                _naming_fields(
-                    pool.ascore(
-                        job.query,
-                        list(job.documents),
-                        raw_scores=job.raw_scores,
-                        truncate=job.truncate,
-                        deadline_s=left_s,
-                        priority=job.priority,
-                    )
-                ),
-            )
-            if not done or result is None:
-                return ClientGone()
-            body = rerank_body(job, result.scores, result.prompt_tokens, _model(request, state))
-            return Response(json_bytes(body), media_type="application/json")
+        def plan(job: RerankJob) -> Plan:
+            # A cross-encoder reads the query with each document.
+            query = tokens_of(job.query)
+            return Plan.of([query + tokens_of(document) for document in job.documents])
 
-        _, response = await on_a_worker(request, state, parse, run, priority_of=_priority)
-        return response
+        async def run(
+            pool: ModelPool, job: RerankJob, piece: Sequence[int], left_s: float
+        ) -> ScoreResult:
+            return await pool.ascore(
+                job.query,
+                [job.documents[index] for index in piece],
+                raw_scores=job.raw_scores,
+                truncate=job.truncate,
+                deadline_s=left_s,
+                priority=job.priority,
+            )
+
+        def check(pool: ModelPool) -> None:
+            _check_task(pool, request, SCORES)
+
+        answer = await in_turns(request, state, parse, check, plan, run, priority_of=_priority)
+        if answer is None:
+            return ClientGone()
+        _, job, results = answer
+        scores = [score for _, result in results for score in result.scores]
+        tokens = sum(result.prompt_tokens for _, result in results)
+        body = rerank_body(job, scores, tokens, _model(request, state))
+        return Response(json_bytes(body), media_type="application/json")
 
     # Jina's and vLLM's answers carry the documents unless asked not to; Cohere's v2 none.
     @app.post("/v1/rerank")
@@ -148,19 +129,22 @@ def install_pooling_routes(app: FastAPI, state: ServerState, on_a_worker: OnAWor
         return await rerank(request, False)
 
     async def score(request: Request) -> Response:
-        async def run(pool: ModelPool, job: ScoreJob, left_s: float) -> Response:
+        def check(pool: ModelPool) -> None:
             _check_task(pool, request, SCORES)
-            done, scored = await run_unless_disconnected(
-                request.receive, _naming_fields(_score_pairs(pool, job, left_s))
-            )
-            if not done or scored is None:
-                return ClientGone()
-            scores, prompt_tokens = scored
-            body = score_body(scores, prompt_tokens, _model(request, state))
-            return Response(json_bytes(body), media_type="application/json")
 
-        _, response = await on_a_worker(request, state, _parse_score, run, priority_of=_priority)
-        return response
+        answer = await in_turns(
+            request, state, _parse_score, check, _score_plan, _score_piece, priority_of=_priority
+        )
+        if answer is None:
+            return ClientGone()
+        _, job, results = answer
+        scores = [0.0] * len(job.pairs)
+        for piece, result in results:
+            for index, value in zip(piece, result.scores, strict=True):
+                scores[index] = value
+        tokens = sum(result.prompt_tokens for _, result in results)
+        body = score_body(scores, tokens, _model(request, state))
+        return Response(json_bytes(body), media_type="application/json")
 
     @app.post("/score")
     async def score_plain(request: Request) -> Response:
@@ -186,84 +170,68 @@ def _tei_answer(job: EmbedJob, result: EmbeddingResult, model: str) -> object:
 async def serve_embeddings(
     request: Request,
     state: ServerState,
-    on_a_worker: OnAWorker,
     parse: Callable[[dict[str, Any], ServerConfig], EmbedJob],
     answer: EmbedAnswer,
 ) -> Response:
-    """An embedding route's walk (``on_a_worker``), whatever shape its body and answer
-    have (OpenAI's, TEI's, Ollama's)."""
+    """An embedding route's walk (``in_turns``: its inputs in micro-batches, each in the
+    client's turn), whatever shape its body and answer have (OpenAI's, TEI's, Ollama's)."""
 
-    async def run(pool: ModelPool, job: EmbedJob, left_s: float) -> Response:
+    def check(pool: ModelPool) -> None:
         _check_task(pool, request, EMBEDS)
-        done, result = await run_unless_disconnected(
-            request.receive,
-            _naming_fields(
-                pool.aembed(
-                    job.pool_inputs(),
-                    dimensions=job.dimensions,
-                    truncate=job.truncate,
-                    deadline_s=left_s,
-                    priority=job.priority,
-                )
-            ),
-        )
-        if not done or result is None:
-            return ClientGone()
-        body = answer(job, result, _model(request, state))
-        values = len(result.vectors) * result.dimensions
-        content = await off_loop_if(
-            values > ENCODE_OFF_LOOP_VALUES, state.heavy_work, json_bytes, body
-        )
-        return Response(content, media_type="application/json")
 
-    _, response = await on_a_worker(request, state, parse, run, priority_of=_priority)
-    return response
+    def plan(job: EmbedJob) -> Plan:
+        return Plan.of([tokens_of(item) for item in job.inputs])
+
+    async def run(
+        pool: ModelPool, job: EmbedJob, piece: Sequence[int], left_s: float
+    ) -> EmbeddingResult:
+        return await pool.aembed(
+            replace(job, inputs=tuple(job.inputs[index] for index in piece)).pool_inputs(),
+            dimensions=job.dimensions,
+            truncate=job.truncate,
+            deadline_s=left_s,
+            priority=job.priority,
+        )
+
+    walked = await in_turns(request, state, parse, check, plan, run, priority_of=_priority)
+    if walked is None:
+        return ClientGone()
+    _, job, results = walked
+    whole = EmbeddingResult(
+        [vector for _, result in results for vector in result.vectors],
+        sum(result.prompt_tokens for _, result in results),
+        results[0][1].dimensions,
+    )
+    body = answer(job, whole, _model(request, state))
+    values = len(whole.vectors) * whole.dimensions
+    content = await off_loop_if(values > ENCODE_OFF_LOOP_VALUES, state.heavy_work, json_bytes, body)
+    return Response(content, media_type="application/json")
 
 
 def _priority(job: EmbedJob | RerankJob | ScoreJob) -> int:
     return job.priority
 
 
-async def _score_pairs(pool: ModelPool, job: ScoreJob, left_s: float) -> tuple[list[float], int]:
-    """Each ``text_1``'s pairs in one pool request, one after another within the one
-    deadline; the scores in the pairs' order."""
-    scores = [0.0] * len(job.pairs)
-    prompt_tokens = 0
-    ends = time.monotonic() + left_s
+def _score_plan(job: ScoreJob) -> Plan:
+    """Each ``text_1``'s pairs (one pool request needs one query), in micro-batches."""
+    plans = []
     for query, indices in job.by_query():
-        documents = [job.pairs[index][1] for index in indices]
-        remaining = max(0.001, ends - time.monotonic())
-        result = await pool.ascore(
-            query, documents, truncate=job.truncate, deadline_s=remaining, priority=job.priority
-        )
-        prompt_tokens += result.prompt_tokens
-        for index, value in zip(indices, result.scores, strict=True):
-            scores[index] = value
-    return scores, prompt_tokens
+        own = Plan.of([tokens_of(query) + tokens_of(job.pairs[index][1]) for index in indices])
+        pieces = [[indices[at] for at in piece] for piece in own.pieces]
+        plans.append(Plan(pieces, own.tokens))
+    return Plan.joined(plans)
 
 
-# The fields the pool's own refusals (InvalidRequest) of these requests may name.
-POOL_FIELDS = ("dimensions", "input", "query", "documents")
-
-
-async def _naming_fields(work: Awaitable[T]) -> T:
-    """``work``, its plain ``InvalidRequest`` a 400 naming the field its message opens
-    with (the pool's refusals of these requests say the field first: "dimensions is 512,
-    but ..."; the HTTP field names are the library's). Its typed subclasses
-    (ContextLengthExceeded, WrongTask) keep their own answers."""
-    try:
-        return await work
-    except InvalidRequest as exc:
-        if type(exc) is not InvalidRequest:
-            raise
-        field = exc.message.split(" ", 1)[0].split("[", 1)[0]
-        raise ApiError(
-            400,
-            exc.message,
-            param=field if field in POOL_FIELDS else None,
-            code="invalid_value",
-            extra={"request_id": exc.request_id},
-        ) from None
+async def _score_piece(
+    pool: ModelPool, job: ScoreJob, piece: Sequence[int], left_s: float
+) -> ScoreResult:
+    return await pool.ascore(
+        job.pairs[piece[0]][0],
+        [job.pairs[index][1] for index in piece],
+        truncate=job.truncate,
+        deadline_s=left_s,
+        priority=job.priority,
+    )
 
 
 def _parse_embeddings(body: dict[str, Any], config: ServerConfig) -> EmbedJob:

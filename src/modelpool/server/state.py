@@ -3,8 +3,8 @@
 :class:`ServerState` is what every route reads: the one pool or the registry
 (``pool_for`` asks ``server.models``), the fair shares, the check threads, the keys,
 the metrics. :func:`on_a_worker` is the walk of the routes that run one short pool
-call (the tokenizer routes in ``app``, the embedding and scoring routes in
-``pooling_routes``): the body parsed and checked in a check thread, the model's pool,
+call (the tokenizer routes in ``app``; the embedding and scoring routes split theirs,
+``micro_batches``): the body parsed and checked in a check thread, the model's pool,
 then the call in the client's turn of fair share::
 
     pool, tokens = await on_a_worker(request, state, parse, run)
@@ -186,13 +186,15 @@ class Client:
 
 
 def client_of(request: Request, state: ServerState) -> Client:
-    """Who ``request`` counts against in the fair share and the check threads."""
+    """Who ``request`` counts against in the fair share and the check threads: its
+    tenant, or its address without a key or with the key every client shares."""
+    address = request.client.host if request.client is not None else "-"
     if state.keys.required:
         # The key was checked already (the protocol, the Gate): it names a tenant.
         tenant = rights.caller(request)
         if tenant is not None:
-            return Client(f"tenant:{tenant.name}", tenant)
-    return Client(request.client.host if request.client is not None else "-", None)
+            return Client(address if tenant.shared else f"tenant:{tenant.name}", tenant)
+    return Client(address, None)
 
 
 async def read_checked(

@@ -1,13 +1,14 @@
 """Who a request is from: the API keys the daemon takes, each naming its tenant.
 
 A tenant is what the daemon keeps apart: fair share and the request budget are per
-tenant when keys are set (a tenant may have its own limits), and each tenant's prefix
+tenant of ``keys_file`` (a tenant may have its own limits), and each tenant's prefix
 cache is its own (see ``partition``). Without keys there is one anonymous tenant and a
-client is its address::
+client is its address; so it is with the one key of ``api_key_env``, the tenant
+"default", which every client shares (``Tenant.shared``)::
 
     keys = Keys.single("sk-1")                    # [server] api_key_env, one tenant
     keys = Keys.from_file("keys.toml")            # [server] keys_file, a tenant per key
-    keys.tenant(b"Bearer sk-1")                   # Tenant("default"), or None: 401
+    keys.tenant(b"Bearer sk-1")                   # DEFAULT, or None: 401
 
 The keys file is TOML, one table per tenant::
 
@@ -55,6 +56,14 @@ class Tenant:
     client_max_queued: int | None = None
     max_request_tokens: int | None = None
     admin: bool = False  # an operator (``admin = true`` in the keys file)
+    # The key of api_key_env, which every client of the daemon may hold: its clients are
+    # told apart by address in the fair share, as without a key. Counted as one client,
+    # one client's burst of n=64 took every other one's turn (issue 58).
+    shared: bool = False
+
+
+# The tenant of ``api_key_env``'s key.
+DEFAULT = Tenant("default", shared=True)
 
 
 class Keys:
@@ -69,7 +78,7 @@ class Keys:
 
     @classmethod
     def single(cls, key: str | None) -> Keys:
-        return cls({key: Tenant("default")} if key else {}, every_caller_operates=True)
+        return cls({key: DEFAULT} if key else {}, every_caller_operates=True)
 
     @classmethod
     def configured(cls, keys_file: str | None, api_key: str | None) -> Keys:
@@ -78,7 +87,7 @@ class Keys:
             return cls.single(api_key)
         keys = cls.from_file(keys_file)
         if api_key:
-            keys._by_digest[_digest(api_key.encode())] = Tenant("default")
+            keys._by_digest[_digest(api_key.encode())] = DEFAULT
         return keys
 
     @classmethod
@@ -114,7 +123,13 @@ class Keys:
             admin = table.get("admin", False)
             if not isinstance(admin, bool):
                 raise ValueError(f"{where}.admin must be true or false")
-            tenants[key] = Tenant(str(name), **limits, admin=admin)
+            tenants[key] = Tenant(
+                str(name),
+                limits["client_max_running"],
+                limits["client_max_queued"],
+                limits["max_request_tokens"],
+                admin=admin,
+            )
         return cls(tenants, every_caller_operates=False)
 
     @property

@@ -75,8 +75,10 @@ logger = logging.getLogger(__name__)
 POOLING_OPTIONS = frozenset(
     {"dtype", "torch_threads", "max_model_len", "trust_remote_code", "batch_tokens"}
 )
-DEFAULT_BATCH_TOKENS = 16384
-"""Padded tokens per forward pass: 64 rows of 256 tokens, or 1,024 of 16."""
+DEFAULT_BATCH_TOKENS = 4096
+"""Padded tokens per forward pass: 16 rows of 256 tokens, or 256 of 16. A pass is what a
+cancel waits for: 16,384 took a small model 2-4 s on two CPU cores, past
+``cancel_grace_s``, so a deadline killed the worker (issue 58); 4,096 take a quarter."""
 
 _MODULE_TYPES = {
     "sentence_transformers.models.Transformer": "transformer",

@@ -1,7 +1,7 @@
 """The Ollama routes, wired onto the daemon's walks (``app.create_app`` passes them in: a
 route module never imports ``app``)::
 
-    install_ollama_routes(app, state, generate=_generate, on_a_worker=on_a_worker)
+    install_ollama_routes(app, state, generate=_generate)
 
 ``/api/chat`` and ``/api/generate`` take the generation walk (``OllamaApi``), ``/api/embed``
 and ``/api/embeddings`` the embedding routes' (``pooling_routes.serve_embeddings``), so
@@ -34,7 +34,7 @@ from modelpool.server.ollama import models as listing
 from modelpool.server.ollama.answer import Clock
 from modelpool.server.ollama.api import OllamaApi
 from modelpool.server.openai.request import check_size
-from modelpool.server.pooling_routes import OnAWorker, serve_embeddings
+from modelpool.server.pooling_routes import serve_embeddings
 from modelpool.validation import is_int
 
 if TYPE_CHECKING:
@@ -52,9 +52,7 @@ NO_MODEL_MANAGEMENT = (
 )
 
 
-def install_ollama_routes(
-    app: FastAPI, state: ServerState, generate: Generate, on_a_worker: OnAWorker
-) -> None:
+def install_ollama_routes(app: FastAPI, state: ServerState, generate: Generate) -> None:
     """The ``/api/`` routes (see the module docstring)."""
 
     def clock(request: Request) -> Clock:
@@ -82,14 +80,14 @@ def install_ollama_routes(
                 "prompt_eval_count": result.prompt_tokens,
             }
 
-        return await serve_embeddings(request, state, on_a_worker, _parse_embed, answer)
+        return await serve_embeddings(request, state, _parse_embed, answer)
 
     @app.post("/api/embeddings")
     async def legacy_embeddings(request: Request) -> Response:
         def answer(job: EmbedJob, result: EmbeddingResult, model: str) -> object:
             return {"embedding": result.vectors[0]}
 
-        return await serve_embeddings(request, state, on_a_worker, _parse_legacy_embed, answer)
+        return await serve_embeddings(request, state, _parse_legacy_embed, answer)
 
     @app.get("/api/tags")
     async def tags() -> Response:
