@@ -140,12 +140,15 @@ async def in_turns(
     priority_of: Callable[[J], int],
 ) -> tuple[ModelPool, J, list[tuple[Sequence[int], R]]] | None:
     """The pooling routes' walk (see the module docstring): the body parsed and checked in
-    a check thread, its model's pool (``check`` refuses a model that does not do what the
-    route asks), then ``call(pool, job, piece, seconds_left)`` for each of
-    ``plan_of(job).pieces`` (the request's item indices of each micro-batch), one after
-    another, each in the client's turn. None when the client went away first."""
+    a check thread (against the tenant's own limits), its model's pool (``check`` refuses
+    a model that does not do what the route asks), then
+    ``call(pool, job, piece, seconds_left)`` for each of ``plan_of(job).pieces`` (the
+    request's item indices of each micro-batch), one after another, each in the client's
+    turn. None when the client went away first."""
+    client = client_of(request, state)
     waiting_s = deadline_from({}, request.headers, state.default_deadline_s(), None)
-    body, job = await read_checked(request, state, waiting_s, parse, state.config)
+    # Checked against the tenant's own max_request_tokens where its table sets one.
+    body, job = await read_checked(request, state, waiting_s, parse, client.config(state.config))
     pool = await state.pool_for(request, body)
     check(pool)
     deadline_s = state.time_left(
@@ -154,7 +157,6 @@ async def in_turns(
     ends = time.monotonic() + deadline_s
     plan = plan_of(job)
     pieces = plan.pieces
-    client = client_of(request, state)
     # A ticket's slots past its reserved runs take their turn as the others do.
     ticket = state.share_for(request).reserve(
         client.name, plan.runs, client.limits, priority_of(job)
