@@ -113,6 +113,22 @@ def test_each_route_reaches_its_model(http: httpx.Client) -> None:
     assert cards == {"chat": "generate", "emb": "embed", "ce": "score"}
 
 
+def test_keep_alive_counts_on_every_pooling_route(http: httpx.Client) -> None:
+    # The README: every request's keep_alive counts (issue 61: it was a 400 here).
+    bodies = {
+        "/v1/embeddings": {"model": "emb", "input": TEXTS},
+        "/embed": {"model": "emb", "inputs": TEXTS},
+        "/v1/rerank": {"model": "ce", "query": QUERY, "documents": TEXTS},
+        "/rerank": {"model": "ce", "query": QUERY, "texts": TEXTS},
+        "/score": {"model": "ce", "text_1": QUERY, "text_2": TEXTS},
+    }
+    for path, body in bodies.items():
+        ok(http.post(path, json={**body, "keep_alive": "5m"}))
+        refused = http.post(path, json={**body, "keep_alive": "soon"})
+        assert refused.status_code == 400, (path, refused.text)
+        assert refused.json()["error"]["param"] == "keep_alive", (path, refused.text)
+
+
 def test_cross_encoder_scores_are_sentence_transformers_own(
     http: httpx.Client, models: dict[str, Path]
 ) -> None:

@@ -39,11 +39,31 @@ MAX_INPUTS = 2048
 EmbedInput = str | tuple[int, ...]
 EncodingFormat = Literal["float", "base64"]
 
+# ``keep_alive`` (Ollama's) is the registry's, read where the request takes its model's
+# pool (``server.models.pool_for``), as on the generation routes.
 EMBEDDINGS_FIELDS = frozenset(
-    {"model", "input", "encoding_format", "dimensions", "user", "truncate", "priority"}
+    {
+        "model",
+        "input",
+        "encoding_format",
+        "dimensions",
+        "user",
+        "truncate",
+        "priority",
+        "keep_alive",
+    }
 )
 TEI_EMBED_FIELDS = frozenset(
-    {"model", "inputs", "normalize", "truncate", "truncation_direction", "dimensions", "priority"}
+    {
+        "model",
+        "inputs",
+        "normalize",
+        "truncate",
+        "truncation_direction",
+        "dimensions",
+        "priority",
+        "keep_alive",
+    }
 )
 
 

@@ -35,8 +35,19 @@ from modelpool.server.openai.request import _check_fields, _opt_bool, _opt_int, 
 
 RerankShape = Literal["cohere", "tei"]
 
+# ``keep_alive`` (Ollama's) is the registry's, read where the request takes its model's
+# pool (``server.models.pool_for``), as on the generation routes.
 RERANK_FIELDS = frozenset(
-    {"model", "query", "documents", "top_n", "return_documents", "max_tokens_per_doc", "priority"}
+    {
+        "model",
+        "query",
+        "documents",
+        "top_n",
+        "return_documents",
+        "max_tokens_per_doc",
+        "priority",
+        "keep_alive",
+    }
 )
 TEI_RERANK_FIELDS = frozenset(
     {
@@ -48,9 +59,10 @@ TEI_RERANK_FIELDS = frozenset(
         "truncate",
         "truncation_direction",
         "priority",
+        "keep_alive",
     }
 )
-SCORE_FIELDS = frozenset({"model", "text_1", "text_2", "truncate", "priority"})
+SCORE_FIELDS = frozenset({"model", "text_1", "text_2", "truncate", "priority", "keep_alive"})
 
 
 @dataclass(frozen=True)
