@@ -386,6 +386,9 @@ def guarded_protocol(config: ServerConfig, keys: Keys | None = None) -> type[Htt
             self.peer = self.client[0] if self.client else "-"
             self.head_bytes = 0
             self.header_count = 0
+            # uvicorn sets it when a request begins; a connection refused before one (idle,
+            # or over capacity) has no target yet.
+            self.url = b""
             self.reading_head = True
             self.over_capacity = len(self.connections) > config.max_connections
             self.guard_timer: asyncio.TimerHandle | None = None
