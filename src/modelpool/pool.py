@@ -255,6 +255,13 @@ class ModelPool:
             urgent_share=urgent_share(dispatcher.priorities.dispatched, priority),
         )
 
+    def tokens_within(self, seconds: float) -> int | None:
+        """The tokens a run can decode and still answer within ``seconds`` at the rates
+        this pool measured (``queueing.WaitPredictor.tokens_within``); None before
+        enough runs were measured, or before start()."""
+        loop = self._loop
+        return None if loop is None else loop.dispatcher.predictor.tokens_within(seconds)
+
     def check_admission(
         self,
         priority: int,

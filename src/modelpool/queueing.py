@@ -43,6 +43,9 @@ from modelpool.records import Request
 EWMA_WEIGHT = 0.1
 # Runs measured before a prediction is trusted (a first run pays warm-up costs).
 MIN_SAMPLES = 3
+# The share of the measured decode rate a request without a maximum leaves unspent when
+# its deadline bounds its length (WaitPredictor.tokens_within).
+DECODE_MARGIN = 0.2
 # The least share of the slots a priority is predicted to get, however busy the more
 # urgent ones keep them (aging promotes it after priority_aging_s anyway).
 MIN_SHARE = 0.05
@@ -196,6 +199,16 @@ class WaitPredictor:
         left_for_it = max(1.0 - urgent_share - lost, MIN_SHARE)
         run_s = self.run_s + self.run_spread_s
         return in_line * run_s / (capacity * left_for_it) + self.ttft_s
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """How many tokens a run may decode and still answer within ``seconds``: the
+        measured decode rate over what is left after a time to first token, less
+        ``DECODE_MARGIN`` (a run decodes slower than the moving mean about half the time).
+        At least one; None until measured."""
+        if self.samples < MIN_SAMPLES or self.decode_tokens_per_s <= 0:
+            return None
+        decoding_s = max(0.0, seconds - self.ttft_s)
+        return max(1, int(decoding_s * self.decode_tokens_per_s * (1 - DECODE_MARGIN)))
 
     def promotion_lead_s(self) -> float:
         """How long before its bound a request admitted by its predicted wait is promoted

@@ -1,6 +1,7 @@
 """What an agent's requests get from a model's context, through the openai and anthropic
 clients against a real daemon (testing backend, a 4096-token context): a request that
-sets no maximum gets all the room the context leaves (not a fixed 128), a Messages
+sets no maximum gets all the room the context leaves (not a fixed 128), and no more
+than decodes before its deadline at the pool's measured rate, a Messages
 ``max_tokens`` past the context (Claude Code asks 32000) is cut to what fits, or, for a
 model whose ``generation_defaults`` say ``fit_to_context = false``, refused with the
 real numbers in Anthropic's words.
@@ -24,6 +25,9 @@ KEY = "test-agent-limits-key"
 CONTEXT = 4096
 # More tokens than the context holds: the testing backend writes min(N, the limit).
 PAST_THE_CONTEXT = "tokens:9000"
+# A model whose runs decode 50 tokens a second: 9000 of them would pass its deadline.
+PACED = "tokens:9000:0.02"
+PACED_DEADLINE_S = 8.0
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +41,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
             "generation_defaults": {"fit_to_context": False},
             **context,
         },
+        "paced": {"model": "paced", "preload": True, "deadline_s": PACED_DEADLINE_S, **context},
     }
     config = registry_config(models, workers=1, server={"max_request_timeout_s": FAR_DEADLINE_S})
     yield from keyed_daemon(tmp_path_factory.mktemp("agent-limits"), config, KEY)
@@ -131,3 +136,20 @@ def test_a_prompt_past_the_context_is_too_long_whatever_the_model_chose(
             f" tokens > {CONTEXT} maximum"
         ), message
         assert int(message.split()[4]) > CONTEXT
+
+
+def test_a_chat_without_max_tokens_ends_within_its_deadline_once_rates_are_measured(
+    gpt: openai.OpenAI,
+) -> None:
+    for _ in range(3):  # the runs the pool measures its decode rate on
+        gpt.chat.completions.create(
+            model="paced", messages=[{"role": "user", "content": PACED}], max_tokens=20
+        )
+    answer = gpt.chat.completions.create(
+        model="paced", messages=[{"role": "user", "content": PACED}]
+    )
+    # Cut by what decodes before the deadline (about 50 a second, less a fifth), not a
+    # 504 after 8 s, nor the 4,096 tokens the context leaves.
+    usage = answer.usage
+    assert usage is not None and 20 < usage.completion_tokens < 50 * PACED_DEADLINE_S
+    assert answer.choices[0].finish_reason == "length"

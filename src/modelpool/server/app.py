@@ -94,7 +94,7 @@ from modelpool.server.errors import (
     shutting_down,
 )
 from modelpool.server.fair_share import FairShare
-from modelpool.server.generation import Api, P, Plain, RunsOnItsModel
+from modelpool.server.generation import Api, P, Plain, RunsOnItsModel, bound_by_deadline
 from modelpool.server.guard import BrowserGuard, Gate, require_json
 from modelpool.server.http import (
     ApiError,
@@ -569,6 +569,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
     priority, due_at = _admit(request, state, pool, job, deadline)
+    bound_by_deadline(job, pool, deadline)
     runs = job.choices()
     # Every run in its tenant's partition of the prefix cache, whatever the body said.
     cache_partition = partition(client.tenant, job.params.get("cache_salt"))

@@ -24,12 +24,29 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from modelpool.server.openai.format import Job
+from modelpool.validation import FIT_PARAM
 
 if TYPE_CHECKING:
     from fastapi.responses import Response
 
     from modelpool.pool import ModelPool, Result
     from modelpool.server.streaming import StreamedChoice, StreamWriter
+
+
+def bound_by_deadline(job: Job, pool: ModelPool, deadline_s: float) -> None:
+    """A request that set no maximum gets what fits in the context (``fit_to_context``),
+    and, once its pool measured its rates, no more than it can decode before its
+    deadline: it answers with ``finish_reason: "length"`` instead of a 504. A model's
+    own ``generation_defaults.max_new_tokens`` still caps it."""
+    if FIT_PARAM not in job.params or "max_new_tokens" in job.params:
+        return
+    within = pool.tokens_within(deadline_s)
+    if within is None:
+        return
+    configured = pool.config.generation_defaults.get("max_new_tokens")
+    if isinstance(configured, int):
+        within = min(within, configured)
+    job.params["max_new_tokens"] = within
 
 
 class Parsed(Protocol):
