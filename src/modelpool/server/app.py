@@ -202,7 +202,7 @@ def create_app(
             vllm=server_config.vllm_metrics,
             waiting=lambda: fair_share.snapshot()["waiting"],
         )
-    _observe_pools(served, model_name, metrics, server_config)
+    tracing = _observe_pools(served, model_name, metrics, server_config)
     state = ServerState(
         pool=pool,
         registry=registry,
@@ -323,6 +323,7 @@ def create_app(
         server_parts = {
             "fair_share": state.fair_share.snapshot(),
             "checks": state.checks.snapshot(),
+            **({"tracing": tracing()} if tracing is not None else {}),
         }
         if registry is not None:
             server_parts["fair_share_by_model"] = {
@@ -456,24 +457,29 @@ def _observe_pools(
     model_name: str,
     metrics: PoolMetrics,
     server_config: ServerConfig,
-) -> None:
+) -> Callable[[], dict[str, int]] | None:
     """The ``vllm:`` series and the traces of the pool, or of each pool a registry loads
-    (its name the ``model_name`` label)."""
+    (its name the ``model_name`` label): one exporter, its thread the daemon's, whatever
+    the number of loads. Returns the exporter's ``snapshot`` (None: no tracing)."""
     tracer: Callable[[str, ModelPool], None] | None = None
+    tracing: Callable[[], dict[str, int]] | None = None
     endpoint = server_config.otlp_traces_endpoint
     if endpoint is not None:
         try:
-            from modelpool.tracing import PoolTracer
+            from modelpool.tracing import PoolTracer, TraceExporter
         except ImportError as exc:
             raise RuntimeError(
                 "[server] otlp_traces_endpoint needs OpenTelemetry: pip install "
                 f"'modelpool[tracing]' ({exc})"
             ) from exc
         logger.info("tracing requests to %s", endpoint)
+        exporter = TraceExporter(endpoint)
+        tracing = exporter.snapshot
+        metrics.add_tracing(tracing)
 
         def tracer(name: str, pool: ModelPool) -> None:
             ratio = server_config.otlp_traces_sample_ratio
-            PoolTracer(pool, endpoint, model_name=name, sample_ratio=ratio)
+            PoolTracer(pool, exporter, model_name=name, sample_ratio=ratio)
 
     def observe(name: str, pool: ModelPool) -> None:
         if metrics.vllm is not None:
@@ -485,6 +491,7 @@ def _observe_pools(
         served.add_pool_hook(observe)
     else:
         observe(model_name, served)
+    return tracing
 
 
 def _model_card(state: ServerState, max_model_len: int | None, task: str) -> dict[str, Any]:
