@@ -114,6 +114,7 @@ from modelpool.server.openai.request import (
 )
 from modelpool.server.openai.stream import ChatChunks
 from modelpool.server.pooling_routes import install_pooling_routes
+from modelpool.server.priority_bound import ClampedHeader, PriorityBound
 from modelpool.server.responses.api import ResponsesApi
 from modelpool.server.responses.store import ResponseStore
 from modelpool.server.state import ServerState, check_not_draining, client_of, on_a_worker
@@ -226,6 +227,7 @@ def create_app(
     app.state.modelpool = state
     # Inside the Gate: a model's lease is released once the answer is out.
     app.add_middleware(multi.ModelLeases)
+    app.add_middleware(ClampedHeader)
     app.add_middleware(
         Gate,
         keys=keys,
@@ -563,7 +565,10 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     )
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
-    priority, due_at = _admit(request, state, pool, job, deadline)
+    bound = PriorityBound(client.tenant)
+    bound.clamp_field(job.params)
+    bound.note(request.scope)
+    priority, due_at = _admit(request, state, pool, job, deadline, client.name)
     runs = job.choices()
     # Every run in its tenant's partition of the prefix cache, whatever the body said.
     cache_partition = partition(client.tenant, job.params.get("cache_salt"))
@@ -632,11 +637,13 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
 
 
 def _admit(
-    request: Request, state: ServerState, pool: ModelPool, job: Job, deadline: float
+    request: Request, state: ServerState, pool: ModelPool, job: Job, deadline: float, client: str
 ) -> tuple[int, float]:
     """Admission by predicted wait (QueueFull, a 429, when it would wait too long), once,
     here: the runs wait in the fair share and then in the pool, so the prediction counts
-    both, and the pool does not judge again a request the daemon accepted (``admitted``:
+    both (in the fair share, the runs it would let in ahead of ``client``'s: another
+    client's backlog counts one run per round), and the pool does not judge again a
+    request the daemon accepted (``admitted``:
     it promotes them before their deadline as its own admitted requests, so that more
     urgent runs let in after them do not keep them past it). The caller's
     ``traceparent`` goes with the runs. Returns the request's priority and when its runs,
@@ -648,7 +655,7 @@ def _admit(
         priority,
         params.get("max_queue_time_s"),
         deadline,
-        also_waiting=state.share_for(request).waiting_ahead(priority),
+        also_waiting=state.share_for(request).waiting_ahead(client, priority),
     )
     if due_in_s is None:
         params["max_queue_time_s"] = math.inf

@@ -16,6 +16,11 @@ The keys file is TOML, one table per tenant::
     client_max_running = 2       # optional: this tenant's own share and budget
     client_max_queued = 64
     max_request_tokens = 100000
+    most_urgent_priority = 0     # optional: requests asking for more urgent are clamped
+
+``priority`` is vLLM's: lower runs first, so the most urgent priority a tenant may use
+is the lowest number it may send; a request asking for a lower one runs at the bound
+(and says so: ``X-Priority-Clamped``, see ``server.priority_bound``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 
 from modelpool.server.http import ApiError
 from modelpool.server.ui import UI_PATHS
+from modelpool.validation import MAX_PRIORITY, is_int
 
 # Paths that answer without a key (an orchestrator's probes).
 # Without a key: the probes, and the status page's static files (its data is /stats).
@@ -44,6 +50,8 @@ class Tenant:
     client_max_running: int | None = None
     client_max_queued: int | None = None
     max_request_tokens: int | None = None
+    # The lowest (most urgent) priority its requests may run at; None: any.
+    most_urgent_priority: int | None = None
 
 
 class Keys:
@@ -81,7 +89,7 @@ class Keys:
             where = f"{path}: tenants.{name}"
             if not isinstance(table, Mapping):
                 raise ValueError(f"{where} must be a table")
-            unknown = sorted(set(table) - {"key", *_TENANT_LIMITS})
+            unknown = sorted(set(table) - {"key", "most_urgent_priority", *_TENANT_LIMITS})
             if unknown:
                 raise ValueError(f"{where}.{unknown[0]} is not a tenant setting")
             key = table.get("key")
@@ -98,6 +106,7 @@ class Keys:
                 ):
                     raise ValueError(f"{where}.{setting} must be an integer >= {minimum}")
                 limits[setting] = value
+            limits["most_urgent_priority"] = _priority_bound(table, where)
             tenants[key] = Tenant(str(name), **limits)
         return cls(tenants)
 
@@ -144,6 +153,16 @@ def partition(tenant: Tenant | None, salt: str | None) -> str | None:
         return None
     pair = json.dumps([tenant.name if tenant is not None else "", salt or ""])
     return hashlib.sha256(pair.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _priority_bound(table: Mapping[str, object], where: str) -> int | None:
+    value = table.get("most_urgent_priority")
+    if value is not None and not is_int(value, minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY):
+        raise ValueError(
+            f"{where}.most_urgent_priority must be an integer in [{-MAX_PRIORITY}, "
+            f"{MAX_PRIORITY}] (lower runs first)"
+        )
+    return value if isinstance(value, int) else None
 
 
 def _digest(key: bytes) -> bytes:
