@@ -17,7 +17,10 @@ if a goal was missed.
 The second review's attacks that need a real model or keys (cache-oracle, role-markers,
 prefill-kill, grammar-burst: :mod:`abuse_model`; pending-bodies-keyed) run on a daemon of
 the embedded SmolLM2 (hf, one worker, three API keys); each prints its own figure and
-whether it is within its bound, and a figure past its bound is a missed goal too.
+whether it is within its bound, and a figure past its bound is a missed goal too. The
+third review's on priority, admission and tracing (urgent-priority, queue-full,
+tracer-leak, hanging-collector: :mod:`abuse_fairness`) run on daemons of the testing
+backend with tenants, or with two models traced to a collector that hangs.
 
     scripts/abuse [--phase 6] [--only noread,fairness] [--json]
 """
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import abuse_fairness
 import abuse_model
 import httpx
 import psutil
@@ -80,12 +84,12 @@ def _free_port() -> int:
         return port
 
 
-def start_daemon(workdir: Path, model: bool = False) -> tuple[subprocess.Popen[bytes], str]:
-    """``modelpool serve`` on a free port: the testing backend, or with ``model`` the
-    embedded SmolLM2 with API keys (:mod:`abuse_model`)."""
+def start_daemon(workdir: Path, kind: str = "testing") -> tuple[subprocess.Popen[bytes], str]:
+    """``modelpool serve`` on a free port, of ``kind`` (DAEMONS): the testing backend, the
+    embedded SmolLM2 with API keys (:mod:`abuse_model`), or those of :mod:`abuse_fairness`."""
     port = _free_port()
     config = workdir / "abuse.toml"
-    config.write_text(abuse_model.config(port, workdir) if model else CONFIG.format(port=port))
+    config.write_text(DAEMONS[kind][0](port, workdir))
     log = open(workdir / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it
     process = subprocess.Popen(
         [sys.executable, "-m", "modelpool", "serve", "--config", str(config)],
@@ -640,11 +644,34 @@ ATTACKS: dict[str, Attack] = {
     "role-markers": abuse_model.attack_role_markers,
     "prefill-kill": abuse_model.attack_prefill_kill,
     "grammar-burst": abuse_model.attack_grammar_burst,
+    "urgent-priority": abuse_fairness.attack_urgent_priority,
+    "queue-full": abuse_fairness.attack_queue_full,
+    "tracer-leak": abuse_fairness.attack_tracer_leak,
+    "hanging-collector": abuse_fairness.attack_hanging_collector,
 }
-# Those that run on the embedded model's daemon (abuse_model).
-MODEL_ATTACKS = frozenset(
-    {"pending-bodies-keyed", "cache-oracle", "role-markers", "prefill-kill", "grammar-burst"}
-)
+# The daemon each attack runs on, when not the testing backend's.
+KINDS = {
+    **dict.fromkeys(
+        ("pending-bodies-keyed", "cache-oracle", "role-markers", "prefill-kill", "grammar-burst"),
+        "model",
+    ),
+    "urgent-priority": "tenants",
+    "queue-full": "tenants",
+    "tracer-leak": "tracing",
+    "hanging-collector": "tracing",
+}
+# Per kind of daemon: its config (given the port and a work directory), the ordinary
+# clients' request and headers.
+DAEMONS: dict[str, tuple[Callable[[int, Path], str], dict[str, Any], dict[str, str] | None]] = {
+    "testing": (lambda port, _: CONFIG.format(port=port), ORDINARY_PROMPT, None),
+    "model": (abuse_model.config, abuse_model.ORDINARY_PROMPT, abuse_model.ORDINARY_HEADERS),
+    "tenants": (
+        abuse_fairness.tenants_config,
+        abuse_fairness.TENANTS_PROMPT,
+        abuse_fairness.TENANTS_HEADERS,
+    ),
+    "tracing": (abuse_fairness.tracing_config, abuse_fairness.TRACING_PROMPT, None),
+}
 
 
 @contextlib.contextmanager
@@ -675,13 +702,9 @@ def run(phase_s: float, only: list[str]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name in only:
         with tempfile.TemporaryDirectory(prefix="modelpool-abuse-") as tmp:
-            model = name in MODEL_ATTACKS
-            process, url = start_daemon(Path(tmp), model=model)
-            ordinary = (
-                (abuse_model.ORDINARY_PROMPT, abuse_model.ORDINARY_HEADERS)
-                if model
-                else (ORDINARY_PROMPT, None)
-            )
+            kind = KINDS.get(name, "testing")
+            process, url = start_daemon(Path(tmp), kind)
+            ordinary = DAEMONS[kind][1:]
             try:
                 with Observer(url, process.pid, *ordinary) as observer:
                     time.sleep(phase_s)  # warm up: imports, connections, first dispatches

@@ -140,9 +140,10 @@ def test_a_request_waits_at_most_priority_aging_s_beyond_its_turn_not_twice(
 
 @pytest.mark.slow
 def test_another_clients_backlog_gets_only_its_own_requests_refused() -> None:
-    """With max_queue_time_s, bob's backlog of 1 s requests on the one worker counts one
-    run in alice's predicted wait (her turn comes after at most one of his), so that her
-    request is served within its bound; bob's own, behind his backlog, is refused.
+    """With max_queue_time_s, bob's backlog of 1 s requests on the one worker counts
+    nothing in alice's predicted wait (with a run of his in the pool and none of hers,
+    the next place is held back for her), so that her request is served within its
+    bound; bob's own, behind his backlog, is refused.
     Before, every queued run counted: alice got 429 queue_full too. A pool of its own:
     the predictor's averages are of these runs only."""
     long = {"prompt": "tokens:10:0.1", "max_tokens": 10}

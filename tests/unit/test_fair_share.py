@@ -302,8 +302,8 @@ def test_a_client_preempting_its_own_background_runs_is_not_charged() -> None:
 
 def test_the_wait_ahead_counts_another_clients_backlog_once_per_round() -> None:
     """Issue 58: admission by predicted wait counts what round robin puts ahead of a new
-    run: the client's own waiting runs, and one of each other client's per turn of its
-    own (every more urgent one), not another client's whole backlog."""
+    run: the client's own waiting runs, every more urgent one, and one of each other
+    client's per turn of its own, not another client's whole backlog."""
 
     async def scenario() -> dict[str, int]:
         fair = share(capacity=1, max_queued=16)
@@ -322,7 +322,10 @@ def test_the_wait_ahead_counts_another_clients_backlog_once_per_round() -> None:
         tasks.append(asyncio.ensure_future(run("dave", 0)))
         await _until(lambda: fair.snapshot()["waiting"] == 8)
         ahead = {
-            "alice": fair.waiting_ahead("alice", 0),  # new: one of bob's, dave's, carol's
+            # New, nothing running: carol's (more urgent), dave's (nothing running either,
+            # first in turn), none of bob's (he has a run in the pool: a place is held
+            # back for her).
+            "alice": fair.waiting_ahead("alice", 0),
             "bob": fair.waiting_ahead("bob", 0),  # its own 6, carol's, and one of dave's
             "alice-low": fair.waiting_ahead("alice", 9),  # every one is more urgent
             "alice-urgent": fair.waiting_ahead("alice", -5),
@@ -331,7 +334,7 @@ def test_the_wait_ahead_counts_another_clients_backlog_once_per_round() -> None:
         await asyncio.wait_for(asyncio.wait(tasks), 5)
         return ahead
 
-    assert asyncio.run(scenario()) == {"alice": 3, "bob": 8, "alice-low": 8, "alice-urgent": 0}
+    assert asyncio.run(scenario()) == {"alice": 2, "bob": 8, "alice-low": 8, "alice-urgent": 0}
 
 
 def test_a_run_ages_from_its_requests_arrival_and_hands_that_to_the_pool() -> None:
@@ -351,3 +354,41 @@ def test_a_run_ages_from_its_requests_arrival_and_hands_that_to_the_pool() -> No
     arrived, inside, outside, now = asyncio.run(scenario())
     assert inside == arrived and now - arrived >= 0.05
     assert outside == 123.0, "outside a slot a request arrives when it is submitted"
+
+
+def test_a_client_holding_a_place_does_not_also_preempt_another_clients_run() -> None:
+    """b holds one of two places; its urgent run would preempt a's run in the other and,
+    charged as two, pass b's share (2): it waits for b's own run to end, so that b never
+    holds the whole pool by preempting (the review: another tenant's p50 12x)."""
+
+    async def scenario() -> tuple[int, list[str]]:
+        fair = FairShare(capacity=2, max_running=None, max_queued=8, max_waiting=64, preempt=True)
+        order: list[str] = []
+        gates = {name: asyncio.Event() for name in ("b-first", "a-low", "b-urgent")}
+
+        async def run(client: str, name: str, priority: int) -> None:
+            ticket = fair.reserve(client, 1, priority=priority)
+            try:
+                async with ticket.slot(deadline_s=10):
+                    order.append(name)
+                    await gates[name].wait()
+            finally:
+                ticket.close()
+
+        tasks = [asyncio.ensure_future(run("b", "b-first", 0))]
+        await _until(lambda: order == ["b-first"])
+        tasks.append(asyncio.ensure_future(run("a", "a-low", 5)))
+        await _until(lambda: order == ["b-first", "a-low"])
+        tasks.append(asyncio.ensure_future(run("b", "b-urgent", 0)))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        in_pool = fair.snapshot()["in_pool"]
+        gates["b-first"].set()
+        await _until(lambda: "b-urgent" in order)
+        for gate in gates.values():
+            gate.set()
+        await asyncio.wait_for(asyncio.wait(tasks), 5)
+        return in_pool, order
+
+    in_pool, order = asyncio.run(scenario())
+    assert in_pool == 2 and order == ["b-first", "a-low", "b-urgent"]

@@ -23,9 +23,11 @@ run in the pool: the pool then preempts one of those for it (``preemption.py``);
 share lets in at most as many such runs as there are less urgent ones to preempt. Such
 a run is charged to its client as two runs while it holds its place, itself and the run
 it displaces (which must run again), unless the run the pool will preempt is likely its
-client's own (its client has a run of the least urgent priority in the pool): a client
-whose urgent runs preempt others pays for the preempted work out of its own
-``max_running``, so that with the default share it takes at most half the pool that way.
+client's own (its client has a run of the least urgent priority in the pool): it goes
+in only where its client's ``max_running`` has room for both (or its client holds
+nothing: a pool of one may still be preempted once), so that a client whose urgent runs
+preempt others pays for the preempted work, and with the default share (the whole
+pool) holds at most half of it while it preempts.
 
 Round robin alone would let a client whose runs are long
 fill every worker between two requests of a client whose runs are short, which would
@@ -150,20 +152,24 @@ class FairShare:
         """Runs waiting here that a new run of ``client`` at ``priority`` would wait
         behind: its client's own of that priority or a more urgent one, every more urgent
         (or promoted) one of the others, and of each other client's of the same priority
-        at most one per turn of its client's ahead of it (round robin): another client's
-        backlog delays it by one run per round, not by the whole backlog."""
+        one per turn of its client's ahead of it (round robin), none for the first turn
+        of a client with nothing running while the other has runs in the pool (a place
+        is held back for it): another client's backlog delays it by at most one run per
+        round, not by the whole backlog."""
         now = time.monotonic()
         mine = (1, priority)
         own = sum(
             waiter.urgency(now, self.aging_s) <= mine for waiter in self._waiters.get(client, ())
         )
+        idle = self._running[client] == 0
         ahead = own
         for other, waiters in self._waiters.items():
             if other == client:
                 continue
+            turns = own + (0 if idle and self._running[other] > 0 else 1)
             urgencies = [waiter.urgency(now, self.aging_s) for waiter in waiters]
             ahead += sum(urgency < mine for urgency in urgencies)
-            ahead += min(sum(urgency == mine for urgency in urgencies), own + 1)
+            ahead += min(sum(urgency == mine for urgency in urgencies), turns)
         return ahead
 
     def _bound(self, client: str, limits: Limits | None) -> int:
@@ -257,10 +263,17 @@ class FairShare:
         own = self._client_priorities.get(client, collections.Counter())
         own_less_urgent = sum(n for level, n in own.items() if level > priority)
         held = self._running[client] + self._charged[client]
-        return (
-            less_urgent > self._in_pool - self.capacity
-            and held < self._max_running(client) + own_less_urgent
+        cost = 2 if self._displaces_another(client) else 1
+        return less_urgent > self._in_pool - self.capacity and (
+            held + cost <= self._max_running(client) + own_less_urgent or held == 0
         )
+
+    def _displaces_another(self, client: str) -> bool:
+        """Would a run of ``client`` let in to preempt likely displace another client's
+        run: the pool preempts its least urgent runs, and none of those is this client's."""
+        least_urgent = max(self._in_pool_by_priority, default=None)
+        own = self._client_priorities.get(client, collections.Counter())
+        return least_urgent is not None and own[least_urgent] == 0
 
     def _held_back(self, client: str) -> int:
         """Places kept free for the other active clients that have nothing running."""
@@ -278,11 +291,7 @@ class FairShare:
     def _take(self, client: str, priority: int) -> bool:
         """A place for ``client``'s run; whether it is charged as two: it goes in beyond
         capacity, to preempt, and the pool's least urgent runs are none of its client's."""
-        charged = False
-        if self._in_pool >= self.capacity:
-            least_urgent = max(self._in_pool_by_priority, default=priority)
-            own = self._client_priorities.get(client, collections.Counter())
-            charged = own[least_urgent] == 0
+        charged = self._in_pool >= self.capacity and self._displaces_another(client)
         if charged:
             self._charged[client] += 1
         self._running[client] += 1
