@@ -767,13 +767,15 @@ def missed_goals(rows: list[dict[str, Any]]) -> list[str]:
     missed = []
     for row in rows:
         where = f"{row['attack']} {row['phase']}"
+        got = row.get("attacker got") or {}
         if not row["healthz_s"] < GOALS["healthz_s"]:
             missed.append(f"{where}: /healthz {row['healthz_s']:.2f} s")
         if not row["rss_ratio"] < GOALS["rss_ratio"]:
             missed.append(f"{where}: RSS {row['rss_ratio']:.2f}x idle")
-        if not row["p50_ratio"] < GOALS["p50_ratio"]:
+        # An attack that takes the ordinary clients' share by design says its own bound.
+        p50_bound = got.get("ordinary p50 bound", GOALS["p50_ratio"])
+        if not row["p50_ratio"] < p50_bound:
             missed.append(f"{where}: ordinary p50 {row['p50_ratio']:.2f}x baseline")
-        got = row.get("attacker got") or {}
         if "passed" in got and not got["passed"]:
             missed.append(f"{where}: {got['figure']} (bound: {got['bound']})")
     return missed

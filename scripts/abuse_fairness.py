@@ -79,7 +79,6 @@ drain_timeout_s = 5.0
 
 [models.a]
 model = "a"
-preload = true
 
 [models.b]
 model = "b"
@@ -177,6 +176,8 @@ def attack_queue_full(url: str, stop: threading.Event) -> dict[str, Any]:
         "figure": f"{refused} of the other tenant's {len(probe)} requests refused",
         "bound": "under 10 %",
         "passed": bool(probe) and refused < 0.1 * len(probe),
+        # Its fair share: the attacker's 4 s runs hold one of the two workers.
+        "ordinary p50 bound": 3.0,
     }
 
 
@@ -219,6 +220,8 @@ def attack_hanging_collector(url: str, stop: threading.Event) -> dict[str, Any]:
         "figure": f"{tracing['queued']} records queued, {tracing['dropped']} dropped",
         "bound": f"at most {MAX_QUEUED_RECORDS} queued",
         "passed": tracing["queued"] <= MAX_QUEUED_RECORDS,
+        # Eight clients at full speed on model a's one worker: the memory is the figure.
+        "ordinary p50 bound": 3.0,
     }
 
 

@@ -29,6 +29,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -114,7 +115,7 @@ class TraceExporter:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="modelpool-tracing", daemon=True)
         self._thread.start()
-        atexit.register(self.shutdown)
+        _LIVE.add(self)
 
     def hand(self, build: Build, item: object) -> None:
         """Have ``build(item)`` run on the exporter's thread; dropped (and counted) when
@@ -130,7 +131,7 @@ class TraceExporter:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.shutdown)
+        _LIVE.discard(self)
         try:
             self._inbox.put(_STOP, timeout=min(timeout_s, CONTROL_WAIT_S))
         except queue.Full:
@@ -201,3 +202,14 @@ class TraceExporter:
             logger.warning("tracing: %d spans could not be exported: %r", count, exc)
         else:
             self.exported_spans += count
+
+
+# The exporters not shut down yet: one exit hook flushes them all, so that an exporter
+# (a library user's tracer makes its own) adds no hook of its own.
+_LIVE: weakref.WeakSet[TraceExporter] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live() -> None:
+    for exporter in list(_LIVE):
+        exporter.shutdown()
