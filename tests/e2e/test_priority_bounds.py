@@ -173,3 +173,22 @@ def test_another_clients_backlog_gets_only_its_own_requests_refused() -> None:
     assert refused.json()["error"]["code"] == "queue_full"
     assert served_alice.status_code == 200, served_alice.text
     assert waited < slack(3.5), f"alice waited {waited:.2f} s"
+
+
+def test_the_bound_holds_on_the_pooling_routes(tmp_path: Path) -> None:
+    """An embedding request takes a priority too: clamped the same way, before its parser
+    reads it; a value that is no priority is still the parser's 400."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f'[tenants.bob]\nkey = "{BOB}"\nmost_urgent_priority = 0\n')
+    with (
+        open_pool(workers=1, backend_options={"task": "embed"}) as pool,
+        serving(pool, keys_file=str(keys)) as served,
+        _client(served, "127.0.0.2", BOB) as bob,
+    ):
+        urgent = bob.post("/v1/embeddings", json={"input": "x", "priority": -7})
+        assert urgent.status_code == 200, urgent.text
+        assert urgent.headers[CLAMPED_HEADER.decode()] == "0"
+        plain = bob.post("/v1/embeddings", json={"input": "x"})
+        assert plain.status_code == 200 and CLAMPED_HEADER.decode() not in plain.headers
+        bad = bob.post("/v1/embeddings", json={"input": "x", "priority": "high"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
