@@ -26,6 +26,9 @@ backend's embedding model, whose ordinary clients embed, and whose p50 goal is a
 absolute bound (``abuse_pooling.P50_BOUND_S``). The first review's burst again
 (burst-shared-key) runs on a testing daemon with the one key of ``api_key_env``, which
 the attacker and the ordinary clients all hold.
+Its attacks on priority, admission and tracing (urgent-priority, queue-full, tracer-leak,
+hanging-collector: :mod:`abuse_fairness`) run on daemons of the testing backend with
+tenants, or with two models traced to a collector that hangs.
 
     scripts/abuse [--phase 6] [--only noread,fairness] [--json]
 """
@@ -50,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import abuse_fairness
 import abuse_model
 import abuse_pooling
 import abuse_tenants
@@ -85,7 +89,9 @@ ATTACKER_TIMEOUT_S = 5.0
 ATTACKER = "127.0.0.2"
 GOALS = {"healthz_s": 1.0, "rss_ratio": 2.0, "p50_ratio": 1.5}
 # The daemons the attacks run on (start_daemon).
-DaemonKind = Literal["testing", "keyed", "model", "embedding", "tenants"]
+DaemonKind = Literal[
+    "testing", "keyed", "model", "embedding", "tenants", "priority-tenants", "tracing"
+]
 
 
 def _free_port() -> int:
@@ -98,21 +104,13 @@ def _free_port() -> int:
 def start_daemon(
     workdir: Path, kind: DaemonKind = "testing"
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """``modelpool serve`` on a free port: the testing backend (``keyed``: with one key,
-    ``SHARED_KEY``), the embedded SmolLM2 with API keys (``model``: :mod:`abuse_model`),
-    the testing backend's embedding model (``embedding``: :mod:`abuse_pooling`) or its
-    models and tenants (``tenants``: :mod:`abuse_tenants`)."""
+    """``modelpool serve`` on a free port, of ``kind`` (``DAEMONS``): the testing backend
+    (``keyed``: with one key, ``SHARED_KEY``), the embedded SmolLM2 with API keys
+    (:mod:`abuse_model`), the testing backend's embedding model (:mod:`abuse_pooling`),
+    its models and tenants (:mod:`abuse_tenants`), or those of :mod:`abuse_fairness`."""
     port = _free_port()
     config = workdir / "abuse.toml"
-    if kind == "model":
-        config.write_text(abuse_model.config(port, workdir))
-    elif kind == "tenants":
-        config.write_text(abuse_tenants.config(port, workdir))
-    elif kind == "embedding":
-        config.write_text(abuse_pooling.CONFIG.format(port=port))
-    else:
-        key_env = "MODELPOOL_ABUSE_SHARED_KEY" if kind == "keyed" else "MODELPOOL_ABUSE_UNSET_KEY"
-        config.write_text(CONFIG.format(port=port, key_env=key_env))
+    config.write_text(DAEMONS[kind][0](port, workdir))
     log = open(workdir / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it
     process = subprocess.Popen(
         [sys.executable, "-m", "modelpool", "serve", "--config", str(config)],
@@ -699,13 +697,72 @@ ATTACKS: dict[str, Attack] = {
     "pooling-deadline": abuse_pooling.attack_deadline,
     "pooling-flood": abuse_pooling.attack_flood,
     "burst-shared-key": attack_burst_shared_key,
+    "urgent-priority": abuse_fairness.attack_urgent_priority,
+    "queue-full": abuse_fairness.attack_queue_full,
+    "tracer-leak": abuse_fairness.attack_tracer_leak,
+    "hanging-collector": abuse_fairness.attack_hanging_collector,
 }
-# Those that run on the embedded model's daemon (abuse_model).
-MODEL_ATTACKS = frozenset(
-    {"pending-bodies-keyed", "cache-oracle", "role-markers", "prefill-kill", "grammar-burst"}
-)
 # Those that run on the testing backend's embedding model (abuse_pooling).
 POOLING_ATTACKS = frozenset({"pooling-deadline", "pooling-flood"})
+# The daemon each attack runs on, when not the testing backend's.
+KINDS: dict[str, DaemonKind] = {
+    **dict.fromkeys(
+        ("pending-bodies-keyed", "cache-oracle", "role-markers", "prefill-kill", "grammar-burst"),
+        "model",
+    ),
+    **dict.fromkeys(abuse_tenants.ATTACKS, "tenants"),
+    **dict.fromkeys(POOLING_ATTACKS, "embedding"),
+    "burst-shared-key": "keyed",
+    "urgent-priority": "priority-tenants",
+    "queue-full": "priority-tenants",
+    "tracer-leak": "tracing",
+    "hanging-collector": "tracing",
+}
+COMPLETIONS = "/v1/completions"
+# Per kind of daemon: its config (given the port and a work directory), the ordinary
+# clients' request, headers and route.
+DAEMONS: dict[
+    DaemonKind,
+    tuple[Callable[[int, Path], str], dict[str, Any], dict[str, str] | None, str],
+] = {
+    "testing": (
+        lambda port, _: CONFIG.format(port=port, key_env="MODELPOOL_ABUSE_UNSET_KEY"),
+        ORDINARY_PROMPT,
+        None,
+        COMPLETIONS,
+    ),
+    "keyed": (
+        lambda port, _: CONFIG.format(port=port, key_env="MODELPOOL_ABUSE_SHARED_KEY"),
+        ORDINARY_PROMPT,
+        SHARED_HEADERS,
+        COMPLETIONS,
+    ),
+    "model": (
+        abuse_model.config,
+        abuse_model.ORDINARY_PROMPT,
+        abuse_model.ORDINARY_HEADERS,
+        COMPLETIONS,
+    ),
+    "tenants": (
+        abuse_tenants.config,
+        abuse_tenants.ORDINARY_PROMPT,
+        abuse_tenants.ORDINARY_HEADERS,
+        COMPLETIONS,
+    ),
+    "embedding": (
+        lambda port, _: abuse_pooling.CONFIG.format(port=port),
+        abuse_pooling.ORDINARY_BODY,
+        None,
+        abuse_pooling.ORDINARY_PATH,
+    ),
+    "priority-tenants": (
+        abuse_fairness.tenants_config,
+        abuse_fairness.TENANTS_PROMPT,
+        abuse_fairness.TENANTS_HEADERS,
+        COMPLETIONS,
+    ),
+    "tracing": (abuse_fairness.tracing_config, abuse_fairness.TRACING_PROMPT, None, COMPLETIONS),
+}
 
 
 @contextlib.contextmanager
@@ -736,35 +793,9 @@ def run(phase_s: float, only: list[str]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name in only:
         with tempfile.TemporaryDirectory(prefix="modelpool-abuse-") as tmp:
-            kind: DaemonKind = (
-                "model"
-                if name in MODEL_ATTACKS
-                else "tenants"
-                if name in abuse_tenants.ATTACKS
-                else "embedding"
-                if name in POOLING_ATTACKS
-                else "keyed"
-                if name == "burst-shared-key"
-                else "testing"
-            )
+            kind = KINDS.get(name, "testing")
             process, url = start_daemon(Path(tmp), kind)
-            ordinary: tuple[dict[str, Any], dict[str, str] | None, str] = (
-                (abuse_model.ORDINARY_PROMPT, abuse_model.ORDINARY_HEADERS, "/v1/completions")
-                if kind == "model"
-                else (
-                    abuse_tenants.ORDINARY_PROMPT,
-                    abuse_tenants.ORDINARY_HEADERS,
-                    "/v1/completions",
-                )
-                if kind == "tenants"
-                else (abuse_pooling.ORDINARY_BODY, None, abuse_pooling.ORDINARY_PATH)
-                if kind == "embedding"
-                else (
-                    ORDINARY_PROMPT,
-                    SHARED_HEADERS if kind == "keyed" else None,
-                    "/v1/completions",
-                )
-            )
+            ordinary = DAEMONS[kind][1:]
             try:
                 with Observer(url, process.pid, *ordinary) as observer:
                     time.sleep(phase_s)  # warm up: imports, connections, first dispatches
@@ -827,16 +858,19 @@ def missed_goals(rows: list[dict[str, Any]]) -> list[str]:
     missed = []
     for row in rows:
         where = f"{row['attack']} {row['phase']}"
+        got = row.get("attacker got") or {}
         if not row["healthz_s"] < GOALS["healthz_s"]:
             missed.append(f"{where}: /healthz {row['healthz_s']:.2f} s")
         if not row["rss_ratio"] < GOALS["rss_ratio"]:
             missed.append(f"{where}: RSS {row['rss_ratio']:.2f}x idle")
+        # The pooling attacks' goal is an absolute p50; an attack that takes the ordinary
+        # clients' share by design says its own bound on the ratio.
+        p50_bound = got.get("ordinary p50 bound", GOALS["p50_ratio"])
         if row["attack"] in POOLING_ATTACKS:
             if not row["p50_ms"] < abuse_pooling.P50_BOUND_S * 1000:
                 missed.append(f"{where}: ordinary p50 {row['p50_ms']:.0f} ms")
-        elif not row["p50_ratio"] < GOALS["p50_ratio"]:
+        elif not row["p50_ratio"] < p50_bound:
             missed.append(f"{where}: ordinary p50 {row['p50_ratio']:.2f}x baseline")
-        got = row.get("attacker got") or {}
         if "passed" in got and not got["passed"]:
             missed.append(f"{where}: {got['figure']} (bound: {got['bound']})")
     return missed

@@ -59,7 +59,7 @@ from modelpool.protocol import (
     WorkerSpec,
     encode_request,
 )
-from modelpool.queueing import ahead_of, urgent_share
+from modelpool.queueing import ahead_of, arrival, urgent_share
 from modelpool.records import GpuWorker, Request, Worker, WorkerIO
 from modelpool.results import PoolFuture, Result
 from modelpool.stats import PoolHealth, PoolStats
@@ -464,8 +464,7 @@ class ModelPool:
     async def adetokenize(self, token_ids: list[int], *, deadline_s: float | None = None) -> str:
         """asyncio version of :meth:`detokenize`."""
         request = DetokenizeRequest(_checked_ids(token_ids))
-        result = await asyncio.wrap_future(self._tokenizer_request(request, deadline_s))
-        return result.text
+        return (await asyncio.wrap_future(self._tokenizer_request(request, deadline_s))).text
 
     def _tokenizer_request(
         self, request: TokenizeRequest | DetokenizeRequest, deadline_s: float | None
@@ -750,6 +749,7 @@ class ModelPool:
             payload=payload,
             future=future,
             submitted_at=now,
+            arrived_at=arrival(now),
             deadline=now + deadline_s,
             on_chunk=on_chunk,
             counted_chunks=counted,

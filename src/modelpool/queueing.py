@@ -5,7 +5,10 @@ gives the order requests are handed to workers in: lower ``priority`` first (vLL
 meaning: an integer, lower runs first, default 0), arrival order within one priority.
 Starvation is bounded by aging: a request that has waited ``aging_s`` goes ahead of
 every request, of any priority, that has waited less, so it waits at most ``aging_s``
-more than it would in a first-come-first-served queue. A request admitted by its
+more than it would in a first-come-first-served queue. A caller that queues requests
+before the pool (the daemon's fair share) submits them within ``arrived_at(when)``:
+they age from ``when``, so that the wait there and the wait here are one wait, aged
+once. A request admitted by its
 predicted wait (``max_queue_time_s``) is promoted so, sooner, at its ``due_at``: a few
 runs' time before its deadline, so that it does not time out in the queue when more
 urgent requests keep coming after it (``promotion_lead_s``; admitted, it is never
@@ -34,8 +37,10 @@ replaced whole, so a reader sees each one either old or new, never torn.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
 
 from modelpool.records import Request
 
@@ -58,10 +63,34 @@ PREEMPTED_WEIGHT = 1 / RECENT_DISPATCHES
 DUE_RUNS = 3
 
 
+# When the requests being submitted arrived at a caller that queued them first
+# (``arrived_at``); None: they arrive when they are submitted.
+_ARRIVED_AT: ContextVar[float | None] = ContextVar("modelpool_arrived_at", default=None)
+
+
+@contextlib.contextmanager
+def arrived_at(when: float) -> Iterator[None]:
+    """Requests submitted to a pool in this block (this thread's or task's context) age
+    from ``when`` (``time.monotonic()``), when they arrived at the caller."""
+    token = _ARRIVED_AT.set(when)
+    try:
+        yield
+    finally:
+        _ARRIVED_AT.reset(token)
+
+
+def arrival(now: float) -> float:
+    """When a request submitted at ``now`` arrived: the caller's ``arrived_at``, else now."""
+    when = _ARRIVED_AT.get()
+    return now if when is None else min(when, now)
+
+
 def promoted(request: Request, *, now: float, aging_s: float) -> bool:
     """Does ``request`` go ahead of every younger request, of any priority: it has waited
-    ``aging_s``, or it was admitted by its predicted wait and its ``due_at`` came."""
-    return now >= request.due_at or now - request.submitted_at >= aging_s
+    ``aging_s`` since it arrived, or it was admitted by its predicted wait and its
+    ``due_at`` came."""
+    arrived = request.submitted_at if request.arrived_at is None else request.arrived_at
+    return now >= request.due_at or now - arrived >= aging_s
 
 
 def urgent_share(dispatched_by_priority: Mapping[int, int], priority: int) -> float:

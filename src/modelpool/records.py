@@ -63,6 +63,9 @@ class Request:
     # waited priority_aging_s: a request admitted by its predicted wait must leave the
     # queue within its bound (queueing.promoted).
     due_at: float = math.inf
+    # When it arrived at a caller that queued it before the pool (a daemon's fair share,
+    # ``queueing.arrived_at``): it ages from then, once. None: from submitted_at.
+    arrived_at: float | None = None
     max_new_tokens: int | None = None
     traceparent: str | None = None
     attempt_log: list[AttemptRecord] = field(default_factory=list)

@@ -12,55 +12,40 @@ to memory release check) with its ``release_check``::
     ...                                             # requests are traced as they end
     tracer.shutdown()                               # flushes what is left
 
-Spans are built after the fact from the pool's records (``observe.py``), on a thread of
-the tracer's own: the dispatcher thread only hands a record over. They are built
-straight into OTLP's protobuf messages (``opentelemetry-proto``), with no SDK span
-objects, processors or per-span locks (those cost eight times as much per request:
-issue 38), and sent as one export request per ``schedule_delay_s`` (or per
-``MAX_BATCH_SPANS``) by :class:`OtlpHttpSender` (a POST of ``application/x-protobuf``,
-with the headers of ``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` or
-``OTEL_EXPORTER_OTLP_HEADERS``); an export that fails is logged and dropped. A kill and
-its release check usually end after the request (its retry has already answered): they
-join its trace when they come, as children of the attempt they ended.
+Spans are built after the fact from the pool's records (``observe.py``), on the thread
+of a :class:`~modelpool.trace_export.TraceExporter`: the dispatcher thread only hands a
+record over (dropped and counted when the exporter's queue is full). A tracer given a
+URL makes its own exporter; a daemon makes one exporter and gives it to the tracer of
+each pool it loads, so that loads cost no thread. Spans are built straight into OTLP's
+protobuf messages (``opentelemetry-proto``), with no SDK span objects, processors or
+per-span locks (those cost eight times as much per request: issue 38), and sent as one
+export request per ``schedule_delay_s`` (a POST of ``application/x-protobuf``, with the
+headers of ``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` or ``OTEL_EXPORTER_OTLP_HEADERS``); an
+export that fails is logged and dropped. A kill and its release check usually end
+after the request (its retry has already answered): they join its trace when they
+come, as children of the attempt they ended.
 """
 
 from __future__ import annotations
 
-import atexit
 import collections
-import logging
-import os
-import queue
 import random
-import threading
-import time
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import (
-    AnyValue,
-    ArrayValue,
-    InstrumentationScope,
-    KeyValue,
-)
-from opentelemetry.proto.resource.v1.resource_pb2 import Resource
-from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from modelpool.observe import AttemptRecord, RequestRecord, WorkerEvent
+from modelpool.trace_export import OtlpHttpSender, TraceExporter
 
 if TYPE_CHECKING:
     from modelpool.pool import ModelPool
 
-logger = logging.getLogger(__name__)
+__all__ = ["OtlpHttpSender", "PoolTracer", "TraceExporter"]
 
 # Attempts whose span is remembered for a kill or release check that comes later.
 REMEMBERED_ATTEMPTS = 4096
-# Spans past which an export is sent before its interval is over.
-MAX_BATCH_SPANS = 4096
-_STOP = object()
 _SERVER = Span.SpanKind.SPAN_KIND_SERVER
 _INTERNAL = Span.SpanKind.SPAN_KIND_INTERNAL
 # OTLP's span flags: the parent's remoteness is known; the parent is remote.
@@ -68,35 +53,6 @@ _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200
 
 SpanRef = tuple[bytes, bytes]
 """A span's trace id and span id: what a later child (a kill) needs of it."""
-
-
-class OtlpHttpSender:
-    """POSTs an export request's bytes to an OTLP/HTTP traces endpoint."""
-
-    def __init__(self, endpoint: str, *, timeout_s: float = 10.0) -> None:
-        self.endpoint = endpoint
-        self.timeout_s = timeout_s
-        headers = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or os.environ.get(
-            "OTEL_EXPORTER_OTLP_HEADERS", ""
-        )
-        self.headers = {"Content-Type": "application/x-protobuf", **_parse_headers(headers)}
-
-    def __call__(self, body: bytes) -> None:
-        request = urllib.request.Request(
-            self.endpoint, data=body, headers=self.headers, method="POST"
-        )
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-            response.read()
-
-
-def _parse_headers(text: str) -> dict[str, str]:
-    """OTel's header list: ``key=value,key2=value2``, values URL-encoded."""
-    headers = {}
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
-        if sep and key.strip():
-            headers[key.strip()] = urllib.parse.unquote(value.strip())
-    return headers
 
 
 def _str(key: str, value: str) -> KeyValue:
@@ -142,12 +98,14 @@ def _finish_reasons(reason: str) -> KeyValue:
 
 
 class PoolTracer:
-    """Traces ``pool``'s requests to ``endpoint`` (an OTLP/HTTP traces URL)."""
+    """Traces ``pool``'s requests to ``target``: an OTLP/HTTP traces URL (the tracer makes
+    an exporter of its own, stopped by :meth:`shutdown`), or a :class:`TraceExporter`
+    shared with other tracers (a daemon's: one thread, whatever the number of pools)."""
 
     def __init__(
         self,
         pool: ModelPool,
-        endpoint: str,
+        target: str | TraceExporter,
         *,
         model_name: str,
         service_name: str = "modelpool",
@@ -158,101 +116,64 @@ class PoolTracer:
         """``sample_ratio``: the share of the requests that went well (one attempt, an
         answer) that are traced; every other one (retried, killed, failed, cancelled) is.
         A caller's ``traceparent`` decides for its request when it says sampled or not.
-        ``export``: what sends a serialized ``ExportTraceServiceRequest`` (default: an
-        :class:`OtlpHttpSender` to ``endpoint``)."""
+        ``service_name``, ``export`` and ``schedule_delay_s``: the exporter's, when the
+        tracer makes its own (see :class:`TraceExporter`)."""
         self.model_name = model_name
         self.sample_ratio = sample_ratio
-        self.schedule_delay_s = schedule_delay_s
-        self._export = export or OtlpHttpSender(endpoint)
+        self._owns_exporter = isinstance(target, str)
+        if isinstance(target, str):
+            target = TraceExporter(
+                target,
+                service_name=service_name,
+                export=export,
+                schedule_delay_s=schedule_delay_s,
+            )
+        self.exporter = target
         self._random = random.Random()
-        self._resource = Resource(attributes=[_str("service.name", service_name)])
-        self._scope = InstrumentationScope(name="modelpool")
-        # The next export request; spans are added into it in place (no copy at export).
-        self._batch, self._spans = self._new_batch()
-        # The pool's clock is monotonic; spans want Unix nanoseconds.
-        self._offset_ns = time.time_ns() - time.monotonic_ns()
-        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         # attempt id -> its span; kills waiting for their attempt's record or for their
         # release check (worker id -> kill, the attempt spans it goes under).
         self._attempts: collections.OrderedDict[int, SpanRef] = collections.OrderedDict()
         self._kills_without_attempt: dict[int, WorkerEvent] = {}
         self._kills: dict[int, tuple[WorkerEvent, list[SpanRef]]] = {}
         self._releases: dict[int, WorkerEvent] = {}
-        self._thread = threading.Thread(target=self._run, name="modelpool-tracing", daemon=True)
-        self._thread.start()
         self._closed = False
-        pool.add_observer(on_request=self._inbox.put, on_worker=self._on_worker)
-        atexit.register(self.shutdown)
+        pool.add_observer(on_request=self._on_request, on_worker=self._on_worker)
+
+    def _on_request(self, record: RequestRecord) -> None:
+        if not self._closed:
+            self.exporter.hand(self._build, record)
 
     def _on_worker(self, event: WorkerEvent) -> None:
-        if event.kind in ("kill", "release"):
-            self._inbox.put(event)
+        if event.kind in ("kill", "release") and not self._closed:
+            self.exporter.hand(self._build, event)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Export what was recorded and stop."""
+        """Trace no more; export what was recorded (and stop the exporter if it is the
+        tracer's own)."""
         if self._closed:
             return
         self._closed = True
-        self._inbox.put(_STOP)
-        self._thread.join(timeout_s)
+        if self._owns_exporter:
+            self.exporter.shutdown(timeout_s)
+        else:
+            self.exporter.force_flush(timeout_s)
 
     def force_flush(self, timeout_s: float = 5.0) -> None:
         """Wait until what was handed over so far is exported (tests)."""
-        done = threading.Event()
-        self._inbox.put(done)
-        done.wait(timeout_s)
+        self.exporter.force_flush(timeout_s)
 
-    # ---- the tracer's thread -----------------------------------------------------------
+    # ---- the exporter's thread -----------------------------------------------------------
 
-    def _run(self) -> None:
-        flush_at = time.monotonic() + self.schedule_delay_s
-        while True:
-            try:
-                item = self._inbox.get(timeout=max(0.0, flush_at - time.monotonic()))
-            except queue.Empty:
-                item = None
-            if item is _STOP:
-                self._flush()
-                return
-            try:
-                if isinstance(item, RequestRecord):
-                    self._request(item)
-                elif isinstance(item, WorkerEvent) and item.kind == "kill":
-                    self._kill(item)
-                elif isinstance(item, WorkerEvent):
-                    self._release(item)
-            except Exception:
-                logger.exception("tracing: a span could not be built")
-            if isinstance(item, threading.Event):
-                self._flush()
-                item.set()
-            elif len(self._spans) >= MAX_BATCH_SPANS or time.monotonic() >= flush_at:
-                self._flush()
-                flush_at = time.monotonic() + self.schedule_delay_s
-
-    def _new_batch(self) -> tuple[ExportTraceServiceRequest, Any]:
-        """An empty export request, and its spans' repeated field to add to."""
-        batch = ExportTraceServiceRequest(
-            resource_spans=[
-                ResourceSpans(resource=self._resource, scope_spans=[ScopeSpans(scope=self._scope)])
-            ]
-        )
-        return batch, batch.resource_spans[0].scope_spans[0].spans
-
-    def _flush(self) -> None:
-        """One export request of every span built since the last."""
-        count = len(self._spans)
-        if not count:
-            return
-        body = self._batch.SerializeToString()
-        self._batch, self._spans = self._new_batch()
-        try:
-            self._export(body)
-        except Exception as exc:
-            logger.warning("tracing: %d spans could not be exported: %r", count, exc)
+    def _build(self, item: object) -> None:
+        if isinstance(item, RequestRecord):
+            self._request(item)
+        elif isinstance(item, WorkerEvent) and item.kind == "kill":
+            self._kill(item)
+        elif isinstance(item, WorkerEvent):
+            self._release(item)
 
     def _ns(self, monotonic_s: float) -> int:
-        return int(monotonic_s * 1e9) + self._offset_ns
+        return int(monotonic_s * 1e9) + self.exporter.offset_ns
 
     def _span_id(self) -> bytes:
         return (self._random.getrandbits(64) or 1).to_bytes(8, "big")
@@ -307,7 +228,7 @@ class PoolTracer:
             message = record.error_message or record.error or ""
             status = Status(code=Status.StatusCode.STATUS_CODE_ERROR, message=message)
         root = self._span_id()
-        self._spans.add(
+        self.exporter.spans.add(
             trace_id=trace_id,
             span_id=root,
             parent_span_id=parent,
@@ -443,7 +364,7 @@ class PoolTracer:
     ) -> bytes:
         """Add an internal span under ``parent``; its id."""
         span_id = self._span_id()
-        self._spans.add(
+        self.exporter.spans.add(
             trace_id=trace_id,
             span_id=span_id,
             parent_span_id=parent,

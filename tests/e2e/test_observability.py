@@ -25,7 +25,8 @@ def test_stats_is_the_pools_stats_dict(http: httpx.Client) -> None:
     values are checked against a pool in test_pool_core), the daemon's fair share and its
     check threads."""
     data = http.get("/stats").json()
-    assert set(data.pop("fair_share")) == {"capacity", "in_pool", "waiting", "clients", "checking"}
+    share_keys = {"capacity", "in_pool", "charged_preemptions", "waiting", "clients", "checking"}
+    assert set(data.pop("fair_share")) == share_keys
     assert isinstance(data.pop("checks"), dict)
     assert_documented_stats_keys(data)
 

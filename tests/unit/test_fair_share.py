@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
+from modelpool import queueing
 from modelpool.errors import DeadlineExceeded
 from modelpool.server.fair_share import FairShare
 from modelpool.server.http import ApiError
@@ -53,7 +54,8 @@ def test_clients_take_turns_and_a_cancelled_wait_leaks_nothing() -> None:
 
     order, snapshot = asyncio.run(scenario())
     assert order == ["a1", "c1", "a2", "a3"]
-    assert snapshot == {"capacity": 1, "in_pool": 0, "waiting": 0, "clients": 0, "checking": 0}
+    empty = {"in_pool": 0, "charged_preemptions": 0, "waiting": 0, "clients": 0, "checking": 0}
+    assert snapshot == {"capacity": 1, **empty}
 
 
 async def _until(condition: Callable[[], bool]) -> None:
@@ -157,7 +159,7 @@ def test_a_run_that_waited_aging_s_goes_ahead_of_any_priority() -> None:
     # With aging_s 0 every waiting run has aged: arrival (turn) order, whatever the priority.
     order = _admission_order(fair, [("a", "a-low", 9), ("b", "b-high", -9)])
     assert order == ["a-low", "b-high"]
-    assert fair.waiting_ahead(0) == 0
+    assert fair.waiting_ahead("c", 0) == 0
 
 
 def test_a_run_admitted_by_its_predicted_wait_goes_ahead_once_it_is_due() -> None:
@@ -229,3 +231,164 @@ def test_with_preempt_a_client_may_preempt_its_own_background_run() -> None:
         return order
 
     assert asyncio.run(scenario()) == ["background", "interactive"]
+
+
+def test_a_run_let_in_to_preempt_another_clients_is_charged_as_two() -> None:
+    """Issue 58: b's urgent runs preempt a's; each is charged to b as itself and the run it
+    displaced, so that b, whose share is the whole pool (2), preempts one at a time, and
+    its second goes in only once its first has ended."""
+
+    async def scenario() -> tuple[int, dict[str, int], list[str]]:
+        fair = FairShare(capacity=2, max_running=None, max_queued=8, max_waiting=64, preempt=True)
+        order: list[str] = []
+        gates = {name: asyncio.Event() for name in ("low1", "low2", "urgent1", "urgent2")}
+
+        async def run(client: str, name: str, priority: int) -> None:
+            ticket = fair.reserve(client, 1, priority=priority)
+            try:
+                async with ticket.slot(deadline_s=10):
+                    order.append(name)
+                    await gates[name].wait()
+            finally:
+                ticket.close()
+
+        tasks = [asyncio.ensure_future(run("a", name, 5)) for name in ("low1", "low2")]
+        await _until(lambda: len(order) == 2)
+        tasks += [asyncio.ensure_future(run("b", name, 0)) for name in ("urgent1", "urgent2")]
+        await _until(lambda: "urgent1" in order)
+        for _ in range(5):  # urgent2 had its chance to go in: it waits
+            await asyncio.sleep(0)
+        in_pool, snapshot = fair.snapshot()["in_pool"], fair.snapshot()
+        gates["urgent1"].set()
+        await _until(lambda: "urgent2" in order)
+        for gate in gates.values():
+            gate.set()
+        await asyncio.wait_for(asyncio.wait(tasks), 5)
+        return in_pool, snapshot, order
+
+    in_pool, snapshot, order = asyncio.run(scenario())
+    assert in_pool == 3, "a's two runs and one urgent run of b's, not two"
+    assert snapshot["charged_preemptions"] == 1
+    assert order == ["low1", "low2", "urgent1", "urgent2"]
+
+
+def test_a_client_preempting_its_own_background_runs_is_not_charged() -> None:
+    async def scenario() -> tuple[list[str], int]:
+        fair = FairShare(capacity=2, max_running=None, max_queued=8, max_waiting=64, preempt=True)
+        order: list[str] = []
+        gate = asyncio.Event()
+
+        async def run(name: str, priority: int) -> None:
+            ticket = fair.reserve("a", 1, priority=priority)
+            try:
+                async with ticket.slot(deadline_s=10):
+                    order.append(name)
+                    await gate.wait()
+            finally:
+                ticket.close()
+
+        tasks = [asyncio.ensure_future(run(name, 5)) for name in ("bg1", "bg2")]
+        await _until(lambda: len(order) == 2)
+        tasks += [asyncio.ensure_future(run(name, 0)) for name in ("fg1", "fg2")]
+        await _until(lambda: len(order) == 4)
+        charged = fair.snapshot()["charged_preemptions"]
+        gate.set()
+        await asyncio.wait_for(asyncio.wait(tasks), 5)
+        return order, charged
+
+    order, charged = asyncio.run(scenario())
+    assert order == ["bg1", "bg2", "fg1", "fg2"] and charged == 0
+
+
+def test_the_wait_ahead_counts_another_clients_backlog_once_per_round() -> None:
+    """Issue 58: admission by predicted wait counts what round robin puts ahead of a new
+    run: the client's own waiting runs, every more urgent one, and one of each other
+    client's per turn of its own, not another client's whole backlog."""
+
+    async def scenario() -> dict[str, int]:
+        fair = share(capacity=1, max_queued=16)
+        gate = asyncio.Event()
+
+        async def run(client: str, priority: int) -> None:
+            ticket = fair.reserve(client, 1, priority=priority)
+            try:
+                async with ticket.slot(deadline_s=10):
+                    await gate.wait()
+            finally:
+                ticket.close()
+
+        tasks = [asyncio.ensure_future(run("bob", 0)) for _ in range(7)]
+        tasks.append(asyncio.ensure_future(run("carol", -1)))
+        tasks.append(asyncio.ensure_future(run("dave", 0)))
+        await _until(lambda: fair.snapshot()["waiting"] == 8)
+        ahead = {
+            # New, nothing running: carol's (more urgent), dave's (nothing running either,
+            # first in turn), none of bob's (he has a run in the pool: a place is held
+            # back for her).
+            "alice": fair.waiting_ahead("alice", 0),
+            "bob": fair.waiting_ahead("bob", 0),  # its own 6, carol's, and one of dave's
+            "alice-low": fair.waiting_ahead("alice", 9),  # every one is more urgent
+            "alice-urgent": fair.waiting_ahead("alice", -5),
+        }
+        gate.set()
+        await asyncio.wait_for(asyncio.wait(tasks), 5)
+        return ahead
+
+    assert asyncio.run(scenario()) == {"alice": 2, "bob": 8, "alice-low": 8, "alice-urgent": 0}
+
+
+def test_a_run_ages_from_its_requests_arrival_and_hands_that_to_the_pool() -> None:
+    """One clock (issue 58): a run submitted to a pool in its slot ages there from when
+    its request arrived in the fair share (``queueing.arrived_at``), not from when it
+    reached the pool."""
+
+    async def scenario() -> tuple[float, float, float, float]:
+        fair = share(capacity=1)
+        ticket = fair.reserve("a", 1)
+        await asyncio.sleep(0.05)
+        async with ticket.slot(deadline_s=10):
+            inside = queueing.arrival(time.monotonic())
+        ticket.close()
+        return ticket.arrived_at, inside, queueing.arrival(123.0), time.monotonic()
+
+    arrived, inside, outside, now = asyncio.run(scenario())
+    assert inside == arrived and now - arrived >= 0.05
+    assert outside == 123.0, "outside a slot a request arrives when it is submitted"
+
+
+def test_a_client_holding_a_place_does_not_also_preempt_another_clients_run() -> None:
+    """b holds one of two places; its urgent run would preempt a's run in the other and,
+    charged as two, pass b's share (2): it waits for b's own run to end, so that b never
+    holds the whole pool by preempting (the review: another tenant's p50 12x)."""
+
+    async def scenario() -> tuple[int, list[str]]:
+        fair = FairShare(capacity=2, max_running=None, max_queued=8, max_waiting=64, preempt=True)
+        order: list[str] = []
+        gates = {name: asyncio.Event() for name in ("b-first", "a-low", "b-urgent")}
+
+        async def run(client: str, name: str, priority: int) -> None:
+            ticket = fair.reserve(client, 1, priority=priority)
+            try:
+                async with ticket.slot(deadline_s=10):
+                    order.append(name)
+                    await gates[name].wait()
+            finally:
+                ticket.close()
+
+        tasks = [asyncio.ensure_future(run("b", "b-first", 0))]
+        await _until(lambda: order == ["b-first"])
+        tasks.append(asyncio.ensure_future(run("a", "a-low", 5)))
+        await _until(lambda: order == ["b-first", "a-low"])
+        tasks.append(asyncio.ensure_future(run("b", "b-urgent", 0)))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        in_pool = fair.snapshot()["in_pool"]
+        gates["b-first"].set()
+        await _until(lambda: "b-urgent" in order)
+        for gate in gates.values():
+            gate.set()
+        await asyncio.wait_for(asyncio.wait(tasks), 5)
+        return in_pool, order
+
+    in_pool, order = asyncio.run(scenario())
+    assert in_pool == 2 and order == ["b-first", "a-low", "b-urgent"]

@@ -53,6 +53,23 @@ def test_aging_promotes_a_request_that_waited_priority_aging_s() -> None:
     assert young_high.state == "queued"
 
 
+def test_a_request_ages_from_its_arrival_at_the_caller_not_twice() -> None:
+    """One clock (issue 58): a request that waited 4 s in the daemon's fair share before it
+    was submitted (``arrived_at``) is promoted after 1 s more in the pool, not after 5: it
+    went ahead of the more urgent ones that came after it, and none preempts it."""
+    world = World(workers=1, batch=1, priority_aging_s=5.0)
+    busy = world.submit("p0", priority=-10)
+    waited = world.submit("low", priority=10)
+    waited.arrived_at = world.clock.now - 4.0
+    fresh = world.submit("low2", priority=10)
+    world.clock.now += 1.0
+    high = world.submit("high", priority=-10)
+    assert promoted(waited, now=world.clock.now, aging_s=5.0)
+    assert not promoted(fresh, now=world.clock.now, aging_s=5.0)
+    world.finish(busy)
+    assert waited.state == "running" and high.state == "queued"
+
+
 def test_a_request_admitted_by_its_predicted_wait_goes_ahead_once_due() -> None:
     """Its due time (ModelPool.promotion_at) comes before priority_aging_s: from then on
     it is ahead of younger, more urgent requests, and no more urgent one preempts it."""

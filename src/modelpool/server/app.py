@@ -118,6 +118,7 @@ from modelpool.server.openai.request import (
 )
 from modelpool.server.openai.stream import ChatChunks
 from modelpool.server.pooling_routes import install_pooling_routes
+from modelpool.server.priority_bound import ClampedHeader, PriorityBound
 from modelpool.server.responses.api import ResponsesApi
 from modelpool.server.responses.store import ResponseStore
 from modelpool.server.state import ServerState, check_not_draining, client_of, on_a_worker
@@ -206,7 +207,7 @@ def create_app(
             vllm=server_config.vllm_metrics,
             waiting=lambda: fair_share.snapshot()["waiting"],
         )
-    _observe_pools(served, model_name, metrics, server_config)
+    tracing = _observe_pools(served, model_name, metrics, server_config)
     state = ServerState(
         pool=pool,
         registry=registry,
@@ -230,6 +231,7 @@ def create_app(
     app.state.modelpool = state
     # Inside the Gate: a model's lease is released once the answer is out.
     app.add_middleware(multi.ModelLeases)
+    app.add_middleware(ClampedHeader)
     app.add_middleware(
         Gate,
         keys=keys,
@@ -328,6 +330,7 @@ def create_app(
             "fair_share": state.fair_share.snapshot(),
             "checks": state.checks.snapshot(),
             "responses_store": state.responses.store.snapshot(),
+            **({"tracing": tracing()} if tracing is not None else {}),
         }
         if registry is not None:
             server_parts["fair_share_by_model"] = {
@@ -466,24 +469,29 @@ def _observe_pools(
     model_name: str,
     metrics: PoolMetrics,
     server_config: ServerConfig,
-) -> None:
+) -> Callable[[], dict[str, int]] | None:
     """The ``vllm:`` series and the traces of the pool, or of each pool a registry loads
-    (its name the ``model_name`` label)."""
+    (its name the ``model_name`` label): one exporter, its thread the daemon's, whatever
+    the number of loads. Returns the exporter's ``snapshot`` (None: no tracing)."""
     tracer: Callable[[str, ModelPool], None] | None = None
+    tracing: Callable[[], dict[str, int]] | None = None
     endpoint = server_config.otlp_traces_endpoint
     if endpoint is not None:
         try:
-            from modelpool.tracing import PoolTracer
+            from modelpool.tracing import PoolTracer, TraceExporter
         except ImportError as exc:
             raise RuntimeError(
                 "[server] otlp_traces_endpoint needs OpenTelemetry: pip install "
                 f"'modelpool[tracing]' ({exc})"
             ) from exc
         logger.info("tracing requests to %s", endpoint)
+        exporter = TraceExporter(endpoint)
+        tracing = exporter.snapshot
+        metrics.add_tracing(tracing)
 
         def tracer(name: str, pool: ModelPool) -> None:
             ratio = server_config.otlp_traces_sample_ratio
-            PoolTracer(pool, endpoint, model_name=name, sample_ratio=ratio)
+            PoolTracer(pool, exporter, model_name=name, sample_ratio=ratio)
 
     def observe(name: str, pool: ModelPool) -> None:
         if metrics.vllm is not None:
@@ -495,6 +503,7 @@ def _observe_pools(
         served.add_pool_hook(observe)
     else:
         observe(model_name, served)
+    return tracing
 
 
 def _model_card(state: ServerState, max_model_len: int | None, task: str) -> dict[str, Any]:
@@ -568,7 +577,10 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     )
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
-    priority, due_at = _admit(request, state, pool, job, deadline)
+    bound = PriorityBound(client.tenant)
+    bound.clamp_field(job.params)
+    bound.note(request.scope)
+    priority, due_at = _admit(request, state, pool, job, deadline, client.name)
     bound_by_deadline(job, pool, deadline)
     runs = job.choices()
     # Every run in its tenant's partition of the prefix cache, whatever the body said.
@@ -638,11 +650,13 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
 
 
 def _admit(
-    request: Request, state: ServerState, pool: ModelPool, job: Job, deadline: float
+    request: Request, state: ServerState, pool: ModelPool, job: Job, deadline: float, client: str
 ) -> tuple[int, float]:
     """Admission by predicted wait (QueueFull, a 429, when it would wait too long), once,
     here: the runs wait in the fair share and then in the pool, so the prediction counts
-    both, and the pool does not judge again a request the daemon accepted (``admitted``:
+    both (in the fair share, the runs it would let in ahead of ``client``'s: another
+    client's backlog counts one run per round), and the pool does not judge again a
+    request the daemon accepted (``admitted``:
     it promotes them before their deadline as its own admitted requests, so that more
     urgent runs let in after them do not keep them past it). The caller's
     ``traceparent`` goes with the runs. Returns the request's priority and when its runs,
@@ -654,7 +668,7 @@ def _admit(
         priority,
         params.get("max_queue_time_s"),
         deadline,
-        also_waiting=state.share_for(request).waiting_ahead(priority),
+        also_waiting=state.share_for(request).waiting_ahead(client, priority),
     )
     if due_in_s is None:
         params["max_queue_time_s"] = math.inf

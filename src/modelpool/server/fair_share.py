@@ -13,12 +13,21 @@ that have one of that priority. A run that has waited ``aging_s`` counts as the 
 urgent (the pool's ``priority_aging_s``), so that no priority starves another, and so
 does a run admitted by its predicted wait once its ``due_at`` came (``ModelPool.
 promotion_at``, a few runs before its deadline): an accepted run must not time out
-waiting.
+waiting. A run ages on one clock, from its request's arrival here: its slot hands that
+time to the pool (``queueing.arrived_at``), which ages it from then too, so that its wait
+is bounded by ``aging_s`` end to end, not by ``aging_s`` here and again in the pool.
 
 With ``preempt`` (the pool's ``preempt_for_priority``) a run more urgent than some run
 in the pool goes in even when the pool is full, one beyond capacity for each less urgent
 run in the pool: the pool then preempts one of those for it (``preemption.py``); the
-share lets in at most as many such runs as there are less urgent ones to preempt.
+share lets in at most as many such runs as there are less urgent ones to preempt. Such
+a run is charged to its client as two runs while it holds its place, itself and the run
+it displaces (which must run again), unless the run the pool will preempt is likely its
+client's own (its client has a run of the least urgent priority in the pool): it goes
+in only where its client's ``max_running`` has room for both (or its client holds
+nothing: a pool of one may still be preempted once), so that a client whose urgent runs
+preempt others pays for the preempted work, and with the default share (the whole
+pool) holds at most half of it while it preempts.
 
 Round robin alone would let a client whose runs are long
 fill every worker between two requests of a client whose runs are short, which would
@@ -52,6 +61,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from modelpool.errors import DeadlineExceeded
+from modelpool.queueing import arrived_at
 from modelpool.server.http import ApiError
 
 # A client's own (max_running, max_queued); None in either is the share's.
@@ -86,6 +96,9 @@ class FairShare:
         self.max_queued = max_queued
         self.max_waiting = max_waiting
         self._running: collections.Counter[str] = collections.Counter()
+        # Runs let in to preempt another client's: each counts once more against its
+        # client's max_running while it holds its place (the work it displaced).
+        self._charged: collections.Counter[str] = collections.Counter()
         self._reserved: collections.Counter[str] = collections.Counter()
         # Requests still being parsed and checked (server.checks): each counts as a run.
         self._checking: collections.Counter[str] = collections.Counter()
@@ -135,11 +148,29 @@ class FairShare:
         self._last_active[client] = time.monotonic()
         return Ticket(self, client, runs, priority, due_at)
 
-    def waiting_ahead(self, priority: int) -> int:
-        """Runs waiting here that a new run of ``priority`` would wait behind."""
-        return sum(
-            waiter.priority <= priority for waiters in self._waiters.values() for waiter in waiters
+    def waiting_ahead(self, client: str, priority: int) -> int:
+        """Runs waiting here that a new run of ``client`` at ``priority`` would wait
+        behind: its client's own of that priority or a more urgent one, every more urgent
+        (or promoted) one of the others, and of each other client's of the same priority
+        one per turn of its client's ahead of it (round robin), none for the first turn
+        of a client with nothing running while the other has runs in the pool (a place
+        is held back for it): another client's backlog delays it by at most one run per
+        round, not by the whole backlog."""
+        now = time.monotonic()
+        mine = (1, priority)
+        own = sum(
+            waiter.urgency(now, self.aging_s) <= mine for waiter in self._waiters.get(client, ())
         )
+        idle = self._running[client] == 0
+        ahead = own
+        for other, waiters in self._waiters.items():
+            if other == client:
+                continue
+            turns = own + (0 if idle and self._running[other] > 0 else 1)
+            urgencies = [waiter.urgency(now, self.aging_s) for waiter in waiters]
+            ahead += sum(urgency < mine for urgency in urgencies)
+            ahead += min(sum(urgency == mine for urgency in urgencies), turns)
+        return ahead
 
     def _bound(self, client: str, limits: Limits | None) -> int:
         """What ``client`` may hold (running and waiting), remembering its own limits."""
@@ -182,6 +213,7 @@ class FairShare:
         return {
             "capacity": self.capacity,
             "in_pool": self._in_pool,
+            "charged_preemptions": sum(self._charged.values()),
             "waiting": sum(len(waiters) for waiters in self._waiters.values()),
             "clients": len(set(self._running) | set(self._reserved) | set(self._checking)),
             "checking": sum(self._checking.values()),
@@ -192,18 +224,19 @@ class FairShare:
         if self._reserved[client] <= 0:
             del self._reserved[client]
 
-    async def _acquire(self, client: str, priority: int, due_at: float = math.inf) -> None:
+    async def _acquire(self, client: str, priority: int, due_at: float, since: float) -> bool:
+        """Wait for a place of ``client``'s run that arrived at ``since``; whether its
+        place is charged as two (it went in to preempt another client's run)."""
         if client not in self._waiters and self._may_run(client, priority):
-            self._take(client, priority)
-            return
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(priority, time.monotonic(), turn, due_at)
+            return self._take(client, priority)
+        turn: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(priority, since, turn, due_at)
         self._waiters.setdefault(client, collections.deque()).append(waiter)
         try:
-            await turn
+            return await turn
         except asyncio.CancelledError:
             if turn.done() and not turn.cancelled():
-                self._release(client, priority)  # admitted just as it was cancelled
+                self._release(client, priority, turn.result())  # admitted as it was cancelled
             else:
                 waiters = self._waiters.get(client)
                 if waiters is not None and waiter in waiters:
@@ -217,7 +250,7 @@ class FairShare:
         running = self._running[client]
         if free <= 0:
             return self.preempt and self._may_preempt(client, priority)
-        if running >= self._max_running(client):
+        if running + self._charged[client] >= self._max_running(client):
             return False
         return running == 0 or free > self._held_back(client)
 
@@ -229,10 +262,18 @@ class FairShare:
         less_urgent = sum(n for level, n in self._in_pool_by_priority.items() if level > priority)
         own = self._client_priorities.get(client, collections.Counter())
         own_less_urgent = sum(n for level, n in own.items() if level > priority)
-        return (
-            less_urgent > self._in_pool - self.capacity
-            and self._running[client] < self._max_running(client) + own_less_urgent
+        held = self._running[client] + self._charged[client]
+        cost = 2 if self._displaces_another(client) else 1
+        return less_urgent > self._in_pool - self.capacity and (
+            held + cost <= self._max_running(client) + own_less_urgent or held == 0
         )
+
+    def _displaces_another(self, client: str) -> bool:
+        """Would a run of ``client`` let in to preempt likely displace another client's
+        run: the pool preempts its least urgent runs, and none of those is this client's."""
+        least_urgent = max(self._in_pool_by_priority, default=None)
+        own = self._client_priorities.get(client, collections.Counter())
+        return least_urgent is not None and own[least_urgent] == 0
 
     def _held_back(self, client: str) -> int:
         """Places kept free for the other active clients that have nothing running."""
@@ -247,13 +288,23 @@ class FairShare:
                 held += other != client
         return held
 
-    def _take(self, client: str, priority: int) -> None:
+    def _take(self, client: str, priority: int) -> bool:
+        """A place for ``client``'s run; whether it is charged as two: it goes in beyond
+        capacity, to preempt, and the pool's least urgent runs are none of its client's."""
+        charged = self._in_pool >= self.capacity and self._displaces_another(client)
+        if charged:
+            self._charged[client] += 1
         self._running[client] += 1
         self._in_pool += 1
         self._in_pool_by_priority[priority] += 1
         self._client_priorities.setdefault(client, collections.Counter())[priority] += 1
+        return charged
 
-    def _release(self, client: str, priority: int) -> None:
+    def _release(self, client: str, priority: int, charged: bool) -> None:
+        if charged:
+            self._charged[client] -= 1
+            if self._charged[client] <= 0:
+                del self._charged[client]
         self._running[client] -= 1
         if self._running[client] <= 0:
             del self._running[client]
@@ -289,8 +340,7 @@ class FairShare:
             if turn.cancelled():
                 # Its task was cancelled and has not run since: it takes no place.
                 continue
-            self._take(client, waiter.priority)
-            turn.set_result(None)
+            turn.set_result(self._take(client, waiter.priority))
 
     def _next_waiter(self) -> tuple[str | None, _Waiter | None]:
         """The client whose run goes in next, and that run: the most urgent run of the
@@ -319,7 +369,7 @@ class _Waiter:
     __slots__ = ("due_at", "priority", "since", "turn")
 
     def __init__(
-        self, priority: int, since: float, turn: asyncio.Future[None], due_at: float
+        self, priority: int, since: float, turn: asyncio.Future[bool], due_at: float
     ) -> None:
         self.priority = priority
         self.since = since
@@ -348,15 +398,21 @@ class Ticket:
         self._unclaimed = runs
         self.priority = priority
         self.due_at = due_at
+        # The one clock its runs age on, here and in the pool.
+        self.arrived_at = time.monotonic()
 
     @contextlib.asynccontextmanager
     async def slot(self, deadline_s: float) -> AsyncIterator[float]:
         """Wait for this client's turn, then hold a place in the pool; yields the seconds
-        left of ``deadline_s`` (the wait counts). DeadlineExceeded if none are left."""
+        left of ``deadline_s`` (the wait counts). DeadlineExceeded if none are left. A
+        request submitted to a pool within it ages from the ticket's ``arrived_at``."""
         started = time.monotonic()
+        share = self._share
         try:
             async with asyncio.timeout(deadline_s):
-                await self._share._acquire(self._client, self.priority, self.due_at)
+                charged = await share._acquire(
+                    self._client, self.priority, self.due_at, self.arrived_at
+                )
         except TimeoutError:
             raise DeadlineExceeded(
                 f"the deadline ({deadline_s:g} s) passed while the request waited for its "
@@ -364,9 +420,10 @@ class Ticket:
             ) from None
         self._claim()
         try:
-            yield max(deadline_s - (time.monotonic() - started), 0.001)
+            with arrived_at(self.arrived_at):
+                yield max(deadline_s - (time.monotonic() - started), 0.001)
         finally:
-            self._share._release(self._client, self.priority)
+            share._release(self._client, self.priority, charged)
 
     def _claim(self) -> None:
         if self._unclaimed > 0:

@@ -359,9 +359,45 @@ class PoolMetrics:
         the served model."""
         self.request_duration.labels(model=model or self.model).observe(seconds)
 
+    def add_tracing(self, snapshot: Callable[[], Mapping[str, int]]) -> None:
+        """Also export the trace exporter's counters (``TraceExporter.snapshot``)."""
+        self.registry.register(TracingCollector(snapshot))
+
     def render(self) -> bytes:
         """The exposition text. Calls ``stats_source`` once, which may block briefly."""
         return generate_latest(self.registry)
+
+
+class TracingCollector(Collector):
+    """The trace exporter's queue and counters, as ``modelpool_trace_*``."""
+
+    def __init__(self, snapshot: Callable[[], Mapping[str, int]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        tracing = self._snapshot()
+        yield from _counters(tracing, TRACING_COUNTERS)
+        yield _gauge(
+            "modelpool_trace_queue_depth",
+            "Records (a request's trace, a worker event) waiting for the trace exporter.",
+            tracing["queued"],
+        )
+
+
+TRACING_COUNTERS = (
+    (
+        "modelpool_trace_records_dropped",
+        "Records not traced: the trace exporter's queue was full (a collector that is slow "
+        "or hangs).",
+        "dropped",
+    ),
+    ("modelpool_trace_spans_exported", "Spans the collector took.", "exported_spans"),
+    (
+        "modelpool_trace_spans_failed",
+        "Spans in exports that failed (logged and dropped).",
+        "failed_spans",
+    ),
+)
 
 
 # (metric name, help, PoolStats counter): plain counters rendered one to one.

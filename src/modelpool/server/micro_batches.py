@@ -42,6 +42,7 @@ from modelpool.config import ServerConfig
 from modelpool.errors import DeadlineExceeded, InvalidRequest
 from modelpool.server.http import ApiError, run_unless_disconnected
 from modelpool.server.openai.request import deadline_from
+from modelpool.server.priority_bound import PriorityBound
 from modelpool.server.state import client_of, read_checked
 
 if TYPE_CHECKING:
@@ -147,8 +148,13 @@ async def in_turns(
     turn. None when the client went away first."""
     client = client_of(request, state)
     waiting_s = deadline_from({}, request.headers, state.default_deadline_s(), None)
-    # Checked against the tenant's own max_request_tokens where its table sets one.
-    body, job = await read_checked(request, state, waiting_s, parse, client.config(state.config))
+    bound = PriorityBound(client.tenant)
+    # Checked against the tenant's own max_request_tokens where its table sets one, its
+    # priority clamped to the tenant's bound.
+    body, job = await read_checked(
+        request, state, waiting_s, bound.parsing(parse), client.config(state.config)
+    )
+    bound.note(request.scope)
     pool = await state.pool_for(request, body)
     check(pool)
     deadline_s = state.time_left(

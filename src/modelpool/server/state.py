@@ -34,6 +34,7 @@ from modelpool.server.guard import require_json
 from modelpool.server.http import ApiError, parse_json_object, read_body
 from modelpool.server.metrics import PoolMetrics
 from modelpool.server.openai.request import deadline_from
+from modelpool.server.priority_bound import PriorityBound
 from modelpool.server.responses.api import ResponsesApi
 from modelpool.server.tenants import Keys, Tenant
 from modelpool.stats import PoolHealth
@@ -231,10 +232,14 @@ async def on_a_worker(
     the tenant's own ``max_request_tokens`` where its table sets one), its model's pool,
     then ``call(pool, job, seconds_left)`` in the client's turn of fair share (tokenizing
     takes a worker, as a generation does) at the job's priority (``priority_of``; 0
-    without it)."""
+    without it), within its tenant's bound (``priority_bound``)."""
     client = client_of(request, state)
     waiting_s = deadline_from({}, request.headers, state.default_deadline_s(), None)
+    bound = PriorityBound(client.tenant)
+    if priority_of is not None:
+        parse = bound.parsing(parse)
     body, job = await read_checked(request, state, waiting_s, parse, client.config(state.config))
+    bound.note(request.scope)
     pool = await state.pool_for(request, body)
     deadline = state.time_left(
         request, deadline_from({}, request.headers, pool.config.deadline_s, None)

@@ -17,6 +17,7 @@ The keys file is TOML, one table per tenant::
     client_max_running = 2       # optional: this tenant's own share and budget
     client_max_queued = 64
     max_request_tokens = 100000
+    most_urgent_priority = 0     # optional: requests asking for more urgent are clamped
 
     [tenants.ops]
     key = "sk-ops-..."
@@ -26,6 +27,10 @@ Who is an operator (``Keys.operates``; the routes ask ``server.rights``): with a
 file, the tenants marked ``admin = true``, and no one else (the ``api_key_env`` key beside
 it is the ordinary tenant "default"); without one, whoever the daemon lets in (its one
 key's holder, or anyone when it has none), as before there were operators.
+
+``priority`` is vLLM's: lower runs first, so the most urgent priority a tenant may use
+is the lowest number it may send; a request asking for a lower one runs at the bound
+(and says so: ``X-Priority-Clamped``, see ``server.priority_bound``).
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ from pathlib import Path
 
 from modelpool.server.http import ApiError
 from modelpool.server.ui import UI_PATHS
+from modelpool.validation import MAX_PRIORITY, is_int
 
 # Paths that answer without a key (an orchestrator's probes).
 # Without a key: the probes, and the status page's static files (its data is /stats).
 OPEN_PATHS = frozenset({"/healthz", "/readyz"}) | UI_PATHS
 _TENANT_LIMITS = ("client_max_running", "client_max_queued", "max_request_tokens")
-_TENANT_SETTINGS = frozenset({"key", "admin", *_TENANT_LIMITS})
+_TENANT_SETTINGS = frozenset({"key", "admin", "most_urgent_priority", *_TENANT_LIMITS})
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,8 @@ class Tenant:
     client_max_queued: int | None = None
     max_request_tokens: int | None = None
     admin: bool = False  # an operator (``admin = true`` in the keys file)
+    # The lowest (most urgent) priority its requests may run at; None: any.
+    most_urgent_priority: int | None = None
     # The key of api_key_env, which every client of the daemon may hold: its clients are
     # told apart by address in the fair share, as without a key. Counted as one client,
     # one client's burst of n=64 took every other one's turn (issue 58).
@@ -129,6 +137,7 @@ class Keys:
                 limits["client_max_queued"],
                 limits["max_request_tokens"],
                 admin=admin,
+                most_urgent_priority=_priority_bound(table, where),
             )
         return cls(tenants, every_caller_operates=False)
 
@@ -179,6 +188,16 @@ def partition(tenant: Tenant | None, salt: str | None) -> str | None:
         return None
     pair = json.dumps([tenant.name if tenant is not None else "", salt or ""])
     return hashlib.sha256(pair.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _priority_bound(table: Mapping[str, object], where: str) -> int | None:
+    value = table.get("most_urgent_priority")
+    if value is not None and not is_int(value, minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY):
+        raise ValueError(
+            f"{where}.most_urgent_priority must be an integer in [{-MAX_PRIORITY}, "
+            f"{MAX_PRIORITY}] (lower runs first)"
+        )
+    return value if isinstance(value, int) else None
 
 
 def _digest(key: bytes) -> bytes:
