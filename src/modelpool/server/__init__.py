@@ -8,6 +8,7 @@ machinery they share; ``guard`` and ``fair_share`` admit connections and request
 The server imports the pool, never the reverse.
 """
 
-from modelpool.server.app import DrainingServer, api_key_from_env, create_app
+from modelpool.server.app import api_key_from_env, create_app
+from modelpool.server.draining import DrainingServer
 
 __all__ = ["DrainingServer", "api_key_from_env", "create_app"]

@@ -56,19 +56,14 @@ import contextlib
 import logging
 import math
 import os
-import signal
-import socket
 import time
 from collections.abc import (
     AsyncIterator,
     Callable,
     Coroutine,
-    Iterator,
-    Mapping,
 )
 from typing import TYPE_CHECKING, Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
@@ -94,7 +89,7 @@ from modelpool.server.errors import (
     shutting_down,
 )
 from modelpool.server.fair_share import FairShare
-from modelpool.server.generation import Api, P, Plain, RunsOnItsModel, bound_by_deadline
+from modelpool.server.generation import Api, P, bound_by_deadline
 from modelpool.server.guard import BrowserGuard, Gate, require_json
 from modelpool.server.http import (
     ApiError,
@@ -107,16 +102,14 @@ from modelpool.server.http import (
 )
 from modelpool.server.metrics import CONTENT_TYPE, PoolMetrics
 from modelpool.server.ollama.routes import install_ollama_routes
-from modelpool.server.openai.format import Job, response_body
+from modelpool.server.openai.api import ChatApi, CompletionsApi
+from modelpool.server.openai.format import Job
 from modelpool.server.openai.request import (
     check_budget,
     check_size,
     deadline_from,
-    parse_chat,
-    parse_completion,
     prompt_size,
 )
-from modelpool.server.openai.stream import ChatChunks
 from modelpool.server.pooling_routes import install_pooling_routes
 from modelpool.server.priority_bound import ClampedHeader, PriorityBound
 from modelpool.server.responses.api import ResponsesApi
@@ -712,26 +705,6 @@ def _answer_model(state: ServerState, body: dict[str, Any]) -> str:
     return state.registry.spec(str(body.get("model"))).name
 
 
-class CompletionsApi(RunsOnItsModel):
-    """``/v1/completions``."""
-
-    def parse(self, body: dict[str, Any]) -> Plain:
-        return Plain(parse_completion(body))
-
-    def answer(self, request: Plain, results: Mapping[int, Result], model: str) -> bytes:
-        return json_bytes(response_body(request.job, dict(results), model, int(time.time())))
-
-    def writer(self, request: Plain, choices: list[StreamedChoice], model: str) -> ChatChunks:
-        return ChatChunks(request.job, choices, model)
-
-
-class ChatApi(CompletionsApi):
-    """``/v1/chat/completions``: the same answers, the chat body."""
-
-    def parse(self, body: dict[str, Any]) -> Plain:
-        return Plain(parse_chat(body))
-
-
 async def _all_or_none(work: list[Coroutine[Any, Any, Result]]) -> list[Result]:
     """Every result in order, or the first error with the other requests cancelled
     (asyncio.gather would leave them running). Cancelling this cancels them all."""
@@ -753,69 +726,3 @@ async def _all_or_none(work: list[Coroutine[Any, Any, Result]]) -> list[Result]:
         for task in tasks:
             if not task.cancelled():
                 task.exception()
-
-
-# --------------------------------------------------------------------------------------------
-# Running it
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's Server with the daemon's signal handling.
-
-    uvicorn's own handler re-raises the captured signal after shutdown (so the
-    process would die of SIGTERM instead of exiting 0) and escalates only on a
-    second SIGINT. Here the first SIGTERM or SIGINT marks the app as draining and
-    stops accepting; uvicorn then waits up to ``timeout_graceful_shutdown`` for the
-    requests in flight. A second signal stops at once (``forced``): the requests in
-    flight are cancelled and answer 503 ``shutting_down``, on every Python version.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
-        super().__init__(config)
-        self.app_state = state
-        self.signals = 0
-        self.forced = False
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if sockets is not None:
-            # The daemon binds its port before the pool loads and hands the socket over;
-            # uvicorn then leaves out its "Uvicorn running on ..." line (it expects its
-            # own process manager to have said it), which says the port now listens.
-            self._log_started_message(sockets)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        loop = asyncio.get_running_loop()
-        for sig in self.SIGNALS:
-            loop.add_signal_handler(sig, self._on_signal, sig)
-        try:
-            yield
-        finally:
-            for sig in self.SIGNALS:
-                loop.remove_signal_handler(sig)
-
-    def _on_signal(self, sig: int) -> None:
-        self.signals += 1
-        name = signal.Signals(sig).name
-        if self.signals == 1:
-            logger.info(
-                "%s: draining requests in flight (up to %.0f s), then stopping",
-                name,
-                self.config.timeout_graceful_shutdown or 0,
-            )
-            self.app_state.draining = True
-            self.should_exit = True
-        else:
-            logger.warning("%s again: stopping now; requests in flight fail", name)
-            self.forced = True
-            self.force_exit = True
-            # force_exit only ends uvicorn's waiting loops; it then awaits
-            # asyncio.Server.wait_closed(), which since Python 3.12 waits for every open
-            # connection (it returned at once before). So the requests in flight are
-            # cancelled here, as uvicorn does when the drain timeout passes: each answers
-            # 503 shutting_down and closes its connection, and the server exits.
-            for task in self.server_state.tasks:
-                task.cancel(msg=f"{name} again: stopping now")
