@@ -290,10 +290,10 @@ def test_a_schema_past_a_work_bound_is_refused_at_once_off_the_loop(pool: ModelP
 def test_every_body_is_parsed_off_the_event_loop(
     pool: ModelPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import modelpool.server.app
+    import modelpool.server.openai.api
 
     on_loop: list[bool] = []
-    parse = modelpool.server.app.parse_chat
+    parse = modelpool.server.openai.api.parse_chat
 
     def recording_parse(body: Any) -> Any:
         try:
@@ -303,7 +303,7 @@ def test_every_body_is_parsed_off_the_event_loop(
             on_loop.append(False)
         return parse(body)
 
-    monkeypatch.setattr(modelpool.server.app, "parse_chat", recording_parse)
+    monkeypatch.setattr(modelpool.server.openai.api, "parse_chat", recording_parse)
     with serving(pool) as served:
         body = {"messages": [{"role": "user", "content": "echo:x"}]}
         assert served.http.post("/v1/chat/completions", json=body).status_code == 200
@@ -369,12 +369,12 @@ def test_a_client_that_reads_no_answer_is_disconnected_after_send_timeout(
 def test_a_large_answer_is_built_and_encoded_off_the_event_loop(
     pool: ModelPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import modelpool.server.app
     import modelpool.server.http
+    import modelpool.server.openai.api
 
     built_on_loop: list[bool] = []
     slices: list[int] = []
-    build, dumps = modelpool.server.app.response_body, modelpool.server.http.compact_json
+    build, dumps = modelpool.server.openai.api.response_body, modelpool.server.http.compact_json
 
     def recording_build(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -388,7 +388,7 @@ def test_a_large_answer_is_built_and_encoded_off_the_event_loop(
         slices.append(len(value) if isinstance(value, list) else 1)
         return dumps(value)
 
-    monkeypatch.setattr(modelpool.server.app, "response_body", recording_build)
+    monkeypatch.setattr(modelpool.server.openai.api, "response_body", recording_build)
     monkeypatch.setattr(modelpool.server.http, "compact_json", recording_dumps)
     big = {"prompt": "x" * 20000, "n": 2, "echo": True, "logprobs": 5, "max_tokens": 1}
     with serving(pool, max_request_tokens=2_000_000) as served:

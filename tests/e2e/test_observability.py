@@ -28,6 +28,7 @@ def test_stats_is_the_pools_stats_dict(http: httpx.Client) -> None:
     share_keys = {"capacity", "in_pool", "charged_preemptions", "waiting", "clients", "checking"}
     assert set(data.pop("fair_share")) == share_keys
     assert isinstance(data.pop("checks"), dict)
+    assert set(data.pop("responses_store")) == {"entries", "bytes", "owners"}
     assert_documented_stats_keys(data)
 
 
