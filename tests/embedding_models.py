@@ -106,13 +106,13 @@ def _write_tokenizer(path: Path) -> int:
     return len(vocab)
 
 
-def _config(vocab_size: int, **extra: object) -> object:
+def _config(vocab_size: int, layers: int = 2, **extra: object) -> object:
     from transformers import BertConfig
 
     return BertConfig(
         vocab_size=vocab_size,
         hidden_size=HIDDEN_SIZE,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         intermediate_size=64,
         max_position_embeddings=64,
@@ -121,9 +121,15 @@ def _config(vocab_size: int, **extra: object) -> object:
 
 
 def build_embedding_model(
-    path: Path, *, mode: PoolingFlag = "mean", normalize: bool = True, seed: int = 0
+    path: Path,
+    *,
+    mode: PoolingFlag = "mean",
+    normalize: bool = True,
+    seed: int = 0,
+    layers: int = 2,
 ) -> Path:
-    """A sentence-transformers directory: a random BERT, ``mode`` pooling, ``Normalize``."""
+    """A sentence-transformers directory: a random BERT of ``layers`` layers, ``mode``
+    pooling, ``Normalize``."""
     import torch
     from transformers import BertModel
 
@@ -131,7 +137,7 @@ def build_embedding_model(
         return path
     torch.manual_seed(seed)
     vocab_size = _write_tokenizer(path)
-    BertModel(_config(vocab_size)).save_pretrained(str(path))  # type: ignore[arg-type]
+    BertModel(_config(vocab_size, layers)).save_pretrained(str(path))  # type: ignore[arg-type]
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {

@@ -72,3 +72,30 @@ def slow_prefill(model: str, device: str = "cpu", **options: Any) -> Any:
     for layer in handler.model.model.layers:
         layer.register_forward_pre_hook(slow)
     return handler
+
+
+SLOW_POOLING_LAYER_S = 0.1
+"""How long each encoder layer of ``slow_pooling`` takes over more than
+``SLOW_POOLING_ROWS`` rows."""
+SLOW_POOLING_ROWS = 8
+
+
+def slow_pooling(model: str, device: str = "cpu", **options: Any) -> Any:
+    """``slow-pooling``: the hf backend's pooling model (a BERT) whose encoder layers each
+    sleep ``SLOW_POOLING_LAYER_S`` in a forward pass over more than ``SLOW_POOLING_ROWS``
+    rows, so that such a pass lasts at least layers x that whatever the machine's load,
+    while the warm-up and small requests stay fast."""
+    import time
+
+    from modelpool.backends.hf import load
+
+    handler = load(model, device, **options)
+
+    def slow(module: Any, args: tuple[Any, ...]) -> None:
+        hidden = args[0] if args else None
+        if hidden is not None and hidden.dim() == 3 and hidden.shape[0] > SLOW_POOLING_ROWS:
+            time.sleep(SLOW_POOLING_LAYER_S)
+
+    for layer in handler.network.encoder.layer:
+        layer.register_forward_pre_hook(slow)
+    return handler

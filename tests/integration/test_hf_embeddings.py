@@ -236,3 +236,100 @@ def test_concurrent_clients_batch_in_a_real_worker(models: Path) -> None:
         for mine, theirs in zip(together, solo * 3, strict=True):
             assert mine == pytest.approx(theirs, abs=1e-5)
         assert pool.stats().counters["completed"] == len(TEXTS) * 4
+
+
+@dataclass(eq=False)
+class _CancelledAtRead(_PoolingCall):
+    """A call whose cancel flag reads set from its ``at``-th read on (0: never), counting
+    its reads."""
+
+    at: int = 0
+    reads: int = 0
+
+    def cancelled(self) -> bool:
+        self.reads += 1
+        return 0 < self.at <= self.reads
+
+
+def test_cancel_is_read_before_each_layer_and_stops_the_pass(models: Path) -> None:
+    """One micro-batch (the default ``batch_tokens`` holds all of TEXTS): its flag is read
+    once before it and once before each of the model's two layers; set at the first layer,
+    the pass stops there, where the between-batch read alone would have answered it."""
+    handler = _pooling(build_embedding_model(models / "st-mean-True"))
+    assert len(handler._micro_batches(handler._features(TEXTS, False))) == 1
+    whole = _CancelledAtRead("")
+    assert handler.embed(EmbedRequest(tuple(TEXTS)), whole).finish_reason == "stop"
+    assert whole.reads == 1 + 2
+    stopped = _CancelledAtRead("", at=2)
+    assert handler.embed(EmbedRequest(tuple(TEXTS)), stopped).finish_reason == "cancelled"
+    assert stopped.reads == 2
+    cross = _pooling(build_cross_encoder(models / "cross-encoder"))
+    scored = _CancelledAtRead("", at=3)
+    answer = cross.score(ScoreRequest("capital of france", tuple(TEXTS)), scored)
+    assert answer.finish_reason == "cancelled" and scored.reads == 3
+
+
+def test_layer_reads_change_no_answer_and_a_shared_pass_stops_only_for_all(
+    models: Path,
+) -> None:
+    handler = _pooling(build_embedding_model(models / "st-mean-True"))
+    request = EmbedRequest(tuple(TEXTS))
+    read = handler.embed(request, FakeCall(""))
+    for layer in handler._layer_stops.layers:
+        layer._forward_pre_hooks.clear()
+    unhooked = handler.embed(request, FakeCall(""))
+    assert read.pooled is not None and read.pooled == unhooked.pooled
+    # Two requests in one pass: the first cancelled at its first layer read, the other not.
+    handler = _pooling(build_embedding_model(models / "st-mean-True"))
+    leaving = _CancelledAtRead("", at=2, request=EmbedRequest(tuple(TEXTS[:3])))
+    staying = _CancelledAtRead("", request=EmbedRequest(tuple(TEXTS[3:])))
+    handler.admit(leaving)
+    handler.admit(staying)
+    _, (_, second) = handler.step()
+    assert isinstance(second, Generation) and second.finish_reason == "stop"
+    alone = handler.embed(EmbedRequest(tuple(TEXTS[3:])), FakeCall(""))
+    assert second.pooled is not None and alone.pooled is not None
+    for row, solo_row in zip(second.pooled.vectors or [], alone.pooled.vectors or [], strict=True):
+        assert row == pytest.approx(solo_row, abs=1e-6)
+    # The pass went on for the request still wanted: each layer read both flags.
+    assert staying.reads == 1 + 2 and leaving.reads == 1 + 2
+
+
+@pytest.mark.slow
+def test_a_deadline_mid_pass_stops_between_layers_and_keeps_the_worker(models: Path) -> None:
+    """Issue 58: a deadline cancelled a pooling run that stopped only between micro-batches,
+    so one pass longer than ``cancel_grace_s`` got its worker killed. Here one micro-batch
+    of 24 rows takes 64 layers x ``SLOW_POOLING_LAYER_S`` (each layer sleeps: a lower bound
+    whatever the load), many times the deadline plus the grace: it ends with its deadline
+    error, the worker stays (no kill, same pid) and answers as before."""
+    from helpers import make_config, slack, wait_idle, workers
+    from modelpool.errors import DeadlineExceeded
+    from reliability_backends import SLOW_POOLING_LAYER_S, SLOW_POOLING_ROWS
+
+    layers, deadline_s, grace_s = 64, 0.5, slack(0.5)
+    inputs = tuple(TEXTS * 4)
+    assert len(inputs) > SLOW_POOLING_ROWS
+    assert layers * SLOW_POOLING_LAYER_S > 2 * (deadline_s + grace_s), "false premise"
+    deep = build_embedding_model(models / "st-deep", layers=layers)
+    config = make_config(
+        model=str(deep),
+        backend="reliability_backends:slow_pooling",
+        backend_options={"torch_threads": 1, "batch_tokens": 1_000_000},
+        workers=1,
+        max_batch_size=8,  # the batched form, as the hf backend's pooling pools have it
+        cancel_grace_s=grace_s,
+        startup_timeout_s=120.0,
+    )
+    with ModelPool(config) as pool:
+        (before,) = workers(pool)
+        alone = pool.embed(TEXTS).vectors
+        for _ in range(2):
+            with pytest.raises(DeadlineExceeded):
+                pool.embed(inputs, deadline_s=deadline_s)
+            wait_idle(pool, 1, timeout=slack(5))
+        assert pool.embed(TEXTS).vectors == alone
+        stats = pool.stats()
+        (after,) = stats.workers
+        assert after.pid == before.pid
+        assert stats.counters["kills"] == 0 and stats.counters["cancel_escalations"] == 0
+        assert stats.counters["respawns"] == 0

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from modelpool.backends.common.params import DEFAULT_MAX_NEW_TOKENS
 from modelpool.backends.common.penalties import PENALTY_PARAMS, Penalties
 from modelpool.backends.common.text import TextProgress, stop_strings
+from modelpool.backends.hf.layer_checks import transformer_layers
 from modelpool.backends.hf.runner import LoadedModel
 from modelpool.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, RowGrammar
 from modelpool.prefixes import CACHE_SALT_PARAM, partition_of
@@ -78,26 +79,12 @@ def cancellable(model: Any, cancelled: Callable[[], bool]) -> Iterator[None]:
         elif cancelled():
             raise PrefillCancelled
 
-    handles.extend(layer.register_forward_pre_hook(check) for layer in decoder_layers(model))
+    handles.extend(layer.register_forward_pre_hook(check) for layer in transformer_layers(model))
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
-
-
-def decoder_layers(model: Any) -> list[Any]:
-    """The model's decoder layers: the module list as long as its config's layer count
-    (``model.layers`` on llama-like models, ``transformer.h`` on gpt2); [] if none is."""
-    import torch
-
-    count = getattr(model.config, "num_hidden_layers", None)
-    if not count:
-        return []
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
-            return list(module)
-    return []
 
 
 def generate(handler: GeneratingModel, call: Call) -> Generation:

@@ -25,8 +25,11 @@ batched (``protocol.BatchedHandler``, ``batches_pooling``): the worker admits ev
 request that has arrived, and one ``step()`` packs all their rows together, so the
 one-text requests of concurrent clients share forward passes. A request is read and
 checked (context, vocabulary, dimensions) when admitted, so a bad one fails alone. The
-cancel flags are read between micro-batches: a deadline stops an honest worker after the
-micro-batch it is in, and a cancelled request's rows leave the rest of the step.
+cancel flags are read between micro-batches, and a cancelled request's rows leave the
+rest of the step; within a micro-batch they are read before each transformer layer
+(``hf.layer_checks.LayerStops``), and once every request with rows in it is cancelled
+the pass stops there: a deadline stops an honest worker within one layer's time, where
+a whole pass on a loaded CPU can outlast ``cancel_grace_s`` (issue 58).
 
 Load options: ``dtype``, ``torch_threads``, ``max_model_len`` (at most the model's
 own), ``trust_remote_code``, ``batch_tokens`` (default ``DEFAULT_BATCH_TOKENS``).
@@ -44,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from modelpool.backends.common.params import check_load_options, positive_int
+from modelpool.backends.hf.layer_checks import ForwardCancelled, LayerStops
 from modelpool.backends.hf.options import (
     thread_count,
     torch_device,
@@ -273,6 +277,7 @@ class PoolingHandler(PooledBatching):
         self.vocab_size = int(network.config.vocab_size)
         self._pad_id = int(tokenizer.pad_token_id or 0)
         self._pending: list[tuple[BatchCall, _Pending]] = []
+        self._layer_stops = LayerStops(network)
 
     def warm_up(self) -> None:
         """One forward pass, so that the first request does not pay for torch's first."""
@@ -308,7 +313,8 @@ class PoolingHandler(PooledBatching):
         """Each pending request's answer, in order (``Generation("", "cancelled")`` for one
         whose call was cancelled): every row of every request in micro-batches by tokens;
         the cancel flags are read before each micro-batch, and a cancelled request's rows
-        are left out of the ones after."""
+        are left out of the ones after; during one, before each layer, and the pass stops
+        when every request with rows in it is cancelled."""
         import torch
 
         rows = [
@@ -325,9 +331,21 @@ class PoolingHandler(PooledBatching):
             if len(cancelled) == len(pending):
                 break
             batch = [index for index in batch if rows[index][0] not in cancelled]
-            if batch:
-                pooled = self._forward([rows[index][1] for index in batch])
-                out[torch.tensor(batch)] = pooled.float().cpu().reshape(len(batch), width)
+            if not batch:
+                continue
+            owners = sorted({rows[index][0] for index in batch})
+
+            def all_cancelled(owners: list[int] = owners) -> bool:
+                # Stops at the first request still wanted: one flag read a layer, mostly.
+                return all(pending[owner].call.cancelled() for owner in owners)
+
+            try:
+                with self._layer_stops.reading(all_cancelled):
+                    pooled = self._forward([rows[index][1] for index in batch])
+            except ForwardCancelled:
+                cancelled |= set(owners)
+                continue
+            out[torch.tensor(batch)] = pooled.float().cpu().reshape(len(batch), width)
         answers = []
         first = 0
         for owner, entry in enumerate(pending):
