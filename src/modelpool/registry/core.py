@@ -350,8 +350,19 @@ class ModelRegistry(Admission):
 
     def add_pool_hook(self, hook: Callable[[str, ModelPool], None]) -> None:
         """Call ``hook(model name, pool)`` with each pool the registry makes, before it
-        starts (the daemon adds its ``vllm:`` metrics and tracing as observers)."""
-        self._pool_hooks = [*self._pool_hooks, hook]
+        starts (the daemon adds its ``vllm:`` metrics and tracing as observers), and now
+        with each pool already made (a ``preload`` model loaded before the daemon added
+        its observers): no pool goes unobserved, whenever its hook came."""
+        with self._cond:
+            self._pool_hooks = [*self._pool_hooks, hook]
+            made = [(e.spec.name, e.pool) for e in self._entries.values() if e.pool is not None]
+            made += [
+                (step.entry.spec.name, step.loading)
+                for step in self._steps
+                if step.entry is not None and step.loading is not None
+            ]
+        for name, pool in made:
+            hook(name, pool)
 
     def stats(self, *, with_pools: bool = True) -> RegistryStats:
         """Every model (with its pool's own ``PoolStats`` when loaded and ``with_pools``),
@@ -667,16 +678,19 @@ class ModelRegistry(Admission):
         assert entry is not None
         spec = entry.spec
         pool = self._pool_class(spec.pool, gpu_probe=self._gpu_probe)
-        for hook in self._pool_hooks:
-            hook(spec.name, pool)
         started = time.monotonic()
         with self._cond:
             # The readings of requests are this load's own (the memory module's docstring).
             entry.readings = []
+            # The hooks read with step.loading set under one lock: a hook added from now
+            # on is applied to this pool by add_pool_hook, one added before is in `hooks`.
+            hooks = self._pool_hooks
             step.loading = pool
             step.deadline = started + spec.load_deadline_s
             if self._closing:
                 pool.close(drain=False, timeout=0.0)
+        for hook in hooks:
+            hook(spec.name, pool)
         error: BaseException | None = None
         try:
             pool.start()
