@@ -79,13 +79,19 @@ class Sampler(threading.Thread):
         self.interval_s = interval_s
         self.peak_rss = 0
         self.swapping: list[tuple[float, float]] = []  # intervals with a load or unload
+        # Samples with two or more loads whose workers were up at once (loads in parallel).
+        self.parallel_loads = 0
         self.stop = threading.Event()
 
     def run(self) -> None:
         since: float | None = None
         while not self.stop.wait(self.interval_s):
             self.peak_rss = max(self.peak_rss, tree_rss())
-            states = {m.state for m in self.registry.stats(with_pools=False).models.values()}
+            models = self.registry.stats(with_pools=False).models.values()
+            states = {m.state for m in models}
+            # A loading model holds memory only once its load's workers are up and measured.
+            running = [m for m in models if m.state == "loading" and m.rss_bytes]
+            self.parallel_loads += len(running) >= 2
             busy = bool(states & {"loading", "unloading"})
             now = time.monotonic()
             if busy and since is None:
@@ -240,6 +246,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "loaded_without_swaps_s": p_without,
         "loaded_counts": {"during": len(during), "without": len(without)},
         "peak_rss_sampled_bytes": sampler.peak_rss,
+        "parallel_load_samples": sampler.parallel_loads,
         "peak_rss_registry_bytes": stats.peak_rss_bytes,
     }
     ratio = (
@@ -417,11 +424,13 @@ def chaos(args: argparse.Namespace) -> dict[str, Any]:
         "swaps": final.swaps,
         "peak_rss_registry_bytes": final.peak_rss_bytes,
         "peak_rss_sampled_bytes": sampler.peak_rss,
+        "parallel_load_samples": sampler.parallel_loads,
         "states_at_end": {n: m.state for n, m in final.models.items()},
     }
     print(
         f"chaos: violations {len(state.violations)}; {sum(state.outcomes.values())} requests, "
-        f"{state.kills} SIGKILLs, {final.swaps} swaps; loads {report['loads']}; load failures "
+        f"{state.kills} SIGKILLs, {final.swaps} swaps, {sampler.parallel_loads} samples with "
+        f"loads in parallel; loads {report['loads']}; load failures "
         f"{report['load_failures']}; peak RSS {final.peak_rss_bytes / 2**20:.0f} MB (registry) / "
         f"{sampler.peak_rss / 2**20:.0f} MB (sampled, kills included) vs budget "
         f"{budget / 2**20:.0f} MB; states at end {report['states_at_end']}"

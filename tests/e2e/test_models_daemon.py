@@ -159,6 +159,10 @@ def test_stats_and_metrics_are_per_model(http: httpx.Client) -> None:
     assert {s.labels["model"] for s in requests} >= {"chat"}
     states = families["modelpool_model_state"].samples
     assert any(s.labels == {"model": "broken", "state": "failed"} and s.value == 1 for s in states)
+    # chat was preloaded before the daemon added its observers: its requests are in the
+    # vllm: series all the same.
+    finished = families["vllm:request_success"].samples
+    assert any(s.labels.get("model_name") == "chat" and s.value >= 1 for s in finished)
 
 
 def test_fair_share_is_per_model(daemon: Daemon, http: httpx.Client) -> None:

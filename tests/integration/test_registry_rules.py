@@ -309,6 +309,53 @@ def test_a_quick_load_does_not_wait_behind_a_slow_or_failing_one(registry_of: An
         slow.result(timeout=slack(60)).release()
 
 
+@pytest.mark.slow
+def test_under_a_budget_a_load_that_fits_does_not_wait_behind_a_slow_one(
+    registry_of: Any,
+) -> None:
+    need = measured_need()
+    budget = int(2.5 * need)  # two fit, three do not
+    registry = registry_of(
+        spec("slow", load_delay_s=5.0), spec("quick"), spec("third"), memory_budget_bytes=budget
+    )
+    for name in ("slow", "quick", "third"):  # each measured by a load that became ready
+        registry.acquire(name, deadline_s=slack(30)).release()
+        registry.unload(name)
+        wait_until(lambda n=name: registry.model_stats(n).state == "unloaded", timeout=slack(5))
+    with concurrent.futures.ThreadPoolExecutor(2) as threads:
+        slow = threads.submit(registry.acquire, "slow", deadline_s=slack(60))
+        wait_until(lambda: registry.model_stats("slow").state == "loading")
+        with registry.use("quick", deadline_s=slack(30)) as pool:
+            assert pool.generate("echo:quick").text == "quick"
+        assert not slow.done(), "the quick load waited behind the slow one"
+        # third does not fit beside both: it waits for slow's load, then evicts quick.
+        third = threads.submit(registry.acquire, "third", deadline_s=slack(60))
+        slow.result(timeout=slack(60)).release()
+        third.result(timeout=slack(60)).release()
+    stats = registry.stats()
+    assert stats.models["quick"].evictions == 1 and stats.models["slow"].state == "loaded"
+    assert stats.peak_rss_bytes <= budget
+
+
+@pytest.mark.slow
+def test_a_load_that_never_became_ready_leaves_no_partial_need_to_plan_on(
+    registry_of: Any,
+) -> None:
+    # Its readings were of the part of it that was up: planned on them, its next load
+    # would keep models beside it that it does not fit beside (the chaos benchmark's
+    # budget violation).
+    pool = make_config(workers=1, model="none", backend_options={"load_delay_s": 600.0})
+    hangs = ModelSpec("hangs", pool, load_timeout_s=slack(3.0))
+    registry = registry_of(hangs, memory_budget_bytes=4 * measured_need())
+    with concurrent.futures.ThreadPoolExecutor(1) as threads:
+        load = threads.submit(registry.acquire, "hangs", deadline_s=slack(30))
+        wait_until(lambda: registry.model_stats("hangs").need_bytes, message="a reading")
+        with pytest.raises(ModelUnavailable):
+            load.result(timeout=slack(30))
+    stats = registry.model_stats("hangs")
+    assert stats.state == "failed" and stats.need_bytes is None
+
+
 def test_one_client_holds_at_most_a_quarter_of_the_load_waiting_places(registry_of: Any) -> None:
     registry = registry_of(spec("slow", load_delay_s=1.0), spec("other"), max_waiting=8)
     with concurrent.futures.ThreadPoolExecutor(3) as threads:

@@ -32,9 +32,24 @@ class Budgets:
         self.ledger = ledger
         self.steps = steps
 
-    def loading(self) -> set[int]:
-        """The models a running step is loading (ids): each counts at its need."""
-        return {id(s.entry) for s in self.steps if s.entry is not None and not s.done}
+    def loading(self) -> dict[int, dict[str, int] | None]:
+        """The models a running step is loading (ids), each with the need its load was
+        planned at (``Step.need``): each counts at the most of that, its need now and what
+        it holds, until its step is done (its pool closed, its processes gone)."""
+        return {id(s.entry): s.need for s in self.steps if s.entry is not None and not s.done}
+
+    @staticmethod
+    def proven_need(entry: Entry) -> dict[str, int] | None:
+        """What ``entry``'s load may be planned at beside other loads: a need measured by
+        a load that became ready (this run's, never below its loads' peaks, or an earlier
+        run's saved), None otherwise. A load that never became ready (killed, failed,
+        timed out) measured only the part of it that was up: an estimate or such a
+        reading may be far below what the load takes, so nothing loads beside it."""
+        if entry.need is None:
+            return None
+        if entry.need_source == "saved" or (entry.need_source == "measured" and entry.loads):
+            return dict(entry.need)
+        return None
 
     def unbounded(self) -> bool:
         """No budget at all: any load fits beside any other."""
@@ -54,14 +69,16 @@ class Budgets:
         anything counted at its need (the most it was measured to hold), since a model
         that holds less now may grow back to it while the next one loads."""
         total: dict[str, int] = {}
-        loading = self.loading() if at_peak else set()
+        loading = self.loading() if at_peak else {}
         for entry in self.entries.values():
             if without is not None and id(entry) in without:
                 continue
             held = dict(entry.held)
             counted = held or id(entry) in loading
-            if at_peak and counted and entry.need and entry.lingering is None:
-                held = {r: max(held.get(r, 0), amount) for r, amount in entry.need.items()}
+            if at_peak and counted and entry.lingering is None:
+                for need in (entry.need, loading.get(id(entry))):
+                    for resource, amount in (need or {}).items():
+                        held[resource] = max(held.get(resource, 0), amount)
             for resource, amount in held.items():
                 total[resource] = total.get(resource, 0) + amount
         return total
@@ -112,9 +129,9 @@ class Budgets:
         lingering = [e for e in self.entries.values() if e.lingering is not None]
         # A swap waiting for its victims to drain: their memory is its, and so is its need.
         draining = {id(v) for step in self.draining for v in step.victims}
-        loading = self.loading() - {id(entry)}
-        if any(e.need is None for e in self.entries.values() if id(e) in loading):
-            return None  # a load under way whose need is not known: nothing beside it
+        loading = {key: need for key, need in self.loading().items() if key != id(entry)}
+        if any(need is None for need in loading.values()):
+            return None  # a load under way whose need is not proven: nothing beside it
         reserved: dict[str, int] = {}
         for step in self.draining:
             assert step.entry is not None

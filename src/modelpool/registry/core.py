@@ -26,8 +26,8 @@ passed; until then its requests get :class:`~modelpool.errors.ModelUnavailable` 
 Threads. The state of every model is guarded by one condition lock that no slow call is
 made under (``base``). One supervising thread (``modelpool-registry``) makes every
 decision: it starts *steps* (a swap: unload the evicted models, then load; or one
-unload) on threads of their own, one at a time under a memory budget, and without one
-loads beside each other (``_next_step``); it watches each step's deadline, measures
+unload) on threads of their own, loads that evict nothing beside each other where the
+budget holds them all (``_next_step``); it watches each step's deadline, measures
 memory (``memory``), unloads idle models, and notices a loaded pool that died. It wakes
 at least twice a second, so its heartbeat (``health()``) shows a wedge; a step that
 outlives its deadline has its pool killed and, if even that does not end it, is
@@ -350,8 +350,19 @@ class ModelRegistry(Admission):
 
     def add_pool_hook(self, hook: Callable[[str, ModelPool], None]) -> None:
         """Call ``hook(model name, pool)`` with each pool the registry makes, before it
-        starts (the daemon adds its ``vllm:`` metrics and tracing as observers)."""
-        self._pool_hooks = [*self._pool_hooks, hook]
+        starts (the daemon adds its ``vllm:`` metrics and tracing as observers), and now
+        with each pool already made (a ``preload`` model loaded before the daemon added
+        its observers): no pool goes unobserved, whenever its hook came."""
+        with self._cond:
+            self._pool_hooks = [*self._pool_hooks, hook]
+            made = [(e.spec.name, e.pool) for e in self._entries.values() if e.pool is not None]
+            made += [
+                (step.entry.spec.name, step.loading)
+                for step in self._steps
+                if step.entry is not None and step.loading is not None
+            ]
+        for name, pool in made:
+            hook(name, pool)
 
     def stats(self, *, with_pools: bool = True) -> RegistryStats:
         """Every model (with its pool's own ``PoolStats`` when loaded and ``with_pools``),
@@ -546,19 +557,19 @@ class ModelRegistry(Admission):
         once the drained swap is done starts at once instead of waiting its turn. So does
         one behind a load that cannot be planned yet: a wait is never the whole queue's.
 
-        Without a memory budget, while steps run (``busy``), a load starts beside them
-        (it evicts nothing): a slow or failing load holds no other model's. Under a
-        budget steps run one at a time: a load's memory is not known until its
-        processes are up and gone again (a start-up retry, a load killed at its
-        deadline, a worker killed while it loads all overlap), so a load beside another
-        could pass the budget."""
+        While steps run (``busy``), a load that evicts nothing and waits for no release
+        starts beside them: a slow or failing load holds no other model's. Under a
+        budget only where its need and every running load's are proven (measured by a
+        load that became ready, ``Budgets.proven_need``) and they fit together, each
+        load counted at the most of its planned need, its need now and what it holds
+        until its step ends, its processes gone."""
         for entry in self._entries.values():
             if entry.state == "loaded" and entry.pool is not None:
                 health = entry.pool.health()
                 if not health.alive and health.state in ("failed", "closed"):
                     self._fail(entry, health.reason or "its pool died", now)
         if busy:
-            return self._next_load(now, busy=True) if self._budgets.unbounded() else None
+            return self._next_load(now, busy=True)
         for entry in self._entries.values():
             if entry.state == "failed" and entry.pool is not None and entry.in_flight == 0:
                 return Step(
@@ -618,8 +629,10 @@ class ModelRegistry(Admission):
                 self._pending.remove(entry)
                 self._fail(entry, exc.message, now, error=exc)
                 continue
-            if plan is None or (busy and (plan[0] or plan[1])):
-                continue  # waits for memory not back yet; re-planned each round
+            need = self._budgets.proven_need(entry)
+            alone = need is None and not self._budgets.unbounded()
+            if plan is None or (busy and (plan[0] or plan[1] or alone)):
+                continue  # waits for memory not back yet, or its turn; re-planned each round
             victims, awaits = plan
             self._pending.remove(entry)
             if victims:
@@ -632,7 +645,13 @@ class ModelRegistry(Admission):
                 f" (evicting {', '.join(v.spec.name for v in victims)})" if victims else ""
             )
             step = Step(
-                "swap", entry, victims, why, awaits, release_by=now + entry.spec.load_deadline_s
+                "swap",
+                entry,
+                victims,
+                why,
+                awaits,
+                release_by=now + entry.spec.load_deadline_s,
+                need=need,
             )
             if any(v.in_flight for v in victims):
                 step.drain_by = now + self.config.unload_timeout_s
@@ -667,16 +686,21 @@ class ModelRegistry(Admission):
         assert entry is not None
         spec = entry.spec
         pool = self._pool_class(spec.pool, gpu_probe=self._gpu_probe)
-        for hook in self._pool_hooks:
-            hook(spec.name, pool)
         started = time.monotonic()
         with self._cond:
             # The readings of requests are this load's own (the memory module's docstring).
             entry.readings = []
+            # What it was planned at: a load that does not become ready measured only the
+            # part of it that was up, and leaves the need as it found it.
+            planned = entry.need, entry.need_source
+            # Read with step.loading set, under one lock: add_pool_hook applies a later hook.
+            hooks = self._pool_hooks
             step.loading = pool
             step.deadline = started + spec.load_deadline_s
             if self._closing:
                 pool.close(drain=False, timeout=0.0)
+        for hook in hooks:
+            hook(spec.name, pool)
         error: BaseException | None = None
         try:
             pool.start()
@@ -687,43 +711,51 @@ class ModelRegistry(Admission):
         with self._cond:
             now = time.monotonic()
             step.loading = None
+            if error is not None or step.abandoned or self._closing or step.timed_out:
+                entry.need, entry.need_source = planned
             if step.abandoned or self._closing or step.timed_out:
-                if error is None:
-                    threading.Thread(
-                        target=pool.close, kwargs={"drain": False}, daemon=True
-                    ).start()
                 if step.timed_out and not step.abandoned and entry.state == "loading":
                     reason = f"its load did not finish within {spec.load_deadline_s:g} s"
                     self._fail(entry, reason + " (load_timeout_s)", now)
-                return
-            if error is not None:
+                discard = error is None
+            elif error is not None:
                 self._fail(entry, f"its load failed: {error}", now)
                 return
-            self._note_held(entry, held, now, load_peak=peak)
-            entry.need = self._settled(entry) or entry.need
-            too_large = self._budgets.too_large(entry, entry.need or {})
-            if too_large is not None:
-                entry.held = {}
-                threading.Thread(target=pool.close, kwargs={"drain": False}, daemon=True).start()
-                self._fail(entry, too_large.message, now, error=too_large)
-                return
-            entry.pool = pool
-            # An operator's unload asked for while it loaded: its waiters are served, then
-            # it unloads (the supervisor's first step once they are done).
-            entry.state = "unloading" if entry.unload_requested else "loaded"
-            entry.reason = None
-            entry.error = None
-            entry.failures = 0
-            entry.held_back = False
-            entry.loads += 1
-            entry.last_load_s = round(seconds, 3)
-            entry.load_seconds_total += seconds
-            entry.last_used = now
-            if entry.load is not None and not entry.load.done():
-                entry.load.set_result(pool)
-            self._cond.notify_all()
+            else:
+                self._note_held(entry, held, now, load_peak=peak)
+                entry.need = self._settled(entry) or entry.need
+                too_large = self._budgets.too_large(entry, entry.need or {})
+                discard = too_large is not None
+                if too_large is not None:
+                    entry.held = {}
+                    self._fail(entry, too_large.message, now, error=too_large)
+                else:
+                    self._loaded(entry, pool, seconds, now)
+        if discard:
+            # Closed on this step's thread: until its processes are gone (close returns
+            # then) the step runs, and the load counts at its need beside other loads.
+            pool.close(drain=False, timeout=0.0)
+            return
         logger.info("registry: %s loaded in %.2f s", spec.name, seconds)
         self._keep_need(entry)
+
+    def _loaded(self, entry: Entry, pool: ModelPool, seconds: float, now: float) -> None:
+        """``entry``'s load is done: the pool is its, its waiters get it (lock held)."""
+        entry.pool = pool
+        # An operator's unload asked for while it loaded: its waiters are served, then
+        # it unloads (the supervisor's first step once they are done).
+        entry.state = "unloading" if entry.unload_requested else "loaded"
+        entry.reason = None
+        entry.error = None
+        entry.failures = 0
+        entry.held_back = False
+        entry.loads += 1
+        entry.last_load_s = round(seconds, 3)
+        entry.load_seconds_total += seconds
+        entry.last_used = now
+        if entry.load is not None and not entry.load.done():
+            entry.load.set_result(pool)
+        self._cond.notify_all()
 
     def _entry_stats(self, entry: Entry, now: float) -> ModelStats:
         spec = entry.spec

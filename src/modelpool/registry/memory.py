@@ -7,9 +7,11 @@ one load measured while a worker was being replaced does not understate it) and 
 readings of the last ``NEED_WINDOW_S`` of this load, the most of them. So one request's
 transient peak (a large rerank) raises the need for a while and no longer. A need saved
 by an earlier run or estimated from the model's files (``needs``) counts only until its
-load is measured. A model whose holding now does not fit the budget even beside the
-pinned models alone is failed and closed once idle; its next load (after its backoff)
-is planned from what its loads took, and measured afresh.
+load is measured. A load that does not become ready (failed, killed, timed out) leaves
+the need as it found it: its readings are of the part of it that was up, and planning
+the next load on them would let it pass the budget. A model whose holding now does not
+fit the budget even beside the pinned models alone is failed and closed once idle; its
+next load (after its backoff) is planned from what its loads took, and measured afresh.
 """
 
 from __future__ import annotations

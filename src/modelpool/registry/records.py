@@ -371,6 +371,9 @@ class Step:
     # Until when the victims' running requests may finish (0: unload_timeout_s from the
     # unload's start); past it the unload goes on with them still running.
     drain_by: float = 0.0
+    # The need the load was planned at when proven (``Budgets.proven_need``); None: not
+    # known, nothing loads beside it.
+    need: dict[str, int] | None = None
     thread: threading.Thread | None = None
     loading: ModelPool | None = None
     deadline: float | None = None
