@@ -269,6 +269,17 @@ def test_a_tenants_request_budget_holds_on_every_route(
     assert bob.post(route.path, json=route.body(10)).status_code == 200
 
 
+def test_a_request_without_a_maximum_generates_no_more_than_its_tenants_budget(
+    bob: httpx.Client,
+) -> None:
+    # Costed at 128 output tokens when it set none, it may generate up to the context:
+    # not past what bob's own max_request_tokens pays for.
+    body = {"model": "chat", "messages": [{"role": "user", "content": "tokens:5000"}]}
+    answer = _ok(bob.post("/v1/chat/completions", json=body))
+    assert 128 < answer["usage"]["completion_tokens"] < BOB_BUDGET
+    assert answer["choices"][0]["finish_reason"] == "length"
+
+
 @contextlib.contextmanager
 def _bob_running(daemon: Daemon, model: str, tmp_path: Path) -> Iterator[None]:
     """Bob's one run in ``model``'s fair share (his ``client_max_running``), until the

@@ -36,6 +36,16 @@ def test_without_a_keys_file_whoever_gets_in_operates() -> None:
     assert Keys.configured(None, None).operates(None)
 
 
+def test_a_file_tenant_may_not_share_the_api_key_tenants_name(tmp_path: Path) -> None:
+    # Stored responses and cache partitions are a tenant's name's: a file's "default"
+    # would share them with every holder of the api_key_env key.
+    with pytest.raises(ValueError, match=r"tenants\.default is the name of the api_key_env"):
+        _keys(tmp_path, '[tenants.default]\nkey = "sk-mine-0123456789abc"\n')
+    path = tmp_path / "alone.toml"
+    path.write_text('[tenants.default]\nkey = "sk-mine-0123456789abc"\n')
+    assert Keys.configured(str(path), None).tenant(b"Bearer sk-mine-0123456789abc") is not None
+
+
 def test_admin_must_be_true_or_false(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"tenants\.ops\.admin must be true or false"):
         _keys(tmp_path, '[tenants.ops]\nkey = "sk-ops-0123456789abc"\nadmin = "yes"\n')

@@ -7,6 +7,7 @@ checks (``releases``) and its memory readings (``memory``) as the other bases.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -23,6 +24,15 @@ from modelpool.registry.records import Entry, RegistryConfig, Step
 from modelpool.registry.swaps import SwapLedger
 
 logger = logging.getLogger("modelpool.registry")
+
+
+def waited_on(load: concurrent.futures.Future[ModelPool]) -> asyncio.Future[ModelPool]:
+    """``load`` as the event loop's future, whose outcome is read even when every waiter
+    gave up on it (a shielded wait that times out): a load that then fails would
+    otherwise log "Future exception was never retrieved" once per waiter, at ERROR."""
+    waiting = asyncio.wrap_future(load)
+    waiting.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return waiting
 
 
 class RegistryBase:
@@ -118,6 +128,9 @@ class RegistryBase:
         entry.reason = reason
         if entry.pool is None:
             entry.held = {}  # a failed load's workers are gone (or being killed) with it
+            # An unload asked for during the load is done: nothing is loaded. Kept, it
+            # would unload the next load, much later, under its requests.
+            entry.unload_requested = False
         if isinstance(error, ModelUnavailable):
             error.retry_after_s = backoff
         entry.error = error or ModelUnavailable(

@@ -72,7 +72,7 @@ from modelpool.errors import (
 )
 from modelpool.pool import ModelPool
 from modelpool.registry.admission import Admission
-from modelpool.registry.base import logger
+from modelpool.registry.base import logger, waited_on
 from modelpool.registry.records import (
     ANYONE,
     MEMORY,
@@ -248,7 +248,7 @@ class ModelRegistry(Admission):
         if isinstance(load, ModelLease):
             return load
         try:
-            pool = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(load)), bound_s)
+            pool = await asyncio.wait_for(asyncio.shield(waited_on(load)), bound_s)
         except TimeoutError:
             raise self._gave_up(entry, bound_s, client) from None
         except BaseException as exc:

@@ -158,19 +158,31 @@ class RegistryStats:
         return data
 
 
+# The longest keep_alive a request may give: past it a date computed from it overflows.
+MAX_KEEP_ALIVE_S = 10 * 365 * 24 * 3600.0
+
+
 def parse_keep_alive(value: object) -> float | None:
     """Ollama's ``keep_alive``: seconds, or a duration ("30s", "5m", "1h", "1h30m");
     0 unloads once idle, a negative value keeps it loaded (returns None: forever)."""
     if isinstance(value, bool) or value is None:
         raise ValueError(f"keep_alive must be a number of seconds or a duration, got {value!r}")
     if isinstance(value, (int, float)):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:
+            raise ValueError(f"keep_alive must be finite, got {value!r}") from None
     elif isinstance(value, str):
         seconds = _duration(value.strip())
     else:
         raise ValueError(f"keep_alive must be a number of seconds or a duration, got {value!r}")
     if not math.isfinite(seconds):
         raise ValueError(f"keep_alive must be finite, got {value!r}")
+    if seconds > MAX_KEEP_ALIVE_S:
+        raise ValueError(
+            f"keep_alive must be at most {MAX_KEEP_ALIVE_S:.0f} s (ten years; a negative "
+            f"value keeps the model loaded), got {value!r}"
+        )
     return None if seconds < 0 else seconds
 
 

@@ -574,7 +574,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     bound.clamp_field(job.params)
     bound.note(request.scope)
     priority, due_at = _admit(request, state, pool, job, deadline, client.name)
-    bound_by_deadline(job, pool, deadline)
+    bound_by_deadline(job, pool, deadline, budget)
     runs = job.choices()
     # Every run in its tenant's partition of the prefix cache, whatever the body said.
     cache_partition = partition(client.tenant, job.params.get("cache_salt"))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from modelpool.server.openai.format import Job
+from modelpool.server.openai.request import output_ceiling
 from modelpool.validation import FIT_PARAM
 
 if TYPE_CHECKING:
@@ -33,20 +34,22 @@ if TYPE_CHECKING:
     from modelpool.server.streaming import StreamedChoice, StreamWriter
 
 
-def bound_by_deadline(job: Job, pool: ModelPool, deadline_s: float) -> None:
+def bound_by_deadline(job: Job, pool: ModelPool, deadline_s: float, budget: int) -> None:
     """A request that set no maximum gets what fits in the context (``fit_to_context``),
-    and, once its pool measured its rates, no more than it can decode before its
-    deadline: it answers with ``finish_reason: "length"`` instead of a 504. A model's
-    own ``generation_defaults.max_new_tokens`` still caps it."""
+    but no more than its client's ``max_request_tokens`` pays for (``budget``: it was
+    costed at the default 128) and, once its pool measured its rates, no more than it can
+    decode before its deadline: it answers with ``finish_reason: "length"`` instead of a
+    504. A model's own ``generation_defaults.max_new_tokens`` still caps it."""
     if FIT_PARAM not in job.params or "max_new_tokens" in job.params:
         return
+    bounds = [output_ceiling(job, budget)]
     within = pool.tokens_within(deadline_s)
-    if within is None:
-        return
+    if within is not None:
+        bounds.append(within)
     configured = pool.config.generation_defaults.get("max_new_tokens")
     if isinstance(configured, int):
-        within = min(within, configured)
-    job.params["max_new_tokens"] = within
+        bounds.append(configured)
+    job.params["max_new_tokens"] = min(bounds)
 
 
 class Parsed(Protocol):

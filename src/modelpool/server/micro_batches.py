@@ -177,6 +177,10 @@ async def in_turns(
                     f"the deadline ({deadline_s:g} s) passed after {done} of the request's "
                     f"{len(pieces)} micro-batches"
                 )
+            # Each micro-batch ages from when it starts waiting: on the request's first
+            # clock, a long request's later pieces would be promoted past every other
+            # client's fresh runs once it had run for priority_aging_s.
+            ticket.arrived_at = time.monotonic()
             async with ticket.slot(left_s) as slot_left_s:
                 result = await _indexed(call(pool, job, piece, slot_left_s), piece)
                 results.append((piece, result))

@@ -104,7 +104,7 @@ def install_pooling_routes(app: FastAPI, state: ServerState) -> None:
             )
 
         def check(pool: ModelPool) -> None:
-            _check_task(pool, request, SCORES)
+            _check_task(pool, request, state, SCORES)
 
         answer = await in_turns(request, state, parse, check, plan, run, priority_of=_priority)
         if answer is None:
@@ -130,7 +130,7 @@ def install_pooling_routes(app: FastAPI, state: ServerState) -> None:
 
     async def score(request: Request) -> Response:
         def check(pool: ModelPool) -> None:
-            _check_task(pool, request, SCORES)
+            _check_task(pool, request, state, SCORES)
 
         answer = await in_turns(
             request, state, _parse_score, check, _score_plan, _score_piece, priority_of=_priority
@@ -177,7 +177,7 @@ async def serve_embeddings(
     client's turn), whatever shape its body and answer have (OpenAI's, TEI's, Ollama's)."""
 
     def check(pool: ModelPool) -> None:
-        _check_task(pool, request, EMBEDS)
+        _check_task(pool, request, state, EMBEDS)
 
     def plan(job: EmbedJob) -> Plan:
         return Plan.of([tokens_of(item) for item in job.inputs])
@@ -202,9 +202,15 @@ async def serve_embeddings(
         sum(result.prompt_tokens for _, result in results),
         results[0][1].dimensions,
     )
-    body = answer(job, whole, _model(request, state))
+    model = _model(request, state)
+
+    def encoded() -> bytes:
+        # The answer's own work (Ollama's and TEI's normalise every vector) goes off the
+        # loop with the encoding when the answer is large.
+        return json_bytes(answer(job, whole, model))
+
     values = len(whole.vectors) * whole.dimensions
-    content = await off_loop_if(values > ENCODE_OFF_LOOP_VALUES, state.heavy_work, json_bytes, body)
+    content = await off_loop_if(values > ENCODE_OFF_LOOP_VALUES, state.heavy_work, encoded)
     return Response(content, media_type="application/json")
 
 
@@ -260,12 +266,15 @@ def _model(request: Request, state: ServerState) -> str:
     return name if isinstance(name, str) else state.model_name
 
 
-def _check_task(pool: ModelPool, request: Request, serves: frozenset[str]) -> None:
+def _check_task(
+    pool: ModelPool, request: Request, state: ServerState, serves: frozenset[str]
+) -> None:
     """400 ``wrong_task`` unless the pool's model does what the route asks."""
     task = pool.task
     if task in serves:
         return
-    name = request.scope.get("state", {}).get("model") or pool.config.model
+    # The served name, never the operator's path (``pool.config.model``).
+    name = _model(request, state)
     wanted = "an embedding model" if serves == EMBEDS else "an embedding model or a cross-encoder"
     raise ApiError(
         400,

@@ -239,12 +239,14 @@ async def on_a_worker(
     if priority_of is not None:
         parse = bound.parsing(parse)
     body, job = await read_checked(request, state, waiting_s, parse, client.config(state.config))
-    bound.note(request.scope)
     pool = await state.pool_for(request, body)
     deadline = state.time_left(
         request, deadline_from({}, request.headers, pool.config.deadline_s, None)
     )
-    priority = 0 if priority_of is None else priority_of(job)
+    # A route whose body has no priority runs at 0, held to the tenant's bound too: a
+    # tenant bounded at 5 must not pass others' priority 1-5 work with tokenizer runs.
+    priority = bound.clamp(0 if priority_of is None else priority_of(job))
+    bound.note(request.scope)
     ticket = state.share_for(request).reserve(client.name, 1, client.limits, priority)
     try:
         async with ticket.slot(deadline) as left_s:

@@ -95,6 +95,13 @@ class Keys:
             return cls.single(api_key)
         keys = cls.from_file(keys_file)
         if api_key:
+            # A tenant's stored responses and cache partition are its name's: a file's
+            # tenant named "default" would share them with every holder of this key.
+            if any(tenant.name == DEFAULT.name for tenant in keys._by_digest.values()):
+                raise ValueError(
+                    f"{keys_file}: tenants.{DEFAULT.name} is the name of the api_key_env "
+                    "key's tenant; rename that table"
+                )
             keys._by_digest[_digest(api_key.encode())] = DEFAULT
         return keys
 

@@ -12,14 +12,17 @@ registry's stats (or the one pool's).
   once loaded or where the configuration says) and the capabilities: ``completion`` and
   ``tools`` for a chat model, ``embedding`` for an embedding model.
 
-``digest`` is a hash of the model's name and source (modelpool has no blobs): it changes
-when the configuration points the name elsewhere.
+``digest`` is a keyed hash of the model's name and source (modelpool has no blobs): it
+changes when the configuration points the name elsewhere, and, keyed by a secret of the
+daemon's process, lets no client confirm a guessed path.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import hmac
+import secrets
 from typing import Any
 
 from modelpool import __version__
@@ -42,8 +45,12 @@ def timestamp(moment: datetime.datetime) -> str:
     return moment.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+# The digests' key: a path an operator configured is not a client's to test guesses on.
+_DIGEST_KEY = secrets.token_bytes(32)
+
+
 def digest(name: str, source: str) -> str:
-    return hashlib.sha256(f"modelpool:{name}:{source}".encode()).hexdigest()
+    return hmac.new(_DIGEST_KEY, f"{name}:{source}".encode(), hashlib.sha256).hexdigest()
 
 
 def details(backend: str) -> dict[str, Any]:

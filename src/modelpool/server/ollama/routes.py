@@ -33,7 +33,7 @@ from modelpool.server.models import KEEP_ALIVE
 from modelpool.server.ollama import models as listing
 from modelpool.server.ollama.answer import Clock
 from modelpool.server.ollama.api import OllamaApi
-from modelpool.server.openai.request import check_size
+from modelpool.server.openai.request import check_size, parse_priority
 from modelpool.server.pooling_routes import serve_embeddings
 from modelpool.validation import is_int
 
@@ -42,8 +42,12 @@ if TYPE_CHECKING:
 
 Generate = Callable[[Request, "ServerState", Api[Any]], Awaitable[Response]]
 
-EMBED_FIELDS = frozenset({"model", "input", "truncate", "options", "dimensions", KEEP_ALIVE})
-LEGACY_EMBED_FIELDS = frozenset({"model", "prompt", "options", KEEP_ALIVE})
+# ``priority`` is vLLM's, as on the other embedding routes (and where a tenant's bound
+# writes the clamped value).
+EMBED_FIELDS = frozenset(
+    {"model", "input", "truncate", "options", "dimensions", "priority", KEEP_ALIVE}
+)
+LEGACY_EMBED_FIELDS = frozenset({"model", "prompt", "options", "priority", KEEP_ALIVE})
 NO_MODEL_MANAGEMENT = (
     "modelpool does not pull, push, create, copy or delete models: it serves the models its "
     "configuration names (the top-level model, or a [models.NAME] table each: a local "
@@ -213,7 +217,12 @@ def _parse_embed(body: dict[str, Any], config: ServerConfig) -> EmbedJob:
     dimensions = body.get("dimensions")
     if dimensions is not None and not is_int(dimensions, minimum=1):
         raise invalid("dimensions must be an integer >= 1", "dimensions")
-    job = EmbedJob(parse_inputs(body["input"], "input"), dimensions, truncate is not False)
+    job = EmbedJob(
+        parse_inputs(body["input"], "input"),
+        dimensions,
+        truncate is not False,
+        priority=parse_priority(body) or 0,
+    )
     check_size(inputs_size(job.inputs), limit=config.max_request_tokens, param="input")
     return job
 
@@ -225,4 +234,4 @@ def _parse_legacy_embed(body: dict[str, Any], config: ServerConfig) -> EmbedJob:
     if not isinstance(prompt, str) or not prompt:
         raise invalid("prompt must be a non-empty string", "prompt")
     check_size(len(prompt), limit=config.max_request_tokens, param="prompt")
-    return EmbedJob((prompt,), truncate=True)
+    return EmbedJob((prompt,), truncate=True, priority=parse_priority(body) or 0)

@@ -672,7 +672,18 @@ def request_cost(job: Job, default_max_tokens: int) -> int:
     run, the prompt (with the tools' definitions the template renders into it) and
     ``max_tokens``, and for logprobs each answered token's alternatives
     (``LOGPROB_UNITS`` each; the prompt's too when it is echoed with them)."""
-    max_tokens = job.params.get("max_new_tokens", default_max_tokens)
+    return _cost(job, job.params.get("max_new_tokens", default_max_tokens))
+
+
+def output_ceiling(job: Job, limit: int) -> int:
+    """The largest ``max_tokens`` whose :func:`request_cost` stays within ``limit``: what
+    a request that set no maximum may generate within its client's budget (at least 1)."""
+    fixed = _cost(job, 0)
+    per_token = _cost(job, 1) - fixed
+    return max(1, (limit - fixed) // max(per_token, 1))
+
+
+def _cost(job: Job, max_tokens: int) -> int:
     tools = text_units(job.tools.template_tools()) if job.tools is not None else 0
     cost = 0
     for prompt in job.prompts:
