@@ -123,7 +123,9 @@ def test_chat_rejections_are_400_naming_the_field(body: dict[str, Any], param: s
 def test_top_k_off_as_vllm_spells_it() -> None:
     # vLLM's -1 and 0 both mean every token is a candidate: the pool's 0.
     for off in (-1, 0):
-        assert parse_chat({"messages": USER, "top_k": off}).params == {"top_k": 0}
+        params = parse_chat({"messages": USER, "top_k": off}).params
+        # No max_tokens: the room the context leaves (fit_to_context).
+        assert params == {"top_k": 0, "fit_to_context": True}
 
 
 def test_deadline_sources_and_cap() -> None:
@@ -227,4 +229,5 @@ def test_penalties_and_logit_bias_become_pool_kwargs() -> None:
         "presence_penalty": 0.5,
         "frequency_penalty": -2.0,
         "logit_bias": {50256: -100.0, 7: 2.5},
+        "fit_to_context": True,
     }
