@@ -557,13 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
         "as tables, per model for a daemon of [models.NAME] tables (--json: the raw "
         "/stats document).",
     )
-    stats.add_argument("--url", default=DEFAULT_URL, help="daemon URL (default: %(default)s)")
-    stats.add_argument("--json", action="store_true", help="print the raw /stats JSON")
-    stats.add_argument(
-        "--api-key-env",
-        default=DEFAULT_KEY_ENV,
-        help="environment variable holding the daemon's key",
-    )
+    _daemon_arguments(stats, json_help="print the raw /stats JSON")
     stats.set_defaults(func=stats_command)
 
     ps = commands.add_parser(
@@ -573,13 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model's backend (auto resolved), state, memory (its workers' RSS), workers "
         "started/configured, idle time and when an idle model unloads (--json: objects).",
     )
-    ps.add_argument("--url", default=DEFAULT_URL, help="daemon URL (default: %(default)s)")
-    ps.add_argument("--json", action="store_true", help="print the rows as JSON")
-    ps.add_argument(
-        "--api-key-env",
-        default=DEFAULT_KEY_ENV,
-        help="environment variable holding the daemon's key",
-    )
+    _daemon_arguments(ps, json_help="print the rows as JSON")
     ps.set_defaults(func=ps_command)
 
     config = commands.add_parser(
@@ -606,6 +594,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("bench", help="where the benchmarks are", add_help=False)
     return parser
+
+
+def _daemon_arguments(parser: argparse.ArgumentParser, *, json_help: str) -> None:
+    """What every command that reads a running daemon takes: --url, --json, --api-key-env."""
+    parser.add_argument("--url", default=DEFAULT_URL, help="daemon URL (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help=json_help)
+    parser.add_argument(
+        "--api-key-env",
+        default=DEFAULT_KEY_ENV,
+        help="environment variable holding the daemon's key",
+    )
 
 
 def _devices(text: str) -> list[str]:
