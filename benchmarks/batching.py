@@ -625,7 +625,7 @@ def run(
             top_batch, tokens=40, delay_s=0.02, stall_timeout_s=0.5
         )
     if ceiling:
-        from modelpool.spawn import usable_cpus
+        from modelpool.supervisor.spawn import usable_cpus
 
         top = max(concurrencies)
         log(f"(g) static generate() batch of {top}, in-process")
@@ -787,7 +787,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
-    from modelpool.embedded import resolve_model
+    from modelpool.shared.embedded import resolve_model
 
     report = run(
         resolve_model(args.model),

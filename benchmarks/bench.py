@@ -6,7 +6,7 @@
 
 Contenders, all serving the same model (the embedded default, through its chat
 template, greedy, the same ``max_new_tokens``, every worker loading it with
-``modelpool.backends.hf.load`` so the per-token work is identical):
+``modelpool.worker.backends.hf.load`` so the per-token work is identical):
 
 1. in-process direct call (the floor), 2. a new ``spawn`` process per request
 (the naive fix), 3. ``asyncio.wait_for`` over ``run_in_executor``,
@@ -56,8 +56,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from modelpool.backends.common.params import THREADS_ENV
-from modelpool.backends.hf import handler as hf
+from modelpool.worker.backends.common.params import THREADS_ENV
+from modelpool.worker.backends.hf import handler as hf
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnContext
@@ -65,8 +65,8 @@ if TYPE_CHECKING:
 
     import pebble
 
-    from modelpool.pool import ModelPool
-    from modelpool.protocol import Call, Generation, Prompt
+    from modelpool.shared.protocol import Call, Generation, Prompt
+    from modelpool.supervisor.pool import ModelPool
 
 Json = dict[str, Any]
 Params = dict[str, Any]
@@ -780,7 +780,7 @@ class Harness:
     @property
     def model_dir(self) -> str:
         if self._model_dir is None:
-            from modelpool.embedded import resolve_model
+            from modelpool.shared.embedded import resolve_model
 
             log(f"preparing {self.settings.model}")
             self._model_dir = resolve_model(self.settings.model)

@@ -1,7 +1,7 @@
 """Chaos and soak harness: nothing is lost, nothing is left behind.
 
 ``scripts/chaos --requests 2000 --seed 1 --report chaos.json`` drives a pool of
-the fault-injection backend (:mod:`modelpool.testing`) from many threads and
+the fault-injection backend (:mod:`modelpool.worker.backends.testing`) from many threads and
 asyncio tasks at once with a seeded mix of requests, while an outside agent
 SIGKILLs random busy and idle workers and now and then SIGSTOPs a busy one.
 Every request's outcome is checked against what its fault should give:
@@ -29,7 +29,7 @@ invalid      bad parameters / prompt      ``InvalidRequest`` before dispatch
 ===========  ===========================  ==========================================
 
 ``--grammar`` mixes structured-output compilations in (the testing backend rehearses
-them, see :mod:`modelpool.testing`):
+them, see :mod:`modelpool.worker.backends.testing`):
 
 ================  ==================================  ====================================
 grammar           ``echo:<id>``, a grammar that       the id (compiled off the loop,
@@ -81,8 +81,8 @@ from typing import Any
 
 import psutil
 
-from modelpool.config import PoolConfig, RetryPolicy
-from modelpool.errors import (
+from modelpool.shared.config import PoolConfig, RetryPolicy
+from modelpool.shared.errors import (
     BackendError,
     DeadlineExceeded,
     GrammarCompileTimeout,
@@ -90,9 +90,9 @@ from modelpool.errors import (
     PoolError,
     WorkerCrashed,
 )
-from modelpool.pool import ModelPool, PoolFuture, Result
-from modelpool.processes import process_group_exists
-from modelpool.stats import PoolStats, ReleaseStats
+from modelpool.shared.processes import process_group_exists
+from modelpool.supervisor.pool import ModelPool, PoolFuture, Result
+from modelpool.supervisor.stats import PoolStats, ReleaseStats
 
 logger = logging.getLogger("modelpool.chaos")
 
@@ -201,7 +201,7 @@ LLAMA_CANCEL_GRACE_S = 2.0
 
 def real_texts(model_dir: str) -> dict[int, str]:
     """The greedy count up to each stop string, decoded once in this process."""
-    from modelpool.backends.llama_cpp import load_generation
+    from modelpool.worker.backends.llama_cpp import load_generation
 
     handler = load_generation(model_dir, threads=1)
     texts: dict[int, str] = {}
@@ -1075,7 +1075,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
     wall_started = time.monotonic()
     violations: list[str] = []
     if args.backend == "llama_cpp":
-        from modelpool.embedded import prepare_gguf
+        from modelpool.shared.embedded import prepare_gguf
 
         args.model_dir = str(prepare_gguf())
         args.real_texts = real_texts(args.model_dir)

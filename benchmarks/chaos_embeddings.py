@@ -2,7 +2,8 @@
 
 Beside the generation pool, as a chat model and an embedding model are served together, a
 second pool of the fault-injection backend with ``task = "embed"`` (see
-:mod:`modelpool.testing_embeddings`) takes a seeded mix of embed and score requests from
+:mod:`modelpool.worker.backends.testing_embeddings`)
+takes a seeded mix of embed and score requests from
 threads and asyncio tasks while an agent of its own SIGKILLs and SIGSTOPs its workers:
 
 =============  =====================================  ======================================
@@ -41,12 +42,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.chaos import ATTEMPT_TIMEOUT_S, FAULT_DEADLINE_S, LATE_SLACK_S, Agent
-from modelpool.config import PoolConfig, RetryPolicy
-from modelpool.embeddings import cosine, cut_and_normalise
-from modelpool.errors import DeadlineExceeded, InvalidRequest, PoolError, WorkerCrashed
-from modelpool.pool import ModelPool
-from modelpool.processes import process_group_exists
-from modelpool.testing_embeddings import DIMENSIONS, vector
+from modelpool.shared.config import PoolConfig, RetryPolicy
+from modelpool.shared.embeddings import cosine, cut_and_normalise
+from modelpool.shared.errors import DeadlineExceeded, InvalidRequest, PoolError, WorkerCrashed
+from modelpool.shared.processes import process_group_exists
+from modelpool.supervisor.pool import ModelPool
+from modelpool.worker.backends.testing_embeddings import DIMENSIONS, vector
 
 EMBEDDING_MIX: dict[str, float] = {
     "embed": 35,

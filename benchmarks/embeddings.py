@@ -36,9 +36,9 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
-from modelpool.config import PoolConfig
-from modelpool.embedded import EMBEDDING_NAME, prepare_model
-from modelpool.pool import ModelPool
+from modelpool.shared.config import PoolConfig
+from modelpool.shared.embedded import EMBEDDING_NAME, prepare_model
+from modelpool.supervisor.pool import ModelPool
 
 _WORDS = [
     "river",

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args(argv)
 
-    from modelpool.embedded import resolve_model
+    from modelpool.shared.embedded import resolve_model
 
     model_dir = resolve_model(args.model)
     texts = {length: texts_of(LENGTHS[length], model_dir) for length in args.lengths}

@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     parser.add_argument("--model", default="embedded:smollm2-135m-instruct")
     args = parser.parse_args(arguments)
-    from modelpool.embedded import resolve_model
+    from modelpool.shared.embedded import resolve_model
 
     model = resolve_model(args.model)
     paths = [path for _, path in sample(args.checkout, args.per_split, args.seed)]

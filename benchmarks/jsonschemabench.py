@@ -2,7 +2,7 @@
 
 Given a checkout of guidance-ai/jsonschemabench (its ``data/`` holds the ten splits, about
 10,000 schemas from GitHub, Kubernetes, Snowplow, JSON Schema Store, ...), each sampled
-schema goes the way a user's would: the supervisor's check (:mod:`modelpool.structured`,
+schema goes the way a user's would: the supervisor's check (:mod:`modelpool.shared.structured`,
 which refuses what llguidance cannot honour, naming the keyword), then a request with
 ``response_format=schema`` to a pool of the embedded model (SmolLM2-135M-Instruct), and
 its output is validated with ``jsonschema`` (formats checked). Per split:
@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from modelpool import ModelPool, PoolConfig
-from modelpool.errors import DeadlineExceeded, GrammarCompileTimeout, GrammarError, PoolError
-from modelpool.results import PoolFuture
-from modelpool.structured import grammar_for_response_format
+from modelpool.shared.errors import DeadlineExceeded, GrammarCompileTimeout, GrammarError, PoolError
+from modelpool.shared.structured import grammar_for_response_format
+from modelpool.supervisor.results import PoolFuture
 
 STATUSES = ("refused", "valid", "invalid", "cut", "timeout", "failed", "unchecked")
 # MaskBench's published counts (guidance-ai/jsonschemabench, maskbench/): 11,306 schemas.
@@ -115,7 +115,7 @@ def compile_only(chosen: list[tuple[str, Path]], model: str) -> dict[str, SplitT
     """Check and compile each schema against the model's tokenizer, in this process."""
     from transformers import AutoTokenizer
 
-    from modelpool.backends.hf.grammars import LLGuidanceGrammars
+    from modelpool.worker.backends.hf.grammars import LLGuidanceGrammars
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     eos = frozenset([tokenizer.eos_token_id])
@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = sample(args.checkout, None if args.all else args.per_split, args.seed)
     print(f"{len(chosen)} schemas from {args.checkout}")
     if args.compile_only:
-        from modelpool.embedded import resolve_model
+        from modelpool.shared.embedded import resolve_model
 
         model = resolve_model(args.model) if args.model.startswith("embedded:") else args.model
         started = time.perf_counter()

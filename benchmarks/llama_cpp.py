@@ -59,7 +59,7 @@ from benchmarks.batching import (
     unused_port,
 )
 from modelpool import ModelPool, PoolConfig
-from modelpool.spawn import usable_cpus
+from modelpool.supervisor.spawn import usable_cpus
 
 Json = dict[str, Any]
 PROMPT = "Write a short story about a lighthouse keeper and a storm at sea."
@@ -116,7 +116,7 @@ def in_process_stream(gguf: Path, threads: int, new_tokens: int) -> Stream:
     does in modelpool."""
     import numpy as np
 
-    from modelpool.backends.llama_cpp.options import import_llama_cpp
+    from modelpool.worker.backends.llama_cpp.options import import_llama_cpp
 
     llama_cpp = import_llama_cpp()
     llm = llama_cpp.Llama(
@@ -151,7 +151,7 @@ def in_process_stream(gguf: Path, threads: int, new_tokens: int) -> Stream:
 
 
 def _render(llm: Any, content: str) -> str:
-    from modelpool.backends.llama_cpp.handler import _compile_template
+    from modelpool.worker.backends.llama_cpp.handler import _compile_template
 
     template = llm.metadata["tokenizer.chat_template"]
     text: str = _compile_template(template)(
@@ -277,7 +277,7 @@ def http_stream(url: str, new_tokens: int) -> Stream:
 
 
 def run(args: argparse.Namespace) -> Json:
-    from modelpool.embedded import prepare_gguf
+    from modelpool.shared.embedded import prepare_gguf
 
     def log(message: str) -> None:
         print(f"[llama_cpp bench] {message}", flush=True)
@@ -372,9 +372,7 @@ def markdown(report: Json) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--threads", type=int, default=usable_cpus(), help="ggml and torch threads"
-    )
+    parser.add_argument("--threads", type=int, default=usable_cpus(), help="ggml and torch threads")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])

@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpool.backends.llama_cpp.handler import LlamaCppHandler, load_generation
-from modelpool.protocol import Generation, Prompt
+from modelpool.shared.protocol import Generation, Prompt
+from modelpool.worker.backends.llama_cpp.handler import LlamaCppHandler, load_generation
 
 
 @dataclass(eq=False)
@@ -91,7 +91,7 @@ def one_batch(handler: LlamaCppHandler, batch: int, new_tokens: int) -> tuple[fl
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from modelpool.embedded import prepare_gguf
+    from modelpool.shared.embedded import prepare_gguf
 
     gguf_dir = str(prepare_gguf())
     handlers = {threads: load_generation(gguf_dir, threads=threads) for threads in args.threads}

@@ -44,10 +44,10 @@ from typing import Any
 import psutil
 
 from modelpool import PoolConfig, PoolError
-from modelpool.config import ModelSpec
-from modelpool.errors import DeadlineExceeded, ModelUnavailable, WorkerCrashed
-from modelpool.registry import ModelRegistry, RegistryConfig
-from modelpool.stats import percentiles
+from modelpool.shared.config import ModelSpec
+from modelpool.shared.errors import DeadlineExceeded, ModelUnavailable, WorkerCrashed
+from modelpool.supervisor.registry import ModelRegistry, RegistryConfig
+from modelpool.supervisor.stats import percentiles
 
 _ME = psutil.Process()
 _ME_CMDLINE = _ME.cmdline()

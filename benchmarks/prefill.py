@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--long-tokens", type=int, default=Setup.long_tokens)
     parser.add_argument("--only", choices=["itl"], help="the inter-token latency alone")
     args = parser.parse_args(argv)
-    from modelpool.embedded import resolve_model
+    from modelpool.shared.embedded import resolve_model
 
     setup = Setup(args.batch, args.threads, args.rows, args.after, args.long_tokens)
     report = run(

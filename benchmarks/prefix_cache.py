@@ -40,7 +40,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import modelpool.pool
+import modelpool.supervisor.pool
 from benchmarks.batching import closed_loop, read_to_end, summarize
 from modelpool import ModelPool, PoolConfig
 
@@ -203,12 +203,12 @@ def landed_on_cache(run: Json) -> float:
 def cache_blind() -> Iterator[None]:
     """Requests submitted meanwhile carry no prefix fingerprints: placement cannot see
     the cache (the workers still keep and use one)."""
-    original = getattr(modelpool.pool, "prompt_fingerprints")  # noqa: B009
-    setattr(modelpool.pool, "prompt_fingerprints", lambda prompt: ())  # noqa: B010
+    original = getattr(modelpool.supervisor.pool, "prompt_fingerprints")  # noqa: B009
+    setattr(modelpool.supervisor.pool, "prompt_fingerprints", lambda prompt: ())  # noqa: B010
     try:
         yield
     finally:
-        setattr(modelpool.pool, "prompt_fingerprints", original)  # noqa: B010
+        setattr(modelpool.supervisor.pool, "prompt_fingerprints", original)  # noqa: B010
 
 
 def start_pool(
@@ -253,7 +253,7 @@ def distinct_request(pool: ModelPool, new_tokens: int) -> Any:
 
 
 def run(args: argparse.Namespace, log: Any = print) -> Json:
-    model = modelpool.pool._resolve_model(args.model, args.backend)
+    model = modelpool.supervisor.pool._resolve_model(args.model, args.backend)
     system = system_prompt(args.system_chars)
     report: Json = {"clients": args.clients, "turns": args.turns, "new_tokens": args.new_tokens}
     on_bytes = args.cache_mib * 2**20

@@ -53,7 +53,7 @@ from modelpool import (
     Result,
     RetryPolicy,
 )
-from modelpool.observe import AttemptRecord, RequestRecord
+from modelpool.supervisor.observe import AttemptRecord, RequestRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -290,7 +290,7 @@ def observer_cost(endpoint: str, records: int) -> dict[str, float]:
     from prometheus_client import CollectorRegistry
 
     from modelpool.server.vllm_metrics import VllmMetrics
-    from modelpool.tracing import PoolTracer
+    from modelpool.supervisor.tracing import PoolTracer
 
     sample = [_record(n) for n in range(records)]
     observe = VllmMetrics(CollectorRegistry()).observer("bench")

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from modelpool import PoolConfig
-from modelpool.config import ModelSpec
-from modelpool.errors import PoolError, QueueFull
-from modelpool.registry import ModelRegistry, RegistryConfig
-from modelpool.stats import percentiles
+from modelpool.shared.config import ModelSpec
+from modelpool.shared.errors import PoolError, QueueFull
+from modelpool.supervisor.registry import ModelRegistry, RegistryConfig
+from modelpool.supervisor.stats import percentiles
 
 
 def model(

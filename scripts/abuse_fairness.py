@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import psutil
 
-from modelpool.trace_export import MAX_QUEUED_RECORDS
+from modelpool.supervisor.trace_export import MAX_QUEUED_RECORDS
 
 ATTACKER = "127.0.0.2"
 ATTACKER_TIMEOUT_S = 30.0

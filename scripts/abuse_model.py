@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import psutil
 
-from modelpool.embedded import prepare_model
+from modelpool.shared.embedded import prepare_model
 
 VICTIM_KEY = "sk-abuse-victim-0123456789"
 ATTACKER_KEY = "sk-abuse-attacker-0123456789"

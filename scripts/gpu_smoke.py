@@ -82,13 +82,13 @@ REQUIRED_MODULES = {
 }
 # Modules whose ``from transformers... import name`` lines the run depends on.
 HF_MODULES = (
-    "modelpool.backends.hf.handler",
-    "modelpool.backends.hf.generation",
-    "modelpool.backends.hf.runner",
-    "modelpool.backends.hf.packed",
-    "modelpool.backends.hf.padded",
-    "modelpool.backends.hf.pooling",
-    "modelpool.backends.hf.prefix_cache",
+    "modelpool.worker.backends.hf.handler",
+    "modelpool.worker.backends.hf.generation",
+    "modelpool.worker.backends.hf.runner",
+    "modelpool.worker.backends.hf.packed",
+    "modelpool.worker.backends.hf.padded",
+    "modelpool.worker.backends.hf.pooling",
+    "modelpool.worker.backends.hf.prefix_cache",
     "modelpool.tinymodel",
 )
 
@@ -106,8 +106,8 @@ try:
         facts["name"] = torch.cuda.get_device_name(device)
         ones = torch.ones(1024, device=device)
         facts["computes"] = float(ones.sum().item()) == 1024.0
-        from modelpool.devices import nvml_index_for
-        from modelpool.gpu import GpuProbe
+        from modelpool.supervisor.devices import nvml_index_for
+        from modelpool.supervisor.gpu import GpuProbe
         with GpuProbe() as probe:
             index = nvml_index_for(device, probe)
             listed = probe.process_memory(index) if index is not None else {}
@@ -187,7 +187,7 @@ class _SmokeHandler:
 
 
 def load(model: str, device: str = "cpu", **options: Any) -> _SmokeHandler:
-    from modelpool.backends.hf import load as load_hf
+    from modelpool.worker.backends.hf import load as load_hf
 
     return _SmokeHandler(load_hf(model, device, **options), device)
 
@@ -374,10 +374,10 @@ def preflight(args: argparse.Namespace) -> tuple[list[str], Any, int | None]:
     probe: Any = None
     index: int | None = None
     try:
-        from modelpool.devices import nvml_index_for
-        from modelpool.gpu import GpuProbe
+        from modelpool.supervisor.devices import nvml_index_for
+        from modelpool.supervisor.gpu import GpuProbe
     except Exception as exc:
-        problems.append(f"import modelpool.gpu failed: {type(exc).__name__}: {exc}")
+        problems.append(f"import modelpool.supervisor.gpu failed: {type(exc).__name__}: {exc}")
         return problems, probe, index
     probe = GpuProbe()
     _line("NVML", probe.reason)

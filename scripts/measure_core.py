@@ -39,14 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # fake_nvml, the scripted NVML stand-in
 
 from fake_nvml import GIB, FakeGpu, FakeNvml  # noqa: E402
-from modelpool import (  # noqa: E402
-    ModelPool,
-    PoolConfig,
-    RetryPolicy,
-    worker_manager,
-)
-from modelpool.gpu import GpuProbe  # noqa: E402
-from modelpool.processes import process_rss_bytes  # noqa: E402
+from modelpool import ModelPool, PoolConfig, RetryPolicy  # noqa: E402
+from modelpool.shared.processes import process_rss_bytes  # noqa: E402
+from modelpool.supervisor import worker_manager  # noqa: E402
+from modelpool.supervisor.gpu import GpuProbe  # noqa: E402
 
 ECHO = {"model": "none", "backend": "testing", "generation_defaults": {}}
 
@@ -325,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     scale = 1 if args.quick else 3
 
-    from modelpool.embedded import prepare_model
+    from modelpool.shared.embedded import prepare_model
     from modelpool.tinymodel import build_tiny_model
 
     tiny = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="measure-core-")) / "tiny"))

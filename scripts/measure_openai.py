@@ -62,8 +62,8 @@ def deadline_through_openai_client(workdir: Path) -> None:
 
 
 def logprobs_overhead(rounds: int) -> None:
-    from modelpool.backends.hf import load
-    from modelpool.embedded import prepare_model
+    from modelpool.shared.embedded import prepare_model
+    from modelpool.worker.backends.hf import load
 
     handler = load(str(prepare_model(progress=False)), dtype="float32")
     plain = {"max_new_tokens": TOKENS, "min_new_tokens": TOKENS}

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import BackendModule, record_children_baseline
 from modelpool import ModelPool
-from modelpool.processes import set_child_subreaper
+from modelpool.shared.processes import set_child_subreaper
 from modelpool.tinymodel import build_tiny_model
 
 

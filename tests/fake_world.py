@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from modelpool.config import PoolConfig
-from modelpool.dispatcher import Dispatcher
-from modelpool.protocol import PROTOCOL_VERSION, WorkerSpec, encode_request
-from modelpool.records import Request, Worker
-from modelpool.results import PoolFuture
+from modelpool.shared.config import PoolConfig
+from modelpool.shared.protocol import PROTOCOL_VERSION, WorkerSpec, encode_request
+from modelpool.supervisor.dispatcher import Dispatcher
+from modelpool.supervisor.records import Request, Worker
+from modelpool.supervisor.results import PoolFuture
 
 P = TypeVar("P")
 

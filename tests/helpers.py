@@ -33,8 +33,8 @@ import psutil
 import pytest
 
 from modelpool import ModelPool, PoolConfig, PoolFuture, RetryPolicy
-from modelpool.protocol import Prompt
-from modelpool.stats import PoolStats, WorkerStats
+from modelpool.shared.protocol import Prompt
+from modelpool.supervisor.stats import PoolStats, WorkerStats
 
 T = TypeVar("T")
 
@@ -618,7 +618,7 @@ ORDINARY_CHATS: list[list[dict[str, Any]]] = [
     [
         {"role": "system", "content": "You are terse.\n\nAnswer in one line."},
         {"role": "user", "content": "  Leading spaces, trailing ones  "},
-        {"role": "assistant", "content": "Ça va? Ünïcode, emoji 🙂 and <html> tags & \"quotes\"."},
+        {"role": "assistant", "content": 'Ça va? Ünïcode, emoji 🙂 and <html> tags & "quotes".'},
         {"role": "user", "content": "Tabs\tand\nnewlines\n\n, a lone < and |, {{ 7*7 }}"},
     ],
     [{"role": "user", "content": ""}],

@@ -8,7 +8,7 @@ import stat
 import subprocess
 from typing import Any
 
-from modelpool.protocol import Call
+from modelpool.shared.protocol import Call
 
 
 class _Forking:
@@ -60,7 +60,7 @@ def slow_prefill(model: str, device: str = "cpu", **options: Any) -> Any:
     deterministically, while decoding steps and the warm-up stay fast."""
     import time
 
-    from modelpool.backends.hf import load
+    from modelpool.worker.backends.hf import load
 
     handler = load(model, device, **options)
 
@@ -87,7 +87,7 @@ def slow_pooling(model: str, device: str = "cpu", **options: Any) -> Any:
     while the warm-up and small requests stay fast."""
     import time
 
-    from modelpool.backends.hf import load
+    from modelpool.worker.backends.hf import load
 
     handler = load(model, device, **options)
 

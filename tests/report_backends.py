@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from modelpool.protocol import BatchCall, Call, Finished, Generation, PrefixCacheReport
+from modelpool.shared.protocol import BatchCall, Call, Finished, Generation, PrefixCacheReport
 
 REPORT_S = 0.3
 ROOM_TOKENS = 10_000

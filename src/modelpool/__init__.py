@@ -6,7 +6,7 @@
         print(pool.generate("Name the capital of France.").text)
 
 Names are loaded on first use so that a worker process, which imports
-``modelpool.worker``, never pays for (or imports) the supervisor.
+``modelpool.worker.process``, never pays for (or imports) the supervisor.
 """
 
 from __future__ import annotations
@@ -17,44 +17,44 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ModelPool": "modelpool.pool",
-    "PoolFuture": "modelpool.pool",
-    "PoolStream": "modelpool.streams",
-    "AsyncPoolStream": "modelpool.streams",
-    "Result": "modelpool.pool",
-    "PoolConfig": "modelpool.config",
-    "RetryPolicy": "modelpool.config",
-    "ServerConfig": "modelpool.config",
-    "Generation": "modelpool.protocol",
-    "TokenIds": "modelpool.protocol",
-    "TokenLogprob": "modelpool.protocol",
-    "TokenLogprobs": "modelpool.logprob_columns",
-    "PoolHealth": "modelpool.stats",
-    "PoolStats": "modelpool.stats",
-    "Attempt": "modelpool.errors",
-    "PoolError": "modelpool.errors",
-    "DeadlineExceeded": "modelpool.errors",
-    "WorkerCrashed": "modelpool.errors",
-    "PoisonRequest": "modelpool.errors",
-    "BackendError": "modelpool.errors",
-    "OutOfMemory": "modelpool.errors",
-    "CudaError": "modelpool.errors",
-    "PoolOverloaded": "modelpool.errors",
-    "QueueFull": "modelpool.errors",
-    "PoolClosed": "modelpool.errors",
-    "ModelLoadFailed": "modelpool.errors",
-    "PreflightError": "modelpool.errors",
-    "ModelSourceError": "modelpool.errors",
-    "DeviceError": "modelpool.errors",
-    "InvalidRequest": "modelpool.errors",
-    "ContextLengthExceeded": "modelpool.errors",
-    "WrongTask": "modelpool.errors",
-    "EmbeddingResult": "modelpool.embeddings",
-    "ScoreResult": "modelpool.embeddings",
-    "GrammarError": "modelpool.errors",
-    "GrammarCompileTimeout": "modelpool.errors",
-    "GrammarEngineMissing": "modelpool.errors",
-    "SchemaTooComplex": "modelpool.errors",
+    "ModelPool": "modelpool.supervisor.pool",
+    "PoolFuture": "modelpool.supervisor.pool",
+    "PoolStream": "modelpool.supervisor.streams",
+    "AsyncPoolStream": "modelpool.supervisor.streams",
+    "Result": "modelpool.supervisor.pool",
+    "PoolConfig": "modelpool.shared.config",
+    "RetryPolicy": "modelpool.shared.config",
+    "ServerConfig": "modelpool.shared.config",
+    "Generation": "modelpool.shared.protocol",
+    "TokenIds": "modelpool.shared.protocol",
+    "TokenLogprob": "modelpool.shared.protocol",
+    "TokenLogprobs": "modelpool.shared.logprob_columns",
+    "PoolHealth": "modelpool.supervisor.stats",
+    "PoolStats": "modelpool.supervisor.stats",
+    "Attempt": "modelpool.shared.errors",
+    "PoolError": "modelpool.shared.errors",
+    "DeadlineExceeded": "modelpool.shared.errors",
+    "WorkerCrashed": "modelpool.shared.errors",
+    "PoisonRequest": "modelpool.shared.errors",
+    "BackendError": "modelpool.shared.errors",
+    "OutOfMemory": "modelpool.shared.errors",
+    "CudaError": "modelpool.shared.errors",
+    "PoolOverloaded": "modelpool.shared.errors",
+    "QueueFull": "modelpool.shared.errors",
+    "PoolClosed": "modelpool.shared.errors",
+    "ModelLoadFailed": "modelpool.shared.errors",
+    "PreflightError": "modelpool.shared.errors",
+    "ModelSourceError": "modelpool.shared.errors",
+    "DeviceError": "modelpool.shared.errors",
+    "InvalidRequest": "modelpool.shared.errors",
+    "ContextLengthExceeded": "modelpool.shared.errors",
+    "WrongTask": "modelpool.shared.errors",
+    "EmbeddingResult": "modelpool.shared.embeddings",
+    "ScoreResult": "modelpool.shared.embeddings",
+    "GrammarError": "modelpool.shared.errors",
+    "GrammarCompileTimeout": "modelpool.shared.errors",
+    "GrammarEngineMissing": "modelpool.shared.errors",
+    "SchemaTooComplex": "modelpool.shared.errors",
 }
 
 __all__ = [
@@ -100,9 +100,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from modelpool.config import PoolConfig, RetryPolicy, ServerConfig
-    from modelpool.embeddings import EmbeddingResult, ScoreResult
-    from modelpool.errors import (
+    from modelpool.shared.config import PoolConfig, RetryPolicy, ServerConfig
+    from modelpool.shared.embeddings import EmbeddingResult, ScoreResult
+    from modelpool.shared.errors import (
         Attempt,
         BackendError,
         ContextLengthExceeded,
@@ -126,11 +126,11 @@ if TYPE_CHECKING:
         WorkerCrashed,
         WrongTask,
     )
-    from modelpool.logprob_columns import TokenLogprobs
-    from modelpool.pool import ModelPool, PoolFuture, Result
-    from modelpool.protocol import Generation, TokenIds, TokenLogprob
-    from modelpool.stats import PoolHealth, PoolStats
-    from modelpool.streams import AsyncPoolStream, PoolStream
+    from modelpool.shared.logprob_columns import TokenLogprobs
+    from modelpool.shared.protocol import Generation, TokenIds, TokenLogprob
+    from modelpool.supervisor.pool import ModelPool, PoolFuture, Result
+    from modelpool.supervisor.stats import PoolHealth, PoolStats
+    from modelpool.supervisor.streams import AsyncPoolStream, PoolStream
 
 
 def __getattr__(name: str) -> Any:

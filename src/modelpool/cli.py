@@ -11,7 +11,7 @@
 
 No file is needed: the built-in defaults serve the embedded model on
 127.0.0.1:8000, and a file (``--config`` or ``$MODELPOOL_CONFIG``), environment
-variables and flags are layered on top of them (see :mod:`modelpool.config`).
+variables and flags are layered on top of them (see :mod:`modelpool.shared.config`).
 
 The commands that talk to a daemon (``--url``, ``stats``, ``ps``) are in
 :mod:`modelpool.cli_remote`. Only ``serve`` and the ``--url`` modes need the ``server``
@@ -51,7 +51,7 @@ from modelpool.cli_remote import (
     stats_command,
     timing_line,
 )
-from modelpool.config import (
+from modelpool.shared.config import (
     CONFIG_ENV,
     DEFAULT_MODEL,
     ConfigError,
@@ -132,8 +132,8 @@ def _check_embedded_extra(model: str, backend: str = "hf") -> None:
     """An embedded model that still has to be prepared for transformers needs the embedded
     extra (gguf); llama_cpp (and "auto" where llama-cpp-python is installed, which picks
     it on a CPU) reads the GGUF file as it is."""
-    from modelpool.backend_choice import AUTO, installed_llama_cpp
-    from modelpool.embedded import EMBEDDED_SCHEME, MARKER_FILE, MODELS, modelpool_home
+    from modelpool.shared.embedded import EMBEDDED_SCHEME, MARKER_FILE, MODELS, modelpool_home
+    from modelpool.supervisor.backend_choice import AUTO, installed_llama_cpp
 
     name = model.removeprefix(EMBEDDED_SCHEME)
     if not model.startswith(EMBEDDED_SCHEME) or name not in MODELS:
@@ -192,17 +192,17 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from modelpool.pool import ModelPool
         from modelpool.server import DrainingServer, api_key_from_env, create_app
         from modelpool.server.guard import raise_open_files_limit, uvicorn_options
+        from modelpool.supervisor.pool import ModelPool
     except ImportError as exc:
         raise CliError(
             f"serve needs the server extra: pip install 'modelpool[server]' ({exc})"
         ) from None
     for served in [spec.pool for spec in effective.models] or [pool_config]:
         _check_embedded_extra(served.model, served.backend)
-    from modelpool.embedded import EmbeddedModelError
-    from modelpool.errors import PoolError, PreflightError
+    from modelpool.shared.embedded import EmbeddedModelError
+    from modelpool.shared.errors import PoolError, PreflightError
 
     api_key = api_key_from_env(server_config)
     if server_config.api_key_env:
@@ -292,11 +292,11 @@ def _serve_models(effective: EffectiveConfig, listener: socket.socket, api_key: 
     ``preload`` models have loaded or failed (a failure stays that model's)."""
     import uvicorn
 
-    from modelpool import gpu
-    from modelpool.registry import ModelRegistry, RegistryConfig
-    from modelpool.registry.preflight import ModelCheckFailed, check_models
     from modelpool.server import DrainingServer, create_app
     from modelpool.server.guard import guarded_protocol
+    from modelpool.supervisor import gpu
+    from modelpool.supervisor.registry import ModelRegistry, RegistryConfig
+    from modelpool.supervisor.registry.preflight import ModelCheckFailed, check_models
 
     server_config = effective.server
     try:
@@ -396,8 +396,8 @@ def _generate(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     pool_config, _ = _load_configs(args)
     _check_embedded_extra(pool_config.model, pool_config.backend)
-    from modelpool.errors import PoolError, PreflightError
-    from modelpool.pool import ModelPool
+    from modelpool.shared.errors import PoolError, PreflightError
+    from modelpool.supervisor.pool import ModelPool
 
     prompt: Any = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     params: dict[str, Any] = {}
@@ -454,7 +454,6 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-
 # --------------------------------------------------------------------------------------------
 # config
 
@@ -480,7 +479,7 @@ def _config(args: argparse.Namespace) -> int:
 
 def _prepare_model(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
-    from modelpool.embedded import EMBEDDED_SCHEME, EmbeddedModelError, prepare_model
+    from modelpool.shared.embedded import EMBEDDED_SCHEME, EmbeddedModelError, prepare_model
 
     name = args.name.removeprefix(EMBEDDED_SCHEME)
     _check_embedded_extra(EMBEDDED_SCHEME + name)

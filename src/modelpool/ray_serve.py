@@ -37,8 +37,8 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from modelpool.config import PoolConfig, ServerConfig
-from modelpool.pool import ModelPool
+from modelpool.shared.config import PoolConfig, ServerConfig
+from modelpool.supervisor.pool import ModelPool
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ bytes that only become a character together with the next token), which is
 what streaming has to get right::
 
     from modelpool.tinymodel import build_tiny_model
-    from modelpool.backends.hf import load
+    from modelpool.worker.backends.hf import load
 
     path = build_tiny_model("/tmp/tiny-llama")         # instant the second time
     handler = load(str(path))

@@ -26,8 +26,8 @@ import pytest
 
 from helpers import runs_for, slack, toml_value, wait_until
 from modelpool import PoolConfig
-from modelpool.config import ServerConfig
 from modelpool.server.openai.request import deadline_from
+from modelpool.shared.config import ServerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 60.0

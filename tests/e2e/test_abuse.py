@@ -27,9 +27,9 @@ from e2e_support import wait_for
 
 from helpers import open_pool, slack, wait_busy, wait_idle
 from modelpool import ModelPool
-from modelpool.config import ServerConfig
 from modelpool.server import create_app
 from modelpool.server.guard import uvicorn_options
+from modelpool.shared.config import ServerConfig
 
 COMPLETIONS = "/v1/completions"
 

@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from helpers import make_config
-from modelpool.config import ModelSpec, ServerConfig
-from modelpool.registry import ModelRegistry, RegistryConfig
 from modelpool.server import create_app
+from modelpool.shared.config import ModelSpec, ServerConfig
+from modelpool.supervisor.registry import ModelRegistry, RegistryConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_NAMES = ROOT / "tests" / "fixtures" / "vllm_grafana_metrics.txt"

@@ -11,7 +11,7 @@ from e2e_support import REPO, Daemon, prepare_embedded_model, start_daemon
 from openai.types.chat import ChatCompletionMessageParam
 
 from helpers import skip_unless_pypi
-from modelpool import embedded
+from modelpool.shared import embedded
 
 pytestmark = pytest.mark.slow
 

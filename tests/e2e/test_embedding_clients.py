@@ -39,7 +39,7 @@ CL100K_URL = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.t
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from modelpool.embedded import EmbeddedModelError, resolve_model
+    from modelpool.shared.embedded import EmbeddedModelError, resolve_model
 
     try:
         return Path(resolve_model("embedded:" + MODEL))

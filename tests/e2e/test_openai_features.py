@@ -2,7 +2,7 @@
 client: retry headers, logprobs (streamed and not), echo, token-id prompts, n > 1.
 
 The daemon runs the testing backend, whose logprobs are made up but fixed: every token
-scores -0.25 (see ``modelpool.testing``).
+scores -0.25 (see ``modelpool.worker.backends.testing``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from e2e_support import Daemon, wait_for
 
 from helpers import LONG, LONG_TOKENS, slack
-from modelpool.testing import TOKEN_LOGPROB
+from modelpool.worker.backends.testing import TOKEN_LOGPROB
 
 # Until the test cancels it, past every (slack-scaled) wait below: the daemons' 64-token
 # default ended tokens:100:0.05 in 3.2 s, not the 5 s its comment promised.

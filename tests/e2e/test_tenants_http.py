@@ -24,9 +24,9 @@ import pytest
 from e2e_support import Daemon, keyed_daemon, registry_config, wait_for
 
 from helpers import make_config, slack
-from modelpool.config import ModelSpec, ServerConfig
-from modelpool.registry import ModelRegistry, RegistryConfig
 from modelpool.server import create_app
+from modelpool.shared.config import ModelSpec, ServerConfig
+from modelpool.supervisor.registry import ModelRegistry, RegistryConfig
 
 pytestmark = pytest.mark.slow
 

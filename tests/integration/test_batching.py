@@ -1,7 +1,7 @@
 """Batching inside a worker (max_batch_size > 1) against real worker processes.
 
 The testing backend batches: every admitted request gets one token per step, and each
-fault happens inside the batch (see modelpool.testing). These tests hold the issue's
+fault happens inside the batch (see modelpool.worker.backends.testing). These tests hold the issue's
 per-request guarantees: cancel and deadline take one request out and leave the batch and
 the warm worker alone; a hang or crash kills the worker, the innocent requests are
 retried as "collateral" and succeed, and the culprit fails typed as the suspect.

@@ -18,8 +18,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from helpers import open_pool
-from modelpool.config import ServerConfig
 from modelpool.server import create_app
+from modelpool.shared.config import ServerConfig
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

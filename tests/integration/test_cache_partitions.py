@@ -18,10 +18,10 @@ from starlette.testclient import TestClient
 
 from helpers import assert_oracle_blind, assert_oracle_leaks, cache_oracle
 from modelpool import ModelPool, PoolConfig
-from modelpool.config import ServerConfig
-from modelpool.prefixes import partition_of, prompt_fingerprints
-from modelpool.protocol import Prompt
 from modelpool.server import create_app
+from modelpool.shared.config import ServerConfig
+from modelpool.shared.prefixes import partition_of, prompt_fingerprints
+from modelpool.shared.protocol import Prompt
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 ALICE = "sk-alice-0123456789"

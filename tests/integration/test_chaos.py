@@ -21,7 +21,7 @@ import pytest
 
 # The harness, imported here alone (re-point this line if it moves again).
 from benchmarks import chaos
-from modelpool.stats import GpuStats, PoolStats, ReleaseStats, WorkerStats
+from modelpool.supervisor.stats import GpuStats, PoolStats, ReleaseStats, WorkerStats
 
 CHAOS_MODULE = chaos.__name__  # what `python -m` runs, as scripts/chaos does
 Record = chaos.Record

@@ -18,17 +18,17 @@ from starlette.testclient import TestClient
 
 from helpers import ORDINARY_CHATS, TOOL_INJECTION, injected_chat, ordinary_tools
 from modelpool import ModelPool, PoolConfig
-from modelpool.backends.hf.handler import HFHandler, load
-from modelpool.config import ServerConfig
 from modelpool.server import create_app
-from modelpool.tools import render_chat
+from modelpool.shared.config import ServerConfig
+from modelpool.shared.tools import render_chat
+from modelpool.worker.backends.hf.handler import HFHandler, load
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    from modelpool.embedded import prepare_model
+    from modelpool.shared.embedded import prepare_model
 
     return str(prepare_model(progress=False))
 

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import counters, open_pool, workers
 from modelpool import ContextLengthExceeded, InvalidRequest, ModelPool, RetryPolicy
-from modelpool.protocol import Prompt
+from modelpool.shared.protocol import Prompt
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

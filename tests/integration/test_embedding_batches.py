@@ -1,5 +1,5 @@
 """Cross-request batching of embed and score requests on the testing backend (``task =
-"embed"``, ``batch_log``; see ``modelpool.testing_embeddings``): concurrent clients'
+"embed"``, ``batch_log``; see ``modelpool.worker.backends.testing_embeddings``): concurrent clients'
 requests are answered in one step of one worker, with the per-request guarantees of
 batched generation (a deadline withdraws one row, a crashing batch's innocents are
 retried and answered).
@@ -20,7 +20,7 @@ import pytest
 
 from helpers import open_pool, slack, wait_until
 from modelpool import DeadlineExceeded, EmbeddingResult, ModelPool
-from modelpool.testing_embeddings import vector
+from modelpool.worker.backends.testing_embeddings import vector
 
 
 def _steps(log: Path) -> list[int]:

@@ -1,5 +1,6 @@
 """Embed and score requests through real workers on the testing backend (``task = "embed"``
-or ``"score"``; see ``modelpool.testing_embeddings``): the API's forms and refusals, and
+or ``"score"``; see ``modelpool.worker.backends.testing_embeddings``): the API's forms and
+refusals, and
 the per-request guarantees as for generation (deadline, kill, retry, stats).
 
 The hf backend's own pooling models are in ``test_hf_embeddings.py``.
@@ -27,7 +28,7 @@ from modelpool import (
     ScoreResult,
     WrongTask,
 )
-from modelpool.testing_embeddings import DIMENSIONS
+from modelpool.worker.backends.testing_embeddings import DIMENSIONS
 
 
 def _norm(vector: list[float]) -> float:
@@ -130,7 +131,7 @@ def test_wrong_task_is_a_typed_refusal_both_ways() -> None:
 def test_worker_refuses_the_wrong_task_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pool's own check bypassed (a request that reached the worker anyway): the
     worker's refusal is the same typed error, and the worker stays."""
-    monkeypatch.setattr("modelpool.pool.check_task", lambda *args: None)
+    monkeypatch.setattr("modelpool.supervisor.pool.check_task", lambda *args: None)
     with open_pool(workers=1) as pool:
         with pytest.raises(WrongTask) as caught:
             pool.embed("text")

@@ -19,7 +19,7 @@ import pytest
 from fake_nvml import GIB, MIB, FakeGpu, FakeNvml, NVMLError_LibraryNotFound
 from helpers import make_config, wait_until
 from modelpool import ModelPool
-from modelpool.gpu import GpuProbe
+from modelpool.supervisor.gpu import GpuProbe
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

@@ -1,4 +1,4 @@
-"""Constrained decoding in the worker (modelpool.grammar): a tiny random model, whose free
+"""Constrained decoding in the worker (modelpool.shared.grammar): a tiny random model, whose free
 text is gibberish, writes schema-valid JSON under a grammar, alone and in a batch beside
 unconstrained rows; a compilation past its bound fails its request typed and leaves the
 worker warm and its batch decoding; a compilation that crashes or wedges the worker is a
@@ -18,10 +18,10 @@ import pytest
 
 from helpers import Recorder, counters, open_pool, step_until_answered, workers
 from modelpool import ModelPool, PoisonRequest, PoolConfig
-from modelpool.backends.hf.handler import HFHandler, load
-from modelpool.errors import GrammarCompileTimeout, GrammarError
-from modelpool.protocol import Generation
-from modelpool.structured import grammar_for_body, grammar_for_response_format
+from modelpool.shared.errors import GrammarCompileTimeout, GrammarError
+from modelpool.shared.protocol import Generation
+from modelpool.shared.structured import grammar_for_body, grammar_for_response_format
+from modelpool.worker.backends.hf.handler import HFHandler, load
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

@@ -21,7 +21,7 @@ import pytest
 
 from helpers import counters, open_pool, slack, wait_until
 from modelpool import ModelPool, PoolConfig
-from modelpool.errors import GrammarCompileTimeout, GrammarError
+from modelpool.shared.errors import GrammarCompileTimeout, GrammarError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

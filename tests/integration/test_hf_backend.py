@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from helpers import FakeCall
-from modelpool.backends.hf.handler import HFHandler, load
-from modelpool.errors import InvalidRequest
-from modelpool.protocol import Prompt, TokenIds
+from modelpool.shared.errors import InvalidRequest
+from modelpool.shared.protocol import Prompt, TokenIds
 from modelpool.tinymodel import build_tiny_model
+from modelpool.worker.backends.hf.handler import HFHandler, load
 
 # Greedy output of the tiny model for this prompt holds hiragana assembled
 # from two tokens each (checked in test_multibyte_characters_are_never_split).
@@ -463,7 +463,7 @@ import logging, sys
 logging.basicConfig(stream=sys.stdout, format="root %(name)s: %(message)s")
 from huggingface_hub.utils import logging as hub_logging
 from transformers.utils import logging as transformers_logging
-from modelpool.backends.hf.handler import library_logs_through_root
+from modelpool.worker.backends.hf.handler import library_logs_through_root
 library_logs_through_root()
 hub_logging.get_logger("huggingface_hub.file_download").warning("hub warning")
 transformers_logging.get_logger("transformers.modeling_utils").warning("transformers warning")
@@ -498,7 +498,7 @@ def test_a_deadline_during_a_long_prefill_never_kills_the_worker(
 
     from helpers import make_config, workers
     from modelpool import ModelPool
-    from modelpool.errors import DeadlineExceeded
+    from modelpool.shared.errors import DeadlineExceeded
 
     deep = tmp_path / "tiny-deep"
     shutil.copytree(tiny_model_dir, deep)

@@ -18,9 +18,9 @@ import pytest
 
 from helpers import Recorder, step_until_answered
 from modelpool import ModelPool, PoolConfig
-from modelpool.backends.hf.handler import HFHandler, load
-from modelpool.errors import ContextLengthExceeded
-from modelpool.protocol import Generation, Prompt
+from modelpool.shared.errors import ContextLengthExceeded
+from modelpool.shared.protocol import Generation, Prompt
+from modelpool.worker.backends.hf.handler import HFHandler, load
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 
@@ -83,7 +83,7 @@ def test_batched_greedy_equals_alone_on_a_tiny_model(tiny: HFHandler) -> None:
 
 @pytest.mark.slow
 def test_batched_greedy_equals_alone_on_smollm2() -> None:
-    from modelpool.embedded import prepare_model
+    from modelpool.shared.embedded import prepare_model
 
     smollm = load(str(prepare_model(progress=False)), dtype="float32", torch_threads=2)
     chat: Prompt = [{"role": "user", "content": "What is the capital of France?"}]
@@ -280,7 +280,7 @@ def count_passes(handler: HFHandler) -> Callable[[], int]:
 def test_a_failed_packed_pass_is_undone_and_read_apart(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from modelpool.backends.hf import runner as runner_module
+    from modelpool.worker.backends.hf import runner as runner_module
 
     handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1, prefill_chunk_tokens=8)
     running = Recorder(PROMPTS[2], {"max_new_tokens": 24})
@@ -341,7 +341,7 @@ def test_a_failed_packed_pass_is_undone_and_read_apart(
 def test_a_prompt_whose_buffers_cannot_be_made_fails_alone(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from modelpool.backends.hf.packed import RowKV
+    from modelpool.worker.backends.hf.packed import RowKV
 
     handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1, prefill_chunk_tokens=8)
     running = Recorder(PROMPTS[2], {"max_new_tokens": 16})
@@ -398,7 +398,7 @@ def test_a_prefill_that_raises_fails_its_own_request_alone(tmp_path: Path) -> No
 def test_a_failed_decoding_pass_loses_its_rows_and_keeps_the_waiting_ones(
     tiny_model_dir: Path,
 ) -> None:
-    from modelpool.protocol import RowsLost
+    from modelpool.shared.protocol import RowsLost
 
     handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1, kv_cache_tokens=64)
     running = Recorder(PROMPTS[2], {"max_new_tokens": 40})
@@ -510,7 +510,7 @@ def step_to_the_end(
 def test_rows_of_different_lengths_each_hold_only_their_own_columns(
     tiny_model_dir: Path,
 ) -> None:
-    from modelpool.backends.hf.packed import GATHER_COLUMNS
+    from modelpool.worker.backends.hf.packed import GATHER_COLUMNS
 
     handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1)
     longer = " ".join(f"word{index}" for index in range(120))
@@ -539,7 +539,7 @@ def test_rows_of_different_lengths_each_hold_only_their_own_columns(
 def test_a_model_that_cannot_run_packed_passes_moves_to_one_padded_cache(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from modelpool.backends.hf import packed
+    from modelpool.worker.backends.hf import packed
 
     handler = load(str(tiny_model_dir), dtype="float32", torch_threads=1, prefill_chunk_tokens=8)
     params = {"max_new_tokens": 16}

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from modelpool.backends.hf.handler import HFHandler, load
-from modelpool.errors import ContextLengthExceeded
-from modelpool.protocol import Generation, Prompt
+from modelpool.shared.errors import ContextLengthExceeded
+from modelpool.shared.protocol import Generation, Prompt
 from modelpool.tinymodel import build_tiny_model
+from modelpool.worker.backends.hf.handler import HFHandler, load
 
 LIMIT = 64
 

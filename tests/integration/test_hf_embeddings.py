@@ -18,9 +18,9 @@ import pytest
 from embedding_models import MAX_SEQ_LENGTH, build_cross_encoder, build_embedding_model
 from helpers import FakeCall
 from modelpool import ContextLengthExceeded, InvalidRequest, ModelPool, PoolConfig, WrongTask
-from modelpool.backends.hf import load
-from modelpool.backends.hf.pooling import PoolingHandler, pooling_task, read_layout
-from modelpool.protocol import EmbedRequest, Generation, ScoreRequest
+from modelpool.shared.protocol import EmbedRequest, Generation, ScoreRequest
+from modelpool.worker.backends.hf import load
+from modelpool.worker.backends.hf.pooling import PoolingHandler, pooling_task, read_layout
 
 sentence_transformers = pytest.importorskip("sentence_transformers")
 
@@ -303,7 +303,7 @@ def test_a_deadline_mid_pass_stops_between_layers_and_keeps_the_worker(models: P
     whatever the load), many times the deadline plus the grace: it ends with its deadline
     error, the worker stays (no kill, same pid) and answers as before."""
     from helpers import make_config, slack, wait_idle, workers
-    from modelpool.errors import DeadlineExceeded
+    from modelpool.shared.errors import DeadlineExceeded
     from reliability_backends import SLOW_POOLING_LAYER_S, SLOW_POOLING_ROWS
 
     layers, deadline_s, grace_s = 64, 0.5, slack(0.5)

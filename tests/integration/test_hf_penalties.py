@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from modelpool.backends.common.penalties import Penalties
-from modelpool.backends.hf.handler import HFHandler, load
-from modelpool.errors import InvalidRequest
+from modelpool.shared.errors import InvalidRequest
+from modelpool.worker.backends.common.penalties import Penalties
+from modelpool.worker.backends.hf.handler import HFHandler, load
 from tests.integration.test_hf_batching import PROMPTS, Recorder, assert_same_as_alone
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")

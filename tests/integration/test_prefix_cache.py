@@ -18,9 +18,9 @@ import psutil
 import pytest
 
 from helpers import Recorder, assert_oracle_blind, assert_oracle_leaks, cache_oracle
-from modelpool.backends.hf.handler import HFHandler, load
-from modelpool.backends.hf.prefix_cache import PrefixCache
-from modelpool.protocol import Generation, Prompt
+from modelpool.shared.protocol import Generation, Prompt
+from modelpool.worker.backends.hf.handler import HFHandler, load
+from modelpool.worker.backends.hf.prefix_cache import PrefixCache
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 
@@ -111,7 +111,7 @@ def test_greedy_output_with_the_cache_equals_without_on_a_tiny_model(
 
 @pytest.mark.slow
 def test_greedy_output_with_the_cache_equals_without_on_smollm2() -> None:
-    from modelpool.embedded import prepare_model
+    from modelpool.shared.embedded import prepare_model
 
     model = str(prepare_model(progress=False))
     plain = load(model, dtype="float32", torch_threads=2, prefix_cache_bytes=0)

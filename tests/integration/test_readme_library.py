@@ -33,7 +33,7 @@ from helpers import (
     workers,
 )
 from modelpool import DeadlineExceeded, InvalidRequest, ModelPool, PoolConfig, RetryPolicy
-from modelpool.stats import PoolStats
+from modelpool.supervisor.stats import PoolStats
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

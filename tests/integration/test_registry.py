@@ -19,8 +19,8 @@ import psutil
 import pytest
 
 from helpers import make_config, slack, wait_until
-from modelpool.config import ModelSpec
-from modelpool.errors import (
+from modelpool.shared.config import ModelSpec
+from modelpool.shared.errors import (
     DeadlineExceeded,
     MemoryNotReleased,
     ModelNotFound,
@@ -28,7 +28,7 @@ from modelpool.errors import (
     ModelUnavailable,
     PoolOverloaded,
 )
-from modelpool.registry import ModelRegistry, RegistryConfig, parse_keep_alive
+from modelpool.supervisor.registry import ModelRegistry, RegistryConfig, parse_keep_alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

@@ -23,10 +23,10 @@ import pytest
 
 from fake_nvml import GIB, FakeGpu, FakeNvml
 from helpers import make_config, slack, wait_until
-from modelpool.config import ModelSpec
-from modelpool.errors import MemoryNotReleased, ModelTooLarge
-from modelpool.gpu import GpuProbe
-from modelpool.registry import ModelRegistry, RegistryConfig
+from modelpool.shared.config import ModelSpec
+from modelpool.shared.errors import MemoryNotReleased, ModelTooLarge
+from modelpool.supervisor.gpu import GpuProbe
+from modelpool.supervisor.registry import ModelRegistry, RegistryConfig
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

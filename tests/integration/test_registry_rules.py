@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from helpers import make_config, slack, wait_until
-from modelpool.config import ModelSpec
-from modelpool.errors import ModelTooLarge, ModelUnavailable, PoolOverloaded, QueueFull
-from modelpool.pool import ModelPool
-from modelpool.registry import ModelRegistry, RegistryConfig
+from modelpool.shared.config import ModelSpec
+from modelpool.shared.errors import ModelTooLarge, ModelUnavailable, PoolOverloaded, QueueFull
+from modelpool.supervisor.pool import ModelPool
+from modelpool.supervisor.registry import ModelRegistry, RegistryConfig
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

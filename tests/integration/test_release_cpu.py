@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from helpers import read_line, slack, wait_until
-from modelpool.processes import (
+from modelpool.shared.processes import (
     process_group_exists,
     reap_group_children,
     wait_process_group_gone,

@@ -26,7 +26,7 @@ import pytest
 from fake_nvml import GIB, FakeGpu, FakeNvml
 from helpers import make_config, wait_until
 from modelpool import ModelLoadFailed, ModelPool, WorkerCrashed
-from modelpool.gpu import GpuProbe
+from modelpool.supervisor.gpu import GpuProbe
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

@@ -18,9 +18,9 @@ from starlette.testclient import TestClient
 
 from helpers import METRIC_FAMILIES, make_config, open_pool, slack, wait_counters, wait_until
 from modelpool import DeadlineExceeded, ModelPool, RetryPolicy
-from modelpool.config import ServerConfig
 from modelpool.server import create_app
 from modelpool.server.metrics import PoolMetrics
+from modelpool.shared.config import ServerConfig
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 LOOPBACK = "http://127.0.0.1"

@@ -15,10 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from helpers import make_config, open_pool, slack, wait_until
-from modelpool import trace_export
-from modelpool.config import ModelSpec, ServerConfig
-from modelpool.registry import ModelRegistry, RegistryConfig
 from modelpool.server import create_app
+from modelpool.shared.config import ModelSpec, ServerConfig
+from modelpool.supervisor import trace_export
+from modelpool.supervisor.registry import ModelRegistry, RegistryConfig
 
 LOOPBACK = "http://127.0.0.1"
 

@@ -7,9 +7,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from helpers import make_config, open_pool
-from modelpool.config import ModelSpec, ServerConfig
-from modelpool.registry import ModelRegistry, RegistryConfig
 from modelpool.server import create_app
+from modelpool.shared.config import ModelSpec, ServerConfig
+from modelpool.supervisor.registry import ModelRegistry, RegistryConfig
 
 LOOPBACK = "http://127.0.0.1"
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from modelpool import ModelPool, PoolConfig
-from modelpool.backend_choice import choose_backend, installed_llama_cpp, is_gguf_model
-from modelpool.errors import InvalidRequest, PreflightError
-from modelpool.pool import _choose_backend
+from modelpool.shared.errors import InvalidRequest, PreflightError
+from modelpool.supervisor.backend_choice import choose_backend, installed_llama_cpp, is_gguf_model
+from modelpool.supervisor.pool import _choose_backend
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
 
@@ -105,7 +105,7 @@ def test_start_logs_the_choice_once_the_checks_passed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     missing = str(tmp_path / "nowhere")
-    with caplog.at_level(logging.INFO, logger="modelpool.pool"):
+    with caplog.at_level(logging.INFO, logger="modelpool.supervisor.pool"):
         with pytest.raises(PreflightError):
             ModelPool(PoolConfig(model=missing, devices=("cpu",))).start()
         assert not [m for m in caplog.messages if m.startswith("serving")]

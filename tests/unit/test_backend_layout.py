@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import modelpool.backends
+import modelpool.worker.backends
 
-BACKENDS = Path(modelpool.backends.__file__).parent
+BACKENDS = Path(modelpool.worker.backends.__file__).parent
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -28,19 +28,19 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_the_hf_runner_does_not_import_the_handler() -> None:
     names = imported_modules(BACKENDS / "hf" / "runner.py")
-    assert not any(name.startswith("modelpool.backends.hf.handler") for name in names)
+    assert not any(name.startswith("modelpool.worker.backends.hf.handler") for name in names)
 
 
 def test_resolving_a_backend_name_imports_no_backend() -> None:
     code = (
         "import sys\n"
-        "from modelpool.backends import resolve_backend\n"
+        "from modelpool.worker.backends import resolve_backend\n"
         "print(resolve_backend('hf'), resolve_backend('llama_cpp'))\n"
-        "print(sorted(m for m in sys.modules if m.startswith('modelpool.backends.')))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('modelpool.worker.backends.')))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     targets, loaded = result.stdout.strip().splitlines()
-    assert targets == "modelpool.backends.hf:load modelpool.backends.llama_cpp:load"
+    assert targets == "modelpool.worker.backends.hf:load modelpool.worker.backends.llama_cpp:load"
     assert loaded == "[]"

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from fake_world import FakeWorld
-from modelpool.config import PoolConfig, RetryPolicy
-from modelpool.errors import BackendError, PoisonRequest, WorkerCrashed
-from modelpool.protocol import Generation
-from modelpool.records import FailedBatch, Request, Worker
+from modelpool.shared.config import PoolConfig, RetryPolicy
+from modelpool.shared.errors import BackendError, PoisonRequest, WorkerCrashed
+from modelpool.shared.protocol import Generation
+from modelpool.supervisor.records import FailedBatch, Request, Worker
 
 
 class Proc:

@@ -16,7 +16,7 @@ import pytest
 import modelpool
 from modelpool import PoolConfig, ServerConfig
 from modelpool.cli import main
-from modelpool.config import (
+from modelpool.shared.config import (
     DEFAULT_MODEL,
     ConfigError,
     layered_config,
@@ -308,7 +308,8 @@ def test_the_library_imports_without_the_server_extra(tmp_path: Path) -> None:
         SERVER_EXTRA | EMBEDDED_EXTRA,
         "import modelpool\n"
         "from modelpool import ModelPool, PoolConfig, PoolError, ServerConfig\n"
-        "import modelpool.cli, modelpool.pool, modelpool.supervisor, modelpool.worker\n"
+        "import modelpool.cli, modelpool.supervisor.pool, modelpool.supervisor.loop\n"
+        "import modelpool.worker.process\n"
         "print(modelpool.__version__)\n",
         tmp_path,
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from modelpool.config import ConfigError, ModelSpec, PoolConfig, layered_config
+from modelpool.shared.config import ConfigError, ModelSpec, PoolConfig, layered_config
 
 CONFIG = """
 workers = 3

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from modelpool import ContextLengthExceeded, InvalidRequest
-from modelpool.context import context_length, fit_to_context
-from modelpool.protocol import Generation, Prompt
-from modelpool.testing import count_tokens
-from modelpool.testing import load as load_testing
+from modelpool.shared.context import context_length, fit_to_context
+from modelpool.shared.protocol import Generation, Prompt
+from modelpool.worker.backends.testing import count_tokens
+from modelpool.worker.backends.testing import load as load_testing
 
 
 def test_explicit_max_new_tokens_up_to_the_limit_is_kept() -> None:
@@ -88,7 +88,7 @@ def test_the_option_overrides_the_config(caplog: pytest.LogCaptureFixture) -> No
     config = SimpleNamespace(max_position_embeddings=8192)
     assert context_length(config, 2048) == 2048
     assert not caplog.records
-    with caplog.at_level(logging.WARNING, logger="modelpool.context"):
+    with caplog.at_level(logging.WARNING, logger="modelpool.shared.context"):
         assert context_length(config, 16384) == 16384
     assert "above the model config's 8192" in caplog.text
     assert context_length(SimpleNamespace(), 512) == 512
@@ -162,7 +162,7 @@ def test_the_testing_backend_reads_the_environment_only_when_a_test_enables_it()
 
 
 def test_a_request_that_fits_the_context_gets_its_room_and_any_other_the_default() -> None:
-    from modelpool.backends.common.params import DEFAULT_MAX_NEW_TOKENS, fit_new_tokens
+    from modelpool.worker.backends.common.params import DEFAULT_MAX_NEW_TOKENS, fit_new_tokens
 
     fit = {"fit_to_context": True}
     # Nothing asked: the library's default, or with fit_to_context all the room left.

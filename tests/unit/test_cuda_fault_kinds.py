@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modelpool.cuda_faults import (
+from modelpool.server.errors import pool_error_to_api
+from modelpool.shared.errors import CudaError, OutOfMemory
+from modelpool.worker.cuda_faults import (
     BASELINE_TOLERANCE_BYTES,
     CudaFault,
     MemoryBaseline,
     classify,
 )
-from modelpool.errors import CudaError, OutOfMemory
-from modelpool.server.errors import pool_error_to_api
 
 MIB = 2**20
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from modelpool.config import PoolConfig, ServerConfig
+from modelpool.shared.config import PoolConfig, ServerConfig
 
 yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")

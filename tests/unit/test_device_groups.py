@@ -7,8 +7,8 @@ import pytest
 
 from fake_nvml import FakeGpu, FakeNvml
 from modelpool import PoolConfig
-from modelpool.devices import group_devices, resolve_worker_devices, worker_env_for
-from modelpool.gpu import GpuProbe
+from modelpool.supervisor.devices import group_devices, resolve_worker_devices, worker_env_for
+from modelpool.supervisor.gpu import GpuProbe
 
 UUIDS = [f"GPU-{n}{n}{n}{n}0000-0000-0000-0000-000000000000" for n in range(4)]
 NO_CVD: dict[str, str] = {}
@@ -134,7 +134,7 @@ def test_a_group_worker_without_nvml_gets_the_entries_as_written() -> None:
 
 def test_metrics_show_each_gpu_of_a_group_and_what_a_blocked_gpu_holds() -> None:
     from modelpool.server.metrics import PoolMetrics
-    from modelpool.stats import GpuStats, PoolStats, WorkerStats
+    from modelpool.supervisor.stats import GpuStats, PoolStats, WorkerStats
 
     worker = WorkerStats(
         id=3,
@@ -171,8 +171,8 @@ def test_metrics_show_each_gpu_of_a_group_and_what_a_blocked_gpu_holds() -> None
 
 
 def test_an_oom_on_the_second_gpu_of_a_group_is_named_by_the_pools_name() -> None:
-    from modelpool.records import Worker
-    from modelpool.worker_manager import pool_device
+    from modelpool.supervisor.records import Worker
+    from modelpool.supervisor.worker_manager import pool_device
 
     group = Worker(id=1, slot=0, device="cuda:2,cuda:3", started_at=0.0)
     assert pool_device(group, "cuda:1") == "cuda:3"

@@ -1,6 +1,6 @@
 """Property-based tests of the dispatcher's bookkeeping: the REAL ``Dispatcher``.
 
-A hypothesis state machine drives ``modelpool.dispatcher.Dispatcher`` through
+A hypothesis state machine drives ``modelpool.supervisor.dispatcher.Dispatcher`` through
 random interleavings of what the event loop feeds it: submits and cancels
 (``pool.cancel`` and ``future.cancel``, posted as commands the way
 ``ModelPool`` posts them), worker ready / chunk / done / error messages for the
@@ -38,11 +38,11 @@ from hypothesis.stateful import (
     rule,
 )
 
-from modelpool.config import PoolConfig, RetryPolicy
-from modelpool.dispatcher import Dispatcher
-from modelpool.protocol import PROTOCOL_VERSION, Generation, WorkerSpec, encode_request
-from modelpool.records import GpuWorker, Request, Run, Worker
-from modelpool.results import PoolFuture
+from modelpool.shared.config import PoolConfig, RetryPolicy
+from modelpool.shared.protocol import PROTOCOL_VERSION, Generation, WorkerSpec, encode_request
+from modelpool.supervisor.dispatcher import Dispatcher
+from modelpool.supervisor.records import GpuWorker, Request, Run, Worker
+from modelpool.supervisor.results import PoolFuture
 
 MB = 2**20
 FAR = 1000.0  # seconds: beyond every deadline, grace, backoff and start-up timeout below

@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import pytest
 
-from modelpool import queueing
-from modelpool.errors import DeadlineExceeded
+from modelpool.scheduling import queueing
 from modelpool.server.fair_share import FairShare
 from modelpool.server.http import ApiError
+from modelpool.shared.errors import DeadlineExceeded
 
 
 def share(capacity: int = 1, **limits: int) -> FairShare:

@@ -249,7 +249,7 @@ def _is_number(value: Any) -> bool:
     return not _has_huge_int(value) and math.isfinite(value)
 
 
-# What the README promises to serve, checked independently of modelpool.validation: a
+# What the README promises to serve, checked independently of modelpool.shared.validation: a
 # validator that rejected everything (or too much) must fail these tests, not pass them.
 VALID_PARAMS = {
     "max_new_tokens": lambda v: (

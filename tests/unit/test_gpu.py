@@ -24,8 +24,8 @@ from fake_nvml import (
     NVMLError_NoPermission,
 )
 from helpers import slack
-from modelpool.devices import nvml_index_for, resolve_devices, worker_env_for
-from modelpool.gpu import (
+from modelpool.supervisor.devices import nvml_index_for, resolve_devices, worker_env_for
+from modelpool.supervisor.gpu import (
     DeviceInfo,
     GpuProbe,
     MemoryReading,
@@ -708,8 +708,9 @@ def test_worker_env_for_without_nvml() -> None:
 
 def test_the_worker_reads_its_rss_without_importing_gpu_or_supervisor() -> None:
     code = (
-        "import sys, modelpool.worker\n"
-        "print(sorted(m for m in ('modelpool.gpu', 'modelpool.supervisor', 'pynvml')"
+        "import sys, modelpool.worker.process\n"
+        "print(sorted(m for m in ('modelpool.supervisor.gpu', 'modelpool.supervisor.loop',"
+        " 'pynvml')"
         " if m in sys.modules))\n"
     )
     done = subprocess.run(

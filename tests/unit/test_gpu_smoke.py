@@ -18,7 +18,7 @@ from types import ModuleType
 import pytest
 
 from fake_nvml import GIB, MIB, FakeGpu, FakeNvml, NVMLError_NoPermission
-from modelpool.gpu import GpuProbe
+from modelpool.supervisor.gpu import GpuProbe
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 

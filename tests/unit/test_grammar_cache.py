@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from modelpool.errors import GrammarError
-from modelpool.grammar import GrammarCompiler
+from modelpool.shared.errors import GrammarError
+from modelpool.shared.grammar import GrammarCompiler
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork, Linux signals")
 

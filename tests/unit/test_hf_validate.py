@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from modelpool.backends.common.params import GENERATION_PARAMS
-from modelpool.backends.common.text import MAX_STOP_STRINGS
-from modelpool.backends.hf.handler import validate
-from modelpool.errors import InvalidRequest
+from modelpool.shared.errors import InvalidRequest
+from modelpool.worker.backends.common.params import GENERATION_PARAMS
+from modelpool.worker.backends.common.text import MAX_STOP_STRINGS
+from modelpool.worker.backends.hf.handler import validate
 
 
 @pytest.mark.parametrize(
@@ -104,10 +104,11 @@ def test_unknown_keys_message_lists_the_allowed_ones() -> None:
 def test_importing_the_light_modules_imports_no_torch() -> None:
     code = (
         "import sys\n"
-        "import modelpool.backends.hf.handler, modelpool.tinymodel, modelpool.embedded\n"
-        "import modelpool.backends.llama_cpp.handler\n"
-        "modelpool.backends.hf.handler.validate({'max_new_tokens': 3, 'stop': 'x'})\n"
-        "modelpool.backends.llama_cpp.handler.validate({'max_new_tokens': 3})\n"
+        "import modelpool.worker.backends.hf.handler, modelpool.tinymodel\n"
+        "import modelpool.shared.embedded\n"
+        "import modelpool.worker.backends.llama_cpp.handler\n"
+        "modelpool.worker.backends.hf.handler.validate({'max_new_tokens': 3, 'stop': 'x'})\n"
+        "modelpool.worker.backends.llama_cpp.handler.validate({'max_new_tokens': 3})\n"
         "heavy = ('torch', 'transformers', 'tokenizers', 'numpy', 'llama_cpp')\n"
         "heavy = sorted(m for m in heavy if m in sys.modules)\n"
         "print(','.join(heavy))\n"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from modelpool.config import ServerConfig
 from modelpool.server.guard import BrowserGuard, log_path, require_json
 from modelpool.server.http import ApiError
+from modelpool.shared.config import ServerConfig
 
 
 @pytest.mark.parametrize("bind", ["127.0.0.1", "127.0.0.5", "::1", "[::1]", "localhost"])

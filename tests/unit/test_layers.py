@@ -1,15 +1,19 @@
-"""The layers of ``src/modelpool`` and their import rules (docs/architecture.md, "Layers").
+"""The sides of ``src/modelpool`` and their import rules (docs/architecture.md, "Layers").
 
 Read from the source, statically: every ``import`` and ``from ... import`` of a module,
-inside functions too, so that a lazy import cannot hide an arrow. Four rules:
+inside functions too, so that a lazy import cannot hide an arrow. Every module lives in one
+side (a package): ``shared/`` (both sides speak it), ``scheduling/`` (the rules),
+``worker/`` (a worker process: its loop and the backends), ``supervisor/`` (the pool, its
+dispatcher and the registry) and the server side (``server/``, the command, the Ray app).
+The rules:
 
-- the worker side (``worker.py``, ``testing.py`` and every backend) imports nothing of
-  the supervisor side or the server, at run time, however indirectly: a worker process
-  loads only what it serves with;
-- no backend imports another backend (``backends/hf/`` and ``backends/llama_cpp/`` share
-  only what lies beside them in ``backends/``), and the shared part imports none;
-- the server imports the pool, never the reverse: nothing outside ``server/`` (and the
-  command and the Ray app above it) imports ``modelpool.server``, not even for types;
+- the shared modules import nothing of the other sides, not even for types;
+- the worker side imports nothing of the supervisor side or the server, at run time,
+  however indirectly: a worker process loads only what it serves with;
+- no backend imports another backend (``worker/backends/hf/`` and ``llama_cpp/`` share
+  only what lies beside them in ``worker/backends/``), and the shared part imports none;
+- the server imports the pool, never the reverse: nothing outside the server side imports
+  ``modelpool.server``, not even for types;
 - imports go one way: no module imports itself back through others, ``TYPE_CHECKING``
   imports included.
 """
@@ -21,43 +25,26 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import modelpool
-from modelpool.backends import BUILTIN_BACKENDS
+from modelpool.worker.backends import BUILTIN_BACKENDS
 
 SOURCE = Path(modelpool.__file__).resolve().parent.parent
 
 # Above the pool: the daemon, the command that starts it, the Ray Serve app.
 SERVER_SIDE = ("modelpool.server", "modelpool.cli", "modelpool.cli_remote", "modelpool.ray_serve")
-# The supervisor: the pool, its dispatcher thread and what watches its workers.
-SUPERVISOR_SIDE = (
-    "modelpool.registry",
-    "modelpool.pool",
-    "modelpool.streams",
-    "modelpool.supervisor",
-    "modelpool.dispatcher",
-    "modelpool.retries",
-    "modelpool.stalls",
-    "modelpool.placement",
-    "modelpool.prefetch",
-    "modelpool.worker_manager",
-    "modelpool.worker_errors",
-    "modelpool.records",
-    "modelpool.results",
-    "modelpool.spawn",
-    "modelpool.monitors",
-    "modelpool.gpu",
-    "modelpool.devices",
-    "modelpool.preflight",
-    "modelpool.stats",
-    "modelpool.queueing",
-    "modelpool.preemption",
-    "modelpool.observe",
-    "modelpool.tracing",
-)
-# The packages of the built-in model backends ("modelpool.backends.hf", ...).
+# The supervisor: the pool, its dispatcher thread, what watches its workers, the registry.
+SUPERVISOR_SIDE = ("modelpool.supervisor",)
+# A worker process: its loop and the backends it runs.
+WORKER_SIDE = ("modelpool.worker",)
+# What both sides speak, and the scheduling rules.
+SHARED = ("modelpool.shared",)
+SCHEDULING = ("modelpool.scheduling",)
+# Beside the sides: the package's face, its entry point and the tiny-model builder.
+TOP = ("modelpool", "modelpool.__main__", "modelpool.tinymodel")
+# The packages of the built-in model backends ("modelpool.worker.backends.hf", ...).
 BACKEND_PACKAGES = tuple(
     target.partition(":")[0]
     for target in BUILTIN_BACKENDS.values()
-    if target.startswith("modelpool.backends.")
+    if target.startswith("modelpool.worker.backends.")
 )
 
 
@@ -122,14 +109,31 @@ def _closure(roots: Iterable[str]) -> dict[str, str]:
 
 
 def test_the_layer_lists_name_real_modules() -> None:
-    for name in (*SERVER_SIDE, *SUPERVISOR_SIDE, *BACKEND_PACKAGES):
+    for name in (*SERVER_SIDE, *SUPERVISOR_SIDE, *WORKER_SIDE, *SHARED, *SCHEDULING, *TOP):
         assert name in MODULES, f"{name} is in a layer list but is not a module"
     assert len(BACKEND_PACKAGES) >= 2
 
 
+def test_every_module_lives_in_one_side() -> None:
+    sides = (SERVER_SIDE, SUPERVISOR_SIDE, WORKER_SIDE, SHARED, SCHEDULING)
+    homeless = [m for m in MODULES if m not in TOP and not any(_in(m, side) for side in sides)]
+    assert not homeless
+
+
+def test_the_shared_modules_import_no_side() -> None:
+    others = SERVER_SIDE + SUPERVISOR_SIDE + WORKER_SIDE + SCHEDULING
+    arrows = [
+        f"{module} -> {name}"
+        for module in MODULES
+        if _in(module, SHARED)
+        for name in _imports(module, type_checking=True)
+        if _in(name, others)
+    ]
+    assert not arrows
+
+
 def test_the_worker_side_loads_nothing_of_the_supervisor_or_the_server() -> None:
-    worker_side = ["modelpool.worker", "modelpool.testing", *BACKEND_PACKAGES]
-    worker_side += [m for m in MODULES if m.startswith("modelpool.backends.")]
+    worker_side = [m for m in MODULES if _in(m, WORKER_SIDE)]
     loaded = _closure(worker_side)
     crossing = {
         module: by for module, by in loaded.items() if _in(module, SUPERVISOR_SIDE + SERVER_SIDE)
@@ -140,12 +144,12 @@ def test_the_worker_side_loads_nothing_of_the_supervisor_or_the_server() -> None
 def test_no_backend_imports_another_backend() -> None:
     arrows = []
     for module in MODULES:
-        if not _in(module, ["modelpool.backends"]):
+        if not _in(module, ["modelpool.worker.backends"]):
             continue
         own = [package for package in BACKEND_PACKAGES if _in(module, [package])]
         for name in _imports(module, type_checking=True):
             other = [package for package in BACKEND_PACKAGES if _in(name, [package])]
-            if other and other != own and module != "modelpool.backends":
+            if other and other != own and module != "modelpool.worker.backends":
                 arrows.append(f"{module} -> {name}")
     assert not arrows
 

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from helpers import Recorder
-from modelpool.backends.common.sampling import Sampling
-from modelpool.backends.common.scheduler import Scheduler
-from modelpool.backends.llama_cpp.options import BackendUnavailable, Placement, placement
-from modelpool.backends.llama_cpp.runner import LlamaRow, LlamaRunner
-from modelpool.backends.llama_cpp.sampling import choose_token
-from modelpool.context import fit_to_context
-from modelpool.protocol import Call, Generation, Prompt, RowsLost, TokenIds
+from modelpool.shared.context import fit_to_context
+from modelpool.shared.protocol import Call, Generation, Prompt, RowsLost, TokenIds
+from modelpool.worker.backends.common.sampling import Sampling
+from modelpool.worker.backends.common.scheduler import Scheduler
+from modelpool.worker.backends.llama_cpp.options import BackendUnavailable, Placement, placement
+from modelpool.worker.backends.llama_cpp.runner import LlamaRow, LlamaRunner
+from modelpool.worker.backends.llama_cpp.sampling import choose_token
 
 END = 7
 # Token -> bytes. 1 and 2 are the two halves of "€" (e2 82 | ac).
@@ -307,7 +307,7 @@ def test_placement_refuses_what_cannot_run() -> None:
 def test_openai_penalties_in_numpy_match_the_torch_definition() -> None:
     import torch
 
-    from modelpool.backends.common.penalties import Penalties
+    from modelpool.worker.backends.common.penalties import Penalties
 
     penalties = Penalties(presence=0.5, frequency=0.25, bias=((1, -3.0), (4, 2.0)))
     logits = np.linspace(-1.0, 1.0, 6, dtype=np.float32)

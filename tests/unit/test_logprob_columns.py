@@ -14,18 +14,18 @@ import tracemalloc
 
 import pytest
 
-from modelpool.logprob_columns import TokenLogprobs
-from modelpool.protocol import (
+from modelpool.server.http import json_bytes
+from modelpool.server.openai.format import Job, response_body
+from modelpool.shared.logprob_columns import TokenLogprobs
+from modelpool.shared.protocol import (
     FrameDecoder,
     Generation,
     PooledAnswer,
     TokenLogprob,
     encode_frame,
 )
-from modelpool.results import Result
-from modelpool.server.http import json_bytes
-from modelpool.server.openai.format import Job, response_body
-from modelpool.worker import _normalise
+from modelpool.supervisor.results import Result
+from modelpool.worker.process import _normalise
 
 ENTRIES = [
     TokenLogprob(1, "Hé", None),

@@ -16,7 +16,7 @@ import pytest
 from modelpool import InvalidRequest, ModelPool, PoolConfig
 from modelpool.server.http import ApiError, parse_json_object
 from modelpool.server.openai.request import deadline_from, parse_chat, parse_completion
-from modelpool.validation import MAX_INT, is_int, is_number
+from modelpool.shared.validation import MAX_INT, is_int, is_number
 
 NOT_NUMBERS = [10**400, -(10**400), math.inf, -math.inf, math.nan, True, False, "1", None]
 

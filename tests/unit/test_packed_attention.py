@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from modelpool.backends.hf.packed import _decoding_attention
+from modelpool.worker.backends.hf.packed import _decoding_attention
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -30,9 +30,7 @@ def test_decoding_attention_equals_grouped_query_attention(
     expected = scaled_dot_product_attention(
         query, keys, values, attn_mask=mask, scale=0.3, enable_gqa=True
     )
-    answered = _decoding_attention(
-        query.to(dtype), keys.to(dtype), values.to(dtype), mask, 0.3
-    )
+    answered = _decoding_attention(query.to(dtype), keys.to(dtype), values.to(dtype), mask, 0.3)
     assert answered.shape == expected.shape
     assert answered.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 0.1

@@ -8,11 +8,11 @@ from typing import cast
 
 from test_batch_dispatch import World
 
-from modelpool.errors import BackendError
-from modelpool.preemption import choose_victims, continue_stream, worth_looking
-from modelpool.protocol import Generation
-from modelpool.records import Request, Run, Worker
-from modelpool.results import PoolFuture
+from modelpool.scheduling.preemption import choose_victims, continue_stream, worth_looking
+from modelpool.shared.errors import BackendError
+from modelpool.shared.protocol import Generation
+from modelpool.supervisor.records import Request, Run, Worker
+from modelpool.supervisor.results import PoolFuture
 
 
 def _request(name: str, priority: int, *, at: float = 0.0, **fields: object) -> Request:

@@ -1,4 +1,4 @@
-"""The dispatcher's prefetch rules (``modelpool.prefetch``) for one-call workers, driven
+"""The dispatcher's prefetch rules (``modelpool.scheduling.prefetch``) for one-call workers, driven
 step by step with a fake world (no processes): what is sent ahead, when it starts, and
 what takes it back (an idle worker, a more urgent request, a cancel, a deadline, a death)."""
 
@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from fake_world import FakeWorld
-from modelpool.config import PoolConfig, RetryPolicy
-from modelpool.errors import DeadlineExceeded
-from modelpool.protocol import Generation
-from modelpool.records import Request, Worker
+from modelpool.shared.config import PoolConfig, RetryPolicy
+from modelpool.shared.errors import DeadlineExceeded
+from modelpool.shared.protocol import Generation
+from modelpool.supervisor.records import Request, Worker
 
 
 class Proc:

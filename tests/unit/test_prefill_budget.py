@@ -3,7 +3,7 @@ prompt read beside decoding rows leaves room for the join that follows it."""
 
 from __future__ import annotations
 
-from modelpool.backends.common.scheduler import PrefillBudget
+from modelpool.worker.backends.common.scheduler import PrefillBudget
 
 
 def steered_budget() -> PrefillBudget:

@@ -8,16 +8,16 @@ the prefix, least loaded first as before.
 
 from __future__ import annotations
 
-from modelpool.placement import PREFIX_LOAD_SLACK, assign
-from modelpool.prefixes import (
+from modelpool.scheduling.placement import PREFIX_LOAD_SLACK, assign
+from modelpool.shared.prefixes import (
     TEXT_BLOCK_CHARS,
     answered_fingerprints,
     matched_units,
     prompt_fingerprints,
 )
-from modelpool.protocol import PrefixCacheReport, TokenIds, encode_request
-from modelpool.records import Request, Run, Worker
-from modelpool.results import PoolFuture
+from modelpool.shared.protocol import PrefixCacheReport, TokenIds, encode_request
+from modelpool.supervisor.records import Request, Run, Worker
+from modelpool.supervisor.results import PoolFuture
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 

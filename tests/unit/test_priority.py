@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_batch_dispatch import World
 
-from modelpool.queueing import (
+from modelpool.scheduling.queueing import (
     DUE_RUNS,
     WaitPredictor,
     ahead_of,
@@ -20,8 +20,8 @@ from modelpool.queueing import (
     promoted,
     urgent_share,
 )
-from modelpool.records import Request
-from modelpool.results import PoolFuture
+from modelpool.supervisor.records import Request
+from modelpool.supervisor.results import PoolFuture
 
 
 def _queued_counts(world: World) -> dict[int, int]:

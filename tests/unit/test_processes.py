@@ -6,7 +6,7 @@ import mmap
 
 import psutil
 
-from modelpool.processes import process_rss_bytes
+from modelpool.shared.processes import process_rss_bytes
 
 
 def test_process_rss_bytes_is_this_process_resident_memory_and_follows_it() -> None:

@@ -118,9 +118,7 @@ def test_an_unsupported_python_is_refused_with_the_supported_list(checkout: Path
         assert version in result.stderr
 
 
-def test_a_python_named_by_version_is_found_under_pyenv_too(
-    checkout: Path, tmp_path: Path
-) -> None:
+def test_a_python_named_by_version_is_found_under_pyenv_too(checkout: Path, tmp_path: Path) -> None:
     """PYTHON=python3.X finds $PYENV_ROOT/versions/3.X.*, as scripts/test-pythons does."""
     absent = [
         v for v in classifier_versions() if not shutil.which(f"python{v}", path="/usr/bin:/bin")

@@ -7,8 +7,11 @@ from typing import Any
 import pytest
 
 from modelpool.cli import _is_loopback, served_model_name
-from modelpool.config import PoolConfig, ServerConfig
-from modelpool.errors import (
+from modelpool.server.errors import pool_error_to_api
+from modelpool.server.http import ApiError
+from modelpool.server.openai.request import deadline_from, parse_chat, parse_completion
+from modelpool.shared.config import PoolConfig, ServerConfig
+from modelpool.shared.errors import (
     BackendError,
     DeadlineExceeded,
     InvalidRequest,
@@ -16,10 +19,7 @@ from modelpool.errors import (
     PoolOverloaded,
     WorkerCrashed,
 )
-from modelpool.protocol import TokenIds
-from modelpool.server.errors import pool_error_to_api
-from modelpool.server.http import ApiError
-from modelpool.server.openai.request import deadline_from, parse_chat, parse_completion
+from modelpool.shared.protocol import TokenIds
 
 
 def test_completion_fields_map_to_generation_kwargs() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from test_llama_cpp_engine import END, FakeRuntime, drain, engine_for
 
 from helpers import Recorder
-from modelpool.protocol import Generation, TokenIds
+from modelpool.shared.protocol import Generation, TokenIds
 
 
 def test_a_more_urgent_request_takes_the_next_free_room() -> None:

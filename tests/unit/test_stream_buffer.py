@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from modelpool.streams import StreamBuffer
+from modelpool.supervisor.streams import StreamBuffer
 
 END = object()
 

@@ -1,6 +1,6 @@
 """Structured outputs, the supervisor's side: every form of the request becomes one checked
 grammar text, and what llguidance cannot honour is refused naming the keyword and its path
-(modelpool.structured, and the HTTP bodies through server.openai.request)."""
+(modelpool.shared.structured, and the HTTP bodies through server.openai.request)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import Any, Literal
 import pydantic
 import pytest
 
-from modelpool.errors import GrammarEngineMissing, GrammarError, InvalidRequest
-from modelpool.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM
 from modelpool.server.http import ApiError
 from modelpool.server.openai.request import parse_chat, parse_completion
-from modelpool.structured import (
+from modelpool.shared.errors import GrammarEngineMissing, GrammarError, InvalidRequest
+from modelpool.shared.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM
+from modelpool.shared.structured import (
     constrain,
     grammar_for_body,
     grammar_for_response_format,
@@ -223,8 +223,8 @@ def test_without_llguidance_a_constrained_request_is_a_typed_refusal(
 
 
 def test_a_schema_past_a_work_bound_is_refused_naming_it() -> None:
-    from modelpool.errors import SchemaTooComplex
-    from modelpool.structured import MAX_CHOICE_ITEMS, MAX_SCHEMA_NODES, checked_inline
+    from modelpool.shared.errors import SchemaTooComplex
+    from modelpool.shared.structured import MAX_CHOICE_ITEMS, MAX_SCHEMA_NODES, checked_inline
 
     wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2500)}}
     with pytest.raises(SchemaTooComplex) as nodes:

@@ -1,4 +1,4 @@
-"""modelpool.tools: the plan and grammar of a request's tools, rendering, and the one
+"""modelpool.shared.tools: the plan and grammar of a request's tools, rendering, and the one
 reader of the model's calls (whole and streamed)."""
 
 from __future__ import annotations
@@ -9,11 +9,10 @@ from typing import Any
 
 import pytest
 
-from modelpool.results import Result
 from modelpool.server.http import ApiError
 from modelpool.server.openai.format import response_body
 from modelpool.server.openai.request import parse_chat
-from modelpool.tools import (
+from modelpool.shared.tools import (
     CALL_OPEN,
     CallReader,
     ToolCall,
@@ -23,6 +22,7 @@ from modelpool.tools import (
     render_chat,
     template_features,
 )
+from modelpool.supervisor.results import Result
 
 WEATHER = {
     "type": "function",
@@ -249,8 +249,8 @@ def test_rendering_uses_the_template_tools_or_the_generic_preamble(tiny_model_di
 
 
 def test_the_pool_refuses_a_malformed_tools_keyword_before_dispatch() -> None:
-    from modelpool.backends.hf.handler import validate
-    from modelpool.errors import InvalidRequest
+    from modelpool.shared.errors import InvalidRequest
+    from modelpool.worker.backends.hf.handler import validate
 
     validate(plan().pool_params())
     for tools in ("get_weather", [{"name": "get_weather"}], [{"function": {}}]):

@@ -9,8 +9,8 @@ from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from modelpool.observe import AttemptRecord, RequestRecord
-from modelpool.tracing import PoolTracer
+from modelpool.supervisor.observe import AttemptRecord, RequestRecord
+from modelpool.supervisor.tracing import PoolTracer
 
 
 class FakePool:

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from modelpool.protocol import encode_frame
-from modelpool.worker import _Channel
+from modelpool.shared.protocol import encode_frame
+from modelpool.worker.process import _Channel
 
 POLL_S = 0.05
 

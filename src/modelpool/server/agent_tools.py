@@ -22,9 +22,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from modelpool.errors import GrammarError
 from modelpool.server.http import ApiError
-from modelpool.structured import json_schema_grammar_fragment
+from modelpool.shared.errors import GrammarError
+from modelpool.shared.structured import json_schema_grammar_fragment
 
 logger = logging.getLogger(__name__)
 

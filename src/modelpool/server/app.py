@@ -71,13 +71,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Scope
 
-from modelpool.backends.common.params import DEFAULT_MAX_NEW_TOKENS
-from modelpool.config import PoolConfig, ServerConfig
-from modelpool.errors import (
-    PoolError,
-)
-from modelpool.protocol import Prompt
-from modelpool.registry import ModelRegistry
 from modelpool.server import models as multi
 from modelpool.server import rights
 from modelpool.server.anthropic.api import MessagesApi, count_prompt, fit_max_tokens
@@ -130,11 +123,18 @@ from modelpool.server.tokenize import (
     tokenize_body,
 )
 from modelpool.server.ui import add_ui_routes
-from modelpool.validation import valid_traceparent
+from modelpool.shared.config import PoolConfig, ServerConfig
+from modelpool.shared.errors import (
+    PoolError,
+)
+from modelpool.shared.protocol import Prompt
+from modelpool.shared.validation import valid_traceparent
+from modelpool.supervisor.registry import ModelRegistry
+from modelpool.worker.backends.common.params import DEFAULT_MAX_NEW_TOKENS
 
 if TYPE_CHECKING:
-    from modelpool.pool import ModelPool, Result
-    from modelpool.streams import AsyncPoolStream
+    from modelpool.supervisor.pool import ModelPool, Result
+    from modelpool.supervisor.streams import AsyncPoolStream
 
 logger = logging.getLogger(__name__)
 
@@ -471,7 +471,7 @@ def _observe_pools(
     endpoint = server_config.otlp_traces_endpoint
     if endpoint is not None:
         try:
-            from modelpool.tracing import PoolTracer, TraceExporter
+            from modelpool.supervisor.tracing import PoolTracer, TraceExporter
         except ImportError as exc:
             raise RuntimeError(
                 "[server] otlp_traces_endpoint needs OpenTelemetry: pip install "

@@ -2,7 +2,7 @@
 threads shared round robin between clients.
 
 Every body is parsed and checked in one of ``CHECK_THREADS`` threads, whatever its size:
-a schema check is the grammar engine's work (bounded, see :mod:`modelpool.structured`,
+a schema check is the grammar engine's work (bounded, see :mod:`modelpool.shared.structured`,
 but up to a couple of seconds), and Python's parsing of a body of many small items takes
 the GIL for as long, so neither may run on the loop that serves every client. A client
 has at most one thread at a time; others wait their turn round robin (the machinery of
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from modelpool.server.fair_share import FairShare, Limits
-from modelpool.structured import checked_inline
+from modelpool.shared.structured import checked_inline
 
 T = TypeVar("T")
 

@@ -11,7 +11,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from modelpool.errors import (
+from modelpool.server.http import ApiError
+from modelpool.shared.errors import (
     BackendError,
     ContextLengthExceeded,
     CudaError,
@@ -32,7 +33,6 @@ from modelpool.errors import (
     WorkerCrashed,
     WrongTask,
 )
-from modelpool.server.http import ApiError
 
 # Seconds a client should wait before trying again: an overloaded queue drains
 # quickly; a pool that is not ready is starting or respawning workers.

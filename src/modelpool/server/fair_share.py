@@ -60,9 +60,9 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from modelpool.errors import DeadlineExceeded
-from modelpool.queueing import arrived_at
+from modelpool.scheduling.queueing import arrived_at
 from modelpool.server.http import ApiError
+from modelpool.shared.errors import DeadlineExceeded
 
 # A client's own (max_running, max_queued); None in either is the share's.
 Limits = tuple[int | None, int | None]

@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from modelpool.server.openai.format import Job
 from modelpool.server.openai.request import output_ceiling
-from modelpool.validation import FIT_PARAM
+from modelpool.shared.validation import FIT_PARAM
 
 if TYPE_CHECKING:
     from fastapi.responses import Response
 
-    from modelpool.pool import ModelPool, Result
     from modelpool.server.streaming import StreamedChoice, StreamWriter
+    from modelpool.supervisor.pool import ModelPool, Result
 
 
 def bound_by_deadline(job: Job, pool: ModelPool, deadline_s: float, budget: int) -> None:

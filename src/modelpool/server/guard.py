@@ -32,11 +32,11 @@ import httptools
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from modelpool.config import ServerConfig
 from modelpool.server.errors import error_body, error_response
 from modelpool.server.http import ApiError, invalid
 from modelpool.server.metrics import PoolMetrics
 from modelpool.server.tenants import Keys
+from modelpool.shared.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("modelpool.access")

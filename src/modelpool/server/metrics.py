@@ -1,4 +1,5 @@
-"""Prometheus metrics for the daemon, rendered from a :class:`~modelpool.stats.PoolStats`.
+"""Prometheus metrics for the daemon, rendered from a
+:class:`~modelpool.supervisor.stats.PoolStats`.
 
 The pool's counters live in the dispatcher; copying them into prometheus-client
 counters would mean two sources of truth that drift. Instead a custom collector
@@ -24,10 +25,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from modelpool.server.vllm_metrics import VllmMetrics
-from modelpool.stats import PoolStats
+from modelpool.supervisor.stats import PoolStats
 
 if TYPE_CHECKING:
-    from modelpool.registry import RegistryStats
+    from modelpool.supervisor.registry import RegistryStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -220,7 +221,8 @@ def stats_families(stats: PoolStats) -> Iterator[Metric]:
 
 
 class RegistryCollector(Collector):
-    """Renders a :class:`~modelpool.registry.ModelRegistry`'s snapshot once per scrape: each
+    """Renders a :class:`~modelpool.supervisor.registry.ModelRegistry`'s snapshot once per
+    scrape: each
     loaded model's pool families with a ``model`` label, and the registry's own."""
 
     def __init__(
@@ -253,7 +255,7 @@ class RegistryCollector(Collector):
 def registry_families(stats: RegistryStats) -> Iterator[Metric]:
     """The registry's families: each model's state, loads, unloads, evictions, load
     failures and times, measured memory; the budget, the peak, swaps, waiters."""
-    from modelpool.registry import MODEL_STATES
+    from modelpool.supervisor.registry import MODEL_STATES
 
     state = GaugeMetricFamily(
         "modelpool_model_state", "1 for each model's current state.", labels=["model", "state"]

@@ -38,16 +38,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
-from modelpool.config import ServerConfig
-from modelpool.errors import DeadlineExceeded, InvalidRequest
 from modelpool.server.http import ApiError, run_unless_disconnected
 from modelpool.server.openai.request import deadline_from
 from modelpool.server.priority_bound import PriorityBound
 from modelpool.server.state import client_of, read_checked
+from modelpool.shared.config import ServerConfig
+from modelpool.shared.errors import DeadlineExceeded, InvalidRequest
 
 if TYPE_CHECKING:
-    from modelpool.pool import ModelPool
     from modelpool.server.state import ServerState
+    from modelpool.supervisor.pool import ModelPool
 
 J = TypeVar("J")
 R = TypeVar("R")

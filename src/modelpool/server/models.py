@@ -1,5 +1,6 @@
 """Many models behind one daemon: a request's ``model`` → its pool, through a
-:class:`~modelpool.registry.ModelRegistry`, and the routes that show and steer the models.
+:class:`~modelpool.supervisor.registry.ModelRegistry`, and the
+routes that show and steer the models.
 
 Every route that runs a model asks ``state.pool_for(request, body)`` (``state.ServerState``)
 for its pool, which ends here in :func:`pool_for`: the registry loads the model if need
@@ -29,14 +30,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from modelpool.config import PoolConfig, ServerConfig
-from modelpool.registry import ModelLease, ModelRegistry, ModelStats, parse_keep_alive
 from modelpool.server import rights
 from modelpool.server.http import invalid
 from modelpool.server.openai.request import deadline_from
+from modelpool.shared.config import PoolConfig, ServerConfig
+from modelpool.supervisor.registry import ModelLease, ModelRegistry, ModelStats, parse_keep_alive
 
 if TYPE_CHECKING:
-    from modelpool.pool import ModelPool
+    from modelpool.supervisor.pool import ModelPool
 
 LEASES = "model_leases"
 WAITED = "model_wait_s"

@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from modelpool.config import ServerConfig
-from modelpool.embeddings import EmbeddingResult, ScoreResult
 from modelpool.server.embeddings import (
     EmbedJob,
     embeddings_body,
@@ -47,10 +45,12 @@ from modelpool.server.rerank import (
     score_body,
     score_size,
 )
+from modelpool.shared.config import ServerConfig
+from modelpool.shared.embeddings import EmbeddingResult, ScoreResult
 
 if TYPE_CHECKING:
-    from modelpool.pool import ModelPool
     from modelpool.server.state import ServerState
+    from modelpool.supervisor.pool import ModelPool
 
 # An answer of more values than this is written in a thread (see ``off_loop_if``).
 ENCODE_OFF_LOOP_VALUES = 65_536

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modelpool.server.tenants import Tenant
-from modelpool.validation import MAX_PRIORITY, is_int
+from modelpool.shared.validation import MAX_PRIORITY, is_int
 
 T = TypeVar("T")
 

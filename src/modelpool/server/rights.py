@@ -20,9 +20,9 @@ from typing import Any
 
 from fastapi import Depends, Request
 
-from modelpool.errors import ModelUnavailable, PoolError
 from modelpool.server.http import ApiError
 from modelpool.server.tenants import Keys, Tenant
+from modelpool.shared.errors import ModelUnavailable, PoolError
 
 # A registry's reasons, by how they start or what they hold, and the class a tenant sees.
 _REASON_CLASSES = (

@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
-from modelpool.config import PoolConfig, ServerConfig
-from modelpool.registry import ModelRegistry
 from modelpool.server import models as multi
 from modelpool.server import rights
 from modelpool.server.checks import Checks
@@ -37,10 +35,12 @@ from modelpool.server.openai.request import deadline_from
 from modelpool.server.priority_bound import PriorityBound
 from modelpool.server.responses.api import ResponsesApi
 from modelpool.server.tenants import Keys, Tenant
-from modelpool.stats import PoolHealth
+from modelpool.shared.config import PoolConfig, ServerConfig
+from modelpool.supervisor.registry import ModelRegistry
+from modelpool.supervisor.stats import PoolHealth
 
 if TYPE_CHECKING:
-    from modelpool.pool import ModelPool
+    from modelpool.supervisor.pool import ModelPool
 
 T = TypeVar("T")
 R = TypeVar("R")

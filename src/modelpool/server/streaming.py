@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from modelpool.errors import PoolError
-from modelpool.protocol import Prompt, TokenCounts
 from modelpool.server.errors import pool_error_to_api, shutting_down
 from modelpool.server.fair_share import Ticket
 from modelpool.server.http import (
@@ -37,10 +35,12 @@ from modelpool.server.http import (
     off_loop_if,
     run_unless_disconnected,
 )
+from modelpool.shared.errors import PoolError
+from modelpool.shared.protocol import Prompt, TokenCounts
 
 if TYPE_CHECKING:
-    from modelpool.results import Result
-    from modelpool.streams import AsyncPoolStream
+    from modelpool.supervisor.results import Result
+    from modelpool.supervisor.streams import AsyncPoolStream
 
 logger = logging.getLogger(__name__)
 

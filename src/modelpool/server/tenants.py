@@ -44,7 +44,7 @@ from pathlib import Path
 
 from modelpool.server.http import ApiError
 from modelpool.server.ui import UI_PATHS
-from modelpool.validation import MAX_PRIORITY, is_int
+from modelpool.shared.validation import MAX_PRIORITY, is_int
 
 # Paths that answer without a key (an orchestrator's probes).
 # Without a key: the probes, and the status page's static files (its data is /stats).

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from modelpool.protocol import Prompt
 from modelpool.server.http import invalid
 from modelpool.server.openai.request import (
     _check_fields,
@@ -26,6 +25,7 @@ from modelpool.server.openai.request import (
     _token_prompt,
     check_ignored_fields,
 )
+from modelpool.shared.protocol import Prompt
 
 TOKENIZE_FIELDS = frozenset(
     {

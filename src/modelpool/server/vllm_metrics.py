@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from modelpool.observe import RequestRecord
-from modelpool.stats import PoolStats
+from modelpool.supervisor.observe import RequestRecord
+from modelpool.supervisor.stats import PoolStats
 
 # vLLM's own buckets (vllm/v1/metrics/loggers.py), so that quantiles compare.
 LATENCY_BUCKETS = (

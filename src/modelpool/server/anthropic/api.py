@@ -7,18 +7,18 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from modelpool.config import PoolConfig
-from modelpool.protocol import Prompt
 from modelpool.server.anthropic.request import MessagesRequest, parse_messages
 from modelpool.server.anthropic.stream import MessageEvents
 from modelpool.server.generation import RunsOnItsModel
 from modelpool.server.http import json_bytes
 from modelpool.server.streaming import StreamedChoice
-from modelpool.tools import GENERIC_PREAMBLE
-from modelpool.validation import FIT_PARAM
+from modelpool.shared.config import PoolConfig
+from modelpool.shared.protocol import Prompt
+from modelpool.shared.tools import GENERIC_PREAMBLE
+from modelpool.shared.validation import FIT_PARAM
 
 if TYPE_CHECKING:
-    from modelpool.pool import Result
+    from modelpool.supervisor.pool import Result
 
 
 class MessagesApi(RunsOnItsModel):

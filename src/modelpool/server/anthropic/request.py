@@ -30,7 +30,7 @@ from modelpool.server.agent_tools import constrainable, renamed
 from modelpool.server.http import ApiError, invalid
 from modelpool.server.openai.format import Job
 from modelpool.server.openai.request import check_ignored_fields, parse_chat
-from modelpool.validation import is_int
+from modelpool.shared.validation import is_int
 
 logger = logging.getLogger(__name__)
 

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response
 
-from modelpool import tools
 from modelpool.server.anthropic.request import MessagesRequest
 from modelpool.server.errors import anthropic_error_body, error_response
 from modelpool.server.http import ApiError
 from modelpool.server.streaming import SSE_CONTENT_TYPE, StreamedChoice, StreamedText, sse
+from modelpool.shared import tools
 
 if TYPE_CHECKING:
-    from modelpool.pool import Result
+    from modelpool.supervisor.pool import Result
 
 
 class MessageEvents:

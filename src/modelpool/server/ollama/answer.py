@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi.responses import Response
 
-from modelpool import tools
 from modelpool.server.errors import error_response
 from modelpool.server.http import ApiError, json_bytes
 from modelpool.server.models import WAITED
 from modelpool.server.ollama.models import timestamp
 from modelpool.server.ollama.request import OllamaRequest
 from modelpool.server.streaming import StreamedChoice, StreamedText
+from modelpool.shared import tools
 
 if TYPE_CHECKING:
-    from modelpool.pool import Result
+    from modelpool.supervisor.pool import Result
 
 NDJSON_CONTENT_TYPE = b"application/x-ndjson"
 NS = 1_000_000_000

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from fastapi import Request
 from fastapi.responses import Response
 
-from modelpool.registry import parse_keep_alive
 from modelpool.server import rights
 from modelpool.server.http import ApiError, invalid, json_bytes
 from modelpool.server.models import KEEP_ALIVE
@@ -22,10 +21,11 @@ from modelpool.server.ollama.request import (
 )
 from modelpool.server.state import client_of
 from modelpool.server.streaming import StreamedChoice
+from modelpool.supervisor.registry import parse_keep_alive
 
 if TYPE_CHECKING:
-    from modelpool.pool import ModelPool, Result
     from modelpool.server.state import ServerState
+    from modelpool.supervisor.pool import ModelPool, Result
 
 
 class OllamaApi:

@@ -26,9 +26,9 @@ import secrets
 from typing import Any
 
 from modelpool import __version__
-from modelpool.config import PoolConfig
-from modelpool.registry import ModelStats
-from modelpool.stats import PoolStats
+from modelpool.shared.config import PoolConfig
+from modelpool.supervisor.registry import ModelStats
+from modelpool.supervisor.stats import PoolStats
 
 # The Ollama API these routes follow (clients such as VS Code's check a minimum version).
 OLLAMA_API_VERSION = "0.12.6"

@@ -32,7 +32,7 @@ from modelpool.server.agent_tools import renamed
 from modelpool.server.http import ApiError, invalid
 from modelpool.server.openai.format import Job
 from modelpool.server.openai.request import parse_chat, parse_completion
-from modelpool.validation import is_int, is_number
+from modelpool.shared.validation import is_int, is_number
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from modelpool.config import ServerConfig
-from modelpool.embeddings import EmbeddingResult
 from modelpool.server.embeddings import EmbedJob, inputs_size, parse_inputs, unit
 from modelpool.server.generation import Api
 from modelpool.server.http import ApiError, invalid
@@ -35,7 +33,9 @@ from modelpool.server.ollama.answer import Clock
 from modelpool.server.ollama.api import OllamaApi
 from modelpool.server.openai.request import check_size, parse_priority
 from modelpool.server.pooling_routes import serve_embeddings
-from modelpool.validation import is_int
+from modelpool.shared.config import ServerConfig
+from modelpool.shared.embeddings import EmbeddingResult
+from modelpool.shared.validation import is_int
 
 if TYPE_CHECKING:
     from modelpool.server.state import ServerState

@@ -15,7 +15,7 @@ from modelpool.server.openai.stream import ChatChunks
 from modelpool.server.streaming import StreamedChoice
 
 if TYPE_CHECKING:
-    from modelpool.pool import Result
+    from modelpool.supervisor.pool import Result
 
 
 class CompletionsApi(RunsOnItsModel):

@@ -25,13 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from modelpool.logprob_columns import TokenLogprobs
-from modelpool.protocol import Prompt, TokenIds, TokenLogprob
 from modelpool.server.http import JSON_SLICE_ITEMS, EncodedArray, compact_json
-from modelpool.tools import ToolPlan, answer_message
+from modelpool.shared.logprob_columns import TokenLogprobs
+from modelpool.shared.protocol import Prompt, TokenIds, TokenLogprob
+from modelpool.shared.tools import ToolPlan, answer_message
 
 if TYPE_CHECKING:
-    from modelpool.results import Result
+    from modelpool.supervisor.results import Result
 
 # Seeds are kept below 2**63 (what the hf backend takes); n > 1 adds the choice's number.
 SEED_LIMIT = 2**63
@@ -272,13 +272,3 @@ def response_body(job: Job, results: dict[int, Result], model: str, created: int
         "choices": choices,
         "usage": total_usage(job, results),
     }
-
-
-
-
-
-
-
-
-
-

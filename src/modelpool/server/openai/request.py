@@ -26,19 +26,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from modelpool.errors import GrammarError, SchemaTooComplex
-from modelpool.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
 from modelpool.server.http import ApiError, invalid
 from modelpool.server.openai.format import MAX_CHOICES, Job
-from modelpool.structured import GUIDED_FIELDS, grammar_for_body
-from modelpool.tools import (
+from modelpool.shared.errors import GrammarError, SchemaTooComplex
+from modelpool.shared.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
+from modelpool.shared.structured import GUIDED_FIELDS, grammar_for_body
+from modelpool.shared.tools import (
     ToolPlan,
     ToolRequestError,
     chat_message,
     fill_result_names,
     parse_tool_request,
 )
-from modelpool.validation import (
+from modelpool.shared.validation import (
     FIT_PARAM,
     MAX_INT,
     MAX_LOGIT_BIAS,
@@ -85,7 +85,7 @@ _COMMON_FIELDS = frozenset(
         # Queueing (vLLM's priority: lower runs first; modelpool's bound on the wait).
         "priority",
         "max_queue_time_s",
-        # Structured outputs (modelpool.structured): OpenAI's, and vLLM's extensions.
+        # Structured outputs (modelpool.shared.structured): OpenAI's, and vLLM's extensions.
         "response_format",
         "structured_outputs",
         *GUIDED_FIELDS,
@@ -111,7 +111,7 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "web_search_options",
 }
 # Chat roles; "developer" is OpenAI's newer name for "system" and is passed on as such;
-# "tool" (and the legacy "function") carry a tool's result (see modelpool.tools).
+# "tool" (and the legacy "function") carry a tool's result (see modelpool.shared.tools).
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # The message keys each role may carry beside role and content.
 _MESSAGE_KEYS: dict[str, frozenset[str]] = {
@@ -584,7 +584,7 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
 
 
 def _chat_message(message: Mapping[str, Any], role: str, index: int) -> dict[str, Any]:
-    """One message in the pool's form; tool calls and results through ``modelpool.tools``."""
+    """One message in the pool's form; tool calls and results through ``modelpool.shared.tools``."""
     content = message.get("content")
     where = f"messages[{index}]"
     calls = "tool_calls" in message or "function_call" in message
@@ -698,8 +698,7 @@ def check_size(size: int, *, limit: int, param: str) -> None:
     """400 ``request_too_expensive`` for a tokenizer route's input past the budget."""
     if size > limit:
         raise invalid(
-            f"the request's {param} is {size} token units, more than max_request_tokens "
-            f"({limit})",
+            f"the request's {param} is {size} token units, more than max_request_tokens ({limit})",
             param=param,
             code="request_too_expensive",
         )

@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response
 
-from modelpool import tools
-from modelpool.protocol import TokenCounts
 from modelpool.server.http import ApiError, json_bytes
 from modelpool.server.openai.format import Job, choice_logprobs, total_usage, usage
 from modelpool.server.streaming import (
@@ -25,9 +23,11 @@ from modelpool.server.streaming import (
     answer_tokens,
     sse,
 )
+from modelpool.shared import tools
+from modelpool.shared.protocol import TokenCounts
 
 if TYPE_CHECKING:
-    from modelpool.pool import Result
+    from modelpool.supervisor.pool import Result
 
 
 class ChatChunks:

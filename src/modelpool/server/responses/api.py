@@ -14,7 +14,7 @@ from modelpool.server.responses.stream import ResponseEvents
 from modelpool.server.streaming import StreamedChoice
 
 if TYPE_CHECKING:
-    from modelpool.pool import Result
+    from modelpool.supervisor.pool import Result
 
 
 class ResponsesApi(RunsOnItsModel):

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from modelpool.server.http import ApiError
 
 if TYPE_CHECKING:
-    from modelpool.pool import Result
     from modelpool.server.responses.request import ResponsesRequest
+    from modelpool.supervisor.pool import Result
 
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
 # The request fields a response object echoes, with their defaults.

@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response
 
-from modelpool import tools
 from modelpool.server.http import ApiError
 from modelpool.server.responses.format import Status, response_object
 from modelpool.server.responses.request import ResponsesRequest
 from modelpool.server.responses.store import ResponseStore
 from modelpool.server.streaming import SSE_CONTENT_TYPE, StreamedChoice, StreamedText, sse
+from modelpool.shared import tools
 
 if TYPE_CHECKING:
-    from modelpool.pool import Result
+    from modelpool.supervisor.pool import Result
 
 
 class ResponseEvents:

@@ -1,0 +1,875 @@
+"""The public face: :class:`ModelPool` (its streams are in ``streams.py``).
+
+    with ModelPool(PoolConfig(model="./chat-model", workers=2)) as pool:
+        result = pool.generate([{"role": "user", "content": "Hello"}], max_new_tokens=16)
+
+A chat model wants chat messages, as here; a string is raw text with no chat template.
+
+Every method here runs on the caller's thread (or asyncio task) and only hands work
+to the dispatcher thread (``supervisor.EventLoop.post``); the supervisor's docstring
+follows one request from :meth:`ModelPool.submit` to its resolved future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import dataclasses
+import importlib
+import itertools
+import logging
+import math
+import os
+import queue
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from modelpool.scheduling.queueing import ahead_of, arrival, urgent_share
+from modelpool.shared.config import PoolConfig, embedded_backend_options
+from modelpool.shared.embeddings import (
+    EmbeddingResult,
+    ScoreResult,
+    embed_request,
+    embedding_result,
+    score_request,
+    score_result,
+)
+from modelpool.shared.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded, QueueFull
+from modelpool.shared.pooling_answers import check_task
+from modelpool.shared.prefixes import partition_of, prompt_fingerprints
+from modelpool.shared.protocol import (
+    DetokenizeRequest,
+    EmbedRequest,
+    PoolingRequest,
+    Prompt,
+    ScoreRequest,
+    Task,
+    TokenIds,
+    TokenizeRequest,
+    WorkerSpec,
+    encode_request,
+)
+from modelpool.shared.structured import constrain
+from modelpool.shared.validation import (
+    PRIORITY_PARAM,
+    check_deadline,
+    check_generation_params,
+    check_prompt,
+    check_queue_params,
+)
+from modelpool.supervisor import gpu
+from modelpool.supervisor.backend_choice import AUTO, choose_backend, with_pooling_batches
+from modelpool.supervisor.dispatcher import Dispatcher
+from modelpool.supervisor.loop import EventLoop
+from modelpool.supervisor.observe import Observers, RequestRecord, WorkerEvent
+from modelpool.supervisor.preflight import check_devices, check_model_source
+from modelpool.supervisor.records import GpuWorker, Request, Worker, WorkerIO
+from modelpool.supervisor.results import PoolFuture, Result
+from modelpool.supervisor.stats import PoolHealth, PoolStats
+from modelpool.supervisor.streams import END, AsyncPoolStream, PoolStream, StreamBuffer
+from modelpool.worker.backends import resolve_backend
+
+__all__ = ["AsyncPoolStream", "ModelPool", "PoolFuture", "PoolStream", "Result"]
+
+logger = logging.getLogger(__name__)
+
+_live_pools: weakref.WeakSet[ModelPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pools() -> None:
+    for pool in list(_live_pools):
+        pool.close(drain=False, timeout=5.0)
+
+
+class ModelPool:
+    """A supervised pool of pre-warmed worker processes serving one model.
+
+        hello = [{"role": "user", "content": "Hello"}]  # a chat model wants messages
+        with ModelPool(PoolConfig(model="embedded:smollm2-135m-instruct")) as pool:
+            result = pool.generate(hello, max_new_tokens=16)
+            future = pool.submit(hello)            # concurrent.futures.Future
+            for chunk in pool.stream(hello):       # text as it is generated
+                print(chunk, end="")
+            pool.generate("The capital of France is")  # a string: raw text, no chat template
+
+    ``examples/`` in the repository has these, runnable (and run by the tests).
+
+    ``start()`` returns once every worker has loaded the model and said ready.
+    Every call resolves within its deadline with a :class:`Result` or a
+    :class:`~modelpool.shared.errors.PoolError`.
+    """
+
+    def __init__(
+        self,
+        config: PoolConfig | None = None,
+        /,
+        *,
+        gpu_probe: gpu.GpuProbe | None = None,
+        **overrides: Any,
+    ) -> None:
+        """``overrides`` are PoolConfig fields; ``gpu_probe`` replaces the NVML probe (tests)."""
+        if config is None:
+            config = PoolConfig(**overrides)
+        elif overrides:
+            config = config.replace(**overrides)
+        self.config = config
+        # "auto" is hf or llama_cpp, whose request rules are the same (hf.validate).
+        self._backend_validate = _backend_validator(
+            "hf" if config.backend == AUTO else config.backend
+        )
+        # Why the pool serves on its backend; set by start() (see backend_choice).
+        self._backend_reason: str | None = None
+        self._futures: weakref.WeakValueDictionary[str, PoolFuture] = weakref.WeakValueDictionary()
+        # Only start() takes a lock. Everything a caller, a signal handler or a finalizer
+        # can reach while another call is half done on the same thread (submit, stats,
+        # cancel, close, a stream's __del__) is lock-free: a plain lock taken there would
+        # deadlock on re-entry and then block every thread's calls behind it.
+        self._start_lock = threading.RLock()
+        # One token per request the dispatcher has not yet dequeued: deque append and
+        # pop are atomic, so max_queue holds without a lock.
+        self._queue_tokens: collections.deque[None] = collections.deque()
+        self._closed = False
+        # A forked child inherits this object but not the dispatcher thread.
+        self._owner_pid = os.getpid()
+        self._loop: EventLoop | None = None
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._last_snapshot: PoolStats | None = None
+        self._gpu_probe = gpu_probe
+        # Ids unique across pools and restarts without a uuid (a system call) per request.
+        self._id_prefix = f"{secrets.token_hex(5)}-"
+        self._request_numbers = itertools.count(1)
+        # Observers of finished requests and worker events (add_observer), kept here so
+        # that they can be added before start().
+        self._observers = Observers()
+
+    # ---- life cycle ------------------------------------------------------------------------
+
+    def start(self) -> ModelPool:
+        """Start every worker and wait until all are ready; raise ``ModelLoadFailed`` if not.
+
+        Before any worker starts, the devices and the model are checked once (see
+        :mod:`modelpool.supervisor.preflight`): ``DeviceError`` (a ``ValueError``) or
+        ``ModelSourceError`` (a ``ModelLoadFailed``) in well under a second."""
+        self._check_owner()
+        if self._closed:
+            raise PoolClosed("the pool is closed")
+        if self._loop is None:
+            # Slow work (preparing an embedded model, probing NVML, fetching a hub model)
+            # outside the lock, so that a close() from another thread is not stuck
+            # behind it. The preflight fails here, in one line, what every worker would
+            # otherwise fail at, in turn, after loading torch.
+            config = self.config
+            probe = self._gpu_probe or gpu.GpuProbe()
+            devices = check_devices(config, probe)
+            config, reason = _choose_backend(config, devices)
+            if config.backend != self.config.backend:
+                devices = check_devices(config, probe)  # with the chosen backend's checks
+            model = _resolve_model(config.model, config.backend)
+            if model != config.model:
+                config = config.replace(model=model)
+            config = with_pooling_batches(config)
+            worker_environ = check_model_source(
+                config.model, config.backend, config.backend_options
+            )
+            if self.config.backend == AUTO:
+                # After the preflight: a start it refuses stays one line of error.
+                logger.info(
+                    "serving %s on the %s backend (%s)", self.config.model, config.backend, reason
+                )
+            with self._start_lock:
+                if self._closed:
+                    raise PoolClosed("the pool is closed")
+                if self._loop is None:
+                    self.config = config
+                    self._backend_reason = reason
+                    self._backend_validate = _backend_validator(config.backend)
+                    self._loop = EventLoop(
+                        config,
+                        devices,
+                        probe,
+                        worker_environ=worker_environ,
+                        on_started=self._on_started,
+                        on_dequeued=self._on_dequeued,
+                        observers=self._observers,
+                    )
+                    _live_pools.add(self)
+                    self._loop.start()
+            if self._closed:
+                # close() ran on another thread before the loop existed and found nothing
+                # to stop: stop it here.
+                self.close(drain=False, timeout=5.0)
+                raise PoolClosed("the pool was closed while starting")
+        try:
+            self._started.wait()
+        except BaseException:
+            self.close(drain=False, timeout=5.0)  # Ctrl-C while the model loads
+            raise
+        if self._start_error is not None:
+            error = self._start_error
+            self.close(drain=False, timeout=5.0)
+            raise error
+        return self
+
+    def _on_started(self, error: BaseException | None) -> None:
+        self._start_error = error
+        self._started.set()
+
+    def add_observer(
+        self,
+        *,
+        on_request: Callable[[RequestRecord], None] | None = None,
+        on_worker: Callable[[WorkerEvent], None] | None = None,
+    ) -> None:
+        """Call ``on_request`` with each resolved request's record and ``on_worker`` with
+        each worker event (kill, exit, release check, retry); see
+        :mod:`modelpool.supervisor.observe`.
+        They run on the dispatcher thread and must be quick."""
+        observers = self._observers
+        # Copied, not appended to: the dispatcher thread may be iterating the old list.
+        if on_request is not None:
+            observers.on_request = [*observers.on_request, on_request]
+        if on_worker is not None:
+            observers.on_worker = [*observers.on_worker, on_worker]
+
+    def predicted_ttft(self, priority: int = 0, *, also_waiting: int = 0) -> float | None:
+        """Seconds a new request of ``priority`` would wait for its first token, from the
+        moving averages of finished runs and the requests queued ahead of it (lower or
+        equal priority), plus ``also_waiting`` more held elsewhere (the daemon's fair
+        share), over the share of the slots that recent dispatches left to its priority
+        (more urgent requests arriving meanwhile pass it). None before enough runs were
+        measured, or before start()."""
+        loop = self._loop
+        if loop is None:
+            return None
+        dispatcher = loop.dispatcher
+        return dispatcher.predictor.predict_ttft(
+            ahead=ahead_of(dispatcher.priorities.waiting, priority) + also_waiting,
+            free=dispatcher.free_slots,
+            capacity=self.config.workers * self.config.max_batch_size,
+            urgent_share=urgent_share(dispatcher.priorities.dispatched, priority),
+        )
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """The tokens a run can decode and still answer within ``seconds`` at the rates
+        this pool measured (``queueing.WaitPredictor.tokens_within``); None before
+        enough runs were measured, or before start()."""
+        loop = self._loop
+        return None if loop is None else loop.dispatcher.predictor.tokens_within(seconds)
+
+    def check_admission(
+        self,
+        priority: int,
+        max_queue_time_s: float | None,
+        deadline_s: float,
+        *,
+        also_waiting: int = 0,
+    ) -> float | None:
+        """Raise ``QueueFull`` if a new request's predicted time to first token passes
+        ``max_queue_time_s`` (None: the pool's setting) or ``deadline_s``. No bound set, or
+        no prediction yet: nothing is refused. Returns the seconds by which the request,
+        admitted by its prediction, is to leave the queue, its deadline (None when none
+        was judged): ``due_in_s`` for :meth:`promotion_at`. Not ``max_queue_time_s``:
+        admitted ones are promoted only to keep them from timing out; promoting them at
+        the bound would put nearly every one ahead of the more urgent requests."""
+        limit = self.config.max_queue_time_s if max_queue_time_s is None else max_queue_time_s
+        if limit is None or limit == float("inf"):
+            return None
+        predicted = self.predicted_ttft(priority, also_waiting=also_waiting)
+        bound = min(limit, deadline_s)
+        if predicted is None:
+            return None
+        if predicted <= bound:
+            return deadline_s
+        loop = self._loop
+        if loop is not None:
+            loop.post(loop.dispatcher.count_overloaded, True)
+        which = "max_queue_time_s" if limit <= deadline_s else "the deadline"
+        raise QueueFull(
+            f"the predicted time to first token ({predicted:.2f} s) passes {which} "
+            f"({bound:g} s): not queued",
+            predicted_ttft_s=predicted,
+            retry_after_s=predicted - bound,
+        )
+
+    def promotion_at(self, now: float, due_in_s: float | None) -> float:
+        """When a request admitted at ``now`` with ``due_in_s`` (:meth:`check_admission`)
+        is promoted ahead of every younger request (``queueing.promoted``): its deadline,
+        less a few runs' time for it to reach a slot and answer. Never, without a bound."""
+        loop = self._loop
+        if due_in_s is None or loop is None:
+            return math.inf
+        return now + max(0.0, due_in_s - loop.dispatcher.predictor.promotion_lead_s())
+
+    def close(self, drain: bool = True, timeout: float = 30.0) -> None:
+        """Stop accepting requests, finish (``drain``) or fail in-flight ones, stop every worker.
+
+        Idempotent. Returns when every worker process is gone and reaped. In a forked
+        child it does nothing: the workers belong to the parent's pool.
+        """
+        self._closed = True
+        loop = self._loop
+        if loop is None or os.getpid() != self._owner_pid:
+            return
+        loop.post(loop.dispatcher.begin_close, drain, time.monotonic() + timeout)
+        if threading.current_thread() is loop.thread:
+            return  # Called from a callback: the dispatcher finishes the close after it.
+        if loop.thread.is_alive():
+            bound = (
+                timeout
+                + self.config.cancel_grace_s
+                + 2 * self.config.term_grace_s
+                + self.config.gpu_release_timeout_s
+                + 10.0
+            )
+            loop.thread.join(bound)
+            if loop.thread.is_alive():
+                logger.error("the dispatcher did not stop within %.0fs; killing workers", bound)
+                loop.kill_all_workers()
+        self._last_snapshot = loop.dispatcher.snapshot() if not loop.thread.is_alive() else None
+        _live_pools.discard(self)
+
+    def __enter__(self) -> ModelPool:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: Prompt,
+        *,
+        deadline_s: float | None = None,
+        on_chunk: Callable[[str], None] | None = None,
+        **gen_kwargs: Any,
+    ) -> PoolFuture:
+        """Queue a request; returns a future with ``request_id``. Validation errors raise here.
+
+        ``prompt``: chat messages (``[{"role": "user", "content": "Hello"}]``) for a chat
+        model, which renders them with its template; a string is raw text, continued as
+        it is (see :data:`modelpool.shared.protocol.Prompt`).
+
+        ``on_chunk(text)`` is called with each chunk as the worker streams it, on the
+        dispatcher thread (keep it short; an exception in it is logged and ignored), for
+        a caller that wants the future and the chunks both. Such a request is a stream:
+        once a chunk was delivered it is not retried after a crash or timeout.
+
+        ``response_format`` constrains the output (``{"type": "json_object"}``, OpenAI's
+        ``{"type": "json_schema", "json_schema": {...}}``, a bare JSON schema or a pydantic
+        model class; see :mod:`modelpool.shared.structured`), as ``grammar`` does with llguidance
+        grammar text. A schema the grammar engine cannot honour raises ``GrammarError``
+        here, naming the keyword and its path.
+        """
+        return self._submit(prompt, deadline_s, gen_kwargs, on_chunk)
+
+    def generate(
+        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+    ) -> Result:
+        """Run one request and wait for it. Raises a ``PoolError`` subclass on failure."""
+        loop = self._loop
+        if loop is not None and threading.current_thread() is loop.thread:
+            # Future callbacks run on the dispatcher thread; waiting there would stop it.
+            raise PoolError("generate() called from a future callback; use submit() there")
+        future = self._submit(prompt, deadline_s, gen_kwargs, None)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request; its future resolves with ``finish_reason="cancelled"`` and the text
+        so far. False if the request is unknown or already finished."""
+        self._check_owner()
+        loop = self._loop
+        future = self._futures.get(request_id)
+        if loop is None or future is None or future.done():
+            return False
+        loop.post(loop.dispatcher.cancel, request_id, False)
+        return True
+
+    def stream(
+        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+    ) -> PoolStream:
+        """Text chunks as the worker produces them; leaving the loop early cancels.
+
+        stream = pool.stream("Hello", max_new_tokens=32)
+        for chunk in stream:
+            print(chunk, end="")
+        stream.result.finish_reason, stream.request_id
+        """
+        chunks: queue.SimpleQueue[object] = queue.SimpleQueue()
+        future = self._submit(prompt, deadline_s, gen_kwargs, chunks.put)
+        future.add_done_callback(lambda _: chunks.put(END))
+        return PoolStream(future, chunks.get)
+
+    async def agenerate(
+        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+    ) -> Result:
+        """asyncio version of :meth:`generate`; cancelling the task stops the worker."""
+        future = self._submit(prompt, deadline_s, gen_kwargs, None)
+        return await asyncio.wrap_future(future)
+
+    def astream(
+        self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
+    ) -> AsyncPoolStream:
+        """asyncio version of :meth:`stream`: ``async for chunk in pool.astream(...)``.
+
+        No thread per stream: chunks reach the event loop through a
+        :class:`StreamBuffer`, which wakes the loop once per batch of chunks rather than
+        once per chunk. Cancelling the consuming task cancels the request.
+        """
+        chunks = StreamBuffer(asyncio.get_running_loop())
+        future = self._submit(prompt, deadline_s, gen_kwargs, chunks.put_threadsafe, counted=True)
+        future.add_done_callback(lambda _: chunks.put_threadsafe(END))
+        return AsyncPoolStream(future, chunks)
+
+    def tokenize(
+        self, prompt: Prompt, *, add_generation_prompt: bool = True, deadline_s: float | None = None
+    ) -> list[int]:
+        """The token ids a worker feeds the model for ``prompt``: its own tokenizer and chat
+        template, as a generation's prompt is read (and counted against the context)::
+
+            pool.tokenize([{"role": "user", "content": "Hello"}])   # [1, 9690, 198, ...]
+
+        It is a pool request (queued, placed, answered by a worker between two decoding
+        steps), so it waits its turn behind a one-call worker's running generation.
+        ``add_generation_prompt=False`` renders chat messages without the assistant's
+        opening."""
+        future = self._tokenizer_request(
+            TokenizeRequest(check_prompt(prompt), bool(add_generation_prompt)), deadline_s
+        )
+        return list(future.result().token_ids or [])
+
+    def detokenize(self, token_ids: list[int], *, deadline_s: float | None = None) -> str:
+        """The text of ``token_ids`` in the model's tokenizer (a worker's)."""
+        request = DetokenizeRequest(_checked_ids(token_ids))
+        return self._tokenizer_request(request, deadline_s).result().text
+
+    async def atokenize(
+        self, prompt: Prompt, *, add_generation_prompt: bool = True, deadline_s: float | None = None
+    ) -> list[int]:
+        """asyncio version of :meth:`tokenize`."""
+        request = TokenizeRequest(check_prompt(prompt), bool(add_generation_prompt))
+        result = await asyncio.wrap_future(self._tokenizer_request(request, deadline_s))
+        return list(result.token_ids or [])
+
+    async def adetokenize(self, token_ids: list[int], *, deadline_s: float | None = None) -> str:
+        """asyncio version of :meth:`detokenize`."""
+        request = DetokenizeRequest(_checked_ids(token_ids))
+        return (await asyncio.wrap_future(self._tokenizer_request(request, deadline_s))).text
+
+    def _tokenizer_request(
+        self, request: TokenizeRequest | DetokenizeRequest, deadline_s: float | None
+    ) -> PoolFuture:
+        return self._submit(request, deadline_s, {}, None)
+
+    # ---- embeddings and scores (modelpool.shared.embeddings) -------------------------------
+
+    @property
+    def task(self) -> Task:
+        """What the pool's model does, as its workers said when ready (so: once started):
+        "generate", "embed" (a sentence-transformers bi-encoder: embed, and score by cosine)
+        or "score" (a cross-encoder: score only)."""
+        loop = self._loop
+        return "generate" if loop is None else loop.dispatcher.worker_manager.task
+
+    def embed(
+        self,
+        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        truncate: bool = False,
+        deadline_s: float | None = None,
+        priority: int = 0,
+    ) -> EmbeddingResult:
+        """One vector per input, from an embedding model's worker::
+
+            pool.embed(["first text", "second"]).vectors      # two vectors, unit length
+            pool.embed([101, 7592, 102])                       # one input as token ids
+            pool.embed("text", dimensions=64)                  # cut to 64 and renormalised
+
+        An input longer than the model's context raises ``ContextLengthExceeded`` unless
+        ``truncate``; an empty input raises ``InvalidRequest`` naming ``input``; a
+        generation model raises ``WrongTask``. A request like any other: deadline,
+        cancel, retried elsewhere if its worker dies."""
+        future = self._embed_future(inputs, dimensions, truncate, deadline_s, priority)
+        return embedding_result(_waited(future))
+
+    async def aembed(
+        self,
+        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        truncate: bool = False,
+        deadline_s: float | None = None,
+        priority: int = 0,
+    ) -> EmbeddingResult:
+        """asyncio version of :meth:`embed`; cancelling the task stops the worker."""
+        future = self._embed_future(inputs, dimensions, truncate, deadline_s, priority)
+        result: Result = await asyncio.wrap_future(future)
+        return embedding_result(result)
+
+    def score(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        raw_scores: bool = False,
+        truncate: bool = False,
+        deadline_s: float | None = None,
+        priority: int = 0,
+    ) -> ScoreResult:
+        """One relevance score of ``query`` per document: a cross-encoder's (the sigmoid of
+        its logit; the logit with ``raw_scores``), or an embedding model's cosine::
+
+            result = pool.score("capital of France", ["Paris is...", "Bananas are..."])
+            best = max(range(len(result.scores)), key=result.scores.__getitem__)"""
+        future = self._score_future(query, documents, raw_scores, truncate, deadline_s, priority)
+        return score_result(_waited(future))
+
+    async def ascore(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        raw_scores: bool = False,
+        truncate: bool = False,
+        deadline_s: float | None = None,
+        priority: int = 0,
+    ) -> ScoreResult:
+        """asyncio version of :meth:`score`."""
+        future = self._score_future(query, documents, raw_scores, truncate, deadline_s, priority)
+        result: Result = await asyncio.wrap_future(future)
+        return score_result(result)
+
+    def _embed_future(
+        self,
+        inputs: object,
+        dimensions: int | None,
+        truncate: bool,
+        deadline_s: float | None,
+        priority: int,
+    ) -> PoolFuture:
+        """``embed``'s and ``aembed``'s request, checked (``embed_request``) and submitted."""
+        request = embed_request(inputs, dimensions, truncate)
+        return self._submit(request, deadline_s, _priority(priority), None)
+
+    def _score_future(
+        self,
+        query: str,
+        documents: Sequence[str],
+        raw_scores: bool,
+        truncate: bool,
+        deadline_s: float | None,
+        priority: int,
+    ) -> PoolFuture:
+        """``score``'s and ``ascore``'s request, checked (``score_request``) and submitted."""
+        request = score_request(query, documents, raw_scores, truncate)
+        return self._submit(request, deadline_s, _priority(priority), None)
+
+    def health(self) -> PoolHealth:
+        """Is the pool alive? Cheap and never waits on the dispatcher thread, so that a
+        liveness probe answers even when that thread is wedged::
+
+            health = pool.health()
+            health.alive, health.reason, health.heartbeat_age_s
+
+        Not alive: not started, closed, failed (workers could not start, or the
+        dispatcher crashed), or the dispatcher's heartbeat is older than
+        ``heartbeat_timeout_s`` (a callback or a bug blocks its thread).
+        """
+        loop = self._loop
+        if loop is None:
+            state = "closed" if self._closed else "starting"
+            return PoolHealth(False, state, None, f"the pool is {state} (start() not called)")
+        dispatcher = loop.dispatcher
+        age = round(max(0.0, time.monotonic() - loop.heartbeat), 3)
+        state = dispatcher.state
+        if state == "failed" or dispatcher.crashed:
+            cause = dispatcher.last_load_error or "its dispatcher crashed; see the log"
+            return PoolHealth(False, "failed", age, f"the pool failed: {cause}")
+        if self._closed or state == "closed" or not loop.thread.is_alive():
+            return PoolHealth(False, state, age, "the pool is closed")
+        bound = self.config.heartbeat_timeout_s
+        if age > bound:
+            return PoolHealth(
+                False,
+                state,
+                age,
+                f"the dispatcher thread has not gone round its loop for {age:.1f} s "
+                f"(heartbeat_timeout_s = {bound:g}): it is wedged",
+            )
+        return PoolHealth(True, state, age)
+
+    def _with_heartbeat(self, snapshot: PoolStats) -> PoolStats:
+        """The snapshot with what the pool, not its dispatcher, knows: the heartbeat's age
+        and why it serves on its backend."""
+        snapshot = dataclasses.replace(snapshot, backend_reason=self._backend_reason)
+        loop = self._loop
+        if loop is None or not loop.thread.is_alive():
+            return snapshot
+        age = round(max(0.0, time.monotonic() - loop.heartbeat), 3)
+        return dataclasses.replace(snapshot, heartbeat_age_s=age)
+
+    async def astats(self) -> PoolStats:
+        """:meth:`stats` for asyncio code: awaits the dispatcher's snapshot without a thread."""
+        self._check_owner()
+        return self._with_heartbeat(await self._astats())
+
+    async def _astats(self) -> PoolStats:
+        loop = self._loop
+        if loop is None or not loop.thread.is_alive():
+            return self._stats()
+        running = asyncio.get_running_loop()
+        snapshot: asyncio.Future[PoolStats] = running.create_future()
+
+        def build() -> None:
+            stats = loop.dispatcher.snapshot()
+            try:
+                running.call_soon_threadsafe(_set_if_pending, snapshot, stats)
+            except RuntimeError:
+                pass  # The caller's event loop is gone.
+
+        if not loop.post(build):
+            return self._stats()
+        try:
+            return await asyncio.wait_for(asyncio.shield(snapshot), 5.0)
+        except TimeoutError:
+            return self._last_snapshot or loop.dispatcher.snapshot()
+
+    def stats(self) -> PoolStats:
+        """A consistent snapshot, built by the dispatcher thread; never waits on a worker.
+
+        ``heartbeat_age_s`` is measured when the snapshot returns: a wedged dispatcher
+        shows here (after up to 5 s, with its last snapshot) as a growing age.
+        """
+        self._check_owner()
+        return self._with_heartbeat(self._stats())
+
+    def _stats(self) -> PoolStats:
+        loop = self._loop
+        if loop is None:
+            return Dispatcher(self.config, _NoIO(), devices=[]).snapshot()
+        if not loop.thread.is_alive() or threading.current_thread() is loop.thread:
+            return self._last_snapshot or loop.dispatcher.snapshot()
+        holder: list[PoolStats] = []
+        ready = threading.Event()
+
+        def build() -> None:
+            holder.append(loop.dispatcher.snapshot())
+            ready.set()
+
+        if loop.post(build) and ready.wait(5.0):
+            return holder[0]
+        return self._last_snapshot or loop.dispatcher.snapshot()
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _submit(
+        self,
+        prompt: Prompt | TokenizeRequest | DetokenizeRequest | PoolingRequest,
+        deadline_s: float | None,
+        gen_kwargs: dict[str, Any],
+        on_chunk: Callable[..., None] | None,
+        *,
+        counted: bool = False,
+    ) -> PoolFuture:
+        """``counted``: ``on_chunk(text, counts)`` gets each chunk's ``TokenCounts`` too."""
+        generation = not isinstance(prompt, _NOT_GENERATIONS)
+        if generation:
+            prompt = check_prompt(prompt)
+        if deadline_s is None:
+            deadline_s = self.config.deadline_s
+        else:
+            check_deadline(deadline_s)
+        gen_kwargs = dict(gen_kwargs)
+        priority, max_queue_time_s, traceparent, admitted = check_queue_params(gen_kwargs)
+        if priority:
+            gen_kwargs[PRIORITY_PARAM] = priority  # for the worker's scheduler too
+        gen_kwargs = constrain(gen_kwargs, self.config.grammar_compile_timeout_s)
+        params = {**self.config.generation_defaults, **gen_kwargs}
+        check_generation_params(params)
+        if self._backend_validate is not None:
+            try:
+                self._backend_validate(params)
+            except InvalidRequest:
+                raise
+            except (ValueError, TypeError) as exc:
+                raise InvalidRequest(str(exc)) from exc
+        fingerprints: tuple[int, ...] = ()
+        if not isinstance(prompt, _NOT_GENERATIONS):
+            # In the request's partition of the workers' prefix caches (its cache_salt).
+            fingerprints = prompt_fingerprints(prompt, partition_of(params))
+        try:
+            # The caller's own params only: the worker adds the defaults it was given once.
+            payload = encode_request(prompt, gen_kwargs)
+        except Exception as exc:
+            raise InvalidRequest(f"the request cannot be sent to a worker: {exc!r}") from exc
+        loop = self._loop
+        self._check_owner()
+        if self._closed:
+            raise PoolClosed("the pool is closed")
+        if loop is None:
+            raise PoolError("the pool is not started: call start() or use `with ModelPool(...)`")
+        check_task(loop.dispatcher.worker_manager.task, prompt, generation)
+        failure = loop.dispatcher.load_failure()
+        if failure is not None:
+            raise failure
+        if loop.dispatcher.crashed:
+            raise PoolError("the pool's dispatcher failed; see the log")
+        tokens = self._queue_tokens
+        tokens.append(None)
+        if len(tokens) > self.config.max_queue:
+            self._on_dequeued()
+            loop.post(loop.dispatcher.count_overloaded)
+            raise PoolOverloaded(f"the queue is full ({self.config.max_queue} waiting)")
+        if admitted:
+            # Judged and accepted by the caller (the daemon): not judged again, and
+            # promoted before its deadline as a request admitted here would be.
+            due_in_s: float | None = deadline_s
+        else:
+            try:
+                due_in_s = self.check_admission(priority, max_queue_time_s, deadline_s)
+            except QueueFull:
+                self._on_dequeued()
+                raise
+        now = time.monotonic()
+        request_id = f"req-{self._id_prefix}{next(self._request_numbers):x}"
+        future = PoolFuture(request_id, self._cancel_from_future)
+        request = Request(
+            request_id=request_id,
+            payload=payload,
+            future=future,
+            submitted_at=now,
+            arrived_at=arrival(now),
+            deadline=now + deadline_s,
+            on_chunk=on_chunk,
+            counted_chunks=counted,
+            prefix_fingerprints=fingerprints,
+            priority=priority,
+            due_at=self.promotion_at(now, due_in_s),
+            # A generation's only: an embedding's params are the pool's defaults, unused.
+            max_new_tokens=params.get("max_new_tokens") if generation else None,
+            traceparent=traceparent,
+            reproducible=_reproducible(params),
+        )
+        self._futures[request_id] = future
+        if not loop.post(loop.dispatcher.submit, request):
+            self._on_dequeued()
+            raise PoolClosed("the pool has stopped")
+        return future
+
+    def _on_dequeued(self) -> None:
+        try:
+            self._queue_tokens.pop()
+        except IndexError:
+            pass  # Every token is accounted for; nothing to give back.
+
+    def _check_owner(self) -> None:
+        if os.getpid() != self._owner_pid:
+            raise PoolClosed(
+                f"this pool belongs to process {self._owner_pid}, which forked this one; "
+                "a child process must create its own ModelPool"
+            )
+
+    def _cancel_from_future(self, request_id: str) -> None:
+        loop = self._loop
+        if loop is not None and os.getpid() == self._owner_pid:
+            loop.post(loop.dispatcher.cancel, request_id, True)
+
+
+_NOT_GENERATIONS = (TokenizeRequest, DetokenizeRequest, EmbedRequest, ScoreRequest)
+
+
+def _priority(priority: int) -> dict[str, Any]:
+    return {"priority": priority} if priority else {}
+
+
+def _waited(future: PoolFuture) -> Result:
+    """The future's result; a caller interrupted while waiting cancels the request."""
+    try:
+        return future.result()
+    except BaseException:
+        future.cancel()
+        raise
+
+
+def _checked_ids(token_ids: object) -> tuple[int, ...]:
+    prompt = check_prompt(list(token_ids) if isinstance(token_ids, (list, tuple)) else token_ids)
+    if not isinstance(prompt, TokenIds):
+        raise InvalidRequest("token_ids must be a non-empty list of token ids")
+    return prompt.ids
+
+
+def _set_if_pending(future: asyncio.Future[PoolStats], stats: PoolStats) -> None:
+    if not future.done():
+        future.set_result(stats)
+
+
+def _choose_backend(config: PoolConfig, devices: list[str]) -> tuple[PoolConfig, str]:
+    """``config`` with ``backend = "auto"`` resolved (and the embedded model's hf options
+    filled in), and why it serves on that backend (start() logs it once the checks pass)."""
+    if config.backend == AUTO:
+        choice = choose_backend(config.model, config.backend_options, devices)
+        backend, reason = choice.backend, f"auto: {choice.reason}"
+    else:
+        backend, reason = config.backend, f"configured: backend = {config.backend!r}"
+    options = embedded_backend_options(config.model, backend, config.backend_options)
+    if backend != config.backend or options != config.backend_options:
+        config = config.replace(backend=backend, backend_options=options)
+    return config, reason
+
+
+def _resolve_model(model: str, backend: str) -> str:
+    """``embedded:NAME`` is prepared (once) and becomes its local directory (for the
+    llama_cpp backend, the directory of its GGUF file)."""
+    if not model.startswith("embedded:"):
+        return model
+    from modelpool.shared.embedded import resolve_model
+
+    return resolve_model(model, backend)
+
+
+def _backend_validator(backend: str) -> Callable[[dict[str, Any]], None] | None:
+    """The backend module's light ``validate(params)``, if it has one (see the README: Backends)."""
+    module_name = resolve_backend(backend).partition(":")[0]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        if backend in ("hf", "llama_cpp", "testing"):
+            raise
+        return None  # A custom backend may only be importable inside a worker.
+    validate: Callable[[dict[str, Any]], None] | None = getattr(module, "validate", None)
+    return validate
+
+
+class _NoIO:
+    """A DispatcherIO for a pool that has not started: it has nothing to do."""
+
+    def spawn(self, worker: Worker, spec: WorkerSpec) -> WorkerIO:
+        raise PoolError("the pool is not started")
+
+    def check_release(self, worker: Worker) -> None:
+        return None
+
+    def watch_device_free(self, device: str, needed_bytes: int) -> None:
+        return None
+
+    def gpu_workers_changed(self, workers: list[GpuWorker]) -> None:
+        return None
+
+
+def _reproducible(params: Mapping[str, Any]) -> bool:
+    """Would running the request again give the same text: greedy decoding (the backends'
+    rule: sampling with ``do_sample``, else with a temperature above 0), or a seed."""
+    sampled = params.get("do_sample", (params.get("temperature") or 0) > 0)
+    return not sampled or params.get("seed") is not None

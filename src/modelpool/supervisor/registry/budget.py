@@ -1,0 +1,223 @@
+"""The registry's memory budget: what the models hold against it, which of them may be
+evicted, and what a load must evict first (or wait for).
+
+:class:`Budgets` reads the registry's records (each ``Entry``: held and needed memory,
+state, pin, waiters) and the swaps waiting for their victims to drain; it decides, and
+the registry carries the decision out. Every call is made with the registry's lock held.
+"""
+
+from __future__ import annotations
+
+from modelpool.shared.errors import ModelTooLarge
+from modelpool.supervisor.registry.records import ANYONE, MEMORY, Entry, RegistryConfig, Step
+from modelpool.supervisor.registry.swaps import SwapLedger
+
+
+class Budgets:
+    """The host-RAM and per-GPU budgets of one registry; see the module docstring."""
+
+    def __init__(
+        self,
+        config: RegistryConfig,
+        entries: dict[str, Entry],
+        draining: list[Step],
+        ledger: SwapLedger,
+        steps: list[Step],
+    ) -> None:
+        self.config = config
+        self.entries = entries
+        # The swaps planned while their victims drain, and the steps running (the
+        # registry's own lists).
+        self.draining = draining
+        self.ledger = ledger
+        self.steps = steps
+
+    def loading(self) -> dict[int, dict[str, int] | None]:
+        """The models a running step is loading (ids), each with the need its load was
+        planned at (``Step.need``): each counts at the most of that, its need now and what
+        it holds, until its step is done (its pool closed, its processes gone)."""
+        return {id(s.entry): s.need for s in self.steps if s.entry is not None and not s.done}
+
+    @staticmethod
+    def proven_need(entry: Entry) -> dict[str, int] | None:
+        """What ``entry``'s load may be planned at beside other loads: a need measured by
+        a load that became ready (this run's, never below its loads' peaks, or an earlier
+        run's saved), None otherwise. A load that never became ready (killed, failed,
+        timed out) measured only the part of it that was up: an estimate or such a
+        reading may be far below what the load takes, so nothing loads beside it."""
+        if entry.need is None:
+            return None
+        if entry.need_source == "saved" or (entry.need_source == "measured" and entry.loads):
+            return dict(entry.need)
+        return None
+
+    def unbounded(self) -> bool:
+        """No budget at all: any load fits beside any other."""
+        return (
+            self.config.memory_budget_bytes is None and self.config.gpu_memory_budget_bytes is None
+        )
+
+    def budget(self, resource: str) -> int | None:
+        if resource == MEMORY:
+            return self.config.memory_budget_bytes
+        return self.config.gpu_memory_budget_bytes
+
+    def held_total(
+        self, without: set[int] | None = None, *, at_peak: bool = False
+    ) -> dict[str, int]:
+        """What the models hold now, by resource; ``at_peak``: each model that holds
+        anything counted at its need (the most it was measured to hold), since a model
+        that holds less now may grow back to it while the next one loads."""
+        total: dict[str, int] = {}
+        loading = self.loading() if at_peak else {}
+        for entry in self.entries.values():
+            if without is not None and id(entry) in without:
+                continue
+            held = dict(entry.held)
+            counted = held or id(entry) in loading
+            if at_peak and counted and entry.lingering is None:
+                for need in (entry.need, loading.get(id(entry))):
+                    for resource, amount in (need or {}).items():
+                        held[resource] = max(held.get(resource, 0), amount)
+            for resource, amount in held.items():
+                total[resource] = total.get(resource, 0) + amount
+        return total
+
+    def over_budget(self) -> bool:
+        return any(
+            (budget := self.budget(resource)) is not None and amount > budget
+            for resource, amount in self.held_total().items()
+        )
+
+    def candidates(
+        self, loading: Entry | None, client: str = ANYONE, now: float = 0.0
+    ) -> list[Entry]:
+        """Models that may be evicted: loaded, unpinned, nobody waiting for them (a model
+        just loaded for its waiters is theirs first) and, for ``client``'s load, not kept
+        from it by what it owes in swap time (``swaps``); idle ones first, each group
+        least recently used first (the registry's lock held)."""
+        found = [
+            e
+            for e in self.entries.values()
+            if e.state == "loaded"
+            and not e.pinned
+            and e.waiting == 0
+            and e is not loading
+            and (loading is None or self.ledger.may_evict(e, client, now))
+        ]
+        return sorted(found, key=lambda e: (not e.idle, e.last_used))
+
+    def plan(
+        self, entry: Entry, client: str = ANYONE, now: float = 0.0
+    ) -> tuple[list[Entry], list[Entry]] | None:
+        """The models to evict before ``entry`` loads ([]: none) and the models whose
+        unverified release it must wait for ([]: none), or None to wait; raises
+        ModelTooLarge when it cannot fit even beside the pinned models alone. ``client``:
+        who the load is for (the models it may evict: ``candidates``).
+
+        Victims are taken idle first, least recently used first, until the model fits;
+        then each one whose eviction turns out not to be needed (it fits beside) stays.
+
+        A model in use is evicted by a drain (no new request gets it, the running ones
+        finish, then it unloads) only when the idle ones do not free enough. Memory an
+        unverified release left is counted as measured; the load waits for it (within
+        its deadline) only when evicting what may be evicted does not make room."""
+        if self.unbounded():
+            return [], []
+        candidates = self.candidates(entry, client, now)
+        movable = {id(e) for e in candidates}
+        lingering = [e for e in self.entries.values() if e.lingering is not None]
+        # A swap waiting for its victims to drain: their memory is its, and so is its need.
+        draining = {id(v) for step in self.draining for v in step.victims}
+        loading = {key: need for key, need in self.loading().items() if key != id(entry)}
+        if any(need is None for need in loading.values()):
+            return None  # a load under way whose need is not proven: nothing beside it
+        reserved: dict[str, int] = {}
+        for step in self.draining:
+            assert step.entry is not None
+            if step.entry.need is None:
+                return None  # what it will take is not known: nothing may pass it
+            for resource, amount in step.entry.need.items():
+                reserved[resource] = reserved.get(resource, 0) + amount
+        if any(
+            e.held
+            and id(e) not in movable
+            and e.state != "loaded"
+            and e is not entry
+            and e.lingering is None
+            and id(e) not in draining
+            and id(e) not in loading
+            for e in self.entries.values()
+        ):
+            return None  # a model still unloading or failing: its memory is not back yet
+        need = entry.need
+        if need is not None and entry.need_source == "estimated" and self.too_large(entry, need):
+            need = None  # an estimate never refuses a model: its load measures it
+        if need is None:
+            # Not known: every model that may go goes, so that even the first load stays
+            # within the budget whatever the model turns out to take.
+            if (
+                self.draining
+                or loading
+                or any(
+                    e.state == "loaded" and not e.pinned and id(e) not in movable
+                    for e in self.entries.values()
+                    if e is not entry
+                )
+            ):
+                return None
+            return candidates, lingering
+        too_large = self.too_large(entry, need)
+        if too_large is not None:
+            raise too_large
+        known = need
+
+        def fits(gone: set[int]) -> bool:
+            # It must fit now, and once the swaps waiting for a drain are done.
+            held = self.held_total(without=gone, at_peak=True)
+            after = self.held_total(without=gone | draining, at_peak=True)
+            return all(
+                (budget := self.budget(r)) is None
+                or max(held.get(r, 0), after.get(r, 0) + reserved.get(r, 0)) + amount <= budget
+                for r, amount in known.items()
+            )
+
+        for wait in ([], lingering) if lingering else ([],):
+            victims: list[Entry] = []
+            # The model's own lingering memory counts too: never two copies of it.
+            gone = {id(e) for e in wait} | ({id(entry)} if entry.lingering is None else set())
+            for victim in [None, *candidates]:
+                if victim is not None:
+                    victims.append(victim)
+                    gone.add(id(victim))
+                if fits(gone):
+                    for kept in reversed(victims[:-1]):
+                        if fits(gone - {id(kept)}):
+                            victims.remove(kept)
+                            gone.discard(id(kept))
+                    return victims, wait
+        return None  # models just loaded for their waiters are in the way: they go first
+
+    def too_large(self, entry: Entry, need: dict[str, int]) -> ModelTooLarge | None:
+        """The error if ``need`` does not fit a budget even beside the pinned models alone."""
+        others = {id(e) for e in self.entries.values() if not e.pinned or e is entry}
+        floor_by = self.held_total(without=others)
+        for resource, amount in need.items():
+            budget = self.budget(resource)
+            if budget is None:
+                continue
+            floor = floor_by.get(resource, 0)
+            if amount + floor > budget:
+                how = {"saved": "measured by an earlier run", "estimated": "estimated"}
+                return ModelTooLarge(
+                    f"model {entry.spec.name!r} needs {amount} bytes of {resource} "
+                    f"({how.get(entry.need_source or '', 'measured')}) but the budget is "
+                    f"{budget} bytes"
+                    + (f", {budget - floor} of them beside the pinned models" if floor else ""),
+                    model=entry.spec.name,
+                    resource=resource,
+                    needed_bytes=amount,
+                    available_bytes=budget - floor,
+                    budget_bytes=budget,
+                )
+        return None
