@@ -24,7 +24,7 @@ from helpers import (
     wait_until,
 )
 from modelpool import ModelPool, PoolConfig
-from modelpool.worker.backends.testing import run_on_dispatcher
+from modelpool.supervisor.faults import run_on_dispatcher
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

@@ -29,7 +29,7 @@ from modelpool import (
     ModelPool,
     PoolError,
 )
-from modelpool.worker.backends.testing import run_on_dispatcher
+from modelpool.supervisor.faults import run_on_dispatcher
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 

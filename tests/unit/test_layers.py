@@ -9,7 +9,9 @@ The rules:
 
 - the shared modules import nothing of the other sides, not even for types;
 - the worker side imports nothing of the supervisor side or the server, at run time,
-  however indirectly: a worker process loads only what it serves with;
+  however indirectly (a worker process loads only what it serves with), nor names them
+  for types: the supervisor stands above the worker, which it starts and whose backends'
+  option tables it reads before a worker exists;
 - no backend imports another backend (``worker/backends/hf/`` and ``llama_cpp/`` share
   only what lies beside them in ``worker/backends/``), and the shared part imports none;
 - the server imports the pool, never the reverse: nothing outside the server side imports
@@ -139,6 +141,17 @@ def test_the_worker_side_loads_nothing_of_the_supervisor_or_the_server() -> None
         module: by for module, by in loaded.items() if _in(module, SUPERVISOR_SIDE + SERVER_SIDE)
     }
     assert not crossing, f"worker-side modules load (module: imported by) {crossing}"
+
+
+def test_the_worker_side_names_nothing_of_the_supervisor_even_for_types() -> None:
+    arrows = [
+        f"{module} -> {name}"
+        for module in MODULES
+        if _in(module, WORKER_SIDE)
+        for name in _imports(module, type_checking=True)
+        if _in(name, SUPERVISOR_SIDE + SERVER_SIDE)
+    ]
+    assert not arrows
 
 
 def test_no_backend_imports_another_backend() -> None:

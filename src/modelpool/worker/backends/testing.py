@@ -121,9 +121,8 @@ context ends (finish_reason "length"), and its result reports prompt_tokens::
 
 This module imports nothing heavy, so a worker is ready in a few tens of ms.
 
-Faults in the supervisor itself, for tests: ``run_on_dispatcher(pool, action)``
-runs ``action`` on the pool's dispatcher thread, so a test can rehearse a bug in
-the dispatcher (an action that raises) or a wedged one (an action that blocks).
+Faults in the supervisor itself are rehearsed from its side:
+:func:`modelpool.supervisor.faults.run_on_dispatcher`.
 """
 
 from __future__ import annotations
@@ -136,12 +135,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from modelpool.shared.context import check_max_model_len, fit_to_context
-from modelpool.shared.errors import GrammarError, InvalidRequest, PoolError
+from modelpool.shared.errors import GrammarError, InvalidRequest
 from modelpool.shared.grammar import (
     COMPILE_TIMEOUT_PARAM,
     GRAMMAR_PARAM,
@@ -171,9 +169,6 @@ from modelpool.shared.validation import FIT_PARAM, PRIORITY_PARAM, check_generat
 from modelpool.worker.backends import testing_embeddings
 from modelpool.worker.backends.common.params import DEFAULT_MAX_NEW_TOKENS, requested_new_tokens
 from modelpool.worker.backends.common.text import first_stop, stop_strings
-
-if TYPE_CHECKING:
-    from modelpool.supervisor.pool import ModelPool
 
 # The sampling parameters and the penalties are accepted (and checked) without effect:
 # this backend has no scores;
@@ -759,22 +754,3 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
     if options.get("hold_mb"):
         backend.hold(int(options["hold_mb"]))
     return backend
-
-
-def run_on_dispatcher(pool: ModelPool, action: Callable[[], None]) -> threading.Thread:
-    """Test hook: run ``action`` on ``pool``'s dispatcher thread, between two of its events.
-
-    An action that raises rehearses a bug in the dispatcher (the pool fails every
-    request with ``PoolError``, kills its workers and goes "failed"); one that blocks
-    rehearses a wedged dispatcher (``close()`` still kills the workers). Returns the
-    dispatcher thread, so that a test can wait for it to end::
-
-        thread = run_on_dispatcher(pool, lambda: 1 / 0)
-        thread.join(10)
-
-    Raises ``PoolError`` if the pool's dispatcher is not running.
-    """
-    loop = pool._loop
-    if loop is None or not loop.post(action):
-        raise PoolError("the pool's dispatcher is not running")
-    return loop.thread
