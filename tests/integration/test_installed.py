@@ -195,7 +195,7 @@ def test_both_artifacts_carry_the_license_version_and_metadata(artifacts: Artifa
         wheel_metadata = _metadata(wheel.read(f"{dist_info}/METADATA").decode())
         assert wheel.read(f"{dist_info}/licenses/LICENSE").decode() == license_text
         entry_points = wheel.read(f"{dist_info}/entry_points.txt").decode()
-    assert {"modelpool/__main__.py", "modelpool/py.typed", "modelpool/cli.py"} <= names
+    assert {"modelpool/__main__.py", "modelpool/py.typed", "modelpool/cli/__init__.py"} <= names
     assert "modelpool = modelpool.cli:main" in entry_points
     # No repository-only folder rides along into site-packages.
     assert not any(name.startswith(("tests/", "scripts/", "benchmarks/")) for name in names)

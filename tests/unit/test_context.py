@@ -144,7 +144,7 @@ def test_the_testing_backend_caps_a_default_and_refuses_the_callers_own() -> Non
 
 
 def test_modelpool_stats_shows_the_context_length() -> None:
-    from modelpool.cli_remote import stats_tables
+    from modelpool.cli.tables import stats_tables
 
     _, _, rows = stats_tables({"max_model_len": 8192})[0]
     assert ["context length", "8192 tokens"] in rows

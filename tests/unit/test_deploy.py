@@ -28,7 +28,7 @@ VARIANTS = {
     "modelpool.yaml": ("modelpool-cpu.toml", "cpu"),
     "modelpool-gpu.yaml": ("modelpool-gpu.toml", "cuda"),
 }
-# cli.py closes the pool with timeout=5.0 after uvicorn's drain.
+# modelpool.cli.daemon closes the pool with timeout=5.0 after uvicorn's drain.
 POOL_CLOSE_TIMEOUT_S = 5.0
 # The promise: with the default heartbeat bound, a wedge ends in a restart
 # within 30 s.

@@ -32,7 +32,7 @@ from modelpool.worker.backends import BUILTIN_BACKENDS
 SOURCE = Path(modelpool.__file__).resolve().parent.parent
 
 # Above the pool: the daemon, the command that starts it, the Ray Serve app.
-SERVER_SIDE = ("modelpool.server", "modelpool.cli", "modelpool.cli_remote", "modelpool.ray_serve")
+SERVER_SIDE = ("modelpool.server", "modelpool.cli", "modelpool.ray_serve")
 # The supervisor: the pool, its dispatcher thread, what watches its workers, the registry.
 SUPERVISOR_SIDE = ("modelpool.supervisor",)
 # A worker process: its loop and the backends it runs.

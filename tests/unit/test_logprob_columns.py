@@ -25,7 +25,7 @@ from modelpool.shared.protocol import (
     encode_frame,
 )
 from modelpool.supervisor.results import Result
-from modelpool.worker.process import _normalise
+from modelpool.worker.calls import normalise
 
 ENTRIES = [
     TokenLogprob(1, "Hé", None),
@@ -71,7 +71,7 @@ def test_windows_keep_every_entry_in_order() -> None:
 
 def test_a_workers_result_crosses_the_pipe_in_a_few_pickle_operations() -> None:
     entries = scored_prompt(20_000)
-    frame = encode_frame(("done", 7, _normalise(Generation("", prompt_logprobs=entries)), 0))
+    frame = encode_frame(("done", 7, normalise(Generation("", prompt_logprobs=entries)), 0))
     # Objects would be several operations per entry and alternative: 600,000 or so.
     assert sum(1 for _ in pickletools.genops(frame[4:])) < 200
     (message,) = FrameDecoder().feed(frame)

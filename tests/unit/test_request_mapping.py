@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from modelpool.cli import _is_loopback, served_model_name
+from modelpool.cli.daemon import is_loopback, served_model_name
 from modelpool.server.errors import pool_error_to_api
 from modelpool.server.http import ApiError
 from modelpool.server.openai.request import deadline_from, parse_chat, parse_completion
@@ -209,8 +209,8 @@ def test_logprobs_echo_n_and_token_ids_map_to_pool_requests() -> None:
 
 
 def test_cli_helpers() -> None:
-    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("localhost")
-    assert not _is_loopback("0.0.0.0") and not _is_loopback("example.org")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.org")
     pool = PoolConfig(model="embedded:smollm2-135m-instruct", backend="testing")
     assert served_model_name(pool, ServerConfig()) == "smollm2-135m-instruct"
     assert served_model_name(pool, ServerConfig(model_name="named")) == "named"

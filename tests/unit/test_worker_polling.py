@@ -11,12 +11,12 @@ from collections.abc import Iterator
 import pytest
 
 from modelpool.shared.protocol import encode_frame
-from modelpool.worker.process import _Channel
+from modelpool.worker.channel import Channel
 
 POLL_S = 0.05
 
 
-def _recv_cpu_s(channel: _Channel, peer: socket.socket, send_after_s: float) -> float:
+def _recv_cpu_s(channel: Channel, peer: socket.socket, send_after_s: float) -> float:
     """This thread's CPU seconds in one ``recv`` whose message comes ``send_after_s``
     later (0: already there)."""
     frame = encode_frame(("run", 1))
@@ -36,15 +36,15 @@ def _recv_cpu_s(channel: _Channel, peer: socket.socket, send_after_s: float) -> 
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[_Channel, socket.socket]]:
+def pair() -> Iterator[tuple[Channel, socket.socket]]:
     ours, peer = socket.socketpair()
-    yield _Channel(ours), peer
+    yield Channel(ours), peer
     ours.close()
     peer.close()
 
 
 def test_the_channel_polls_only_after_a_request_it_waited_for(
-    pair: tuple[_Channel, socket.socket],
+    pair: tuple[Channel, socket.socket],
 ) -> None:
     channel, peer = pair
     # The first request is waited for (a fresh channel has waited); the next recv polls.
@@ -57,7 +57,7 @@ def test_the_channel_polls_only_after_a_request_it_waited_for(
     assert slept < POLL_S / 4, slept
 
 
-def test_no_polling_when_it_is_off(pair: tuple[_Channel, socket.socket]) -> None:
+def test_no_polling_when_it_is_off(pair: tuple[Channel, socket.socket]) -> None:
     channel, peer = pair
     frame = encode_frame(("run", 2))
     sender = threading.Timer(0.3, peer.sendall, (frame,))

@@ -2,8 +2,8 @@
 
 ``create_app(pool, server_config, model_name)`` builds a FastAPI app that talks
 to a started :class:`~modelpool.ModelPool` only through its public API
-(``agenerate``, ``astream``, ``stats``). ``modelpool serve`` (``cli.py``) runs it
-on uvicorn::
+(``agenerate``, ``astream``, ``stats``). ``modelpool serve`` (``modelpool.cli.daemon``)
+runs it on uvicorn::
 
     app = create_app(pool, ServerConfig(), "smollm2-135m-instruct")
     app = create_app(registry, ServerConfig())     # many models: a started ModelRegistry
@@ -18,11 +18,11 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`
 sends server-sent events ending with ``data: [DONE]``), ``POST /v1/responses`` (with
 ``GET``/``DELETE /v1/responses/{id}`` for stored ones), ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (Anthropic's, errors in its shape), Ollama's
-``/api/`` routes (``ollama.routes``), ``GET /v1/models``, ``GET /healthz``, ``GET
-/readyz``, ``GET /stats``, ``GET /metrics``, ``GET /ui`` (the status page,
-``server/ui``). Every
-generating route takes the one walk of ``_generate``; its API family (``generation.Api``)
-only parses the body into a job and writes the answer.
+``/api/`` routes (``ollama.routes``); the operational routes, ``GET /v1/models``,
+``GET /healthz``, ``GET /readyz``, ``GET /stats``, ``GET /metrics``, ``GET /ui`` (the
+status page, ``server/ui``), are ``operations``'s, and the exception handlers
+``error_handlers``'s. Every generating route takes the one walk of ``_generate``; its
+API family (``generation.Api``) only parses the body into a job and writes the answer.
 
 Request bodies are parsed and checked, field by field, in ``openai.request``
 (every rejection names the OpenAI field the client sent; a field we cannot
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import math
 import os
 import time
@@ -66,26 +65,20 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import Scope
 
 from modelpool.server import models as multi
 from modelpool.server import rights
 from modelpool.server.anthropic.api import MessagesApi, count_prompt, fit_max_tokens
 from modelpool.server.checks import Checks
+from modelpool.server.error_handlers import install_error_handlers, note_attempts
 from modelpool.server.errors import (
-    RETRY_AFTER_UNAVAILABLE,
-    error_response,
-    pool_error_to_api,
     shutting_down,
 )
 from modelpool.server.fair_share import FairShare
 from modelpool.server.generation import Api, P, bound_by_deadline
 from modelpool.server.guard import BrowserGuard, Gate, require_json
 from modelpool.server.http import (
-    ApiError,
     ClientGone,
     json_bytes,
     off_loop_if,
@@ -93,7 +86,7 @@ from modelpool.server.http import (
     read_body,
     run_unless_disconnected,
 )
-from modelpool.server.metrics import CONTENT_TYPE, PoolMetrics
+from modelpool.server.metrics import PoolMetrics
 from modelpool.server.ollama.routes import install_ollama_routes
 from modelpool.server.openai.api import ChatApi, CompletionsApi
 from modelpool.server.openai.format import Job
@@ -103,6 +96,7 @@ from modelpool.server.openai.request import (
     deadline_from,
     prompt_size,
 )
+from modelpool.server.operations import install_operational_routes, observe_pools
 from modelpool.server.pooling_routes import install_pooling_routes
 from modelpool.server.priority_bound import ClampedHeader, PriorityBound
 from modelpool.server.responses.api import ResponsesApi
@@ -122,7 +116,6 @@ from modelpool.server.tokenize import (
     parse_tokenize,
     tokenize_body,
 )
-from modelpool.server.ui import add_ui_routes
 from modelpool.shared.config import PoolConfig, ServerConfig
 from modelpool.shared.errors import (
     PoolError,
@@ -135,10 +128,6 @@ from modelpool.worker.backends.common.params import DEFAULT_MAX_NEW_TOKENS
 if TYPE_CHECKING:
     from modelpool.supervisor.pool import ModelPool, Result
     from modelpool.supervisor.streams import AsyncPoolStream
-
-logger = logging.getLogger(__name__)
-
-READY_WORKER_STATES = frozenset({"idle", "busy", "spare"})
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,7 +189,7 @@ def create_app(
             vllm=server_config.vllm_metrics,
             waiting=lambda: fair_share.snapshot()["waiting"],
         )
-    tracing = _observe_pools(served, model_name, metrics, server_config)
+    tracing = observe_pools(served, model_name, metrics, server_config)
     state = ServerState(
         pool=pool,
         registry=registry,
@@ -233,121 +222,8 @@ def create_app(
         guard=BrowserGuard(server_config),
     )
 
-    @app.exception_handler(ApiError)
-    async def on_api_error(request: Request, exc: ApiError) -> Response:
-        return error_response(exc, request.url.path)
-
-    @app.exception_handler(PoolError)
-    async def on_pool_error(request: Request, exc: PoolError) -> Response:
-        _note_attempts(request.scope, exc.request_id, exc.attempts)
-        return error_response(pool_error_to_api(rights.seen_error(request, exc)), request.url.path)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        if exc.status_code == 404:
-            error = ApiError(
-                404,
-                f"no route {request.method} {request.url.path}",
-                type="not_found_error",
-                code="not_found",
-            )
-        elif exc.status_code == 405:
-            error = ApiError(
-                405,
-                f"method {request.method} not allowed on {request.url.path}",
-                code="method_not_allowed",
-                headers=exc.headers,
-            )
-        else:
-            error = ApiError(
-                exc.status_code, str(exc.detail), code="http_error", headers=exc.headers
-            )
-        return error_response(error, request.url.path)
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception) -> Response:
-        # Starlette re-raises after sending this, so uvicorn logs the traceback once.
-        error = ApiError(
-            500,
-            f"internal server error: {type(exc).__name__}",
-            type="server_error",
-            code="internal_error",
-        )
-        return error_response(error, request.url.path)
-
-    @app.get("/healthz")
-    async def healthz() -> Response:
-        # Liveness, not readiness: never waits on the dispatcher (a wedged one is what
-        # this must report), and a pool that is starting or degraded is still alive.
-        state.loop_watch.ensure_started()
-        health = state.health()
-        lag = state.loop_watch.lag_s()
-        reasons: list[str] = [] if health.alive else [health.reason or "the pool is not alive"]
-        if lag > state.config.max_event_loop_lag_s:
-            reasons.append(
-                f"the HTTP server's event loop runs {lag:.1f} s late "
-                f"(max_event_loop_lag_s = {state.config.max_event_loop_lag_s:g})"
-            )
-        body: dict[str, Any] = {
-            "status": "unhealthy" if reasons else "ok",
-            "pool": health.state,
-            "heartbeat_age_s": health.heartbeat_age_s,
-            "event_loop_lag_s": lag,
-        }
-        if reasons:
-            body["reason"] = "; ".join(reasons)
-            body["reasons"] = reasons
-            logger.warning("/healthz: unhealthy: %s", "; ".join(reasons))
-        return JSONResponse(body, status_code=503 if reasons else 200)
-
-    @app.get("/readyz")
-    async def readyz(request: Request) -> Response:
-        if registry is not None:
-            return await _registry_ready(state, registry, listed=rights.known(request))
-        assert pool is not None
-        stats = await run_in_threadpool(pool.stats)
-        ready_workers = sum(1 for w in stats.workers if w.state in READY_WORKER_STATES)
-        ready = not state.draining and stats.state in ("ready", "degraded") and ready_workers > 0
-        body = {
-            "status": "ready" if ready else "not ready",
-            "pool": stats.state,
-            "ready_workers": ready_workers,
-            "draining": state.draining,
-        }
-        headers = {} if ready else {"Retry-After": str(RETRY_AFTER_UNAVAILABLE)}
-        return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
-
-    @app.get("/stats")
-    async def stats(request: Request) -> Response:
-        server_parts = {
-            "fair_share": state.fair_share.snapshot(),
-            "checks": state.checks.snapshot(),
-            "responses_store": state.responses.store.snapshot(),
-            **({"tracing": tracing()} if tracing is not None else {}),
-        }
-        if registry is not None:
-            server_parts["fair_share_by_model"] = {
-                name: share.snapshot() for name, share in state.shares.items()
-            }
-            snapshot_all = (await run_in_threadpool(registry.stats)).to_dict()
-        else:
-            assert pool is not None
-            snapshot_all = (await pool.astats()).to_dict()
-        full = {**snapshot_all, **server_parts}
-        return JSONResponse(full if rights.operates(request) else rights.tenant_stats(full))
-
-    add_ui_routes(app)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        body = await run_in_threadpool(metrics.render)
-        return Response(body, media_type=CONTENT_TYPE)
-
-    if registry is not None:
-        multi.install_routes(app, state, registry)
-    else:
-        assert pool is not None
-        _install_model_routes(app, state, pool)
+    install_error_handlers(app)
+    install_operational_routes(app, state, tracing)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -408,116 +284,6 @@ def create_app(
     install_pooling_routes(app, state)
     install_ollama_routes(app, state, _generate)
     return app
-
-
-def _install_model_routes(app: FastAPI, state: ServerState, pool: ModelPool) -> None:
-    """``/v1/models`` of a one-model daemon: the served model."""
-    model_name = state.model_name
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        snapshot = await pool.astats()
-        return {
-            "object": "list",
-            "data": [_model_card(state, snapshot.max_model_len, snapshot.task)],
-        }
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict[str, Any]:
-        if model_id != model_name:
-            raise ApiError(
-                404,
-                f"model {model_id!r} is not served here (serving {model_name!r})",
-                type="not_found_error",
-                code="model_not_found",
-                param="model",
-            )
-        snapshot = await pool.astats()
-        return _model_card(state, snapshot.max_model_len, snapshot.task)
-
-
-async def _registry_ready(state: ServerState, registry: ModelRegistry, *, listed: bool) -> Response:
-    """Ready: not draining, the registry alive, and every preload model loaded (any other
-    model loads on its first request). The models and their states only when ``listed``
-    (a caller with a key): an unauthenticated probe learns ready or not, and why in
-    general terms, not which models the operator serves."""
-    stats = await run_in_threadpool(registry.stats, with_pools=False)
-    waiting_for = [
-        name
-        for name, model in stats.models.items()
-        if registry.spec(name).preload and model.state != "loaded"
-    ]
-    ready = not state.draining and registry.health().alive and not waiting_for
-    body: dict[str, Any] = {"status": "ready" if ready else "not ready", "draining": state.draining}
-    if waiting_for:
-        body["reason"] = f"{len(waiting_for)} preloaded model(s) not loaded yet"
-    if listed:
-        body["models"] = {name: model.state for name, model in stats.models.items()}
-    headers = {} if ready else {"Retry-After": str(RETRY_AFTER_UNAVAILABLE)}
-    return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
-
-
-def _observe_pools(
-    served: ModelPool | ModelRegistry,
-    model_name: str,
-    metrics: PoolMetrics,
-    server_config: ServerConfig,
-) -> Callable[[], dict[str, int]] | None:
-    """The ``vllm:`` series and the traces of the pool, or of each pool a registry loads
-    (its name the ``model_name`` label): one exporter, its thread the daemon's, whatever
-    the number of loads. Returns the exporter's ``snapshot`` (None: no tracing)."""
-    tracer: Callable[[str, ModelPool], None] | None = None
-    tracing: Callable[[], dict[str, int]] | None = None
-    endpoint = server_config.otlp_traces_endpoint
-    if endpoint is not None:
-        try:
-            from modelpool.supervisor.tracing import PoolTracer, TraceExporter
-        except ImportError as exc:
-            raise RuntimeError(
-                "[server] otlp_traces_endpoint needs OpenTelemetry: pip install "
-                f"'modelpool[tracing]' ({exc})"
-            ) from exc
-        logger.info("tracing requests to %s", endpoint)
-        exporter = TraceExporter(endpoint)
-        tracing = exporter.snapshot
-        metrics.add_tracing(tracing)
-
-        def tracer(name: str, pool: ModelPool) -> None:
-            ratio = server_config.otlp_traces_sample_ratio
-            PoolTracer(pool, exporter, model_name=name, sample_ratio=ratio)
-
-    def observe(name: str, pool: ModelPool) -> None:
-        if metrics.vllm is not None:
-            pool.add_observer(on_request=metrics.vllm.observer(name))
-        if tracer is not None:
-            tracer(name, pool)
-
-    if isinstance(served, ModelRegistry):
-        served.add_pool_hook(observe)
-    else:
-        observe(model_name, served)
-    return tracing
-
-
-def _model_card(state: ServerState, max_model_len: int | None, task: str) -> dict[str, Any]:
-    # max_model_len as vLLM reports it, so that clients can size their requests; task:
-    # what the model serves ("generate", "embed", "score").
-    return {
-        "id": state.model_name,
-        "object": "model",
-        "created": state.started,
-        "owned_by": "modelpool",
-        "max_model_len": max_model_len,
-        "task": task,
-    }
-
-
-def _note_attempts(scope: Scope, request_id: str | None, attempts: list[Any]) -> None:
-    note = scope.setdefault("state", {})
-    note["request_id"] = request_id
-    if attempts:
-        note["attempts"] = len(attempts)
-        note["worker_pid"] = attempts[-1].worker_pid
 
 
 def _parse_tokenize(body: dict[str, Any], config: ServerConfig) -> TokenizeJob:
@@ -589,7 +355,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     if job.stream:
 
         def note_error(exc: PoolError) -> None:
-            _note_attempts(request.scope, exc.request_id, exc.attempts)
+            note_attempts(request.scope, exc.request_id, exc.attempts)
 
         @contextlib.asynccontextmanager
         async def start(choice: StreamedChoice) -> AsyncIterator[AsyncPoolStream]:

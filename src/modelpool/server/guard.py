@@ -2,9 +2,9 @@
 that faces untrusted clients, and the browser-safety checks of one on loopback.
 
 :class:`Gate` (the daemon's ASGI middleware: key, body size, access log) asks
-:class:`BrowserGuard` about each request's ``Host`` and ``Origin``; ``cli.py`` runs
-uvicorn with :func:`guarded_protocol`, which bounds what one connection may hold
-before the app sees it::
+:class:`BrowserGuard` about each request's ``Host`` and ``Origin``;
+``modelpool.cli.daemon`` runs uvicorn with :func:`guarded_protocol`, which bounds what one
+connection may hold before the app sees it::
 
     guard = BrowserGuard(ServerConfig())          # loopback names, no CORS
     guard.refusal(headers)                        # None, or an ApiError (403)

@@ -35,9 +35,9 @@ Follow one request (each name is a function; the file is in brackets)::
          (KV room, running rows, the longest cached prefix: [prefixes.py])
       -> Dispatcher._dispatch                         [dispatcher.py]  ("run", ...) to a worker
       -> ProcessWorkerIO.send                         [spawn.py]
-      -> serve -> _run_attempt                        [worker.py]  the backend generates
-         (batched: _BatchLoop.serve -> _step -> HFHandler.step -> Scheduler.step
-          [backends/common/scheduler.py]: admission, prefill slices, grammars ->
+      -> serve -> _run_attempt                        [worker/process.py]  the backend generates
+         (batched: BatchLoop.serve -> _step [worker/batch_loop.py] -> HFHandler.step
+          -> Scheduler.step [backends/common/scheduler.py]: admission, prefill slices, grammars ->
           HFRunner.run [backends/hf/runner.py]: prefix cache [backends/hf/prefix_cache.py],
           each row on its own KV cache, one packed pass a step with a prefill slice
           riding on it [backends/hf/packed.py] (else one padded cache [hf/padded.py]),
@@ -77,7 +77,7 @@ in ``concurrent.futures``: they must be quick and must not wait on the pool
 (``generate()`` refuses to run there).
 
 The worker's own side (the lifeline pipe, the cancel flag, the backend protocol) is in
-``worker.py`` and ``protocol.py``; ``docs/architecture.md`` ties them together.
+``worker/process.py`` and ``protocol.py``; ``docs/architecture.md`` ties them together.
 """
 
 from __future__ import annotations

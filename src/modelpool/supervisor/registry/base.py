@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from modelpool.shared.errors import ModelLoadFailed, ModelUnavailable
+from modelpool.shared.errors import ModelLoadFailed, ModelNotFound, ModelUnavailable
 from modelpool.supervisor.gpu import GpuProbe
 from modelpool.supervisor.pool import ModelPool
 from modelpool.supervisor.registry.budget import Budgets
@@ -93,6 +93,15 @@ class RegistryBase:
                 entry.need, entry.need_source = need, "saved"
             elif (guess := self._estimate(entry)) is not None:
                 entry.need, entry.need_source = guess, "estimated"
+
+    def _lookup(self, name: str) -> Entry:
+        """The model a name or alias reaches; ``ModelNotFound`` otherwise."""
+        entry = self._names.get(name) if isinstance(name, str) else None
+        if entry is None:
+            raise ModelNotFound(
+                f"The model {str(name)[:200]!r} does not exist", model=str(name)[:200]
+            )
+        return entry
 
     def _estimate(self, entry: Entry) -> dict[str, int] | None:
         """An estimate of host memory only: a model that may take a GPU under a GPU budget

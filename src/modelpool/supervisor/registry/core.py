@@ -26,10 +26,11 @@ passed; until then its requests get :class:`~modelpool.shared.errors.ModelUnavai
 Threads. The state of every model is guarded by one condition lock that no slow call is
 made under (``base``). One supervising thread (``modelpool-registry``) makes every
 decision: it starts *steps* (a swap: unload the evicted models, then load; or one
-unload) on threads of their own, loads that evict nothing beside each other where the
-budget holds them all (``_next_step``); it watches each step's deadline, measures
-memory (``memory``), unloads idle models, and notices a loaded pool that died. It wakes
-at least twice a second, so its heartbeat (``health()``) shows a wedge; a step that
+unload) on threads of their own (``loads``), loads that evict nothing beside each
+other where the budget holds them all (``_next_step``); it watches each step's
+deadline, measures memory (``memory``), unloads idle models, and notices a loaded pool
+that died. It wakes at least twice a second, so its heartbeat (``health()``, in
+``observing`` with the stats) shows a wedge; a step that
 outlives its deadline has its pool killed and, if even that does not end it, is
 abandoned with the model ``failed``.
 
@@ -56,16 +57,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from modelpool.shared.config import ModelSpec
 from modelpool.shared.errors import (
     DeadlineExceeded,
     ModelLoadFailed,
-    ModelNotFound,
     ModelTooLarge,
     PoolClosed,
     PoolOverloaded,
@@ -73,18 +72,10 @@ from modelpool.shared.errors import (
 from modelpool.supervisor.pool import ModelPool
 from modelpool.supervisor.registry.admission import Admission
 from modelpool.supervisor.registry.base import logger, waited_on
-from modelpool.supervisor.registry.records import (
-    ANYONE,
-    MEMORY,
-    Entry,
-    KeepAlive,
-    ModelStats,
-    RegistryStats,
-    Step,
-    Use,
-)
+from modelpool.supervisor.registry.loads import Loads
+from modelpool.supervisor.registry.observing import Observing
+from modelpool.supervisor.registry.records import ANYONE, Entry, KeepAlive, ModelStats, Step, Use
 from modelpool.supervisor.registry.releases import RELEASE_TIMEOUT_S
-from modelpool.supervisor.stats import PoolHealth
 
 # The supervisor wakes at least this often (its heartbeat).
 TICK_S = 0.5
@@ -129,9 +120,10 @@ class ModelLease:
         self.release()
 
 
-class ModelRegistry(Admission):
+class ModelRegistry(Admission, Loads, Observing):
     """Several :class:`ModelPool`\\ s by name; the module docstring has the rules (the
-    state is :class:`~modelpool.supervisor.registry.base.RegistryBase`'s)."""
+    state is :class:`~modelpool.supervisor.registry.base.RegistryBase`'s; the steps'
+    threads are ``loads``'s, the stats and health ``observing``'s)."""
 
     # ---- life cycle ---------------------------------------------------------------------
 
@@ -316,95 +308,7 @@ class ModelRegistry(Admission):
             self._cond.notify_all()
         return self.model_stats(name)
 
-    # ---- observing ----------------------------------------------------------------------
-
-    def health(self) -> PoolHealth:
-        """Alive unless the supervisor thread stopped or its heartbeat is older than
-        ``heartbeat_timeout_s`` (a wedged registry). Never waits on the lock."""
-        thread, beat = self._thread, self._heartbeat
-        if thread is None or beat is None:
-            state = "closed" if self._closing else "starting"
-            return PoolHealth(False, state, None, f"the registry is {state}")
-        age = round(max(0.0, time.monotonic() - beat), 3)
-        if self._closing or not thread.is_alive():
-            return PoolHealth(False, "closed", age, "the registry's supervisor has stopped")
-        bound = self.config.heartbeat_timeout_s
-        if age > bound:
-            return PoolHealth(
-                False,
-                "wedged",
-                age,
-                f"the registry's supervisor has not gone round its loop for {age:.1f} s "
-                f"(bound {bound:g} s): it is wedged",
-            )
-        return PoolHealth(True, "running", age)
-
-    def model_stats(self, name: str, *, with_pool: bool = False) -> ModelStats:
-        entry = self._lookup(name)
-        with self._cond:
-            stats = self._entry_stats(entry, time.monotonic())
-            pool = entry.pool if entry.state == "loaded" else None
-        if with_pool and pool is not None:
-            stats = dataclasses.replace(stats, pool=pool.stats())
-        return stats
-
-    def add_pool_hook(self, hook: Callable[[str, ModelPool], None]) -> None:
-        """Call ``hook(model name, pool)`` with each pool the registry makes, before it
-        starts (the daemon adds its ``vllm:`` metrics and tracing as observers), and now
-        with each pool already made (a ``preload`` model loaded before the daemon added
-        its observers): no pool goes unobserved, whenever its hook came."""
-        with self._cond:
-            self._pool_hooks = [*self._pool_hooks, hook]
-            made = [(e.spec.name, e.pool) for e in self._entries.values() if e.pool is not None]
-            made += [
-                (step.entry.spec.name, step.loading)
-                for step in self._steps
-                if step.entry is not None and step.loading is not None
-            ]
-        for name, pool in made:
-            hook(name, pool)
-
-    def stats(self, *, with_pools: bool = True) -> RegistryStats:
-        """Every model (with its pool's own ``PoolStats`` when loaded and ``with_pools``),
-        memory measured now and at its peak, swaps, requests waiting for a load."""
-        now = time.monotonic()
-        with self._cond:
-            models = {name: self._entry_stats(e, now) for name, e in self._entries.items()}
-            pools = {n: e.pool for n, e in self._entries.items() if e.state == "loaded" and e.pool}
-            held = self._budgets.held_total()
-            peak = dict(self._peak)
-            swaps, waiting = self._swaps, self._waiting
-        if with_pools:
-            for name, pool in pools.items():
-                models[name] = dataclasses.replace(models[name], pool=pool.stats())
-        beat = self._heartbeat
-        return RegistryStats(
-            models=models,
-            memory_budget_bytes=self.config.memory_budget_bytes,
-            gpu_memory_budget_bytes=self.config.gpu_memory_budget_bytes,
-            rss_bytes=held.get(MEMORY, 0),
-            peak_rss_bytes=peak.get(MEMORY, 0),
-            gpu_bytes={k: v for k, v in held.items() if k != MEMORY},
-            peak_gpu_bytes={k: v for k, v in peak.items() if k != MEMORY},
-            swaps=swaps,
-            waiting=waiting,
-            heartbeat_age_s=None if beat is None else round(max(0.0, now - beat), 3),
-        )
-
-    def loaded_pools(self) -> dict[str, ModelPool]:
-        """The pools of the models loaded now, by name (for a scrape: never held)."""
-        with self._cond:
-            return {n: e.pool for n, e in self._entries.items() if e.state == "loaded" and e.pool}
-
     # ---- internals: reserving ------------------------------------------------------------
-
-    def _lookup(self, name: str) -> Entry:
-        entry = self._names.get(name) if isinstance(name, str) else None
-        if entry is None:
-            raise ModelNotFound(
-                f"The model {str(name)[:200]!r} does not exist", model=str(name)[:200]
-            )
-        return entry
 
     def _reserve(
         self, name: str, keep_alive: KeepAlive, client: str, bound_s: float
@@ -660,134 +564,6 @@ class ModelRegistry(Admission):
                 continue
             return step
         return None
-
-    # ---- internals: steps (their own thread) -----------------------------------------------
-
-    def _run_step(self, step: Step) -> None:
-        try:
-            for victim in step.victims:
-                self._unload(victim, evicted=step.kind == "swap", why=step.why, step=step)
-            if step.entry is not None and self._await_release(step):
-                self._load(step)
-        except BaseException:  # a bug here must not leave a model "loading" for ever
-            logger.exception("registry: %s failed", step.why)
-            with self._cond:
-                if step.entry is not None and step.entry.state == "loading":
-                    self._fail(
-                        step.entry, "the registry's load step failed; see the log", time.monotonic()
-                    )
-        finally:
-            with self._cond:
-                step.done = True
-                self._cond.notify_all()
-
-    def _load(self, step: Step) -> None:
-        entry = step.entry
-        assert entry is not None
-        spec = entry.spec
-        pool = self._pool_class(spec.pool, gpu_probe=self._gpu_probe)
-        started = time.monotonic()
-        with self._cond:
-            # The readings of requests are this load's own (the memory module's docstring).
-            entry.readings = []
-            # What it was planned at: a load that does not become ready measured only the
-            # part of it that was up, and leaves the need as it found it.
-            planned = entry.need, entry.need_source
-            # Read with step.loading set, under one lock: add_pool_hook applies a later hook.
-            hooks = self._pool_hooks
-            step.loading = pool
-            step.deadline = started + spec.load_deadline_s
-            if self._closing:
-                pool.close(drain=False, timeout=0.0)
-        for hook in hooks:
-            hook(spec.name, pool)
-        error: BaseException | None = None
-        try:
-            pool.start()
-        except BaseException as exc:
-            error = exc
-        seconds = time.monotonic() - started
-        held, peak = self._measure(pool) if error is None else ({}, 0)
-        with self._cond:
-            now = time.monotonic()
-            step.loading = None
-            if error is not None or step.abandoned or self._closing or step.timed_out:
-                entry.need, entry.need_source = planned
-            if step.abandoned or self._closing or step.timed_out:
-                if step.timed_out and not step.abandoned and entry.state == "loading":
-                    reason = f"its load did not finish within {spec.load_deadline_s:g} s"
-                    self._fail(entry, reason + " (load_timeout_s)", now)
-                discard = error is None
-            elif error is not None:
-                self._fail(entry, f"its load failed: {error}", now)
-                return
-            else:
-                self._note_held(entry, held, now, load_peak=peak)
-                entry.need = self._settled(entry) or entry.need
-                too_large = self._budgets.too_large(entry, entry.need or {})
-                discard = too_large is not None
-                if too_large is not None:
-                    entry.held = {}
-                    self._fail(entry, too_large.message, now, error=too_large)
-                else:
-                    self._loaded(entry, pool, seconds, now)
-        if discard:
-            # Closed on this step's thread: until its processes are gone (close returns
-            # then) the step runs, and the load counts at its need beside other loads.
-            pool.close(drain=False, timeout=0.0)
-            return
-        logger.info("registry: %s loaded in %.2f s", spec.name, seconds)
-        self._keep_need(entry)
-
-    def _loaded(self, entry: Entry, pool: ModelPool, seconds: float, now: float) -> None:
-        """``entry``'s load is done: the pool is its, its waiters get it (lock held)."""
-        entry.pool = pool
-        # An operator's unload asked for while it loaded: its waiters are served, then
-        # it unloads (the supervisor's first step once they are done).
-        entry.state = "unloading" if entry.unload_requested else "loaded"
-        entry.reason = None
-        entry.error = None
-        entry.failures = 0
-        entry.held_back = False
-        entry.loads += 1
-        entry.last_load_s = round(seconds, 3)
-        entry.load_seconds_total += seconds
-        entry.last_used = now
-        if entry.load is not None and not entry.load.done():
-            entry.load.set_result(pool)
-        self._cond.notify_all()
-
-    def _entry_stats(self, entry: Entry, now: float) -> ModelStats:
-        spec = entry.spec
-        until = entry.idle_until()
-        return ModelStats(
-            name=spec.name,
-            state=entry.state,
-            reason=entry.reason,
-            backend=spec.pool.backend,
-            model=spec.pool.model,
-            aliases=spec.aliases,
-            pinned=entry.pinned,
-            loads=entry.loads,
-            unloads=entry.unloads,
-            evictions=entry.evictions,
-            load_failures=entry.load_failures,
-            last_load_s=entry.last_load_s,
-            load_seconds_total=round(entry.load_seconds_total, 3),
-            rss_bytes=entry.held.get(MEMORY) if entry.held else None,
-            need_bytes=None if entry.need is None else entry.need.get(MEMORY),
-            gpu_bytes={k: v for k, v in entry.held.items() if k != MEMORY},
-            in_use=entry.in_flight,
-            waiting=entry.waiting,
-            idle_s=round(now - entry.last_used, 3)
-            if entry.state == "loaded" and entry.idle
-            else None,
-            retry_in_s=round(entry.retry_at - now, 3)
-            if entry.state == "failed" and entry.retry_at > now
-            else None,
-            keep_alive_s=None if until is None else round(max(0.0, until - entry.last_used), 3),
-            need_source=entry.need_source if entry.need is not None else None,
-        )
 
 
 def _fresh(exc: BaseException) -> BaseException:
