@@ -11,8 +11,8 @@ from typing import Any, Literal
 import pydantic
 import pytest
 
+from modelpool.server.core.generation_body import parse_chat, parse_completion
 from modelpool.server.http import ApiError
-from modelpool.server.openai.request import parse_chat, parse_completion
 from modelpool.shared.errors import GrammarEngineMissing, GrammarError, InvalidRequest
 from modelpool.shared.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM
 from modelpool.shared.structured import (

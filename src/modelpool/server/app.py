@@ -24,11 +24,11 @@ sends server-sent events ending with ``data: [DONE]``), ``POST /v1/responses`` (
 generating route takes the one walk of ``_generate``; its API family (``generation.Api``)
 only parses the body into a job and writes the answer.
 
-Request bodies are parsed and checked, field by field, in ``openai.request``
+Request bodies are parsed and checked, field by field, in ``core.generation_body``
 (every rejection names the OpenAI field the client sent; a field we cannot
 honour is a 400, never ignored). A request becomes one pool request per choice
-(``n``, a batch of prompts); the response shapes, logprobs included, are built
-in ``openai.format``.
+(``n``, a batch of prompts); each family builds its answer's shape (OpenAI's in
+``openai.format``).
 
 Status codes: 400 invalid (``context_length_exceeded`` when the prompt and
 ``max_tokens`` do not fit the model's context, which ``/v1/models`` reports as
@@ -75,6 +75,9 @@ from modelpool.server import models as multi
 from modelpool.server import rights
 from modelpool.server.anthropic.api import MessagesApi, count_prompt, fit_max_tokens
 from modelpool.server.checks import Checks
+from modelpool.server.core.cost import check_budget, check_size, prompt_size
+from modelpool.server.core.deadline import deadline_from
+from modelpool.server.core.job import Job
 from modelpool.server.errors import (
     RETRY_AFTER_UNAVAILABLE,
     error_response,
@@ -96,13 +99,6 @@ from modelpool.server.http import (
 from modelpool.server.metrics import CONTENT_TYPE, PoolMetrics
 from modelpool.server.ollama.routes import install_ollama_routes
 from modelpool.server.openai.api import ChatApi, CompletionsApi
-from modelpool.server.openai.format import Job
-from modelpool.server.openai.request import (
-    check_budget,
-    check_size,
-    deadline_from,
-    prompt_size,
-)
 from modelpool.server.pooling_routes import install_pooling_routes
 from modelpool.server.priority_bound import ClampedHeader, PriorityBound
 from modelpool.server.responses.api import ResponsesApi

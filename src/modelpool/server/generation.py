@@ -3,7 +3,7 @@
 Every route that generates (completions, chat, Responses, Anthropic Messages) reads its
 body, checks the budget, takes the client's fair share, runs its pool requests under one
 deadline and cancels them on a disconnect in the same walk; a family only says how its
-body becomes a :class:`~modelpool.server.openai.format.Job` and how the results are
+body becomes a :class:`~modelpool.server.core.job.Job` and how the results are
 written back, whole or streamed::
 
     class ChatApi:
@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from modelpool.server.openai.format import Job
-from modelpool.server.openai.request import output_ceiling
+from modelpool.server.core.cost import output_ceiling
+from modelpool.server.core.job import Job
 from modelpool.shared.validation import FIT_PARAM
 
 if TYPE_CHECKING:

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
+from modelpool.server.core.deadline import deadline_from
 from modelpool.server.http import ApiError, run_unless_disconnected
-from modelpool.server.openai.request import deadline_from
 from modelpool.server.priority_bound import PriorityBound
 from modelpool.server.state import client_of, read_checked
 from modelpool.shared.config import ServerConfig

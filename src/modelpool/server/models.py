@@ -31,8 +31,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modelpool.server import rights
+from modelpool.server.core.deadline import deadline_from
 from modelpool.server.http import invalid
-from modelpool.server.openai.request import deadline_from
 from modelpool.shared.config import PoolConfig, ServerConfig
 from modelpool.supervisor.registry import ModelLease, ModelRegistry, ModelStats, parse_keep_alive
 

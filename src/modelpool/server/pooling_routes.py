@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from modelpool.server.core.cost import check_size
 from modelpool.server.embeddings import (
     EmbedJob,
     embeddings_body,
@@ -35,7 +36,6 @@ from modelpool.server.embeddings import (
 )
 from modelpool.server.http import ApiError, ClientGone, json_bytes, off_loop_if
 from modelpool.server.micro_batches import Plan, in_turns, tokens_of
-from modelpool.server.openai.request import check_size
 from modelpool.server.rerank import (
     RerankJob,
     ScoreJob,

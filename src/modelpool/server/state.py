@@ -26,12 +26,12 @@ from fastapi import Request
 from modelpool.server import models as multi
 from modelpool.server import rights
 from modelpool.server.checks import Checks
+from modelpool.server.core.deadline import deadline_from
 from modelpool.server.errors import RETRY_AFTER_UNAVAILABLE
 from modelpool.server.fair_share import FairShare, Limits
 from modelpool.server.guard import require_json
 from modelpool.server.http import ApiError, parse_json_object, read_body
 from modelpool.server.metrics import PoolMetrics
-from modelpool.server.openai.request import deadline_from
 from modelpool.server.priority_bound import PriorityBound
 from modelpool.server.responses.api import ResponsesApi
 from modelpool.server.tenants import Keys, Tenant

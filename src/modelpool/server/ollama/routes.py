@@ -24,6 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from modelpool.server.core.cost import check_size
+from modelpool.server.core.fields import parse_priority
 from modelpool.server.embeddings import EmbedJob, inputs_size, parse_inputs, unit
 from modelpool.server.generation import Api
 from modelpool.server.http import ApiError, invalid
@@ -31,7 +33,6 @@ from modelpool.server.models import KEEP_ALIVE
 from modelpool.server.ollama import models as listing
 from modelpool.server.ollama.answer import Clock
 from modelpool.server.ollama.api import OllamaApi
-from modelpool.server.openai.request import check_size, parse_priority
 from modelpool.server.pooling_routes import serve_embeddings
 from modelpool.shared.config import ServerConfig
 from modelpool.shared.embeddings import EmbeddingResult
