@@ -1,4 +1,4 @@
-"""OpenAI request fields to pool calls, without a daemon (the parsing in server.openai.request)."""
+"""OpenAI request fields to pool calls, without a daemon (parsed in server.core.generation_body)."""
 
 from __future__ import annotations
 

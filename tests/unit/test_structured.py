@@ -1,6 +1,6 @@
 """Structured outputs, the supervisor's side: every form of the request becomes one checked
 grammar text, and what llguidance cannot honour is refused naming the keyword and its path
-(modelpool.shared.structured, and the HTTP bodies through server.openai.request)."""
+(modelpool.shared.structured, and the HTTP bodies through server.core.generation_body)."""
 
 from __future__ import annotations
 

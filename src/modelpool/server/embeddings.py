@@ -40,7 +40,7 @@ EmbedInput = str | tuple[int, ...]
 EncodingFormat = Literal["float", "base64"]
 
 # ``keep_alive`` (Ollama's) is the registry's, read where the request takes its model's
-# pool (``server.models.pool_for``), as on the generation routes.
+# pool (``server.models.serve``), as on the generation routes.
 EMBEDDINGS_FIELDS = frozenset(
     {
         "model",

@@ -36,7 +36,7 @@ from modelpool.server.http import invalid
 RerankShape = Literal["cohere", "tei"]
 
 # ``keep_alive`` (Ollama's) is the registry's, read where the request takes its model's
-# pool (``server.models.pool_for``), as on the generation routes.
+# pool (``server.models.serve``), as on the generation routes.
 RERANK_FIELDS = frozenset(
     {
         "model",
