@@ -658,11 +658,10 @@ def _parse(
     keep_alive = multi.split_keep_alive(body)
     parsed = api.parse(body)
     multi.put_keep_alive(body, keep_alive)
-    fit_max_tokens(parsed, config_for(body))
+    config = config_for(body)
+    fit_max_tokens(parsed, config)
     # A request with no maximum is costed as before it got the context's room (128).
-    default_max_tokens = config_for(body).generation_defaults.get(
-        "max_new_tokens", DEFAULT_MAX_NEW_TOKENS
-    )
+    default_max_tokens = config.generation_defaults.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     check_budget(parsed.job, limit=budget, default_max_tokens=default_max_tokens)
     return body, parsed
 

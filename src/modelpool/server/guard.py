@@ -176,7 +176,8 @@ def log_path(path: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Middleware: Host, Origin, auth, body size, access log, request-duration histogram
+# Middleware: Host, Origin, auth, body size, access log (each request timed by model:
+# models.ModelUse)
 
 
 class Gate:
