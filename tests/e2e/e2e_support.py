@@ -26,7 +26,7 @@ import pytest
 
 from helpers import runs_for, slack, toml_value, wait_until
 from modelpool import PoolConfig
-from modelpool.server.openai.request import deadline_from
+from modelpool.server.core.deadline import deadline_from
 from modelpool.shared.config import ServerConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from modelpool.server.openai.request import CHAT_FIELDS, COMPLETION_FIELDS
+from modelpool.server.core.generation_body import CHAT_FIELDS, COMPLETION_FIELDS
 
 pytestmark = pytest.mark.slow
 

@@ -166,3 +166,52 @@ def test_a_killed_and_retried_request_is_one_trace_under_the_callers_span(
     assert kill["start"] >= first["start"] and release["end"] == kill["end"]
     for span in spans:
         assert span["end"] >= span["start"], span
+
+
+def test_embeddings_and_scores_carry_the_callers_traceparent(
+    receiver: Receiver, tmp_path: Path
+) -> None:
+    # The pooling routes take the generation walk's admission step, traceparent included
+    # (docs/architecture.md, "The daemon's walk"): each pool request is a child of the
+    # caller's span, whatever route sent it.
+    config = daemon_config(
+        workers=1,
+        deadline_s=slack(30),
+        backend_options={"task": "embed"},
+        server={"otlp_traces_endpoint": receiver.url},
+    )
+    daemon = start_daemon(tmp_path / "daemon", config)
+    scores_trace = "5c0b7e3a9d1f4e2b8a6c4d2e0f1a3b5c"
+    try:
+        embedded = httpx.post(
+            f"{daemon.url}/v1/embeddings",
+            json={"input": ["first", "second"]},
+            headers={"traceparent": f"00-{TRACE_ID}-{CALLER_SPAN}-01"},
+            timeout=slack(30),
+        )
+        assert embedded.status_code == 200, embedded.text
+        scored = httpx.post(
+            f"{daemon.url}/v1/score",
+            json={"text_1": "query", "text_2": ["a", "b"]},
+            headers={"traceparent": f"00-{scores_trace}-{CALLER_SPAN}-01"},
+            timeout=slack(30),
+        )
+        assert scored.status_code == 200, scored.text
+
+        def roots() -> dict[str, dict[str, Any]]:
+            with receiver.lock:
+                return {
+                    span["trace_id"]: span
+                    for span in receiver.spans
+                    if span["parent"] == CALLER_SPAN
+                }
+
+        wait_until(
+            lambda: {TRACE_ID, scores_trace} <= set(roots()),
+            timeout=slack(20),
+            message="a span under the caller's, for each request",
+        )
+    finally:
+        assert daemon.stop() == 0, daemon.log()[-4000:]
+    for root in roots().values():
+        assert root["attributes"]["modelpool.attempts"] == 1

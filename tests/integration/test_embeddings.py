@@ -184,6 +184,20 @@ def test_async_embed_and_score() -> None:
     assert len({tuple(result.vectors[0]) for result in many}) == 8
 
 
+def test_embed_and_score_take_the_queueing_keywords_and_no_others() -> None:
+    # What the daemon's admission step sends with each micro-batch (docs/architecture.md,
+    # "The daemon's walk"): judged already, with the caller's trace context.
+    queue = {"admitted": True, "traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"}
+    with open_pool(workers=1, backend_options={"task": "embed"}) as pool:
+        assert len(pool.embed(["a", "b"], priority=2, **queue).vectors) == 2
+        assert len(pool.score("a", ["a", "b"], max_queue_time_s=5.0).scores) == 2
+        with pytest.raises(TypeError, match="temperature"):
+            pool.embed("a", temperature=0.5)
+        with pytest.raises(InvalidRequest, match="traceparent"):
+            pool.score("a", ["b"], traceparent="not one")
+        assert pool.stats().counters["completed"] == 2
+
+
 @pytest.mark.slow
 def test_a_deadline_on_a_slow_embedding_is_met_without_killing_the_honest_worker() -> None:
     with open_pool(workers=1, backend_options={"task": "embed"}, cancel_grace_s=slack(2)) as pool:

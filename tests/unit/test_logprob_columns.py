@@ -14,8 +14,9 @@ import tracemalloc
 
 import pytest
 
+from modelpool.server.core.job import Job
 from modelpool.server.http import json_bytes
-from modelpool.server.openai.format import Job, response_body
+from modelpool.server.openai.format import response_body
 from modelpool.shared.logprob_columns import TokenLogprobs
 from modelpool.shared.protocol import (
     FrameDecoder,

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from modelpool import InvalidRequest, ModelPool, PoolConfig
+from modelpool.server.core.deadline import deadline_from
+from modelpool.server.core.generation_body import parse_chat, parse_completion
 from modelpool.server.http import ApiError, parse_json_object
-from modelpool.server.openai.request import deadline_from, parse_chat, parse_completion
 from modelpool.shared.validation import MAX_INT, is_int, is_number
 
 NOT_NUMBERS = [10**400, -(10**400), math.inf, -math.inf, math.nan, True, False, "1", None]

@@ -1,4 +1,4 @@
-"""OpenAI request fields to pool calls, without a daemon (the parsing in server.openai.request)."""
+"""OpenAI request fields to pool calls, without a daemon (parsed in server.core.generation_body)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 
 from modelpool.cli.daemon import is_loopback, served_model_name
+from modelpool.server.core.deadline import deadline_from
+from modelpool.server.core.generation_body import parse_chat, parse_completion
 from modelpool.server.errors import pool_error_to_api
 from modelpool.server.http import ApiError
-from modelpool.server.openai.request import deadline_from, parse_chat, parse_completion
 from modelpool.shared.config import PoolConfig, ServerConfig
 from modelpool.shared.errors import (
     BackendError,

@@ -1,6 +1,6 @@
 """Structured outputs, the supervisor's side: every form of the request becomes one checked
 grammar text, and what llguidance cannot honour is refused naming the keyword and its path
-(modelpool.shared.structured, and the HTTP bodies through server.openai.request)."""
+(modelpool.shared.structured, and the HTTP bodies through server.core.generation_body)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any, Literal
 import pydantic
 import pytest
 
+from modelpool.server.core.generation_body import parse_chat, parse_completion
 from modelpool.server.http import ApiError
-from modelpool.server.openai.request import parse_chat, parse_completion
 from modelpool.shared.errors import GrammarEngineMissing, GrammarError, InvalidRequest
 from modelpool.shared.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM
 from modelpool.shared.structured import (

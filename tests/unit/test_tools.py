@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from modelpool.server.core.generation_body import parse_chat
 from modelpool.server.http import ApiError
 from modelpool.server.openai.format import response_body
-from modelpool.server.openai.request import parse_chat
 from modelpool.shared.tools import (
     CALL_OPEN,
     CallReader,

@@ -9,8 +9,9 @@ runs it on uvicorn::
     app = create_app(registry, ServerConfig())     # many models: a started ModelRegistry
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Every route that runs a model gets its pool from ``state.pool_for(request, body)``: the
-one pool, whatever ``model`` says, or the registry's model of that name (``models.py``).
+Every route that runs a model gets it from ``state.serve(request, body)``, once: the one
+pool, whatever ``model`` says, or the registry's model of that name (``models.py``), as a
+``core.served.Served`` record the walk passes on (its share, its name, its wait).
 The state the routes share (``ServerState``) and the walk of the small routes
 (``on_a_worker``) are ``state.py``'s; the route modules import it, never this one.
 
@@ -24,11 +25,11 @@ status page, ``server/ui``), are ``operations``'s, and the exception handlers
 ``error_handlers``'s. Every generating route takes the one walk of ``_generate``; its
 API family (``generation.Api``) only parses the body into a job and writes the answer.
 
-Request bodies are parsed and checked, field by field, in ``openai.request``
+Request bodies are parsed and checked, field by field, in ``core.generation_body``
 (every rejection names the OpenAI field the client sent; a field we cannot
 honour is a 400, never ignored). A request becomes one pool request per choice
-(``n``, a batch of prompts); the response shapes, logprobs included, are built
-in ``openai.format``.
+(``n``, a batch of prompts); each family builds its answer's shape (OpenAI's in
+``openai.format``).
 
 Status codes: 400 invalid (``context_length_exceeded`` when the prompt and
 ``max_tokens`` do not fit the model's context, which ``/v1/models`` reports as
@@ -53,7 +54,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import time
 from collections.abc import (
@@ -71,6 +71,9 @@ from modelpool.server import models as multi
 from modelpool.server import rights
 from modelpool.server.anthropic.api import MessagesApi, count_prompt, fit_max_tokens
 from modelpool.server.checks import Checks
+from modelpool.server.core.admission import admit
+from modelpool.server.core.cost import check_budget, check_size, prompt_size
+from modelpool.server.core.deadline import deadline_from
 from modelpool.server.error_handlers import install_error_handlers, note_attempts
 from modelpool.server.errors import (
     shutting_down,
@@ -89,13 +92,6 @@ from modelpool.server.http import (
 from modelpool.server.metrics import PoolMetrics
 from modelpool.server.ollama.routes import install_ollama_routes
 from modelpool.server.openai.api import ChatApi, CompletionsApi
-from modelpool.server.openai.format import Job
-from modelpool.server.openai.request import (
-    check_budget,
-    check_size,
-    deadline_from,
-    prompt_size,
-)
 from modelpool.server.operations import install_operational_routes, observe_pools
 from modelpool.server.pooling_routes import install_pooling_routes
 from modelpool.server.priority_bound import ClampedHeader, PriorityBound
@@ -121,7 +117,6 @@ from modelpool.shared.errors import (
     PoolError,
 )
 from modelpool.shared.protocol import Prompt
-from modelpool.shared.validation import valid_traceparent
 from modelpool.supervisor.registry import ModelRegistry
 from modelpool.worker.backends.common.params import DEFAULT_MAX_NEW_TOKENS
 
@@ -212,13 +207,12 @@ def create_app(
     app = FastAPI(title="modelpool", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.modelpool = state
     # Inside the Gate: a model's lease is released once the answer is out.
-    app.add_middleware(multi.ModelLeases)
+    app.add_middleware(multi.ModelUse, metrics=metrics)
     app.add_middleware(ClampedHeader)
     app.add_middleware(
         Gate,
         keys=keys,
         max_body_bytes=server_config.max_body_bytes,
-        metrics=metrics,
         guard=BrowserGuard(server_config),
     )
 
@@ -324,22 +318,30 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         client.name, client.limits, waiting_s, _parse, raw, api, budget, state.pool_config_for
     )
     job = parsed.job
-    taken = await api.take_pool(parsed, body, lambda: state.pool_for(request, body))
+    taken = await api.take_pool(parsed, body, lambda: state.serve(request, body))
     if isinstance(taken, Response):
         return taken  # answered without a run (Ollama's load and unload)
-    pool = taken
-    deadline = state.time_left(
-        request,
+    served = taken
+    pool = served.pool
+    deadline = served.time_left(
         deadline_from(
             body, request.headers, pool.config.deadline_s, state.config.max_request_timeout_s
-        ),
+        )
     )
     # One pool request per choice (n > 1, several prompts), all with the same deadline,
     # each let into the pool when this client's turn comes.
     bound = PriorityBound(client.tenant)
     bound.clamp_field(job.params)
     bound.note(request.scope)
-    priority, due_at = _admit(request, state, pool, job, deadline, client.name)
+    admission = admit(
+        served,
+        request.headers,
+        client.name,
+        job.params.get("priority", 0),
+        job.params.pop("max_queue_time_s", None),
+        deadline,
+    )
+    job.params.update(admission.queue)
     bound_by_deadline(job, pool, deadline, budget)
     runs = job.choices()
     # Every run in its tenant's partition of the prefix cache, whatever the body said.
@@ -348,8 +350,8 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         params.pop("cache_salt", None)
         if cache_partition is not None:
             params["cache_salt"] = cache_partition
-    ticket = state.share_for(request).reserve(
-        client.name, len(runs), client.limits, priority, due_at
+    ticket = served.share.reserve(
+        client.name, len(runs), client.limits, admission.priority, admission.due_at
     )
 
     if job.stream:
@@ -366,7 +368,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         choices = [StreamedChoice(index, prompt, params) for index, prompt, params in runs]
         return EventStream(
             choices,
-            api.writer(parsed, choices, _answer_model(state, body)),
+            api.writer(parsed, choices, served.name),
             on_error=note_error,
             send_timeout_s=state.config.send_timeout_s,
             start=start,
@@ -399,45 +401,13 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         api.answer,
         parsed,
         by_index,
-        _answer_model(state, body),
+        served.name,
     )
     return Response(
         content,
         media_type="application/json",
         headers={"X-Request-Id": results[0].request_id},
     )
-
-
-def _admit(
-    request: Request, state: ServerState, pool: ModelPool, job: Job, deadline: float, client: str
-) -> tuple[int, float]:
-    """Admission by predicted wait (QueueFull, a 429, when it would wait too long), once,
-    here: the runs wait in the fair share and then in the pool, so the prediction counts
-    both (in the fair share, the runs it would let in ahead of ``client``'s: another
-    client's backlog counts one run per round), and the pool does not judge again a
-    request the daemon accepted (``admitted``:
-    it promotes them before their deadline as its own admitted requests, so that more
-    urgent runs let in after them do not keep them past it). The caller's
-    ``traceparent`` goes with the runs. Returns the request's priority and when its runs,
-    admitted by their prediction, are promoted in the fair share (``ModelPool.
-    promotion_at``: before their deadline; never without a bound)."""
-    params = job.params
-    priority: int = params.get("priority", 0)
-    due_in_s = pool.check_admission(
-        priority,
-        params.get("max_queue_time_s"),
-        deadline,
-        also_waiting=state.share_for(request).waiting_ahead(client, priority),
-    )
-    if due_in_s is None:
-        params["max_queue_time_s"] = math.inf
-    else:
-        params.pop("max_queue_time_s", None)
-        params["admitted"] = True
-    traceparent = request.headers.get("traceparent")
-    if traceparent is not None and valid_traceparent(traceparent):
-        params["traceparent"] = traceparent
-    return priority, pool.promotion_at(time.monotonic(), due_in_s)
 
 
 def _parse(
@@ -454,21 +424,12 @@ def _parse(
     keep_alive = multi.split_keep_alive(body)
     parsed = api.parse(body)
     multi.put_keep_alive(body, keep_alive)
-    fit_max_tokens(parsed, config_for(body))
+    config = config_for(body)
+    fit_max_tokens(parsed, config)
     # A request with no maximum is costed as before it got the context's room (128).
-    default_max_tokens = config_for(body).generation_defaults.get(
-        "max_new_tokens", DEFAULT_MAX_NEW_TOKENS
-    )
+    default_max_tokens = config.generation_defaults.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     check_budget(parsed.job, limit=budget, default_max_tokens=default_max_tokens)
     return body, parsed
-
-
-def _answer_model(state: ServerState, body: dict[str, Any]) -> str:
-    """The ``model`` an answer names: the served one, or the registry's name for the one
-    asked for (an alias answers with the model's own name)."""
-    if state.registry is None:
-        return state.model_name
-    return state.registry.spec(str(body.get("model"))).name
 
 
 async def _all_or_none(work: list[Coroutine[Any, Any, Result]]) -> list[Result]:

@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from modelpool.server.core.fields import check_fields, opt_bool, opt_int, parse_priority
 from modelpool.server.http import invalid
-from modelpool.server.openai.request import _check_fields, _opt_bool, _opt_int, parse_priority
 
 # OpenAI's bound on the inputs of one request.
 MAX_INPUTS = 2048
@@ -40,7 +40,7 @@ EmbedInput = str | tuple[int, ...]
 EncodingFormat = Literal["float", "base64"]
 
 # ``keep_alive`` (Ollama's) is the registry's, read where the request takes its model's
-# pool (``server.models.pool_for``), as on the generation routes.
+# pool (``server.models.serve``), as on the generation routes.
 EMBEDDINGS_FIELDS = frozenset(
     {
         "model",
@@ -92,7 +92,7 @@ def parse_embeddings(body: Mapping[str, Any]) -> EmbedJob:
     """OpenAI's body: ``input`` as a string, strings, token ids or lists of token ids;
     ``encoding_format``; ``dimensions``; ``truncate`` (vLLM's and TEI's: cut an input
     past the model's context instead of refusing it)."""
-    _check_fields(body, EMBEDDINGS_FIELDS)
+    check_fields(body, EMBEDDINGS_FIELDS)
     if "input" not in body:
         raise invalid("missing field 'input'", param="input", code="missing_field")
     encoding = body.get("encoding_format")
@@ -105,8 +105,8 @@ def parse_embeddings(body: Mapping[str, Any]) -> EmbedJob:
         )
     return EmbedJob(
         inputs=parse_inputs(body["input"], "input"),
-        dimensions=_opt_int(body, "dimensions", 1),
-        truncate=bool(_opt_bool(body, "truncate")),
+        dimensions=opt_int(body, "dimensions", 1),
+        truncate=bool(opt_bool(body, "truncate")),
         encoding_format="base64" if encoding == "base64" else "float",
         priority=parse_priority(body) or 0,
     )
@@ -115,7 +115,7 @@ def parse_embeddings(body: Mapping[str, Any]) -> EmbedJob:
 def parse_tei_embed(body: Mapping[str, Any]) -> EmbedJob:
     """TEI's ``/embed`` body: ``inputs`` a string or strings (token ids too, as TEI
     takes them), ``normalize`` (true unless it says false), ``truncate``."""
-    _check_fields(body, TEI_EMBED_FIELDS)
+    check_fields(body, TEI_EMBED_FIELDS)
     if "inputs" not in body:
         raise invalid("missing field 'inputs'", param="inputs", code="missing_field")
     direction = body.get("truncation_direction")
@@ -127,9 +127,9 @@ def parse_tei_embed(body: Mapping[str, Any]) -> EmbedJob:
         )
     return EmbedJob(
         inputs=parse_inputs(body["inputs"], "inputs"),
-        dimensions=_opt_int(body, "dimensions", 1),
-        truncate=bool(_opt_bool(body, "truncate")),
-        normalize=_opt_bool(body, "normalize") is not False,
+        dimensions=opt_int(body, "dimensions", 1),
+        truncate=bool(opt_bool(body, "truncate")),
+        normalize=opt_bool(body, "normalize") is not False,
         priority=parse_priority(body) or 0,
     )
 

@@ -3,7 +3,7 @@
 Every route that generates (completions, chat, Responses, Anthropic Messages) reads its
 body, checks the budget, takes the client's fair share, runs its pool requests under one
 deadline and cancels them on a disconnect in the same walk; a family only says how its
-body becomes a :class:`~modelpool.server.openai.format.Job` and how the results are
+body becomes a :class:`~modelpool.server.core.job.Job` and how the results are
 written back, whole or streamed::
 
     class ChatApi:
@@ -12,8 +12,8 @@ written back, whole or streamed::
         def writer(self, request, choices, model): return ChatChunks(...)
 
 ``parse`` and ``answer`` may run in a thread (large bodies and answers, ``off_loop_if``).
-``take_pool`` is the family's say between the parse and the runs: the pool is the body's
-model's (``RunsOnItsModel``) unless the family answers without a run (Ollama's load and
+``take_pool`` is the family's say between the parse and the runs: the model is the body's
+model (``RunsOnItsModel``) unless the family answers without a run (Ollama's load and
 unload requests) or checks the request against the loaded model (its context).
 """
 
@@ -23,8 +23,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from modelpool.server.openai.format import Job
-from modelpool.server.openai.request import output_ceiling
+from modelpool.server.core.cost import output_ceiling
+from modelpool.server.core.job import Job
+from modelpool.server.core.served import Served
 from modelpool.shared.validation import FIT_PARAM
 
 if TYPE_CHECKING:
@@ -75,20 +76,20 @@ class Api(Protocol[P]):
         """The events of the streamed answer."""
 
     async def take_pool(
-        self, request: P, body: dict[str, Any], pool_for: Callable[[], Awaitable[ModelPool]]
-    ) -> ModelPool | Response:
-        """The pool the runs go to (``pool_for()``: the body's model, loaded if need be),
-        or the whole answer of a request that runs nothing; an ``ApiError`` for a request
-        the loaded model cannot serve."""
+        self, request: P, body: dict[str, Any], serve: Callable[[], Awaitable[Served]]
+    ) -> Served | Response:
+        """The model the runs go to (``serve()``: the body's model, loaded if need be,
+        resolved once), or the whole answer of a request that runs nothing; an
+        ``ApiError`` for a request the loaded model cannot serve."""
 
 
 class RunsOnItsModel:
     """``take_pool`` of a family whose every request runs on its model's pool."""
 
     async def take_pool(
-        self, request: object, body: dict[str, Any], pool_for: Callable[[], Awaitable[ModelPool]]
-    ) -> ModelPool | Response:
-        return await pool_for()
+        self, request: object, body: dict[str, Any], serve: Callable[[], Awaitable[Served]]
+    ) -> Served | Response:
+        return await serve()
 
 
 @dataclass(frozen=True)

@@ -34,23 +34,11 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from modelpool.server.errors import error_body, error_response
 from modelpool.server.http import ApiError, invalid
-from modelpool.server.metrics import PoolMetrics
 from modelpool.server.tenants import Keys
 from modelpool.shared.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("modelpool.access")
-
-GENERATION_PATHS = frozenset(
-    {
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/responses",
-        "/v1/messages",
-        "/api/chat",
-        "/api/generate",
-    }
-)
 
 # Headers a browser may send on a cross-origin call, and answer headers it may read.
 CORS_ALLOWED_HEADERS = (
@@ -188,7 +176,8 @@ def log_path(path: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Middleware: Host, Origin, auth, body size, access log, request-duration histogram
+# Middleware: Host, Origin, auth, body size, access log (each request timed by model:
+# models.ModelUse)
 
 
 class Gate:
@@ -203,13 +192,11 @@ class Gate:
         *,
         keys: Keys,
         max_body_bytes: int,
-        metrics: PoolMetrics,
         guard: BrowserGuard,
     ) -> None:
         self.app = app
         self.keys = keys
         self.max_body_bytes = max_body_bytes
-        self.metrics = metrics
         self.guard = guard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -251,8 +238,6 @@ class Gate:
             seconds = time.perf_counter() - started
             status = state.get("status") or (sent_status[0] if sent_status else 500)
             path = scope["path"]
-            if path in GENERATION_PATHS:
-                self.metrics.observe_request(seconds, state.get("model"))
             access_logger.info(
                 "%s %s %s request_id=%s attempts=%s worker_pid=%s seconds=%.4f",
                 scope["method"],

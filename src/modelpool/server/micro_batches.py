@@ -14,6 +14,10 @@ them one after another:
   its size up front (:class:`Plan`), so its cost in the share is its tokens: a client's
   share bounds how much it may have waiting (429 ``client_limit`` past it, as for a
   generation's ``n``), and so does the pool's ``max_queue`` (429 ``pool_overloaded``);
+- the request is admitted once, by its predicted wait, as a generation is
+  (``core.admission``: a 429 ``queue_full`` past its pool's ``max_queue_time_s`` or its
+  deadline, counting what waits in the fair share ahead of it), and each of its pool
+  requests carries that admission and the caller's ``traceparent``;
 - each micro-batch is one pool request in the client's turn, so another client's request
   goes in between two of them and waits at most one micro-batch;
 - the deadline is the request's: a micro-batch still waiting for its turn when it passes
@@ -24,7 +28,7 @@ them one after another:
 
     answer = await in_turns(request, state, parse, check, plan_of, call, priority_of=p)
     if answer is None: ...                      # the client went away; its work is cancelled
-    pool, job, results = answer                  # (piece, call's result), in order
+    served, job, results = answer                # (piece, call's result), in order
 """
 
 from __future__ import annotations
@@ -32,14 +36,16 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
+from modelpool.server.core.admission import admit
+from modelpool.server.core.deadline import deadline_from
+from modelpool.server.core.served import Served
 from modelpool.server.http import ApiError, run_unless_disconnected
-from modelpool.server.openai.request import deadline_from
 from modelpool.server.priority_bound import PriorityBound
 from modelpool.server.state import client_of, read_checked
 from modelpool.shared.config import ServerConfig
@@ -51,6 +57,8 @@ if TYPE_CHECKING:
 
 J = TypeVar("J")
 R = TypeVar("R")
+# A pool request's queueing keywords (``core.admission.Admission.queue``).
+Queue = Mapping[str, Any]
 
 # A micro-batch's bound in estimated tokens: 2,048 take a small embedding model on two CPU
 # cores 0.2-0.5 s (the review measured 16,384 at 2-4 s), what another client's request
@@ -134,18 +142,21 @@ async def in_turns(
     request: Request,
     state: ServerState,
     parse: Callable[[dict[str, Any], ServerConfig], J],
-    check: Callable[[ModelPool], None],
+    check: Callable[[Served], None],
     plan_of: Callable[[J], Plan],
-    call: Callable[[ModelPool, J, Sequence[int], float], Awaitable[R]],
+    call: Callable[[ModelPool, J, Sequence[int], float, Queue], Awaitable[R]],
     *,
     priority_of: Callable[[J], int],
-) -> tuple[ModelPool, J, list[tuple[Sequence[int], R]]] | None:
+) -> tuple[Served, J, list[tuple[Sequence[int], R]]] | None:
     """The pooling routes' walk (see the module docstring): the body parsed and checked in
-    a check thread (against the tenant's own limits), its model's pool (``check`` refuses
-    a model that does not do what the route asks), then
-    ``call(pool, job, piece, seconds_left)`` for each of ``plan_of(job).pieces`` (the
-    request's item indices of each micro-batch), one after another, each in the client's
-    turn. None when the client went away first."""
+    a check thread (against the tenant's own limits), its model (``check`` refuses a
+    model that does not do what the route asks), the generation routes' admission step
+    (``core.admission``: its predicted wait, a 429 ``queue_full`` past its pool's bound,
+    and the caller's ``traceparent``), then ``call(pool, job, piece, seconds_left,
+    queue)`` for each of ``plan_of(job).pieces`` (the request's item indices of each
+    micro-batch), one after another, each in the client's turn, each pool request with
+    the admission's queueing keywords (``queue``). None when the client went away
+    first."""
     client = client_of(request, state)
     waiting_s = deadline_from({}, request.headers, state.default_deadline_s(), None)
     bound = PriorityBound(client.tenant)
@@ -155,17 +166,17 @@ async def in_turns(
         request, state, waiting_s, bound.parsing(parse), client.config(state.config)
     )
     bound.note(request.scope)
-    pool = await state.pool_for(request, body)
-    check(pool)
-    deadline_s = state.time_left(
-        request, deadline_from({}, request.headers, pool.config.deadline_s, None)
-    )
+    served = await state.serve(request, body)
+    check(served)
+    pool = served.pool
+    deadline_s = served.time_left(deadline_from({}, request.headers, pool.config.deadline_s, None))
     ends = time.monotonic() + deadline_s
     plan = plan_of(job)
     pieces = plan.pieces
+    admission = admit(served, request.headers, client.name, priority_of(job), None, deadline_s)
     # A ticket's slots past its reserved runs take their turn as the others do.
-    ticket = state.share_for(request).reserve(
-        client.name, plan.runs, client.limits, priority_of(job)
+    ticket = served.share.reserve(
+        client.name, plan.runs, client.limits, admission.priority, admission.due_at
     )
 
     async def each() -> list[tuple[Sequence[int], R]]:
@@ -182,7 +193,8 @@ async def in_turns(
             # client's fresh runs once it had run for priority_aging_s.
             ticket.arrived_at = time.monotonic()
             async with ticket.slot(left_s) as slot_left_s:
-                result = await _indexed(call(pool, job, piece, slot_left_s), piece)
+                work = call(pool, job, piece, slot_left_s, admission.queue)
+                result = await _indexed(work, piece)
                 results.append((piece, result))
         return results
 
@@ -192,7 +204,7 @@ async def in_turns(
         ticket.close()
     if not finished or results is None:
         return None
-    return pool, job, results
+    return served, job, results
 
 
 async def _indexed(work: Awaitable[R], piece: Sequence[int]) -> R:

@@ -2,13 +2,14 @@
 :class:`~modelpool.supervisor.registry.ModelRegistry`, and the
 routes that show and steer the models.
 
-Every route that runs a model asks ``state.pool_for(request, body)`` (``state.ServerState``)
-for its pool, which ends here in :func:`pool_for`: the registry loads the model if need
+Every route that runs a model asks ``state.serve(request, body)`` (``state.ServerState``)
+for its model, which ends here in :func:`serve`: the registry loads the model if need
 be, within the request's deadline, and the lease that keeps it loaded is released by
-:class:`ModelLeases` once the answer, a stream included, has gone out::
+:class:`ModelUse` once the answer, a stream included, has gone out. What it returns is
+the one record of the model (``core.served.Served``), which the walk passes on::
 
-    pool = await state.pool_for(request, body)      # 404 model_not_found, 503, 504, 507
-    result = await pool.agenerate(prompt, deadline_s=state.time_left(request, deadline))
+    served = await state.serve(request, body)       # 404 model_not_found, 503, 504, 507
+    result = await served.pool.agenerate(prompt, deadline_s=served.time_left(deadline))
 
 Without ``[models]`` the daemon serves its one pool whatever ``model`` says, as always.
 
@@ -31,8 +32,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modelpool.server import rights
+from modelpool.server.core.deadline import deadline_from
+from modelpool.server.core.served import Served
+from modelpool.server.fair_share import FairShare
 from modelpool.server.http import invalid
-from modelpool.server.openai.request import deadline_from
+from modelpool.server.metrics import PoolMetrics
 from modelpool.shared.config import PoolConfig, ServerConfig
 from modelpool.supervisor.registry import ModelLease, ModelRegistry, ModelStats, parse_keep_alive
 
@@ -40,9 +44,19 @@ if TYPE_CHECKING:
     from modelpool.supervisor.pool import ModelPool
 
 LEASES = "model_leases"
-WAITED = "model_wait_s"
 # A body field Ollama reads (seconds or "5m"; 0 unloads once idle, -1 keeps loaded).
 KEEP_ALIVE = "keep_alive"
+# The routes whose time ``modelpool_request_duration_seconds`` counts, by model.
+GENERATION_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/api/chat",
+        "/api/generate",
+    }
+)
 _UNSET = object()
 
 
@@ -60,19 +74,32 @@ class ServedModels(Protocol):
     def config(self) -> ServerConfig: ...
 
     @property
+    def model_name(self) -> str: ...
+
+    @property
+    def fair_share(self) -> FairShare: ...
+
+    @property
+    def shares(self) -> dict[str, FairShare]: ...
+
+    @property
     def started(self) -> int: ...
 
     async def read_json(self, request: Request) -> dict[str, Any]: ...
 
 
-class ModelLeases:
-    """ASGI middleware: releases the model leases a request took, once its answer is sent
-    (the app returns only after a streamed body's last event)."""
+class ModelUse:
+    """ASGI middleware around a request's use of its model: releases the model leases it
+    took once its answer is sent (the app returns only after a streamed body's last
+    event), and times a generation request under its model's name (``metrics``: the
+    served model's, or the leased one's with a registry)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, metrics: PoolMetrics) -> None:
         self.app = app
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
         try:
             await self.app(scope, receive, send)
         finally:
@@ -80,11 +107,14 @@ class ModelLeases:
             leases: list[ModelLease] = note.pop(LEASES, []) if isinstance(note, dict) else []
             for lease in leases:
                 lease.release()
+            if scope["type"] == "http" and scope["path"] in GENERATION_PATHS:
+                model = leases[0].name if leases else None
+                self.metrics.observe_request(time.perf_counter() - started, model)
 
 
 def split_keep_alive(body: dict[str, Any]) -> object:
     """Take ``keep_alive`` out of a body before the OpenAI parser sees it (which would
-    refuse an unknown field); :func:`pool_for` reads what this returns back from it."""
+    refuse an unknown field); :func:`serve` reads what this returns back from it."""
     return body.pop(KEEP_ALIVE, _UNSET)
 
 
@@ -106,20 +136,19 @@ def config_for(registry: ModelRegistry, body: Mapping[str, Any]) -> PoolConfig:
     return registry.spec(_model_name(body)).pool
 
 
-async def pool_for(
+async def serve(
     state: ServedModels, request: Request, body: Mapping[str, Any], client: str
-) -> ModelPool:
-    """The pool that serves ``body["model"]`` (see the module docstring), for ``client``
+) -> Served:
+    """The model that serves ``body["model"]`` (see the module docstring), for ``client``
     (its tenant or address: the registry charges it the swaps its requests cause, and its
-    ``keep_alive`` counts for its own use only)."""
+    ``keep_alive`` counts for its own use only), resolved once."""
     registry = state.registry
     if registry is None:
         assert state.pool is not None
-        return state.pool
-    name = _model_name(body)
-    config = registry.spec(name).pool
+        return Served(state.pool, state.model_name, state.fair_share)
+    spec = registry.spec(_model_name(body))
     deadline = deadline_from(
-        dict(body), request.headers, config.deadline_s, state.config.max_request_timeout_s
+        dict(body), request.headers, spec.pool.deadline_s, state.config.max_request_timeout_s
     )
     keep_alive: Any = "default"
     if KEEP_ALIVE in body:
@@ -127,19 +156,15 @@ async def pool_for(
             keep_alive = parse_keep_alive(body[KEEP_ALIVE])
         except ValueError as exc:
             raise invalid(str(exc), KEEP_ALIVE) from None
-    note = request.scope.setdefault("state", {})
-    note["model"] = registry.spec(name).name
     started = time.monotonic()
-    lease = await registry.aacquire(name, deadline_s=deadline, keep_alive=keep_alive, client=client)
-    note.setdefault(LEASES, []).append(lease)
-    note[WAITED] = note.get(WAITED, 0.0) + time.monotonic() - started
-    return lease.pool
-
-
-def time_left(request: Request, deadline_s: float) -> float:
-    """A request's deadline less the time it waited for its model to load."""
-    waited = float(request.scope.get("state", {}).get(WAITED, 0.0))
-    return max(0.001, deadline_s - waited)
+    lease = await registry.aacquire(
+        spec.name, deadline_s=deadline, keep_alive=keep_alive, client=client
+    )
+    # The one thing left in the request's scope: what ModelUse releases once the
+    # answer is out (a stream's last event included), which no handler's return can know.
+    request.scope.setdefault("state", {}).setdefault(LEASES, []).append(lease)
+    share = state.shares.get(spec.name, state.fair_share)
+    return Served(lease.pool, spec.name, share, lease, time.monotonic() - started)
 
 
 def model_card(stats: ModelStats, created: int) -> dict[str, Any]:

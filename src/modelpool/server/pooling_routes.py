@@ -3,8 +3,9 @@
 shape, or TEI's when the body sends ``texts``), ``/score`` and ``/v1/score`` (vLLM's).
 
 Each takes the walk of ``micro_batches.in_turns``: its body parsed, checked and costed
-against ``max_request_tokens`` (the inputs' size) in a check thread, its model's pool
-(``state.pool_for``: the one pool, or the registry's ``[models.NAME]``), then its items
+against ``max_request_tokens`` (the inputs' size) in a check thread, its model
+(``state.serve``: the one pool, or the registry's ``[models.NAME]``), the generation
+routes' admission step (its predicted wait; the caller's ``traceparent``), then its items
 in bounded micro-batches, one pool request each in the client's turn of fair share,
 within the request's one deadline; the API key, the body bound and the Host checks are
 the Gate's, as for every route. A model that does not do what the route asks (a chat
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from modelpool.server.core.cost import check_size
+from modelpool.server.core.served import Served
 from modelpool.server.embeddings import (
     EmbedJob,
     embeddings_body,
@@ -34,8 +37,7 @@ from modelpool.server.embeddings import (
     tei_embed_body,
 )
 from modelpool.server.http import ApiError, ClientGone, json_bytes, off_loop_if
-from modelpool.server.micro_batches import Plan, in_turns, tokens_of
-from modelpool.server.openai.request import check_size
+from modelpool.server.micro_batches import Plan, Queue, in_turns, tokens_of
 from modelpool.server.rerank import (
     RerankJob,
     ScoreJob,
@@ -92,7 +94,7 @@ def install_pooling_routes(app: FastAPI, state: ServerState) -> None:
             return Plan.of([query + tokens_of(document) for document in job.documents])
 
         async def run(
-            pool: ModelPool, job: RerankJob, piece: Sequence[int], left_s: float
+            pool: ModelPool, job: RerankJob, piece: Sequence[int], left_s: float, queue: Queue
         ) -> ScoreResult:
             return await pool.ascore(
                 job.query,
@@ -101,18 +103,19 @@ def install_pooling_routes(app: FastAPI, state: ServerState) -> None:
                 truncate=job.truncate,
                 deadline_s=left_s,
                 priority=job.priority,
+                **queue,
             )
 
-        def check(pool: ModelPool) -> None:
-            _check_task(pool, request, state, SCORES)
+        def check(served: Served) -> None:
+            _check_task(served, request, SCORES)
 
         answer = await in_turns(request, state, parse, check, plan, run, priority_of=_priority)
         if answer is None:
             return ClientGone()
-        _, job, results = answer
+        served, job, results = answer
         scores = [score for _, result in results for score in result.scores]
         tokens = sum(result.prompt_tokens for _, result in results)
-        body = rerank_body(job, scores, tokens, _model(request, state))
+        body = rerank_body(job, scores, tokens, served.name)
         return Response(json_bytes(body), media_type="application/json")
 
     # Jina's and vLLM's answers carry the documents unless asked not to; Cohere's v2 none.
@@ -129,21 +132,21 @@ def install_pooling_routes(app: FastAPI, state: ServerState) -> None:
         return await rerank(request, False)
 
     async def score(request: Request) -> Response:
-        def check(pool: ModelPool) -> None:
-            _check_task(pool, request, state, SCORES)
+        def check(served: Served) -> None:
+            _check_task(served, request, SCORES)
 
         answer = await in_turns(
             request, state, _parse_score, check, _score_plan, _score_piece, priority_of=_priority
         )
         if answer is None:
             return ClientGone()
-        _, job, results = answer
+        served, job, results = answer
         scores = [0.0] * len(job.pairs)
         for piece, result in results:
             for index, value in zip(piece, result.scores, strict=True):
                 scores[index] = value
         tokens = sum(result.prompt_tokens for _, result in results)
-        body = score_body(scores, tokens, _model(request, state))
+        body = score_body(scores, tokens, served.name)
         return Response(json_bytes(body), media_type="application/json")
 
     @app.post("/score")
@@ -155,15 +158,15 @@ def install_pooling_routes(app: FastAPI, state: ServerState) -> None:
         return await score(request)
 
 
-# An embedding route's answer: (its job, the pool's vectors, the model's name) -> its body.
-EmbedAnswer = Callable[[EmbedJob, EmbeddingResult, str], object]
+# An embedding route's answer: (its job, the pool's vectors, its model) -> its body.
+EmbedAnswer = Callable[[EmbedJob, EmbeddingResult, Served], object]
 
 
-def _openai_answer(job: EmbedJob, result: EmbeddingResult, model: str) -> object:
-    return embeddings_body(job, result.vectors, result.prompt_tokens, model)
+def _openai_answer(job: EmbedJob, result: EmbeddingResult, served: Served) -> object:
+    return embeddings_body(job, result.vectors, result.prompt_tokens, served.name)
 
 
-def _tei_answer(job: EmbedJob, result: EmbeddingResult, model: str) -> object:
+def _tei_answer(job: EmbedJob, result: EmbeddingResult, served: Served) -> object:
     return tei_embed_body(job, result.vectors)
 
 
@@ -176,14 +179,14 @@ async def serve_embeddings(
     """An embedding route's walk (``in_turns``: its inputs in micro-batches, each in the
     client's turn), whatever shape its body and answer have (OpenAI's, TEI's, Ollama's)."""
 
-    def check(pool: ModelPool) -> None:
-        _check_task(pool, request, state, EMBEDS)
+    def check(served: Served) -> None:
+        _check_task(served, request, EMBEDS)
 
     def plan(job: EmbedJob) -> Plan:
         return Plan.of([tokens_of(item) for item in job.inputs])
 
     async def run(
-        pool: ModelPool, job: EmbedJob, piece: Sequence[int], left_s: float
+        pool: ModelPool, job: EmbedJob, piece: Sequence[int], left_s: float, queue: Queue
     ) -> EmbeddingResult:
         return await pool.aembed(
             replace(job, inputs=tuple(job.inputs[index] for index in piece)).pool_inputs(),
@@ -191,23 +194,23 @@ async def serve_embeddings(
             truncate=job.truncate,
             deadline_s=left_s,
             priority=job.priority,
+            **queue,
         )
 
     walked = await in_turns(request, state, parse, check, plan, run, priority_of=_priority)
     if walked is None:
         return ClientGone()
-    _, job, results = walked
+    served, job, results = walked
     whole = EmbeddingResult(
         [vector for _, result in results for vector in result.vectors],
         sum(result.prompt_tokens for _, result in results),
         results[0][1].dimensions,
     )
-    model = _model(request, state)
 
     def encoded() -> bytes:
         # The answer's own work (Ollama's and TEI's normalise every vector) goes off the
         # loop with the encoding when the answer is large.
-        return json_bytes(answer(job, whole, model))
+        return json_bytes(answer(job, whole, served))
 
     values = len(whole.vectors) * whole.dimensions
     content = await off_loop_if(values > ENCODE_OFF_LOOP_VALUES, state.heavy_work, encoded)
@@ -229,7 +232,7 @@ def _score_plan(job: ScoreJob) -> Plan:
 
 
 async def _score_piece(
-    pool: ModelPool, job: ScoreJob, piece: Sequence[int], left_s: float
+    pool: ModelPool, job: ScoreJob, piece: Sequence[int], left_s: float, queue: Queue
 ) -> ScoreResult:
     return await pool.ascore(
         job.pairs[piece[0]][0],
@@ -237,6 +240,7 @@ async def _score_piece(
         truncate=job.truncate,
         deadline_s=left_s,
         priority=job.priority,
+        **queue,
     )
 
 
@@ -259,22 +263,13 @@ def _parse_score(body: dict[str, Any], config: ServerConfig) -> ScoreJob:
     return job
 
 
-def _model(request: Request, state: ServerState) -> str:
-    """The model an answer names: the registry's name for the one asked for (an alias
-    answers with the model's own name, set by ``pool_for``), else the served one."""
-    name = request.scope.get("state", {}).get("model")
-    return name if isinstance(name, str) else state.model_name
-
-
-def _check_task(
-    pool: ModelPool, request: Request, state: ServerState, serves: frozenset[str]
-) -> None:
+def _check_task(served: Served, request: Request, serves: frozenset[str]) -> None:
     """400 ``wrong_task`` unless the pool's model does what the route asks."""
-    task = pool.task
+    task = served.pool.task
     if task in serves:
         return
     # The served name, never the operator's path (``pool.config.model``).
-    name = _model(request, state)
+    name = served.name
     wanted = "an embedding model" if serves == EMBEDS else "an embedding model or a cross-encoder"
     raise ApiError(
         400,

@@ -29,14 +29,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from modelpool.server.core.fields import check_fields, opt_bool, opt_int, parse_priority
 from modelpool.server.embeddings import MAX_INPUTS
 from modelpool.server.http import invalid
-from modelpool.server.openai.request import _check_fields, _opt_bool, _opt_int, parse_priority
 
 RerankShape = Literal["cohere", "tei"]
 
 # ``keep_alive`` (Ollama's) is the registry's, read where the request takes its model's
-# pool (``server.models.pool_for``), as on the generation routes.
+# pool (``server.models.serve``), as on the generation routes.
 RERANK_FIELDS = frozenset(
     {
         "model",
@@ -100,7 +100,7 @@ def parse_rerank(body: Mapping[str, Any], *, return_documents_default: bool) -> 
     """Cohere's or Jina's body (``documents``), or TEI's (``texts``)."""
     if "texts" in body:
         return _parse_tei_rerank(body)
-    _check_fields(body, RERANK_FIELDS)
+    check_fields(body, RERANK_FIELDS)
     if "documents" not in body:
         raise invalid("missing field 'documents'", param="documents", code="missing_field")
     documents = body["documents"]
@@ -108,15 +108,15 @@ def parse_rerank(body: Mapping[str, Any], *, return_documents_default: bool) -> 
         raise invalid("documents must be a non-empty list", param="documents")
     _check_count(len(documents), "documents")
     texts = tuple(_document(item, index) for index, item in enumerate(documents))
-    return_documents = _opt_bool(body, "return_documents")
+    return_documents = opt_bool(body, "return_documents")
     # Cohere's: documents cut to this many tokens. Cut at the model's context instead,
     # which is what a model can read; a smaller number would change the scores silently.
-    max_tokens = _opt_int(body, "max_tokens_per_doc", 1)
+    max_tokens = opt_int(body, "max_tokens_per_doc", 1)
     return RerankJob(
         query=_query(body),
         documents=texts,
         shape="cohere",
-        top_n=_opt_int(body, "top_n", 1),
+        top_n=opt_int(body, "top_n", 1),
         return_documents=return_documents_default if return_documents is None else return_documents,
         truncate=max_tokens is not None,
         priority=parse_priority(body) or 0,
@@ -124,7 +124,7 @@ def parse_rerank(body: Mapping[str, Any], *, return_documents_default: bool) -> 
 
 
 def _parse_tei_rerank(body: Mapping[str, Any]) -> RerankJob:
-    _check_fields(body, TEI_RERANK_FIELDS)
+    check_fields(body, TEI_RERANK_FIELDS)
     texts = body["texts"]
     if not isinstance(texts, list) or not texts:
         raise invalid("texts must be a non-empty list of strings", param="texts")
@@ -142,9 +142,9 @@ def _parse_tei_rerank(body: Mapping[str, Any]) -> RerankJob:
         query=_query(body),
         documents=tuple(texts),
         shape="tei",
-        return_documents=bool(_opt_bool(body, "return_text")),
-        raw_scores=bool(_opt_bool(body, "raw_scores")),
-        truncate=bool(_opt_bool(body, "truncate")),
+        return_documents=bool(opt_bool(body, "return_text")),
+        raw_scores=bool(opt_bool(body, "raw_scores")),
+        truncate=bool(opt_bool(body, "truncate")),
         priority=parse_priority(body) or 0,
     )
 
@@ -152,7 +152,7 @@ def _parse_tei_rerank(body: Mapping[str, Any]) -> RerankJob:
 def parse_score(body: Mapping[str, Any]) -> ScoreJob:
     """vLLM's ``text_1`` and ``text_2``, each a string or a list of strings: one against
     many, one list broadcast against the other when it has one item, else pairwise."""
-    _check_fields(body, SCORE_FIELDS)
+    check_fields(body, SCORE_FIELDS)
     first = _score_texts(body, "text_1")
     second = _score_texts(body, "text_2")
     if len(first) == 1:
@@ -168,7 +168,7 @@ def parse_score(body: Mapping[str, Any]) -> ScoreJob:
     _check_count(len(first), "text_2")
     return ScoreJob(
         tuple(zip(first, second, strict=True)),
-        bool(_opt_bool(body, "truncate")),
+        bool(opt_bool(body, "truncate")),
         parse_priority(body) or 0,
     )
 

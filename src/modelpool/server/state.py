@@ -1,11 +1,12 @@
 """The daemon's state, shared by its routes, and the walk of its small routes.
 
 :class:`ServerState` is what every route reads: the one pool or the registry
-(``pool_for`` asks ``server.models``), the fair shares, the check threads, the keys,
-the metrics. :func:`on_a_worker` is the walk of the routes that run one short pool
-call (the tokenizer routes in ``app``; the embedding and scoring routes split theirs,
-``micro_batches``): the body parsed and checked in a check thread, the model's pool,
-then the call in the client's turn of fair share::
+(``serve`` asks ``server.models`` for a request's model, resolved once into a
+``core.served.Served``), the fair shares, the check threads, the keys, the metrics.
+:func:`on_a_worker` is the walk of the tokenizer routes (in ``app``), which run one short
+pool call: the body parsed and checked in a check thread, the model, then the call in
+the client's turn of fair share (the embedding and scoring routes take the generation
+routes' admission step too: ``micro_batches``)::
 
     pool, tokens = await on_a_worker(request, state, parse, run)
 
@@ -26,12 +27,13 @@ from fastapi import Request
 from modelpool.server import models as multi
 from modelpool.server import rights
 from modelpool.server.checks import Checks
+from modelpool.server.core.deadline import deadline_from
+from modelpool.server.core.served import Served
 from modelpool.server.errors import RETRY_AFTER_UNAVAILABLE
 from modelpool.server.fair_share import FairShare, Limits
 from modelpool.server.guard import require_json
 from modelpool.server.http import ApiError, parse_json_object, read_body
 from modelpool.server.metrics import PoolMetrics
-from modelpool.server.openai.request import deadline_from
 from modelpool.server.priority_bound import PriorityBound
 from modelpool.server.responses.api import ResponsesApi
 from modelpool.server.tenants import Keys, Tenant
@@ -110,16 +112,11 @@ class ServerState:
     registry: ModelRegistry | None = None
     shares: dict[str, FairShare] = field(default_factory=dict)
 
-    def share_for(self, request: Request) -> FairShare:
-        """The fair share the request's runs take their turn in: its model's (set by
-        ``pool_for``) with a registry, else the one pool's."""
-        name = request.scope.get("state", {}).get("model")
-        return self.shares.get(name, self.fair_share) if isinstance(name, str) else self.fair_share
-
-    async def pool_for(self, request: Request, body: dict[str, Any]) -> ModelPool:
-        """The pool for the body's ``model``, held until the answer is sent (see
-        ``server.models``): the one pool, or the registry's, loaded if need be."""
-        return await multi.pool_for(self, request, body, client_of(request, self).name)
+    async def serve(self, request: Request, body: dict[str, Any]) -> Served:
+        """The model for the body's ``model``, resolved once (``core.served.Served``) and
+        held until the answer is sent (see ``server.models``): the one pool, or the
+        registry's, loaded if need be."""
+        return await multi.serve(self, request, body, client_of(request, self).name)
 
     def pool_config_for(self, body: dict[str, Any]) -> PoolConfig:
         """The configuration of the pool that serves the body's ``model``, without loading
@@ -136,10 +133,6 @@ class ServerState:
             assert self.pool is not None
             return self.pool.config.deadline_s
         return max(spec.pool.deadline_s for spec in self.registry.config.models)
-
-    def time_left(self, request: Request, deadline_s: float) -> float:
-        """``deadline_s`` less what the request waited for its model to load."""
-        return multi.time_left(request, deadline_s)
 
     async def read_json(self, request: Request) -> dict[str, Any]:
         """A small JSON body (the admin routes'), parsed in a check thread."""
@@ -239,15 +232,14 @@ async def on_a_worker(
     if priority_of is not None:
         parse = bound.parsing(parse)
     body, job = await read_checked(request, state, waiting_s, parse, client.config(state.config))
-    pool = await state.pool_for(request, body)
-    deadline = state.time_left(
-        request, deadline_from({}, request.headers, pool.config.deadline_s, None)
-    )
+    served = await state.serve(request, body)
+    pool = served.pool
+    deadline = served.time_left(deadline_from({}, request.headers, pool.config.deadline_s, None))
     # A route whose body has no priority runs at 0, held to the tenant's bound too: a
     # tenant bounded at 5 must not pass others' priority 1-5 work with tokenizer runs.
     priority = bound.clamp(0 if priority_of is None else priority_of(job))
     bound.note(request.scope)
-    ticket = state.share_for(request).reserve(client.name, 1, client.limits, priority)
+    ticket = served.share.reserve(client.name, 1, client.limits, priority)
     try:
         async with ticket.slot(deadline) as left_s:
             return pool, await call(pool, job, left_s)

@@ -17,14 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from modelpool.server.core.fields import check_fields, check_ignored_fields, opt_bool
+from modelpool.server.core.generation_body import message_content, token_prompt
 from modelpool.server.http import invalid
-from modelpool.server.openai.request import (
-    _check_fields,
-    _message_content,
-    _opt_bool,
-    _token_prompt,
-    check_ignored_fields,
-)
 from modelpool.shared.protocol import Prompt
 
 TOKENIZE_FIELDS = frozenset(
@@ -51,15 +46,15 @@ def parse_tokenize(body: Mapping[str, Any]) -> TokenizeJob:
     a chat's, with the template's assistant opening unless ``add_generation_prompt`` is
     false). ``add_special_tokens`` may only say what the route does anyway (true for a
     prompt, false for messages, whose template writes its own): anything else is a 400."""
-    _check_fields(body, TOKENIZE_FIELDS)
+    check_fields(body, TOKENIZE_FIELDS)
     check_ignored_fields({"model": body["model"]} if "model" in body else {})
     if ("prompt" in body) == ("messages" in body):
         raise invalid("send exactly one of 'prompt' and 'messages'", param="prompt")
-    if _opt_bool(body, "return_token_strs"):
+    if opt_bool(body, "return_token_strs"):
         raise invalid(
             "return_token_strs is not supported", "return_token_strs", "unsupported_value"
         )
-    add_special_tokens = _opt_bool(body, "add_special_tokens")
+    add_special_tokens = opt_bool(body, "add_special_tokens")
     if "prompt" in body:
         if add_special_tokens is False or "add_generation_prompt" in body:
             name = "add_special_tokens" if add_special_tokens is False else "add_generation_prompt"
@@ -80,8 +75,8 @@ def parse_tokenize(body: Mapping[str, Any]) -> TokenizeJob:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise invalid(f"{where} must be an object with a string role", param=where)
         role = "system" if message["role"] == "developer" else message["role"]
-        prompt.append({"role": role, "content": _message_content(message.get("content"), index)})
-    add_generation_prompt = _opt_bool(body, "add_generation_prompt")
+        prompt.append({"role": role, "content": message_content(message.get("content"), index)})
+    add_generation_prompt = opt_bool(body, "add_generation_prompt")
     return TokenizeJob(prompt, add_generation_prompt is not False)
 
 
@@ -89,12 +84,12 @@ def _prompt(value: object) -> Prompt:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        return _token_prompt(value, "prompt")
+        return token_prompt(value, "prompt")
     raise invalid("prompt must be a string or a list of token ids", param="prompt")
 
 
 def parse_detokenize(body: Mapping[str, Any]) -> list[int]:
-    _check_fields(body, DETOKENIZE_FIELDS)
+    check_fields(body, DETOKENIZE_FIELDS)
     check_ignored_fields({"model": body["model"]} if "model" in body else {})
     tokens = body.get("tokens")
     if "tokens" not in body:

@@ -266,3 +266,17 @@ def check_queue_params(params: dict[str, Any]) -> QueueParams:
         traceparent,
         admitted,
     )
+
+
+# The keywords of a request that say how it queues, not what it computes.
+QUEUE_KEYWORDS = frozenset({"priority", "max_queue_time_s", "traceparent", "admitted"})
+
+
+def pooling_queue_params(priority: int, keywords: Mapping[str, Any]) -> dict[str, Any]:
+    """An embedding's or a score's queueing keywords (``check_queue_params`` checks their
+    values) with its ``priority``; a ``TypeError`` for any other keyword, as an unknown
+    keyword argument would be: such a request has no generation parameters to take."""
+    unknown = sorted(set(keywords) - QUEUE_KEYWORDS)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(unknown)}")
+    return {**keywords, "priority": priority}

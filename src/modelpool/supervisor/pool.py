@@ -61,6 +61,7 @@ from modelpool.shared.validation import (
     check_generation_params,
     check_prompt,
     check_queue_params,
+    pooling_queue_params,
 )
 from modelpool.supervisor import gpu
 from modelpool.supervisor.backend_choice import AUTO, choose_backend, with_pooling_batches
@@ -490,6 +491,7 @@ class ModelPool:
         truncate: bool = False,
         deadline_s: float | None = None,
         priority: int = 0,
+        **queue: Any,
     ) -> EmbeddingResult:
         """One vector per input, from an embedding model's worker::
 
@@ -500,8 +502,9 @@ class ModelPool:
         An input longer than the model's context raises ``ContextLengthExceeded`` unless
         ``truncate``; an empty input raises ``InvalidRequest`` naming ``input``; a
         generation model raises ``WrongTask``. A request like any other: deadline,
-        cancel, retried elsewhere if its worker dies."""
-        future = self._embed_future(inputs, dimensions, truncate, deadline_s, priority)
+        cancel, retried elsewhere if its worker dies, queueing keywords as generate's."""
+        queue = pooling_queue_params(priority, queue)
+        future = self._embed_future(inputs, dimensions, truncate, deadline_s, queue)
         return embedding_result(_waited(future))
 
     async def aembed(
@@ -512,9 +515,11 @@ class ModelPool:
         truncate: bool = False,
         deadline_s: float | None = None,
         priority: int = 0,
+        **queue: Any,
     ) -> EmbeddingResult:
         """asyncio version of :meth:`embed`; cancelling the task stops the worker."""
-        future = self._embed_future(inputs, dimensions, truncate, deadline_s, priority)
+        queue = pooling_queue_params(priority, queue)
+        future = self._embed_future(inputs, dimensions, truncate, deadline_s, queue)
         result: Result = await asyncio.wrap_future(future)
         return embedding_result(result)
 
@@ -527,13 +532,15 @@ class ModelPool:
         truncate: bool = False,
         deadline_s: float | None = None,
         priority: int = 0,
+        **queue: Any,
     ) -> ScoreResult:
         """One relevance score of ``query`` per document: a cross-encoder's (the sigmoid of
         its logit; the logit with ``raw_scores``), or an embedding model's cosine::
 
             result = pool.score("capital of France", ["Paris is...", "Bananas are..."])
             best = max(range(len(result.scores)), key=result.scores.__getitem__)"""
-        future = self._score_future(query, documents, raw_scores, truncate, deadline_s, priority)
+        queue = pooling_queue_params(priority, queue)
+        future = self._score_future(query, documents, raw_scores, truncate, deadline_s, queue)
         return score_result(_waited(future))
 
     async def ascore(
@@ -545,9 +552,11 @@ class ModelPool:
         truncate: bool = False,
         deadline_s: float | None = None,
         priority: int = 0,
+        **queue: Any,
     ) -> ScoreResult:
         """asyncio version of :meth:`score`."""
-        future = self._score_future(query, documents, raw_scores, truncate, deadline_s, priority)
+        queue = pooling_queue_params(priority, queue)
+        future = self._score_future(query, documents, raw_scores, truncate, deadline_s, queue)
         result: Result = await asyncio.wrap_future(future)
         return score_result(result)
 
@@ -557,11 +566,11 @@ class ModelPool:
         dimensions: int | None,
         truncate: bool,
         deadline_s: float | None,
-        priority: int,
+        queue: dict[str, Any],
     ) -> PoolFuture:
         """``embed``'s and ``aembed``'s request, checked (``embed_request``) and submitted."""
         request = embed_request(inputs, dimensions, truncate)
-        return self._submit(request, deadline_s, _priority(priority), None)
+        return self._submit(request, deadline_s, queue, None)
 
     def _score_future(
         self,
@@ -570,11 +579,11 @@ class ModelPool:
         raw_scores: bool,
         truncate: bool,
         deadline_s: float | None,
-        priority: int,
+        queue: dict[str, Any],
     ) -> PoolFuture:
         """``score``'s and ``ascore``'s request, checked (``score_request``) and submitted."""
         request = score_request(query, documents, raw_scores, truncate)
-        return self._submit(request, deadline_s, _priority(priority), None)
+        return self._submit(request, deadline_s, queue, None)
 
     def health(self) -> PoolHealth:
         """Is the pool alive? Cheap and never waits on the dispatcher thread, so that a
@@ -788,10 +797,6 @@ class ModelPool:
 
 
 _NOT_GENERATIONS = (TokenizeRequest, DetokenizeRequest, EmbedRequest, ScoreRequest)
-
-
-def _priority(priority: int) -> dict[str, Any]:
-    return {"priority": priority} if priority else {}
 
 
 def _waited(future: PoolFuture) -> Result:

@@ -6,7 +6,7 @@ messages (``text`` the content, an assistant's ``tool_use`` its ``tool_calls``, 
 ``tool_result`` a ``tool`` message before its text); ``tools`` with ``input_schema``
 become function tools, ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``) chat's,
 ``stop_sequences`` ``stop``. The chat body then goes through
-``openai.request.parse_chat``, the same path as ``/v1/chat/completions``; a refusal
+``core.generation_body.parse_chat``, the same path as ``/v1/chat/completions``; a refusal
 there is renamed back to the field the client sent::
 
     request = parse_messages(body)               # max_tokens required
@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelpool.server.agent_tools import constrainable, renamed
+from modelpool.server.core.fields import check_ignored_fields
+from modelpool.server.core.generation_body import parse_chat
+from modelpool.server.core.job import Job
 from modelpool.server.http import ApiError, invalid
-from modelpool.server.openai.format import Job
-from modelpool.server.openai.request import check_ignored_fields, parse_chat
 from modelpool.shared.validation import is_int
 
 logger = logging.getLogger(__name__)

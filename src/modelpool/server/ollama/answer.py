@@ -27,7 +27,6 @@ from fastapi.responses import Response
 
 from modelpool.server.errors import error_response
 from modelpool.server.http import ApiError, json_bytes
-from modelpool.server.models import WAITED
 from modelpool.server.ollama.models import timestamp
 from modelpool.server.ollama.request import OllamaRequest
 from modelpool.server.streaming import StreamedChoice, StreamedText
@@ -47,14 +46,14 @@ def created_at() -> str:
 
 @dataclass(frozen=True)
 class Clock:
-    """When the request arrived (``time.monotonic_ns``), and the note its model's wait
-    is written in (``server.models``: seconds waited for a load)."""
+    """When the request arrived (``time.monotonic_ns``), and the seconds it waited for its
+    model to load (``core.served.Served.waited_s``, known once its model is served)."""
 
     started_ns: int
-    note: Mapping[str, Any]
+    load_s: float = 0.0
 
     def load_ns(self) -> int:
-        return int(float(self.note.get(WAITED, 0.0)) * NS)
+        return int(self.load_s * NS)
 
     def durations(self, result: Result) -> dict[str, int]:
         queue = result.queue_s

@@ -4,6 +4,7 @@ a run, and ``options.num_ctx`` checked against the loaded model's context."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -11,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from modelpool.server import rights
+from modelpool.server.core.served import Served
 from modelpool.server.http import ApiError, invalid, json_bytes
 from modelpool.server.models import KEEP_ALIVE
 from modelpool.server.ollama.answer import Clock, OllamaLines, done_line
@@ -25,7 +27,7 @@ from modelpool.supervisor.registry import parse_keep_alive
 
 if TYPE_CHECKING:
     from modelpool.server.state import ServerState
-    from modelpool.supervisor.pool import ModelPool, Result
+    from modelpool.supervisor.pool import Result
 
 
 class OllamaApi:
@@ -59,13 +61,14 @@ class OllamaApi:
         self,
         request: OllamaRequest,
         body: dict[str, Any],
-        pool_for: Callable[[], Awaitable[ModelPool]],
-    ) -> ModelPool | Response:
+        serve: Callable[[], Awaitable[Served]],
+    ) -> Served | Response:
         if not request.runs:
-            return await self._load_or_unload(request, body, pool_for)
-        pool = await pool_for()
+            return await self._load_or_unload(request, body, serve)
+        served = await serve()
+        self._clock = dataclasses.replace(self._clock, load_s=served.waited_s)
         if request.num_ctx is not None:
-            context = (await pool.astats()).max_model_len
+            context = (await served.pool.astats()).max_model_len
             if context is not None and request.num_ctx > context:
                 raise invalid(
                     f"options.num_ctx is {request.num_ctx}, more than the model's context of "
@@ -73,13 +76,13 @@ class OllamaApi:
                     "options.num_ctx",
                     "context_length_exceeded",
                 )
-        return pool
+        return served
 
     async def _load_or_unload(
         self,
         request: OllamaRequest,
         body: Mapping[str, Any],
-        pool_for: Callable[[], Awaitable[ModelPool]],
+        serve: Callable[[], Awaitable[Served]],
     ) -> Response:
         """Ollama's way to load a model (no messages) or unload it (``keep_alive: 0``)."""
         unload = False
@@ -108,6 +111,6 @@ class OllamaApi:
                 # only if no other client's use keeps it (README, Many models).
                 registry.let_go(model, client_of(self._caller, self._state).name)
         if not unload:
-            await pool_for()
+            await serve()
         line = done_line(self._kind, model, "unload" if unload else "load")
         return Response(json_bytes(line), media_type="application/json")

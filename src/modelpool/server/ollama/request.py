@@ -5,7 +5,7 @@ completion paths.
 ``options`` as the sampling fields) and ``/api/generate`` one too (``system`` and
 ``prompt`` as two messages, the model's template applied), or a completion body with
 ``raw: true`` (the prompt continued as it is). Either then goes through
-``openai.request.parse_chat`` or ``parse_completion``, the same checks, templates, tool
+``core.generation_body.parse_chat`` or ``parse_completion``, the same checks, templates, tool
 grammar and structured outputs as ``/v1/chat/completions``; a refusal there is renamed
 back to the field the client sent (``max_tokens`` → ``options.num_predict``)::
 
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from modelpool.server.agent_tools import renamed
+from modelpool.server.core.generation_body import parse_chat, parse_completion
+from modelpool.server.core.job import Job
 from modelpool.server.http import ApiError, invalid
-from modelpool.server.openai.format import Job
-from modelpool.server.openai.request import parse_chat, parse_completion
 from modelpool.shared.validation import is_int, is_number
 
 logger = logging.getLogger(__name__)

@@ -24,6 +24,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from modelpool.server.core.cost import check_size
+from modelpool.server.core.fields import parse_priority
+from modelpool.server.core.served import Served
 from modelpool.server.embeddings import EmbedJob, inputs_size, parse_inputs, unit
 from modelpool.server.generation import Api
 from modelpool.server.http import ApiError, invalid
@@ -31,7 +34,6 @@ from modelpool.server.models import KEEP_ALIVE
 from modelpool.server.ollama import models as listing
 from modelpool.server.ollama.answer import Clock
 from modelpool.server.ollama.api import OllamaApi
-from modelpool.server.openai.request import check_size, parse_priority
 from modelpool.server.pooling_routes import serve_embeddings
 from modelpool.shared.config import ServerConfig
 from modelpool.shared.embeddings import EmbeddingResult
@@ -59,28 +61,27 @@ NO_MODEL_MANAGEMENT = (
 def install_ollama_routes(app: FastAPI, state: ServerState, generate: Generate) -> None:
     """The ``/api/`` routes (see the module docstring)."""
 
-    def clock(request: Request) -> Clock:
-        return Clock(time.monotonic_ns(), request.scope.setdefault("state", {}))
-
     @app.post("/api/chat")
     async def chat(request: Request) -> Response:
-        return await generate(request, state, OllamaApi("chat", state, clock(request), request))
+        return await generate(
+            request, state, OllamaApi("chat", state, Clock(time.monotonic_ns()), request)
+        )
 
     @app.post("/api/generate")
     async def generate_route(request: Request) -> Response:
-        api = OllamaApi("generate", state, clock(request), request)
+        api = OllamaApi("generate", state, Clock(time.monotonic_ns()), request)
         return await generate(request, state, api)
 
     @app.post("/api/embed")
     async def embed(request: Request) -> Response:
-        started = clock(request)
+        started_ns = time.monotonic_ns()
 
-        def answer(job: EmbedJob, result: EmbeddingResult, model: str) -> object:
+        def answer(job: EmbedJob, result: EmbeddingResult, served: Served) -> object:
             return {
-                "model": model,
+                "model": served.name,
                 "embeddings": [unit(vector) for vector in result.vectors],
-                "total_duration": time.monotonic_ns() - started.started_ns,
-                "load_duration": started.load_ns(),
+                "total_duration": time.monotonic_ns() - started_ns,
+                "load_duration": Clock(started_ns, served.waited_s).load_ns(),
                 "prompt_eval_count": result.prompt_tokens,
             }
 
@@ -88,7 +89,7 @@ def install_ollama_routes(app: FastAPI, state: ServerState, generate: Generate) 
 
     @app.post("/api/embeddings")
     async def legacy_embeddings(request: Request) -> Response:
-        def answer(job: EmbedJob, result: EmbeddingResult, model: str) -> object:
+        def answer(job: EmbedJob, result: EmbeddingResult, served: Served) -> object:
             return {"embedding": result.vectors[0]}
 
         return await serve_embeddings(request, state, _parse_legacy_embed, answer)

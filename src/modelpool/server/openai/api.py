@@ -7,10 +7,10 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from modelpool.server.core.generation_body import parse_chat, parse_completion
 from modelpool.server.generation import Plain, RunsOnItsModel
 from modelpool.server.http import json_bytes
 from modelpool.server.openai.format import response_body
-from modelpool.server.openai.request import parse_chat, parse_completion
 from modelpool.server.openai.stream import ChatChunks
 from modelpool.server.streaming import StreamedChoice
 

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response
 
+from modelpool.server.core.job import Job
 from modelpool.server.http import ApiError, json_bytes
-from modelpool.server.openai.format import Job, choice_logprobs, total_usage, usage
+from modelpool.server.openai.format import choice_logprobs, total_usage, usage
 from modelpool.server.streaming import (
     ENCODE_OFF_LOOP_TOKENS,
     SSE_CONTENT_TYPE,

@@ -3,7 +3,7 @@
 The translation is the whole of this module: ``input`` items become chat messages,
 ``instructions`` the system message, function ``tools`` and ``tool_choice`` chat's,
 ``text.format`` chat's ``response_format``, ``max_output_tokens`` ``max_tokens``; the
-chat body then goes through ``openai.request.parse_chat``, the same checks, templates,
+chat body then goes through ``core.generation_body.parse_chat``, the same checks, templates,
 tool grammar and structured outputs as ``/v1/chat/completions``. A refusal there is
 renamed back to the field the client sent (``max_tokens`` → ``max_output_tokens``,
 ``messages[3]`` → ``input[2]``)::
@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelpool.server.agent_tools import constrainable, renamed
+from modelpool.server.core.fields import check_ignored_fields
+from modelpool.server.core.generation_body import parse_chat
+from modelpool.server.core.job import Job
 from modelpool.server.http import ApiError, invalid
-from modelpool.server.openai.format import Job
-from modelpool.server.openai.request import check_ignored_fields, parse_chat
 from modelpool.server.responses.store import ResponseStore
 
 logger = logging.getLogger(__name__)

@@ -1,24 +1,21 @@
-"""OpenAI's request bodies for the daemon's completions and chat routes, parsed and checked.
+"""The daemon's generation request: a completions or chat body in OpenAI's field names,
+parsed and checked into a :class:`~modelpool.server.core.job.Job`.
 
-``app.py`` reads a body, then turns it into a :class:`~modelpool.server.openai.format.Job`
-here; every refusal is an :class:`ApiError` (HTTP 400) naming the OpenAI field the
-client sent::
+OpenAI's chat body is the form every generating family reads its own into: the OpenAI
+routes parse theirs here directly, and the Responses, Anthropic and Ollama families
+translate theirs into a chat (or completion) body and parse it here, so that every
+family gets the same checks, templates, tools and structured outputs::
 
     body = parse_json_object(raw)
     job = parse_chat(body)  # or parse_completion(body)
-    deadline_s = deadline_from(body, request.headers, default_s=60.0, cap_s=None)
-    check_budget(job, limit=262_144, default_max_tokens=128)
 
 Bodies are checked field by field rather than by pydantic models: every rejection
 names the OpenAI field (the pool's own messages name its kwargs, e.g.
 ``max_new_tokens``), and a field we cannot honour (``suffix``, ``audio``...) is a 400,
 never ignored. ``COMPLETION_FIELDS`` and ``CHAT_FIELDS`` name the fields each
-route acts on (a few more, such as ``user``, are accepted and ignored); the
-response shapes are built in ``format``.
-
-:class:`ApiError` is the daemon's one error answer (an OpenAI-style body plus
-``x-should-retry``); ``app.py`` maps the pool's typed errors and its own
-refusals (auth, body size, draining) onto it.
+route acts on (a few more, such as ``user``, are accepted and ignored: ``fields``).
+The field primitives are ``fields``', the deadline ``deadline``'s, the cost ``cost``'s;
+each family writes its own answers.
 """
 
 from __future__ import annotations
@@ -26,8 +23,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from modelpool.server.core.fields import (
+    check_fields,
+    opt_bool,
+    opt_int,
+    opt_number,
+    parse_priority,
+    unsupported_unless,
+)
+from modelpool.server.core.job import MAX_CHOICES, Job
 from modelpool.server.http import ApiError, invalid
-from modelpool.server.openai.format import MAX_CHOICES, Job
 from modelpool.shared.errors import GrammarError, SchemaTooComplex
 from modelpool.shared.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
 from modelpool.shared.structured import GUIDED_FIELDS, grammar_for_body
@@ -40,28 +45,13 @@ from modelpool.shared.tools import (
 )
 from modelpool.shared.validation import (
     FIT_PARAM,
-    MAX_INT,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_PENALTY,
-    MAX_PRIORITY,
     is_int,
     is_number,
 )
 
-TIMEOUT_HEADER = "x-request-timeout"
-
-# Fields accepted without effect: they do not change what is generated. Each is held to
-# OpenAI's own shape and size (a megabyte array there would cost the event loop its
-# parsing and checking, for nothing).
-_IGNORED_STRINGS = frozenset(
-    {"model", "user", "service_tier", "safety_identifier", "prompt_cache_key"}
-)
-_IGNORED_BOOLS = frozenset({"store"})
-_IGNORED_FIELDS = _IGNORED_STRINGS | _IGNORED_BOOLS | {"metadata"}
-MAX_IGNORED_STRING = 512
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY = 64
 # OpenAI's bound on the legacy completions ``logprobs`` (chat's top_logprobs allows 20).
 MAX_LEGACY_LOGPROBS = 5
 MAX_CACHE_SALT = 256
@@ -125,92 +115,6 @@ _MESSAGE_KEYS: dict[str, frozenset[str]] = {
 # Request parsing
 
 
-def parse_priority(body: Mapping[str, Any]) -> int | None:
-    """vLLM's ``priority``: an integer, lower runs first; None when the body has none."""
-    priority = body.get("priority")
-    if priority is not None and not is_int(priority, minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY):
-        raise invalid(
-            f"priority must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}] (lower runs "
-            f"first), got {priority!r}",
-            param="priority",
-        )
-    return priority
-
-
-def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
-    for name in body:
-        if name not in allowed and name not in _IGNORED_FIELDS:
-            raise invalid(f"unsupported field {name!r}", param=name, code="unsupported_field")
-    check_ignored_fields(body)
-
-
-def check_ignored_fields(body: Mapping[str, Any]) -> None:
-    """The accepted-but-ignored fields have OpenAI's shapes and sizes: short strings,
-    booleans, and ``metadata`` as at most 16 short string pairs."""
-    for name in _IGNORED_STRINGS & body.keys():
-        value = body[name]
-        if value is not None and (not isinstance(value, str) or len(value) > MAX_IGNORED_STRING):
-            raise invalid(
-                f"{name} must be a string of at most {MAX_IGNORED_STRING} characters", name
-            )
-    for name in _IGNORED_BOOLS & body.keys():
-        if body[name] is not None and not isinstance(body[name], bool):
-            raise invalid(f"{name} must be true or false", param=name)
-    metadata = body.get("metadata")
-    if metadata is None:
-        return
-    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
-        raise invalid(
-            f"metadata must be an object of at most {MAX_METADATA_PAIRS} pairs", "metadata"
-        )
-    for key, value in metadata.items():
-        if (
-            len(key) > MAX_METADATA_KEY
-            or not isinstance(value, str)
-            or len(value) > MAX_IGNORED_STRING
-        ):
-            raise invalid(
-                f"metadata: keys of at most {MAX_METADATA_KEY} characters, string values of "
-                f"at most {MAX_IGNORED_STRING}",
-                param="metadata",
-            )
-
-
-def _opt_int(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not is_int(value, minimum=minimum):
-        raise invalid(
-            f"{name} must be an integer in [{minimum}, {MAX_INT}], got {value!r}", param=name
-        )
-    assert isinstance(value, int)
-    return value
-
-
-def _opt_number(body: Mapping[str, Any], name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not is_number(value):
-        raise invalid(f"{name} must be a number, got {value!r}", param=name)
-    return float(value)
-
-
-def _opt_bool(body: Mapping[str, Any], name: str) -> bool | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, bool):
-        raise invalid(f"{name} must be true or false, got {value!r}", param=name)
-    return value
-
-
-def _unsupported_unless(condition: bool, name: str, why: str) -> None:
-    if not condition:
-        raise invalid(f"{name}: {why}", param=name, code="unsupported_value")
-
-
 def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any]:
     params: dict[str, Any] = {**_penalty_params(body), **structured_params(body)}
     if max_tokens is not None:
@@ -222,7 +126,7 @@ def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str,
         params[FIT_PARAM] = True
     # vLLM's extension, which load generators use to fix the output length: end-of-sequence
     # is not chosen before this many tokens (a stop string still ends the text).
-    min_tokens = _opt_int(body, "min_tokens", 0)
+    min_tokens = opt_int(body, "min_tokens", 0)
     if min_tokens:
         if max_tokens is not None and min_tokens > max_tokens:
             raise invalid(
@@ -231,29 +135,29 @@ def _common_params(body: Mapping[str, Any], max_tokens: int | None) -> dict[str,
         params["min_new_tokens"] = min_tokens
     # vLLM's too (guidellm and genai-perf send it): generate past end-of-sequence up to
     # max_tokens, so that every answer has the length the benchmark asked for.
-    if _opt_bool(body, "ignore_eos"):
+    if opt_bool(body, "ignore_eos"):
         params["ignore_eos"] = True
-    temperature = _opt_number(body, "temperature")
+    temperature = opt_number(body, "temperature")
     if temperature is not None:
         if temperature < 0:
             raise invalid(f"temperature must be >= 0, got {temperature!r}", param="temperature")
         params["temperature"] = temperature
-    top_p = _opt_number(body, "top_p")
+    top_p = opt_number(body, "top_p")
     if top_p is not None:
         if not 0 < top_p <= 1:
             raise invalid(f"top_p must be in (0, 1], got {top_p!r}", param="top_p")
         params["top_p"] = top_p
     # vLLM's extension; -1 is its older spelling of 0, off (every token is a candidate).
-    top_k = _opt_int(body, "top_k", -1)
+    top_k = opt_int(body, "top_k", -1)
     if top_k is not None:
         params["top_k"] = max(top_k, 0)
-    seed = _opt_int(body, "seed", 0)
+    seed = opt_int(body, "seed", 0)
     if seed is not None:
         params["seed"] = seed
     priority = parse_priority(body)
     if priority is not None:
         params["priority"] = priority
-    max_queue_time_s = _opt_number(body, "max_queue_time_s")
+    max_queue_time_s = opt_number(body, "max_queue_time_s")
     if max_queue_time_s is not None:
         if max_queue_time_s <= 0:
             raise invalid(
@@ -291,7 +195,7 @@ def _penalty_params(body: Mapping[str, Any]) -> dict[str, Any]:
     (token id strings -> biases in [-100, 100]) as the pool's kwargs; zeros are left out."""
     params: dict[str, Any] = {}
     for name in ("presence_penalty", "frequency_penalty"):
-        value = _opt_number(body, name)
+        value = opt_number(body, name)
         if value is not None and abs(value) > MAX_PENALTY:
             raise invalid(
                 f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}", name
@@ -338,7 +242,7 @@ def structured_params(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _stream_flag(body: Mapping[str, Any]) -> bool:
-    stream = bool(_opt_bool(body, "stream"))
+    stream = bool(opt_bool(body, "stream"))
     options = body.get("stream_options")
     if options is not None:
         if not stream:
@@ -349,7 +253,7 @@ def _stream_flag(body: Mapping[str, Any]) -> bool:
             raise invalid("stream_options must be an object", param="stream_options")
         for key, value in options.items():
             # continuous_usage_stats (vLLM's): usage on every chunk, as benchmarks read it.
-            _unsupported_unless(
+            unsupported_unless(
                 key in ("include_usage", "continuous_usage_stats") and isinstance(value, bool),
                 f"stream_options.{key}",
                 "not supported when streaming",
@@ -362,33 +266,10 @@ def _include_usage(body: Mapping[str, Any], key: str = "include_usage") -> bool:
     return isinstance(options, dict) and options.get(key) is True
 
 
-def deadline_from(
-    body: Mapping[str, Any], headers: Mapping[str, str], default_s: float, cap_s: float | None
-) -> float:
-    """Body ``timeout`` wins over the header. Either is capped at ``cap_s`` (the server's
-    ``max_request_timeout_s``) or, when the operator set none, at ``default_s`` (the
-    pool's ``deadline_s``): a client may ask for less time than the operator's deadline,
-    never for more unless the operator allows it."""
-    value: object = body.get("timeout")
-    name = "timeout"
-    if value is None and TIMEOUT_HEADER in headers:
-        name = "X-Request-Timeout"
-        try:
-            value = float(headers[TIMEOUT_HEADER])
-        except ValueError:
-            raise invalid(f"{name} must be a number of seconds", param=name) from None
-    if value is None:
-        value = default_s
-    if not is_number(value) or value <= 0:  # type: ignore[operator]
-        raise invalid(f"{name} must be a number of seconds > 0, got {value!r}", param=name)
-    seconds = float(value)  # type: ignore[arg-type]
-    return min(seconds, cap_s if cap_s is not None else default_s)
-
-
 def _choice_count(body: Mapping[str, Any], prompts: int) -> tuple[int, int]:
     """``n`` and ``best_of`` (1 when absent), checked against the number of prompts."""
-    n = _opt_int(body, "n", 1) or 1
-    best_of = _opt_int(body, "best_of", 1) or n
+    n = opt_int(body, "n", 1) or 1
+    best_of = opt_int(body, "best_of", 1) or n
     if best_of < n:
         raise invalid(f"best_of ({best_of}) must be >= n ({n})", param="best_of")
     if prompts * best_of > MAX_CHOICES:
@@ -401,7 +282,7 @@ def _choice_count(body: Mapping[str, Any], prompts: int) -> tuple[int, int]:
     return n, best_of
 
 
-def _token_prompt(value: list[Any], where: str) -> TokenIds:
+def token_prompt(value: list[Any], where: str) -> TokenIds:
     if not value:
         raise invalid(f"{where} must not be an empty list of token ids", param="prompt")
     for index, token_id in enumerate(value):
@@ -421,9 +302,9 @@ def _completion_prompts(value: object) -> list[Prompt]:
         if all(isinstance(item, str) for item in value):
             return list(value)
         if all(isinstance(item, list) for item in value):
-            return [_token_prompt(item, f"prompt[{index}]") for index, item in enumerate(value)]
+            return [token_prompt(item, f"prompt[{index}]") for index, item in enumerate(value)]
         if not any(isinstance(item, (str, list)) for item in value):
-            return [_token_prompt(value, "prompt")]
+            return [token_prompt(value, "prompt")]
     raise invalid(
         "prompt must be a string, a list of strings, a list of token ids "
         "or a list of lists of token ids",
@@ -432,19 +313,19 @@ def _completion_prompts(value: object) -> list[Prompt]:
 
 
 def parse_completion(body: Mapping[str, Any]) -> Job:
-    _check_fields(body, COMPLETION_FIELDS)
+    check_fields(body, COMPLETION_FIELDS)
     if "prompt" not in body:
         raise invalid("missing field 'prompt'", param="prompt", code="missing_field")
     prompts = _completion_prompts(body["prompt"])
     suffix = body.get("suffix")
-    _unsupported_unless(suffix in (None, ""), "suffix", "insertion is not supported")
-    echo = bool(_opt_bool(body, "echo"))
-    logprobs = _opt_int(body, "logprobs", 0)
+    unsupported_unless(suffix in (None, ""), "suffix", "insertion is not supported")
+    echo = bool(opt_bool(body, "echo"))
+    logprobs = opt_int(body, "logprobs", 0)
     if logprobs is not None and logprobs > MAX_LEGACY_LOGPROBS:
         raise invalid(
             f"logprobs must be <= {MAX_LEGACY_LOGPROBS}, got {logprobs}", param="logprobs"
         )
-    max_tokens = _opt_int(body, "max_tokens", 0)
+    max_tokens = opt_int(body, "max_tokens", 0)
     if max_tokens == 0 and not echo:
         raise invalid("max_tokens 0 only makes sense with echo (scoring the prompt)", "max_tokens")
     params = _common_params(body, max_tokens)
@@ -478,7 +359,7 @@ def parse_completion(body: Mapping[str, Any]) -> Job:
     )
 
 
-def _message_content(content: object, index: int) -> str:
+def message_content(content: object, index: int) -> str:
     where = f"messages[{index}].content"
     if isinstance(content, str):
         return content
@@ -502,7 +383,7 @@ def _message_content(content: object, index: int) -> str:
 
 
 def parse_chat(body: Mapping[str, Any]) -> Job:
-    _check_fields(body, CHAT_FIELDS)
+    check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if "messages" not in body:
         raise invalid("missing field 'messages'", param="messages", code="missing_field")
@@ -534,13 +415,13 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
     fill_result_names(prompt)
     plan = _tool_plan(body)
     modalities = body.get("modalities")
-    _unsupported_unless(
+    unsupported_unless(
         modalities is None or modalities == ["text"], "modalities", "only text output is supported"
     )
     for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
-        _unsupported_unless(body.get(name) is None, name, "not supported by this server")
-    wants_logprobs = bool(_opt_bool(body, "logprobs"))
-    top_logprobs = _opt_int(body, "top_logprobs", 0)
+        unsupported_unless(body.get(name) is None, name, "not supported by this server")
+    wants_logprobs = bool(opt_bool(body, "logprobs"))
+    top_logprobs = opt_int(body, "top_logprobs", 0)
     if top_logprobs is not None:
         if not wants_logprobs:
             raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -551,8 +432,8 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
             )
     logprobs = (top_logprobs or 0) if wants_logprobs else None
 
-    max_tokens = _opt_int(body, "max_tokens", 1)
-    max_completion = _opt_int(body, "max_completion_tokens", 1)
+    max_tokens = opt_int(body, "max_tokens", 1)
+    max_completion = opt_int(body, "max_completion_tokens", 1)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
         raise invalid(
             "max_tokens and max_completion_tokens disagree", param="max_completion_tokens"
@@ -590,7 +471,7 @@ def _chat_message(message: Mapping[str, Any], role: str, index: int) -> dict[str
     calls = "tool_calls" in message or "function_call" in message
     if content is None and role == "assistant" and calls:
         content = ""  # OpenAI's null content beside the calls
-    text = _message_content(content, index)
+    text = message_content(content, index)
     try:
         converted = chat_message(message, where, text)
     except ToolRequestError as exc:
@@ -619,100 +500,3 @@ def too_complex(error: SchemaTooComplex) -> ApiError:
         param=error.param,
         extra={"bound": error.bound},
     )
-
-
-# What a chat message costs besides its text: the template's markers around it, which a
-# request of thousands of empty messages would otherwise get for nothing.
-MESSAGE_UNITS = 8
-# What one logprob alternative costs in the answer, in the budget's units (a few bytes
-# each): ``{"token":"x","logprob":-1.25,"bytes":[120]}`` is about 45 bytes, some ten
-# times what a plain token adds; 4 units keeps n x max_tokens x top_logprobs from
-# answering tens of megabytes to a request of a few hundred bytes.
-LOGPROB_UNITS = 4
-
-
-def text_units(value: object) -> int:
-    """The size of a JSON value in the budget's units: its strings' characters, and one
-    unit per other item (a stack, not recursion: a value may nest deeply)."""
-    total = 0
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            total += len(item)
-        elif isinstance(item, Mapping):
-            total += len(item)
-            for key, child in item.items():
-                total += len(key) if isinstance(key, str) else 1
-                stack.append(child)
-        elif isinstance(item, (list, tuple)):
-            total += len(item)
-            stack.extend(item)
-        else:
-            total += 1
-    return total
-
-
-def prompt_size(prompt: Prompt) -> int:
-    """A prompt's size in the budget's units: token ids, or characters (a bound on the
-    tokens of a text for the usual tokenizers, and known without the model); a chat's
-    messages each cost ``MESSAGE_UNITS`` besides their text (content, calls, names)."""
-    if isinstance(prompt, TokenIds):
-        return len(prompt.ids)
-    if isinstance(prompt, str):
-        return len(prompt)
-    return sum(
-        MESSAGE_UNITS + text_units([value for key, value in message.items() if key != "role"])
-        for message in prompt
-    )
-
-
-def request_cost(job: Job, default_max_tokens: int) -> int:
-    """What bounds the work and the size of the answer, summed over the prompts: per
-    run, the prompt (with the tools' definitions the template renders into it) and
-    ``max_tokens``, and for logprobs each answered token's alternatives
-    (``LOGPROB_UNITS`` each; the prompt's too when it is echoed with them)."""
-    return _cost(job, job.params.get("max_new_tokens", default_max_tokens))
-
-
-def output_ceiling(job: Job, limit: int) -> int:
-    """The largest ``max_tokens`` whose :func:`request_cost` stays within ``limit``: what
-    a request that set no maximum may generate within its client's budget (at least 1)."""
-    fixed = _cost(job, 0)
-    per_token = _cost(job, 1) - fixed
-    return max(1, (limit - fixed) // max(per_token, 1))
-
-
-def _cost(job: Job, max_tokens: int) -> int:
-    tools = text_units(job.tools.template_tools()) if job.tools is not None else 0
-    cost = 0
-    for prompt in job.prompts:
-        size = prompt_size(prompt) + tools
-        scored = max_tokens + (size if job.echo else 0)
-        alternatives = 0 if job.logprobs is None else 1 + job.logprobs
-        cost += job.runs_per_prompt * (size + max_tokens + LOGPROB_UNITS * alternatives * scored)
-    return cost
-
-
-def check_size(size: int, *, limit: int, param: str) -> None:
-    """400 ``request_too_expensive`` for a tokenizer route's input past the budget."""
-    if size > limit:
-        raise invalid(
-            f"the request's {param} is {size} token units, more than max_request_tokens ({limit})",
-            param=param,
-            code="request_too_expensive",
-        )
-
-
-def check_budget(job: Job, *, limit: int, default_max_tokens: int) -> None:
-    """400 ``request_too_expensive`` past the server's ``max_request_tokens``."""
-    cost = request_cost(job, default_max_tokens)
-    if cost > limit:
-        raise invalid(
-            f"the request asks for {cost} token units, more than max_request_tokens ({limit}): "
-            f"n x (prompt + messages x {MESSAGE_UNITS} + tools + max_tokens "
-            f"+ {LOGPROB_UNITS} x (1 + logprobs) x max_tokens); ask for fewer choices, "
-            "messages, tokens or logprobs",
-            param="n" if job.runs_per_prompt > 1 else "max_tokens",
-            code="request_too_expensive",
-        )
