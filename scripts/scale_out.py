@@ -10,7 +10,7 @@ SIGKILL). Then, in one run::
 
     throughput   the same client through haproxy with 1 daemon in rotation, then all
     steady load  streaming and non-streaming requests, a client that retries
-                 502/503/504 and connection errors (as the README tells clients to),
+                 502/503/504 and connection errors (as docs/deployment.md tells clients to),
                  running through the three faults below
     roll         every daemon restarted one by one           (target: 0 failed requests)
     SIGKILL      one daemon killed; the kubelet replaces it   (its workers must die with it)

@@ -285,7 +285,9 @@ def factory(model="", device="cpu", **options):
     return Handler()
 """
 
-# The metric families the README lists, by the name the Prometheus parser gives them.
+# The metric families the documentation lists (docs/observability.md, Metrics), by the name
+# the Prometheus parser gives them; tests/integration/test_readme_check.py checks that the
+# documentation names each.
 METRIC_FAMILIES = frozenset(
     {
         "modelpool_requests",  # modelpool_requests_total{outcome}
@@ -304,7 +306,7 @@ METRIC_FAMILIES = frozenset(
 )
 
 
-# ---- the stats keys the README documents (README, Stats), for the library and /stats -----
+# ---- the stats keys documented in docs/observability.md, Stats, for the library and /stats --
 
 STATS_KEYS = {
     "state", "workers", "queue_depth", "counters", "latency_s", "gpu",
@@ -331,7 +333,7 @@ RELEASE_KEYS = {"checked", "ok", "failed", "last_ms", "last_method", "last_freed
 
 
 def assert_documented_stats_keys(data: dict[str, Any]) -> None:
-    """``PoolStats.to_dict()`` (or /stats) has exactly the keys the README lists."""
+    """``PoolStats.to_dict()`` (or /stats) has exactly the keys the documentation lists."""
     assert set(data) == STATS_KEYS
     assert set(data["counters"]) == COUNTER_KEYS
     assert set(data["latency_s"]) == {"p50", "p95", "p99"}

@@ -1,8 +1,11 @@
-"""The README's promises made executable: its code blocks, and the figures it quotes.
+"""The documentation's promises made executable: its code blocks, and the figures it quotes.
+
+The documentation is README.md and every page of the site under docs/
+(:func:`documentation_pages`): a block or a figure is checked on whichever page it is.
 
 Code blocks. Every ``bash`` and ``python`` block runs as written (from the repository
 root, on the CPU), unless an HTML comment on the line just before its fence says
-otherwise, which GitHub does not show::
+otherwise, which neither GitHub nor the site shows::
 
     <!-- readme-check: skip daemon -->          not run, for the reason named
     <!-- readme-check: in examples/library.py -->  its text is in that file, which
@@ -14,16 +17,16 @@ otherwise, which GitHub does not show::
 A skip names one of :data:`SKIP_REASONS`; any other word is an error, so that every
 block left unrun says why.
 
-Figures. Each :class:`Figure` finds a number (or a version) in the README by a
-pattern and compares it with what the code says or a fast measurement gives; a
-README that no longer quotes the figure fails too, so that a figure cannot drift
-and a check cannot outlive its figure.
+Figures. Each :class:`Figure` finds a number (or a version) in the pages by a
+pattern and compares every quote with what the code says or a fast measurement gives;
+a figure that no page quotes any more fails too, so that a figure cannot drift and a
+check cannot outlive its figure.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,18 +44,30 @@ SKIP_REASONS = {
 }
 
 
+def documentation_pages(root: Path) -> dict[str, str]:
+    """README.md and every Markdown page under docs/, by path relative to ``root``."""
+    paths = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    return {path.relative_to(root).as_posix(): path.read_text(encoding="utf-8") for path in paths}
+
+
 @dataclass(frozen=True)
 class Block:
-    """One fenced code block: where it starts (1-based line of the fence), its language,
-    its text, and the marker before it as (verb, argument), if any."""
+    """One fenced code block: the page it is on, where it starts there (1-based line of
+    the fence), its language, its text, and the marker before it as (verb, argument), if
+    any."""
 
+    page: str
     line: int
     language: str
     text: str
     marker: tuple[str, str] | None
 
+    @property
+    def where(self) -> str:
+        return f"{self.page} line {self.line}"
 
-def code_blocks(markdown: str) -> list[Block]:
+
+def code_blocks(markdown: str, page: str = "README.md") -> list[Block]:
     blocks = []
     lines = markdown.splitlines()
     index = 0
@@ -69,6 +84,7 @@ def code_blocks(markdown: str) -> list[Block]:
         found = MARKER.match(previous)
         blocks.append(
             Block(
+                page=page,
                 line=start + 1,
                 language=opening.group("language"),
                 text="\n".join(lines[start + 1 : index]) + "\n",
@@ -81,13 +97,13 @@ def code_blocks(markdown: str) -> list[Block]:
 
 def marker_problems(blocks: list[Block], root: Path) -> list[str]:
     """Markers that say nothing checkable: an unknown verb or reason, a missing file, a
-    block that is not in the file it names."""
+    block that is not in the file it names. ``blocks`` are one page's."""
     problems = []
     for block in blocks:
         if block.marker is None:
             continue
         verb, argument = block.marker
-        where = f"README line {block.line}"
+        where = block.where
         if verb == "skip":
             if argument not in SKIP_REASONS:
                 problems.append(
@@ -120,7 +136,7 @@ def _previous(blocks: list[Block], block: Block) -> Block | None:
 
 
 def expected_output(blocks: list[Block], block: Block) -> list[str] | None:
-    """The lines the README shows ``block`` printing (an ``output previous`` block right
+    """The lines the page shows ``block`` printing (an ``output previous`` block right
     after it), or None when it shows none."""
     index = blocks.index(block)
     if index + 1 < len(blocks) and blocks[index + 1].marker == ("output", "previous"):
@@ -139,7 +155,7 @@ Measured = float | str | None
 
 @dataclass(frozen=True)
 class Figure:
-    """A figure the README quotes: ``pattern`` finds it (group ``value``), ``measure``
+    """A figure the documentation quotes: ``pattern`` finds it (group ``value``), ``measure``
     says what it is now (None: cannot be measured here), ``agrees(quoted, measured)``
     whether the quote still holds, and ``source`` says where the truth comes from."""
 
@@ -175,18 +191,22 @@ def number(text: str) -> float:
     return float(text.replace(",", ""))
 
 
-def figure_problems(markdown: str, figure: Figure, measured: Measured) -> list[str]:
-    """Where the README's quotes of ``figure`` disagree with ``measured``."""
-    found = list(re.finditer(figure.pattern, markdown))
-    if not found:
-        return [f"{figure.name}: the README no longer quotes it (pattern {figure.pattern!r})"]
+def figure_problems(pages: Mapping[str, str], figure: Figure, measured: Measured) -> list[str]:
+    """Where the quotes of ``figure`` on any of ``pages`` (path: Markdown) disagree with
+    ``measured``, or that none quotes it."""
     problems = []
-    for match in found:
-        quoted = match.group("value")
-        if not figure.agrees(quoted, measured):
-            line = markdown.count("\n", 0, match.start()) + 1
-            shown = f"{measured:.3g}" if isinstance(measured, float) else measured
-            problems.append(
-                f"README line {line}: {figure.name}: says {quoted}, {figure.source} gives {shown}"
-            )
+    quotes = 0
+    for page, markdown in pages.items():
+        for match in re.finditer(figure.pattern, markdown):
+            quotes += 1
+            quoted = match.group("value")
+            if not figure.agrees(quoted, measured):
+                line = markdown.count("\n", 0, match.start()) + 1
+                shown = f"{measured:.3g}" if isinstance(measured, float) else measured
+                problems.append(
+                    f"{page} line {line}: {figure.name}: says {quoted}, "
+                    f"{figure.source} gives {shown}"
+                )
+    if quotes == 0:
+        return [f"{figure.name}: no page quotes it any more (pattern {figure.pattern!r})"]
     return problems

@@ -1,8 +1,10 @@
-"""The README, checked as CI runs it: its blocks run as written, its figures still hold.
+"""The documentation, checked as CI runs it: README.md and every page under docs/, their
+blocks run as written, their figures still hold, the names they list are the code's.
 
 How blocks are marked and figures found: tests/readme_check.py (its own tests, with a
 deliberately wrong figure, are in tests/unit/test_readme_checker.py). A block marked
-``in examples/...`` is run by tests/e2e/test_examples.py.
+``in examples/...`` is run by tests/e2e/test_examples.py. That the site builds
+(``mkdocs build --strict``) is checked by scripts/test, beside ruff and mypy.
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TIME_SLACK
+import modelpool
+from helpers import (
+    COUNTER_KEYS,
+    GPU_KEYS,
+    METRIC_FAMILIES,
+    RELEASE_KEYS,
+    STATS_KEYS,
+    TIME_SLACK,
+    WORKER_KEYS,
+)
 from modelpool import PoolConfig
 from modelpool.shared import embedded
 from readme_check import (
@@ -27,6 +38,7 @@ from readme_check import (
     Measured,
     blocks_to_run,
     code_blocks,
+    documentation_pages,
     expected_output,
     figure_problems,
     marker_problems,
@@ -38,8 +50,9 @@ from readme_check import (
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes")
 
 REPO = Path(__file__).resolve().parents[2]
-README = (REPO / "README.md").read_text(encoding="utf-8")
-BLOCKS = code_blocks(README)
+PAGES = documentation_pages(REPO)
+# Each page's blocks apart: an ``output previous`` block is the one before it on its page.
+BLOCKS = {page: code_blocks(markdown, page) for page, markdown in PAGES.items()}
 # What a reader's shell has after installing: the environment's scripts first on PATH;
 # "auto" finds no GPU, so that a block runs the same on every host.
 BLOCK_ENV = {
@@ -50,14 +63,17 @@ BLOCK_ENV = {
 
 
 def test_every_marker_says_something_checkable() -> None:
-    assert marker_problems(BLOCKS, REPO) == []
+    problems = [problem for blocks in BLOCKS.values() for problem in marker_problems(blocks, REPO)]
+    assert problems == []
 
 
 def block_id(block: Block) -> str:
-    return f"line{block.line}-{block.language}"
+    return f"{block.page}-line{block.line}-{block.language}"
 
 
-@pytest.mark.parametrize("block", blocks_to_run(BLOCKS), ids=block_id)
+@pytest.mark.parametrize(
+    "block", [b for blocks in BLOCKS.values() for b in blocks_to_run(blocks)], ids=block_id
+)
 def test_block_runs_as_written(block: Block) -> None:
     if block.language == "bash":
         command = ["bash", "-euo", "pipefail", "-c"]
@@ -73,11 +89,11 @@ def test_block_runs_as_written(block: Block) -> None:
         check=False,
     )
     output = result.stdout + result.stderr
-    assert result.returncode == 0, f"README line {block.line}:\n{output[-3000:]}"
-    assert "Traceback" not in output, f"README line {block.line}:\n{output[-3000:]}"
-    shown = expected_output(BLOCKS, block)
+    assert result.returncode == 0, f"{block.where}:\n{output[-3000:]}"
+    assert "Traceback" not in output, f"{block.where}:\n{output[-3000:]}"
+    shown = expected_output(BLOCKS[block.page], block)
     if shown is not None:
-        assert output_problems(shown, output) == [], f"README line {block.line} printed:\n{output}"
+        assert output_problems(shown, output) == [], f"{block.where} printed:\n{output}"
 
 
 # ---- figures ----------------------------------------------------------------------------------
@@ -135,7 +151,7 @@ def embedded_model_load_s() -> Measured:
 
 def venv_gb() -> Measured:
     """The size of the environment running the tests, when it is a venv (.venv in CI) with
-    the CPU build of torch, the one the README quotes (the CUDA build adds about 4 GB)."""
+    the CPU build of torch, the one the documentation quotes (the CUDA build adds about 4 GB)."""
     if sys.prefix == sys.base_prefix or not importlib.metadata.version("torch").endswith("+cpu"):
         return None
     return bytes_under(Path(sys.prefix)) / 1e9
@@ -212,14 +228,66 @@ def test_figure_still_holds(figure: Figure) -> None:
     measured = figure.measure()
     if measured is None:
         pytest.skip(f"{figure.name} cannot be measured here")
-    assert figure_problems(README, figure, measured) == []
+    assert figure_problems(PAGES, figure, measured) == []
 
 
 def test_the_defaults_table_is_pool_configs() -> None:
-    """Every row of the configuration table with one field and a number as its default."""
+    """Every row, on any page, of a table with one field and a number as its default (the
+    configuration table, docs/configuration.md)."""
     defaults = {f.name: f.default for f in dataclasses.fields(PoolConfig)}
-    rows = re.findall(r"^\| `(\w+)` \| (\d+(?:\.\d+)?) \|", README, re.MULTILINE)
+    rows = [
+        (page, name, quoted)
+        for page, markdown in PAGES.items()
+        for name, quoted in re.findall(r"^\| `(\w+)` \| (\d+(?:\.\d+)?) \|", markdown, re.MULTILINE)
+    ]
     assert len(rows) >= 5, rows
-    for name, quoted in rows:
-        assert name in defaults, f"README's table lists {name}, not a PoolConfig field"
-        assert float(quoted) == defaults[name], f"{name}: README {quoted}, code {defaults[name]}"
+    for page, name, quoted in rows:
+        assert name in defaults, f"{page}'s table lists {name}, not a PoolConfig field"
+        assert float(quoted) == defaults[name], f"{name}: {page} {quoted}, code {defaults[name]}"
+
+
+def section(page: str, heading: str) -> str:
+    """The text under ``## heading`` on ``page``, up to the next heading of that level."""
+    found = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", PAGES[page], re.M | re.S)
+    assert found, f"{page} has no section '## {heading}'"
+    return found.group(1)
+
+
+def test_the_metrics_section_names_every_metric_family_the_tests_scrape() -> None:
+    """tests/helpers.py's METRIC_FAMILIES, which the /metrics tests require, are the ones
+    the documentation lists (each as written, a `_total` counter with its suffix)."""
+    listed = section("docs/observability.md", "Metrics")
+    missing = [name for name in sorted(METRIC_FAMILIES) if f"`{name}" not in listed]
+    assert missing == []
+
+
+def test_the_stats_section_names_every_key_the_tests_require() -> None:
+    """tests/helpers.py's keys, which ``assert_documented_stats_keys`` holds
+    ``PoolStats.to_dict()`` and /stats to exactly, are the ones the Stats section lists."""
+    listed = section("docs/observability.md", "Stats")
+    keys = STATS_KEYS | WORKER_KEYS | COUNTER_KEYS | GPU_KEYS | RELEASE_KEYS
+    missing = [key for key in sorted(keys) if not re.search(rf"\b{key}\b", listed)]
+    assert missing == []
+
+
+def test_the_readme_links_to_files_that_exist() -> None:
+    """The README is the way into the site: each of its relative links names a file here
+    (the site's own links are checked by mkdocs build --strict)."""
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", PAGES["README.md"])
+    local = [target for target in targets if "://" not in target]
+    assert local, "the README links to no page of the site"
+    assert [target for target in local if not (REPO / target).exists()] == []
+
+
+def test_the_api_reference_documents_every_public_name() -> None:
+    """Each name ``from modelpool import ...`` gives has its ``::: modelpool.NAME`` directive
+    in docs/reference/, which mkdocstrings renders from its docstring (a name exported
+    later without one is missing from the site, not an error of the build)."""
+    directives = {
+        name
+        for page, markdown in PAGES.items()
+        if page.startswith("docs/reference/")
+        for name in re.findall(r"^::: modelpool\.(\w+)$", markdown, re.MULTILINE)
+    }
+    public = set(modelpool.__all__) - {"__version__"}
+    assert sorted(public - directives) == []

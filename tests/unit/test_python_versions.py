@@ -1,6 +1,6 @@
 """The Python versions the project claims agree everywhere, and the bootstrap picks its venv
-by version: requires-python, the classifiers (which scripts/test-pythons runs), the README's
-requirements line, and scripts/_bootstrap.sh."""
+by version: requires-python, the classifiers (which scripts/test-pythons runs), the
+requirements lines of the README and the docs pages, and scripts/_bootstrap.sh."""
 
 from __future__ import annotations
 
@@ -35,15 +35,19 @@ def test_classifiers_are_consecutive_from_requires_python() -> None:
     assert requires == f">={versions[0]}"
 
 
-def test_readme_requirement_lines_name_exactly_the_tested_versions() -> None:
+def test_documented_requirement_lines_name_exactly_the_tested_versions() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     lines = [
-        line
-        for line in (ROOT / "README.md").read_text().splitlines()
+        (page.relative_to(ROOT), line)
+        for page in pages
+        for line in page.read_text().splitlines()
         if re.search(r"with Python 3\.\d+", line, re.IGNORECASE)
     ]
-    assert lines, "no 'with Python 3.X' requirement line in the README"
-    for line in lines:
-        assert re.findall(r"3\.\d+", line) == classifier_versions(), line
+    assert any(str(page) == "README.md" for page, _ in lines), (
+        "no 'with Python 3.X' requirement line in the README"
+    )
+    for page, line in lines:
+        assert re.findall(r"3\.\d+", line) == classifier_versions(), f"{page}: {line}"
 
 
 def _fake_python(path: Path, version: str) -> Path:
