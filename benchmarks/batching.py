@@ -27,7 +27,7 @@ p50/p99, with ratios against the first contender. In one run:
                                                       # chunked prefill off, then on
     scripts/bench --scenarios g
 
-Results and the command behind them: README, "Benchmarks", scenario (g).
+Results and the command behind them: docs/benchmarks.md, scenario (g).
 """
 
 from __future__ import annotations

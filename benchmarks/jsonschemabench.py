@@ -23,7 +23,7 @@ corpus rather than hours::
     python -m benchmarks.jsonschemabench /work/jsb --per-split 5 --max-tokens 256
     python -m benchmarks.jsonschemabench /work/jsb --all --compile-only
 
-Results and the command behind them: README, "Structured outputs".
+Results and the command behind them: docs/structured-outputs.md.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ turn sent with the conversation so far, streamed, greedy, a fixed answer length
 ``--backend llama_cpp`` runs the embedded model's GGUF with its default prefix cache
 bound (half of the KV cells) against ``prefix_cache_tokens=0``.
 
-Results and the command behind them: README, "Benchmarks", prefix caching.
+Results and the command behind them: docs/benchmarks.md, prefix caching.
 """
 
 from __future__ import annotations

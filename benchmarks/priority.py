@@ -223,7 +223,7 @@ def load(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _markdown(rows: list[dict[str, Any]]) -> str:
-    """The rows as the README's table."""
+    """The rows as docs/priority.md's table."""
     keys = [
         "phase",
         "class",

@@ -14,7 +14,7 @@ machine's noise over both.
     python -m benchmarks.structured_overhead                 # embedded SmolLM2, CPU
     python -m benchmarks.structured_overhead --tokens 64 --rounds 3
 
-Results and the command behind them: README, "Structured outputs".
+Results and the command behind them: docs/structured-outputs.md.
 """
 
 from __future__ import annotations

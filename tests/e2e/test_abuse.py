@@ -2,7 +2,7 @@
 or contained, on a real uvicorn server on 127.0.0.1 run in this process (the daemon's
 app and HTTP protocol, over a testing pool of 2 workers).
 
-README, Security: a page in a browser cannot drive the daemon (Content-Type, Host,
+The docs, Security: a page in a browser cannot drive the daemon (Content-Type, Host,
 Origin); a request's cost is bounded up front; a client that stops reading a stream
 holds only its own request; connections have size, time and count limits; runs enter
 the pool round robin between clients.

@@ -6,7 +6,7 @@ than decodes before its deadline at the pool's measured rate, a Messages
 model whose ``generation_defaults`` say ``fit_to_context = false``, refused with the
 real numbers in Anthropic's words.
 
-README, The agent APIs.
+The docs, The agent APIs.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 reading the same directory in this process (cosine >= 0.9999), or for a rerank, the
 relevant document first with sentence-transformers' own cosine.
 
-README, Embeddings and reranking over HTTP.
+The docs, Embeddings and reranking over HTTP.
 """
 
 from __future__ import annotations

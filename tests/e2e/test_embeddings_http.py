@@ -5,7 +5,7 @@ reaching the right one; the shapes of OpenAI, Cohere/Jina, TEI and vLLM; base64;
 refusals that name their field; the API key, the request budget, the body bound and the
 client's fair share as on every route.
 
-README, Embeddings and reranking over HTTP.
+The docs, Embeddings and reranking over HTTP.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ unknown name's 404, /v1/models statuses, the admin load/unload routes behind the
 failing model's typed error at once, a request whose deadline passes during its model's
 load, keep_alive, per-model stats and metrics with a ``model`` label.
 
-README, Many models in one daemon.
+The docs, Many models in one daemon.
 """
 
 from __future__ import annotations

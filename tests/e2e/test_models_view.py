@@ -4,7 +4,7 @@ workers, idle time, when it unloads), ``modelpool stats`` per model, ``modelpool
 generate --url --model``, ``/v1/models`` naming the backend ``auto`` resolved to, and
 ``serve`` refusing a table whose model does not exist in one line.
 
-README, Many models in one daemon.
+The docs, Many models in one daemon.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ protections (key, Origin, deadline, cancel on disconnect) on these routes as on 
 others. Structured ``format`` runs on a tiny random hf model, whose free text is
 gibberish: a schema-valid answer is the grammar's doing.
 
-README, The Ollama API.
+The docs, The Ollama API.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def test_keep_alive_loads_and_unloads(client: ollama.Client) -> None:
     answer = client.generate(model="lazy", prompt="tokens:1", keep_alive=-1)
     assert answer.response == "t0 "
     # -1 keeps it as long as the operator's ttl_s (600 s) allows: no client keeps a
-    # shared model for ever (README, Many models).
+    # shared model for ever (docs, Many models).
     kept = {model.model: model for model in client.ps().models}["lazy"].expires_at
     assert kept is not None
     assert 540 < (kept - datetime.datetime.now(datetime.UTC)).total_seconds() <= 600

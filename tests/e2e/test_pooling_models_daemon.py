@@ -4,7 +4,7 @@ reaches its model, and the numbers are sentence-transformers' own for the same
 directories, read in this process: the vectors (cosine >= 0.9999), the cross-encoder's
 scores, and the embedding model's cosine scores when it reranks.
 
-README, Embeddings and reranking over HTTP.
+The docs, Embeddings and reranking over HTTP.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_each_route_reaches_its_model(http: httpx.Client) -> None:
 
 
 def test_keep_alive_counts_on_every_pooling_route(http: httpx.Client) -> None:
-    # The README: every request's keep_alive counts (issue 61: it was a 400 here).
+    # The docs: every request's keep_alive counts (issue 61: it was a 400 here).
     bodies = {
         "/v1/embeddings": {"model": "emb", "input": TEXTS},
         "/embed": {"model": "emb", "inputs": TEXTS},

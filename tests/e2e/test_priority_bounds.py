@@ -1,7 +1,7 @@
 """Priority and admission between clients (issue 58, the third review's findings 11 and 13),
 on a real uvicorn server on 127.0.0.1 in this process over a testing pool of one worker.
 
-README, Priority and queue-time bounds: a tenant's ``most_urgent_priority`` clamps its
+The docs, Priority and queue-time bounds: a tenant's ``most_urgent_priority`` clamps its
 requests (``X-Priority-Clamped``); a request ages once, on one clock, so that it waits
 at most ``priority_aging_s`` beyond first come first served end to end, not that in the
 fair share and again in the pool; with ``max_queue_time_s``, another client's backlog

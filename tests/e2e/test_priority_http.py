@@ -1,6 +1,6 @@
 """``priority`` and ``max_queue_time_s`` over HTTP, on a real daemon of one testing worker.
 
-README, Priority and queue-time bounds: a bad value is a 400 naming the field; a
+The docs, Priority and queue-time bounds: a bad value is a 400 naming the field; a
 higher-priority request goes into the pool before lower ones that waited longer (fair
 share applies within one priority); a request whose predicted wait passes its bound is
 a 429 ``queue_full`` at once, with a ``Retry-After``, and an accepted one is served; a

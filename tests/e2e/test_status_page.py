@@ -1,4 +1,4 @@
-"""The status page, /ui, in a real headless Chromium (README, The status page).
+"""The status page, /ui, in a real headless Chromium (docs, The status page).
 
 A daemon with an API key kills a worker whose request hangs past its deadline; the page,
 given the key in its URL fragment, shows that worker as killed and replaced (by the pid

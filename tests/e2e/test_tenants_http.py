@@ -7,7 +7,7 @@ tenant's table holds on every route that costs a request, tested from one table 
 routes that must list every such route of the app; only an operator loads and unloads
 models or sees ``/stats`` in full; an unauthenticated ``/readyz`` names no model.
 
-README, Security and limits: Tenants.
+The docs, Security and limits: Tenants.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces from a real daemon to a real OTLP/HTTP receiver (README, Tracing).
+"""OpenTelemetry traces from a real daemon to a real OTLP/HTTP receiver (docs, Tracing).
 
 The receiver is a plain HTTP server on 127.0.0.1 that decodes what the exporter sends
 (``ExportTraceServiceRequest``, protobuf). A request that hangs on its first worker is

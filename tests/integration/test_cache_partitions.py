@@ -1,7 +1,7 @@
 """The prefix cache partitioned by tenant and ``cache_salt`` through the daemon's routes
 (issue 40, review #4): the app in process over a real hf pool on the tiny model.
 
-README, Tenants: each tenant's prefix cache is its own, and within it each
+The docs, Tenants: each tenant's prefix cache is its own, and within it each
 ``cache_salt``'s; without keys and without a salt, requests share the default partition.
 Placement by prefix fingerprints follows the same partitions (``prefixes``).
 """

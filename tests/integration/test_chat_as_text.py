@@ -4,7 +4,7 @@ arguments stay text; only the chat template's own markers are special-token ids.
 through the daemon's ``/tokenize``. (The llama_cpp backend's test is in
 ``test_llama_cpp_backend.py``.)
 
-README, Security and limits: chat content is text.
+The docs, Security and limits: chat content is text.
 """
 
 from __future__ import annotations

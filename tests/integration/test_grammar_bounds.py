@@ -4,7 +4,7 @@ past ``grammar_compile_timeout_s`` stops consuming the worker's CPU when its req
 refusal rather than a dead worker, and a burst of distinct large grammars leaves the
 worker's RSS within a stated margin.
 
-README, Security and limits: grammar work in the worker.
+The docs, Security and limits: grammar work in the worker.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def test_hang_ends_in_deadline_exceeded_within_deadline() -> None:
 def test_an_error_names_its_request_and_each_attempt(
     prompt: str, error_type: type[Exception], outcome: str
 ) -> None:
-    """README, Errors: every error carries the request's id and its attempts, each with the
+    """The docs, Errors: every error carries the request's id and its attempts, each with the
     worker's pid, the outcome and how long it ran."""
     with open_pool(workers=2, retry=RetryPolicy(max_retries=0), deadline_s=0.5) as pool:
         pids = {w.pid for w in workers(pool)}
@@ -530,7 +530,7 @@ def start_fails(pool: ModelPool) -> tuple[ModelLoadFailed, float]:
 def test_model_load_failed_after_exactly_n_startup_failures_with_backoff(
     options: dict[str, Any], shown: str, limit: int
 ) -> None:
-    """README: a worker that dies during start-up is respawned with exponential backoff
+    """The docs: a worker that dies during start-up is respawned with exponential backoff
     (0.25 s, 0.5 s, ...); after startup_failures_before_giving_up in a row, the pool
     fails with ModelLoadFailed carrying the worker's traceback."""
     pool = ModelPool(

@@ -1,6 +1,6 @@
 """Preemption for priority, in real pools of testing workers (one-call and batched).
 
-README, Priority and queue-time bounds: with every slot taken by less urgent requests, a
+The docs, Priority and queue-time bounds: with every slot taken by less urgent requests, a
 more urgent one preempts the least urgent running request (``preempt_for_priority``, on
 by default); the preempted request is queued again, first of its priority, runs again
 from its prompt, and its caller's stream reads as one answer, no token twice and none

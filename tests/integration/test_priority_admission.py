@@ -1,6 +1,6 @@
 """Priority and admission by predicted wait, in a real pool of testing workers.
 
-README, Priority and queue-time bounds: ``priority`` (an int, lower first) orders the
+The docs, Priority and queue-time bounds: ``priority`` (an int, lower first) orders the
 queue; ``max_queue_time_s`` refuses at once (``QueueFull``, with how long to wait) a
 request whose predicted time to first token passes it, and never drops one it accepted;
 the observers get a record of each resolved request.

@@ -2,7 +2,7 @@
 keep_alive, each waiter's own deadline, the bounded wait, failures that stay one model's
 with backoff, a hanging load, and eviction within a measured budget.
 
-README, Many models: the rules these tests check, one by one.
+The docs, Many models: the rules these tests check, one by one.
 """
 
 from __future__ import annotations

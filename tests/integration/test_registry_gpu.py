@@ -5,7 +5,7 @@ pool, and the registry's own release checks, a scripted NVML that lists the test
 processes on "cuda:0" with the memory the test says (dropping a process once it is dead,
 as a driver does, unless the test keeps it listed: memory a dead worker did not give back).
 
-README, Many models: a budget that fits one model evicts the other before the load; a
+The docs, Many models: a budget that fits one model evicts the other before the load; a
 model too big for the budget is refused naming both numbers; a GPU release NVML does not
 confirm holds the next load back until it does.
 """

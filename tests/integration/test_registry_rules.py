@@ -4,7 +4,7 @@ across restarts and estimated from files, a request's peak that does not fail a 
 for good, evictions that keep what fits, swaps charged to the client that causes them,
 and load-waiter places shared between clients.
 
-README, Many models: the rules these tests check.
+The docs, Many models: the rules these tests check.
 """
 
 from __future__ import annotations

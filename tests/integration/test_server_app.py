@@ -1,7 +1,7 @@
 """The daemon's app and metrics in process, over a real pool: what a running daemon cannot
 show (the port opens only once the pool has started, and closes when a drain begins).
 
-README, The daemon: /readyz is 503 while the pool starts or the daemon drains, with
+The docs, The daemon: /readyz is 503 while the pool starts or the daemon drains, with
 Retry-After; a request that arrives while draining is a 503 with Retry-After; /metrics
 names every family, the pool state among them, and counts kills by reason.
 """

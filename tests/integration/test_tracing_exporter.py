@@ -1,7 +1,7 @@
 """Tracing's export side (issue 58, the third review's findings 9 and 10): a daemon's
 loads cost no thread and no exit hook (one exporter for every pool it loads), and a
 collector that accepts connections and never answers costs a bounded queue, the records
-past it dropped and counted in ``/stats`` and ``/metrics`` (README, Tracing)."""
+past it dropped and counted in ``/stats`` and ``/metrics`` (docs, Tracing)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The ``vllm:`` names in /metrics: the same figures as modelpool's own, labelled
-``model_name``, and gone with ``[server] vllm_metrics = false`` (README, Metrics)."""
+``model_name``, and gone with ``[server] vllm_metrics = false`` (docs, Metrics)."""
 
 from __future__ import annotations
 

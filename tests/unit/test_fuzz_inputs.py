@@ -520,7 +520,7 @@ def test_unpicklable_parameter_is_rejected_and_the_pool_survives() -> None:
 
 @pytest.mark.parametrize("deadline_s", [2.2e6, 1e12, 1e308])
 def test_long_deadline_is_served_and_does_not_crash_the_pool(deadline_s: float) -> None:
-    """Any finite deadline > 0 is valid (README); the ones beyond the selector's range
+    """Any finite deadline > 0 is valid (the docs); the ones beyond the selector's range
     crashed the dispatcher once."""
     with open_pool(workers=1, deadline_s=5.0) as fresh:
         assert fresh.submit("echo:x", deadline_s=deadline_s).result(timeout=10).text == "x"

@@ -114,7 +114,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
     ],
 )
 def test_chat_rejections_are_400_naming_the_field(body: dict[str, Any], param: str) -> None:
-    """README: what cannot be honoured is a 400 naming the field, never silently dropped."""
+    """The docs: what cannot be honoured is a 400 naming the field, never silently dropped."""
     with pytest.raises(ApiError) as info:
         parse_chat(body)
     assert info.value.status == 400

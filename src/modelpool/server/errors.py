@@ -1,4 +1,4 @@
-"""What each of the pool's typed errors answers over HTTP (the README's error table):
+"""What each of the pool's typed errors answers over HTTP (docs/library.md's Errors table):
 ``pool_error_to_api`` for the daemon's routes and its streams alike; ``error_response``
 writes an error in the shape of the route's API (Anthropic's under ``/v1/messages``,
 Ollama's under ``/api/``).
@@ -41,7 +41,7 @@ RETRY_AFTER_UNAVAILABLE = 5
 
 
 def pool_error_to_api(error: PoolError) -> ApiError:
-    """The HTTP status for each of the pool's typed errors (the README's error table)."""
+    """The HTTP status for each of the pool's typed errors (docs/library.md's Errors table)."""
     extra: dict[str, Any] = {
         "request_id": error.request_id,
         "attempts": [

@@ -12,7 +12,7 @@ directory that holds one and no transformers ``config.json``) runs on ``llama_cp
 when llama-cpp-python is installed, every worker's device is the CPU, and the
 ``backend_options`` given are ones llama_cpp takes. Anything else runs on ``hf``. On a
 CPU, llama.cpp decodes the embedded model several times faster than transformers
-(the README's benchmark: 6.6x a single stream); on a GPU the hf backend is the one that
+(docs/benchmarks.md: 6.6x a single stream); on a GPU the hf backend is the one that
 runs on it by default, so a GPU keeps hf.
 
 A pooling model's batch (``pooling_batch_size``): an embedding model or a cross-encoder

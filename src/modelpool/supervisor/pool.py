@@ -845,7 +845,7 @@ def _resolve_model(model: str, backend: str) -> str:
 
 
 def _backend_validator(backend: str) -> Callable[[dict[str, Any]], None] | None:
-    """The backend module's light ``validate(params)``, if it has one (see the README: Backends)."""
+    """The backend module's light ``validate(params)``, if it has one (see docs/backends.md)."""
     module_name = resolve_backend(backend).partition(":")[0]
     try:
         module = importlib.import_module(module_name)

@@ -42,7 +42,7 @@ COUNTER_NAMES = (
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    """A worker's prefix cache as it last reported it (hf backend; see the README)."""
+    """A worker's prefix cache as it last reported it (hf backend; see docs/batching.md)."""
 
     bytes: int
     limit_bytes: int
@@ -146,7 +146,7 @@ class PoolStats:
         return self.running / self.capacity if self.capacity else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict: the keys the README's Stats section lists."""
+        """A JSON-ready dict: the keys docs/observability.md's Stats section lists."""
         data = asdict(self)
         data["batch_occupancy"] = self.batch_occupancy
         return data

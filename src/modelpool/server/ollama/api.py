@@ -108,7 +108,7 @@ class OllamaApi:
                 registry.unload(model)
             elif unload:
                 # A tenant's keep_alive 0 ends its own use: the model unloads once idle
-                # only if no other client's use keeps it (README, Many models).
+                # only if no other client's use keeps it (docs/many-models.md).
                 registry.let_go(model, client_of(self._caller, self._state).name)
         if not unload:
             await serve()

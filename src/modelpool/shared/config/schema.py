@@ -93,8 +93,8 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """How a :class:`~modelpool.ModelPool` is built; the README's Configuration section
-    says what each field does."""
+    """How a :class:`~modelpool.ModelPool` is built; docs/configuration.md says what each
+    field does."""
 
     model: str
     # "auto": llama_cpp for a GGUF model on the CPU when llama-cpp-python is installed, else
@@ -248,7 +248,7 @@ class ServerConfig:
     model_name: str | None = None
     # /healthz fails when the server's own event loop runs a timer this late (seconds).
     max_event_loop_lag_s: float = 5.0
-    # Browser safety (README, Security): the Host names served (None: loopback names when
+    # Browser safety (docs/security.md): the Host names served (None: loopback names when
     # bound to a loopback address, any name otherwise; "*" is any), and the web origins
     # that may call the daemon (CORS; empty: a request with an Origin header is refused).
     allowed_hosts: tuple[str, ...] | None = None

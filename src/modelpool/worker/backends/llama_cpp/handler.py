@@ -1,6 +1,6 @@
 """The llama.cpp backend: a GGUF model per worker, run by llama.cpp through llama-cpp-python.
 
-The pool runs it as ``backend="llama_cpp"`` (install ``modelpool[llama]``; see the README,
+The pool runs it as ``backend="llama_cpp"`` (install ``modelpool[llama]``; see docs/backends.md,
 "The llama_cpp backend", for the build flags)::
 
     from modelpool.worker.backends.llama_cpp import load

@@ -41,7 +41,8 @@ LOAD_OPTIONS = frozenset(
 )
 DEFAULT_MAX_SEQUENCES = 64
 INSTALL_HINT = (
-    "pip install 'modelpool[llama]' (it compiles llama.cpp; README: The llama_cpp backend)"
+    "pip install 'modelpool[llama]' (it compiles llama.cpp; "
+    "docs/backends.md: The llama_cpp backend)"
 )
 ALL_LAYERS = -1  # llama.cpp: a negative n_gpu_layers puts every layer on the GPU
 SplitMode = Literal["none", "layer", "row"]

@@ -63,7 +63,8 @@ def probe_once(path: Path, layout: Placement) -> None:
             f"llama.cpp died of {name} decoding one token of {path.name} in a test process: "
             "this llama-cpp-python build likely uses CPU instructions this machine (or its "
             "sandbox) does not run; rebuild it with the portable flags of scripts/build-llama-cpp "
-            f"(README: The llama_cpp backend). Its last output: {_last_line(result.stderr)}"
+            "(docs/backends.md: The llama_cpp backend). Its last output: "
+            f"{_last_line(result.stderr)}"
         )
     if result.returncode != 0:
         raise BackendUnavailable(
