@@ -58,6 +58,36 @@ def test_clients_take_turns_and_a_cancelled_wait_leaks_nothing() -> None:
     assert snapshot == {"capacity": 1, **empty}
 
 
+def test_a_share_fitted_to_its_started_pool_lets_in_what_the_pool_can_run() -> None:
+    """A registry sizes a model's share before the load; a pooling model's pool then
+    starts with a batch of pooling_batch_size, and the share follows it."""
+
+    async def scenario() -> tuple[int, int]:
+        fair = share(capacity=1)
+        inside: list[str] = []
+        done = asyncio.Event()
+
+        async def run(client: str) -> None:
+            ticket = fair.reserve(client, 1)
+            try:
+                async with ticket.slot(deadline_s=10):
+                    inside.append(client)
+                    await done.wait()
+            finally:
+                ticket.close()
+
+        tasks = [asyncio.ensure_future(run(f"client{index}")) for index in range(3)]
+        await asyncio.wait_for(_until(lambda: len(inside) == 1), 5)
+        before = len(inside)
+        fair.fit_to_pool(3)
+        await asyncio.wait_for(_until(lambda: len(inside) == 3), 5)
+        done.set()
+        await asyncio.wait_for(asyncio.wait(tasks), 5)
+        return before, len(inside)
+
+    assert asyncio.run(scenario()) == (1, 3)
+
+
 async def _until(condition: Callable[[], bool]) -> None:
     while not condition():
         await asyncio.sleep(0)

@@ -92,6 +92,7 @@ class FairShare:
         # run could preempt.
         self._in_pool_by_priority: collections.Counter[int] = collections.Counter()
         self._client_priorities: dict[str, collections.Counter[int]] = {}
+        self._max_running_asked = max_running
         self.max_running = min(max_running or capacity, capacity)
         self.max_queued = max_queued
         self.max_waiting = max_waiting
@@ -319,6 +320,16 @@ class FairShare:
             if not own:
                 del self._client_priorities[client]
         self._last_active[client] = time.monotonic()
+        self._admit()
+
+    def fit_to_pool(self, capacity: int) -> None:
+        """Resize to the pool's real capacity, known only once it started: a registry's
+        share is sized from the configuration before the load, and a pooling model's
+        batch (``pooling_batch_size``) is chosen when its pool starts."""
+        if capacity == self.capacity:
+            return
+        self.capacity = capacity
+        self.max_running = min(self._max_running_asked or capacity, capacity)
         self._admit()
 
     def _admit(self) -> None:

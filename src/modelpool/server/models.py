@@ -163,7 +163,11 @@ async def serve(
     # The one thing left in the request's scope: what ModelUse releases once the
     # answer is out (a stream's last event included), which no handler's return can know.
     request.scope.setdefault("state", {}).setdefault(LEASES, []).append(lease)
-    share = state.shares.get(spec.name, state.fair_share)
+    share = state.shares.get(spec.name)
+    if share is None:
+        share = state.fair_share
+    else:
+        share.fit_to_pool(lease.pool.config.workers * lease.pool.config.max_batch_size)
     return Served(lease.pool, spec.name, share, lease, time.monotonic() - started)
 
 
