@@ -57,7 +57,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from modelpool.scheduling import placement, preemption, prefetch
-from modelpool.scheduling.queueing import PriorityCounts, WaitPredictor, dispatch_order
+from modelpool.scheduling.prediction import WaitPredictor
+from modelpool.scheduling.queueing import PriorityCounts, dispatch_order
 from modelpool.shared.config import PoolConfig
 from modelpool.shared.errors import (
     Attempt,
@@ -169,7 +170,7 @@ class Dispatcher:
             end_attempt=self._end_attempt,
             may_retry=lambda: not self.closing and self.failure is None,
             another_worker_exists=self.worker_manager.another_worker_exists,
-            queued=lambda request: self.priorities.queued(request.priority, 1),
+            queued=self._count_queued,
             note=self.observers.worker_event,
         )
         # A busy worker whose progress word stands still (stalls.py): its run times out,
@@ -215,10 +216,15 @@ class Dispatcher:
             return
         request.state = "queued"
         self.queue[request.request_id] = request
-        self.priorities.queued(request.priority, 1)
+        self._count_queued(request)
         request.deadline_timer = self.timers.call_at(
             request.deadline, self._on_request_deadline, request
         )
+
+    def _count_queued(self, request: Request) -> None:
+        """``request`` entered the queue: counted by priority, with its work as sized now."""
+        request.queued_work = self.predictor.work_of(request.size)
+        self.priorities.queued(request.priority, 1, request.queued_work)
 
     def count_overloaded(self, queue_full: bool = False) -> None:
         self.counters["overloaded"] += 1
@@ -555,7 +561,7 @@ class Dispatcher:
         request.attempt_log.append(run.record)
         if not run.prefetched:  # a prefetched one still counts against max_queue
             self._dequeued(request)
-        self.priorities.queued(request.priority, -1)
+        self.priorities.queued(request.priority, -1, request.queued_work)
         self.priorities.dispatched_one(request.priority)
         self.predictor.dispatched(preempted=False)
         request.state = "running"
@@ -638,7 +644,7 @@ class Dispatcher:
         if run.request is None:
             return
         if run.skip:  # a rerun after a preemption: what its caller saw is not sent twice
-            verdict, text = preemption.continue_stream(run, text)
+            verdict, text = run.continue_stream(text)
             if verdict == "diverged":
                 self._soft_cancel(worker, run, "diverged")
                 self._rerun_diverged(run)
@@ -696,6 +702,8 @@ class Dispatcher:
                 ttft_s=None if run.first_token_at is None else run.first_token_at - run.started_at,
                 prompt_tokens=generation.prompt_tokens,
                 completion_tokens=generation.completion_tokens,
+                prompt_chars=request.size.prompt_chars,
+                cut=generation.finish_reason == "length",
             )
         if cancelled:
             self._resolve_cancelled(request, generation.text, worker.pid, generation)
@@ -943,7 +951,7 @@ class Dispatcher:
         if request.state == "done":
             return False
         if request.state == "queued":
-            self.priorities.queued(request.priority, -1)
+            self.priorities.queued(request.priority, -1, request.queued_work)
         if request.state in ("queued", "backoff"):
             self.queue.pop(request.request_id, None)
         request.state = "done"

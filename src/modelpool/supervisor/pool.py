@@ -29,7 +29,10 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from modelpool.scheduling.queueing import ahead_of, arrival, urgent_share
+from modelpool.scheduling import admission
+from modelpool.scheduling.ordering import promotion_at
+from modelpool.scheduling.queueing import arrival
+from modelpool.scheduling.sizes import RunSize, size_of
 from modelpool.shared.config import PoolConfig, embedded_backend_options
 from modelpool.shared.embeddings import (
     EmbeddingResult,
@@ -57,6 +60,7 @@ from modelpool.shared.protocol import (
 from modelpool.shared.structured import constrain
 from modelpool.shared.validation import (
     PRIORITY_PARAM,
+    PROMOTED_AT_PARAM,
     check_deadline,
     check_generation_params,
     check_prompt,
@@ -238,28 +242,28 @@ class ModelPool:
         if on_worker is not None:
             observers.on_worker = [*observers.on_worker, on_worker]
 
-    def predicted_ttft(self, priority: int = 0, *, also_waiting: int = 0) -> float | None:
-        """Seconds a new request of ``priority`` would wait for its first token, from the
-        moving averages of finished runs and the requests queued ahead of it (lower or
-        equal priority), plus ``also_waiting`` more held elsewhere (the daemon's fair
-        share), over the share of the slots that recent dispatches left to its priority
-        (more urgent requests arriving meanwhile pass it). None before enough runs were
-        measured, or before start()."""
+    def predicted_ttft(
+        self, priority: int = 0, *, also_waiting: int = 0, size: RunSize | None = None
+    ) -> float | None:
+        """Seconds a new request of ``priority`` (and ``size``) would wait for its first
+        token (``scheduling.admission.predicted_ttft``): the work queued ahead of it, plus
+        ``also_waiting`` runs held elsewhere (the daemon's fair share). None before enough
+        runs were measured, or before start()."""
         loop = self._loop
         if loop is None:
             return None
-        dispatcher = loop.dispatcher
-        return dispatcher.predictor.predict_ttft(
-            ahead=ahead_of(dispatcher.priorities.waiting, priority) + also_waiting,
-            free=dispatcher.free_slots,
-            capacity=self.config.workers * self.config.max_batch_size,
-            urgent_share=urgent_share(dispatcher.priorities.dispatched, priority),
+        return admission.predicted_ttft(
+            loop.dispatcher,
+            capacity=self._capacity,
+            priority=priority,
+            also_waiting=also_waiting,
+            size=size,
         )
 
     def tokens_within(self, seconds: float) -> int | None:
         """The tokens a run can decode and still answer within ``seconds`` at the rates
-        this pool measured (``queueing.WaitPredictor.tokens_within``); None before
-        enough runs were measured, or before start()."""
+        this pool measured (``WaitPredictor.tokens_within``); None before enough runs were
+        measured, or before start()."""
         loop = self._loop
         return None if loop is None else loop.dispatcher.predictor.tokens_within(seconds)
 
@@ -270,42 +274,41 @@ class ModelPool:
         deadline_s: float,
         *,
         also_waiting: int = 0,
+        size: RunSize | None = None,
     ) -> float | None:
         """Raise ``QueueFull`` if a new request's predicted time to first token passes
-        ``max_queue_time_s`` (None: the pool's setting) or ``deadline_s``. No bound set, or
-        no prediction yet: nothing is refused. Returns the seconds by which the request,
-        admitted by its prediction, is to leave the queue, its deadline (None when none
-        was judged): ``due_in_s`` for :meth:`promotion_at`. Not ``max_queue_time_s``:
-        admitted ones are promoted only to keep them from timing out; promoting them at
-        the bound would put nearly every one ahead of the more urgent requests."""
-        limit = self.config.max_queue_time_s if max_queue_time_s is None else max_queue_time_s
-        if limit is None or limit == float("inf"):
-            return None
-        predicted = self.predicted_ttft(priority, also_waiting=also_waiting)
-        bound = min(limit, deadline_s)
-        if predicted is None:
-            return None
-        if predicted <= bound:
-            return deadline_s
+        ``max_queue_time_s`` (None: the pool's setting) or ``deadline_s``
+        (``scheduling.admission.judge``); returns its ``due_in_s`` for
+        :meth:`promotion_at`, None when nothing was judged."""
         loop = self._loop
-        if loop is not None:
+        if loop is None:
+            return None
+        limit = self.config.max_queue_time_s if max_queue_time_s is None else max_queue_time_s
+        try:
+            return admission.judge(
+                loop.dispatcher,
+                capacity=self._capacity,
+                priority=priority,
+                limit_s=limit,
+                deadline_s=deadline_s,
+                also_waiting=also_waiting,
+                size=size,
+            )
+        except QueueFull:
             loop.post(loop.dispatcher.count_overloaded, True)
-        which = "max_queue_time_s" if limit <= deadline_s else "the deadline"
-        raise QueueFull(
-            f"the predicted time to first token ({predicted:.2f} s) passes {which} "
-            f"({bound:g} s): not queued",
-            predicted_ttft_s=predicted,
-            retry_after_s=predicted - bound,
-        )
+            raise
 
     def promotion_at(self, now: float, due_in_s: float | None) -> float:
         """When a request admitted at ``now`` with ``due_in_s`` (:meth:`check_admission`)
-        is promoted ahead of every younger request (``queueing.promoted``): its deadline,
-        less a few runs' time for it to reach a slot and answer. Never, without a bound."""
+        is promoted ahead of every younger request (``scheduling.admission.promotion_at``)."""
         loop = self._loop
-        if due_in_s is None or loop is None:
+        if loop is None:
             return math.inf
-        return now + max(0.0, due_in_s - loop.dispatcher.predictor.promotion_lead_s())
+        return admission.promotion_at(loop.dispatcher.predictor, now, due_in_s)
+
+    @property
+    def _capacity(self) -> int:
+        return self.config.workers * self.config.max_batch_size
 
     def close(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop accepting requests, finish (``drain``) or fail in-flight ones, stop every worker.
@@ -693,6 +696,7 @@ class ModelPool:
             check_deadline(deadline_s)
         gen_kwargs = dict(gen_kwargs)
         priority, max_queue_time_s, traceparent, admitted = check_queue_params(gen_kwargs)
+        gen_kwargs.pop(PROMOTED_AT_PARAM, None)  # the pool's to set, not a caller's
         if priority:
             gen_kwargs[PRIORITY_PARAM] = priority  # for the worker's scheduler too
         gen_kwargs = constrain(gen_kwargs, self.config.grammar_compile_timeout_s)
@@ -709,11 +713,9 @@ class ModelPool:
         if not isinstance(prompt, _NOT_GENERATIONS):
             # In the request's partition of the workers' prefix caches (its cache_salt).
             fingerprints = prompt_fingerprints(prompt, partition_of(params))
-        try:
-            # The caller's own params only: the worker adds the defaults it was given once.
-            payload = encode_request(prompt, gen_kwargs)
-        except Exception as exc:
-            raise InvalidRequest(f"the request cannot be sent to a worker: {exc!r}") from exc
+        # A generation's only: an embedding's params are the pool's defaults, unused.
+        max_new_tokens = params.get("max_new_tokens") if generation else None
+        size = size_of(prompt, max_new_tokens)
         loop = self._loop
         self._check_owner()
         if self._closed:
@@ -738,11 +740,22 @@ class ModelPool:
             due_in_s: float | None = deadline_s
         else:
             try:
-                due_in_s = self.check_admission(priority, max_queue_time_s, deadline_s)
+                due_in_s = self.check_admission(priority, max_queue_time_s, deadline_s, size=size)
             except QueueFull:
                 self._on_dequeued()
                 raise
         now = time.monotonic()
+        arrived, due_at = arrival(now), self.promotion_at(now, due_in_s)
+        # The worker's scheduler orders by the pool's rule (scheduling.ordering).
+        gen_kwargs[PROMOTED_AT_PARAM] = promotion_at(
+            waiting_since=arrived, due_at=due_at, aging_s=self.config.priority_aging_s
+        )
+        try:
+            # The caller's own params only: the worker adds the defaults it was given once.
+            payload = encode_request(prompt, gen_kwargs)
+        except Exception as exc:
+            self._on_dequeued()
+            raise InvalidRequest(f"the request cannot be sent to a worker: {exc!r}") from exc
         request_id = f"req-{self._id_prefix}{next(self._request_numbers):x}"
         future = PoolFuture(request_id, self._cancel_from_future)
         request = Request(
@@ -750,15 +763,15 @@ class ModelPool:
             payload=payload,
             future=future,
             submitted_at=now,
-            arrived_at=arrival(now),
+            arrived_at=arrived,
             deadline=now + deadline_s,
             on_chunk=on_chunk,
             counted_chunks=counted,
             prefix_fingerprints=fingerprints,
             priority=priority,
-            due_at=self.promotion_at(now, due_in_s),
-            # A generation's only: an embedding's params are the pool's defaults, unused.
-            max_new_tokens=params.get("max_new_tokens") if generation else None,
+            due_at=due_at,
+            max_new_tokens=max_new_tokens,
+            size=size,
             traceparent=traceparent,
             reproducible=_reproducible(params),
         )
