@@ -10,8 +10,9 @@ prompt tokens per character) and a quantile of the model's answer lengths. From 
   ``ANSWER_QUANTILE`` of the answer lengths of the last ``ANSWER_WINDOW`` runs, where an
   answer cut at its maximum (finish_reason "length") counts as longer than any (it would
   have gone on), so the cap is known only while most answers end on their own. A run
-  with no maximum and no cap yet, or any run while a rate is unmeasured, counts at the
-  mean run plus its spread (what the pool measured, whatever the sizes);
+  with no maximum and no cap yet, or any run while no decode rate is measured, counts at
+  the mean run plus its spread (what the pool measured, whatever the sizes); where the
+  backend reports no prompt tokens, a prefill counts at the mean time to a first token;
 - a new request's predicted time to first token given the work queued ahead of it and
   the share of the slots that more urgent requests took of the last dispatches (they
   will pass it too), and of the slot time lost to runs they preempted
@@ -138,14 +139,17 @@ class WaitPredictor:
 
     def seconds_of(self, work: Work) -> float:
         """The runs of ``work`` end to end, one after another: the sized ones from their
-        tokens at the measured rates, the others (and all, while a rate is unmeasured)
-        at the mean run."""
+        tokens at the measured rates, the others (and all, while no decode rate is
+        measured) at the mean run."""
         prefill, decode = self.prefill_tokens_per_s, self.decode_tokens_per_s
-        if prefill <= 0 or decode <= 0:
+        if decode <= 0:
             return work.runs * self.mean_run_s()
         prompt = work.prompt_tokens + work.prompt_chars * self.tokens_per_char
+        # Where the backend reports no prompt tokens, a prefill takes the mean time to a
+        # first token.
+        prefill_s = prompt / prefill if prefill > 0 else work.sized * self.ttft_s
         decoding = max(0, work.output_tokens - work.sized)  # the first comes with the prefill
-        return prompt / prefill + decoding / decode + work.unsized * self.mean_run_s()
+        return prefill_s + decoding / decode + work.unsized * self.mean_run_s()
 
     def first_token_s(self, size: RunSize | None) -> float:
         """A run's own time to its first token: its prompt at the prefill rate when it is
