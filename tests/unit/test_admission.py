@@ -12,7 +12,7 @@ from modelpool import QueueFull
 from modelpool.scheduling import admission
 from modelpool.scheduling.prediction import ANSWER_WINDOW, WaitPredictor
 from modelpool.scheduling.queueing import PriorityCounts
-from modelpool.scheduling.sizes import RunSize, Work, size_of
+from modelpool.scheduling.sizes import NOTHING_IN_FLIGHT, RunSize, Work, size_of
 from modelpool.shared.protocol import TokenIds
 
 
@@ -23,6 +23,11 @@ class _State:
         self.predictor = predictor
         self.priorities = PriorityCounts()
         self.free_slots = free_slots
+        self.in_flight = NOTHING_IN_FLIGHT
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
 
     def queue(self, size: RunSize, priority: int = 0) -> None:
         self.priorities.queued(priority, 1, self.predictor.work_of(size))
@@ -32,26 +37,27 @@ def _short_history() -> WaitPredictor:
     """Runs of two tokens, 50 ms apart, cut at their maximum of two (``cut``)."""
     predictor = WaitPredictor()
     for _ in range(4):
-        predictor.observe(
-            run_s=0.1, ttft_s=0.05, prompt_tokens=None, completion_tokens=2, cut=True
-        )
+        predictor.observe(run_s=0.1, ttft_s=0.05, prompt_tokens=None, completion_tokens=2, cut=True)
     return predictor
 
 
 def test_long_runs_queued_behind_short_history_are_predicted_long() -> None:
     """The issue's case: one slot, three runs of 60 tokens at 50 ms queued after a few
-    short runs. At the mean run they are 0.1 s each (admitted under a 2 s bound); from
-    their sizes about 3 s each."""
+    short runs, behind one such run 1 s in. At the mean run they are 0.1 s each (admitted
+    under a 2 s bound); from their sizes 3 s each, and 2 s left of the running one."""
     predictor = _short_history()
     assert predictor.decode_tokens_per_s == pytest.approx(20.0)
     state = _State(predictor)
+    long_run = RunSize(prompt_chars=14, max_new_tokens=60)
+    state.in_flight = state.in_flight.sent(predictor.work_of(long_run), started_at=0.0)
+    state.now = 1.0
     for _ in range(3):
-        state.queue(RunSize(prompt_chars=14, max_new_tokens=60))
+        state.queue(long_run)
     mean_rule = predictor.predict_ttft(ahead=Work(unsized=3), free=0, capacity=1)
     assert mean_rule is not None and mean_rule < 2.0
     predicted = admission.predicted_ttft(state, capacity=1, priority=0)
     assert predicted is not None
-    assert predicted == pytest.approx(3 * (0.05 + 59 / 20) + 0.1 + 0.05)
+    assert predicted == pytest.approx(3 * (0.05 + 59 / 20) + 2.0 + 0.05)
     with pytest.raises(QueueFull) as refused:
         admission.judge(state, capacity=1, priority=0, limit_s=2.0, deadline_s=30.0)
     assert refused.value.retry_after_s == pytest.approx(predicted - 2.0)
@@ -69,9 +75,7 @@ def test_the_expected_output_is_capped_by_the_answers_measured() -> None:
     assert predictor.work_of(RunSize(prompt_tokens=8, max_new_tokens=4)).output_tokens == 4
     assert predictor.work_of(RunSize(prompt_tokens=8)).output_tokens == 10
     for _ in range(ANSWER_WINDOW):
-        predictor.observe(
-            run_s=0.5, ttft_s=0.05, prompt_tokens=8, completion_tokens=16, cut=True
-        )
+        predictor.observe(run_s=0.5, ttft_s=0.05, prompt_tokens=8, completion_tokens=16, cut=True)
     assert predictor.answer_cap == math.inf
     assert predictor.work_of(RunSize(prompt_tokens=8)) == Work(unsized=1)
     assert predictor.work_of(RunSize(max_new_tokens=500)).output_tokens == 500

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from modelpool.scheduling.prediction import WaitPredictor
 from modelpool.scheduling.queueing import PriorityCounts, ahead_of, urgent_share
-from modelpool.scheduling.sizes import RunSize, Work
+from modelpool.scheduling.sizes import InFlight, RunSize, Work
 from modelpool.shared.errors import QueueFull
 
 
@@ -38,6 +38,11 @@ class QueueState(Protocol):
     @property
     def free_slots(self) -> int: ...
 
+    @property
+    def in_flight(self) -> InFlight: ...
+
+    def clock(self) -> float: ...
+
 
 def predicted_ttft(
     state: QueueState,
@@ -48,7 +53,8 @@ def predicted_ttft(
     size: RunSize | None = None,
 ) -> float | None:
     """Seconds a new request of ``priority`` (and ``size``, when known) would wait for its
-    first token: the work queued ahead of it (lower or equal priority), plus
+    first token: what is left of the runs on workers, the work queued ahead of it (lower
+    or equal priority), plus
     ``also_waiting`` runs held elsewhere (the daemon's fair share, of unknown size: at the
     mean run), over the share of the slots that recent dispatches left to its priority.
     None before enough runs were measured."""
@@ -59,6 +65,8 @@ def predicted_ttft(
         capacity=capacity,
         urgent_share=urgent_share(priorities.dispatched, priority),
         size=size,
+        in_flight=state.in_flight,
+        now=state.clock(),
     )
 
 

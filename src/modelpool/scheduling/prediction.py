@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from modelpool.scheduling.sizes import RunSize, Work
+from modelpool.scheduling.sizes import InFlight, RunSize, Work
 
 # Weight of the newest run in the moving averages: about the last 20 runs count.
 EWMA_WEIGHT = 0.1
@@ -167,23 +167,28 @@ class WaitPredictor:
         capacity: int,
         urgent_share: float = 0.0,
         size: RunSize | None = None,
+        in_flight: InFlight | None = None,
+        now: float = 0.0,
     ) -> float | None:
-        """Seconds until a new request's first token (of ``size``; None: unknown). It
-        leaves the queue once ``ahead.runs - free + 1`` runs have ended: that share of the
-        work ``ahead`` of it (its runs' own seconds, ``seconds_of``), and a running one
-        at the mean run when it is next, ``capacity`` slots working at once, of which
+        """Seconds until a new request's first token (of ``size``; None: unknown). With
+        fewer runs ahead of it than ``free`` slots, its own time to first token. Else it
+        starts once the work ``ahead`` of it (each run's own seconds, ``seconds_of``) and
+        what is left at ``now`` of the runs ``in_flight`` on workers (None: unknown, one
+        mean run) are done, ``capacity`` slots working at once, of which
         ``urgent_share`` go to more urgent requests that arrive meanwhile and pass it
         and, when there are such, ``preempted_share`` are lost to runs they preempt
-        (those run again, first); then its own time to first token. None until measured."""
+        (those run again, first). None until measured."""
         if self.samples < MIN_SAMPLES or capacity <= 0:
             return None
         own = self.first_token_s(size)
-        in_line = max(0, ahead.runs - free + 1)
-        if in_line == 0:
+        if ahead.runs < free:
             return own
-        share_ahead = min(in_line, ahead.runs) / ahead.runs if ahead.runs else 0.0
-        ending_s = self.seconds_of(ahead) * share_ahead
-        ending_s += max(0, in_line - ahead.runs) * self.mean_run_s()
+        if in_flight is None:
+            left_in_flight = self.mean_run_s()
+        else:
+            done_s = in_flight.elapsed_s(now)
+            left_in_flight = max(0.0, self.seconds_of(in_flight.work) - done_s)
+        ending_s = self.seconds_of(ahead) + left_in_flight
         lost = self.preempted_share if urgent_share > 0 else 0.0
         left_for_it = max(1.0 - urgent_share - lost, MIN_SHARE)
         return ending_s / (capacity * left_for_it) + own

@@ -63,6 +63,40 @@ class Work:
 
 
 NO_WORK = Work()
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """The runs on workers, summed: their ``work`` (as it was queued), and of those
+    started (not prefetched), how many and the sum of their start times, which say how
+    much of that work is done by now."""
+
+    work: Work = Work()
+    started: int = 0
+    started_at_sum: float = 0.0
+
+    def sent(self, work: Work, *, started_at: float | None) -> InFlight:
+        """A run of ``work`` went to a worker, started then (None: prefetched)."""
+        if started_at is None:
+            return InFlight(self.work + work, self.started, self.started_at_sum)
+        return InFlight(self.work + work, self.started + 1, self.started_at_sum + started_at)
+
+    def started_one(self, started_at: float) -> InFlight:
+        """A prefetched run started."""
+        return InFlight(self.work, self.started + 1, self.started_at_sum + started_at)
+
+    def ended(self, work: Work, *, started_at: float | None) -> InFlight:
+        """A run left its worker (``started_at``: when it started; None: never did)."""
+        if started_at is None:
+            return InFlight(self.work - work, self.started, self.started_at_sum)
+        return InFlight(self.work - work, self.started - 1, self.started_at_sum - started_at)
+
+    def elapsed_s(self, now: float) -> float:
+        """The run-seconds the started runs have had by ``now``."""
+        return max(0.0, self.started * now - self.started_at_sum)
+
+
+NOTHING_IN_FLIGHT = InFlight()
 UNKNOWN_SIZE = RunSize()
 
 

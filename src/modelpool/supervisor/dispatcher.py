@@ -56,9 +56,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from modelpool.scheduling import placement, preemption, prefetch
+from modelpool.scheduling import placement, plan
 from modelpool.scheduling.prediction import WaitPredictor
-from modelpool.scheduling.queueing import PriorityCounts, dispatch_order
+from modelpool.scheduling.queueing import PriorityCounts
+from modelpool.scheduling.sizes import NOTHING_IN_FLIGHT
 from modelpool.shared.config import PoolConfig
 from modelpool.shared.errors import (
     Attempt,
@@ -144,6 +145,7 @@ class Dispatcher:
         self.observers = observers or Observers()
         self.predictor = WaitPredictor()
         self.priorities = PriorityCounts()
+        self.in_flight = NOTHING_IN_FLIGHT  # the runs on workers: their work (sizes.py)
 
         # The worker side: slots, start-up, recycling, signals, memory (worker_manager.py). It
         # shares the clock, the timers and the counters, and holds the worker records.
@@ -437,71 +439,57 @@ class Dispatcher:
     # ---- requests to workers -------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Hand queued requests to workers, by the rules of ``placement.py``, after taking
-        back the prefetched runs that should not wait where they are (``prefetch.py``);
-        with every slot taken, preempt for the more urgent ones that still wait
-        (``preemption.py``)."""
+        """Apply the schedule (``scheduling.plan``), step by step: take back the
+        prefetched runs that should not wait where they are, hand queued requests to
+        workers, and with every slot taken preempt for the more urgent ones that still
+        wait, handing each the slot of its victim."""
+        config, retire_reason = self.config, self.worker_manager.retire_reason
         if self.prefetched:
-            by_priority = self.priorities.waiting
-            for run in prefetch.recalls(
+            for run in plan.take_back(
                 self.prefetched.values(),
                 self.workers.values(),
-                self.worker_manager.retire_reason,
-                min(by_priority) if by_priority else None,
+                retire_reason,
+                self.priorities.waiting,
                 queued=len(self.queue),
                 now=self.clock(),
-                aging_s=self.config.priority_aging_s,
+                aging_s=config.priority_aging_s,
             ):
                 self.retries.requeue(self._drop_prefetched(run))
         if not self.queue:
             return
-        may_preempt = self.config.preempt_for_priority and preemption.worth_looking(
-            self.priorities.waiting, self.workers.values()
-        )
-        # While a waiting request could preempt, nothing is prefetched: an urgent request
-        # held behind a less urgent run would wait for it instead of taking its slot.
-        capacity = _slots_only if may_preempt else self._capacities()
-        open_workers = placement.open_workers(
-            self.workers.values(), self.worker_manager.retire_reason, capacity
-        )
-        if not open_workers and not may_preempt:
-            return
         now = self.clock()
-        order = dispatch_order(
+        placed = plan.place(
             self.queue.values(),
+            list(self.workers.values()),
+            config=config,
+            retire_reason=retire_reason,
+            waiting_by_priority=self.priorities.waiting,
+            run_s=self.predictor.run_s,
             now=now,
-            aging_s=self.config.priority_aging_s,
-            priorities=len(self.priorities.waiting),
         )
-        for request, worker in placement.assign(order, open_workers, capacity):
-            del self.queue[request.request_id]
-            self._dispatch(request, worker)
-        if not may_preempt or any(len(w.runs) < w.slots for w in open_workers):
-            return  # a free slot left: what still waits waits for a rule, not a slot
-        waiting = [request for request in order if request.state == "queued"]
-        pairs = preemption.choose_victims(
-            waiting,
+        self._dispatch_all(placed.dispatch)
+        pairs = plan.victims(
+            placed,
             self.workers.values(),
+            still_waiting=lambda request: request.state == "queued",
             now=now,
-            aging_s=self.config.priority_aging_s,
-            min_time_left_s=2 * self.predictor.run_s,
+            aging_s=config.priority_aging_s,
+            run_s=self.predictor.run_s,
         )
         for run, _ in pairs:
             self._preempt(run)
         if pairs:
-            self._hand_over([run.worker for run, _ in pairs], [request for _, request in pairs])
+            self._dispatch_all(
+                plan.hand_over(
+                    [run.worker for run, _ in pairs],
+                    [request for _, request in pairs],
+                    config=config,
+                    retire_reason=retire_reason,
+                )
+            )
 
-    def _hand_over(self, workers: list[Worker], requests: list[Request]) -> None:
-        """Send ``requests`` to the workers of the runs just preempted for them, now, into
-        the slots those runs are letting go (``preemption.handover_capacity``), by
-        placement's rules: a request a worker may not take there waits for a slot as before."""
-        retire_reason = self.worker_manager.retire_reason
-
-        def capacity(worker: Worker) -> int:
-            return preemption.handover_capacity(worker, self.config, retire_reason)
-
-        open_workers = placement.open_workers(dict.fromkeys(workers), retire_reason, capacity)
-        for request, worker in placement.assign(requests, open_workers, capacity):
+    def _dispatch_all(self, assignments: list[tuple[Request, Worker]]) -> None:
+        for request, worker in assignments:
             del self.queue[request.request_id]
             self._dispatch(request, worker)
 
@@ -518,17 +506,6 @@ class Dispatcher:
         if request.streamed and len(request.last_partial) > len(request.shown):
             request.shown = request.last_partial  # what its caller has seen (rerun: all of it)
         self.retries.requeue(request)
-
-    def _capacities(self) -> Callable[[Worker], int]:
-        """The runs each worker may hold now (``prefetch.capacity``), worked out once for
-        a pump: placement asks it for every worker, more than once."""
-        prefetched = prefetch.depth(self.predictor.run_s)
-        retire_reason = self.worker_manager.retire_reason
-        held = {
-            worker.id: prefetch.capacity(worker, self.config, retire_reason, prefetched)
-            for worker in self.workers.values()
-        }
-        return lambda worker: held[worker.id]
 
     def _dispatch(self, request: Request, worker: Worker) -> None:
         now = self.clock()
@@ -547,7 +524,10 @@ class Dispatcher:
             alone=worker.slots > 1 and request.isolated,
             skip=request.shown,
             prefetched=worker.slots == 1 and bool(worker.runs),
+            work=request.queued_work,
         )
+        started_at = None if run.prefetched else now
+        self.in_flight = self.in_flight.sent(run.work, started_at=started_at)
         if not worker.runs:
             # One-call workers: the stall clock starts at the first progress after the worker
             # became busy (a long prefill is not a stall). A batched worker's starts now: its
@@ -606,6 +586,7 @@ class Dispatcher:
         run.prefetched = False
         self.prefetched.pop(run.attempt_id, None)
         now = run.started_at = self.clock()
+        self.in_flight = self.in_flight.started_one(now)
         if run.record is not None:
             run.record.started_at = now
         assert worker.io is not None
@@ -935,6 +916,8 @@ class Dispatcher:
         assert request is not None
         run.request = None
         request.run = None
+        started_at = None if run.prefetched else run.started_at
+        self.in_flight = self.in_flight.ended(run.work, started_at=started_at)
         self.prefetched.pop(run.attempt_id, None)
         self.timers.cancel(run.deadline_timer)
         if run.record is not None:
@@ -1065,7 +1048,3 @@ class Dispatcher:
             self._started_reported = True
             self.on_started(error)
 
-
-def _slots_only(worker: Worker) -> int:
-    """The runs ``worker`` may hold when nothing is to be prefetched: its slots."""
-    return worker.slots

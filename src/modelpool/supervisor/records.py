@@ -200,6 +200,7 @@ class Run:
     # again), and how much of its own text has arrived.
     skip: str = ""
     produced: int = 0
+    work: Work = NO_WORK  # its request's queued work, in the pool's work in flight
 
     def partial_text(self) -> str:
         return "".join(self.chunks)
