@@ -48,7 +48,6 @@ deadline, taken back in ``_pump``), ``on_exit`` requeues them.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import signal
@@ -56,14 +55,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from modelpool.scheduling import placement, plan
+from modelpool.scheduling import plan
 from modelpool.scheduling.prediction import WaitPredictor
 from modelpool.scheduling.queueing import PriorityCounts
 from modelpool.scheduling.sizes import NOTHING_IN_FLIGHT
 from modelpool.shared.config import PoolConfig
 from modelpool.shared.errors import (
     Attempt,
-    BackendError,
     DeadlineExceeded,
     ModelLoadFailed,
     Outcome,
@@ -71,11 +69,9 @@ from modelpool.shared.errors import (
     PoolError,
     WorkerCrashed,
 )
-from modelpool.shared.protocol import Generation, PrefixCacheReport, TokenCounts
 from modelpool.supervisor.observe import (
     AttemptRecord,
     Observers,
-    RequestStatus,
     WorkerEvent,
 )
 from modelpool.supervisor.records import (
@@ -84,14 +80,13 @@ from modelpool.supervisor.records import (
     Run,
     TimerHeap,
     Worker,
-    request_record,
 )
-from modelpool.supervisor.results import set_future
+from modelpool.supervisor.resolution import Resolution
 from modelpool.supervisor.retries import Retries
 from modelpool.supervisor.stalls import StallWatch
 from modelpool.supervisor.stats import COUNTER_NAMES, DeviceStats, PoolStats, percentiles
-from modelpool.supervisor.worker_errors import typed_backend_error, worker_refusal
 from modelpool.supervisor.worker_manager import WorkerManager
+from modelpool.supervisor.worker_messages import WorkerMessages
 
 logger = logging.getLogger(__name__)
 worker_logger = logging.getLogger("modelpool.worker")
@@ -147,6 +142,19 @@ class Dispatcher:
         self.priorities = PriorityCounts()
         self.in_flight = NOTHING_IN_FLIGHT  # the runs on workers: their work (sizes.py)
 
+        # How requests end: futures, counters, observers (resolution.py).
+        self.resolution = Resolution(
+            clock=clock,
+            live=self.live,
+            queue=self.queue,
+            priorities=self.priorities,
+            timers=self.timers,
+            counters=self.counters,
+            latencies=self.latencies,
+            observers=self.observers,
+            unpin=lambda request: self.retries.unpin(request),
+            on_dequeued=on_dequeued,
+        )
         # The worker side: slots, start-up, recycling, signals, memory (worker_manager.py). It
         # shares the clock, the timers and the counters, and holds the worker records.
         self.worker_manager = WorkerManager(
@@ -168,12 +176,25 @@ class Dispatcher:
             timers=self.timers,
             counters=self.counters,
             queue=self.queue,
-            fail=self._fail,
+            fail=self.resolution.fail,
             end_attempt=self._end_attempt,
             may_retry=lambda: not self.closing and self.failure is None,
             another_worker_exists=self.worker_manager.another_worker_exists,
             queued=self._count_queued,
             note=self.observers.worker_event,
+        )
+        # What workers send: chunks, answers, errors, room reports (worker_messages.py).
+        self.messages = WorkerMessages(
+            clock=clock,
+            counters=self.counters,
+            workers=self.workers,
+            predictor=self.predictor,
+            resolution=self.resolution,
+            retries=self.retries,
+            worker_manager=self.worker_manager,
+            end_attempt=self._end_attempt,
+            run_ended=self._run_ended,
+            soft_cancel=self._soft_cancel,
         )
         # A busy worker whose progress word stands still (stalls.py): its run times out,
         # or its whole batch is lost.
@@ -206,15 +227,15 @@ class Dispatcher:
         if request.future.done():  # cancelled by its caller before we saw it
             self.counters["cancelled"] += 1
             request.state = "done"
-            self._dequeued(request)
+            self.resolution.dequeued(request)
             return
         self.live[request.request_id] = request
         failure = self.load_failure()
         if failure is not None:
-            self._fail(request, failure)
+            self.resolution.fail(request, failure)
             return
         if self.closing:
-            self._fail(request, PoolClosed("the pool is closing"))
+            self.resolution.fail(request, PoolClosed("the pool is closing"))
             return
         request.state = "queued"
         self.queue[request.request_id] = request
@@ -249,45 +270,20 @@ class Dispatcher:
         if request.state in ("queued", "backoff"):
             self.queue.pop(request_id, None)
             # A preempted request waiting to run again has shown its caller this much.
-            self._resolve_cancelled(request, request.shown, None)
+            self.resolution.cancelled(request, request.shown, None)
             return
         run = request.run
         if request.state != "running" or run is None or request.cancel_requested:
             return
         if run.prefetched:
-            self._resolve_cancelled(self._drop_prefetched(run), "", None)
+            self.resolution.cancelled(self._drop_prefetched(run), "", None)
             return
         request.cancel_requested = True
         worker = run.worker
         self._soft_cancel(worker, run, "cancel")
 
     def on_message(self, worker: Worker, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "chunk":
-            self._on_chunk(worker, *message[1:])
-        elif kind == "done":
-            self._on_done(worker, message[1], message[2], message[3])
-        elif kind == "error":
-            self._on_error(worker, *message[1:])
-        elif kind == "batch_error":
-            self._on_batch_error(worker, *message[1:])
-        elif kind == "room":
-            self._on_room(worker, message[1], message[2])
-        elif kind == "withdrawn":
-            self._on_withdrawn(worker, message[1])
-        elif kind == "prefix_cache" and isinstance(message[1], PrefixCacheReport):
-            worker.prefix_cache = message[1]
-        elif kind == "log":
-            _, levelno, name, text = message
-            worker_logger.log(
-                levelno, "[worker %d pid %s] %s: %s", worker.id, worker.pid, name, text
-            )
-        elif kind == "ready":
-            self.worker_manager.on_ready(worker, *message[1:])
-        elif kind == "load_failed":
-            worker.load_error = message[1]
-        else:
-            logger.warning("worker %d sent an unknown message kind %r", worker.id, kind)
+        self.messages.on_message(worker, message)
 
     def channel_closed(self, worker: Worker) -> None:
         """The worker's socket reached end of file. Its exit normally follows within
@@ -371,7 +367,7 @@ class Dispatcher:
         The event loop stops taking commands right after, so nothing new waits on it.
         """
         for request in list(self.live.values()):
-            self._fail(request, PoolError(f"the pool's dispatcher failed: {error!r}"))
+            self.resolution.fail(request, PoolError(f"the pool's dispatcher failed: {error!r}"))
         self.worker_manager.kill_all()
         self.crashed = True
         self.state = "failed"
@@ -540,7 +536,7 @@ class Dispatcher:
         run.record = AttemptRecord(run.attempt_id, worker.id, worker.pid, now)
         request.attempt_log.append(run.record)
         if not run.prefetched:  # a prefetched one still counts against max_queue
-            self._dequeued(request)
+            self.resolution.dequeued(request)
         self.priorities.queued(request.priority, -1, request.queued_work)
         self.priorities.dispatched_one(request.priority)
         self.predictor.dispatched(preempted=False)
@@ -558,11 +554,6 @@ class Dispatcher:
         # Else the request's own deadline timer ends the attempt (_on_request_deadline),
         # at the same time and the same way: one timer per request, not two.
         self.stalls.watch()
-
-    def _dequeued(self, request: Request) -> None:
-        if request.counted_as_queued:
-            request.counted_as_queued = False
-            self.on_dequeued()
 
     def _drop_prefetched(self, run: Run) -> Request:
         """Detach a prefetched run, unstarted and uncharged: its cancel word makes the worker
@@ -596,169 +587,13 @@ class Dispatcher:
         request = run.request
         if request is None:
             return
-        self._dequeued(request)  # out of max_queue's count now that it runs
+        self.resolution.dequeued(request)  # out of max_queue's count now that it runs
         if self.config.attempt_timeout_s is not None:
             run.deadline = min(request.deadline, now + self.config.attempt_timeout_s)
             if run.deadline < request.deadline:
                 run.deadline_timer = self.timers.call_at(
                     run.deadline, self._attempt_timed_out, run, "timeout"
                 )
-
-    # ---- what workers send ---------------------------------------------------------------
-
-    def _current_run(self, worker: Worker, attempt_id: int) -> Run | None:
-        return worker.runs.get(attempt_id)
-
-    def _on_chunk(
-        self, worker: Worker, attempt_id: int, text: str, counts: TokenCounts | None = None
-    ) -> None:
-        run = self._current_run(worker, attempt_id)
-        if run is None:
-            return
-        run.chunks.append(text)
-        if run.first_token_at is None:
-            run.first_token_at = now = self.clock()
-            if run.record is not None:
-                run.record.first_token_at = now
-            if run.owner.first_token_at is None:
-                run.owner.first_token_at = now
-        if run.request is None:
-            return
-        if run.skip:  # a rerun after a preemption: what its caller saw is not sent twice
-            verdict, text = run.continue_stream(text)
-            if verdict == "diverged":
-                self._soft_cancel(worker, run, "diverged")
-                self._rerun_diverged(run)
-                return
-            if not text:
-                return
-        self._deliver_chunk(run.request, text, counts)
-
-    def _rerun_diverged(self, run: Run) -> None:
-        """A preempted request's rerun gave other text than its caller was shown: its
-        stream cannot go on as one answer, so the request fails (and is not retried)."""
-        request = self._end_attempt(run, "error")
-        message = f"preempted, then rerun on worker pid {run.worker.pid} with other text"
-        self._fail(request, BackendError(f"{message} than it had streamed (not deterministic)"))
-
-    def _deliver_chunk(
-        self, request: Request, text: str, counts: TokenCounts | None = None
-    ) -> None:
-        if request.on_chunk is None or request.caller_gone:
-            return
-        request.streamed = True
-        try:
-            if request.counted_chunks:
-                request.on_chunk(text, counts)
-            else:
-                request.on_chunk(text)
-        except Exception:
-            logger.exception(
-                "request %s: the stream consumer's callback failed", request.request_id
-            )
-
-    def _on_done(
-        self, worker: Worker, attempt_id: int, generation: Generation, rss_bytes: int
-    ) -> None:
-        worker.rss_bytes = rss_bytes
-        run = self._current_run(worker, attempt_id)
-        if run is None:
-            return
-        if not run.recalled or generation.finish_reason != "cancelled":
-            # Taken back but already started there (its cancel word came too late): a
-            # request it served all the same, for max_requests_per_worker.
-            worker.requests += 1
-        self._run_ended(worker, run)
-        request = run.request
-        if request is None:
-            return
-        cancelled = request.cancel_requested or generation.finish_reason == "cancelled"
-        if not cancelled and run.skip and not generation.text.startswith(run.skip):
-            self._rerun_diverged(run)
-            return
-        self._end_attempt(run, "cancelled" if cancelled else "ok")
-        if not cancelled:
-            self.predictor.observe(
-                run_s=self.clock() - run.started_at,
-                ttft_s=None if run.first_token_at is None else run.first_token_at - run.started_at,
-                prompt_tokens=generation.prompt_tokens,
-                completion_tokens=generation.completion_tokens,
-                prompt_chars=request.size.prompt_chars,
-                cut=generation.finish_reason == "length",
-            )
-        if cancelled:
-            self._resolve_cancelled(request, generation.text, worker.pid, generation)
-            return
-        if request.on_chunk is not None:
-            # A backend may return text it never emitted; a stream still gets all of it.
-            sent = run.skip or run.partial_text()
-            if len(generation.text) > len(sent) and generation.text.startswith(sent):
-                self._deliver_chunk(request, generation.text[len(sent) :])
-        self._succeed(request, generation, worker.pid)
-
-    def _on_room(self, worker: Worker, kv_free_tokens: int, waiting: list[int]) -> None:
-        """A batched worker's room report. A request that waits there for KV room while
-        another worker has a free slot and nobody waiting is asked back, to be placed
-        again: it must not wait behind another request's generation."""
-        worker.kv_free_tokens = kv_free_tokens
-        worker.waiting_attempts = frozenset(waiting)
-        if not waiting or worker.io is None:
-            return
-        if not placement.room_elsewhere(
-            worker, self.workers.values(), self.worker_manager.retire_reason
-        ):
-            return
-        for attempt_id in waiting:
-            run = worker.runs.get(attempt_id)
-            if run is not None and run.request is not None and not run.withdraw_sent:
-                run.withdraw_sent = True
-                worker.io.send(("withdraw", attempt_id))
-
-    def _on_withdrawn(self, worker: Worker, attempt_id: int) -> None:
-        """The worker gave back an unstarted attempt: no attempt is recorded, the request
-        goes back to the front of the queue, to another worker than that one."""
-        run = self._current_run(worker, attempt_id)
-        if run is None:
-            return
-        self._run_ended(worker, run)
-        request = run.request
-        if request is None:
-            return
-        self._end_attempt(run, None)
-        self.counters["withdrawn"] += 1
-        request.last_failed_worker = worker.id
-        self.retries.requeue(request)
-
-    def _on_error(
-        self,
-        worker: Worker,
-        attempt_id: int,
-        kind: str,
-        text: str,
-        remote_traceback: str,
-        rss_bytes: int,
-        detail: tuple[int, int | None, int] | Mapping[str, Any] | None = None,
-    ) -> None:
-        worker.rss_bytes = rss_bytes
-        run = self._current_run(worker, attempt_id)
-        if run is None:
-            return
-        worker.requests += 1
-        details: Mapping[str, Any] = detail if isinstance(detail, Mapping) else {}
-        self.worker_manager.after_backend_error(worker, kind, text, details)
-        self._run_ended(worker, run)
-        request = run.request
-        if request is None:
-            return
-        if kind in ("invalid", "context_length", "grammar"):
-            # A refusal is the request's fault, not the attempt's: no failed attempt is
-            # recorded and nothing is retried (another worker would refuse it the same way).
-            self._end_attempt(run, None)
-            self._fail(request, worker_refusal(text, detail))
-            return
-        outcome, error = typed_backend_error(worker, kind, text, remote_traceback, details)
-        self._end_attempt(run, outcome)
-        self.retries.attempt_failed(request, worker, outcome, error)
 
     def _run_ended(self, worker: Worker, run: Run) -> None:
         """The worker answered ``run``: its slot is free; with none left running the worker
@@ -803,7 +638,7 @@ class Dispatcher:
             return
         self.counters["timeouts"] += 1
         message = "deadline passed before a worker could finish the request"
-        self._fail(request, DeadlineExceeded(message, partial_text=request.last_partial))
+        self.resolution.fail(request, DeadlineExceeded(message, partial_text=request.last_partial))
 
     def _attempt_timed_out(self, run: Run, reason: str) -> None:
         request = run.request
@@ -851,7 +686,7 @@ class Dispatcher:
             # A user's cancel the backend did not honour: the caller gets what exists now.
             self.counters["cancel_escalations"] += 1
             self._end_attempt(run, "cancelled")
-            self._resolve_cancelled(request, run.partial_text(), worker.pid)
+            self.resolution.cancelled(request, run.partial_text(), worker.pid)
         logger.warning(
             "worker %d (pid %s) ignored the cancel flag for %.1fs (%s): terminating",
             worker.id,
@@ -870,38 +705,6 @@ class Dispatcher:
                 f"worker pid {worker.pid} ignored a cancel for {self.config.cancel_grace_s}s",
                 None,
             )
-
-    def _on_batch_error(
-        self,
-        worker: Worker,
-        attempt_ids: list[int],
-        kind: str,
-        text: str,
-        remote_traceback: str,
-        rss_bytes: int,
-        details: Mapping[str, Any],
-    ) -> None:
-        """A batched step failed and the worker could not blame one request: those that
-        were in it are a lost batch (retried as collateral, suspects tracked, as after a
-        death), never each one's charged error. The worker stays warm for the rest."""
-        worker.rss_bytes = rss_bytes
-        runs = [run for i in attempt_ids if (run := self._current_run(worker, i)) is not None]
-        if not runs:
-            return
-        worker.requests += len(runs)
-        self.worker_manager.after_backend_error(worker, kind, text, details)
-        self.retries.batch_lost(
-            worker,
-            typed_backend_error(worker, kind, text, remote_traceback, details)[0],
-            f"a batched step failed on worker pid {worker.pid}: {text}",
-            None,
-            runs=runs,
-            backend_error=lambda: typed_backend_error(
-                worker, kind, text, remote_traceback, details
-            )[1],
-        )
-        for run in runs:
-            self._run_ended(worker, run)
 
     # ---- attempts end (retry or fail is retries.py) -----------------------------------
 
@@ -928,75 +731,6 @@ class Dispatcher:
         request.last_partial = run.partial_text()
         return request
 
-    # ---- resolution ----------------------------------------------------------------------
-
-    def _finish(self, request: Request) -> bool:
-        if request.state == "done":
-            return False
-        if request.state == "queued":
-            self.priorities.queued(request.priority, -1, request.queued_work)
-        if request.state in ("queued", "backoff"):
-            self.queue.pop(request.request_id, None)
-        request.state = "done"
-        request.run = None
-        self.timers.cancel(request.deadline_timer)
-        self.retries.unpin(request)
-        self.live.pop(request.request_id, None)
-        self._dequeued(request)
-        return True
-
-    def _succeed(self, request: Request, generation: Generation, worker_pid: int | None) -> None:
-        if not self._finish(request):
-            return
-        self.counters["completed"] += 1
-        result = request.result(generation, worker_pid, self.clock())
-        self.latencies.append(result.latency_s)
-        # Observed first: a caller that has its answer finds it in the metrics.
-        self._observe(request, "completed", generation)
-        set_future(request.future, result)
-
-    def _resolve_cancelled(
-        self,
-        request: Request,
-        text: str,
-        worker_pid: int | None,
-        generation: Generation | None = None,
-    ) -> None:
-        if not self._finish(request):
-            return
-        self.counters["cancelled"] += 1
-        if generation is None:
-            generation = Generation(text, "cancelled")
-        else:
-            generation = dataclasses.replace(generation, text=text, finish_reason="cancelled")
-        self._observe(request, "cancelled", generation)
-        set_future(request.future, request.result(generation, worker_pid, self.clock()))
-
-    def _fail(self, request: Request, error: PoolError) -> None:
-        if not self._finish(request):
-            return
-        error.request_id = request.request_id
-        error.attempts = list(request.attempts)
-        if request.caller_gone:
-            self.counters["cancelled"] += 1
-        else:
-            self.counters["failed"] += 1
-        self._observe(request, "cancelled" if request.caller_gone else "failed", error=error)
-        set_future(request.future, error)
-
-    def _observe(
-        self,
-        request: Request,
-        status: RequestStatus,
-        generation: Generation | None = None,
-        error: PoolError | None = None,
-    ) -> None:
-        """Hand the resolved request's record to the observers, if there are any."""
-        if self.observers.on_request:
-            self.observers.request_done(
-                request_record(request, status, self.clock(), generation, error)
-            )
-
     def _abort_all(self) -> None:
         for request in list(self.live.values()):
             run = request.run
@@ -1004,7 +738,7 @@ class Dispatcher:
                 run.request = None
                 self.prefetched.pop(run.attempt_id, None)
                 self._soft_cancel(run.worker, run, "close")
-            self._fail(request, PoolClosed("the pool closed before the request finished"))
+            self.resolution.fail(request, PoolClosed("the pool closed before the request finished"))
 
     def _shutdown_workers(self) -> None:
         """Once nothing is in flight: idle workers are asked to exit, starting ones killed;
@@ -1037,7 +771,7 @@ class Dispatcher:
         self.state = "failed"
         for request in list(self.live.values()):
             if request.state in ("queued", "backoff"):
-                self._fail(request, self.failure.copy())
+                self.resolution.fail(request, self.failure.copy())
         for other in self.workers.values():
             if other.state == "starting":
                 self.worker_manager.send_signal(other, signal.SIGKILL, "startup_abandoned")
@@ -1047,4 +781,3 @@ class Dispatcher:
         if not self._started_reported:
             self._started_reported = True
             self.on_started(error)
-
