@@ -16,7 +16,6 @@ import asyncio
 import atexit
 import collections
 import dataclasses
-import importlib
 import itertools
 import logging
 import math
@@ -26,14 +25,14 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from modelpool.scheduling import admission
 from modelpool.scheduling.ordering import promotion_at
 from modelpool.scheduling.queueing import arrival
-from modelpool.scheduling.sizes import RunSize, size_of
-from modelpool.shared.config import PoolConfig, embedded_backend_options
+from modelpool.scheduling.sizes import RunSize
+from modelpool.shared.config import PoolConfig
 from modelpool.shared.embeddings import (
     EmbeddingResult,
     ScoreResult,
@@ -44,39 +43,35 @@ from modelpool.shared.embeddings import (
 )
 from modelpool.shared.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded, QueueFull
 from modelpool.shared.pooling_answers import check_task
-from modelpool.shared.prefixes import partition_of, prompt_fingerprints
 from modelpool.shared.protocol import (
     DetokenizeRequest,
-    EmbedRequest,
     PoolingRequest,
     Prompt,
-    ScoreRequest,
     Task,
     TokenIds,
     TokenizeRequest,
-    WorkerSpec,
     encode_request,
 )
-from modelpool.shared.structured import constrain
 from modelpool.shared.validation import (
-    PRIORITY_PARAM,
     PROMOTED_AT_PARAM,
-    check_deadline,
-    check_generation_params,
     check_prompt,
-    check_queue_params,
 )
 from modelpool.supervisor import gpu
-from modelpool.supervisor.backend_choice import AUTO, choose_backend, with_pooling_batches
+from modelpool.supervisor.backend_choice import (
+    AUTO,
+    prepared_model,
+    with_backend_chosen,
+    with_pooling_batches,
+)
 from modelpool.supervisor.dispatcher import Dispatcher
+from modelpool.supervisor.intake import backend_validator, check_request
 from modelpool.supervisor.loop import EventLoop
 from modelpool.supervisor.observe import Observers, RequestRecord, WorkerEvent
 from modelpool.supervisor.preflight import check_devices, check_model_source
-from modelpool.supervisor.records import GpuWorker, Request, Worker, WorkerIO
+from modelpool.supervisor.records import NoIO, Request
 from modelpool.supervisor.results import PoolFuture, Result
 from modelpool.supervisor.stats import PoolHealth, PoolStats
 from modelpool.supervisor.streams import END, AsyncPoolStream, PoolStream, StreamBuffer
-from modelpool.worker.backends import resolve_backend
 
 __all__ = ["AsyncPoolStream", "ModelPool", "PoolFuture", "PoolStream", "Result"]
 
@@ -124,7 +119,7 @@ class ModelPool:
             config = config.replace(**overrides)
         self.config = config
         # "auto" is hf or llama_cpp, whose request rules are the same (hf.validate).
-        self._backend_validate = _backend_validator(
+        self._backend_validate = backend_validator(
             "hf" if config.backend == AUTO else config.backend
         )
         # Why the pool serves on its backend; set by start() (see backend_choice).
@@ -172,10 +167,10 @@ class ModelPool:
             config = self.config
             probe = self._gpu_probe or gpu.GpuProbe()
             devices = check_devices(config, probe)
-            config, reason = _choose_backend(config, devices)
+            config, reason = with_backend_chosen(config, devices)
             if config.backend != self.config.backend:
                 devices = check_devices(config, probe)  # with the chosen backend's checks
-            model = _resolve_model(config.model, config.backend)
+            model = prepared_model(config.model, config.backend)
             if model != config.model:
                 config = config.replace(model=model)
             config = with_pooling_batches(config)
@@ -193,7 +188,7 @@ class ModelPool:
                 if self._loop is None:
                     self.config = config
                     self._backend_reason = reason
-                    self._backend_validate = _backend_validator(config.backend)
+                    self._backend_validate = backend_validator(config.backend)
                     self._loop = EventLoop(
                         config,
                         devices,
@@ -661,7 +656,7 @@ class ModelPool:
     def _stats(self) -> PoolStats:
         loop = self._loop
         if loop is None:
-            return Dispatcher(self.config, _NoIO(), devices=[]).snapshot()
+            return Dispatcher(self.config, NoIO(), devices=[]).snapshot()
         if not loop.thread.is_alive() or threading.current_thread() is loop.thread:
             return self._last_snapshot or loop.dispatcher.snapshot()
         holder: list[PoolStats] = []
@@ -687,42 +682,16 @@ class ModelPool:
         counted: bool = False,
     ) -> PoolFuture:
         """``counted``: ``on_chunk(text, counts)`` gets each chunk's ``TokenCounts`` too."""
-        generation = not isinstance(prompt, _NOT_GENERATIONS)
-        if generation:
-            prompt = check_prompt(prompt)
-        if deadline_s is None:
-            deadline_s = self.config.deadline_s
-        else:
-            check_deadline(deadline_s)
-        gen_kwargs = dict(gen_kwargs)
-        priority, max_queue_time_s, traceparent, admitted = check_queue_params(gen_kwargs)
-        gen_kwargs.pop(PROMOTED_AT_PARAM, None)  # the pool's to set, not a caller's
-        if priority:
-            gen_kwargs[PRIORITY_PARAM] = priority  # for the worker's scheduler too
-        gen_kwargs = constrain(gen_kwargs, self.config.grammar_compile_timeout_s)
-        params = {**self.config.generation_defaults, **gen_kwargs}
-        check_generation_params(params)
-        if self._backend_validate is not None:
-            try:
-                self._backend_validate(params)
-            except InvalidRequest:
-                raise
-            except (ValueError, TypeError) as exc:
-                raise InvalidRequest(str(exc)) from exc
-        fingerprints: tuple[int, ...] = ()
-        if not isinstance(prompt, _NOT_GENERATIONS):
-            # In the request's partition of the workers' prefix caches (its cache_salt).
-            fingerprints = prompt_fingerprints(prompt, partition_of(params))
-        # A generation's only: an embedding's params are the pool's defaults, unused.
-        max_new_tokens = params.get("max_new_tokens") if generation else None
-        size = size_of(prompt, max_new_tokens)
+        checked = check_request(prompt, deadline_s, gen_kwargs, self.config, self._backend_validate)
+        prompt, deadline_s, gen_kwargs = checked.prompt, checked.deadline_s, checked.gen_kwargs
+        priority, max_queue_time_s, traceparent, admitted = checked.queue
         loop = self._loop
         self._check_owner()
         if self._closed:
             raise PoolClosed("the pool is closed")
         if loop is None:
             raise PoolError("the pool is not started: call start() or use `with ModelPool(...)`")
-        check_task(loop.dispatcher.worker_manager.task, prompt, generation)
+        check_task(loop.dispatcher.worker_manager.task, prompt, checked.generation)
         failure = loop.dispatcher.load_failure()
         if failure is not None:
             raise failure
@@ -740,7 +709,9 @@ class ModelPool:
             due_in_s: float | None = deadline_s
         else:
             try:
-                due_in_s = self.check_admission(priority, max_queue_time_s, deadline_s, size=size)
+                due_in_s = self.check_admission(
+                    priority, max_queue_time_s, deadline_s, size=checked.size
+                )
             except QueueFull:
                 self._on_dequeued()
                 raise
@@ -767,13 +738,13 @@ class ModelPool:
             deadline=now + deadline_s,
             on_chunk=on_chunk,
             counted_chunks=counted,
-            prefix_fingerprints=fingerprints,
+            prefix_fingerprints=checked.fingerprints,
             priority=priority,
             due_at=due_at,
-            max_new_tokens=max_new_tokens,
-            size=size,
+            max_new_tokens=checked.size.max_new_tokens,
+            size=checked.size,
             traceparent=traceparent,
-            reproducible=_reproducible(params),
+            reproducible=checked.reproducible,
         )
         self._futures[request_id] = future
         if not loop.post(loop.dispatcher.submit, request):
@@ -800,9 +771,6 @@ class ModelPool:
             loop.post(loop.dispatcher.cancel, request_id, True)
 
 
-_NOT_GENERATIONS = (TokenizeRequest, DetokenizeRequest, EmbedRequest, ScoreRequest)
-
-
 def _priority(priority: int) -> dict[str, Any]:
     return {"priority": priority} if priority else {}
 
@@ -826,63 +794,3 @@ def _checked_ids(token_ids: object) -> tuple[int, ...]:
 def _set_if_pending(future: asyncio.Future[PoolStats], stats: PoolStats) -> None:
     if not future.done():
         future.set_result(stats)
-
-
-def _choose_backend(config: PoolConfig, devices: list[str]) -> tuple[PoolConfig, str]:
-    """``config`` with ``backend = "auto"`` resolved (and the embedded model's hf options
-    filled in), and why it serves on that backend (start() logs it once the checks pass)."""
-    if config.backend == AUTO:
-        choice = choose_backend(config.model, config.backend_options, devices)
-        backend, reason = choice.backend, f"auto: {choice.reason}"
-    else:
-        backend, reason = config.backend, f"configured: backend = {config.backend!r}"
-    options = embedded_backend_options(config.model, backend, config.backend_options)
-    if backend != config.backend or options != config.backend_options:
-        config = config.replace(backend=backend, backend_options=options)
-    return config, reason
-
-
-def _resolve_model(model: str, backend: str) -> str:
-    """``embedded:NAME`` is prepared (once) and becomes its local directory (for the
-    llama_cpp backend, the directory of its GGUF file)."""
-    if not model.startswith("embedded:"):
-        return model
-    from modelpool.shared.embedded import resolve_model
-
-    return resolve_model(model, backend)
-
-
-def _backend_validator(backend: str) -> Callable[[dict[str, Any]], None] | None:
-    """The backend module's light ``validate(params)``, if it has one (see the README: Backends)."""
-    module_name = resolve_backend(backend).partition(":")[0]
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        if backend in ("hf", "llama_cpp", "testing"):
-            raise
-        return None  # A custom backend may only be importable inside a worker.
-    validate: Callable[[dict[str, Any]], None] | None = getattr(module, "validate", None)
-    return validate
-
-
-class _NoIO:
-    """A DispatcherIO for a pool that has not started: it has nothing to do."""
-
-    def spawn(self, worker: Worker, spec: WorkerSpec) -> WorkerIO:
-        raise PoolError("the pool is not started")
-
-    def check_release(self, worker: Worker) -> None:
-        return None
-
-    def watch_device_free(self, device: str, needed_bytes: int) -> None:
-        return None
-
-    def gpu_workers_changed(self, workers: list[GpuWorker]) -> None:
-        return None
-
-
-def _reproducible(params: Mapping[str, Any]) -> bool:
-    """Would running the request again give the same text: greedy decoding (the backends'
-    rule: sampling with ``do_sample``, else with a temperature above 0), or a seed."""
-    sampled = params.get("do_sample", (params.get("temperature") or 0) > 0)
-    return not sampled or params.get("seed") is not None

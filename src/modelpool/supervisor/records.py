@@ -296,6 +296,22 @@ class DispatcherIO(Protocol):
     def gpu_workers_changed(self, workers: list[GpuWorker]) -> None: ...
 
 
+class NoIO:
+    """A DispatcherIO for a pool that has not started: it has nothing to do."""
+
+    def spawn(self, worker: Worker, spec: WorkerSpec) -> WorkerIO:
+        raise PoolError("the pool is not started")
+
+    def check_release(self, worker: Worker) -> None:
+        return None
+
+    def watch_device_free(self, device: str, needed_bytes: int) -> None:
+        return None
+
+    def gpu_workers_changed(self, workers: list[GpuWorker]) -> None:
+        return None
+
+
 def do_nothing(*args: Any) -> None:
     return None
 
