@@ -7,42 +7,45 @@ event loop in production, a recording fake in the property tests) to spawn, send
 signal and check, and its clock is injected, so tests drive this very code with a fake
 world.
 
-Four parts, as pebble splits its pool into a task manager and a worker manager: this
-file keeps requests, attempts and runs; its ``worker_manager`` (``worker_manager.py``, an
-object it owns and that calls back only ``give_up_loading``) keeps the worker records
-and the decisions about processes: slots and start-up, recycling and roles, signals,
-memory release checks; its ``retries`` (``retries.py``) decide retry or fail for a
-failed attempt and settle a lost batch; its ``stalls`` (``stalls.py``) find the busy
-workers whose progress stands still. All run on the same thread and share the clock,
-the timer heap and the counters.
+Its parts, as pebble splits its pool into a task manager and a worker manager: this
+file keeps requests, attempts and runs, and applies the schedule; its ``worker_manager``
+(``worker_manager.py``, an object it owns and that calls back only ``give_up_loading``)
+keeps the worker records and the decisions about processes: slots and start-up,
+recycling and roles, signals, memory release checks; its ``messages``
+(``worker_messages.py``) handle what workers send; its ``resolution``
+(``resolution.py``) ends requests (futures, counters, observers); its ``retries``
+(``retries.py``) decide retry or fail for a failed attempt and settle a lost batch; its
+``stalls`` (``stalls.py``) find the busy workers whose progress stands still. All run on
+the same thread and share the clock, the timer heap and the counters. Every scheduling
+rule is a pure function in ``modelpool.scheduling``: this file asks and applies.
 
 The entry points come first, in the order of a request's life (``submit``, ``cancel``,
 ``on_message``, ``on_exit``, ``on_device_free`` ...; the event loop calls
 ``run_due_timers`` and ``after_event`` on every turn); the helpers follow, grouped by
-what they decide: handing requests to workers, what workers send, deadlines and the run
-end of the kill ladder, attempts' end, resolution, closing.
+what they decide: handing requests to workers, attempts' end, deadlines and the run end
+of the kill ladder, closing.
 
 Batching (``max_batch_size`` above 1): a worker holds up to ``Worker.slots`` runs (and
-beside them the preempted ones still winding down: ``_hand_over``);
-``_pump`` hands the queue to the rules of ``placement.py`` (least loaded, then most free
-KV room; an isolated request gets an empty worker; suspects are spread one per worker;
-a worker whose requests wait there for KV room takes no more), and ``_on_room`` asks
-back a request that waits for room while another worker has some. Deadlines and
-cancels act on one run (its slot's cancel word); a stall (``StallWatch.batch_stalled``:
-no token delivered), an ignored cancel or a death settle the whole batch through
-``Retries.batch_lost`` (collateral retries, poison isolation), after signalling the
-worker, so that its replacement counts as another worker; ``_on_batch_error`` settles
-the rows of a step that failed in a worker that goes on the same way.
+beside them the preempted ones still winding down); ``_pump`` applies
+``scheduling.plan`` (least loaded, then most free KV room; an isolated request gets an
+empty worker; suspects are spread one per worker; a worker whose requests wait there for
+KV room takes no more), and a room report asks back a request that waits for room while
+another worker has some. Deadlines and cancels act on one run (its slot's cancel word);
+a stall (``StallWatch.batch_stalled``: no token delivered), an ignored cancel or a death
+settle the whole batch through ``Retries.batch_lost`` (collateral retries, poison
+isolation), after signalling the worker, so that its replacement counts as another
+worker.
 
-Preemption (``preempt_for_priority``): ``_pump`` asks ``preemption.py`` which running
-attempts give way to more urgent requests once no open worker has a slot; ``_preempt``
-cancels each and queues its request again, and ``_on_chunk`` / ``_on_done`` keep a
-rerun from streaming again what its caller saw (``Run.skip``).
+Preemption (``preempt_for_priority``): ``scheduling.plan.victims`` names the running
+attempts that give way to more urgent requests once no open worker has a slot;
+``_preempt`` cancels each and queues its request again, ``plan.hand_over`` sends the
+urgent one into the slot, and a rerun does not stream again what its caller saw
+(``Run.continue_stream``).
 
-Prefetch (``max_batch_size`` 1, ``prefetch.py``): a busy one-call worker holds one run
-more (several when runs are far shorter than a wake-up), not started; ``_promote``
-starts the next when the worker answers, ``_drop_prefetched`` ends one unrun (cancel,
-deadline, taken back in ``_pump``), ``on_exit`` requeues them.
+Prefetch (``max_batch_size`` 1, ``scheduling.prefetch``): a busy one-call worker holds
+one run more (several when runs are far shorter than a wake-up), not started;
+``_promote`` starts the next when the worker answers, ``_drop_prefetched`` ends one unrun
+(cancel, deadline, taken back by ``plan.take_back``), ``on_exit`` requeues them.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ class Dispatcher:
         self.prefetched: dict[int, Run] = {}
         self._started_reported = False
         # Observers of finished requests and worker events (observe.py), the moving
-        # averages that predict a new request's wait (queueing.py), and the queued
+        # averages that predict a new request's wait (scheduling.prediction), and the queued
         # requests by priority: replaced whole on each change, for callers' threads to read.
         self.observers = observers or Observers()
         self.predictor = WaitPredictor()
