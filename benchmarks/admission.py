@@ -99,7 +99,9 @@ def _tokens(rng: random.Random) -> int:
     return SIZES[-1][0]
 
 
-def run_rule(rule: str, predictor: WaitPredictor | None, args: argparse.Namespace) -> Outcome:
+def run_rule(
+    rule: str, rule_class: type[WaitPredictor] | None, args: argparse.Namespace
+) -> Outcome:
     config = PoolConfig(
         model="none",
         backend="testing",
@@ -115,8 +117,9 @@ def run_rule(rule: str, predictor: WaitPredictor | None, args: argparse.Namespac
     with ModelPool(config) as pool:
         loop = pool._loop  # the benchmark's one reach inside: the rule to compare
         assert loop is not None
-        if predictor is not None:
-            loop.dispatcher.predictor = predictor
+        if rule_class is not None:
+            # The one predictor the dispatcher and its parts share, given the old rule.
+            loop.dispatcher.predictor.__class__ = rule_class
         rng = random.Random(args.seed)
         for tokens in (4, 4, 100, 4, 4, 4):  # the same warm-up for both rules
             pool.generate(f"tokens:{tokens}:{TOKEN_S}", max_new_tokens=tokens)
@@ -175,7 +178,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print JSON lines only")
     args = parser.parse_args()
     rows = [
-        run_rule("mean run (before)", MeanRunPredictor(), args).row(),
+        run_rule("mean run (before)", MeanRunPredictor, args).row(),
         run_rule("sizes (now)", None, args).row(),
     ]
     if args.json:
