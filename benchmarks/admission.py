@@ -51,6 +51,7 @@ class MeanRunPredictor(WaitPredictor):
         size: RunSize | None = None,
         in_flight: InFlight | None = None,
         now: float = 0.0,
+        spread: bool = True,
     ) -> float | None:
         if self.samples < MIN_SAMPLES or capacity <= 0:
             return None

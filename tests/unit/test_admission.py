@@ -120,3 +120,19 @@ def test_a_request_admitted_is_due_a_few_runs_before_its_deadline() -> None:
     assert admission.promotion_at(predictor, 100.0, None) == math.inf
     due = admission.promotion_at(predictor, 100.0, 10.0)
     assert due == pytest.approx(110.0 - predictor.promotion_lead_s())
+
+
+def test_a_prediction_errs_long_by_how_far_the_waits_it_predicted_missed() -> None:
+    """Admitted requests sit just under the bound when the pool is overloaded: a
+    prediction right on average would see half of them pass it. So each prediction adds
+    the mean deviation of the first-token waits it predicted before."""
+    predictor = _short_history()
+    ahead = Work(unsized=3)
+    plain = predictor.predict_ttft(ahead=ahead, free=0, capacity=1)
+    assert plain == predictor.predict_ttft(ahead=ahead, free=0, capacity=1, spread=False)
+    for n in range(40):
+        predictor.observe_wait(predicted_s=1.0, waited_s=1.5 if n % 2 else 0.5)
+    assert predictor.wait_spread_s == pytest.approx(0.5)
+    assert plain is not None
+    assert predictor.predict_ttft(ahead=ahead, free=0, capacity=1) == pytest.approx(plain + 0.5)
+    assert predictor.to_dict()["wait_spread_s"] == pytest.approx(0.5)

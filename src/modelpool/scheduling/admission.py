@@ -51,13 +51,15 @@ def predicted_ttft(
     priority: int,
     also_waiting: int = 0,
     size: RunSize | None = None,
+    spread: bool = True,
 ) -> float | None:
     """Seconds a new request of ``priority`` (and ``size``, when known) would wait for its
     first token: what is left of the runs on workers, the work queued ahead of it (lower
     or equal priority), plus
     ``also_waiting`` runs held elsewhere (the daemon's fair share, of unknown size: at the
-    mean run), over the share of the slots that recent dispatches left to its priority.
-    None before enough runs were measured."""
+    mean run), over the share of the slots that recent dispatches left to its priority;
+    with ``spread``, plus the mean deviation of such predictions. None before enough runs
+    were measured."""
     priorities = state.priorities
     return state.predictor.predict_ttft(
         ahead=ahead_of(priorities.work, priority) + Work(unsized=also_waiting),
@@ -67,6 +69,7 @@ def predicted_ttft(
         size=size,
         in_flight=state.in_flight,
         now=state.clock(),
+        spread=spread,
     )
 
 

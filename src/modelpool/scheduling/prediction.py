@@ -15,8 +15,10 @@ prompt tokens per character) and a quantile of the model's answer lengths. From 
   backend reports no prompt tokens, a prefill counts at the mean time to a first token;
 - a new request's predicted time to first token given the work queued ahead of it and
   the share of the slots that more urgent requests took of the last dispatches (they
-  will pass it too), and of the slot time lost to runs they preempted
-  (:meth:`WaitPredictor.predict_ttft`)::
+  will pass it too), and of the slot time lost to runs they preempted, plus the mean
+  deviation of the waits it predicted before (``observe_wait``): under overload the
+  admitted requests sit just under their bound, and a prediction right on average would
+  see half of them pass it (:meth:`WaitPredictor.predict_ttft`)::
 
     predictor.observe(run_s=0.8, ttft_s=0.1, prompt_tokens=40, completion_tokens=32,
                       prompt_chars=160, cut=False)
@@ -73,6 +75,11 @@ class WaitPredictor:
         # answers were cut at their maximum to tell).
         self.answer_cap = math.inf
         self._answers: deque[float] = deque(maxlen=ANSWER_WINDOW)
+        # The moving mean of |first token's wait - its prediction| of the requests judged
+        # by their predicted wait: added to each prediction, so that it errs long by what
+        # the model's approximations missed (how runs fall to workers, prefetching).
+        self.wait_spread_s = 0.0
+        self._waits = 0
         # Totals over every answered run (the status page's tokens per second).
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -114,6 +121,16 @@ class WaitPredictor:
             self._answers.append(math.inf if cut else float(completion_tokens))
             self.answer_cap = _quantile(self._answers, ANSWER_QUANTILE)
         self.samples += 1
+
+    def observe_wait(self, *, predicted_s: float, waited_s: float) -> None:
+        """A request judged by its predicted wait (``predicted_s``, without the spread)
+        had its first token after ``waited_s``."""
+        miss = abs(waited_s - predicted_s)
+        self._waits += 1
+        first = self._waits == 1
+        self.wait_spread_s = (
+            miss if first else self.wait_spread_s + EWMA_WEIGHT * (miss - self.wait_spread_s)
+        )
 
     def dispatched(self, *, preempted: bool) -> None:
         """A run was dispatched (False) or preempted (True)."""
@@ -169,6 +186,7 @@ class WaitPredictor:
         size: RunSize | None = None,
         in_flight: InFlight | None = None,
         now: float = 0.0,
+        spread: bool = True,
     ) -> float | None:
         """Seconds until a new request's first token (of ``size``; None: unknown). With
         fewer runs ahead of it than ``free`` slots, its own time to first token. Else it
@@ -177,12 +195,14 @@ class WaitPredictor:
         mean run) are done, ``capacity`` slots working at once, of which
         ``urgent_share`` go to more urgent requests that arrive meanwhile and pass it
         and, when there are such, ``preempted_share`` are lost to runs they preempt
-        (those run again, first). None until measured."""
+        (those run again, first). With ``spread``, plus the mean deviation of the waits
+        it predicted (``observe_wait``). None until measured."""
         if self.samples < MIN_SAMPLES or capacity <= 0:
             return None
         own = self.first_token_s(size)
+        margin = self.wait_spread_s if spread else 0.0
         if ahead.runs < free:
-            return own
+            return own + margin
         if in_flight is None:
             left_in_flight = self.mean_run_s()
         else:
@@ -191,7 +211,7 @@ class WaitPredictor:
         ending_s = self.seconds_of(ahead) + left_in_flight
         lost = self.preempted_share if urgent_share > 0 else 0.0
         left_for_it = max(1.0 - urgent_share - lost, MIN_SHARE)
-        return ending_s / (capacity * left_for_it) + own
+        return ending_s / (capacity * left_for_it) + own + margin
 
     def tokens_within(self, seconds: float) -> int | None:
         """How many tokens a run may decode and still answer within ``seconds``: the
@@ -218,6 +238,7 @@ class WaitPredictor:
             "ttft_s": round(self.ttft_s, 4),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 1),
+            "wait_spread_s": round(self.wait_spread_s, 4),
             "tokens_per_char": round(self.tokens_per_char, 4),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,

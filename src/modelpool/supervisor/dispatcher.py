@@ -53,12 +53,13 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from modelpool.scheduling import plan
+from modelpool.scheduling import admission, plan
 from modelpool.scheduling.prediction import WaitPredictor
 from modelpool.scheduling.queueing import PriorityCounts
 from modelpool.scheduling.sizes import NOTHING_IN_FLIGHT
@@ -240,6 +241,14 @@ class Dispatcher:
         if self.closing:
             self.resolution.fail(request, PoolClosed("the pool is closing"))
             return
+        if request.due_at != math.inf:  # admitted by its predicted wait: note the prediction
+            request.predicted_ttft_s = admission.predicted_ttft(
+                self,
+                capacity=self.config.workers * self.config.max_batch_size,
+                priority=request.priority,
+                size=request.size,
+                spread=False,
+            )
         request.state = "queued"
         self.queue[request.request_id] = request
         self._count_queued(request)

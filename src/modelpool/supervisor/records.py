@@ -72,6 +72,7 @@ class Request:
     # queued (taken away as it leaves: WaitPredictor.work_of).
     size: RunSize = UNKNOWN_SIZE
     queued_work: Work = NO_WORK
+    predicted_ttft_s: float | None = None  # admitted by its predicted wait: that prediction
     traceparent: str | None = None
     attempt_log: list[AttemptRecord] = field(default_factory=list)
     first_token_at: float | None = None

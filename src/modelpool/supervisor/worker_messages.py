@@ -167,6 +167,12 @@ class WorkerMessages:
                 prompt_chars=request.size.prompt_chars,
                 cut=generation.finish_reason == "length",
             )
+            if request.predicted_ttft_s is not None:
+                first_token_at = request.first_token_at or self.clock()
+                self.predictor.observe_wait(
+                    predicted_s=request.predicted_ttft_s,
+                    waited_s=first_token_at - request.submitted_at,
+                )
         if cancelled:
             self.resolution.cancelled(request, generation.text, worker.pid, generation)
             return
