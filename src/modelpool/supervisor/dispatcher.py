@@ -93,7 +93,6 @@ from modelpool.supervisor.worker_manager import WorkerManager
 from modelpool.supervisor.worker_messages import WorkerMessages
 
 logger = logging.getLogger(__name__)
-worker_logger = logging.getLogger("modelpool.worker")
 
 _LATENCY_WINDOW = 2048
 

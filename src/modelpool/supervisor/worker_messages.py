@@ -25,7 +25,7 @@ from modelpool.supervisor.retries import Retries
 from modelpool.supervisor.worker_errors import typed_backend_error, worker_refusal
 from modelpool.supervisor.worker_manager import WorkerManager
 
-logger = logging.getLogger("modelpool.supervisor.dispatcher")
+logger = logging.getLogger(__name__)
 worker_logger = logging.getLogger("modelpool.worker")
 
 
