@@ -40,7 +40,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import modelpool.supervisor.pool
+import modelpool.supervisor.backend_choice
 from benchmarks.batching import closed_loop, read_to_end, summarize
 from modelpool import ModelPool, PoolConfig
 
@@ -253,7 +253,7 @@ def distinct_request(pool: ModelPool, new_tokens: int) -> Any:
 
 
 def run(args: argparse.Namespace, log: Any = print) -> Json:
-    model = modelpool.supervisor.pool._resolve_model(args.model, args.backend)
+    model = modelpool.supervisor.backend_choice.prepared_model(args.model, args.backend)
     system = system_prompt(args.system_chars)
     report: Json = {"clients": args.clients, "turns": args.turns, "new_tokens": args.new_tokens}
     on_bytes = args.cache_mib * 2**20

@@ -132,3 +132,28 @@ def test_priority_reaches_a_batched_hf_worker_and_its_answers(tiny_model_dir: Pa
             futures = [pool.submit("Hello", max_new_tokens=4, priority=p) for p in (5, -1, 0, 5)]
             for future in futures:
                 assert future.result(timeout=slack(60)).completion_tokens == 4
+
+
+def test_long_requests_queued_after_short_history_refuse_the_next_early() -> None:
+    """Issue 57's case: one worker, ``max_queue_time_s=2`` after a few short runs, three
+    requests of 60 tokens at 50 ms (about 3 s each) queued. Counted at the pool's mean
+    run (0.1 s) a fourth was admitted and answered after about 12 s; counted from each
+    queued run's own size it is refused at once, with the wait it would have had."""
+    with open_pool(workers=1, max_queue_time_s=2.0, deadline_s=60.0) as pool:
+        for _ in range(4):  # short runs: two tokens, cut at their maximum
+            pool.generate("tokens:60:0.05", max_new_tokens=2, max_queue_time_s=math.inf)
+        long_runs = [
+            pool.submit("tokens:60:0.05", max_new_tokens=60, max_queue_time_s=math.inf)
+            for _ in range(3)
+        ]
+        wait_busy(pool, 1)
+        with pytest.raises(QueueFull) as refused:
+            pool.submit("tokens:60:0.05", max_new_tokens=60)
+        # At least one run of ~3 s still queued ahead of it, on one slot (the worker holds
+        # the next one prefetched); at the mean run that was 0.1 s a run.
+        assert refused.value.predicted_ttft_s > 2.5
+        assert not any(future.done() for future in long_runs[1:]), "refused early"
+        short = pool.submit("tokens:60:0.05", max_new_tokens=2, max_queue_time_s=math.inf)
+        for future in long_runs:
+            future.cancel()
+        assert short.result(timeout=slack(10)).completion_tokens == 2

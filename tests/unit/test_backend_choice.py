@@ -10,8 +10,12 @@ import pytest
 
 from modelpool import ModelPool, PoolConfig
 from modelpool.shared.errors import InvalidRequest, PreflightError
-from modelpool.supervisor.backend_choice import choose_backend, installed_llama_cpp, is_gguf_model
-from modelpool.supervisor.pool import _choose_backend
+from modelpool.supervisor.backend_choice import (
+    choose_backend,
+    installed_llama_cpp,
+    is_gguf_model,
+    with_backend_chosen,
+)
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
 
@@ -74,13 +78,13 @@ def test_installed_llama_cpp_is_found_without_importing_it() -> None:
 
 def test_the_pool_resolves_auto_fills_the_embedded_hf_options_and_keeps_the_reason() -> None:
     config = PoolConfig(model=EMBEDDED, backend_options={"dtype": "bfloat16"})
-    resolved, reason = _choose_backend(config, ["cpu"])
+    resolved, reason = with_backend_chosen(config, ["cpu"])
     assert resolved.backend == "hf"
     assert resolved.backend_options == {"dtype": "bfloat16"}
     assert reason.startswith("auto: ")
-    on_gpu, _ = _choose_backend(PoolConfig(model=EMBEDDED), ["cuda:0"])
+    on_gpu, _ = with_backend_chosen(PoolConfig(model=EMBEDDED), ["cuda:0"])
     assert (on_gpu.backend, on_gpu.backend_options) == ("hf", {"dtype": "float32"})
-    configured, why = _choose_backend(PoolConfig(model="m", backend="testing"), ["cpu"])
+    configured, why = with_backend_chosen(PoolConfig(model="m", backend="testing"), ["cpu"])
     assert configured.backend == "testing"
     assert why == "configured: backend = 'testing'"
 

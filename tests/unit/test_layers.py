@@ -8,6 +8,7 @@ dispatcher and the registry) and the server side (``server/``, the command, the 
 The rules:
 
 - the shared modules import nothing of the other sides, not even for types;
+- the scheduling rules import only the shared modules (they read views, not records);
 - the worker side imports nothing of the supervisor side or the server, at run time,
   however indirectly (a worker process loads only what it serves with), nor names them
   for types: the supervisor stands above the worker, which it starts and whose backends'
@@ -130,6 +131,19 @@ def test_the_shared_modules_import_no_side() -> None:
         if _in(module, SHARED)
         for name in _imports(module, type_checking=True)
         if _in(name, others)
+    ]
+    assert not arrows
+
+
+def test_the_scheduling_rules_import_only_the_shared_modules() -> None:
+    """The rules read views of the records (``scheduling.views``), never the records: a
+    rule is tested, and read, alone, and the worker side may use the ordering."""
+    arrows = [
+        f"{module} -> {name}"
+        for module in MODULES
+        if _in(module, SCHEDULING)
+        for name in _imports(module, type_checking=True)
+        if not _in(name, SHARED + SCHEDULING)
     ]
     assert not arrows
 

@@ -8,7 +8,7 @@ from typing import cast
 
 from test_batch_dispatch import World
 
-from modelpool.scheduling.preemption import choose_victims, continue_stream, worth_looking
+from modelpool.scheduling.preemption import choose_victims, worth_looking
 from modelpool.shared.errors import BackendError
 from modelpool.shared.protocol import Generation
 from modelpool.supervisor.records import Request, Run, Worker
@@ -69,16 +69,16 @@ def test_promoted_and_sampled_streamed_runs_are_not_preempted() -> None:
 
 def test_a_rerun_sends_only_what_its_caller_has_not_seen() -> None:
     run = Run(1, None, cast(Request, None), cast(Worker, None), 0, 0.0, 1.0, skip="t0 t1 ")
-    assert continue_stream(run, "t0 ") == ("send", "")
-    assert continue_stream(run, "t1 t2 ") == ("send", "t2 ")
+    assert run.continue_stream("t0 ") == ("send", "")
+    assert run.continue_stream("t1 t2 ") == ("send", "t2 ")
     assert run.skip == "", "caught up: the rest goes straight through"
-    assert continue_stream(run, "t3 ") == ("send", "t3 ")
+    assert run.continue_stream("t3 ") == ("send", "t3 ")
 
 
 def test_a_rerun_with_other_text_is_reported_diverged() -> None:
     run = Run(1, None, cast(Request, None), cast(Worker, None), 0, 0.0, 1.0, skip="t0 t1 ")
-    assert continue_stream(run, "t0 ") == ("send", "")
-    assert continue_stream(run, "x1 ") == ("diverged", "")
+    assert run.continue_stream("t0 ") == ("send", "")
+    assert run.continue_stream("x1 ") == ("diverged", "")
 
 
 def test_a_run_near_its_deadline_is_spared_and_one_preempted_before_goes_last() -> None:

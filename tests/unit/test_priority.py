@@ -12,14 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_batch_dispatch import World
 
-from modelpool.scheduling.queueing import (
-    DUE_RUNS,
-    WaitPredictor,
-    ahead_of,
-    dispatch_order,
-    promoted,
-    urgent_share,
-)
+from modelpool.scheduling.prediction import DUE_RUNS, WaitPredictor
+from modelpool.scheduling.queueing import ahead_of, dispatch_order, promoted, urgent_share
+from modelpool.scheduling.sizes import Work
 from modelpool.supervisor.records import Request
 from modelpool.supervisor.results import PoolFuture
 
@@ -168,21 +163,20 @@ def test_dispatch_order_is_priority_then_arrival_with_aged_ones_first(
             assert before.priority <= after.priority
 
 
-def test_the_predictor_needs_samples_then_counts_the_line() -> None:
+def test_the_predictor_needs_samples_then_counts_runs_of_unknown_size_at_the_mean() -> None:
     predictor = WaitPredictor()
-    assert predictor.predict_ttft(ahead=10, free=0, capacity=2) is None
+    assert predictor.predict_ttft(ahead=Work(unsized=10), free=0, capacity=2) is None
     for _ in range(5):
         predictor.observe(run_s=1.0, ttft_s=0.25, prompt_tokens=100, completion_tokens=31)
-    assert predictor.predict_ttft(ahead=0, free=1, capacity=2) == pytest.approx(0.25)
+    assert predictor.predict_ttft(ahead=Work(unsized=0), free=1, capacity=2) == pytest.approx(0.25)
     # Fourth in line, two slots, a run a second: two seconds, then its own first token.
-    assert predictor.predict_ttft(ahead=3, free=0, capacity=2) == pytest.approx(2.25)
+    assert predictor.predict_ttft(ahead=Work(unsized=3), free=0, capacity=2) == pytest.approx(2.25)
     assert predictor.to_dict()["prefill_tokens_per_s"] == pytest.approx(400.0)
     assert predictor.to_dict()["decode_tokens_per_s"] == pytest.approx(40.0)
-    assert ahead_of({-1: 2, 0: 3, 5: 7}, 0) == 5
+    assert ahead_of({-1: Work(unsized=2), 0: Work(unsized=3), 5: Work(unsized=7)}, 0).runs == 5
     # A fifth of the slots goes to more urgent requests: the line moves at 4/5 the speed.
-    assert predictor.predict_ttft(ahead=3, free=0, capacity=2, urgent_share=0.2) == pytest.approx(
-        2.0 / 0.8 + 0.25
-    )
+    slowed = predictor.predict_ttft(ahead=Work(unsized=3), free=0, capacity=2, urgent_share=0.2)
+    assert slowed == pytest.approx(2.0 / 0.8 + 0.25)
     assert urgent_share({0: 20, 10: 80}, 10) == pytest.approx(0.2)
     assert urgent_share({0: 20, 10: 80}, 0) == 0.0
     assert urgent_share({}, 3) == 0.0
@@ -198,8 +192,8 @@ def test_the_predictor_counts_runs_long_by_their_spread() -> None:
     assert steady.to_dict()["run_spread_s"] == 0.0
     assert uneven.run_s == pytest.approx(1.0, abs=0.1)
     assert 0.3 < uneven.run_spread_s < 0.6
-    steady_s = steady.predict_ttft(ahead=3, free=0, capacity=2)
-    uneven_s = uneven.predict_ttft(ahead=3, free=0, capacity=2)
+    steady_s = steady.predict_ttft(ahead=Work(unsized=3), free=0, capacity=2)
+    uneven_s = uneven.predict_ttft(ahead=Work(unsized=3), free=0, capacity=2)
     assert steady_s is not None and uneven_s is not None
     assert uneven_s - steady_s == pytest.approx(2 * uneven.run_spread_s, abs=0.2)
 
@@ -212,10 +206,10 @@ def test_the_predictor_counts_the_slot_time_lost_to_preempted_runs() -> None:
         predictor.dispatched(preempted=n % 5 == 4)
     assert predictor.preempted_share == pytest.approx(0.2, abs=0.05)
     share = predictor.preempted_share
-    slowed = predictor.predict_ttft(ahead=3, free=0, capacity=2, urgent_share=0.2)
+    slowed = predictor.predict_ttft(ahead=Work(unsized=3), free=0, capacity=2, urgent_share=0.2)
     assert slowed == pytest.approx(2.0 / (1 - 0.2 - share) + 0.25)
     # Nothing more urgent: nothing preempts it, the line moves at full speed.
-    assert predictor.predict_ttft(ahead=3, free=0, capacity=2) == pytest.approx(2.25)
+    assert predictor.predict_ttft(ahead=Work(unsized=3), free=0, capacity=2) == pytest.approx(2.25)
 
 
 def test_the_dispatcher_counts_the_priorities_of_its_recent_dispatches() -> None:

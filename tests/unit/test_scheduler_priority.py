@@ -1,7 +1,8 @@
 """Priority inside a worker's batch (the shared scheduler, ``backends/common/scheduler``),
 on the scripted fake llama.cpp of ``test_llama_cpp_engine``: a more urgent request takes
-the next free KV room before one that waited longer, and a long low-priority prompt read
-in slices yields its slice to a more urgent one."""
+the next free KV room before one that waited longer, unless that one was promoted (the
+pool's order, ``scheduling.ordering``), and a long low-priority prompt read in slices
+yields its slice to a more urgent one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from test_llama_cpp_engine import END, FakeRuntime, drain, engine_for
 
 from helpers import Recorder
 from modelpool.shared.protocol import Generation, TokenIds
+from modelpool.shared.validation import PROMOTED_AT_PARAM
 
 
 def test_a_more_urgent_request_takes_the_next_free_room() -> None:
@@ -22,12 +24,33 @@ def test_a_more_urgent_request_takes_the_next_free_room() -> None:
     engine.step()
     engine.admit(low)
     engine.admit(high)
-    assert [row.call for row in engine.waiting] == [high, low]
     while running in [row.call for row in engine.rows + engine.prefilling]:
         engine.step()
     engine.step()  # the room it left is given at the next step
     started = [row.call for row in engine.rows + engine.prefilling]
     assert started == [high] and [row.call for row in engine.waiting] == [low]
+    ended = drain(engine)
+    assert all(isinstance(ended[id(call)], Generation) for call in (low, high))
+
+
+def test_a_request_promoted_in_the_pool_takes_the_next_free_room_first() -> None:
+    """The pool sends each request's promotion instant (aged, or due): once it has come,
+    the request goes ahead of every one not promoted, whatever its priority."""
+    runtime = FakeRuntime({3: [3] * 8, 4: [4, END], 6: [6, END]})
+    engine = engine_for(runtime, kv_cells=12)
+    running = Recorder(TokenIds((3, 5)), {"max_new_tokens": 8})
+    aged = {"max_new_tokens": 8, "priority": 5, PROMOTED_AT_PARAM: 0.0}
+    low = Recorder(TokenIds((4, 5)), aged)
+    high = Recorder(TokenIds((6, 5)), {"max_new_tokens": 8, "priority": -1})
+    engine.admit(running)
+    engine.step()
+    engine.admit(low)
+    engine.admit(high)
+    while running in [row.call for row in engine.rows + engine.prefilling]:
+        engine.step()
+    engine.step()
+    started = [row.call for row in engine.rows + engine.prefilling]
+    assert started == [low] and [row.call for row in engine.waiting] == [high]
     ended = drain(engine)
     assert all(isinstance(ended[id(call)], Generation) for call in (low, high))
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from modelpool.scheduling.views import RequestT, RequestView, RunView, WorkerT, WorkerView
 from modelpool.shared.prefixes import matched_units
-from modelpool.supervisor.records import Request, Worker
 
 PREFIX_LOAD_SLACK = 1
 """A worker holding a request's prefix takes it while running at most this many requests
@@ -39,10 +39,10 @@ more than the least loaded one: the prefill it saves is worth a slot, not a queu
 
 
 def open_workers(
-    workers: Iterable[Worker],
-    retire_reason: Callable[[Worker], str | None],
-    capacity: Callable[[Worker], int] = lambda worker: worker.slots,
-) -> list[Worker]:
+    workers: Iterable[WorkerT],
+    retire_reason: Callable[[WorkerT], str | None],
+    capacity: Callable[[WorkerT], int] = lambda worker: worker.slots,
+) -> list[WorkerT]:
     """The workers that may take a request now. ``capacity``: the runs a worker may hold,
     its slots and any prefetched one (``modelpool.scheduling.prefetch``)."""
     return [
@@ -59,17 +59,17 @@ def open_workers(
 
 
 def assign(
-    queue: Iterable[Request],
-    candidates: list[Worker],
-    capacity: Callable[[Worker], int] = lambda worker: worker.slots,
-) -> list[tuple[Request, Worker]]:
+    queue: Iterable[RequestT],
+    candidates: list[WorkerT],
+    capacity: Callable[[WorkerT], int] = lambda worker: worker.slots,
+) -> list[tuple[RequestT, WorkerT]]:
     """Queued requests and the worker each goes to, in queue order, stopping as soon as
     the free slots are spoken for: the cost is the number of free slots, not the length
     of the queue."""
     size = {w.id: capacity(w) for w in candidates}
     free = {w.id: size[w.id] - len(w.runs) for w in candidates}
     suspects = {w.id for w in candidates if any(r.owner.suspect for r in w.runs.values())}
-    assignments: list[tuple[Request, Worker]] = []
+    assignments: list[tuple[RequestT, WorkerT]] = []
     for request in queue:
         choice = _choose(request, candidates, size, free, suspects)
         if choice is None:
@@ -90,13 +90,13 @@ def assign(
 
 
 def room_elsewhere(
-    worker: Worker, workers: Iterable[Worker], retire_reason: Callable[[Worker], str | None]
+    worker: WorkerT, workers: Iterable[WorkerT], retire_reason: Callable[[WorkerT], str | None]
 ) -> bool:
     """Could another worker take a request now (see :func:`open_workers`)?"""
     return any(other is not worker for other in open_workers(workers, retire_reason))
 
 
-def prefix_held(request: Request, worker: Worker) -> int:
+def prefix_held(request: RequestView, worker: WorkerView[RunView]) -> int:
     """How many leading units of the request's prompt (messages, text or id blocks: see
     ``modelpool.shared.prefixes``) the worker's prefix cache holds, as it last reported."""
     report = worker.prefix_cache
@@ -106,12 +106,12 @@ def prefix_held(request: Request, worker: Worker) -> int:
 
 
 def _choose(
-    request: Request,
-    candidates: list[Worker],
+    request: RequestView,
+    candidates: list[WorkerT],
     size: dict[int, int],
     free: dict[int, int],
     suspects: set[int],
-) -> Worker | None:
+) -> WorkerT | None:
     """The worker ``request`` goes to now, if any (see the module docstring)."""
     eligible = []
     for worker in candidates:
@@ -127,7 +127,7 @@ def _choose(
         return None
     least = min(size[worker.id] - free[worker.id] for worker in eligible)
 
-    def preference(worker: Worker) -> tuple[int, int, int]:
+    def preference(worker: WorkerT) -> tuple[int, int, int]:
         load = size[worker.id] - free[worker.id]
         # A one-call worker's prefix counts only if it would start the request now, not
         # hold it prefetched behind another while a worker is idle.

@@ -24,23 +24,22 @@ gives way to hold a cancel word each meanwhile (:func:`cancel_words`)::
 
 A rerun starts again from the prompt (the prefix cache makes the prompt cheap to read
 again). A request whose caller was shown text is preempted only when its rerun gives the
-same text (greedy or seeded: ``Request.reproducible``); :func:`continue_stream` then
-drops what the caller saw already, so the stream reads as one answer, no token twice and
-none lost; a rerun that says otherwise (a backend that is not deterministic after all)
-is reported as diverged, and the dispatcher fails the request rather than send a
-contradiction.
+same text (greedy or seeded: ``Request.reproducible``); the dispatcher then drops what
+the caller saw already (``Run.continue_stream``), so the stream reads as one answer, no
+token twice and none lost; a rerun that says otherwise (a backend that is not
+deterministic after all) is reported as diverged, and the dispatcher fails the request
+rather than send a contradiction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Literal
 
 from modelpool.scheduling import prefetch
 from modelpool.scheduling.prefetch import MAX_PREFETCHED
 from modelpool.scheduling.queueing import promoted
+from modelpool.scheduling.views import RequestT, RunT, RunView, WorkerT, WorkerView
 from modelpool.shared.config import PoolConfig
-from modelpool.supervisor.records import Request, Run, Worker
 
 
 def cancel_words(slots: int) -> int:
@@ -52,7 +51,7 @@ def cancel_words(slots: int) -> int:
 
 
 def handover_capacity(
-    worker: Worker, config: PoolConfig, retire_reason: Callable[[Worker], str | None]
+    worker: WorkerT, config: PoolConfig, retire_reason: Callable[[WorkerT], str | None]
 ) -> int:
     """The runs ``worker`` may hold when preempted runs hand their slots over: its slots
     and one for each run winding down there (preempted, or prefetched and taken back:
@@ -67,7 +66,7 @@ def handover_capacity(
     return held
 
 
-def preemptible(run: Run, *, now: float, aging_s: float, min_time_left_s: float = 0.0) -> bool:
+def preemptible(run: RunView, *, now: float, aging_s: float, min_time_left_s: float = 0.0) -> bool:
     """May ``run`` give its slot to a more urgent request. Not when its deadline leaves
     less than ``min_time_left_s``: it would not finish a rerun, and preempting it would
     turn an answer almost done into a timeout."""
@@ -84,7 +83,9 @@ def preemptible(run: Run, *, now: float, aging_s: float, min_time_left_s: float 
     )
 
 
-def worth_looking(waiting_by_priority: Mapping[int, int], workers: Iterable[Worker]) -> bool:
+def worth_looking(
+    waiting_by_priority: Mapping[int, int], workers: Iterable[WorkerView[RunView]]
+) -> bool:
     """Is a request waiting more urgent than one running (the cheap check, first)."""
     if not waiting_by_priority:
         return False
@@ -97,13 +98,13 @@ def worth_looking(waiting_by_priority: Mapping[int, int], workers: Iterable[Work
 
 
 def choose_victims(
-    order: Sequence[Request],
-    workers: Iterable[Worker],
+    order: Sequence[RequestT],
+    workers: Iterable[WorkerView[RunT]],
     *,
     now: float,
     aging_s: float,
     min_time_left_s: float = 0.0,
-) -> list[tuple[Run, Request]]:
+) -> list[tuple[RunT, RequestT]]:
     """The running attempts to preempt for the waiting requests ``order`` (in dispatch
     order; see the module docstring). The cost is the number of running attempts plus
     the victims, not the queue's length. Each victim comes with the waiting request it was
@@ -119,7 +120,7 @@ def choose_victims(
         ),
         key=_cost_order,
     )
-    victims: list[tuple[Run, Request]] = []
+    victims: list[tuple[RunT, RequestT]] = []
     for waiting in order:
         if not candidates:
             break
@@ -137,14 +138,14 @@ def choose_victims(
     return victims
 
 
-def _unclaimed(worker: Worker) -> int:
+def _unclaimed(worker: WorkerView[RunView]) -> int:
     """Slots of ``worker`` that preempted runs will free and no run was sent for yet (a
     run handed one over, or prefetched behind the victim, claims it)."""
     preempted, live = _tally(worker)
     return max(0, min(preempted, worker.slots - live))
 
 
-def _tally(worker: Worker) -> tuple[int, int]:
+def _tally(worker: WorkerView[RunView]) -> tuple[int, int]:
     """``worker``'s preempted runs, and its live ones: neither preempted nor taken back
     (prefetched runs count: each will take a slot)."""
     preempted = live = 0
@@ -156,32 +157,15 @@ def _tally(worker: Worker) -> tuple[int, int]:
     return preempted, live
 
 
-def _priority(run: Run) -> int:
+def _priority(run: RunView) -> int:
     assert run.request is not None
     return run.request.priority
 
 
-def _cost_order(run: Run) -> tuple[int, int, float]:
+def _cost_order(run: RunView) -> tuple[int, int, float]:
     """Sorted by this, the last is the first to preempt: the least urgent, then the one
     preempted fewest times (no request is preempted over and over while others run on),
     then the one started last (it loses the least work)."""
     assert run.request is not None
     request = run.request
     return (request.priority, -request.preemptions, run.started_at)
-
-
-def continue_stream(run: Run, text: str) -> tuple[Literal["send", "diverged"], str]:
-    """What of a rerun's chunk ``text`` its caller has not seen: ("send", the unseen part,
-    maybe ""), or ("diverged", "") when the rerun's text is not what was shown."""
-    start = run.produced
-    run.produced += len(text)
-    shown = run.skip
-    if start >= len(shown):
-        return "send", text
-    overlap = min(len(text), len(shown) - start)
-    if text[:overlap] != shown[start : start + overlap]:
-        return "diverged", ""
-    if run.produced >= len(shown):
-        run.skip = ""  # caught up: from here on its chunks go straight through
-        run.produced = 0
-    return "send", text[overlap:]

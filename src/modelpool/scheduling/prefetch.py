@@ -38,8 +38,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from modelpool.scheduling.queueing import promoted
+from modelpool.scheduling.views import RunT, WorkerT
 from modelpool.shared.config import PoolConfig
-from modelpool.supervisor.records import Run, Worker
 
 # Prefetched work a one-call worker may hold behind its current run, in measured runs.
 PREFETCH_WINDOW_S = 0.001
@@ -60,9 +60,9 @@ def depth(run_s: float) -> int:
 
 
 def capacity(
-    worker: Worker,
+    worker: WorkerT,
     config: PoolConfig,
-    retire_reason: Callable[[Worker], str | None],
+    retire_reason: Callable[[WorkerT], str | None],
     prefetched: int = 1,
 ) -> int:
     """The runs ``worker`` may hold now: its slots, and on a one-call worker
@@ -78,15 +78,15 @@ def capacity(
 
 
 def recalls(
-    prefetched: Iterable[Run],
-    workers: Iterable[Worker],
-    retire_reason: Callable[[Worker], str | None],
+    prefetched: Iterable[RunT],
+    workers: Iterable[WorkerT],
+    retire_reason: Callable[[WorkerT], str | None],
     most_urgent_queued: int | None,
     *,
     queued: int,
     now: float,
     aging_s: float,
-) -> list[Run]:
+) -> list[RunT]:
     """The prefetched runs to take back now, newest first (see the module docstring):
     the ones furthest from starting on their worker go first to an idle one, and put
     back at the front of the queue one by one in this order they keep their own.
@@ -100,22 +100,24 @@ def recalls(
     waiting = list(prefetched)[::-1]
     if not waiting:
         return []
+    by_id = {worker.id: worker for worker in workers}
     idle = -queued + sum(
         1
-        for worker in workers
+        for worker in by_id.values()
         if worker.state == "idle"
         and not worker.runs
         and _may_hold_one(worker, retire_reason)
         and not worker.stopping
     )
-    taken: list[Run] = []
+    taken: list[RunT] = []
     for run in waiting:
         outranked = (
             most_urgent_queued is not None
             and most_urgent_queued < run.owner.priority
             and not promoted(run.owner, now=now, aging_s=aging_s)
         )
-        if outranked or not _may_hold_one(run.worker, retire_reason):
+        worker = by_id.get(run.worker.id)
+        if outranked or worker is None or not _may_hold_one(worker, retire_reason):
             taken.append(run)
         elif idle > 0:
             idle -= 1
@@ -123,7 +125,7 @@ def recalls(
     return taken
 
 
-def _may_hold_one(worker: Worker, retire_reason: Callable[[Worker], str | None]) -> bool:
+def _may_hold_one(worker: WorkerT, retire_reason: Callable[[WorkerT], str | None]) -> bool:
     return (
         worker.role == "serving"
         and not worker.stopping

@@ -60,6 +60,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from modelpool.scheduling.ordering import Urgency, promotion_at, urgency
 from modelpool.scheduling.queueing import arrived_at
 from modelpool.server.http import ApiError
 from modelpool.shared.errors import DeadlineExceeded
@@ -158,7 +159,7 @@ class FairShare:
         is held back for it): another client's backlog delays it by at most one run per
         round, not by the whole backlog."""
         now = time.monotonic()
-        mine = (1, priority)
+        mine = urgency(priority, promoted_at=math.inf, now=now)
         own = sum(
             waiter.urgency(now, self.aging_s) <= mine for waiter in self._waiters.get(client, ())
         )
@@ -358,7 +359,7 @@ class FairShare:
         clients that may run (the first in turn order among equals), each client's
         runs taken most urgent first, oldest first within one urgency."""
         now = time.monotonic()
-        best: tuple[tuple[int, int], str, _Waiter] | None = None
+        best: tuple[Urgency, str, _Waiter] | None = None
         for client, waiters in self._waiters.items():
             waiter = min(waiters, key=lambda w: w.urgency(now, self.aging_s))
             if not self._may_run(client, waiter.priority):
@@ -387,10 +388,10 @@ class _Waiter:
         self.turn = turn
         self.due_at = due_at
 
-    def urgency(self, now: float, aging_s: float) -> tuple[int, int]:
-        """Lower goes first: aged or due runs, then by priority."""
-        promoted = now >= self.due_at or now - self.since >= aging_s
-        return (0, 0) if promoted else (1, self.priority)
+    def urgency(self, now: float, aging_s: float) -> Urgency:
+        """Lower goes first: aged or due runs, then by priority (``ordering``)."""
+        at = promotion_at(waiting_since=self.since, due_at=self.due_at, aging_s=aging_s)
+        return urgency(self.priority, promoted_at=at, now=now)
 
 
 class Ticket:

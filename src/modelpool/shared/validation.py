@@ -213,6 +213,11 @@ PRIORITY_PARAM = "priority"
 """The request parameter a worker's scheduler reads a request's priority from (the pool
 sets it when it is not 0): lower takes the next free row and the prefill budget first."""
 
+PROMOTED_AT_PARAM = "promoted_at"
+"""The request parameter a worker's scheduler reads when a request is promoted ahead of
+every other from (``time.monotonic()``, the machine's clock, the same in every process):
+the pool sets it beside ``priority``, and a caller's own value is replaced."""
+
 
 def valid_traceparent(value: object) -> bool:
     """A W3C ``traceparent`` this pool can continue (version ff, all-zero ids: not)."""

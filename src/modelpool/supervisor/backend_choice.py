@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelpool.shared.config import PoolConfig
+from modelpool.shared.config import PoolConfig, embedded_backend_options
 from modelpool.supervisor.devices import group_devices
 
 AUTO = "auto"
@@ -142,3 +142,27 @@ def with_pooling_batches(config: PoolConfig) -> PoolConfig:
     else:
         pooling = False
     return config.replace(max_batch_size=config.pooling_batch_size) if pooling else config
+
+
+def with_backend_chosen(config: PoolConfig, devices: list[str]) -> tuple[PoolConfig, str]:
+    """``config`` with ``backend = "auto"`` resolved (and the embedded model's hf options
+    filled in), and why it serves on that backend (start() logs it once the checks pass)."""
+    if config.backend == AUTO:
+        choice = choose_backend(config.model, config.backend_options, devices)
+        backend, reason = choice.backend, f"auto: {choice.reason}"
+    else:
+        backend, reason = config.backend, f"configured: backend = {config.backend!r}"
+    options = embedded_backend_options(config.model, backend, config.backend_options)
+    if backend != config.backend or options != config.backend_options:
+        config = config.replace(backend=backend, backend_options=options)
+    return config, reason
+
+
+def prepared_model(model: str, backend: str) -> str:
+    """``embedded:NAME`` is prepared (once) and becomes its local directory (for the
+    llama_cpp backend, the directory of its GGUF file)."""
+    if not model.startswith("embedded:"):
+        return model
+    from modelpool.shared.embedded import resolve_model
+
+    return resolve_model(model, backend)

@@ -7,61 +7,65 @@ event loop in production, a recording fake in the property tests) to spawn, send
 signal and check, and its clock is injected, so tests drive this very code with a fake
 world.
 
-Four parts, as pebble splits its pool into a task manager and a worker manager: this
-file keeps requests, attempts and runs; its ``worker_manager`` (``worker_manager.py``, an
-object it owns and that calls back only ``give_up_loading``) keeps the worker records
-and the decisions about processes: slots and start-up, recycling and roles, signals,
-memory release checks; its ``retries`` (``retries.py``) decide retry or fail for a
-failed attempt and settle a lost batch; its ``stalls`` (``stalls.py``) find the busy
-workers whose progress stands still. All run on the same thread and share the clock,
-the timer heap and the counters.
+Its parts, as pebble splits its pool into a task manager and a worker manager: this
+file keeps requests, attempts and runs, and applies the schedule; its ``worker_manager``
+(``worker_manager.py``, an object it owns and that calls back only ``give_up_loading``)
+keeps the worker records and the decisions about processes: slots and start-up,
+recycling and roles, signals, memory release checks; its ``messages``
+(``worker_messages.py``) handle what workers send; its ``resolution``
+(``resolution.py``) ends requests (futures, counters, observers); its ``retries``
+(``retries.py``) decide retry or fail for a failed attempt and settle a lost batch; its
+``stalls`` (``stalls.py``) find the busy workers whose progress stands still. All run on
+the same thread and share the clock, the timer heap and the counters. Every scheduling
+rule is a pure function in ``modelpool.scheduling``: this file asks and applies.
 
 The entry points come first, in the order of a request's life (``submit``, ``cancel``,
 ``on_message``, ``on_exit``, ``on_device_free`` ...; the event loop calls
 ``run_due_timers`` and ``after_event`` on every turn); the helpers follow, grouped by
-what they decide: handing requests to workers, what workers send, deadlines and the run
-end of the kill ladder, attempts' end, resolution, closing.
+what they decide: handing requests to workers, attempts' end, deadlines and the run end
+of the kill ladder, closing.
 
 Batching (``max_batch_size`` above 1): a worker holds up to ``Worker.slots`` runs (and
-beside them the preempted ones still winding down: ``_hand_over``);
-``_pump`` hands the queue to the rules of ``placement.py`` (least loaded, then most free
-KV room; an isolated request gets an empty worker; suspects are spread one per worker;
-a worker whose requests wait there for KV room takes no more), and ``_on_room`` asks
-back a request that waits for room while another worker has some. Deadlines and
-cancels act on one run (its slot's cancel word); a stall (``StallWatch.batch_stalled``:
-no token delivered), an ignored cancel or a death settle the whole batch through
-``Retries.batch_lost`` (collateral retries, poison isolation), after signalling the
-worker, so that its replacement counts as another worker; ``_on_batch_error`` settles
-the rows of a step that failed in a worker that goes on the same way.
+beside them the preempted ones still winding down); ``_pump`` applies
+``scheduling.plan`` (least loaded, then most free KV room; an isolated request gets an
+empty worker; suspects are spread one per worker; a worker whose requests wait there for
+KV room takes no more), and a room report asks back a request that waits for room while
+another worker has some. Deadlines and cancels act on one run (its slot's cancel word);
+a stall (``StallWatch.batch_stalled``: no token delivered), an ignored cancel or a death
+settle the whole batch through ``Retries.batch_lost`` (collateral retries, poison
+isolation), after signalling the worker, so that its replacement counts as another
+worker.
 
-Preemption (``preempt_for_priority``): ``_pump`` asks ``preemption.py`` which running
-attempts give way to more urgent requests once no open worker has a slot; ``_preempt``
-cancels each and queues its request again, and ``_on_chunk`` / ``_on_done`` keep a
-rerun from streaming again what its caller saw (``Run.skip``).
+Preemption (``preempt_for_priority``): ``scheduling.plan.victims`` names the running
+attempts that give way to more urgent requests once no open worker has a slot;
+``_preempt`` cancels each and queues its request again, ``plan.hand_over`` sends the
+urgent one into the slot, and a rerun does not stream again what its caller saw
+(``Run.continue_stream``).
 
-Prefetch (``max_batch_size`` 1, ``prefetch.py``): a busy one-call worker holds one run
-more (several when runs are far shorter than a wake-up), not started; ``_promote``
-starts the next when the worker answers, ``_drop_prefetched`` ends one unrun (cancel,
-deadline, taken back in ``_pump``), ``on_exit`` requeues them.
+Prefetch (``max_batch_size`` 1, ``scheduling.prefetch``): a busy one-call worker holds
+one run more (several when runs are far shorter than a wake-up), not started;
+``_promote`` starts the next when the worker answers, ``_drop_prefetched`` ends one unrun
+(cancel, deadline, taken back by ``plan.take_back``), ``on_exit`` requeues them.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from modelpool.scheduling import placement, preemption, prefetch
-from modelpool.scheduling.queueing import PriorityCounts, WaitPredictor, dispatch_order
+from modelpool.scheduling import admission, plan
+from modelpool.scheduling.prediction import WaitPredictor
+from modelpool.scheduling.queueing import PriorityCounts
+from modelpool.scheduling.sizes import NOTHING_IN_FLIGHT
 from modelpool.shared.config import PoolConfig
 from modelpool.shared.errors import (
     Attempt,
-    BackendError,
     DeadlineExceeded,
     ModelLoadFailed,
     Outcome,
@@ -69,11 +73,9 @@ from modelpool.shared.errors import (
     PoolError,
     WorkerCrashed,
 )
-from modelpool.shared.protocol import Generation, PrefixCacheReport, TokenCounts
 from modelpool.supervisor.observe import (
     AttemptRecord,
     Observers,
-    RequestStatus,
     WorkerEvent,
 )
 from modelpool.supervisor.records import (
@@ -82,17 +84,15 @@ from modelpool.supervisor.records import (
     Run,
     TimerHeap,
     Worker,
-    request_record,
 )
-from modelpool.supervisor.results import set_future
+from modelpool.supervisor.resolution import Resolution
 from modelpool.supervisor.retries import Retries
 from modelpool.supervisor.stalls import StallWatch
 from modelpool.supervisor.stats import COUNTER_NAMES, DeviceStats, PoolStats, percentiles
-from modelpool.supervisor.worker_errors import typed_backend_error, worker_refusal
 from modelpool.supervisor.worker_manager import WorkerManager
+from modelpool.supervisor.worker_messages import WorkerMessages
 
 logger = logging.getLogger(__name__)
-worker_logger = logging.getLogger("modelpool.worker")
 
 _LATENCY_WINDOW = 2048
 
@@ -138,12 +138,26 @@ class Dispatcher:
         self.prefetched: dict[int, Run] = {}
         self._started_reported = False
         # Observers of finished requests and worker events (observe.py), the moving
-        # averages that predict a new request's wait (queueing.py), and the queued
+        # averages that predict a new request's wait (scheduling.prediction), and the queued
         # requests by priority: replaced whole on each change, for callers' threads to read.
         self.observers = observers or Observers()
         self.predictor = WaitPredictor()
         self.priorities = PriorityCounts()
+        self.in_flight = NOTHING_IN_FLIGHT  # the runs on workers: their work (sizes.py)
 
+        # How requests end: futures, counters, observers (resolution.py).
+        self.resolution = Resolution(
+            clock=clock,
+            live=self.live,
+            queue=self.queue,
+            priorities=self.priorities,
+            timers=self.timers,
+            counters=self.counters,
+            latencies=self.latencies,
+            observers=self.observers,
+            unpin=lambda request: self.retries.unpin(request),
+            on_dequeued=on_dequeued,
+        )
         # The worker side: slots, start-up, recycling, signals, memory (worker_manager.py). It
         # shares the clock, the timers and the counters, and holds the worker records.
         self.worker_manager = WorkerManager(
@@ -165,12 +179,25 @@ class Dispatcher:
             timers=self.timers,
             counters=self.counters,
             queue=self.queue,
-            fail=self._fail,
+            fail=self.resolution.fail,
             end_attempt=self._end_attempt,
             may_retry=lambda: not self.closing and self.failure is None,
             another_worker_exists=self.worker_manager.another_worker_exists,
-            queued=lambda request: self.priorities.queued(request.priority, 1),
+            queued=self._count_queued,
             note=self.observers.worker_event,
+        )
+        # What workers send: chunks, answers, errors, room reports (worker_messages.py).
+        self.messages = WorkerMessages(
+            clock=clock,
+            counters=self.counters,
+            workers=self.workers,
+            predictor=self.predictor,
+            resolution=self.resolution,
+            retries=self.retries,
+            worker_manager=self.worker_manager,
+            end_attempt=self._end_attempt,
+            run_ended=self._run_ended,
+            soft_cancel=self._soft_cancel,
         )
         # A busy worker whose progress word stands still (stalls.py): its run times out,
         # or its whole batch is lost.
@@ -203,22 +230,35 @@ class Dispatcher:
         if request.future.done():  # cancelled by its caller before we saw it
             self.counters["cancelled"] += 1
             request.state = "done"
-            self._dequeued(request)
+            self.resolution.dequeued(request)
             return
         self.live[request.request_id] = request
         failure = self.load_failure()
         if failure is not None:
-            self._fail(request, failure)
+            self.resolution.fail(request, failure)
             return
         if self.closing:
-            self._fail(request, PoolClosed("the pool is closing"))
+            self.resolution.fail(request, PoolClosed("the pool is closing"))
             return
+        if request.due_at != math.inf:  # admitted by its predicted wait: note the prediction
+            request.predicted_ttft_s = admission.predicted_ttft(
+                self,
+                capacity=self.config.workers * self.config.max_batch_size,
+                priority=request.priority,
+                size=request.size,
+                spread=False,
+            )
         request.state = "queued"
         self.queue[request.request_id] = request
-        self.priorities.queued(request.priority, 1)
+        self._count_queued(request)
         request.deadline_timer = self.timers.call_at(
             request.deadline, self._on_request_deadline, request
         )
+
+    def _count_queued(self, request: Request) -> None:
+        """``request`` entered the queue: counted by priority, with its work as sized now."""
+        request.queued_work = self.predictor.work_of(request.size)
+        self.priorities.queued(request.priority, 1, request.queued_work)
 
     def count_overloaded(self, queue_full: bool = False) -> None:
         self.counters["overloaded"] += 1
@@ -241,45 +281,20 @@ class Dispatcher:
         if request.state in ("queued", "backoff"):
             self.queue.pop(request_id, None)
             # A preempted request waiting to run again has shown its caller this much.
-            self._resolve_cancelled(request, request.shown, None)
+            self.resolution.cancelled(request, request.shown, None)
             return
         run = request.run
         if request.state != "running" or run is None or request.cancel_requested:
             return
         if run.prefetched:
-            self._resolve_cancelled(self._drop_prefetched(run), "", None)
+            self.resolution.cancelled(self._drop_prefetched(run), "", None)
             return
         request.cancel_requested = True
         worker = run.worker
         self._soft_cancel(worker, run, "cancel")
 
     def on_message(self, worker: Worker, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "chunk":
-            self._on_chunk(worker, *message[1:])
-        elif kind == "done":
-            self._on_done(worker, message[1], message[2], message[3])
-        elif kind == "error":
-            self._on_error(worker, *message[1:])
-        elif kind == "batch_error":
-            self._on_batch_error(worker, *message[1:])
-        elif kind == "room":
-            self._on_room(worker, message[1], message[2])
-        elif kind == "withdrawn":
-            self._on_withdrawn(worker, message[1])
-        elif kind == "prefix_cache" and isinstance(message[1], PrefixCacheReport):
-            worker.prefix_cache = message[1]
-        elif kind == "log":
-            _, levelno, name, text = message
-            worker_logger.log(
-                levelno, "[worker %d pid %s] %s: %s", worker.id, worker.pid, name, text
-            )
-        elif kind == "ready":
-            self.worker_manager.on_ready(worker, *message[1:])
-        elif kind == "load_failed":
-            worker.load_error = message[1]
-        else:
-            logger.warning("worker %d sent an unknown message kind %r", worker.id, kind)
+        self.messages.on_message(worker, message)
 
     def channel_closed(self, worker: Worker) -> None:
         """The worker's socket reached end of file. Its exit normally follows within
@@ -363,7 +378,7 @@ class Dispatcher:
         The event loop stops taking commands right after, so nothing new waits on it.
         """
         for request in list(self.live.values()):
-            self._fail(request, PoolError(f"the pool's dispatcher failed: {error!r}"))
+            self.resolution.fail(request, PoolError(f"the pool's dispatcher failed: {error!r}"))
         self.worker_manager.kill_all()
         self.crashed = True
         self.state = "failed"
@@ -431,71 +446,57 @@ class Dispatcher:
     # ---- requests to workers -------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Hand queued requests to workers, by the rules of ``placement.py``, after taking
-        back the prefetched runs that should not wait where they are (``prefetch.py``);
-        with every slot taken, preempt for the more urgent ones that still wait
-        (``preemption.py``)."""
+        """Apply the schedule (``scheduling.plan``), step by step: take back the
+        prefetched runs that should not wait where they are, hand queued requests to
+        workers, and with every slot taken preempt for the more urgent ones that still
+        wait, handing each the slot of its victim."""
+        config, retire_reason = self.config, self.worker_manager.retire_reason
         if self.prefetched:
-            by_priority = self.priorities.waiting
-            for run in prefetch.recalls(
+            for run in plan.take_back(
                 self.prefetched.values(),
                 self.workers.values(),
-                self.worker_manager.retire_reason,
-                min(by_priority) if by_priority else None,
+                retire_reason,
+                self.priorities.waiting,
                 queued=len(self.queue),
                 now=self.clock(),
-                aging_s=self.config.priority_aging_s,
+                aging_s=config.priority_aging_s,
             ):
                 self.retries.requeue(self._drop_prefetched(run))
         if not self.queue:
             return
-        may_preempt = self.config.preempt_for_priority and preemption.worth_looking(
-            self.priorities.waiting, self.workers.values()
-        )
-        # While a waiting request could preempt, nothing is prefetched: an urgent request
-        # held behind a less urgent run would wait for it instead of taking its slot.
-        capacity = _slots_only if may_preempt else self._capacities()
-        open_workers = placement.open_workers(
-            self.workers.values(), self.worker_manager.retire_reason, capacity
-        )
-        if not open_workers and not may_preempt:
-            return
         now = self.clock()
-        order = dispatch_order(
+        placed = plan.place(
             self.queue.values(),
+            list(self.workers.values()),
+            config=config,
+            retire_reason=retire_reason,
+            waiting_by_priority=self.priorities.waiting,
+            run_s=self.predictor.run_s,
             now=now,
-            aging_s=self.config.priority_aging_s,
-            priorities=len(self.priorities.waiting),
         )
-        for request, worker in placement.assign(order, open_workers, capacity):
-            del self.queue[request.request_id]
-            self._dispatch(request, worker)
-        if not may_preempt or any(len(w.runs) < w.slots for w in open_workers):
-            return  # a free slot left: what still waits waits for a rule, not a slot
-        waiting = [request for request in order if request.state == "queued"]
-        pairs = preemption.choose_victims(
-            waiting,
+        self._dispatch_all(placed.dispatch)
+        pairs = plan.victims(
+            placed,
             self.workers.values(),
+            still_waiting=lambda request: request.state == "queued",
             now=now,
-            aging_s=self.config.priority_aging_s,
-            min_time_left_s=2 * self.predictor.run_s,
+            aging_s=config.priority_aging_s,
+            run_s=self.predictor.run_s,
         )
         for run, _ in pairs:
             self._preempt(run)
         if pairs:
-            self._hand_over([run.worker for run, _ in pairs], [request for _, request in pairs])
+            self._dispatch_all(
+                plan.hand_over(
+                    [run.worker for run, _ in pairs],
+                    [request for _, request in pairs],
+                    config=config,
+                    retire_reason=retire_reason,
+                )
+            )
 
-    def _hand_over(self, workers: list[Worker], requests: list[Request]) -> None:
-        """Send ``requests`` to the workers of the runs just preempted for them, now, into
-        the slots those runs are letting go (``preemption.handover_capacity``), by
-        placement's rules: a request a worker may not take there waits for a slot as before."""
-        retire_reason = self.worker_manager.retire_reason
-
-        def capacity(worker: Worker) -> int:
-            return preemption.handover_capacity(worker, self.config, retire_reason)
-
-        open_workers = placement.open_workers(dict.fromkeys(workers), retire_reason, capacity)
-        for request, worker in placement.assign(requests, open_workers, capacity):
+    def _dispatch_all(self, assignments: list[tuple[Request, Worker]]) -> None:
+        for request, worker in assignments:
             del self.queue[request.request_id]
             self._dispatch(request, worker)
 
@@ -512,17 +513,6 @@ class Dispatcher:
         if request.streamed and len(request.last_partial) > len(request.shown):
             request.shown = request.last_partial  # what its caller has seen (rerun: all of it)
         self.retries.requeue(request)
-
-    def _capacities(self) -> Callable[[Worker], int]:
-        """The runs each worker may hold now (``prefetch.capacity``), worked out once for
-        a pump: placement asks it for every worker, more than once."""
-        prefetched = prefetch.depth(self.predictor.run_s)
-        retire_reason = self.worker_manager.retire_reason
-        held = {
-            worker.id: prefetch.capacity(worker, self.config, retire_reason, prefetched)
-            for worker in self.workers.values()
-        }
-        return lambda worker: held[worker.id]
 
     def _dispatch(self, request: Request, worker: Worker) -> None:
         now = self.clock()
@@ -541,7 +531,10 @@ class Dispatcher:
             alone=worker.slots > 1 and request.isolated,
             skip=request.shown,
             prefetched=worker.slots == 1 and bool(worker.runs),
+            work=request.queued_work,
         )
+        started_at = None if run.prefetched else now
+        self.in_flight = self.in_flight.sent(run.work, started_at=started_at)
         if not worker.runs:
             # One-call workers: the stall clock starts at the first progress after the worker
             # became busy (a long prefill is not a stall). A batched worker's starts now: its
@@ -554,8 +547,8 @@ class Dispatcher:
         run.record = AttemptRecord(run.attempt_id, worker.id, worker.pid, now)
         request.attempt_log.append(run.record)
         if not run.prefetched:  # a prefetched one still counts against max_queue
-            self._dequeued(request)
-        self.priorities.queued(request.priority, -1)
+            self.resolution.dequeued(request)
+        self.priorities.queued(request.priority, -1, request.queued_work)
         self.priorities.dispatched_one(request.priority)
         self.predictor.dispatched(preempted=False)
         request.state = "running"
@@ -572,11 +565,6 @@ class Dispatcher:
         # Else the request's own deadline timer ends the attempt (_on_request_deadline),
         # at the same time and the same way: one timer per request, not two.
         self.stalls.watch()
-
-    def _dequeued(self, request: Request) -> None:
-        if request.counted_as_queued:
-            request.counted_as_queued = False
-            self.on_dequeued()
 
     def _drop_prefetched(self, run: Run) -> Request:
         """Detach a prefetched run, unstarted and uncharged: its cancel word makes the worker
@@ -600,6 +588,7 @@ class Dispatcher:
         run.prefetched = False
         self.prefetched.pop(run.attempt_id, None)
         now = run.started_at = self.clock()
+        self.in_flight = self.in_flight.started_one(now)
         if run.record is not None:
             run.record.started_at = now
         assert worker.io is not None
@@ -609,167 +598,13 @@ class Dispatcher:
         request = run.request
         if request is None:
             return
-        self._dequeued(request)  # out of max_queue's count now that it runs
+        self.resolution.dequeued(request)  # out of max_queue's count now that it runs
         if self.config.attempt_timeout_s is not None:
             run.deadline = min(request.deadline, now + self.config.attempt_timeout_s)
             if run.deadline < request.deadline:
                 run.deadline_timer = self.timers.call_at(
                     run.deadline, self._attempt_timed_out, run, "timeout"
                 )
-
-    # ---- what workers send ---------------------------------------------------------------
-
-    def _current_run(self, worker: Worker, attempt_id: int) -> Run | None:
-        return worker.runs.get(attempt_id)
-
-    def _on_chunk(
-        self, worker: Worker, attempt_id: int, text: str, counts: TokenCounts | None = None
-    ) -> None:
-        run = self._current_run(worker, attempt_id)
-        if run is None:
-            return
-        run.chunks.append(text)
-        if run.first_token_at is None:
-            run.first_token_at = now = self.clock()
-            if run.record is not None:
-                run.record.first_token_at = now
-            if run.owner.first_token_at is None:
-                run.owner.first_token_at = now
-        if run.request is None:
-            return
-        if run.skip:  # a rerun after a preemption: what its caller saw is not sent twice
-            verdict, text = preemption.continue_stream(run, text)
-            if verdict == "diverged":
-                self._soft_cancel(worker, run, "diverged")
-                self._rerun_diverged(run)
-                return
-            if not text:
-                return
-        self._deliver_chunk(run.request, text, counts)
-
-    def _rerun_diverged(self, run: Run) -> None:
-        """A preempted request's rerun gave other text than its caller was shown: its
-        stream cannot go on as one answer, so the request fails (and is not retried)."""
-        request = self._end_attempt(run, "error")
-        message = f"preempted, then rerun on worker pid {run.worker.pid} with other text"
-        self._fail(request, BackendError(f"{message} than it had streamed (not deterministic)"))
-
-    def _deliver_chunk(
-        self, request: Request, text: str, counts: TokenCounts | None = None
-    ) -> None:
-        if request.on_chunk is None or request.caller_gone:
-            return
-        request.streamed = True
-        try:
-            if request.counted_chunks:
-                request.on_chunk(text, counts)
-            else:
-                request.on_chunk(text)
-        except Exception:
-            logger.exception(
-                "request %s: the stream consumer's callback failed", request.request_id
-            )
-
-    def _on_done(
-        self, worker: Worker, attempt_id: int, generation: Generation, rss_bytes: int
-    ) -> None:
-        worker.rss_bytes = rss_bytes
-        run = self._current_run(worker, attempt_id)
-        if run is None:
-            return
-        if not run.recalled or generation.finish_reason != "cancelled":
-            # Taken back but already started there (its cancel word came too late): a
-            # request it served all the same, for max_requests_per_worker.
-            worker.requests += 1
-        self._run_ended(worker, run)
-        request = run.request
-        if request is None:
-            return
-        cancelled = request.cancel_requested or generation.finish_reason == "cancelled"
-        if not cancelled and run.skip and not generation.text.startswith(run.skip):
-            self._rerun_diverged(run)
-            return
-        self._end_attempt(run, "cancelled" if cancelled else "ok")
-        if not cancelled:
-            self.predictor.observe(
-                run_s=self.clock() - run.started_at,
-                ttft_s=None if run.first_token_at is None else run.first_token_at - run.started_at,
-                prompt_tokens=generation.prompt_tokens,
-                completion_tokens=generation.completion_tokens,
-            )
-        if cancelled:
-            self._resolve_cancelled(request, generation.text, worker.pid, generation)
-            return
-        if request.on_chunk is not None:
-            # A backend may return text it never emitted; a stream still gets all of it.
-            sent = run.skip or run.partial_text()
-            if len(generation.text) > len(sent) and generation.text.startswith(sent):
-                self._deliver_chunk(request, generation.text[len(sent) :])
-        self._succeed(request, generation, worker.pid)
-
-    def _on_room(self, worker: Worker, kv_free_tokens: int, waiting: list[int]) -> None:
-        """A batched worker's room report. A request that waits there for KV room while
-        another worker has a free slot and nobody waiting is asked back, to be placed
-        again: it must not wait behind another request's generation."""
-        worker.kv_free_tokens = kv_free_tokens
-        worker.waiting_attempts = frozenset(waiting)
-        if not waiting or worker.io is None:
-            return
-        if not placement.room_elsewhere(
-            worker, self.workers.values(), self.worker_manager.retire_reason
-        ):
-            return
-        for attempt_id in waiting:
-            run = worker.runs.get(attempt_id)
-            if run is not None and run.request is not None and not run.withdraw_sent:
-                run.withdraw_sent = True
-                worker.io.send(("withdraw", attempt_id))
-
-    def _on_withdrawn(self, worker: Worker, attempt_id: int) -> None:
-        """The worker gave back an unstarted attempt: no attempt is recorded, the request
-        goes back to the front of the queue, to another worker than that one."""
-        run = self._current_run(worker, attempt_id)
-        if run is None:
-            return
-        self._run_ended(worker, run)
-        request = run.request
-        if request is None:
-            return
-        self._end_attempt(run, None)
-        self.counters["withdrawn"] += 1
-        request.last_failed_worker = worker.id
-        self.retries.requeue(request)
-
-    def _on_error(
-        self,
-        worker: Worker,
-        attempt_id: int,
-        kind: str,
-        text: str,
-        remote_traceback: str,
-        rss_bytes: int,
-        detail: tuple[int, int | None, int] | Mapping[str, Any] | None = None,
-    ) -> None:
-        worker.rss_bytes = rss_bytes
-        run = self._current_run(worker, attempt_id)
-        if run is None:
-            return
-        worker.requests += 1
-        details: Mapping[str, Any] = detail if isinstance(detail, Mapping) else {}
-        self.worker_manager.after_backend_error(worker, kind, text, details)
-        self._run_ended(worker, run)
-        request = run.request
-        if request is None:
-            return
-        if kind in ("invalid", "context_length", "grammar"):
-            # A refusal is the request's fault, not the attempt's: no failed attempt is
-            # recorded and nothing is retried (another worker would refuse it the same way).
-            self._end_attempt(run, None)
-            self._fail(request, worker_refusal(text, detail))
-            return
-        outcome, error = typed_backend_error(worker, kind, text, remote_traceback, details)
-        self._end_attempt(run, outcome)
-        self.retries.attempt_failed(request, worker, outcome, error)
 
     def _run_ended(self, worker: Worker, run: Run) -> None:
         """The worker answered ``run``: its slot is free; with none left running the worker
@@ -814,7 +649,7 @@ class Dispatcher:
             return
         self.counters["timeouts"] += 1
         message = "deadline passed before a worker could finish the request"
-        self._fail(request, DeadlineExceeded(message, partial_text=request.last_partial))
+        self.resolution.fail(request, DeadlineExceeded(message, partial_text=request.last_partial))
 
     def _attempt_timed_out(self, run: Run, reason: str) -> None:
         request = run.request
@@ -862,7 +697,7 @@ class Dispatcher:
             # A user's cancel the backend did not honour: the caller gets what exists now.
             self.counters["cancel_escalations"] += 1
             self._end_attempt(run, "cancelled")
-            self._resolve_cancelled(request, run.partial_text(), worker.pid)
+            self.resolution.cancelled(request, run.partial_text(), worker.pid)
         logger.warning(
             "worker %d (pid %s) ignored the cancel flag for %.1fs (%s): terminating",
             worker.id,
@@ -882,38 +717,6 @@ class Dispatcher:
                 None,
             )
 
-    def _on_batch_error(
-        self,
-        worker: Worker,
-        attempt_ids: list[int],
-        kind: str,
-        text: str,
-        remote_traceback: str,
-        rss_bytes: int,
-        details: Mapping[str, Any],
-    ) -> None:
-        """A batched step failed and the worker could not blame one request: those that
-        were in it are a lost batch (retried as collateral, suspects tracked, as after a
-        death), never each one's charged error. The worker stays warm for the rest."""
-        worker.rss_bytes = rss_bytes
-        runs = [run for i in attempt_ids if (run := self._current_run(worker, i)) is not None]
-        if not runs:
-            return
-        worker.requests += len(runs)
-        self.worker_manager.after_backend_error(worker, kind, text, details)
-        self.retries.batch_lost(
-            worker,
-            typed_backend_error(worker, kind, text, remote_traceback, details)[0],
-            f"a batched step failed on worker pid {worker.pid}: {text}",
-            None,
-            runs=runs,
-            backend_error=lambda: typed_backend_error(
-                worker, kind, text, remote_traceback, details
-            )[1],
-        )
-        for run in runs:
-            self._run_ended(worker, run)
-
     # ---- attempts end (retry or fail is retries.py) -----------------------------------
 
     def _end_attempt(self, run: Run, outcome: Outcome | None) -> Request:
@@ -927,6 +730,8 @@ class Dispatcher:
         assert request is not None
         run.request = None
         request.run = None
+        started_at = None if run.prefetched else run.started_at
+        self.in_flight = self.in_flight.ended(run.work, started_at=started_at)
         self.prefetched.pop(run.attempt_id, None)
         self.timers.cancel(run.deadline_timer)
         if run.record is not None:
@@ -937,75 +742,6 @@ class Dispatcher:
         request.last_partial = run.partial_text()
         return request
 
-    # ---- resolution ----------------------------------------------------------------------
-
-    def _finish(self, request: Request) -> bool:
-        if request.state == "done":
-            return False
-        if request.state == "queued":
-            self.priorities.queued(request.priority, -1)
-        if request.state in ("queued", "backoff"):
-            self.queue.pop(request.request_id, None)
-        request.state = "done"
-        request.run = None
-        self.timers.cancel(request.deadline_timer)
-        self.retries.unpin(request)
-        self.live.pop(request.request_id, None)
-        self._dequeued(request)
-        return True
-
-    def _succeed(self, request: Request, generation: Generation, worker_pid: int | None) -> None:
-        if not self._finish(request):
-            return
-        self.counters["completed"] += 1
-        result = request.result(generation, worker_pid, self.clock())
-        self.latencies.append(result.latency_s)
-        # Observed first: a caller that has its answer finds it in the metrics.
-        self._observe(request, "completed", generation)
-        set_future(request.future, result)
-
-    def _resolve_cancelled(
-        self,
-        request: Request,
-        text: str,
-        worker_pid: int | None,
-        generation: Generation | None = None,
-    ) -> None:
-        if not self._finish(request):
-            return
-        self.counters["cancelled"] += 1
-        if generation is None:
-            generation = Generation(text, "cancelled")
-        else:
-            generation = dataclasses.replace(generation, text=text, finish_reason="cancelled")
-        self._observe(request, "cancelled", generation)
-        set_future(request.future, request.result(generation, worker_pid, self.clock()))
-
-    def _fail(self, request: Request, error: PoolError) -> None:
-        if not self._finish(request):
-            return
-        error.request_id = request.request_id
-        error.attempts = list(request.attempts)
-        if request.caller_gone:
-            self.counters["cancelled"] += 1
-        else:
-            self.counters["failed"] += 1
-        self._observe(request, "cancelled" if request.caller_gone else "failed", error=error)
-        set_future(request.future, error)
-
-    def _observe(
-        self,
-        request: Request,
-        status: RequestStatus,
-        generation: Generation | None = None,
-        error: PoolError | None = None,
-    ) -> None:
-        """Hand the resolved request's record to the observers, if there are any."""
-        if self.observers.on_request:
-            self.observers.request_done(
-                request_record(request, status, self.clock(), generation, error)
-            )
-
     def _abort_all(self) -> None:
         for request in list(self.live.values()):
             run = request.run
@@ -1013,7 +749,7 @@ class Dispatcher:
                 run.request = None
                 self.prefetched.pop(run.attempt_id, None)
                 self._soft_cancel(run.worker, run, "close")
-            self._fail(request, PoolClosed("the pool closed before the request finished"))
+            self.resolution.fail(request, PoolClosed("the pool closed before the request finished"))
 
     def _shutdown_workers(self) -> None:
         """Once nothing is in flight: idle workers are asked to exit, starting ones killed;
@@ -1046,7 +782,7 @@ class Dispatcher:
         self.state = "failed"
         for request in list(self.live.values()):
             if request.state in ("queued", "backoff"):
-                self._fail(request, self.failure.copy())
+                self.resolution.fail(request, self.failure.copy())
         for other in self.workers.values():
             if other.state == "starting":
                 self.worker_manager.send_signal(other, signal.SIGKILL, "startup_abandoned")
@@ -1056,8 +792,3 @@ class Dispatcher:
         if not self._started_reported:
             self._started_reported = True
             self.on_started(error)
-
-
-def _slots_only(worker: Worker) -> int:
-    """The runs ``worker`` may hold when nothing is to be prefetched: its slots."""
-    return worker.slots

@@ -16,7 +16,6 @@ import asyncio
 import atexit
 import collections
 import dataclasses
-import importlib
 import itertools
 import logging
 import math
@@ -26,11 +25,14 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from modelpool.scheduling.queueing import ahead_of, arrival, urgent_share
-from modelpool.shared.config import PoolConfig, embedded_backend_options
+from modelpool.scheduling import admission
+from modelpool.scheduling.ordering import promotion_at
+from modelpool.scheduling.queueing import arrival
+from modelpool.scheduling.sizes import RunSize
+from modelpool.shared.config import PoolConfig
 from modelpool.shared.embeddings import (
     EmbeddingResult,
     ScoreResult,
@@ -41,39 +43,36 @@ from modelpool.shared.embeddings import (
 )
 from modelpool.shared.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded, QueueFull
 from modelpool.shared.pooling_answers import check_task
-from modelpool.shared.prefixes import partition_of, prompt_fingerprints
 from modelpool.shared.protocol import (
     DetokenizeRequest,
-    EmbedRequest,
     PoolingRequest,
     Prompt,
-    ScoreRequest,
     Task,
     TokenIds,
     TokenizeRequest,
-    WorkerSpec,
     encode_request,
 )
-from modelpool.shared.structured import constrain
 from modelpool.shared.validation import (
-    PRIORITY_PARAM,
-    check_deadline,
-    check_generation_params,
+    PROMOTED_AT_PARAM,
     check_prompt,
-    check_queue_params,
     pooling_queue_params,
 )
 from modelpool.supervisor import gpu
-from modelpool.supervisor.backend_choice import AUTO, choose_backend, with_pooling_batches
+from modelpool.supervisor.backend_choice import (
+    AUTO,
+    prepared_model,
+    with_backend_chosen,
+    with_pooling_batches,
+)
 from modelpool.supervisor.dispatcher import Dispatcher
+from modelpool.supervisor.intake import backend_validator, check_request
 from modelpool.supervisor.loop import EventLoop
 from modelpool.supervisor.observe import Observers, RequestRecord, WorkerEvent
 from modelpool.supervisor.preflight import check_devices, check_model_source
-from modelpool.supervisor.records import GpuWorker, Request, Worker, WorkerIO
+from modelpool.supervisor.records import NoIO, Request
 from modelpool.supervisor.results import PoolFuture, Result
 from modelpool.supervisor.stats import PoolHealth, PoolStats
 from modelpool.supervisor.streams import END, AsyncPoolStream, PoolStream, StreamBuffer
-from modelpool.worker.backends import resolve_backend
 
 __all__ = ["AsyncPoolStream", "ModelPool", "PoolFuture", "PoolStream", "Result"]
 
@@ -121,7 +120,7 @@ class ModelPool:
             config = config.replace(**overrides)
         self.config = config
         # "auto" is hf or llama_cpp, whose request rules are the same (hf.validate).
-        self._backend_validate = _backend_validator(
+        self._backend_validate = backend_validator(
             "hf" if config.backend == AUTO else config.backend
         )
         # Why the pool serves on its backend; set by start() (see backend_choice).
@@ -169,10 +168,10 @@ class ModelPool:
             config = self.config
             probe = self._gpu_probe or gpu.GpuProbe()
             devices = check_devices(config, probe)
-            config, reason = _choose_backend(config, devices)
+            config, reason = with_backend_chosen(config, devices)
             if config.backend != self.config.backend:
                 devices = check_devices(config, probe)  # with the chosen backend's checks
-            model = _resolve_model(config.model, config.backend)
+            model = prepared_model(config.model, config.backend)
             if model != config.model:
                 config = config.replace(model=model)
             config = with_pooling_batches(config)
@@ -190,7 +189,7 @@ class ModelPool:
                 if self._loop is None:
                     self.config = config
                     self._backend_reason = reason
-                    self._backend_validate = _backend_validator(config.backend)
+                    self._backend_validate = backend_validator(config.backend)
                     self._loop = EventLoop(
                         config,
                         devices,
@@ -239,28 +238,28 @@ class ModelPool:
         if on_worker is not None:
             observers.on_worker = [*observers.on_worker, on_worker]
 
-    def predicted_ttft(self, priority: int = 0, *, also_waiting: int = 0) -> float | None:
-        """Seconds a new request of ``priority`` would wait for its first token, from the
-        moving averages of finished runs and the requests queued ahead of it (lower or
-        equal priority), plus ``also_waiting`` more held elsewhere (the daemon's fair
-        share), over the share of the slots that recent dispatches left to its priority
-        (more urgent requests arriving meanwhile pass it). None before enough runs were
-        measured, or before start()."""
+    def predicted_ttft(
+        self, priority: int = 0, *, also_waiting: int = 0, size: RunSize | None = None
+    ) -> float | None:
+        """Seconds a new request of ``priority`` (and ``size``) would wait for its first
+        token (``scheduling.admission.predicted_ttft``): the work queued ahead of it, plus
+        ``also_waiting`` runs held elsewhere (the daemon's fair share). None before enough
+        runs were measured, or before start()."""
         loop = self._loop
         if loop is None:
             return None
-        dispatcher = loop.dispatcher
-        return dispatcher.predictor.predict_ttft(
-            ahead=ahead_of(dispatcher.priorities.waiting, priority) + also_waiting,
-            free=dispatcher.free_slots,
-            capacity=self.config.workers * self.config.max_batch_size,
-            urgent_share=urgent_share(dispatcher.priorities.dispatched, priority),
+        return admission.predicted_ttft(
+            loop.dispatcher,
+            capacity=self._capacity,
+            priority=priority,
+            also_waiting=also_waiting,
+            size=size,
         )
 
     def tokens_within(self, seconds: float) -> int | None:
         """The tokens a run can decode and still answer within ``seconds`` at the rates
-        this pool measured (``queueing.WaitPredictor.tokens_within``); None before
-        enough runs were measured, or before start()."""
+        this pool measured (``WaitPredictor.tokens_within``); None before enough runs were
+        measured, or before start()."""
         loop = self._loop
         return None if loop is None else loop.dispatcher.predictor.tokens_within(seconds)
 
@@ -271,42 +270,41 @@ class ModelPool:
         deadline_s: float,
         *,
         also_waiting: int = 0,
+        size: RunSize | None = None,
     ) -> float | None:
         """Raise ``QueueFull`` if a new request's predicted time to first token passes
-        ``max_queue_time_s`` (None: the pool's setting) or ``deadline_s``. No bound set, or
-        no prediction yet: nothing is refused. Returns the seconds by which the request,
-        admitted by its prediction, is to leave the queue, its deadline (None when none
-        was judged): ``due_in_s`` for :meth:`promotion_at`. Not ``max_queue_time_s``:
-        admitted ones are promoted only to keep them from timing out; promoting them at
-        the bound would put nearly every one ahead of the more urgent requests."""
-        limit = self.config.max_queue_time_s if max_queue_time_s is None else max_queue_time_s
-        if limit is None or limit == float("inf"):
-            return None
-        predicted = self.predicted_ttft(priority, also_waiting=also_waiting)
-        bound = min(limit, deadline_s)
-        if predicted is None:
-            return None
-        if predicted <= bound:
-            return deadline_s
+        ``max_queue_time_s`` (None: the pool's setting) or ``deadline_s``
+        (``scheduling.admission.judge``); returns its ``due_in_s`` for
+        :meth:`promotion_at`, None when nothing was judged."""
         loop = self._loop
-        if loop is not None:
+        if loop is None:
+            return None
+        limit = self.config.max_queue_time_s if max_queue_time_s is None else max_queue_time_s
+        try:
+            return admission.judge(
+                loop.dispatcher,
+                capacity=self._capacity,
+                priority=priority,
+                limit_s=limit,
+                deadline_s=deadline_s,
+                also_waiting=also_waiting,
+                size=size,
+            )
+        except QueueFull:
             loop.post(loop.dispatcher.count_overloaded, True)
-        which = "max_queue_time_s" if limit <= deadline_s else "the deadline"
-        raise QueueFull(
-            f"the predicted time to first token ({predicted:.2f} s) passes {which} "
-            f"({bound:g} s): not queued",
-            predicted_ttft_s=predicted,
-            retry_after_s=predicted - bound,
-        )
+            raise
 
     def promotion_at(self, now: float, due_in_s: float | None) -> float:
         """When a request admitted at ``now`` with ``due_in_s`` (:meth:`check_admission`)
-        is promoted ahead of every younger request (``queueing.promoted``): its deadline,
-        less a few runs' time for it to reach a slot and answer. Never, without a bound."""
+        is promoted ahead of every younger request (``scheduling.admission.promotion_at``)."""
         loop = self._loop
-        if due_in_s is None or loop is None:
+        if loop is None:
             return math.inf
-        return now + max(0.0, due_in_s - loop.dispatcher.predictor.promotion_lead_s())
+        return admission.promotion_at(loop.dispatcher.predictor, now, due_in_s)
+
+    @property
+    def _capacity(self) -> int:
+        return self.config.workers * self.config.max_batch_size
 
     def close(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop accepting requests, finish (``drain``) or fail in-flight ones, stop every worker.
@@ -667,7 +665,7 @@ class ModelPool:
     def _stats(self) -> PoolStats:
         loop = self._loop
         if loop is None:
-            return Dispatcher(self.config, _NoIO(), devices=[]).snapshot()
+            return Dispatcher(self.config, NoIO(), devices=[]).snapshot()
         if not loop.thread.is_alive() or threading.current_thread() is loop.thread:
             return self._last_snapshot or loop.dispatcher.snapshot()
         holder: list[PoolStats] = []
@@ -693,43 +691,16 @@ class ModelPool:
         counted: bool = False,
     ) -> PoolFuture:
         """``counted``: ``on_chunk(text, counts)`` gets each chunk's ``TokenCounts`` too."""
-        generation = not isinstance(prompt, _NOT_GENERATIONS)
-        if generation:
-            prompt = check_prompt(prompt)
-        if deadline_s is None:
-            deadline_s = self.config.deadline_s
-        else:
-            check_deadline(deadline_s)
-        gen_kwargs = dict(gen_kwargs)
-        priority, max_queue_time_s, traceparent, admitted = check_queue_params(gen_kwargs)
-        if priority:
-            gen_kwargs[PRIORITY_PARAM] = priority  # for the worker's scheduler too
-        gen_kwargs = constrain(gen_kwargs, self.config.grammar_compile_timeout_s)
-        params = {**self.config.generation_defaults, **gen_kwargs}
-        check_generation_params(params)
-        if self._backend_validate is not None:
-            try:
-                self._backend_validate(params)
-            except InvalidRequest:
-                raise
-            except (ValueError, TypeError) as exc:
-                raise InvalidRequest(str(exc)) from exc
-        fingerprints: tuple[int, ...] = ()
-        if not isinstance(prompt, _NOT_GENERATIONS):
-            # In the request's partition of the workers' prefix caches (its cache_salt).
-            fingerprints = prompt_fingerprints(prompt, partition_of(params))
-        try:
-            # The caller's own params only: the worker adds the defaults it was given once.
-            payload = encode_request(prompt, gen_kwargs)
-        except Exception as exc:
-            raise InvalidRequest(f"the request cannot be sent to a worker: {exc!r}") from exc
+        checked = check_request(prompt, deadline_s, gen_kwargs, self.config, self._backend_validate)
+        prompt, deadline_s, gen_kwargs = checked.prompt, checked.deadline_s, checked.gen_kwargs
+        priority, max_queue_time_s, traceparent, admitted = checked.queue
         loop = self._loop
         self._check_owner()
         if self._closed:
             raise PoolClosed("the pool is closed")
         if loop is None:
             raise PoolError("the pool is not started: call start() or use `with ModelPool(...)`")
-        check_task(loop.dispatcher.worker_manager.task, prompt, generation)
+        check_task(loop.dispatcher.worker_manager.task, prompt, checked.generation)
         failure = loop.dispatcher.load_failure()
         if failure is not None:
             raise failure
@@ -747,11 +718,24 @@ class ModelPool:
             due_in_s: float | None = deadline_s
         else:
             try:
-                due_in_s = self.check_admission(priority, max_queue_time_s, deadline_s)
+                due_in_s = self.check_admission(
+                    priority, max_queue_time_s, deadline_s, size=checked.size
+                )
             except QueueFull:
                 self._on_dequeued()
                 raise
         now = time.monotonic()
+        arrived, due_at = arrival(now), self.promotion_at(now, due_in_s)
+        # The worker's scheduler orders by the pool's rule (scheduling.ordering).
+        gen_kwargs[PROMOTED_AT_PARAM] = promotion_at(
+            waiting_since=arrived, due_at=due_at, aging_s=self.config.priority_aging_s
+        )
+        try:
+            # The caller's own params only: the worker adds the defaults it was given once.
+            payload = encode_request(prompt, gen_kwargs)
+        except Exception as exc:
+            self._on_dequeued()
+            raise InvalidRequest(f"the request cannot be sent to a worker: {exc!r}") from exc
         request_id = f"req-{self._id_prefix}{next(self._request_numbers):x}"
         future = PoolFuture(request_id, self._cancel_from_future)
         request = Request(
@@ -759,17 +743,17 @@ class ModelPool:
             payload=payload,
             future=future,
             submitted_at=now,
-            arrived_at=arrival(now),
+            arrived_at=arrived,
             deadline=now + deadline_s,
             on_chunk=on_chunk,
             counted_chunks=counted,
-            prefix_fingerprints=fingerprints,
+            prefix_fingerprints=checked.fingerprints,
             priority=priority,
-            due_at=self.promotion_at(now, due_in_s),
-            # A generation's only: an embedding's params are the pool's defaults, unused.
-            max_new_tokens=params.get("max_new_tokens") if generation else None,
+            due_at=due_at,
+            max_new_tokens=checked.size.max_new_tokens,
+            size=checked.size,
             traceparent=traceparent,
-            reproducible=_reproducible(params),
+            reproducible=checked.reproducible,
         )
         self._futures[request_id] = future
         if not loop.post(loop.dispatcher.submit, request):
@@ -796,7 +780,6 @@ class ModelPool:
             loop.post(loop.dispatcher.cancel, request_id, True)
 
 
-_NOT_GENERATIONS = (TokenizeRequest, DetokenizeRequest, EmbedRequest, ScoreRequest)
 
 
 def _waited(future: PoolFuture) -> Result:
@@ -818,63 +801,3 @@ def _checked_ids(token_ids: object) -> tuple[int, ...]:
 def _set_if_pending(future: asyncio.Future[PoolStats], stats: PoolStats) -> None:
     if not future.done():
         future.set_result(stats)
-
-
-def _choose_backend(config: PoolConfig, devices: list[str]) -> tuple[PoolConfig, str]:
-    """``config`` with ``backend = "auto"`` resolved (and the embedded model's hf options
-    filled in), and why it serves on that backend (start() logs it once the checks pass)."""
-    if config.backend == AUTO:
-        choice = choose_backend(config.model, config.backend_options, devices)
-        backend, reason = choice.backend, f"auto: {choice.reason}"
-    else:
-        backend, reason = config.backend, f"configured: backend = {config.backend!r}"
-    options = embedded_backend_options(config.model, backend, config.backend_options)
-    if backend != config.backend or options != config.backend_options:
-        config = config.replace(backend=backend, backend_options=options)
-    return config, reason
-
-
-def _resolve_model(model: str, backend: str) -> str:
-    """``embedded:NAME`` is prepared (once) and becomes its local directory (for the
-    llama_cpp backend, the directory of its GGUF file)."""
-    if not model.startswith("embedded:"):
-        return model
-    from modelpool.shared.embedded import resolve_model
-
-    return resolve_model(model, backend)
-
-
-def _backend_validator(backend: str) -> Callable[[dict[str, Any]], None] | None:
-    """The backend module's light ``validate(params)``, if it has one (see docs/backends.md)."""
-    module_name = resolve_backend(backend).partition(":")[0]
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        if backend in ("hf", "llama_cpp", "testing"):
-            raise
-        return None  # A custom backend may only be importable inside a worker.
-    validate: Callable[[dict[str, Any]], None] | None = getattr(module, "validate", None)
-    return validate
-
-
-class _NoIO:
-    """A DispatcherIO for a pool that has not started: it has nothing to do."""
-
-    def spawn(self, worker: Worker, spec: WorkerSpec) -> WorkerIO:
-        raise PoolError("the pool is not started")
-
-    def check_release(self, worker: Worker) -> None:
-        return None
-
-    def watch_device_free(self, device: str, needed_bytes: int) -> None:
-        return None
-
-    def gpu_workers_changed(self, workers: list[GpuWorker]) -> None:
-        return None
-
-
-def _reproducible(params: Mapping[str, Any]) -> bool:
-    """Would running the request again give the same text: greedy decoding (the backends'
-    rule: sampling with ``do_sample``, else with a temperature above 0), or a seed."""
-    sampled = params.get("do_sample", (params.get("temperature") or 0) > 0)
-    return not sampled or params.get("seed") is not None

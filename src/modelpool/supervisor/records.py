@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from modelpool.scheduling.sizes import NO_WORK, UNKNOWN_SIZE, RunSize, Work
 from modelpool.shared.errors import Attempt, PoolError
 from modelpool.shared.protocol import Generation, PrefixCacheReport, WorkerSpec
 from modelpool.supervisor.observe import AttemptRecord, RequestRecord, RequestStatus
@@ -67,6 +68,11 @@ class Request:
     # ``queueing.arrived_at``): it ages from then, once. None: from submitted_at.
     arrived_at: float | None = None
     max_new_tokens: int | None = None
+    # Its size (prompt, maximum), and what it added to the queued work when it was last
+    # queued (taken away as it leaves: WaitPredictor.work_of).
+    size: RunSize = UNKNOWN_SIZE
+    queued_work: Work = NO_WORK
+    predicted_ttft_s: float | None = None  # admitted by its predicted wait: that prediction
     traceparent: str | None = None
     attempt_log: list[AttemptRecord] = field(default_factory=list)
     first_token_at: float | None = None
@@ -94,6 +100,11 @@ class Request:
     reproducible: bool = True
     shown: str = ""
     preemptions: int = 0
+
+    @property
+    def waiting_since(self) -> float:
+        """When it arrived, at its caller or here: it ages from then."""
+        return self.submitted_at if self.arrived_at is None else self.arrived_at
 
     @property
     def isolated(self) -> bool:
@@ -190,9 +201,26 @@ class Run:
     # again), and how much of its own text has arrived.
     skip: str = ""
     produced: int = 0
+    work: Work = NO_WORK  # its request's queued work, in the pool's work in flight
 
     def partial_text(self) -> str:
         return "".join(self.chunks)
+
+    def continue_stream(self, text: str) -> tuple[Literal["send", "diverged"], str]:
+        """What of a rerun's chunk ``text`` its caller has not seen: ("send", the unseen part,
+        maybe ""), or ("diverged", "") when the rerun's text is not what was shown."""
+        start = self.produced
+        self.produced += len(text)
+        shown = self.skip
+        if start >= len(shown):
+            return "send", text
+        overlap = min(len(text), len(shown) - start)
+        if text[:overlap] != shown[start : start + overlap]:
+            return "diverged", ""
+        if self.produced >= len(shown):
+            self.skip = ""  # caught up: from here on its chunks go straight through
+            self.produced = 0
+        return "send", text[overlap:]
 
 
 class WorkerIO(Protocol):
@@ -267,6 +295,22 @@ class DispatcherIO(Protocol):
     def watch_device_free(self, device: str, needed_bytes: int) -> None: ...
 
     def gpu_workers_changed(self, workers: list[GpuWorker]) -> None: ...
+
+
+class NoIO:
+    """A DispatcherIO for a pool that has not started: it has nothing to do."""
+
+    def spawn(self, worker: Worker, spec: WorkerSpec) -> WorkerIO:
+        raise PoolError("the pool is not started")
+
+    def check_release(self, worker: Worker) -> None:
+        return None
+
+    def watch_device_free(self, device: str, needed_bytes: int) -> None:
+        return None
+
+    def gpu_workers_changed(self, workers: list[GpuWorker]) -> None:
+        return None
 
 
 def do_nothing(*args: Any) -> None:

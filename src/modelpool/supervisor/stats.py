@@ -129,7 +129,7 @@ class PoolStats:
     heartbeat_age_s: float | None = None
     capacity: int = 0
     running: int = 0
-    # Moving averages of finished runs (queueing.WaitPredictor), the queued requests by
+    # Moving averages of finished runs (scheduling.prediction.WaitPredictor), the queued requests by
     # priority, and the last kills, exits, release checks and retries (observe.WorkerEvent).
     throughput: dict[str, float | int] = field(default_factory=dict)
     queue_by_priority: dict[str, int] = field(default_factory=dict)

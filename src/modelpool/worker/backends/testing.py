@@ -165,7 +165,12 @@ from modelpool.shared.protocol import (
     TokenIds,
     note_prompt,
 )
-from modelpool.shared.validation import FIT_PARAM, PRIORITY_PARAM, check_generation_params
+from modelpool.shared.validation import (
+    FIT_PARAM,
+    PRIORITY_PARAM,
+    PROMOTED_AT_PARAM,
+    check_generation_params,
+)
 from modelpool.worker.backends import testing_embeddings
 from modelpool.worker.backends.common.params import DEFAULT_MAX_NEW_TOKENS, requested_new_tokens
 from modelpool.worker.backends.common.text import first_stop, stop_strings
@@ -191,6 +196,7 @@ ACCEPTED_PARAMS = frozenset(
         COMPILE_TIMEOUT_PARAM,
         "ignore_eos",
         PRIORITY_PARAM,
+        PROMOTED_AT_PARAM,
         CACHE_SALT_PARAM,
         FIT_PARAM,
     }

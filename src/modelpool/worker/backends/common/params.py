@@ -22,6 +22,7 @@ from modelpool.shared.validation import (
     FIT_PARAM,
     MAX_INT,
     PRIORITY_PARAM,
+    PROMOTED_AT_PARAM,
     check_generation_params,
     is_int,
     is_number,
@@ -58,6 +59,7 @@ GENERATION_PARAMS = frozenset(
         COMPILE_TIMEOUT_PARAM,
         "ignore_eos",
         PRIORITY_PARAM,
+        PROMOTED_AT_PARAM,
         CACHE_SALT_PARAM,
         FIT_PARAM,
     }

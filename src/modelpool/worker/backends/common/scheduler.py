@@ -15,11 +15,13 @@ requests from ``admit`` to their answer, through four lists:
   deadlines and disconnects are honoured between slices;
 - ``rows``: decoding, one token a step.
 
-Priority (the request's ``priority`` parameter, lower first, 0 when absent): the waiting
-requests start in priority order, so a more urgent one takes the next free room, and
-each step's prefill budget goes to the prefilling requests in priority order, so a long
-low-priority prompt read in slices yields its slice to a more urgent one; arrival order
-within one priority. Rows already decoding are never preempted.
+Priority (the request's ``priority`` parameter, lower first, 0 when absent), in the pool's
+order (``scheduling.ordering``: promoted first, from the instant the pool sends as
+``promoted_at``, then by priority, then by arrival): the waiting requests start in that
+order, so a more urgent one takes the next free room, and each step's prefill budget goes
+to the prefilling requests in that order, so a long low-priority prompt read in slices
+yields its slice to a more urgent one, and a promoted one (aged, or due) to nobody. Rows
+already decoding are never preempted.
 
 Each :meth:`Scheduler.step` settles finished compilations, starts the waiting requests
 that fit, plans the step (:class:`StepPlan`: the decoding rows, the prompts read whole,
@@ -39,12 +41,15 @@ report without writing them again; the prefix cache's skeleton is ``prefix_cache
 
 from __future__ import annotations
 
+import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, NoReturn, Protocol, TypeVar
 
+from modelpool.scheduling.ordering import Urgency, urgency
 from modelpool.shared.grammar import (
     GRAMMAR_PARAM,
     PendingGrammar,
@@ -63,7 +68,7 @@ from modelpool.shared.protocol import (
     TokenLogprob,
     note_prompt,
 )
-from modelpool.shared.validation import PRIORITY_PARAM
+from modelpool.shared.validation import PRIORITY_PARAM, PROMOTED_AT_PARAM
 from modelpool.worker.backends.common.sampling import Sampling
 from modelpool.worker.backends.common.text import TextProgress
 
@@ -395,16 +400,15 @@ class Scheduler(Generic[State]):
     # ---- admission and planning ------------------------------------------------------------
 
     def _wait(self, row: Row[State]) -> None:
-        """Queue ``row`` for KV room behind the waiting requests of its priority or a
-        more urgent one (stable: arrival order within one priority)."""
+        """Queue ``row`` for KV room, in arrival order (``_start_prefills`` takes them
+        most urgent first)."""
         self.waiting.append(row)
-        if len(self.waiting) > 1 and _priority(row) < _priority(self.waiting[-2]):
-            self.waiting.sort(key=_priority)
 
     def _start_prefills(self) -> None:
         """Waiting requests that fit the KV budget beside the started ones, in order."""
         started = self.rows + self.prefilling
-        for row in list(self.waiting):
+        now = time.monotonic()
+        for row in sorted(self.waiting, key=lambda row: _urgency(row, now)):
             need = self.runner.kv_need([*started, row])
             if started and need > self.kv_tokens:
                 break
@@ -432,7 +436,8 @@ class Scheduler(Generic[State]):
         whole: list[Row[State]] = []
         slices: list[tuple[Row[State], int]] = []
         # The most urgent first: a long low-priority prompt yields its slice.
-        for row in sorted(self.prefilling, key=_priority):
+        now = time.monotonic()
+        for row in sorted(self.prefilling, key=lambda row: _urgency(row, now)):
             rest = len(row.prompt_ids) - row.prefilled
             read_whole = (
                 self.budget.auto and rest <= AUTO_WHOLE_PROMPT and (row.prefilled == 0 or not fused)
@@ -462,9 +467,12 @@ class Scheduler(Generic[State]):
                 queue.remove(row)
 
 
-def _priority(row: Row[Any]) -> int:
-    priority: int = row.call.params.get(PRIORITY_PARAM, 0)
-    return priority
+def _urgency(row: Row[Any], now: float) -> Urgency:
+    """The pool's order (``scheduling.ordering``): promoted first, then by priority; the
+    sorts are stable, so arrival order within one urgency."""
+    params = row.call.params
+    promoted_at: float = params.get(PROMOTED_AT_PARAM, math.inf)
+    return urgency(params.get(PRIORITY_PARAM, 0), promoted_at=promoted_at, now=now)
 
 
 class ScheduledHandler:

@@ -16,7 +16,7 @@ Importing it costs nothing heavy: torch and transformers are imported by :func:`
 """
 
 # validate: the pool checks a request's parameters with it before dispatch
-# (ModelPool._backend_validator reads it from the module the backend name resolves to).
+# (supervisor.intake.backend_validator reads it from the module the backend name resolves to).
 from modelpool.worker.backends.hf.handler import load, load_generation, validate
 
 __all__ = ["load", "load_generation", "validate"]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from modelpool.shared.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, RowGrammar
 from modelpool.shared.prefixes import CACHE_SALT_PARAM, partition_of
 from modelpool.shared.protocol import Call, FinishReason, Generation, TokenLogprob, note_prompt
-from modelpool.shared.validation import FIT_PARAM, PRIORITY_PARAM
+from modelpool.shared.validation import FIT_PARAM, PRIORITY_PARAM, PROMOTED_AT_PARAM
 from modelpool.worker.backends.common.params import DEFAULT_MAX_NEW_TOKENS
 from modelpool.worker.backends.common.penalties import PENALTY_PARAMS, Penalties
 from modelpool.worker.backends.common.text import TextProgress, stop_strings
@@ -103,6 +103,7 @@ def generate(handler: GeneratingModel, call: Call) -> Generation:
     grammar_text = params.pop(GRAMMAR_PARAM, None)
     params.pop(COMPILE_TIMEOUT_PARAM, None)
     params.pop(PRIORITY_PARAM, None)  # the one-call form runs alone: nothing to order
+    params.pop(PROMOTED_AT_PARAM, None)
     partition = partition_of(params)
     params.pop(CACHE_SALT_PARAM, None)
     ignore_eos = params.pop("ignore_eos", False)
