@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from modelpool.server.openai.format import Job
 from modelpool.server.openai.request import output_ceiling
+from modelpool.shared.config import PoolConfig
+from modelpool.shared.tool_formats import marker_tokens, resolve_tool_parser
 from modelpool.shared.validation import FIT_PARAM
 
 if TYPE_CHECKING:
@@ -50,6 +52,18 @@ def bound_by_deadline(job: Job, pool: ModelPool, deadline_s: float, budget: int)
     if isinstance(configured, int):
         bounds.append(configured)
     job.params["max_new_tokens"] = min(bounds)
+
+
+def bind_tool_syntax(job: Job, config: PoolConfig, model: str) -> None:
+    """A request's tools in its model's own call syntax (``tool_parser``, detected from the
+    chat template for ``auto``): the grammar written in it and the calls read in it."""
+    plan = job.tools
+    if plan is None:
+        return
+    parser = resolve_tool_parser(config.tool_parser, config.model)
+    job.tools = plan.bound(parser, model, marker_tokens(config.model))
+    if plan.choice != "none":
+        job.params["grammar"] = job.tools.grammar()
 
 
 class Parsed(Protocol):
