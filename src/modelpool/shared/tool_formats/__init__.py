@@ -19,6 +19,7 @@ from modelpool.shared.tool_formats.base import (
 )
 from modelpool.shared.tool_formats.detect import (
     DEFAULT_PARSER,
+    KEPT_SPECIAL_TOKENS,
     TOOL_PARSERS,
     chat_template_of,
     detect_tool_parser,
@@ -43,6 +44,7 @@ def tool_format(name: str) -> ToolFormat:
 
 __all__ = [
     "DEFAULT_PARSER",
+    "KEPT_SPECIAL_TOKENS",
     "TOOL_PARSERS",
     "GrammarTool",
     "MalformedCall",

@@ -69,6 +69,16 @@ GRAMMAR_MARKERS = frozenset(
 )
 
 
+# What the readers read: a worker decoding a request with tools keeps these special
+# tokens in the text (every other special token is dropped).
+KEPT_SPECIAL_TOKENS = GRAMMAR_MARKERS | {
+    "<|python_tag|>",
+    "[ARGS]",
+    "[CALL_ID]",
+    "<|return|>",
+}
+
+
 def marker_tokens(model: str) -> tuple[tuple[str, int], ...]:
     """The grammar markers that are special tokens of ``model``'s tokenizer, with their ids
     (read from its tokenizer files; none when there are none)."""
