@@ -269,6 +269,6 @@ def test_auto_call_and_text_streamed_and_whole(echo_client: openai.OpenAI) -> No
     asked = [{"role": "user", "content": "echo:" + broken}]
     with pytest.raises(openai.APIStatusError) as raised:
         echo_client.chat.completions.create(model="m", messages=asked, tools=[WEATHER])
-    assert raised.value.status_code == 502 and "'m' wrote" not in raised.value.message
+    assert raised.value.status_code == 502
     body: Any = raised.value.body
     assert body["code"] == "malformed_tool_call" and body["model"] == "m"

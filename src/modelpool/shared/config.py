@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from modelpool.shared.toml_text import toml_key, toml_value
-from modelpool.shared.tool_formats.detect import TOOL_PARSERS
+from modelpool.shared.tool_formats.detect import check_tool_parser
 from modelpool.shared.validation import check_generation_params, is_number
 
 RETRY_REASONS = ("timeout", "crash", "error", "cuda_error")
@@ -161,10 +161,7 @@ class PoolConfig:
     # A structured-output request's grammar compiles within this, inside its deadline;
     # past it the request fails with GrammarCompileTimeout and the worker stays warm.
     grammar_compile_timeout_s: float = 5.0
-    # The syntax the model writes tool calls in (modelpool.shared.tool_formats): "auto"
-    # reads it from the chat template; "hermes", "llama3_json", "mistral", "qwen3_coder",
-    # "gpt_oss" name one.
-    tool_parser: str = "auto"
+    tool_parser: str = "auto"  # the call syntax, docs/tool-formats.md
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -224,10 +221,7 @@ class PoolConfig:
         )
         _check_number("heartbeat_timeout_s", self.heartbeat_timeout_s, allow_zero=False)
         _check_number("grammar_compile_timeout_s", self.grammar_compile_timeout_s, allow_zero=False)
-        if self.tool_parser not in TOOL_PARSERS:
-            raise ValueError(
-                f"tool_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}"
-            )
+        check_tool_parser(self.tool_parser)
         if not isinstance(self.generation_defaults, Mapping):
             raise ValueError(
                 f"generation_defaults must be a table, got {self.generation_defaults!r}"

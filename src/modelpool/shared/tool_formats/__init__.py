@@ -8,6 +8,9 @@ its reader), and :mod:`.detect` to find a model's from its chat template::
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 from modelpool.shared.tool_formats.base import (
     GrammarTool,
     MalformedCall,
@@ -26,20 +29,25 @@ from modelpool.shared.tool_formats.detect import (
     marker_tokens,
     resolve_tool_parser,
 )
-from modelpool.shared.tool_formats.gpt_oss import GptOss
-from modelpool.shared.tool_formats.hermes import Hermes
-from modelpool.shared.tool_formats.llama3_json import Llama3Json
-from modelpool.shared.tool_formats.mistral import Mistral
-from modelpool.shared.tool_formats.qwen3_coder import Qwen3Coder
 
-_FORMATS: dict[str, ToolFormat] = {
-    format.name: format for format in (Hermes(), Llama3Json(), Mistral(), Qwen3Coder(), GptOss())
+# By parser: the module and class of its syntax, imported when first used (the
+# configuration imports this package for its names alone, and qwen3_coder's grammar
+# needs the structured-output checks).
+_FORMATS = {
+    "hermes": ("hermes", "Hermes"),
+    "llama3_json": ("llama3_json", "Llama3Json"),
+    "mistral": ("mistral", "Mistral"),
+    "qwen3_coder": ("qwen3_coder", "Qwen3Coder"),
+    "gpt_oss": ("gpt_oss", "GptOss"),
 }
 
 
+@functools.cache
 def tool_format(name: str) -> ToolFormat:
     """The syntax of a resolved ``tool_parser`` (not ``auto``)."""
-    return _FORMATS[name]
+    module, cls = _FORMATS[name]
+    syntax: ToolFormat = getattr(importlib.import_module(f"{__name__}.{module}"), cls)()
+    return syntax
 
 
 __all__ = [

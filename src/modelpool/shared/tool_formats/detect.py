@@ -29,6 +29,12 @@ _MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 _TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
 
 
+def check_tool_parser(value: object) -> None:
+    """A model's ``tool_parser`` setting: ``auto`` or one of the parsers (ValueError)."""
+    if value not in TOOL_PARSERS:
+        raise ValueError(f"tool_parser must be one of {', '.join(TOOL_PARSERS)}, got {value!r}")
+
+
 def detect_tool_parser(template: str | None) -> str | None:
     """The family whose markers ``template`` holds, or None."""
     if not template:
