@@ -163,6 +163,20 @@ def test_tool_choice_none_reads_no_calls() -> None:
     assert read_answer(plan("mistral", "none"), text) == (text, [])
 
 
+def test_a_model_whose_files_are_not_there_yet_is_read_again(tmp_path: Path) -> None:
+    model = tmp_path / "downloading"
+    model.mkdir()
+    assert resolve_tool_parser("auto", str(model)) == "hermes"
+    assert marker_tokens(str(model)) == ()
+    config = {
+        "chat_template": FAMILIES["mistral"].template,
+        "added_tokens_decoder": {"5": {"content": "[TOOL_CALLS]", "special": True}},
+    }
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    assert resolve_tool_parser("auto", str(model)) == "mistral"
+    assert marker_tokens(str(model)) == (("[TOOL_CALLS]", 5),)
+
+
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     root = tmp_path_factory.mktemp("families")

@@ -10,7 +10,6 @@ syntax the generic tool preamble teaches.
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -50,12 +49,18 @@ def resolve_tool_parser(configured: str, model: str) -> str:
     detected from ``model``'s chat template (Hermes when none is)."""
     if configured != "auto":
         return configured
-    return _detected(model)
+    detected = _DETECTED.get(model)
+    if detected is None:
+        template = chat_template_of(model)
+        detected = detect_tool_parser(template) or DEFAULT_PARSER
+        if template is not None:
+            # Kept once read: a hub model not downloaded yet is read again next time.
+            _DETECTED[model] = detected
+    return detected
 
 
-@functools.lru_cache(maxsize=64)
-def _detected(model: str) -> str:
-    return detect_tool_parser(chat_template_of(model)) or DEFAULT_PARSER
+# By model: the parser its template showed (a daemon serves a handful of models).
+_DETECTED: dict[str, str] = {}
 
 
 # The markers the grammars write: where one is a special token of the model, the grammar
@@ -88,16 +93,25 @@ KEPT_SPECIAL_TOKENS = GRAMMAR_MARKERS | {
 def marker_tokens(model: str) -> tuple[tuple[str, int], ...]:
     """The grammar markers that are special tokens of ``model``'s tokenizer, with their ids
     (read from its tokenizer files; none when there are none)."""
-    return _marker_tokens(model)
+    known = _MARKER_TOKENS.get(model)
+    if known is not None:
+        return known
+    added = _added_tokens(model)
+    found = tuple(
+        sorted(
+            {
+                content: token
+                for content, token, special in added
+                if special and content in GRAMMAR_MARKERS
+            }.items()
+        )
+    )
+    if added:
+        _MARKER_TOKENS[model] = found  # kept once its tokenizer was read
+    return found
 
 
-@functools.lru_cache(maxsize=64)
-def _marker_tokens(model: str) -> tuple[tuple[str, int], ...]:
-    found: dict[str, int] = {}
-    for content, token, special in _added_tokens(model):
-        if special and content in GRAMMAR_MARKERS:
-            found[content] = token
-    return tuple(sorted(found.items()))
+_MARKER_TOKENS: dict[str, tuple[tuple[str, int], ...]] = {}
 
 
 def _added_tokens(model: str) -> list[tuple[str, int, bool]]:

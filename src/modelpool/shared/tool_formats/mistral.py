@@ -32,7 +32,6 @@ from modelpool.shared.tool_formats.base import (
 )
 
 OPEN = "[TOOL_CALLS]"
-ARGS = "[ARGS]"
 _NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[CALL_ID\][A-Za-z0-9]*)?\s*\[ARGS\]", re.S)
 
 
