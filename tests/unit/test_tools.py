@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from modelpool.server.http import ApiError
-from modelpool.shared.errors import MalformedToolCall
 from modelpool.server.openai.format import response_body
 from modelpool.server.openai.request import parse_chat
+from modelpool.shared.errors import MalformedToolCall
 from modelpool.shared.tools import (
     CALL_OPEN,
     CallReader,
