@@ -188,6 +188,9 @@ def test_auto_detects_each_family_from_its_chat_template(family_models: dict[str
     for parser, path in family_models.items():
         assert resolve_tool_parser("auto", str(path)) == parser
         assert resolve_tool_parser("mistral", str(path)) == "mistral"
+        bound = plan("hermes").for_model(PoolConfig(model=str(path)), "served")
+        assert (bound.parser, bound.model) == (parser, "served")
+        assert bound.marker_tokens == marker_tokens(str(path))
     # A template with no tool-call markers, or no model files: Hermes, as before.
     assert detect_tool_parser("{{ messages[0].content }}") is None
     assert resolve_tool_parser("auto", "none") == "hermes"

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from modelpool.server.openai.format import Job
 from modelpool.server.openai.request import output_ceiling
 from modelpool.shared.config import PoolConfig
-from modelpool.shared.tool_formats import marker_tokens, resolve_tool_parser
 from modelpool.shared.validation import FIT_PARAM
 
 if TYPE_CHECKING:
@@ -60,8 +59,7 @@ def bind_tool_syntax(job: Job, config: PoolConfig, model: str) -> None:
     plan = job.tools
     if plan is None:
         return
-    parser = resolve_tool_parser(config.tool_parser, config.model)
-    job.tools = plan.bound(parser, model, marker_tokens(config.model))
+    job.tools = plan.for_model(config, model)
     if plan.choice != "none":
         job.params["grammar"] = job.tools.grammar()
 

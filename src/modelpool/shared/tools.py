@@ -2,7 +2,8 @@
 
 A call is written in the syntax of the model's family (:mod:`modelpool.shared.tool_formats`:
 ``hermes``, ``llama3_json``, ``mistral``, ``qwen3_coder``, ``gpt_oss``; the plan's
-``parser``, Hermes unless the daemon binds the model's with :meth:`ToolPlan.bound`)::
+``parser``, Hermes unless bound to the model's with :meth:`ToolPlan.for_model`, as the
+daemon does)::
 
     <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
 
@@ -38,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from modelpool.shared.config import PoolConfig
 from modelpool.shared.errors import (
     GrammarError,
     InvalidRequest,
@@ -52,6 +54,8 @@ from modelpool.shared.tool_formats import (
     Mode,
     Piece,
     RawCall,
+    marker_tokens,
+    resolve_tool_parser,
     tool_format,
 )
 
@@ -110,6 +114,12 @@ class ToolPlan:
     ) -> ToolPlan:
         """This plan in ``model``'s call syntax."""
         return dataclasses.replace(self, parser=parser, model=model, marker_tokens=marker_tokens)
+
+    def for_model(self, config: PoolConfig, name: str | None = None) -> ToolPlan:
+        """This plan in the call syntax of the model ``config`` serves (its ``tool_parser``;
+        for ``auto``, detected from its chat template), named ``name`` in errors."""
+        parser = resolve_tool_parser(config.tool_parser, config.model)
+        return self.bound(parser, name or config.model, marker_tokens(config.model))
 
     def by_name(self) -> dict[str, Tool]:
         return {tool.name: tool for tool in self.tools}
