@@ -281,3 +281,31 @@ def test_hf_mistral_model_calls_in_its_own_special_token_syntax(hf_mistral: Daem
     assert choice["finish_reason"] == "tool_calls", choice
     (call,) = choice["message"]["tool_calls"]
     assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
+
+
+def test_a_malformed_call_streamed_ends_each_api_stream_with_its_error(daemon: Daemon) -> None:
+    broken = "echo:Sure. [TOOL_CALLS]get_weather{}"
+    tool: Any = {"type": "function", "name": "get_weather", "parameters": PARAMETERS}
+    bodies = {
+        "/v1/responses": {"model": "mistral", "input": broken, "tools": [tool], "stream": True},
+        "/v1/messages": {
+            "model": "mistral",
+            "max_tokens": 100,
+            "messages": [{"role": "user", "content": broken}],
+            "tools": [{"name": "get_weather", "input_schema": PARAMETERS}],
+            "stream": True,
+        },
+        "/api/chat": {
+            "model": "mistral",
+            "messages": [{"role": "user", "content": broken}],
+            "tools": [WEATHER],
+        },
+    }
+    with keyed_http(daemon, KEY, timeout=60.0) as http:
+        for path, body in bodies.items():
+            with http.stream("POST", path, json=body) as answer:
+                lines = [line for line in answer.iter_lines() if line.strip()]
+            last = lines[-1]
+            assert "cannot be read" in last and "mistral" in last, (path, lines)
+            # The content before the call went out first; the call's syntax never did.
+            assert "Sure." in "".join(lines) and not any("TOOL_CALLS" in x for x in lines[:-1])
