@@ -102,16 +102,16 @@ def free_text_or(marker: str, rest: str, tokens: Mapping[str, int]) -> list[str]
     lexeme: it ends at the first marker; text, then the marker's special token) followed
     by ``rest``."""
     escaped = "".join("\\" + char if char in _REGEX_META else char for char in marker)
-    opened = (
-        ["opened: TEXT", f"start: plain | opened {mark(marker, tokens)} {rest}"]
-        if marker in tokens
-        else [f"opened[lazy]: TEXT {lark_string(marker)}", f"start: plain | opened {rest}"]
-    )
+    if marker in tokens:
+        # A text lexeme cannot hold a special token: it ends where the token comes.
+        start, opened = f"start: plain | opened {mark(marker, tokens)} {rest}", "opened: TEXT"
+    else:
+        start, opened = f"start: plain | opened {rest}", f"opened[lazy]: TEXT {lark_string(marker)}"
     return [
-        opened[1],
+        start,
         "plain: PLAIN",
         f"PLAIN: /(.|\\n)*/ & ~/(.|\\n)*{escaped}(.|\\n)*/",
-        opened[0],
+        opened,
         "TEXT: /(.|\\n)*/",
     ]
 
