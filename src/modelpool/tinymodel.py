@@ -78,6 +78,8 @@ def build_tiny_model(
     vocab_size: int = 512,
     seed: int = 0,
     context_length: int = 1024,
+    chat_template: str = CHAT_TEMPLATE,
+    special_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Build (once) a tiny random model and its tokenizer in ``path`` and return it.
 
@@ -86,7 +88,9 @@ def build_tiny_model(
     transformers). ``vocab_size`` is the tokenizer's target size and the
     model's embedding size; ``seed`` fixes the weights; ``context_length`` is
     the config's ``max_position_embeddings`` (``n_positions`` for gpt2), which
-    the pool reads as the model's context length. If ``path`` already
+    the pool reads as the model's context length; ``chat_template`` and
+    ``special_tokens`` (added to the vocabulary) give it a model family's chat format
+    (its tool-call markers, say). If ``path`` already
     holds a built model it is returned untouched, whatever the arguments.
     """
     target = Path(path)
@@ -101,7 +105,7 @@ def build_tiny_model(
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        tokenizer = _build_tokenizer(vocab_size)
+        tokenizer = _build_tokenizer(vocab_size, chat_template, special_tokens)
         _build_model(arch, tokenizer, seed, context_length).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         try:
@@ -117,7 +121,9 @@ def build_tiny_model(
     return target
 
 
-def _build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+def _build_tokenizer(
+    vocab_size: int, chat_template: str, special_tokens: tuple[str, ...]
+) -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -139,7 +145,9 @@ def _build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         unk_token=UNK_TOKEN,
         clean_up_tokenization_spaces=False,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    if special_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 

@@ -5,7 +5,8 @@ grammar's doing): the ``openai`` client with ``tool_choice`` required and named,
 and not, several at once in a batch; ``langchain-openai``'s ``with_structured_output(...,
 method="function_calling")`` and a ``bind_tools`` agent loop of two tool turns; ``litellm``
 (its ``openai/`` provider). On the testing backend, whose "model" writes what the prompt
-says: a call written in ``auto`` mode, streamed as OpenAI streams tool-call deltas.
+says: a call written in ``auto`` mode, streamed as OpenAI streams tool-call deltas, and
+one that does not validate answered as an error.
 """
 
 from __future__ import annotations
@@ -262,10 +263,12 @@ def test_auto_call_and_text_streamed_and_whole(echo_client: openai.OpenAI) -> No
     }
     assert valid_arguments("get_time", by_index[1]) == {"city": "Lima"}
 
-    # A call that does not validate is never passed on as one: it stays text.
+    # A call that does not validate is never passed on as one, nor as text: an error
+    # naming the model (502 malformed_tool_call).
     broken = written.replace('"days":2', '"days":9')
     asked = [{"role": "user", "content": "echo:" + broken}]
-    answer = echo_client.chat.completions.create(model="m", messages=asked, tools=[WEATHER])
-    assert answer.choices[0].message.tool_calls is None
-    assert answer.choices[0].message.content == broken
-    assert answer.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.APIStatusError) as raised:
+        echo_client.chat.completions.create(model="m", messages=asked, tools=[WEATHER])
+    assert raised.value.status_code == 502
+    body: Any = raised.value.body
+    assert body["code"] == "malformed_tool_call" and body["model"] == "m"

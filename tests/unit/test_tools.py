@@ -12,6 +12,7 @@ import pytest
 from modelpool.server.core.generation_body import parse_chat
 from modelpool.server.http import ApiError
 from modelpool.server.openai.format import response_body
+from modelpool.shared.errors import MalformedToolCall
 from modelpool.shared.tools import (
     CALL_OPEN,
     CallReader,
@@ -156,9 +157,9 @@ def test_reader_gives_the_same_calls_streamed_char_by_char_and_whole() -> None:
         GOOD[:-5],  # cut by max_tokens
     ],
 )
-def test_a_call_that_does_not_validate_stays_text(text: str) -> None:
-    content, calls = read_answer(plan(), text)
-    assert calls == [] and content == text
+def test_a_call_that_cannot_be_read_is_an_error_never_text(text: str) -> None:
+    with pytest.raises(MalformedToolCall, match="hermes syntax"):
+        read_answer(plan(), text)
 
 
 def test_answers_carry_tool_calls_and_finish_reason() -> None:
@@ -177,8 +178,9 @@ def test_answers_carry_tool_calls_and_finish_reason() -> None:
     message = response_body(legacy, {0: result}, "m", 0)["choices"][0]
     assert message["finish_reason"] == "function_call"
     assert message["message"]["function_call"]["name"] == "get_weather"
-    text_only = response_body(job, {0: Result(GOOD[:-3], "length", "r", 1, 3, 0.1, 0.0)}, "m", 0)
-    assert text_only["choices"][0]["message"] == {"role": "assistant", "content": GOOD[:-3]}
+    # A call cut by max_tokens is not a call, nor content: an error.
+    with pytest.raises(MalformedToolCall, match="ends inside a call"):
+        response_body(job, {0: Result(GOOD[:-3], "length", "r", 1, 3, 0.1, 0.0)}, "m", 0)
 
 
 def test_conversations_with_calls_and_results() -> None:

@@ -79,7 +79,7 @@ from modelpool.server.errors import (
     shutting_down,
 )
 from modelpool.server.fair_share import FairShare
-from modelpool.server.generation import Api, P, bound_by_deadline
+from modelpool.server.generation import Api, P, bind_tool_syntax, bound_by_deadline
 from modelpool.server.guard import BrowserGuard, Gate, require_json
 from modelpool.server.http import (
     ClientGone,
@@ -426,6 +426,7 @@ def _parse(
     multi.put_keep_alive(body, keep_alive)
     config = config_for(body)
     fit_max_tokens(parsed, config)
+    bind_tool_syntax(parsed.job, config, str(body.get("model") or config.model))
     # A request with no maximum is costed as before it got the context's room (128).
     default_max_tokens = config.generation_defaults.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     check_budget(parsed.job, limit=budget, default_max_tokens=default_max_tokens)

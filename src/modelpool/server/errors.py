@@ -20,6 +20,7 @@ from modelpool.shared.errors import (
     GrammarCompileTimeout,
     GrammarError,
     InvalidRequest,
+    MalformedToolCall,
     ModelLoadFailed,
     ModelNotFound,
     ModelTooLarge,
@@ -134,6 +135,12 @@ def pool_error_to_api(error: PoolError) -> ApiError:
         extra["partial_text"] = error.partial_text
         return ApiError(
             504, error.message, type="timeout_error", code="deadline_exceeded", extra=extra
+        )
+    if isinstance(error, MalformedToolCall):
+        # The model's output, not the request, is at fault: a bad gateway, naming both.
+        extra.update(model=error.model, tool_parser=error.parser)
+        return ApiError(
+            502, error.message, type="model_output_error", code="malformed_tool_call", extra=extra
         )
     if isinstance(error, WorkerCrashed):
         return ApiError(502, error.message, type="worker_error", code="worker_crashed", extra=extra)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from modelpool.server.core.cost import output_ceiling
 from modelpool.server.core.job import Job
 from modelpool.server.core.served import Served
+from modelpool.shared.config import PoolConfig
 from modelpool.shared.validation import FIT_PARAM
 
 if TYPE_CHECKING:
@@ -51,6 +52,17 @@ def bound_by_deadline(job: Job, pool: ModelPool, deadline_s: float, budget: int)
     if isinstance(configured, int):
         bounds.append(configured)
     job.params["max_new_tokens"] = min(bounds)
+
+
+def bind_tool_syntax(job: Job, config: PoolConfig, model: str) -> None:
+    """A request's tools in its model's own call syntax (``tool_parser``, detected from the
+    chat template for ``auto``): the grammar written in it and the calls read in it."""
+    plan = job.tools
+    if plan is None:
+        return
+    job.tools = plan.for_model(config, model)
+    if plan.choice != "none":
+        job.params["grammar"] = job.tools.grammar()
 
 
 class Parsed(Protocol):

@@ -195,37 +195,49 @@ class EventStream(Response):
         started = False
         while len(results) < len(self._choices):
             choice, item = await events.get()
-            if isinstance(item, PoolError):
-                self._on_error(item)
-                error = pool_error_to_api(item)
-                if started:
-                    await self._send(send, self._writer.failed(error), more=False)
-                else:
-                    state["status"] = error.status
-                    await self._writer.refused(error)(scope, no_receive, send)
-                    self._complete = True
-                return
-            if not started:
-                await self._start(send, state)
-                started = True
-            if isinstance(item, StreamedText):
-                for data in self._writer.text(choice, item):
-                    await self._send(send, data)
-                continue
-            results[choice.index] = item
-            note_results(state, results.values())
-            final = await off_loop_if(
-                self._writer.heavy(item),
-                self._heavy_work,
-                self._writer.finished,
-                choice,
-                item,
-            )
-            for data in final:
-                await self._send(send, data)
+            if not isinstance(item, PoolError):
+                if not started:
+                    await self._start(send, state)
+                    started = True
+                try:
+                    await self._write(send, choice, item, results, state)
+                    continue
+                except PoolError as exc:  # the writer's reading of it (a malformed tool call)
+                    item = exc
+            self._on_error(item)
+            error = pool_error_to_api(item)
+            if started:
+                await self._send(send, self._writer.failed(error), more=False)
+            else:
+                state["status"] = error.status
+                await self._writer.refused(error)(scope, no_receive, send)
+                self._complete = True
+            return
         closing = self._writer.closing(results)
         for number, data in enumerate(closing):
             await self._send(send, data, more=number < len(closing) - 1)
+
+    async def _write(
+        self,
+        send: Send,
+        choice: StreamedChoice,
+        item: StreamedText | Result,
+        results: dict[int, Result],
+        state: dict[str, Any],
+    ) -> None:
+        """A choice's text, or its end, written; a PoolError of the writer's reading (a
+        malformed tool call) is raised to end the stream as a pool error would."""
+        if isinstance(item, StreamedText):
+            for data in self._writer.text(choice, item):
+                await self._send(send, data)
+            return
+        results[choice.index] = item
+        note_results(state, results.values())
+        final = await off_loop_if(
+            self._writer.heavy(item), self._heavy_work, self._writer.finished, choice, item
+        )
+        for data in final:
+            await self._send(send, data)
 
     async def _start(self, send: Send, state: dict[str, Any]) -> None:
         """The status line, then the writer's opening events."""

@@ -183,6 +183,25 @@ class CudaError(BackendError):
     Not retried unless ``retry.on`` names "cuda_error"."""
 
 
+class MalformedToolCall(PoolError):
+    """The model wrote text that opens a tool call in its family's syntax (``parser``) but
+    cannot be read as a call of an offered tool with valid arguments: an error naming
+    ``model``, never content, never a dropped call."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        model: str,
+        parser: str,
+        request_id: str | None = None,
+        attempts: Sequence[Attempt] = (),
+    ) -> None:
+        super().__init__(message, request_id=request_id, attempts=attempts)
+        self.model = model
+        self.parser = parser
+
+
 class PoolOverloaded(PoolError):
     """The queue is full (``max_queue``); the request was not accepted."""
 

@@ -1,6 +1,9 @@
 """Tool calling: OpenAI's ``tools``/``tool_choice`` in, the model's calls out.
 
-The one place that knows the format the model writes a call in (Hermes/Qwen style)::
+A call is written in the syntax of the model's family (:mod:`modelpool.shared.tool_formats`:
+``hermes``, ``llama3_json``, ``mistral``, ``qwen3_coder``, ``gpt_oss``; the plan's
+``parser``, Hermes unless bound to the model's with :meth:`ToolPlan.for_model`, as the
+daemon does)::
 
     <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
 
@@ -13,28 +16,48 @@ The one place that knows the format the model writes a call in (Hermes/Qwen styl
 - :func:`render_chat` (worker side) renders messages and tools with the model's chat
   template: its own ``tools=`` rendering when the template uses it, otherwise
   :data:`GENERIC_PREAMBLE` in the system message; calls and results in the history
-  are written in the call format above when the template cannot render them.
+  are written in the Hermes form when the template cannot render them.
 - :class:`CallReader` (supervisor side) reads the generated text, streamed or
-  whole, into content and :class:`ToolCall` s; a call that does not parse or does
-  not validate against its tool's ``parameters`` (``jsonschema``) is never passed
-  on as a call: it stays text.
+  whole, into content and :class:`ToolCall` s with the plan's syntax; text that opens
+  a call but does not parse, names no offered tool or does not validate against its
+  tool's ``parameters`` (``jsonschema``) raises :class:`~modelpool.shared.errors.
+  MalformedToolCall` naming the model: a call is never dropped nor passed as content.
 
 Every mode but ``none`` is constrained: ``auto`` lets the model write free text
-(which cannot contain ``<tool_call>``) or open a call, and an opened call is held
-to the grammar; ``required`` and a named function must start with a call.
+(which cannot open a call) or open a call, and an opened call is held to the grammar;
+``required`` and a named function must start with a call. With ``none`` the text is
+not read for calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from modelpool.shared.errors import GrammarError, InvalidRequest, SchemaTooComplex
+from modelpool.shared.config import PoolConfig
+from modelpool.shared.errors import (
+    GrammarError,
+    InvalidRequest,
+    MalformedToolCall,
+    SchemaTooComplex,
+)
 from modelpool.shared.structured import json_schema_grammar_fragment
+from modelpool.shared.tool_formats import (
+    DEFAULT_PARSER,
+    GrammarTool,
+    MalformedCall,
+    Mode,
+    Piece,
+    RawCall,
+    marker_tokens,
+    resolve_tool_parser,
+    tool_format,
+)
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -43,7 +66,6 @@ RESULT_CLOSE = "</tool_response>"
 # OpenAI's limits on a request's tools and their names.
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_CALL_HEAD = re.compile(r'^\s*\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"arguments"\s*:')
 
 GENERIC_PREAMBLE = """You can call functions. These are the functions available, as JSON:
 {tools}
@@ -82,6 +104,22 @@ class ToolPlan:
     named: str | None = None
     parallel: bool = True
     legacy: bool = False  # ``functions``/``function_call``: answered as ``function_call``
+    parser: str = DEFAULT_PARSER  # the call syntax (a resolved ``tool_parser``)
+    model: str = ""  # whose calls these are, for the error of one that does not parse
+    # The syntax's markers that are special tokens of the model, and their ids.
+    marker_tokens: tuple[tuple[str, int], ...] = ()
+
+    def bound(
+        self, parser: str, model: str, marker_tokens: tuple[tuple[str, int], ...]
+    ) -> ToolPlan:
+        """This plan in ``model``'s call syntax."""
+        return dataclasses.replace(self, parser=parser, model=model, marker_tokens=marker_tokens)
+
+    def for_model(self, config: PoolConfig, name: str | None = None) -> ToolPlan:
+        """This plan in the call syntax of the model ``config`` serves (its ``tool_parser``;
+        for ``auto``, detected from its chat template), named ``name`` in errors."""
+        parser = resolve_tool_parser(config.tool_parser, config.model)
+        return self.bound(parser, name or config.model, marker_tokens(config.model))
 
     def by_name(self) -> dict[str, Tool]:
         return {tool.name: tool for tool in self.tools}
@@ -117,26 +155,15 @@ class ToolPlan:
         ``none`` (unconstrained, and the answer is text)."""
         if self.choice == "none":
             return None
-        offered = [t for t in self.tools if self.choice != "named" or t.name == self.named]
-        lines = ["%llguidance {}"]
-        more = ' ("\\n" "<tool_call>" call)*' if self.parallel and self.choice != "named" else ""
-        if self.choice == "auto":
-            # Free text that never holds the call marker, or text up to the marker (a
-            # lazy lexeme: it ends at the first marker) and then constrained calls.
-            lines += [
-                f"start: plain | opened call{more}",
-                "plain: PLAIN",
-                "PLAIN: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/",
-                'opened[lazy]: TEXT "<tool_call>"',
-                "TEXT: /(.|\\n)*/",
-            ]
-        else:
-            lines.append(f'start: "<tool_call>" call{more}')
-        lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(offered))))
-        for index, tool in enumerate(offered):
-            head = json.dumps(f'{{"name": "{tool.name}", "arguments": ')
-            lines.append(f'call_{index}: {head} {tool.fragment} "}}{CALL_CLOSE}"')
-        return "\n".join(lines) + "\n"
+        offered = [
+            GrammarTool(tool.name, tool.parameters, tool.fragment)
+            for tool in self.tools
+            if self.choice != "named" or tool.name == self.named
+        ]
+        mode: Mode = "auto" if self.choice == "auto" else "required"
+        parallel = self.parallel and self.choice != "named"
+        tokens = dict(self.marker_tokens)
+        return tool_format(self.parser).grammar(offered, mode, parallel, tokens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,92 +453,68 @@ Event = str | ToolCall
 class CallReader:
     """The generated text, fed as it streams (or whole), read into content and calls.
 
-    Content is passed on at once except what could be the start of ``<tool_call>``;
-    a call is held until its ``</tool_call>``, then parsed and validated against its
-    tool's ``parameters``. One that does not (or that the text ends inside) is given
-    back as the text it was, marker included: never as a call.
+    Content is passed on at once except what could be the start of a call in the plan's
+    syntax; a call is held until it ends, then validated against its tool's
+    ``parameters``. Text that opens a call and is not one (malformed, an unknown tool,
+    arguments that do not validate, an output that ends inside it) raises
+    :class:`MalformedToolCall`. With ``tool_choice: none`` the text is all content.
     """
 
     plan: ToolPlan
-    _buffer: str = ""
-    _in_call: bool = False
     calls: list[ToolCall] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        schemas = {tool.name: tool.parameters for tool in self.plan.tools}
+        self._reader = tool_format(self.plan.parser).reader(schemas)
+
     def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        events: list[Event] = []
-        while True:
-            if self._in_call:
-                end = self._buffer.find(CALL_CLOSE)
-                if end < 0:
-                    return events
-                body = self._buffer[:end]
-                self._buffer = self._buffer[end + len(CALL_CLOSE) :]
-                self._in_call = False
-                call = self._parse(body)
-                events.append(call if call is not None else CALL_OPEN + body + CALL_CLOSE)
-                continue
-            start = self._buffer.find(CALL_OPEN)
-            if start >= 0:
-                before = self._buffer[:start]
-                if not self.calls or before.strip():  # the separator between calls is not content
-                    self._content(before, events)
-                self._buffer = self._buffer[start + len(CALL_OPEN) :]
-                self._in_call = True
-                continue
-            keep = _partial_marker(self._buffer)
-            if self.calls and not self._buffer[: len(self._buffer) - keep].strip():
-                return events  # whitespace between calls waits to see what follows
-            self._content(self._buffer[: len(self._buffer) - keep], events)
-            self._buffer = self._buffer[len(self._buffer) - keep :]
-            return events
+        if self.plan.choice == "none":
+            return [text] if text else []
+        return self._events(self._reader.feed, text)
 
     def finish(self) -> list[Event]:
-        """The text held back at the end: an unfinished call is given back as text."""
-        rest = (CALL_OPEN if self._in_call else "") + self._buffer
-        self._buffer, self._in_call = "", False
-        if self.calls and not rest.strip():
-            return []
-        return [rest] if rest else []
-
-    def _content(self, text: str, events: list[Event]) -> None:
-        if text:
-            events.append(text)
-
-    def _parse(self, body: str) -> ToolCall | None:
+        """The text held back at the end (an unfinished call is an error)."""
         if self.plan.choice == "none":
-            return None
-        head = _CALL_HEAD.match(body)
-        tool = self.plan.by_name().get(head.group(1)) if head else None
-        if head is None or tool is None:
-            return None
-        rest = body[head.end() :].rstrip()
-        if not rest.endswith("}"):
-            return None
-        arguments = rest[:-1].strip()
+            return []
+        return self._events(lambda _: self._reader.finish(), "")
+
+    def _events(self, read: Callable[[str], list[Piece]], text: str) -> list[Event]:
         try:
-            parsed = json.loads(arguments)
-        except ValueError:
-            return None
-        if not isinstance(parsed, dict) or not _valid(parsed, tool.parameters):
-            return None
+            pieces = read(text)
+        except MalformedCall as exc:
+            raise self._malformed(exc.reason, exc.text) from None
+        return [piece if isinstance(piece, str) else self._call(piece) for piece in pieces]
+
+    def _call(self, raw: RawCall) -> ToolCall:
+        tool = self.plan.by_name().get(raw.name)
+        if tool is None:
+            raise self._malformed(f"a call of {raw.name!r}, which is not among the tools", "")
+        if self.plan.choice == "named" and raw.name != self.plan.named:
+            raise self._malformed(f"a call of {raw.name!r}, not of {self.plan.named!r}", "")
+        error = _invalid(raw.arguments, tool.parameters)
+        if error is not None:
+            raise self._malformed(f"arguments of {raw.name!r} that do not validate: {error}", "")
+        arguments = json.dumps(raw.arguments, ensure_ascii=False)
         call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", tool.name, arguments)
         self.calls.append(call)
         return call
 
+    def _malformed(self, reason: str, text: str) -> MalformedToolCall:
+        model = self.plan.model or "the model"
+        written = f" ({text[:120]!r})" if text else ""
+        return MalformedToolCall(
+            f"{model} wrote a tool call in its {self.plan.parser} syntax that cannot be "
+            f"read: {reason}{written}",
+            model=self.plan.model,
+            parser=self.plan.parser,
+        )
 
-def _valid(arguments: dict[str, Any], schema: dict[str, Any]) -> bool:
+
+def _invalid(arguments: dict[str, Any], schema: dict[str, Any]) -> str | None:
     from jsonschema import Draft202012Validator
 
-    return bool(Draft202012Validator(schema).is_valid(arguments))
-
-
-def _partial_marker(text: str) -> int:
-    """Length of the longest end of ``text`` that is a start of ``<tool_call>``."""
-    for length in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(CALL_OPEN[:length]):
-            return length
-    return 0
+    error = next(iter(Draft202012Validator(schema).iter_errors(arguments)), None)
+    return None if error is None else error.message[:200]
 
 
 def read_answer(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from modelpool.shared.config.devices import DeviceEntry, check_device_groups, check_devices
+from modelpool.shared.tool_formats.detect import check_tool_parser
 from modelpool.shared.validation import check_generation_params, is_number
 
 RETRY_REASONS = ("timeout", "crash", "error", "cuda_error")
@@ -148,6 +149,7 @@ class PoolConfig:
     # A structured-output request's grammar compiles within this, inside its deadline;
     # past it the request fails with GrammarCompileTimeout and the worker stays warm.
     grammar_compile_timeout_s: float = 5.0
+    tool_parser: str = "auto"  # the call syntax, docs/tool-formats.md
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -207,6 +209,7 @@ class PoolConfig:
         )
         _check_number("heartbeat_timeout_s", self.heartbeat_timeout_s, allow_zero=False)
         _check_number("grammar_compile_timeout_s", self.grammar_compile_timeout_s, allow_zero=False)
+        check_tool_parser(self.tool_parser)
         if not isinstance(self.generation_defaults, Mapping):
             raise ValueError(
                 f"generation_defaults must be a table, got {self.generation_defaults!r}"

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelpool.shared.errors import InvalidRequest
 from modelpool.shared.protocol import Call
+from modelpool.shared.tool_formats import KEPT_SPECIAL_TOKENS
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +50,10 @@ class TextProgress:
         self._prompt_tokens = prompt_tokens
         self._stops = stops
         self._decoded = ""
+        # A request with tools keeps the call markers that are special tokens (Mistral's
+        # [TOOL_CALLS], Llama's <|python_tag|>, gpt-oss's Harmony tokens): the supervisor
+        # reads the calls by them. Every other special token is dropped, as always.
+        self._dropped = _dropped_special_ids(tokenizer) if call.params.get("tools") else None
         self.token_ids: list[int] = []
         # Everything emitted so far. It is the returned text, so that the text
         # always equals the chunks joined.
@@ -78,9 +83,15 @@ class TextProgress:
         """Add generated tokens and decode; True once a stop string ended the text."""
         try:
             self.token_ids.extend(new_token_ids)
-            decoded = self._tokenizer.decode(
-                self.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-            )
+            if self._dropped:
+                kept = [token for token in self.token_ids if token not in self._dropped]
+                decoded = self._tokenizer.decode(
+                    kept, skip_special_tokens=False, clean_up_tokenization_spaces=False
+                )
+            else:
+                decoded = self._tokenizer.decode(
+                    self.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+                )
             found = self._first_stop(decoded)
             if found is not None:
                 cut, self.stop_sequence = found
@@ -152,3 +163,26 @@ def stop_strings(value: object) -> tuple[str, ...]:
     if len(items) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(items)}")
     return tuple(items)
+
+
+def _dropped_special_ids(tokenizer: Any) -> frozenset[int] | None:
+    """The special tokens a request with tools drops: all but the call markers; None when
+    the tokenizer has no marker among its special tokens (or says nothing of them, as
+    llama_cpp's detokenizer does), and decoding stays as it is."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None)
+    if not isinstance(decoder, dict):
+        return None
+    special = {
+        token_id: str(getattr(token, "content", token))
+        for token_id, token in decoder.items()
+        if getattr(token, "special", True)
+    }
+    special.update(
+        (token_id, "")
+        for token_id in getattr(tokenizer, "all_special_ids", ())
+        if token_id not in special
+    )
+    kept = {token_id for token_id, content in special.items() if content in KEPT_SPECIAL_TOKENS}
+    if not kept:
+        return None
+    return frozenset(special) - kept

@@ -1,0 +1,55 @@
+"""Hermes (Qwen2.5, Hermes, many fine-tunes): a JSON object between tags, one per call::
+
+<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from modelpool.shared.tool_formats.base import (
+    GrammarTool,
+    Mode,
+    RawCall,
+    RegionReader,
+    SyntaxReader,
+    calls_rule,
+    free_text_or,
+    json_object,
+    lark_string,
+    mark,
+    named_call,
+)
+
+OPEN = "<tool_call>"
+CLOSE = "</tool_call>"
+
+
+@dataclass(frozen=True)
+class Hermes:
+    name: str = "hermes"
+
+    def grammar(
+        self, tools: Sequence[GrammarTool], mode: Mode, parallel: bool, tokens: Mapping[str, int]
+    ) -> str:
+        more = f' ("\\n" {mark(OPEN, tokens)} call)*' if parallel else ""
+        if mode == "auto":
+            lines = free_text_or(OPEN, f"call{more}", tokens)
+        else:
+            lines = [f"start: {mark(OPEN, tokens)} call{more}"]
+        lines += calls_rule(tools, lambda tool: _call(tool, tokens))
+        return "\n".join(["%llguidance {}", *lines]) + "\n"
+
+    def reader(self, parameters: Mapping[str, dict[str, Any]]) -> SyntaxReader:
+        return RegionReader({OPEN: CLOSE}, _parse)
+
+
+def _call(tool: GrammarTool, tokens: Mapping[str, int]) -> str:
+    head = lark_string(f'{{"name": "{tool.name}", "arguments": ')
+    return f'{head} {tool.fragment} "}}" {mark(CLOSE, tokens)}'
+
+
+def _parse(opened: str, body: str) -> list[RawCall]:
+    return [named_call(json_object(body.strip(), "the call"), ("arguments", "parameters"), body)]

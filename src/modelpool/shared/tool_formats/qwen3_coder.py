@@ -1,0 +1,142 @@
+"""Qwen3-Coder (and Qwen3.5/Next's XML style): one element per argument, its value as
+text (a string) or JSON (any other type), inside ``<tool_call>``::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    <parameter=days>
+    2
+    </parameter>
+    </function>
+    </tool_call>
+
+A ``<function=...>`` without the ``<tool_call>`` around it is read too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from modelpool.shared.structured import json_schema_grammar_fragment
+from modelpool.shared.tool_formats.base import (
+    GrammarTool,
+    MalformedCall,
+    Mode,
+    RawCall,
+    RegionReader,
+    SyntaxReader,
+    calls_rule,
+    free_text_or,
+    lark_string,
+    mark,
+)
+
+OPEN = "<tool_call>"
+CLOSE = "</tool_call>"
+FUNCTION = "<function="
+FUNCTION_CLOSE = "</function>"
+_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>\s*", re.S)
+_END = lark_string("\n</parameter>\n")
+_PLAIN_STRING = frozenset({"type", "description", "title"})
+_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+@dataclass(frozen=True)
+class Qwen3Coder:
+    name: str = "qwen3_coder"
+
+    def grammar(
+        self, tools: Sequence[GrammarTool], mode: Mode, parallel: bool, tokens: Mapping[str, int]
+    ) -> str:
+        more = f' ("\\n" {mark(OPEN, tokens)} call)*' if parallel else ""
+        if mode == "auto":
+            lines = free_text_or(OPEN, f"call{more}", tokens)
+        else:
+            lines = [f"start: {mark(OPEN, tokens)} call{more}"]
+        values: list[str] = []
+        lines += calls_rule(tools, lambda tool: _call(tool, values, tokens))
+        lines += values
+        # A text value ends at the first "</parameter>" (a lazy lexeme).
+        lines += ['text_param[lazy]: ANY_TEXT "\\n</parameter>\\n"', "ANY_TEXT: /(.|\\n)*/"]
+        return "\n".join(["%llguidance {}", *lines]) + "\n"
+
+    def reader(self, parameters: Mapping[str, dict[str, Any]]) -> SyntaxReader:
+        def parse(opened: str, body: str) -> list[RawCall]:
+            text = body if opened == OPEN else FUNCTION + body + FUNCTION_CLOSE
+            return _parse(text, parameters, opened + body)
+
+        return RegionReader({OPEN: CLOSE, FUNCTION: FUNCTION_CLOSE}, parse)
+
+
+def _call(tool: GrammarTool, values: list[str], tokens: Mapping[str, int]) -> str:
+    """A tool's ``<function=...>`` element: its required parameters in order, each optional
+    one optional; a string's value is text without ``</parameter>``, any other its JSON."""
+    properties = tool.parameters.get("properties")
+    required = tool.parameters.get("required", [])
+    parts = [lark_string(f"\n<function={tool.name}>\n")]
+    if isinstance(properties, dict):
+        for key, schema in properties.items():
+            rule = f"value_{len(values)}"
+            values.append(f"{rule}: {_value_rule(schema, f'{tool.name}.{key}')}")
+            element = f'{lark_string(f"<parameter={key}>")} "\\n" {rule}'
+            parts.append(element if key in required else f"({element})?")
+    parts.append(f"{lark_string(FUNCTION_CLOSE + chr(10))} {mark(CLOSE, tokens)}")
+    return " ".join(parts)
+
+
+def _value_rule(schema: object, where: str) -> str:
+    """A plain string is its text; a string of a few values one of them, as text; any
+    other value (and a string held to a pattern or a length) its JSON."""
+    if isinstance(schema, dict) and schema.get("type") == "string":
+        if set(schema) <= _PLAIN_STRING:
+            return "text_param"
+        choices = schema.get("enum")
+        if (
+            set(schema) <= {*_PLAIN_STRING, "enum"}
+            and isinstance(choices, list)
+            and all(isinstance(choice, str) and choice for choice in choices)
+        ):
+            return "(" + " | ".join(lark_string(c) for c in choices) + f") {_END}"
+    return f"{json_schema_grammar_fragment(schema, param=where)} {_END}"
+
+
+def _parse(text: str, parameters: Mapping[str, dict[str, Any]], raw: str) -> list[RawCall]:
+    found = _FUNCTION.fullmatch(text)
+    if found is None:
+        raise MalformedCall("a call without <function=NAME>...</function>", raw)
+    name, inner = found.group(1), found.group(2)
+    properties = parameters.get(name, {}).get("properties", {})
+    arguments: dict[str, Any] = {}
+    for parameter in _PARAMETER.finditer(inner):
+        key, value = parameter.group(1), parameter.group(2)
+        schema = properties.get(key) if isinstance(properties, dict) else None
+        arguments[key] = _value(value, schema, raw)
+    if _PARAMETER.sub("", inner).strip():
+        raise MalformedCall("text in a call outside its <parameter=...> elements", raw)
+    return [RawCall(name, arguments)]
+
+
+def _value(text: str, schema: object, raw: str) -> Any:
+    """A parameter's text as its type: a string as written, anything else as JSON (a
+    string-typed one given as a JSON string is read as that string)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind == "string":
+        if text.startswith('"'):
+            try:
+                quoted = json.loads(text)
+            except ValueError:
+                return text
+            return quoted if isinstance(quoted, str) else text
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        if kind is None:
+            return text
+        raise MalformedCall(f"a {kind} parameter that is not JSON", raw) from None
