@@ -14,9 +14,10 @@ so arrival order within one urgency is the order each queue keeps:
 - the daemon's fair share between clients (``server.fair_share``): its waiting runs;
 - the pool's queue (``queueing.dispatch_order``): its queued requests;
 - a batched worker's scheduler (``worker.backends.common.scheduler``): the requests
-  waiting there for KV room, and the prefill budget. The pool sends each request's
-  promotion instant with its priority (``PROMOTED_AT_PARAM``; ``time.monotonic`` is the
-  system-wide monotonic clock, the same in every process of the machine).
+  waiting there for KV room, and the prefill budget. The pool of a batched worker sends
+  each request's promotion instant with its priority (``PROMOTED_AT_PARAM``;
+  ``time.monotonic`` is the system-wide monotonic clock, the same in every process of
+  the machine).
 
 ::
 

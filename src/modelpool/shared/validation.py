@@ -214,9 +214,10 @@ PRIORITY_PARAM = "priority"
 sets it when it is not 0): lower takes the next free row and the prefill budget first."""
 
 PROMOTED_AT_PARAM = "promoted_at"
-"""The request parameter a worker's scheduler reads when a request is promoted ahead of
-every other from (``time.monotonic()``, the machine's clock, the same in every process):
-the pool sets it beside ``priority``, and a caller's own value is replaced."""
+"""The request parameter a batched worker's scheduler reads when a request is promoted
+ahead of every other from (``time.monotonic()``, the machine's clock, the same in every
+process): the pool of a batched worker (``max_batch_size`` above 1) sets it on every
+request, and a caller's own value is dropped."""
 
 
 def valid_traceparent(value: object) -> bool:

@@ -726,10 +726,10 @@ class ModelPool:
                 raise
         now = time.monotonic()
         arrived, due_at = arrival(now), self.promotion_at(now, due_in_s)
-        # The worker's scheduler orders by the pool's rule (scheduling.ordering).
-        gen_kwargs[PROMOTED_AT_PARAM] = promotion_at(
-            waiting_since=arrived, due_at=due_at, aging_s=self.config.priority_aging_s
-        )
+        if self.config.max_batch_size > 1:  # a batch orders by the pool's rule too
+            gen_kwargs[PROMOTED_AT_PARAM] = promotion_at(
+                waiting_since=arrived, due_at=due_at, aging_s=self.config.priority_aging_s
+            )
         try:
             # The caller's own params only: the worker adds the defaults it was given once.
             payload = encode_request(prompt, gen_kwargs)
