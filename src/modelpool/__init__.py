@@ -115,6 +115,7 @@ if TYPE_CHECKING:
         GrammarEngineMissing,
         GrammarError,
         InvalidRequest,
+        MalformedToolCall,
         ModelLoadFailed,
         ModelSourceError,
         OutOfMemory,

@@ -236,3 +236,10 @@ def test_no_two_modules_import_each_other_however_indirectly() -> None:
         if module not in state:
             visit(module, [])
     assert not cycles, [" -> ".join(cycle) for cycle in cycles]
+
+
+def test_no_module_holds_more_than_one_concern_by_its_size() -> None:
+    """A module past 800 lines holds more than one concern (docs/architecture.md, "The
+    pieces"): split it by concern before it lands."""
+    sizes = {module: len(path.read_text().splitlines()) for module, path in MODULES.items()}
+    assert {module: lines for module, lines in sizes.items() if lines > 800} == {}

@@ -501,8 +501,8 @@ class ModelPool:
         ``truncate``; an empty input raises ``InvalidRequest`` naming ``input``; a
         generation model raises ``WrongTask``. A request like any other: deadline,
         cancel, retried elsewhere if its worker dies, queueing keywords as generate's."""
-        queue = pooling_queue_params(priority, queue)
-        future = self._embed_future(inputs, dimensions, truncate, deadline_s, queue)
+        request = embed_request(inputs, dimensions, truncate)
+        future = self._submit(request, deadline_s, pooling_queue_params(priority, queue), None)
         return embedding_result(_waited(future))
 
     async def aembed(
@@ -516,8 +516,8 @@ class ModelPool:
         **queue: Any,
     ) -> EmbeddingResult:
         """asyncio version of :meth:`embed`; cancelling the task stops the worker."""
-        queue = pooling_queue_params(priority, queue)
-        future = self._embed_future(inputs, dimensions, truncate, deadline_s, queue)
+        request = embed_request(inputs, dimensions, truncate)
+        future = self._submit(request, deadline_s, pooling_queue_params(priority, queue), None)
         result: Result = await asyncio.wrap_future(future)
         return embedding_result(result)
 
@@ -537,8 +537,8 @@ class ModelPool:
 
             result = pool.score("capital of France", ["Paris is...", "Bananas are..."])
             best = max(range(len(result.scores)), key=result.scores.__getitem__)"""
-        queue = pooling_queue_params(priority, queue)
-        future = self._score_future(query, documents, raw_scores, truncate, deadline_s, queue)
+        request = score_request(query, documents, raw_scores, truncate)
+        future = self._submit(request, deadline_s, pooling_queue_params(priority, queue), None)
         return score_result(_waited(future))
 
     async def ascore(
@@ -553,35 +553,10 @@ class ModelPool:
         **queue: Any,
     ) -> ScoreResult:
         """asyncio version of :meth:`score`."""
-        queue = pooling_queue_params(priority, queue)
-        future = self._score_future(query, documents, raw_scores, truncate, deadline_s, queue)
+        request = score_request(query, documents, raw_scores, truncate)
+        future = self._submit(request, deadline_s, pooling_queue_params(priority, queue), None)
         result: Result = await asyncio.wrap_future(future)
         return score_result(result)
-
-    def _embed_future(
-        self,
-        inputs: object,
-        dimensions: int | None,
-        truncate: bool,
-        deadline_s: float | None,
-        queue: dict[str, Any],
-    ) -> PoolFuture:
-        """``embed``'s and ``aembed``'s request, checked (``embed_request``) and submitted."""
-        request = embed_request(inputs, dimensions, truncate)
-        return self._submit(request, deadline_s, queue, None)
-
-    def _score_future(
-        self,
-        query: str,
-        documents: Sequence[str],
-        raw_scores: bool,
-        truncate: bool,
-        deadline_s: float | None,
-        queue: dict[str, Any],
-    ) -> PoolFuture:
-        """``score``'s and ``ascore``'s request, checked (``score_request``) and submitted."""
-        request = score_request(query, documents, raw_scores, truncate)
-        return self._submit(request, deadline_s, queue, None)
 
     def health(self) -> PoolHealth:
         """Is the pool alive? Cheap and never waits on the dispatcher thread, so that a
@@ -778,8 +753,6 @@ class ModelPool:
         loop = self._loop
         if loop is not None and os.getpid() == self._owner_pid:
             loop.post(loop.dispatcher.cancel, request_id, True)
-
-
 
 
 def _waited(future: PoolFuture) -> Result:
