@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from modelpool.shared.reasoning.controls import DEFAULT_ANSWER_RESERVE, check_pool_settings
 from modelpool.shared.toml_text import toml_key, toml_value
 from modelpool.shared.validation import check_generation_params, is_number
 
@@ -161,6 +162,12 @@ class PoolConfig:
     # past it the request fails with GrammarCompileTimeout and the worker stays warm.
     grammar_compile_timeout_s: float = 5.0
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    # Reasoning models (docs/reasoning.md): which parser reads thinking ("auto": from the
+    # chat template and vocabulary), the thinking tokens of low/medium/high effort
+    # (vLLM's 1024/2048/8192 where not given), the answer's reserve of max_tokens.
+    reasoning_parser: str = "auto"
+    reasoning_budgets: dict[str, int] = field(default_factory=dict)
+    reasoning_answer_reserve: int = DEFAULT_ANSWER_RESERVE
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -225,6 +232,9 @@ class PoolConfig:
             )
         object.__setattr__(self, "generation_defaults", dict(self.generation_defaults))
         check_generation_params(self.generation_defaults, where="generation_defaults")
+        check_pool_settings(
+            self.reasoning_parser, self.reasoning_budgets, self.reasoning_answer_reserve
+        )
 
     @classmethod
     def from_toml(cls, path: str | Path) -> PoolConfig:

@@ -710,6 +710,10 @@ class HFRunner:
         for index, row in enumerate(rows):
             if index in failures:
                 continue
+            forced = None if row.thinking is None else row.thinking.forced()
+            if forced is not None:
+                tokens[index] = forced  # the end of thinking, forced (common.thinking)
+                continue
             if row.sampling.is_plain_greedy(row.generated):
                 continue
             try:
