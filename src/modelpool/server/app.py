@@ -105,6 +105,7 @@ from modelpool.server.openai.request import (
 )
 from modelpool.server.pooling_routes import install_pooling_routes
 from modelpool.server.priority_bound import ClampedHeader, PriorityBound
+from modelpool.server.reasoning import closed_header, split_result, splits, with_deadline
 from modelpool.server.responses.api import ResponsesApi
 from modelpool.server.responses.store import ResponseStore
 from modelpool.server.state import ServerState, check_not_draining, client_of, on_a_worker
@@ -575,6 +576,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     bound.note(request.scope)
     priority, due_at = _admit(request, state, pool, job, deadline, client.name)
     bound_by_deadline(job, pool, deadline, budget)
+    with_deadline(job.params, pool.config.backend, time.time() + deadline)
     runs = job.choices()
     # Every run in its tenant's partition of the prefix cache, whatever the body said.
     cache_partition = partition(client.tenant, job.params.get("cache_salt"))
@@ -597,7 +599,8 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
                 choice.source = pool.astream(choice.prompt, deadline_s=left_s, **choice.params)
                 yield choice.source
 
-        choices = [StreamedChoice(index, prompt, params) for index, prompt, params in runs]
+        split = splits(pool.config.reasoning_parser)
+        choices = [StreamedChoice(index, p, params, None, split) for index, p, params in runs]
         return EventStream(
             choices,
             api.writer(parsed, choices, _answer_model(state, body)),
@@ -625,6 +628,8 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         ticket.close()
     if not finished or results is None:
         return ClientGone()
+    if splits(pool.config.reasoning_parser):
+        results = [split_result(result) for result in results]
     by_index = {index: result for (index, _, _), result in zip(runs, results, strict=True)}
     note_results(request.scope.setdefault("state", {}), results)
     content = await off_loop_if(
@@ -638,7 +643,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     return Response(
         content,
         media_type="application/json",
-        headers={"X-Request-Id": results[0].request_id},
+        headers={"X-Request-Id": results[0].request_id, **closed_header(by_index)},
     )
 
 

@@ -957,7 +957,7 @@ class Dispatcher:
     def _succeed(self, request: Request, generation: Generation, worker_pid: int | None) -> None:
         if not self._finish(request):
             return
-        self.counters["completed"] += 1
+        PoolStats.count_completed(self.counters, generation.thinking_closed)
         result = request.result(generation, worker_pid, self.clock())
         self.latencies.append(result.latency_s)
         # Observed first: a caller that has its answer finds it in the metrics.

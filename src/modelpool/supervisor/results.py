@@ -47,6 +47,9 @@ class Result:
     # thinking when it did: "budget", "reserve", "loop" or "deadline" (docs/reasoning.md).
     reasoning_tokens: int | None = None
     thinking_closed: str | None = None
+    # The thinking, apart from ``text`` (the answer), once the daemon split them
+    # (modelpool.server.reasoning); None: not split, or no thinking.
+    reasoning: str | None = None
 
 
 class PoolFuture(concurrent.futures.Future[Result]):

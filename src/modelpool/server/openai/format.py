@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from modelpool.server.http import JSON_SLICE_ITEMS, EncodedArray, compact_json
+from modelpool.server.reasoning import chat_reasoning
 from modelpool.shared.logprob_columns import TokenLogprobs
 from modelpool.shared.protocol import Prompt, TokenIds, TokenLogprob
 from modelpool.shared.tools import ToolPlan, answer_message
@@ -244,14 +245,14 @@ def response_body(job: Job, results: dict[int, Result], model: str, created: int
             finish_reason: str | None = result.finish_reason
             if job.tools is not None:
                 message, finish_reason = answer_message(job.tools, result.text, finish_reason)
-            choices.append(
-                {
-                    "index": index,
-                    "message": message,
-                    "finish_reason": finish_reason,
-                    "logprobs": logprobs,
-                }
-            )
+            chat_choice = {
+                "index": index,
+                "message": message,
+                "finish_reason": finish_reason,
+                "logprobs": logprobs,
+            }
+            chat_reasoning(message, chat_choice, result)
+            choices.append(chat_choice)
         else:
             text = result.text
             if job.echo:

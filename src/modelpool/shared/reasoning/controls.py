@@ -88,9 +88,14 @@ def check_pool_settings(parser: object, budgets: object, reserve: object) -> Non
 
 
 class PoolSettings(Protocol):
-    reasoning_parser: str
-    reasoning_budgets: dict[str, int]
-    reasoning_answer_reserve: int
+    @property
+    def reasoning_parser(self) -> str: ...
+
+    @property
+    def reasoning_budgets(self) -> dict[str, int]: ...
+
+    @property
+    def reasoning_answer_reserve(self) -> int: ...
 
 
 def pool_params(config: PoolSettings) -> dict[str, Any]:
