@@ -96,7 +96,7 @@ class ThinkTagParser:
                     self._reasoning_begun = True
                 end = held.find(THINK_END)
                 if end >= 0:
-                    reasoning += held[:end]
+                    reasoning += held[:end].rstrip()
                     held = held[end + len(THINK_END) :]
                     self._phase = "answer_start"
                     continue
