@@ -72,6 +72,13 @@ class ThinkingBound:
         return cls(budget, enabled, int(reserve), params.get(DEADLINE_PARAM))
 
 
+def template_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """What a request's params pass to its chat template: ``enable_thinking`` when it
+    said (Qwen3's and similar templates read it; others ignore it)."""
+    enable = params.get(ENABLE_PARAM)
+    return {} if enable is None else {ENABLE_PARAM: enable}
+
+
 def check_pool_settings(parser: object, budgets: object, reserve: object) -> None:
     """The pool's reasoning settings; raises ValueError naming the bad one."""
     if parser not in PARSER_NAMES:

@@ -66,7 +66,7 @@ from modelpool.shared.protocol import (
 from modelpool.shared.validation import PRIORITY_PARAM
 from modelpool.worker.backends.common.sampling import Sampling
 from modelpool.worker.backends.common.text import TextProgress
-from modelpool.worker.backends.common.thinking import ThinkingModel, ThinkingTracker, thinking_for
+from modelpool.worker.backends.common.thinking import ThinkingModels, ThinkingTracker, thinking_for
 
 State = TypeVar("State")
 
@@ -290,15 +290,15 @@ class Scheduler(Generic[State]):
         self.prefilling: list[Row[State]] = []
         self.rows: list[Row[State]] = []
         self._finished: list[Finished] = []
-        # A reasoning model's thinking (set by the handler that detected it).
-        self.thinking_model: ThinkingModel[int] | None = None
+        # A reasoning model's thinking, per parser (set by a handler that reads it).
+        self.thinking_models: ThinkingModels | None = None
 
     # ---- the BatchedHandler surface ------------------------------------------------------
 
     def admit(self, call: BatchCall) -> None:
         row = self.runner.row(call)
         row.thinking = thinking_for(
-            self.thinking_model, row.prompt_ids, call.params, row.max_new_tokens, row.progress
+            self.thinking_models, row.prompt_ids, call.params, row.max_new_tokens, row.progress
         )
         if call.params.get(GRAMMAR_PARAM) is None:
             self._wait(row)

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 from modelpool.shared.reasoning.controls import PARSER_PARAM, ThinkingBound
-from modelpool.shared.reasoning.detect import ReasoningFamily
+from modelpool.shared.reasoning.detect import ReasoningFamily, detect_family
 from modelpool.shared.reasoning.loops import LoopDetector
+from modelpool.shared.reasoning.parsers import THINK_END, THINK_START, ParserName
 from modelpool.worker.backends.common.text import TextProgress
 
 T = TypeVar("T", bound=Hashable)
@@ -55,17 +56,46 @@ class ThinkingModel(Generic[T]):
         )
 
 
+class ThinkingModels:
+    """A loaded model's thinking for each ``reasoning_parser`` a request may carry (the
+    pool's, "auto" by default): detected once from its chat template and the marker
+    tokens its vocabulary holds, the markers' ids from ``encode``."""
+
+    def __init__(
+        self,
+        chat_template: str | None,
+        vocabulary: Collection[str],
+        encode: Callable[[str], list[int]],
+    ) -> None:
+        markers = (THINK_START, THINK_END, "<|channel|>", "<|message|>")
+        self._template = chat_template
+        self._present = frozenset(marker for marker in markers if marker in vocabulary)
+        self._encode = encode
+        self._models: dict[str, ThinkingModel[int] | None] = {}
+
+    def get(self, parser: ParserName) -> ThinkingModel[int] | None:
+        if parser not in self._models:
+            family = detect_family(parser, self._template, self._present)
+            self._models[parser] = None if family is None else self._model(family)
+        return self._models[parser]
+
+    def _model(self, family: ReasoningFamily) -> ThinkingModel[int] | None:
+        start, end = self._encode(family.start_text), self._encode(family.end_text)
+        return ThinkingModel(family, tuple(start), tuple(end)) if start and end else None
+
+
 def thinking_for(
-    model: ThinkingModel[T] | None,
-    prompt: Sequence[T],
+    models: ThinkingModels | None,
+    prompt: Sequence[int],
     params: dict[str, Any],
     max_new_tokens: int,
     progress: TextProgress,
-) -> ThinkingTracker[T] | None:
-    """A request's tracker, when its model thinks and its pool parses reasoning; thinking
+) -> ThinkingTracker[int] | None:
+    """A request's tracker, when its model thinks (for the request's parser); thinking
     the template opened gets its opening written back at the head of the text (the
     canonical form the server splits)."""
-    if model is None or params.get(PARSER_PARAM) == "none":
+    model = None if models is None else models.get(params.get(PARSER_PARAM, "auto"))
+    if model is None:
         return None
     tracker = model.tracker(prompt, params, max_new_tokens)
     if tracker.started_in_prompt:
