@@ -36,6 +36,8 @@ from modelpool.worker.backends.common.text import TextProgress
 T = TypeVar("T", bound=Hashable)
 CloseReason = Literal["budget", "reserve", "loop", "deadline"]
 CLOSE_REASONS: tuple[CloseReason, ...] = ("budget", "reserve", "loop", "deadline")
+MARKERS = (THINK_START, THINK_END, "<|channel|>", "<|message|>")
+"""The tokens a vocabulary is searched for (``shared.reasoning.detect``)."""
 _RATE_EVERY = 8  # tokens between decode-rate readings for the deadline check
 
 
@@ -67,9 +69,8 @@ class ThinkingModels:
         vocabulary: Collection[str],
         encode: Callable[[str], list[int]],
     ) -> None:
-        markers = (THINK_START, THINK_END, "<|channel|>", "<|message|>")
         self._template = chat_template
-        self._present = frozenset(marker for marker in markers if marker in vocabulary)
+        self._present = frozenset(marker for marker in MARKERS if marker in vocabulary)
         self._encode = encode
         self._models: dict[str, ThinkingModel[int] | None] = {}
 
