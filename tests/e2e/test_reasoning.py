@@ -167,15 +167,18 @@ def test_messages_thinking_blocks(daemon: Daemon) -> None:
 
 
 def test_messages_stream_thinking_delta(daemon: Daemon) -> None:
-    with anthropic.Anthropic(base_url=daemon.url, api_key="none", max_retries=0) as client:
-        with client.messages.stream(
+    client = anthropic.Anthropic(base_url=daemon.url, api_key="none", max_retries=0)
+    with (
+        client,
+        client.messages.stream(
             model="none",
             max_tokens=64,
             thinking={"type": "enabled", "budget_tokens": 2},
             messages=[{"role": "user", "content": "think:5:the answer is 4"}],
-        ) as stream:
-            deltas = [e.delta for e in stream if e.type == "content_block_delta"]
-            final = stream.get_final_message()
+        ) as stream,
+    ):
+        deltas = [e.delta for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
     assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == "w0 w1"
     assert "".join(d.text for d in deltas if d.type == "text_delta") == "the answer is 4"
     assert [block.type for block in final.content] == ["thinking", "text"]
