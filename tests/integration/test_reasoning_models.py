@@ -1,6 +1,6 @@
 """The worker's bound on thinking over real backends: tiny random models with Qwen3's and
-DeepSeek-R1's chat templates and ``<think>`` tokens (``thinking_models``) in process on
-the hf backend, both forms (one request at a time, and batched), and the embedded GGUF on
+DeepSeek-R1's chat templates and ``<think>`` tokens (``tinymodel.build_thinking_model``)
+in process on the hf backend, both forms (one request at a time, and batched), and the embedded GGUF on
 llama_cpp with a template that opens thinking. Random weights never close their thinking:
 every end of thinking here is the worker's, and the answer follows it."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from helpers import FakeCall, Recorder, step_until_answered
 from modelpool.shared.reasoning.parsers import split_reasoning
+from modelpool.tinymodel import ThinkingFamily, build_thinking_model
 from modelpool.worker.backends.hf.handler import HFHandler, load
-from thinking_models import Family, build_thinking_model
 
 pytestmark = pytest.mark.slow
 CHAT = [{"role": "user", "content": "Hello"}]
@@ -22,7 +22,7 @@ CHAT = [{"role": "user", "content": "Hello"}]
 
 @pytest.fixture(scope="module", params=["deepseek_r1", "qwen3"])
 def handler(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> HFHandler:
-    family: Family = request.param
+    family: ThinkingFamily = request.param
     path = build_thinking_model(tmp_path_factory.mktemp("thinking") / family, family)
     return load(str(path))
 
