@@ -1,8 +1,9 @@
 """The worker's bound on thinking over real backends: tiny random models with Qwen3's and
 DeepSeek-R1's chat templates and ``<think>`` tokens (``tinymodel.build_thinking_model``)
-in process on the hf backend, both forms (one request at a time, and batched), and the embedded GGUF on
-llama_cpp with a template that opens thinking. Random weights never close their thinking:
-every end of thinking here is the worker's, and the answer follows it."""
+in process on the hf backend, both forms (one request at a time, and batched), and the
+embedded GGUF on llama_cpp with a template that opens thinking. Random weights never
+close their thinking: every end of thinking here is the worker's, and the answer
+follows it."""
 
 from __future__ import annotations
 
