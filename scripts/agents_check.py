@@ -18,8 +18,12 @@ prompt past the embedded SmolLM2's 8192): each must show the context-length erro
 received in its own API's shape. Last, Claude Code against that small context with its
 own prompt left out (``--system-prompt``, ``--tools ""``): its prompt fits, and the
 ``max_tokens: 32000`` it asks of every model is cut to what the context leaves, so it
-must answer. Only loopback traffic: the agents' own telemetry and update checks are
-switched off.
+must answer. Then a thinking model (docs/reasoning.md): Codex against the testing
+backend's scripted thinker (``think:5:hi there``: its answer must be "hi there", the
+thinking read as a reasoning item) and Claude Code, its prompt left out, against a tiny
+random DeepSeek-R1-like model (``tinymodel.build_thinking_model``): the streamed
+``thinking`` blocks must not fail it. Only loopback traffic: the agents' own telemetry
+and update checks are switched off.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
@@ -82,10 +87,10 @@ def install(cache: Path) -> Path:
     return bin_dir
 
 
-def serve(workdir: Path, *args: str) -> Daemon:
+def serve(workdir: Path, *args: str, **pool: Any) -> Daemon:
     # Agents' bodies are large (a system prompt and a dozen tool schemas): 8 MiB.
     config = daemon_config(
-        workers=2,
+        **{"workers": 2, **pool},
         deadline_s=60.0,
         server={"max_body_bytes": 8 << 20, "max_request_tokens": 4 << 20},
     )
@@ -93,7 +98,7 @@ def serve(workdir: Path, *args: str) -> Daemon:
 
 
 def run_codex(
-    bin_dir: Path, daemon: Daemon, workdir: Path, timeout: float
+    bin_dir: Path, daemon: Daemon, workdir: Path, timeout: float, prompt: str = PROMPT
 ) -> subprocess.CompletedProcess[str]:
     home = workdir / "codex-home"
     home.mkdir(parents=True, exist_ok=True)
@@ -109,7 +114,7 @@ def run_codex(
     )
     env = {**os.environ, **QUIET_ENV, "CODEX_HOME": str(home)}
     return subprocess.run(
-        [str(bin_dir / "codex"), "exec", "--skip-git-repo-check", PROMPT],
+        [str(bin_dir / "codex"), "exec", "--skip-git-repo-check", prompt],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -218,8 +223,33 @@ def main() -> int:
             "max_tokens 32000 cut to what fits",
             [trimmed_turn],
         )
-    answered = [*turns, trimmed_turn]
-    return 0 if all(item.exit_status == 0 for item in answered) else 1
+        thinking = thinking_turns(bin_dir, work / "thinking", args.timeout)
+        report("a thinking model: the thinking apart from the answer", thinking)
+    thought = "hi there" in thinking[0].output and "w0" not in thinking[0].output
+    answered = [*turns, trimmed_turn, *thinking]
+    return 0 if thought and all(item.exit_status == 0 for item in answered) else 1
+
+
+def thinking_turns(bin_dir: Path, work: Path, timeout: float) -> list[Turn]:
+    """Codex on the scripted thinker, Claude Code (trimmed) on a tiny thinking model."""
+    daemon = serve(work / "testing")
+    try:
+        seen = len(daemon.log())
+        done = run_codex(bin_dir, daemon, work / "codex", timeout, "think:5:hi there")
+        turns = [turn("codex exec (scripted thinker)", daemon, done, seen)]
+    finally:
+        daemon.stop()
+    from modelpool.tinymodel import build_thinking_model
+
+    model = build_thinking_model(work / "tiny-deepseek", "deepseek_r1")
+    daemon = serve(work / "tiny", model=str(model), backend="hf", workers=1)
+    try:
+        seen = len(daemon.log())
+        done = run_claude(bin_dir, daemon, work / "claude", timeout, *TRIMMED)
+        turns.append(turn("claude -p (tiny DeepSeek-R1-like model)", daemon, done, seen))
+    finally:
+        daemon.stop()
+    return turns
 
 
 if __name__ == "__main__":
