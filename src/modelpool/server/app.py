@@ -599,7 +599,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
                 choice.source = pool.astream(choice.prompt, deadline_s=left_s, **choice.params)
                 yield choice.source
 
-        split = splits(pool.config.reasoning_parser)
+        split = job.chat and splits(pool.config.reasoning_parser)
         choices = [StreamedChoice(index, p, params, None, split) for index, p, params in runs]
         return EventStream(
             choices,
@@ -628,7 +628,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         ticket.close()
     if not finished or results is None:
         return ClientGone()
-    if splits(pool.config.reasoning_parser):
+    if job.chat and splits(pool.config.reasoning_parser):
         results = [split_result(result) for result in results]
     by_index = {index: result for (index, _, _), result in zip(runs, results, strict=True)}
     note_results(request.scope.setdefault("state", {}), results)

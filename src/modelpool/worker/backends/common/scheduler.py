@@ -66,7 +66,12 @@ from modelpool.shared.protocol import (
 from modelpool.shared.validation import PRIORITY_PARAM
 from modelpool.worker.backends.common.sampling import Sampling
 from modelpool.worker.backends.common.text import TextProgress
-from modelpool.worker.backends.common.thinking import ThinkingModels, ThinkingTracker, thinking_for
+from modelpool.worker.backends.common.thinking import (
+    ThinkingModels,
+    ThinkingTracker,
+    is_chat,
+    thinking_for,
+)
 
 State = TypeVar("State")
 
@@ -297,9 +302,11 @@ class Scheduler(Generic[State]):
 
     def admit(self, call: BatchCall) -> None:
         row = self.runner.row(call)
-        row.thinking = thinking_for(
-            self.thinking_models, row.prompt_ids, call.params, row.max_new_tokens, row.progress
-        )
+        if is_chat(call.prompt):
+            # A chat's answer may think; a raw prompt's continuation is the caller's text.
+            row.thinking = thinking_for(
+                self.thinking_models, row.prompt_ids, call.params, row.max_new_tokens, row.progress
+            )
         if call.params.get(GRAMMAR_PARAM) is None:
             self._wait(row)
             return

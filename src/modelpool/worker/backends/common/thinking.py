@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
+from modelpool.shared.protocol import TokenIds
 from modelpool.shared.reasoning.controls import PARSER_PARAM, ThinkingBound
 from modelpool.shared.reasoning.detect import ReasoningFamily, detect_family
 from modelpool.shared.reasoning.loops import LoopDetector
@@ -83,6 +84,11 @@ class ThinkingModels:
     def _model(self, family: ReasoningFamily) -> ThinkingModel[int] | None:
         start, end = self._encode(family.start_text), self._encode(family.end_text)
         return ThinkingModel(family, tuple(start), tuple(end)) if start and end else None
+
+
+def is_chat(prompt: object) -> bool:
+    """A list of chat messages (not a raw string, not token ids): what may think."""
+    return not isinstance(prompt, (str, TokenIds))
 
 
 def thinking_for(

@@ -80,7 +80,7 @@ from modelpool.worker.backends.common.scheduler import (
     WarmUpCall,
     run_alone,
 )
-from modelpool.worker.backends.common.thinking import ThinkingModels
+from modelpool.worker.backends.common.thinking import ThinkingModels, is_chat
 from modelpool.worker.backends.hf.generation import generate
 from modelpool.worker.backends.hf.grammars import LLGuidanceGrammars
 from modelpool.worker.backends.hf.options import (
@@ -386,7 +386,8 @@ class HFHandler(ScheduledHandler):
         """Answer one request alone (``generation``; the module docstring says what the
         parameters mean). A reasoning model's runs through the scheduler, whose bound on
         thinking generate() does not have (``common.thinking``)."""
-        if self.batched and self.thinking.get(call.params.get(PARSER_PARAM, "auto")):
+        parser = call.params.get(PARSER_PARAM, "auto")
+        if self.batched and is_chat(call.prompt) and self.thinking.get(parser):
             return run_alone(self.scheduler, call)
         return generate(self, call)
 
