@@ -9,12 +9,12 @@
    whose greedy thinking repeats itself): the tokens until the forced close and the time
    to the answer's first token, against the same request with ``reasoning_parser =
    "none"`` (no bound: it thinks until ``max_tokens``, and no answer comes).
-3. Cost: tokens/s and time to the first token of the tiny model with the reasoning
-   bound on against off, on the same sampled tokens (rounds alternate), both through the
-   scheduler (``max_batch_size`` 2, one request at a time): with ``max_batch_size`` 1
-   the bound sends a reasoning model's requests through the scheduler rather than
-   transformers' ``generate()``, a different decoding loop (faster here: 54 against 47
-   tokens/s), which is not the bound's cost.
+3. Cost: the tracker's and the split's own time per token, in process; and tokens/s and
+   time to the first token of the tiny model with the bound on against off, on the same
+   sampled tokens (rounds alternate), both through the scheduler (``max_batch_size`` 2,
+   one request at a time). With ``max_batch_size`` 1 the bound sends a reasoning
+   model's requests through the scheduler rather than transformers' ``generate()``, a
+   different decoding loop, which is not the bound's cost.
 
 ::
 
@@ -33,8 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from modelpool import ModelPool, PoolConfig
-from modelpool.shared.reasoning.parsers import split_reasoning
+from modelpool.shared.reasoning.detect import family_named
+from modelpool.shared.reasoning.parsers import ThinkTagParser, split_reasoning
 from modelpool.tinymodel import build_thinking_model
+from modelpool.worker.backends.common.thinking import ThinkingModel, ThinkingTracker
 
 CHAT = [{"role": "user", "content": "Hello"}]
 
@@ -129,7 +131,9 @@ def cost(model: str, rounds: int, tokens: int) -> dict[str, Any]:
             pool.start()
             pool.generate(CHAT, **params, seed=0)  # warm
         for round_ in range(rounds):
-            for parser, pool in pools.items():
+            # Each side goes first every other round: the machine's drift hits both.
+            order = list(pools.items())[:: 1 if round_ % 2 else -1]
+            for parser, pool in order:
                 started = time.perf_counter()
                 first: float | None = None
                 stream = pool.stream(CHAT, **params, seed=round_)
@@ -155,12 +159,30 @@ def cost(model: str, rounds: int, tokens: int) -> dict[str, Any]:
     }
 
 
+def overhead(tokens: int = 200_000) -> dict[str, Any]:
+    """The bound's and the split's own cost per token, in process: a tracker fed a thinker
+    that never repeats (the loop detector's worst case: no run ends early) and a
+    ``ThinkTagParser`` fed one token's text at a time."""
+    model = ThinkingModel(family_named("deepseek_r1"), (1,), (2,))
+    tracker = ThinkingTracker(model, True, {}, tokens * 2)
+    started = time.perf_counter()
+    for token in range(3, tokens + 3):
+        tracker.take(token)
+    take_us = (time.perf_counter() - started) / tokens * 1e6
+    parser = ThinkTagParser(started=True)
+    started = time.perf_counter()
+    for token in range(tokens):
+        parser.feed(f" w{token}")
+    feed_us = (time.perf_counter() - started) / tokens * 1e6
+    return {"tracker_us_per_token": round(take_us, 2), "split_us_per_token": round(feed_us, 2)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--only", choices=("precision", "looping", "cost"))
+    parser.add_argument("--only", choices=("precision", "looping", "cost", "overhead"))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         model = str(build_thinking_model(Path(scratch) / "deepseek", "deepseek_r1"))
@@ -171,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
             scripted = looping("none", "testing", "think:loop:the answer:0.002", 2000)
             print("looping scripted thinker:", scripted)
             print("looping tiny model:", looping(model, "hf", CHAT, 1000))
+        if args.only in (None, "overhead"):
+            print("overhead per token:", overhead())
         if args.only in (None, "cost"):
             print("cost, tiny model:", cost(model, args.rounds, args.tokens))
 
