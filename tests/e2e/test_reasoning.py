@@ -236,3 +236,18 @@ def test_langchain_chat_openai_reads_the_answer(daemon: Daemon) -> None:
     )
     blocks = responses.invoke("think:5:the answer is 4").content
     assert any(isinstance(b, dict) and b.get("type") == "reasoning" for b in blocks), blocks
+
+
+def test_harmony_channels_from_a_backend_that_writes_them(client: openai.OpenAI) -> None:
+    harmony = (
+        "<|channel|>analysis<|message|>Easy sum.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>4."
+    )
+    message = _chat(client, "echo:" + harmony).choices[0].message
+    assert message.reasoning_content == "Easy sum."
+    assert message.content == "4."
+    streamed = [
+        c.choices[0].delta for c in _chat(client, "echo:" + harmony, stream=True) if c.choices
+    ]
+    assert "".join(d.content or "" for d in streamed) == "4."
+    assert "".join((d.model_extra or {}).get("reasoning", "") for d in streamed) == "Easy sum."

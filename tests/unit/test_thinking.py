@@ -20,12 +20,13 @@ from modelpool.shared.reasoning.controls import (
     ollama_controls,
     responses_controls,
 )
-from modelpool.shared.reasoning.detect import detect_family, thinking_open
+from modelpool.shared.reasoning.detect import detect_family
 from modelpool.shared.reasoning.loops import LoopDetector
 from modelpool.shared.reasoning.parsers import (
     HARMONY_CLOSE,
     HarmonyParser,
     ReasoningParser,
+    ReturnedTextParser,
     ThinkTagParser,
     split_reasoning,
 )
@@ -85,6 +86,17 @@ def test_harmony_channels(cut: int) -> None:
     assert _pieces(HarmonyParser(), HARMONY, [cut]) == ("User asks 2+2. Easy.", "4.")
 
 
+@pytest.mark.parametrize("cut", range(0, 40, 3))
+def test_returned_text_in_either_form(cut: int) -> None:
+    assert _pieces(ReturnedTextParser(), HARMONY, [cut]) == ("User asks 2+2. Easy.", "4.")
+    assert _pieces(ReturnedTextParser(), CANONICAL, [cut]) == (
+        "I add 2 and 2.\nIt is 4.",
+        "The answer is 4.",
+    )
+    assert _pieces(ReturnedTextParser(), "<|ok", []) == ("", "<|ok")
+    assert split_reasoning(HARMONY) == ("User asks 2+2. Easy.", "4.")
+
+
 def test_detection_from_template_and_vocabulary() -> None:
     qwen3 = "{% if enable_thinking is false %}<think>\n\n</think>{% endif %}"
     found = detect_family("auto", qwen3, ())
@@ -97,10 +109,6 @@ def test_detection_from_template_and_vocabulary() -> None:
     assert detect_family("auto", "{{ messages }}", {"<s>"}) is None
     assert detect_family("none", qwen3, {"<think>", "</think>"}) is None
     assert detect_family("qwen3", None, ()) is not None
-    family = detect_family("deepseek_r1", None, ())
-    assert family is not None
-    assert thinking_open("<|Assistant|><think>\n", family)
-    assert not thinking_open("<think>\n\n</think>\n\n", family)
 
 
 def test_controls_of_each_api() -> None:

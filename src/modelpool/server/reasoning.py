@@ -4,7 +4,7 @@ A worker returns a reasoning model's text in the canonical form
 ``<think>THINKING</think>ANSWER`` (``shared.reasoning``). The generation walk splits it
 once, here, for whatever family answers: a whole :class:`Result` gets the answer as its
 ``text`` and the thinking as its ``reasoning`` (:func:`split_result`); a stream's chunks
-are split as they come (``streaming``, by a ``ThinkTagParser``), so no family ever sends
+are split as they come (``streaming``, by a ``ReturnedTextParser``), so no family ever sends
 thinking as content. A pool whose ``reasoning_parser`` is "none" is not split.
 
 The marker of a forced close (the worker closed thinking at a bound) is the result's

@@ -38,7 +38,7 @@ from modelpool.server.http import (
 from modelpool.server.reasoning import split_result
 from modelpool.shared.errors import PoolError
 from modelpool.shared.protocol import Prompt, TokenCounts
-from modelpool.shared.reasoning.parsers import ThinkTagParser
+from modelpool.shared.reasoning.parsers import ReturnedTextParser
 
 if TYPE_CHECKING:
     from modelpool.supervisor.results import Result
@@ -278,7 +278,7 @@ async def _read_choice(
     """Start one choice's pool stream (when its turn comes), forward its text, then its
     result or its error, to ``events``: waits while ``events`` is full, that is while
     the client reads slower than the worker."""
-    parser = ThinkTagParser() if choice.split_reasoning else None
+    parser = ReturnedTextParser() if choice.split_reasoning else None
     try:
         async with start(choice) as source:
             async for text in source:

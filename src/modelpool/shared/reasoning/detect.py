@@ -50,10 +50,3 @@ def detect_family(
     if not tagged:
         return None
     return family_named("qwen3" if "enable_thinking" in template else "deepseek_r1")
-
-
-def thinking_open(prompt_text: str, family: ReasoningFamily) -> bool:
-    """Did the template open thinking at the end of the prompt (DeepSeek-R1's template
-    always does, Qwen3's ``enable_thinking`` variants may), leaving it unclosed?"""
-    start = prompt_text.rfind(family.start_text)
-    return start >= 0 and prompt_text.find(family.end_text, start) < 0

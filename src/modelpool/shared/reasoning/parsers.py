@@ -173,21 +173,43 @@ class HarmonyParser:
         return Parsed(held, "") if self._channel == "analysis" else Parsed("", held)
 
 
-def parser_for(family: Family, *, started: bool = False) -> ReasoningParser:
-    """A fresh parser for one generation of a model of ``family``."""
-    if family == "gpt_oss":
-        return HarmonyParser()
-    # DeepSeek-R1's template always opens thinking; Qwen3's only when asked to think.
-    return ThinkTagParser(started=started)
+class ReturnedTextParser:
+    """A worker's returned text, whichever form it has: the canonical
+    ``<think>...</think>`` (every bounded family's), or Harmony's channels as a backend
+    that keeps gpt-oss's special tokens writes them; anything else is all answer. The
+    form is told by the text's first characters."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._parser: ReasoningParser | None = None
+
+    def feed(self, text: str) -> Parsed:
+        if self._parser is None:
+            self._held += text
+            opening = self._held.lstrip()[: len(HARMONY_ANALYSIS)]
+            if HARMONY_ANALYSIS.startswith(opening) and len(opening) < len(HARMONY_ANALYSIS):
+                return Parsed()
+            harmony = opening == HARMONY_ANALYSIS
+            self._parser = HarmonyParser() if harmony else ThinkTagParser()
+            text, self._held = self._held, ""
+        return self._parser.feed(text)
+
+    def finish(self) -> Parsed:
+        if self._parser is not None:
+            return self._parser.finish()
+        # Shorter than Harmony's opening: a start of <think>, or answer.
+        parser = ThinkTagParser()
+        first, last = parser.feed(self._held), parser.finish()
+        return Parsed(first.reasoning + last.reasoning, first.answer + last.answer)
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
     """A worker's canonical text as (reasoning, answer); reasoning None when the text
     holds no thinking."""
     stripped = text.lstrip()
-    if not stripped.startswith(THINK_START):
+    if not stripped.startswith((THINK_START, HARMONY_ANALYSIS)):
         return None, text
-    parser = ThinkTagParser()
+    parser = ReturnedTextParser()
     first = parser.feed(text)
     last = parser.finish()
     return first.reasoning + last.reasoning, first.answer + last.answer
