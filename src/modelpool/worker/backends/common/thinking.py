@@ -40,6 +40,7 @@ CLOSE_REASONS: tuple[CloseReason, ...] = ("budget", "reserve", "loop", "deadline
 MARKERS = (THINK_START, THINK_END, "<|channel|>", "<|message|>")
 """The tokens a vocabulary is searched for (``shared.reasoning.detect``)."""
 _RATE_EVERY = 8  # tokens between decode-rate readings for the deadline check
+_OPENING_WINDOW = 64  # a prompt's last tokens, where a template opens thinking
 
 
 @dataclass(frozen=True)
@@ -111,9 +112,12 @@ def thinking_for(
 
 
 def _open_in_prompt(prompt: Sequence[T], start: tuple[T, ...], end: tuple[T, ...]) -> bool:
-    """Does ``prompt`` end inside thinking (its last start sequence not closed)?"""
-    last_start = _rfind(prompt, start)
-    return last_start >= 0 and _rfind(prompt, end) < last_start
+    """Does ``prompt`` end inside thinking (its last start sequence not closed)? A
+    template opens it in the last few tokens it writes: only those are read, whatever the
+    prompt's length."""
+    tail = prompt[-_OPENING_WINDOW:]
+    last_start = _rfind(tail, start)
+    return last_start >= 0 and _rfind(tail, end) < last_start
 
 
 def _rfind(items: Sequence[T], part: tuple[T, ...]) -> int:
