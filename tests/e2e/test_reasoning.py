@@ -41,6 +41,7 @@ def test_chat_separates_thinking_under_both_names(client: openai.OpenAI) -> None
     assert message.reasoning_content == THOUGHT
     assert message.reasoning == THOUGHT
     assert answer.choices[0].finish_reason == "stop"
+    assert answer.usage.completion_tokens_details.reasoning_tokens == 5
 
 
 def test_budget_closes_thinking_and_marks_it(client: openai.OpenAI) -> None:
@@ -251,3 +252,11 @@ def test_harmony_channels_from_a_backend_that_writes_them(client: openai.OpenAI)
     ]
     assert "".join(d.content or "" for d in streamed) == "4."
     assert "".join((d.model_extra or {}).get("reasoning", "") for d in streamed) == "Easy sum."
+
+
+def test_the_request_deadline_closes_thinking_in_time(client: openai.OpenAI) -> None:
+    # 10 ms a token for 400 tokens would pass the 3 s timeout; closed, it answers within.
+    answer = _chat(client, "think:400:done:0.01", max_tokens=2000, extra_body={"timeout": 3})
+    choice = answer.choices[0]
+    assert choice.model_extra["thinking_closed"] == "deadline"
+    assert choice.message.content == "done"

@@ -265,11 +265,15 @@ def response_body(job: Job, results: dict[int, Result], model: str, created: int
                     "logprobs": logprobs,
                 }
             )
+    usage_body = total_usage(job, results)
+    thought = [r.reasoning_tokens for r in results.values() if r.reasoning_tokens is not None]
+    if job.chat and thought:
+        usage_body["completion_tokens_details"] = {"reasoning_tokens": sum(thought)}
     return {
         "id": f"{'chatcmpl' if job.chat else 'cmpl'}-{first.request_id}",
         "object": "chat.completion" if job.chat else "text_completion",
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": total_usage(job, results),
+        "usage": usage_body,
     }
