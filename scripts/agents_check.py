@@ -21,8 +21,9 @@ own prompt left out (``--system-prompt``, ``--tools ""``): its prompt fits, and 
 must answer. Then a thinking model (docs/reasoning.md): Codex against the testing
 backend's scripted thinker (``think:5:hi there``: its answer must be "hi there", the
 thinking read as a reasoning item) and Claude Code, its prompt left out, against a tiny
-random DeepSeek-R1-like model (``tinymodel.build_thinking_model``): the streamed
-``thinking`` blocks must not fail it. Only loopback traffic: the agents' own telemetry
+random DeepSeek-R1-like model (``tinymodel.build_thinking_model``): every request it
+sends, streamed ``thinking`` blocks and all, must be answered (the random answer runs to
+the token maximum, which Claude Code reports as its own error). Only loopback traffic: the agents' own telemetry
 and update checks are switched off.
 """
 
@@ -130,7 +131,12 @@ TRIMMED = ("--system-prompt", "You are a helpful assistant.", "--tools", "")
 
 
 def run_claude(
-    bin_dir: Path, daemon: Daemon, workdir: Path, timeout: float, *extra: str
+    bin_dir: Path,
+    daemon: Daemon,
+    workdir: Path,
+    timeout: float,
+    *extra: str,
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     config_dir = workdir / "claude-config"
     config_dir.mkdir(parents=True, exist_ok=True)
@@ -141,6 +147,7 @@ def run_claude(
         "ANTHROPIC_API_KEY": "sk-local",
         "CLAUDE_CONFIG_DIR": str(config_dir),
         "HOME": str(workdir),
+        **(env_extra or {}),
     }
     return subprocess.run(
         [str(bin_dir / "claude"), "-p", PROMPT, "--model", MODEL, "--max-turns", "1", *extra],
@@ -225,8 +232,13 @@ def main() -> int:
         )
         thinking = thinking_turns(bin_dir, work / "thinking", args.timeout)
         report("a thinking model: the thinking apart from the answer", thinking)
-    thought = "hi there" in thinking[0].output and "w0" not in thinking[0].output
-    answered = [*turns, trimmed_turn, *thinking]
+    codex_thought, claude_thought = thinking
+    # Codex shows the answer alone; Claude Code reads every streamed thinking block (its
+    # requests all answered: the random model's answer runs to the token maximum, which
+    # Claude Code reports as an error of its own).
+    thought = "hi there" in codex_thought.output and "w0" not in codex_thought.output
+    thought = thought and all(route.endswith(" 200") for route in claude_thought.routes)
+    answered = [*turns, trimmed_turn, codex_thought]
     return 0 if thought and all(item.exit_status == 0 for item in answered) else 1
 
 
@@ -241,11 +253,14 @@ def thinking_turns(bin_dir: Path, work: Path, timeout: float) -> list[Turn]:
         daemon.stop()
     from modelpool.tinymodel import build_thinking_model
 
-    model = build_thinking_model(work / "tiny-deepseek", "deepseek_r1")
+    # A context that Claude Code's trimmed prompt fits, in the tiny tokenizer's tokens.
+    model = build_thinking_model(work / "tiny-deepseek", "deepseek_r1", context_length=16384)
     daemon = serve(work / "tiny", model=str(model), backend="hf", workers=1)
     try:
         seen = len(daemon.log())
-        done = run_claude(bin_dir, daemon, work / "claude", timeout, *TRIMMED)
+        # A short answer: the random model's answer would otherwise run to its context.
+        short = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}
+        done = run_claude(bin_dir, daemon, work / "claude", timeout, *TRIMMED, env_extra=short)
         turns.append(turn("claude -p (tiny DeepSeek-R1-like model)", daemon, done, seen))
     finally:
         daemon.stop()

@@ -211,18 +211,21 @@ DEEPSEEK_R1_TEMPLATE = (
 THINKING_TEMPLATES = {"qwen3": QWEN3_TEMPLATE, "deepseek_r1": DEEPSEEK_R1_TEMPLATE}
 
 
-def build_thinking_model(path: str | Path, family: ThinkingFamily) -> Path:
+def build_thinking_model(
+    path: str | Path, family: ThinkingFamily, *, context_length: int = 1024
+) -> Path:
     """Build (once) a tiny reasoning model of ``family`` in ``path``: the tiny llama with
     ``<think>`` and ``</think>`` added to its vocabulary (added, not special, as Qwen3's
     and DeepSeek-R1's tokenizers have them, so they stay in the decoded text) and that
     family's chat template. Random weights never close their own thinking: whatever ends
-    it is the worker's bound (docs/reasoning.md)."""
+    it is the worker's bound (docs/reasoning.md). ``context_length`` as
+    :func:`build_tiny_model`'s."""
     target = Path(path)
     if (target / _CONFIG_FILE).is_file():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = build_tiny_model(target.parent / f"{target.name}-base")
+    base = build_tiny_model(target.parent / f"{target.name}-base", context_length=context_length)
     tokenizer: Any = AutoTokenizer.from_pretrained(base)
     tokenizer.add_tokens(["<think>", "</think>"])
     tokenizer.chat_template = THINKING_TEMPLATES[family]
