@@ -23,8 +23,8 @@ backend's scripted thinker (``think:5:hi there``: its answer must be "hi there",
 thinking read as a reasoning item) and Claude Code, its prompt left out, against a tiny
 random DeepSeek-R1-like model (``tinymodel.build_thinking_model``): every request it
 sends, streamed ``thinking`` blocks and all, must be answered (the random answer runs to
-the token maximum, which Claude Code reports as its own error). Only loopback traffic: the agents' own telemetry
-and update checks are switched off.
+the token maximum, which Claude Code reports as its own error). Only loopback traffic:
+the agents' own telemetry and update checks are switched off.
 """
 
 from __future__ import annotations
