@@ -14,7 +14,7 @@ from modelpool.shared.reasoning.controls import (
     ControlError,
     ThinkingBound,
     chat_controls,
-    check_pool_settings,
+    check_settings,
     check_thinking_params,
     messages_controls,
     ollama_controls,
@@ -130,9 +130,9 @@ def test_controls_of_each_api() -> None:
     with pytest.raises(InvalidRequest):
         check_thinking_params({"thinking_deadline": "soon"})
     with pytest.raises(ValueError, match="reasoning_budgets"):
-        check_pool_settings("auto", {"extreme": 5}, 256)
+        check_settings("auto", {"extreme": 5}, 256)
     with pytest.raises(ValueError, match="reasoning_parser"):
-        check_pool_settings("deepseek", {}, 256)
+        check_settings("deepseek", {}, 256)
 
 
 def test_effort_budgets_and_their_overrides() -> None:

@@ -162,9 +162,8 @@ class PoolConfig:
     # past it the request fails with GrammarCompileTimeout and the worker stays warm.
     grammar_compile_timeout_s: float = 5.0
     generation_defaults: dict[str, Any] = field(default_factory=dict)
-    # Reasoning models (docs/reasoning.md): which parser reads thinking ("auto": from the
-    # chat template and vocabulary), the thinking tokens of low/medium/high effort
-    # (vLLM's 1024/2048/8192 where not given), the answer's reserve of max_tokens.
+    # Reasoning models (docs/reasoning.md): the parser ("auto": detected), the thinking
+    # tokens of low/medium/high effort (1024/2048/8192), the answer's reserve of max_tokens.
     reasoning_parser: str = "auto"
     reasoning_budgets: dict[str, int] = field(default_factory=dict)
     reasoning_answer_reserve: int = DEFAULT_ANSWER_RESERVE
@@ -232,9 +231,7 @@ class PoolConfig:
             )
         object.__setattr__(self, "generation_defaults", dict(self.generation_defaults))
         check_generation_params(self.generation_defaults, where="generation_defaults")
-        check_pool_settings(
-            self.reasoning_parser, self.reasoning_budgets, self.reasoning_answer_reserve
-        )
+        check_pool_settings(self)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> PoolConfig:

@@ -72,6 +72,17 @@ class ThinkingBound:
         return cls(budget, enabled, int(reserve), params.get(DEADLINE_PARAM))
 
 
+class PoolSettings(Protocol):
+    @property
+    def reasoning_parser(self) -> str: ...
+
+    @property
+    def reasoning_budgets(self) -> dict[str, int]: ...
+
+    @property
+    def reasoning_answer_reserve(self) -> int: ...
+
+
 def template_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """What a request's params pass to its chat template: ``enable_thinking`` when it
     said (Qwen3's and similar templates read it; others ignore it)."""
@@ -79,8 +90,15 @@ def template_params(params: Mapping[str, Any]) -> dict[str, Any]:
     return {} if enable is None else {ENABLE_PARAM: enable}
 
 
-def check_pool_settings(parser: object, budgets: object, reserve: object) -> None:
+def check_pool_settings(config: PoolSettings) -> None:
     """The pool's reasoning settings; raises ValueError naming the bad one."""
+    check_settings(
+        config.reasoning_parser, config.reasoning_budgets, config.reasoning_answer_reserve
+    )
+
+
+def check_settings(parser: object, budgets: object, reserve: object) -> None:
+    """``reasoning_parser``, ``reasoning_budgets``, ``reasoning_answer_reserve``."""
     if parser not in PARSER_NAMES:
         raise ValueError(f"reasoning_parser must be one of {PARSER_NAMES}, got {parser!r}")
     if not isinstance(budgets, Mapping) or not all(
@@ -92,17 +110,6 @@ def check_pool_settings(parser: object, budgets: object, reserve: object) -> Non
         )
     if not _is_budget(reserve):
         raise ValueError(f"reasoning_answer_reserve must be an integer >= 0, got {reserve!r}")
-
-
-class PoolSettings(Protocol):
-    @property
-    def reasoning_parser(self) -> str: ...
-
-    @property
-    def reasoning_budgets(self) -> dict[str, int]: ...
-
-    @property
-    def reasoning_answer_reserve(self) -> int: ...
 
 
 def pool_params(config: PoolSettings) -> dict[str, Any]:
@@ -240,7 +247,7 @@ def check_thinking_params(params: Mapping[str, Any], prefix: str = "") -> None:
         raise ControlError(f"{prefix}{DEADLINE_PARAM} must be a time.time() number", DEADLINE_PARAM)
     if PARSER_PARAM in params or BUDGETS_PARAM in params or RESERVE_PARAM in params:
         try:
-            check_pool_settings(
+            check_settings(
                 params.get(PARSER_PARAM, "auto"),
                 params.get(BUDGETS_PARAM, {}),
                 params.get(RESERVE_PARAM, DEFAULT_ANSWER_RESERVE),
