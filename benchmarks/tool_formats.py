@@ -96,7 +96,7 @@ def check_costs_ms(parser: str) -> tuple[float, float]:
     """Milliseconds of a tools request's checks before it runs (parse, schema checks and
     grammar validation: the same with any parser) and of the part this parser adds
     (binding it: the grammar rewritten in its syntax), medians of 20."""
-    from modelpool.server.openai.request import parse_chat
+    from modelpool.server.core.generation_body import parse_chat
 
     from modelpool.server.generation import bind_tool_syntax
     from modelpool.shared.config import PoolConfig

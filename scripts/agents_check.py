@@ -18,8 +18,13 @@ prompt past the embedded SmolLM2's 8192): each must show the context-length erro
 received in its own API's shape. Last, Claude Code against that small context with its
 own prompt left out (``--system-prompt``, ``--tools ""``): its prompt fits, and the
 ``max_tokens: 32000`` it asks of every model is cut to what the context leaves, so it
-must answer. Only loopback traffic: the agents' own telemetry and update checks are
-switched off.
+must answer. Then a thinking model (docs/reasoning.md): Codex against the testing
+backend's scripted thinker (``think:5:hi there``: its answer must be "hi there", the
+thinking read as a reasoning item) and Claude Code, its prompt left out, against a tiny
+random DeepSeek-R1-like model (``tinymodel.build_thinking_model``): every request it
+sends, streamed ``thinking`` blocks and all, must be answered (the random answer runs to
+the token maximum, which Claude Code reports as its own error). Only loopback traffic:
+the agents' own telemetry and update checks are switched off.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
@@ -82,10 +88,10 @@ def install(cache: Path) -> Path:
     return bin_dir
 
 
-def serve(workdir: Path, *args: str) -> Daemon:
+def serve(workdir: Path, *args: str, **pool: Any) -> Daemon:
     # Agents' bodies are large (a system prompt and a dozen tool schemas): 8 MiB.
     config = daemon_config(
-        workers=2,
+        **{"workers": 2, **pool},
         deadline_s=60.0,
         server={"max_body_bytes": 8 << 20, "max_request_tokens": 4 << 20},
     )
@@ -93,7 +99,7 @@ def serve(workdir: Path, *args: str) -> Daemon:
 
 
 def run_codex(
-    bin_dir: Path, daemon: Daemon, workdir: Path, timeout: float
+    bin_dir: Path, daemon: Daemon, workdir: Path, timeout: float, prompt: str = PROMPT
 ) -> subprocess.CompletedProcess[str]:
     home = workdir / "codex-home"
     home.mkdir(parents=True, exist_ok=True)
@@ -109,7 +115,7 @@ def run_codex(
     )
     env = {**os.environ, **QUIET_ENV, "CODEX_HOME": str(home)}
     return subprocess.run(
-        [str(bin_dir / "codex"), "exec", "--skip-git-repo-check", PROMPT],
+        [str(bin_dir / "codex"), "exec", "--skip-git-repo-check", prompt],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -125,7 +131,12 @@ TRIMMED = ("--system-prompt", "You are a helpful assistant.", "--tools", "")
 
 
 def run_claude(
-    bin_dir: Path, daemon: Daemon, workdir: Path, timeout: float, *extra: str
+    bin_dir: Path,
+    daemon: Daemon,
+    workdir: Path,
+    timeout: float,
+    *extra: str,
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     config_dir = workdir / "claude-config"
     config_dir.mkdir(parents=True, exist_ok=True)
@@ -136,6 +147,7 @@ def run_claude(
         "ANTHROPIC_API_KEY": "sk-local",
         "CLAUDE_CONFIG_DIR": str(config_dir),
         "HOME": str(workdir),
+        **(env_extra or {}),
     }
     return subprocess.run(
         [str(bin_dir / "claude"), "-p", PROMPT, "--model", MODEL, "--max-turns", "1", *extra],
@@ -218,8 +230,41 @@ def main() -> int:
             "max_tokens 32000 cut to what fits",
             [trimmed_turn],
         )
-    answered = [*turns, trimmed_turn]
-    return 0 if all(item.exit_status == 0 for item in answered) else 1
+        thinking = thinking_turns(bin_dir, work / "thinking", args.timeout)
+        report("a thinking model: the thinking apart from the answer", thinking)
+    codex_thought, claude_thought = thinking
+    # Codex shows the answer alone; Claude Code reads every streamed thinking block (its
+    # requests all answered: the random model's answer runs to the token maximum, which
+    # Claude Code reports as an error of its own).
+    thought = "hi there" in codex_thought.output and "w0" not in codex_thought.output
+    thought = thought and all(route.endswith(" 200") for route in claude_thought.routes)
+    answered = [*turns, trimmed_turn, codex_thought]
+    return 0 if thought and all(item.exit_status == 0 for item in answered) else 1
+
+
+def thinking_turns(bin_dir: Path, work: Path, timeout: float) -> list[Turn]:
+    """Codex on the scripted thinker, Claude Code (trimmed) on a tiny thinking model."""
+    daemon = serve(work / "testing")
+    try:
+        seen = len(daemon.log())
+        done = run_codex(bin_dir, daemon, work / "codex", timeout, "think:5:hi there")
+        turns = [turn("codex exec (scripted thinker)", daemon, done, seen)]
+    finally:
+        daemon.stop()
+    from modelpool.tinymodel import build_thinking_model
+
+    # A context that Claude Code's trimmed prompt fits, in the tiny tokenizer's tokens.
+    model = build_thinking_model(work / "tiny-deepseek", "deepseek_r1", context_length=16384)
+    daemon = serve(work / "tiny", model=str(model), backend="hf", workers=1)
+    try:
+        seen = len(daemon.log())
+        # A short answer: the random model's answer would otherwise run to its context.
+        short = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}
+        done = run_claude(bin_dir, daemon, work / "claude", timeout, *TRIMMED, env_extra=short)
+        turns.append(turn("claude -p (tiny DeepSeek-R1-like model)", daemon, done, seen))
+    finally:
+        daemon.stop()
+    return turns
 
 
 if __name__ == "__main__":

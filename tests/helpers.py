@@ -324,6 +324,9 @@ COUNTER_KEYS = {
     "retries", "respawns", "overloaded", "stalls", "cancel_escalations", "recycled",
     "startup_failures", "collateral_retries", "poison_requests", "withdrawn", "cuda_oom",
     "cuda_errors", "queue_full", "preemptions",
+    # A reasoning model's thinking closed by the worker (docs/reasoning.md).
+    "thinking_closed_budget", "thinking_closed_reserve", "thinking_closed_loop",
+    "thinking_closed_deadline",
 }  # fmt: skip
 GPU_KEYS = {
     "available", "reason", "devices", "releases", "blocked_devices", "blocked_held_mb",

@@ -194,3 +194,51 @@ def _build_model(
     model.generation_config.update(**ids)
     model.eval()
     return model
+
+
+ThinkingFamily = Literal["qwen3", "deepseek_r1"]
+
+# Qwen3's thinking variant (2507): the template opens thinking unless enable_thinking is
+# false, when it writes an empty one, closed.
+QWEN3_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+# DeepSeek-R1's distills: the template always opens thinking.
+DEEPSEEK_R1_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<|User|>{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}<|Assistant|>{{ message['content'] }}{{ eos_token }}"
+    "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|Assistant|><think>\n{% endif %}"
+)
+THINKING_TEMPLATES = {"qwen3": QWEN3_TEMPLATE, "deepseek_r1": DEEPSEEK_R1_TEMPLATE}
+
+
+def build_thinking_model(
+    path: str | Path, family: ThinkingFamily, *, context_length: int = 1024
+) -> Path:
+    """Build (once) a tiny reasoning model of ``family`` in ``path``: the tiny llama with
+    ``<think>`` and ``</think>`` added to its vocabulary (added, not special, as Qwen3's
+    and DeepSeek-R1's tokenizers have them, so they stay in the decoded text) and that
+    family's chat template. Random weights never close their own thinking: whatever ends
+    it is the worker's bound (docs/reasoning.md). ``context_length`` as
+    :func:`build_tiny_model`'s."""
+    target = Path(path)
+    if (target / _CONFIG_FILE).is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = build_tiny_model(target.parent / f"{target.name}-base", context_length=context_length)
+    tokenizer: Any = AutoTokenizer.from_pretrained(base)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = THINKING_TEMPLATES[family]
+    model: Any = AutoModelForCausalLM.from_pretrained(base)
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target

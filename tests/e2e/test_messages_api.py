@@ -249,7 +249,8 @@ def test_claude_code_fields_are_ignored(client: anthropic.Anthropic, daemon: Dae
     )
     assert message.content[0].type == "text" and message.content[0].text == "ok"
     log = daemon.log()
-    assert "accepted and ignored: metadata, model, thinking" in log
+    # thinking is a control now (test_reasoning): read, not ignored.
+    assert "accepted and ignored: metadata, model, tools[1]" in log
     assert "tools[1] (web_search_20250305)" in log
 
 

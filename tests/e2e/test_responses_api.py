@@ -220,7 +220,8 @@ def test_hosted_tools_are_ignored_not_refused(client: openai.OpenAI, daemon: Dae
     assert response.output_text == "fine"
     log = daemon.log()
     assert "tools[0] (web_search)" in log
-    assert "accepted and ignored: include, model, reasoning" in log
+    # reasoning is a control now (test_reasoning): read, not ignored.
+    assert "accepted and ignored: include, model" in log
 
 
 def test_deadline_mid_stream_is_response_failed(client: openai.OpenAI) -> None:

@@ -92,6 +92,8 @@ def test_every_field_of_a_generation_crosses_the_pipe_and_the_class_is_named_onc
         token_ids=[1, 2],
         stop_sequence="\n",
         pooled=PooledAnswer(vectors=[[0.5]], method="cosine"),
+        reasoning_tokens=5,
+        thinking_closed="budget",
     )
     assert {field.name for field in dataclasses.fields(Generation)} == {
         name for name, value in vars(generation).items() if value is not None

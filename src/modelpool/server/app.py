@@ -95,6 +95,7 @@ from modelpool.server.openai.api import ChatApi, CompletionsApi
 from modelpool.server.operations import install_operational_routes, observe_pools
 from modelpool.server.pooling_routes import install_pooling_routes
 from modelpool.server.priority_bound import ClampedHeader, PriorityBound
+from modelpool.server.reasoning import closed_header, split_result, splits, with_deadline
 from modelpool.server.responses.api import ResponsesApi
 from modelpool.server.responses.store import ResponseStore
 from modelpool.server.state import ServerState, check_not_draining, client_of, on_a_worker
@@ -343,6 +344,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     )
     job.params.update(admission.queue)
     bound_by_deadline(job, pool, deadline, budget)
+    with_deadline(job.params, pool.config.backend, time.time() + deadline)
     runs = job.choices()
     # Every run in its tenant's partition of the prefix cache, whatever the body said.
     cache_partition = partition(client.tenant, job.params.get("cache_salt"))
@@ -365,7 +367,8 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
                 choice.source = pool.astream(choice.prompt, deadline_s=left_s, **choice.params)
                 yield choice.source
 
-        choices = [StreamedChoice(index, prompt, params) for index, prompt, params in runs]
+        split = job.chat and splits(pool.config.reasoning_parser)
+        choices = [StreamedChoice(index, p, params, None, split) for index, p, params in runs]
         return EventStream(
             choices,
             api.writer(parsed, choices, served.name),
@@ -393,6 +396,8 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         ticket.close()
     if not finished or results is None:
         return ClientGone()
+    if job.chat and splits(pool.config.reasoning_parser):
+        results = [split_result(result) for result in results]
     by_index = {index: result for (index, _, _), result in zip(runs, results, strict=True)}
     note_results(request.scope.setdefault("state", {}), results)
     content = await off_loop_if(
@@ -406,7 +411,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     return Response(
         content,
         media_type="application/json",
-        headers={"X-Request-Id": results[0].request_id},
+        headers={"X-Request-Id": results[0].request_id, **closed_header(by_index)},
     )
 
 

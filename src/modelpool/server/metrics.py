@@ -100,6 +100,14 @@ def stats_families(stats: PoolStats) -> Iterator[Metric]:
     yield requests
 
     yield from _counters(counters, REQUEST_COUNTERS)
+    closed = CounterMetricFamily(
+        "modelpool_thinking_closed",
+        "Reasoning models' thinking closed by the worker, by reason (docs/reasoning.md).",
+        labels=["reason"],
+    )
+    for reason in ("budget", "reserve", "loop", "deadline"):
+        closed.add_metric([reason], counters.get(f"thinking_closed_{reason}", 0))
+    yield closed
 
     yield _gauge("modelpool_queue_depth", "Requests waiting for a worker.", stats.queue_depth)
     yield _gauge("modelpool_running_requests", "Requests running in workers.", stats.running)

@@ -35,8 +35,10 @@ from modelpool.server.http import (
     off_loop_if,
     run_unless_disconnected,
 )
+from modelpool.server.reasoning import split_result
 from modelpool.shared.errors import PoolError
 from modelpool.shared.protocol import Prompt, TokenCounts
+from modelpool.shared.reasoning.parsers import ReturnedTextParser
 
 if TYPE_CHECKING:
     from modelpool.supervisor.results import Result
@@ -69,14 +71,19 @@ class StreamedChoice:
     prompt: Prompt
     params: dict[str, Any]
     source: AsyncPoolStream | None = None
+    # A reasoning model's thinking split from its answer (modelpool.server.reasoning).
+    split_reasoning: bool = False
 
 
 @dataclass(frozen=True)
 class StreamedText:
-    """A chunk of one choice's text and its worker's token counts as of that chunk."""
+    """A chunk of one choice's text (its answer) and its worker's token counts as of that
+    chunk; ``reasoning``: the thinking the chunk held (a family that shows thinking sends
+    it, the others leave it out)."""
 
     text: str
     counts: TokenCounts | None
+    reasoning: str = ""
 
 
 class StreamWriter(Protocol):
@@ -283,15 +290,28 @@ async def _read_choice(
     """Start one choice's pool stream (when its turn comes), forward its text, then its
     result or its error, to ``events``: waits while ``events`` is full, that is while
     the client reads slower than the worker."""
+    parser = ReturnedTextParser() if choice.split_reasoning else None
     try:
         async with start(choice) as source:
             async for text in source:
-                await events.put((choice, StreamedText(text, source.token_counts)))
+                if parser is None:
+                    await events.put((choice, StreamedText(text, source.token_counts)))
+                    continue
+                parsed = parser.feed(text)
+                if parsed.reasoning or parsed.answer:
+                    item = StreamedText(parsed.answer, source.token_counts, parsed.reasoning)
+                    await events.put((choice, item))
             result = source.result
     except PoolError as exc:
         await events.put((choice, exc))
         return
     assert result is not None  # set once the stream has ended without an error
+    if parser is not None:
+        rest = parser.finish()
+        if rest.reasoning or rest.answer:
+            item = StreamedText(rest.answer, source.token_counts, rest.reasoning)
+            await events.put((choice, item))
+        result = split_result(result)
     await events.put((choice, result))
 
 

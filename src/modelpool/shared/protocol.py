@@ -86,7 +86,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Protocol, SupportsIndex
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 FinishReason = Literal["stop", "length", "cancelled"]
 Task = Literal["generate", "embed", "score"]
@@ -166,6 +166,10 @@ class Generation:
     stop_sequence: str | None = None
     # An embed or score request's answer (see EmbedRequest, ScoreRequest).
     pooled: PooledAnswer | None = None
+    # A reasoning model's thinking tokens (None: not one), and why the worker closed its
+    # thinking, when it did ("budget", "reserve", "loop", "deadline"; see docs/reasoning.md).
+    reasoning_tokens: int | None = None
+    thinking_closed: str | None = None
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
         # Pickled as its fields in order, a constructor call: every answer carries one,

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from modelpool.shared.errors import InvalidRequest
 from modelpool.shared.prefixes import CACHE_SALT_PARAM, MAX_CACHE_SALT_CHARS
 from modelpool.shared.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
+from modelpool.shared.reasoning.controls import check_thinking_params
 
 # The widest integer any backend is asked to take (a C int64: torch, numpy, CUDA); a
 # larger one would fail inside a worker, or with OverflowError, instead of here.
@@ -76,6 +77,7 @@ def check_generation_params(params: Mapping[str, Any], *, where: str = "") -> No
         raise InvalidRequest(
             f"{prefix}{FIT_PARAM} must be true or false, got {params[FIT_PARAM]!r}"
         )
+    check_thinking_params(params, prefix)
     salt = params.get(CACHE_SALT_PARAM)
     if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS):
         raise InvalidRequest(

@@ -136,6 +136,8 @@ class Request:
             stop_sequence=generation.stop_sequence,
             pooled=generation.pooled,
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.submitted_at,
+            reasoning_tokens=generation.reasoning_tokens,
+            thinking_closed=generation.thinking_closed,
         )
 
 

@@ -23,6 +23,7 @@ from modelpool.shared.protocol import Generation
 from modelpool.supervisor.observe import Observers, RequestStatus
 from modelpool.supervisor.records import Request, TimerHeap, request_record
 from modelpool.supervisor.results import set_future
+from modelpool.supervisor.stats import PoolStats
 
 
 class Resolution:
@@ -63,7 +64,7 @@ class Resolution:
     def succeed(self, request: Request, generation: Generation, worker_pid: int | None) -> None:
         if not self._finish(request):
             return
-        self.counters["completed"] += 1
+        PoolStats.count_completed(self.counters, generation.thinking_closed)
         result = request.result(generation, worker_pid, self.clock())
         self.latencies.append(result.latency_s)
         # Observed first: a caller that has its answer finds it in the metrics.

@@ -43,6 +43,13 @@ class Result:
     # Seconds from submission to the first text a worker sent (None: it sent none): with
     # queue_s and latency_s, how long the prompt and the generation took.
     ttft_s: float | None = None
+    # A reasoning model's thinking tokens (None: not one), and why the worker closed its
+    # thinking when it did: "budget", "reserve", "loop" or "deadline" (docs/reasoning.md).
+    reasoning_tokens: int | None = None
+    thinking_closed: str | None = None
+    # The thinking, apart from ``text`` (the answer), once the daemon split them
+    # (modelpool.server.reasoning); None: not split, or no thinking.
+    reasoning: str | None = None
 
 
 class PoolFuture(concurrent.futures.Future[Result]):

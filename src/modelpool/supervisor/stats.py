@@ -37,6 +37,11 @@ COUNTER_NAMES = (
     "cuda_errors",
     "queue_full",
     "preemptions",
+    # A reasoning model's thinking the worker closed, by why (docs/reasoning.md).
+    "thinking_closed_budget",
+    "thinking_closed_reserve",
+    "thinking_closed_loop",
+    "thinking_closed_deadline",
 )
 
 
@@ -144,6 +149,15 @@ class PoolStats:
     def batch_occupancy(self) -> float:
         """Requests running in workers over the serving capacity (workers x batch slots)."""
         return self.running / self.capacity if self.capacity else 0.0
+
+    @staticmethod
+    def count_completed(counters: dict[str, int], closed: str | None) -> None:
+        """A request completed (the dispatcher's ``counters``); ``closed``: why the worker
+        closed its thinking, if it did."""
+        counters["completed"] += 1
+        if closed is not None:
+            key = f"thinking_closed_{closed}"
+            counters[key] = counters.get(key, 0) + 1
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict: the keys docs/observability.md's Stats section lists."""

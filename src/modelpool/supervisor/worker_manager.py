@@ -43,6 +43,7 @@ from typing import Any, Protocol
 from modelpool.shared.config import PoolConfig
 from modelpool.shared.errors import ModelLoadFailed
 from modelpool.shared.protocol import PROTOCOL_VERSION, TASKS, PrefixCacheReport, Task, WorkerSpec
+from modelpool.shared.reasoning.controls import pool_params
 from modelpool.supervisor.devices import group_devices
 from modelpool.supervisor.observe import Observers, WorkerEvent
 from modelpool.supervisor.records import DispatcherIO, TimerHeap, Worker, describe_exit
@@ -150,7 +151,7 @@ class WorkerManager:
             device=device,
             sys_path=list(sys.path),
             log_level=logging.getLogger("modelpool").getEffectiveLevel(),
-            generation_defaults=self.config.generation_defaults,
+            generation_defaults={**pool_params(self.config), **self.config.generation_defaults},
             max_batch_size=self.config.max_batch_size,
             poll_s=self.config.worker_poll_s,
         )

@@ -15,12 +15,12 @@ from typing import Any
 from modelpool.shared.pooling_answers import batches_pooling, checked_answer
 from modelpool.shared.processes import process_rss_bytes
 from modelpool.shared.protocol import BatchedHandler, ControlBlock, Finished, RowsLost
+from modelpool.worker.answers import normalise
 from modelpool.worker.calls import (
     PoolingCall,
     PrefixCacheReporter,
     WorkerCall,
     describe_failure,
-    normalise,
     read_attempt,
     send_failure,
 )

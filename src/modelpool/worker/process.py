@@ -52,9 +52,10 @@ from modelpool.shared.protocol import (
     WorkerSpec,
 )
 from modelpool.worker import cuda_faults
+from modelpool.worker.answers import normalise
 from modelpool.worker.backends import import_backend
 from modelpool.worker.batch_loop import BatchLoop, is_batched
-from modelpool.worker.calls import PrefixCacheReporter, normalise, read_attempt, send_failure
+from modelpool.worker.calls import PrefixCacheReporter, read_attempt, send_failure
 from modelpool.worker.channel import Channel
 
 logger = logging.getLogger(__name__)

@@ -31,6 +31,8 @@ from modelpool.server.core.fields import check_ignored_fields
 from modelpool.server.core.generation_body import parse_chat
 from modelpool.server.core.job import Job
 from modelpool.server.http import ApiError, invalid
+from modelpool.server.reasoning import apply_controls
+from modelpool.shared.reasoning.controls import messages_controls
 from modelpool.shared.validation import is_int
 
 logger = logging.getLogger(__name__)
@@ -86,8 +88,8 @@ _TOOL_KEYS = frozenset(
         "eager_input_streaming",
     }
 )
-# Blocks an assistant turn may carry that the model does not read back (it writes its
-# reasoning, if any, in its text): left out.
+# Blocks an assistant turn may carry that the model does not read back (earlier turns'
+# thinking, as chat templates leave it out too): left out, never rendered as answer text.
 _DROPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
@@ -163,7 +165,8 @@ def parse_messages(body: Mapping[str, Any], *, count: bool = False) -> MessagesR
         job = parse_chat(chat)
     except ApiError as exc:
         raise renamed(exc, sources, tool_sources, _CHAT_FIELDS, ".input_schema") from None
-    ignored = sorted(IGNORED_MESSAGES_FIELDS & body.keys())
+    apply_controls(job.params, messages_controls, body.get("thinking"))
+    ignored = sorted((IGNORED_MESSAGES_FIELDS - {"thinking"}) & body.keys())
     ignored += [f"tools[{index}] (type {kind!r})" for index, kind in dropped]
     ignored += [line.partition(" ")[0] + " (schema)" for line in unconstrainable]
     if _has_cache_control(body):

@@ -45,6 +45,7 @@ class MessageEvents:
         self._id = ""
         self.content: list[dict[str, Any]] = []
         self._open_text: dict[str, Any] | None = None
+        self._open_thinking: dict[str, Any] | None = None
         self._input_tokens = 0
 
     def opening(self, request_id: str) -> list[bytes]:
@@ -59,13 +60,18 @@ class MessageEvents:
     def text(self, choice: StreamedChoice, item: StreamedText) -> list[bytes]:
         if item.counts is not None:
             self._input_tokens = item.counts.prompt_tokens
-        return self._write(self._reader.feed(item.text) if self._reader else [item.text])
+        thinking = self._thinking(item.reasoning) if item.reasoning else []
+        if not item.text:
+            return thinking
+        thinking += self._close_thinking()
+        return thinking + self._write(self._reader.feed(item.text) if self._reader else [item.text])
 
     def heavy(self, result: Result) -> bool:
         return False
 
     def finished(self, choice: StreamedChoice, result: Result) -> list[bytes]:
-        events = self._write(self._reader.finish() if self._reader else [])
+        events = self._close_thinking()
+        events += self._write(self._reader.finish() if self._reader else [])
         events += self._close_text()
         return events
 
@@ -93,6 +99,9 @@ class MessageEvents:
 
     def whole(self, result: Result) -> dict[str, Any]:
         self._id = f"msg_{result.request_id}"
+        if result.reasoning:
+            self._thinking(result.reasoning)
+            self._close_thinking()
         self._write(self._reader.feed(result.text) if self._reader else [result.text])
         self.finished(StreamedChoice(0, "", {}), result)
         return self._message(self._stop_reason(result), result)
@@ -157,6 +166,36 @@ class MessageEvents:
             )
         )
         return out
+
+    def _thinking(self, thinking: str) -> list[bytes]:
+        """A thinking block's text (opened at its first), streamed as ``thinking_delta``."""
+        out = []
+        if self._open_thinking is None:
+            self._open_thinking = {"type": "thinking", "thinking": "", "signature": ""}
+            self.content.append(self._open_thinking)
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+            out.append(
+                _event("content_block_start", index=len(self.content) - 1, content_block=block)
+            )
+        self._open_thinking["thinking"] += thinking
+        delta = {"type": "thinking_delta", "thinking": thinking}
+        out.append(_event("content_block_delta", index=len(self.content) - 1, delta=delta))
+        return out
+
+    def _close_thinking(self) -> list[bytes]:
+        if self._open_thinking is None:
+            return []
+        index = self.content.index(self._open_thinking)
+        self._open_thinking = None
+        # No signature: this thinking is the model's own text, sent back as it is.
+        return [
+            _event(
+                "content_block_delta",
+                index=index,
+                delta={"type": "signature_delta", "signature": ""},
+            ),
+            _event("content_block_stop", index=index),
+        ]
 
     def _close_text(self) -> list[bytes]:
         if self._open_text is None:

@@ -35,6 +35,7 @@ from modelpool.server.core.job import MAX_CHOICES, Job
 from modelpool.server.http import ApiError, invalid
 from modelpool.shared.errors import GrammarError, SchemaTooComplex
 from modelpool.shared.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
+from modelpool.shared.reasoning.controls import ControlError, chat_controls
 from modelpool.shared.structured import GUIDED_FIELDS, grammar_for_body
 from modelpool.shared.tools import (
     ToolPlan,
@@ -99,6 +100,9 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "prediction",
     "reasoning_effort",
     "web_search_options",
+    # Reasoning models (modelpool.shared.reasoning.controls): vLLM's.
+    "thinking_token_budget",
+    "chat_template_kwargs",
 }
 # Chat roles; "developer" is OpenAI's newer name for "system" and is passed on as such;
 # "tool" (and the legacy "function") carry a tool's result (see modelpool.shared.tools).
@@ -418,7 +422,7 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
     unsupported_unless(
         modalities is None or modalities == ["text"], "modalities", "only text output is supported"
     )
-    for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
+    for name in ("audio", "prediction", "web_search_options"):
         unsupported_unless(body.get(name) is None, name, "not supported by this server")
     wants_logprobs = bool(opt_bool(body, "logprobs"))
     top_logprobs = opt_int(body, "top_logprobs", 0)
@@ -441,6 +445,10 @@ def parse_chat(body: Mapping[str, Any]) -> Job:
     params = _common_params(body, max_completion if max_tokens is None else max_tokens)
     if logprobs is not None:
         params["logprobs"] = logprobs
+    try:
+        params.update(chat_controls(body))
+    except ControlError as exc:
+        raise invalid(str(exc), param=exc.param) from None
     if plan is not None and plan.choice != "none":
         if "grammar" in params:
             raise invalid(

@@ -94,7 +94,13 @@ class OllamaLines:
         return []
 
     def text(self, choice: StreamedChoice, item: StreamedText) -> list[bytes]:
-        return self._write(self._reader.feed(item.text) if self._reader else [item.text])
+        thinking = []
+        if item.reasoning and self._kind == "chat":
+            line = _line(self._kind, self._model)
+            line["message"]["thinking"] = item.reasoning
+            line["done"] = False
+            thinking.append(_encode(line))
+        return thinking + self._write(self._reader.feed(item.text) if self._reader else [item.text])
 
     def heavy(self, result: Result) -> bool:
         return False
@@ -120,6 +126,8 @@ class OllamaLines:
             answer["message"]["content"] = content or ""
             if calls:
                 answer["message"]["tool_calls"] = [_ollama_call(call) for call in calls]
+        if result.reasoning is not None and self._kind == "chat":
+            answer["message"]["thinking"] = result.reasoning
         return json_bytes(self._last(result, answer))
 
     def _last(self, result: Result, line: dict[str, Any]) -> dict[str, Any]:

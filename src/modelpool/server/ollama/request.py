@@ -32,6 +32,8 @@ from modelpool.server.agent_tools import renamed
 from modelpool.server.core.generation_body import parse_chat, parse_completion
 from modelpool.server.core.job import Job
 from modelpool.server.http import ApiError, invalid
+from modelpool.server.reasoning import apply_controls
+from modelpool.shared.reasoning.controls import ollama_controls
 from modelpool.shared.validation import is_int, is_number
 
 logger = logging.getLogger(__name__)
@@ -129,7 +131,6 @@ def parse_chat_body(body: Mapping[str, Any]) -> OllamaRequest:
     """``POST /api/chat`` (see the module docstring)."""
     _check_fields(body, CHAT_FIELDS)
     model = _model(body)
-    _check_think(body, model)
     messages = body.get("messages")
     if messages is None or messages == []:
         return _load_only("chat", model, body)
@@ -150,6 +151,7 @@ def parse_chat_body(body: Mapping[str, Any]) -> OllamaRequest:
         job = parse_chat(chat)
     except ApiError as exc:
         raise renamed(exc, sources, list(range(len(tools or []))), _CHAT_NAMES) from None
+    apply_controls(job.params, ollama_controls, body.get("think"))
     return _request(job, "chat", model, body, num_ctx, repeat_penalty, ignored)
 
 

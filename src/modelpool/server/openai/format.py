@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelpool.server.core.job import Job
 from modelpool.server.http import JSON_SLICE_ITEMS, EncodedArray, compact_json
+from modelpool.server.reasoning import chat_reasoning
 from modelpool.shared.logprob_columns import TokenLogprobs
 from modelpool.shared.protocol import Prompt, TokenLogprob
 from modelpool.shared.tools import answer_message
@@ -192,14 +193,14 @@ def response_body(job: Job, results: dict[int, Result], model: str, created: int
             finish_reason: str | None = result.finish_reason
             if job.tools is not None:
                 message, finish_reason = answer_message(job.tools, result.text, finish_reason)
-            choices.append(
-                {
-                    "index": index,
-                    "message": message,
-                    "finish_reason": finish_reason,
-                    "logprobs": logprobs,
-                }
-            )
+            chat_choice = {
+                "index": index,
+                "message": message,
+                "finish_reason": finish_reason,
+                "logprobs": logprobs,
+            }
+            chat_reasoning(message, chat_choice, result)
+            choices.append(chat_choice)
         else:
             text = result.text
             if job.echo:
@@ -212,11 +213,15 @@ def response_body(job: Job, results: dict[int, Result], model: str, created: int
                     "logprobs": logprobs,
                 }
             )
+    usage_body = total_usage(job, results)
+    thought = [r.reasoning_tokens for r in results.values() if r.reasoning_tokens is not None]
+    if job.chat and thought:
+        usage_body["completion_tokens_details"] = {"reasoning_tokens": sum(thought)}
     return {
         "id": f"{'chatcmpl' if job.chat else 'cmpl'}-{first.request_id}",
         "object": "chat.completion" if job.chat else "text_completion",
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": total_usage(job, results),
+        "usage": usage_body,
     }

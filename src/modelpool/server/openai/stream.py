@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from modelpool.server.core.job import Job
 from modelpool.server.http import ApiError, json_bytes
 from modelpool.server.openai.format import choice_logprobs, total_usage, usage
+from modelpool.server.reasoning import reasoning_delta
 from modelpool.server.streaming import (
     ENCODE_OFF_LOOP_TOKENS,
     SSE_CONTENT_TYPE,
@@ -68,14 +69,18 @@ class ChatChunks:
         return events
 
     def text(self, choice: StreamedChoice, item: StreamedText) -> list[bytes]:
+        thinking = []
+        if item.reasoning and self._chat:
+            delta = reasoning_delta(item.reasoning)
+            thinking.append(sse(self._chunk(choice.index, None, None, tool_delta=delta)))
         reader = self._call_readers.get(choice.index)
         if reader is not None:
-            return self._tool_events(choice, reader.feed(item.text))
+            return thinking + self._tool_events(choice, reader.feed(item.text))
         if not item.text:
-            return []
+            return thinking
         chunk = self._chunk(choice.index, item.text, None)
         self._add_usage(chunk, item.counts)
-        return [sse(chunk)]
+        return [*thinking, sse(chunk)]
 
     def heavy(self, result: Result) -> bool:
         return self._job.logprobs is not None and answer_tokens(result) > ENCODE_OFF_LOOP_TOKENS
@@ -95,6 +100,8 @@ class ChatChunks:
             choice.index, None if self._chat else "", finish_reason, logprobs=logprobs
         )
         self._add_usage(final, None, result)
+        if result.thinking_closed is not None:
+            final["choices"][0]["thinking_closed"] = result.thinking_closed
         events.append(b"data: " + json_bytes(final) + b"\n\n")
         return events
 

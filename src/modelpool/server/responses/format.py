@@ -69,7 +69,7 @@ def usage(result: Result) -> dict[str, Any]:
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": result.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": result.reasoning_tokens or 0},
         "total_tokens": prompt + completion,
     }
 

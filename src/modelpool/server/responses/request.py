@@ -32,7 +32,9 @@ from modelpool.server.core.fields import check_ignored_fields
 from modelpool.server.core.generation_body import parse_chat
 from modelpool.server.core.job import Job
 from modelpool.server.http import ApiError, invalid
+from modelpool.server.reasoning import apply_controls
 from modelpool.server.responses.store import ResponseStore
+from modelpool.shared.reasoning.controls import responses_controls
 
 logger = logging.getLogger(__name__)
 
@@ -184,8 +186,9 @@ def parse_responses(
         job = parse_chat(chat)
     except ApiError as exc:
         raise renamed(exc, sources, tool_sources, _CHAT_FIELDS) from None
+    apply_controls(job.params, responses_controls, body.get("reasoning"))
     stored = body.get("store")
-    ignored = sorted(IGNORED_RESPONSES_FIELDS & body.keys())
+    ignored = sorted((IGNORED_RESPONSES_FIELDS - {"reasoning"}) & body.keys())
     ignored += [f"tools[{index}] (type {kind!r})" for index, kind in dropped]
     ignored += [line.partition(" ")[0] + " (schema)" for line in unconstrainable]
     if ignored:

@@ -53,6 +53,8 @@ class ResponseEvents:
         self.output: list[dict[str, Any]] = []
         self._message: dict[str, Any] | None = None
         self._text: list[str] = []
+        self._reasoning: dict[str, Any] | None = None
+        self._reasoning_text: list[str] = []
         self.response: dict[str, Any] | None = None
 
     # The stream writer's steps.
@@ -65,13 +67,18 @@ class ResponseEvents:
         ]
 
     def text(self, choice: StreamedChoice, item: StreamedText) -> list[bytes]:
-        return self._write(self._reader.feed(item.text) if self._reader else [item.text])
+        out = self._think(item.reasoning) if item.reasoning else []
+        if not item.text:
+            return out
+        out += self._close_reasoning()
+        return out + self._write(self._reader.feed(item.text) if self._reader else [item.text])
 
     def heavy(self, result: Result) -> bool:
         return False  # no logprobs here: the answer is its text
 
     def finished(self, choice: StreamedChoice, result: Result) -> list[bytes]:
-        events = self._write(self._reader.finish() if self._reader else [])
+        events = self._close_reasoning()
+        events += self._write(self._reader.finish() if self._reader else [])
         status: Status = "incomplete" if result.finish_reason == "length" else "completed"
         events += self._close_message(status)
         self.response = response_object(
@@ -101,6 +108,8 @@ class ResponseEvents:
     # The answer whole, and what is stored of it.
 
     def whole(self, result: Result) -> dict[str, Any]:
+        if result.reasoning:
+            self._think(result.reasoning)
         self._write(self._reader.feed(result.text) if self._reader else [result.text])
         self.finished(StreamedChoice(0, "", {}), result)
         assert self.response is not None
@@ -166,6 +175,49 @@ class ResponseEvents:
             )
         )
         return out
+
+    def _think(self, text: str) -> list[bytes]:
+        """A ``reasoning`` item (opened at its first text), before the message."""
+        out = []
+        if self._reasoning is None:
+            self._reasoning = {
+                "id": f"rs_{uuid.uuid4().hex}",
+                "type": "reasoning",
+                "status": "in_progress",
+                "summary": [],
+                "content": [],
+            }
+            self.output.append(self._reasoning)
+            out.append(self._item_event("response.output_item.added", self._reasoning))
+        self._reasoning_text.append(text)
+        out.append(
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=self._reasoning["id"],
+                output_index=len(self.output) - 1,
+                content_index=0,
+                delta=text,
+            )
+        )
+        return out
+
+    def _close_reasoning(self) -> list[bytes]:
+        item = self._reasoning
+        if item is None:
+            return []
+        text = "".join(self._reasoning_text)
+        self._reasoning, self._reasoning_text = None, []
+        item["content"] = [{"type": "reasoning_text", "text": text}]
+        item["status"] = "completed"
+        index = self.output.index(item)
+        done = self._event(
+            "response.reasoning_text.done",
+            item_id=item["id"],
+            output_index=index,
+            content_index=0,
+            text=text,
+        )
+        return [done, self._item_event("response.output_item.done", item, index)]
 
     def _close_message(self, status: str) -> list[bytes]:
         message = self._message

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from modelpool.shared.config.devices import DeviceEntry, check_device_groups, check_devices
+from modelpool.shared.reasoning.controls import DEFAULT_ANSWER_RESERVE, check_pool_settings
 from modelpool.shared.tool_formats.detect import check_tool_parser
 from modelpool.shared.validation import check_generation_params, is_number
 
@@ -151,6 +152,11 @@ class PoolConfig:
     grammar_compile_timeout_s: float = 5.0
     tool_parser: str = "auto"  # the call syntax, docs/tool-formats.md
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    # Reasoning models (docs/reasoning.md): the parser ("auto": detected), the thinking
+    # tokens of low/medium/high effort (1024/2048/8192), the answer's reserve of max_tokens.
+    reasoning_parser: str = "auto"
+    reasoning_budgets: dict[str, int] = field(default_factory=dict)
+    reasoning_answer_reserve: int = DEFAULT_ANSWER_RESERVE
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -216,6 +222,7 @@ class PoolConfig:
             )
         object.__setattr__(self, "generation_defaults", dict(self.generation_defaults))
         check_generation_params(self.generation_defaults, where="generation_defaults")
+        check_pool_settings(self)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> PoolConfig:

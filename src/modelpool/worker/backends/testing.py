@@ -52,6 +52,8 @@ Commands (``name[:arg[:arg]]``; anything else is echoed back):
                        device still usable (a CUDA error that is not sticky)
 ``device_memory``      returns the simulated allocated bytes and cache releases,
                        "ALLOCATED/RELEASES"
+``think:N:ANSWER``     a reasoning model: N thinking tokens (``loop``: endless),
+                       then ANSWER (see ``testing_thinking``)
 ``detach:SECONDS``     starts a child in a session of its own (outside the worker's
                        process group, so a kill of the group misses it) that sleeps
                        SECONDS (default 60) and returns its pid
@@ -165,13 +167,14 @@ from modelpool.shared.protocol import (
     TokenIds,
     note_prompt,
 )
+from modelpool.shared.reasoning.controls import THINKING_PARAMS
 from modelpool.shared.validation import (
     FIT_PARAM,
     PRIORITY_PARAM,
     PROMOTED_AT_PARAM,
     check_generation_params,
 )
-from modelpool.worker.backends import testing_embeddings
+from modelpool.worker.backends import testing_embeddings, testing_thinking
 from modelpool.worker.backends.common.params import DEFAULT_MAX_NEW_TOKENS, requested_new_tokens
 from modelpool.worker.backends.common.text import first_stop, stop_strings
 
@@ -199,6 +202,7 @@ ACCEPTED_PARAMS = frozenset(
         PROMOTED_AT_PARAM,
         CACHE_SALT_PARAM,
         FIT_PARAM,
+        *THINKING_PARAMS,
     }
 )
 TOKEN_LOGPROB = -0.25
@@ -515,6 +519,8 @@ class FaultBackend:
             return self._device_command(command, argument)
         if command == "tokens":
             return _emit_tokens(call, argument, limit, prompt_tokens)
+        if command in testing_thinking.COMMANDS:
+            return testing_thinking.think(call, command, argument, limit)
         if command == "hang":
             if argument != "term":
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -17,6 +17,7 @@ from modelpool.shared.errors import InvalidRequest
 from modelpool.shared.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, check_grammar_params
 from modelpool.shared.prefixes import CACHE_SALT_PARAM
 from modelpool.shared.protocol import Call
+from modelpool.shared.reasoning.controls import THINKING_PARAMS
 from modelpool.shared.tools import check_template_tools
 from modelpool.shared.validation import (
     FIT_PARAM,
@@ -62,6 +63,7 @@ GENERATION_PARAMS = frozenset(
         PROMOTED_AT_PARAM,
         CACHE_SALT_PARAM,
         FIT_PARAM,
+        *THINKING_PARAMS,
     }
 )
 

@@ -71,6 +71,12 @@ from modelpool.shared.protocol import (
 from modelpool.shared.validation import PRIORITY_PARAM, PROMOTED_AT_PARAM
 from modelpool.worker.backends.common.sampling import Sampling
 from modelpool.worker.backends.common.text import TextProgress
+from modelpool.worker.backends.common.thinking import (
+    ThinkingModels,
+    ThinkingTracker,
+    is_chat,
+    thinking_for,
+)
 
 State = TypeVar("State")
 
@@ -104,6 +110,7 @@ class Row(Generic[State]):
     cached_tokens: int = 0  # of those, taken from the prefix cache
     pending_grammar: PendingGrammar[Any] | None = None  # its grammar, while it compiles
     grammar: RowGrammar | None = None  # its grammar state, once compiled
+    thinking: ThinkingTracker[int] | None = None  # a reasoning model's thinking, bounded
 
     @property
     def generated(self) -> int:
@@ -114,8 +121,9 @@ class Row(Generic[State]):
         return max(0, self.max_new_tokens - self.generated)
 
     def result(self, finish_reason: FinishReason) -> Generation:
+        thinking = self.thinking
         return Generation(
-            self.progress.text,
+            self.progress.lead + self.progress.text,
             finish_reason,
             len(self.prompt_ids),
             self.generated,
@@ -123,6 +131,8 @@ class Row(Generic[State]):
             self.prompt_logprobs,
             cached_tokens=self.cached_tokens,
             stop_sequence=self.progress.stop_sequence if finish_reason == "stop" else None,
+            reasoning_tokens=None if thinking is None else thinking.tokens,
+            thinking_closed=None if thinking is None else thinking.closed_by,
         )
 
 
@@ -290,11 +300,18 @@ class Scheduler(Generic[State]):
         self.prefilling: list[Row[State]] = []
         self.rows: list[Row[State]] = []
         self._finished: list[Finished] = []
+        # A reasoning model's thinking, per parser (set by a handler that reads it).
+        self.thinking_models: ThinkingModels | None = None
 
     # ---- the BatchedHandler surface ------------------------------------------------------
 
     def admit(self, call: BatchCall) -> None:
         row = self.runner.row(call)
+        if is_chat(call.prompt):
+            # A chat's answer may think; a raw prompt's continuation is the caller's text.
+            row.thinking = thinking_for(
+                self.thinking_models, row.prompt_ids, call.params, row.max_new_tokens, row.progress
+            )
         if call.params.get(GRAMMAR_PARAM) is None:
             self._wait(row)
             return
@@ -307,6 +324,9 @@ class Scheduler(Generic[State]):
         if self.compiling:
             ready, failed = settle_compiled(self.compiling, self.runner.grammars().row)
             for row in ready:
+                if row.thinking is not None and row.thinking.thinking:
+                    # The grammar constrains the answer: it starts after the thinking.
+                    row.thinking.held_grammar, row.grammar = row.grammar, None
                 self._wait(row)
             finished.extend((row.call, error) for row, error in failed)
         self._start_prefills()
@@ -362,7 +382,12 @@ class Scheduler(Generic[State]):
         progress.on_token()
         if progress.error is not None:
             raise progress.error
-        grammar_complete = row.grammar is not None and row.grammar.take(token_id)
+        grammar = row.grammar
+        thinking = row.thinking
+        if thinking is not None and thinking.take(token_id) and thinking.held_grammar is not None:
+            # Thinking ended with this token: the grammar reads the answer from the next.
+            row.grammar, thinking.held_grammar = thinking.held_grammar, None
+        grammar_complete = grammar is not None and grammar.take(token_id)
         ended = not row.sampling.ignore_eos and token_id in self.runner.end_ids
         if progress.stopped or ended or grammar_complete:
             reason: FinishReason = "stop"

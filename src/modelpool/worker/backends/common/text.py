@@ -58,6 +58,10 @@ class TextProgress:
         # Everything emitted so far. It is the returned text, so that the text
         # always equals the chunks joined.
         self.text = ""
+        # Written ahead of the first chunk, not decoded: a reasoning model's thinking
+        # opened by the template (common.thinking). The answer's text is lead + text.
+        self.lead = ""
+        self._lead_sent = False
         self.cancelled = False
         self.stopped = False
         # The stop string that ended the text (Anthropic's answer names it).
@@ -128,6 +132,9 @@ class TextProgress:
             return
         chunk = self._decoded[len(self.text) : end]
         self.text += chunk
+        if self.lead and not self._lead_sent:
+            chunk = self.lead + chunk
+            self._lead_sent = True
         try:
             self._call.emit(chunk)
         except Exception as exc:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from modelpool.shared.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, RowGrammar
 from modelpool.shared.prefixes import CACHE_SALT_PARAM, partition_of
 from modelpool.shared.protocol import Call, FinishReason, Generation, TokenLogprob, note_prompt
+from modelpool.shared.reasoning.controls import THINKING_PARAMS, template_params
 from modelpool.shared.validation import FIT_PARAM, PRIORITY_PARAM, PROMOTED_AT_PARAM
 from modelpool.worker.backends.common.params import DEFAULT_MAX_NEW_TOKENS
 from modelpool.worker.backends.common.penalties import PENALTY_PARAMS, Penalties
@@ -107,10 +108,17 @@ def generate(handler: GeneratingModel, call: Call) -> Generation:
     partition = partition_of(params)
     params.pop(CACHE_SALT_PARAM, None)
     ignore_eos = params.pop("ignore_eos", False)
+    # Thinking is bounded on the scheduler's path (handler.generate sends a reasoning
+    # model's requests there): here, only the template reads enable_thinking.
+    template_kwargs = template_params(params)
+    for name in THINKING_PARAMS:
+        params.pop(name, None)
     if ignore_eos:
         # No end-of-sequence id: generate() stops at max_new_tokens or a stop string.
         params["eos_token_id"] = None
-    input_ids = handler.encode(call.prompt, params.pop("tools", None))
+    input_ids = handler.encode(
+        call.prompt, params.pop("tools", None), template_kwargs=template_kwargs
+    )
     prompt_tokens = int(input_ids.shape[1])
     params["max_new_tokens"] = handler.fit_new_tokens(call, params, prompt_tokens)
     params.pop(FIT_PARAM, None)  # read by the fit above; generate() takes no such kwarg

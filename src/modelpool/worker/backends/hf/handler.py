@@ -58,6 +58,7 @@ from modelpool.shared.protocol import (
     TokenIds,
     TokenLogprob,
 )
+from modelpool.shared.reasoning.controls import PARSER_PARAM
 from modelpool.shared.tools import render_chat
 from modelpool.worker.backends.common.chat_text import (
     NO_SPECIALS,
@@ -77,7 +78,9 @@ from modelpool.worker.backends.common.scheduler import (
     ScheduledHandler,
     Scheduler,
     WarmUpCall,
+    run_alone,
 )
+from modelpool.worker.backends.common.thinking import ThinkingModels, is_chat
 from modelpool.worker.backends.hf.generation import generate
 from modelpool.worker.backends.hf.grammars import LLGuidanceGrammars
 from modelpool.worker.backends.hf.options import (
@@ -307,6 +310,11 @@ class HFHandler(ScheduledHandler):
         self.scheduler: Scheduler[HFRow] = Scheduler(
             self.runner, kv_cache_tokens, prefill_chunk_tokens
         )
+        self.thinking = self.scheduler.thinking_models = ThinkingModels(
+            tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None,
+            tokenizer.get_vocab(),
+            lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+        )
         # The batched loop keeps one full-length cache per layer: a model with sliding-window
         # layers would need their masks and crops, so it runs one request at a time.
         config = model.config
@@ -376,7 +384,11 @@ class HFHandler(ScheduledHandler):
 
     def generate(self, call: Call) -> Generation:
         """Answer one request alone (``generation``; the module docstring says what the
-        parameters mean)."""
+        parameters mean). A reasoning model's runs through the scheduler, whose bound on
+        thinking generate() does not have (``common.thinking``)."""
+        parser = call.params.get(PARSER_PARAM, "auto")
+        if self.batched and is_chat(call.prompt) and self.thinking.get(parser):
+            return run_alone(self.scheduler, call)
         return generate(self, call)
 
     def token_logprobs(self, logits: torch.Tensor, ids: list[int], top: int) -> list[TokenLogprob]:
@@ -432,6 +444,7 @@ class HFHandler(ScheduledHandler):
         prompt: Prompt,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> torch.Tensor:
         """The prompt's token ids; a chat prompt offers ``tools`` (OpenAI's shape) to the
         model (see ``modelpool.shared.tools.render_chat``)."""
@@ -458,7 +471,10 @@ class HFHandler(ScheduledHandler):
                 text = render_chat(tokenizer, chat.messages, chat.tools, add_generation_prompt)
             else:
                 text = tokenizer.apply_chat_template(
-                    chat.messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                    chat.messages,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
+                    **(template_kwargs or {}),
                 )
             if self.chat_as_text:
                 ids = chat.token_ids(text, self._text_ids)

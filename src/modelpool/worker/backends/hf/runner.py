@@ -85,7 +85,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -94,6 +94,7 @@ from modelpool.shared.errors import InvalidRequest
 from modelpool.shared.grammar import RowGrammar
 from modelpool.shared.prefixes import partition_of
 from modelpool.shared.protocol import BatchCall, Call, Prompt
+from modelpool.shared.reasoning.controls import template_params
 from modelpool.worker.backends.common.sampling import Sampling, banned_ngram_tokens
 from modelpool.worker.backends.common.scheduler import Row, Scheduler, StepPlan
 from modelpool.worker.backends.common.text import TextProgress, stop_strings
@@ -176,7 +177,13 @@ class LoadedModel(Protocol):
 
     prefix_cache: PrefixCache | None
 
-    def encode(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> torch.Tensor: ...
+    def encode(
+        self,
+        prompt: Prompt,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> torch.Tensor: ...
 
     def fit_new_tokens(self, call: Call, params: dict[str, Any], prompt_tokens: int) -> int: ...
 
@@ -254,7 +261,9 @@ class HFRunner:
                     f"{name} is not supported by the batched hf backend "
                     "(max_batch_size > 1); send it to a pool with max_batch_size = 1"
                 )
-        input_ids = handler.encode(call.prompt, params.get("tools"))
+        input_ids = handler.encode(
+            call.prompt, params.get("tools"), template_kwargs=template_params(params)
+        )
         prompt_ids = [int(token) for token in input_ids[0].tolist()]
         stops = stop_strings(params["stop"]) if "stop" in params else ()
         config = handler.model.generation_config
@@ -709,6 +718,10 @@ class HFRunner:
         tokens = logits.argmax(dim=-1)
         for index, row in enumerate(rows):
             if index in failures:
+                continue
+            forced = None if row.thinking is None else row.thinking.forced()
+            if forced is not None:
+                tokens[index] = forced  # the end of thinking, forced (common.thinking)
                 continue
             if row.sampling.is_plain_greedy(row.generated):
                 continue

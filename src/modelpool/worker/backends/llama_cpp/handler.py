@@ -65,6 +65,7 @@ from modelpool.worker.backends.common.scheduler import (
     WarmUpCall,
     run_alone,
 )
+from modelpool.worker.backends.common.thinking import MARKERS, ThinkingModels
 from modelpool.worker.backends.llama_cpp.embedding import (
     LlamaEmbeddingHandler,
     is_embedding_model,
@@ -179,6 +180,11 @@ class LlamaCppHandler(ScheduledHandler):
         )
         self.scheduler: Scheduler[LlamaRow] = Scheduler(
             self.runner, runtime.kv_cells, settings.prefill_chunk_tokens
+        )
+        self.scheduler.thinking_models = ThinkingModels(
+            self.chat_template,
+            [marker for marker in MARKERS if len(runtime.tokenize(marker, add_special=False)) == 1],
+            lambda text: runtime.tokenize(text, add_special=False),
         )
         llama = runtime.llama
         self._bos = int(llama.llama_vocab_bos(runtime.vocab))

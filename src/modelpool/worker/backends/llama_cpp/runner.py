@@ -374,9 +374,13 @@ class LlamaRunner:
         allowed = None
         if row.grammar is not None:
             allowed = self.encoder.grammars().allowed(row.grammar)
-        token_id = choose_token(
-            logits, row.sampling, state.seen, row.generated, runtime.end_ids, state.rng, allowed
-        )
+        forced = None if row.thinking is None else row.thinking.forced()
+        if forced is not None:
+            token_id = forced  # the end of thinking, forced (common.thinking)
+        else:
+            token_id = choose_token(
+                logits, row.sampling, state.seen, row.generated, runtime.end_ids, state.rng, allowed
+            )
         if state.top_logprobs is not None and row.logprobs is not None:
             row.logprobs.append(
                 token_logprob(logits, token_id, state.top_logprobs, runtime.token_text)
