@@ -26,7 +26,7 @@ from modelpool.shared.protocol import (
     encode_frame,
 )
 from modelpool.supervisor.results import Result
-from modelpool.worker.calls import normalise
+from modelpool.worker.answers import normalise
 
 ENTRIES = [
     TokenLogprob(1, "Hé", None),
