@@ -42,6 +42,7 @@ from modelpool.shared.embeddings import (
 from modelpool.shared.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded, QueueFull
 from modelpool.shared.pooling_answers import check_task
 from modelpool.shared.prefixes import partition_of, prompt_fingerprints
+from modelpool.shared.lora import with_request_lora
 from modelpool.shared.protocol import (
     DetokenizeRequest,
     EmbedRequest,
@@ -691,7 +692,7 @@ class ModelPool:
             deadline_s = self.config.deadline_s
         else:
             check_deadline(deadline_s)
-        gen_kwargs = dict(gen_kwargs)
+        gen_kwargs = with_request_lora(gen_kwargs)  # the daemon's adapter for it (shared.lora)
         priority, max_queue_time_s, traceparent, admitted = check_queue_params(gen_kwargs)
         if priority:
             gen_kwargs[PRIORITY_PARAM] = priority  # for the worker's scheduler too
@@ -707,7 +708,7 @@ class ModelPool:
                 raise InvalidRequest(str(exc)) from exc
         fingerprints: tuple[int, ...] = ()
         if not isinstance(prompt, _NOT_GENERATIONS):
-            # In the request's partition of the workers' prefix caches (its cache_salt).
+            # In the request's partition of the workers' prefix caches (cache_salt, adapter).
             fingerprints = prompt_fingerprints(prompt, partition_of(params))
         try:
             # The caller's own params only: the worker adds the defaults it was given once.

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from modelpool.shared.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, RowGrammar
+from modelpool.shared.lora import LORA_PARAM
 from modelpool.shared.prefixes import CACHE_SALT_PARAM, partition_of
 from modelpool.shared.protocol import Call, FinishReason, Generation, TokenLogprob, note_prompt
 from modelpool.shared.validation import FIT_PARAM, PRIORITY_PARAM
@@ -105,6 +106,7 @@ def generate(handler: GeneratingModel, call: Call) -> Generation:
     params.pop(PRIORITY_PARAM, None)  # the one-call form runs alone: nothing to order
     partition = partition_of(params)
     params.pop(CACHE_SALT_PARAM, None)
+    params.pop(LORA_PARAM, None)  # applied by the handler around this call (hf.lora)
     ignore_eos = params.pop("ignore_eos", False)
     if ignore_eos:
         # No end-of-sequence id: generate() stops at max_new_tokens or a stop string.
