@@ -67,3 +67,47 @@ def peft_answers(
             )
             answers.append([int(token) for token in output[0, len(ids) :]])
     return answers
+
+
+def broken_adapter(good: Path, folder: Path, fault: str) -> Path:
+    """A copy of the adapter ``good`` with ``fault``: "truncated" (its weights cut in
+    half), "corrupt" (a header that is not JSON), "shape" (a lora_A of another base's
+    width), "target" (a module the base lacks), "rank" (a config rank other than its
+    matrices'), "hang" (its weights a FIFO nobody writes: reading it blocks)."""
+    import json
+    import os
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(good, folder)
+    weights = folder / "adapter_model.safetensors"
+    if fault == "truncated":
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])
+    elif fault == "corrupt":
+        weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}" + b"\0" * 64)
+    elif fault in ("shape", "target"):
+        tensors = load_file(str(weights))
+        key = next(key for key in sorted(tensors) if key.endswith("q_proj.lora_A.weight"))
+        if fault == "shape":
+            rank, width = tensors[key].shape
+            tensors[key] = torch.randn(rank, width + 3)
+        else:
+            b_key = key.replace("lora_A", "lora_B")
+            for old in (key, b_key):
+                tensors[old.replace("q_proj", "qq_proj")] = tensors.pop(old)
+        save_file(tensors, str(weights))
+    elif fault == "rank":
+        config_file = folder / "adapter_config.json"
+        config = json.loads(config_file.read_text())
+        config["r"] = int(config["r"]) * 2
+        config_file.write_text(json.dumps(config))
+    elif fault == "hang":
+        weights.unlink()
+        os.mkfifo(weights)
+    else:
+        raise ValueError(fault)
+    return folder

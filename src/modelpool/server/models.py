@@ -32,9 +32,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modelpool.server import rights
 from modelpool.server.http import invalid
+from modelpool.server.lora import base_of, install_lora_routes, lora_table, resolve
 from modelpool.server.openai.request import deadline_from
 from modelpool.shared.config import PoolConfig, ServerConfig
-from modelpool.supervisor.registry import ModelLease, ModelRegistry, ModelStats, parse_keep_alive
+from modelpool.supervisor.registry import ModelRegistry, ModelStats, parse_keep_alive
 
 if TYPE_CHECKING:
     from modelpool.supervisor.pool import ModelPool
@@ -65,6 +66,12 @@ class ServedModels(Protocol):
     async def read_json(self, request: Request) -> dict[str, Any]: ...
 
 
+class Releasable(Protocol):
+    """What a request holds until its answer is sent: a model's lease, an adapter's use."""
+
+    def release(self) -> None: ...
+
+
 class ModelLeases:
     """ASGI middleware: releases the model leases a request took, once its answer is sent
     (the app returns only after a streamed body's last event)."""
@@ -77,7 +84,7 @@ class ModelLeases:
             await self.app(scope, receive, send)
         finally:
             note = scope.get("state")
-            leases: list[ModelLease] = note.pop(LEASES, []) if isinstance(note, dict) else []
+            leases: list[Releasable] = note.pop(LEASES, []) if isinstance(note, dict) else []
             for lease in leases:
                 lease.release()
 
@@ -103,7 +110,7 @@ def _model_name(body: Mapping[str, Any]) -> str:
 def config_for(registry: ModelRegistry, body: Mapping[str, Any]) -> PoolConfig:
     """The pool configuration of ``body["model"]``, loaded or not (ModelNotFound if no
     model of that name or alias is configured)."""
-    return registry.spec(_model_name(body)).pool
+    return registry.spec(base_of(registry, _model_name(body))).pool
 
 
 async def pool_for(
@@ -116,7 +123,12 @@ async def pool_for(
     if registry is None:
         assert state.pool is not None
         return state.pool
-    name = _model_name(body)
+    # An adapter's requests go to its base's pool with the adapter (server.lora).
+    name, adapter_use = await resolve(registry, _model_name(body))
+    note = request.scope.setdefault("state", {})
+    if adapter_use is not None:
+        note.setdefault(LEASES, []).append(adapter_use)
+        note["lora"] = adapter_use.name
     config = registry.spec(name).pool
     deadline = deadline_from(
         dict(body), request.headers, config.deadline_s, state.config.max_request_timeout_s
@@ -127,7 +139,6 @@ async def pool_for(
             keep_alive = parse_keep_alive(body[KEEP_ALIVE])
         except ValueError as exc:
             raise invalid(str(exc), KEEP_ALIVE) from None
-    note = request.scope.setdefault("state", {})
     note["model"] = registry.spec(name).name
     started = time.monotonic()
     lease = await registry.aacquire(name, deadline_s=deadline, keep_alive=keep_alive, client=client)
@@ -173,7 +184,9 @@ def install_routes(app: FastAPI, state: ServedModels, registry: ModelRegistry) -
 
         stats = await run_in_threadpool(registry.stats)
         cards = [model_card(model, state.started) for model in stats.models.values()]
-        return cards if rights.operates(request) else [rights.tenant_card(c) for c in cards]
+        operator = rights.operates(request)
+        cards = cards if operator else [rights.tenant_card(c) for c in cards]
+        return cards + lora_table(registry).cards(state.started, operator)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -181,8 +194,11 @@ def install_routes(app: FastAPI, state: ServedModels, registry: ModelRegistry) -
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> dict[str, Any]:
-        name = registry.spec(model_id).name
+        adapter = lora_table(registry).get(model_id)
+        name = model_id if adapter is not None else registry.spec(model_id).name
         return next(card for card in await cards(request) if card["id"] == name)
+
+    install_lora_routes(app, registry, state.config, state.read_json)
 
     @app.post("/models/load", dependencies=[rights.OPERATOR_ONLY])
     async def load(request: Request) -> Response:

@@ -40,9 +40,9 @@ from modelpool.shared.embeddings import (
     score_result,
 )
 from modelpool.shared.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded, QueueFull
+from modelpool.shared.lora import with_request_lora
 from modelpool.shared.pooling_answers import check_task
 from modelpool.shared.prefixes import partition_of, prompt_fingerprints
-from modelpool.shared.lora import with_request_lora
 from modelpool.shared.protocol import (
     DetokenizeRequest,
     EmbedRequest,
