@@ -93,6 +93,7 @@ from modelpool.server.http import (
     read_body,
     run_unless_disconnected,
 )
+from modelpool.server.lora import served_name
 from modelpool.server.metrics import CONTENT_TYPE, PoolMetrics
 from modelpool.server.ollama.routes import install_ollama_routes
 from modelpool.server.openai.api import ChatApi, CompletionsApi
@@ -702,7 +703,7 @@ def _answer_model(state: ServerState, body: dict[str, Any]) -> str:
     asked for (an alias answers with the model's own name)."""
     if state.registry is None:
         return state.model_name
-    return state.registry.spec(str(body.get("model"))).name
+    return served_name(state.registry, str(body.get("model")))
 
 
 async def _all_or_none(work: list[Coroutine[Any, Any, Result]]) -> list[Result]:

@@ -170,6 +170,11 @@ def base_of(registry: ModelRegistry, name: str) -> str:
     return name if adapter is None else adapter.base
 
 
+def served_name(registry: ModelRegistry, name: str) -> str:
+    """The name an answer gives: an adapter's own, else the registry's for the model."""
+    return name if lora_table(registry).get(name) is not None else registry.spec(name).name
+
+
 def install_lora_routes(
     app: FastAPI, registry: ModelRegistry, config: ServerConfig, read_json: Any
 ) -> None:
