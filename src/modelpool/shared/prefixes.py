@@ -118,8 +118,13 @@ def _message_units(messages: Sequence[ChatMessage]) -> list[bytes]:
 
 def _chain(units: list[bytes], partition: int) -> tuple[int, ...]:
     chain = []
-    # The shared partition's chain is what it always was; another starts from its id.
+    # The shared partition's chain is what it always was; another starts from its id, and
+    # with that id as a unit of its own: a worker holding anything of the partition (an
+    # adapter's rows leave their KV there) is preferred for its requests, short ones too.
     previous = partition.to_bytes(8, "little") if partition else b""
+    if partition:
+        previous = hashlib.blake2b(previous, digest_size=8).digest()
+        chain.append(int.from_bytes(previous, "little"))
     for unit in units:
         previous = hashlib.blake2b(previous + unit, digest_size=8).digest()
         chain.append(int.from_bytes(previous, "little"))
