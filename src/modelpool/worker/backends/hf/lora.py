@@ -3,10 +3,16 @@
 Every adapted ``nn.Linear`` of the base gets a forward hook (once, when the first adapter
 that targets it is loaded); a pass sets which adapter each of its tokens uses
 (:func:`tokens_use`, a context variable read by the hooks) and each hook adds, for every
-adapter present in the pass, ``lora_B(lora_A(x)) * scale`` to that adapter's tokens only
-(gathered, computed, added back with ``index_add_``: S-LoRA's and Punica's layout, without
-their kernels). A pass whose tokens all use one adapter adds it to the whole output, and a
-pass with none costs each hooked module one context-variable read.
+token, ``lora_B(lora_A(x)) * scale`` of that token's adapter. A pass whose tokens all use
+one adapter adds it to the whole output, in PEFT's order of operations; a pass with none
+costs each hooked module one context-variable read. A mixed pass costs each hooked module
+two matrix products whatever the number of adapters: the held adapters' A matrices are
+stacked (r rows each, zeros where an adapter leaves the module alone), every token goes
+through all of them, a per-token mask keeps its own adapter's columns (times its scale),
+and the stacked B matrices sum them back. That is the sum of the held ranks in work, where
+gathering each adapter's tokens apart (Punica's and S-LoRA's layout, without their
+kernels) costs four small operations per adapter and module: on a CPU, and on small
+models, the number of operations is what costs.
 
 Why hooks rather than PEFT's ``PeftModel`` with ``adapter_names``: the batched loop's
 packed pass puts several rows' tokens in one sequence (``hf.packed``), so adapters differ
@@ -49,9 +55,18 @@ DEFAULT_MAX_LORAS = 8
 NO_ADAPTER = 0
 """The slot of a row that uses the base alone."""
 
-TokenAdapters = int | list[tuple[int, "torch.Tensor"]]
-"""A pass's adapters: one slot for every token, or each slot with the flat indices of its
-tokens."""
+
+@dataclass(eq=False)
+class MixedPass:
+    """A pass whose tokens use several adapters: each flat token's slot, and the per-token
+    column mask the hooks share (made by the first one)."""
+
+    slots: torch.Tensor
+    mask: torch.Tensor | None = None
+
+
+TokenAdapters = int | MixedPass
+"""A pass's adapters: one slot for every token, or one slot per token."""
 
 _PASS: contextvars.ContextVar[TokenAdapters] = contextvars.ContextVar(
     "modelpool_lora_pass", default=NO_ADAPTER
@@ -64,16 +79,12 @@ def tokens_use(slots: Sequence[int], counts: Sequence[int], device: Any) -> Iter
     tokens of row ``r``) uses the adapter in ``slots[r]``."""
     import torch
 
-    distinct = set(slots)
-    if len(distinct) == 1:
-        value: TokenAdapters = slots[0]
+    value: TokenAdapters
+    if len(set(slots)) == 1:
+        value = slots[0]
     else:
         flat = torch.repeat_interleave(torch.tensor(list(slots)), torch.tensor(list(counts)))
-        value = [
-            (slot, torch.nonzero(flat == slot).squeeze(1).to(device))
-            for slot in sorted(distinct)
-            if slot != NO_ADAPTER
-        ]
+        value = MixedPass(flat.to(device))
     token = _PASS.set(value)
     try:
         yield
@@ -111,6 +122,12 @@ class Loras:
     )
     _hooked: set[str] = field(default_factory=set)
     _next_slot: int = 1
+    # The stacked layout (module docstring): each slot's columns, each hooked module's
+    # stacked A [sum r x in] and B [out x sum r], and each column's scale by module.
+    _columns: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    _width: int = 0
 
     @property
     def names(self) -> list[str]:
@@ -164,6 +181,7 @@ class Loras:
     def _evict(self, ref: LoraRef) -> None:
         held = self._held.pop(ref)
         self._slots.pop(held.slot, None)
+        self._stack()
         logger.info("LoRA adapter %s unloaded (least recently used)", ref.name)
 
     def _install(self, slot: int, weights: LoraWeights) -> None:
@@ -173,6 +191,48 @@ class Loras:
                 modules[name].register_forward_hook(self._hook(name))
                 self._hooked.add(name)
         self._slots[slot] = weights.modules
+        self._stack()
+
+    def _stack(self) -> None:
+        """The stacked layout of the adapters held now, for mixed passes."""
+        self._columns.clear()
+        ranks = {
+            slot: max(a.shape[0] for a, _, _ in modules.values())
+            for slot, modules in self._slots.items()
+        }
+        start = 0
+        for slot, rank in ranks.items():
+            self._columns[slot] = (start, start + rank)
+            start += rank
+        modules = dict(self.model.named_modules())
+        for name in self._hooked:
+            linear = modules[name]
+            like = linear.weight
+            stacked_a = like.new_zeros((start, linear.in_features))
+            stacked_b = like.new_zeros((linear.out_features, start))
+            scales = like.new_zeros((start,))
+            for slot, (first, _) in self._columns.items():
+                found = self._slots[slot].get(name)
+                if found is None:
+                    continue
+                a, b, scale = found
+                rank = a.shape[0]
+                stacked_a[first : first + rank] = a
+                stacked_b[:, first : first + rank] = b
+                scales[first : first + rank] = scale
+            self._stacked[name] = (stacked_a, stacked_b)
+            self._scales[name] = scales
+        self._width = start
+
+    def _mask(self, active: MixedPass) -> torch.Tensor:
+        """Per token, 1 in its adapter's columns, 0 elsewhere (made once a pass)."""
+        if active.mask is None:
+            dtype = next(self.model.parameters()).dtype
+            mask = active.slots.new_zeros((active.slots.shape[0], self._width), dtype=dtype)
+            for slot, (first, end) in self._columns.items():
+                mask[active.slots == slot, first:end] = 1
+            active.mask = mask
+        return active.mask
 
     def _hook(self, name: str) -> Callable[[Any, tuple[Any, ...], Any], Any]:
         import torch
@@ -191,15 +251,11 @@ class Loras:
                     return None
                 a, b, scale = pair
                 return output + linear(linear(x, a), b) * scale
+            stacked_a, stacked_b = self._stacked[name]
+            mask = self._mask(active) * self._scales[name]
             flat_x = x.reshape(-1, x.shape[-1])
-            flat_out = output.reshape(-1, output.shape[-1])
-            for slot, index in active:
-                pair = slots.get(slot, {}).get(name)
-                if pair is None:
-                    continue
-                a, b, scale = pair
-                flat_out.index_add_(0, index, linear(linear(flat_x[index], a), b) * scale)
-            return output
+            delta = linear(linear(flat_x, stacked_a) * mask, stacked_b)
+            return output + delta.view(output.shape)
 
         return add_adapters
 
