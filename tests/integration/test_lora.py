@@ -160,3 +160,33 @@ def test_the_prefix_cache_never_shares_kv_between_adapters(
     assert cached_tokens(adapters[2]) == 0, "an adapter read the base's KV"
     assert cached_tokens(adapters[2]) > 0, "the adapter's second request found nothing cached"
     assert cached_tokens(adapters[1]) == 0, "an adapter read another adapter's KV"
+
+
+def test_a_pool_prefers_the_worker_that_served_the_adapter(
+    tiny_model_dir: Path, adapters: list[Path], expected: dict[Path | None, list[str]]
+) -> None:
+    from modelpool import ModelPool, PoolConfig
+
+    config = PoolConfig(
+        model=str(tiny_model_dir),
+        backend="hf",
+        workers=2,
+        devices=["cpu"],
+        max_batch_size=4,
+        deadline_s=120.0,
+        backend_options={"dtype": "float32", "torch_threads": 1, "max_loras": 2},
+    )
+    with ModelPool(config) as pool:
+        # Sent together, the two first requests spread over the two idle workers.
+        firsts = {adapter: pool.submit(PROMPTS[2], **params(adapter)) for adapter in adapters[:2]}
+        homes = {}
+        for adapter, future in firsts.items():
+            first = future.result()
+            assert first.text == expected[adapter][2]
+            homes[adapter] = first.worker_pid
+        assert len(set(homes.values())) == 2, "both adapters' first requests went to one worker"
+        for _ in range(3):
+            for index, adapter in enumerate(adapters[:2]):
+                # A short prompt: only the adapter's own unit of the chain can match.
+                again = pool.generate("Hi", **params(adapter))
+                assert again.worker_pid == homes[adapter], (index, homes)
