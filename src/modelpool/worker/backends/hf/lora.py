@@ -128,6 +128,9 @@ class Loras:
     _stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _scales: dict[str, torch.Tensor] = field(default_factory=dict)
     _width: int = 0
+    # Each column's scale when every module has the same (one lora_alpha / r an adapter,
+    # the usual case): folded into the pass's mask, one product fewer per module.
+    _column_scale: torch.Tensor | None = None
 
     @property
     def names(self) -> list[str]:
@@ -223,15 +226,19 @@ class Loras:
             self._stacked[name] = (stacked_a, stacked_b)
             self._scales[name] = scales
         self._width = start
+        scales_seen = list(self._scales.values())
+        same = all(bool((other == scales_seen[0]).all()) for other in scales_seen[1:])
+        self._column_scale = scales_seen[0] if scales_seen and same else None
 
     def _mask(self, active: MixedPass) -> torch.Tensor:
-        """Per token, 1 in its adapter's columns, 0 elsewhere (made once a pass)."""
+        """Per token, 1 in its adapter's columns (or their scale, when every module has the
+        same), 0 elsewhere: made once a pass."""
         if active.mask is None:
             dtype = next(self.model.parameters()).dtype
             mask = active.slots.new_zeros((active.slots.shape[0], self._width), dtype=dtype)
             for slot, (first, end) in self._columns.items():
                 mask[active.slots == slot, first:end] = 1
-            active.mask = mask
+            active.mask = mask if self._column_scale is None else mask * self._column_scale
         return active.mask
 
     def _hook(self, name: str) -> Callable[[Any, tuple[Any, ...], Any], Any]:
@@ -252,10 +259,13 @@ class Loras:
                 a, b, scale = pair
                 return output + linear(linear(x, a), b) * scale
             stacked_a, stacked_b = self._stacked[name]
-            mask = self._mask(active) * self._scales[name]
+            mask = self._mask(active)
+            if self._column_scale is None:
+                mask = mask * self._scales[name]
             flat_x = x.reshape(-1, x.shape[-1])
-            delta = linear(linear(flat_x, stacked_a) * mask, stacked_b)
-            return output + delta.view(output.shape)
+            flat_out = output.reshape(-1, output.shape[-1])
+            delta = torch.addmm(flat_out, linear(flat_x, stacked_a) * mask, stacked_b.t())
+            return delta.view(output.shape)
 
         return add_adapters
 
