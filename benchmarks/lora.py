@@ -32,7 +32,7 @@ import concurrent.futures
 import json
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,7 @@ def pool_config(model: Path, args: argparse.Namespace, threads: int) -> PoolConf
         model=str(model),
         backend="hf",
         workers=1,
-        devices=[args.device],
+        devices=(args.device,),
         max_batch_size=args.batch,
         deadline_s=600.0,
         startup_timeout_s=600.0,
@@ -134,15 +134,13 @@ def run_batch(jobs: Sequence[tuple[ModelPool, Path | None, str]], tokens: int) -
 
 
 def first_token_s(pool: ModelPool, adapter: Path | None, started: float) -> float:
-    stream = pool.stream(
-        QUESTIONS[0], max_new_tokens=8, **lora_of(adapter)
-    )
+    stream = pool.stream(QUESTIONS[0], max_new_tokens=8, **lora_of(adapter))
     for _ in stream:
         return time.perf_counter() - started
     return time.perf_counter() - started
 
 
-def best_of(repeats: int, measure: Any) -> float:
+def best_of(repeats: int, measure: Callable[[], float]) -> float:
     return max(measure() for _ in range(repeats))
 
 
@@ -197,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             each.close()
 
     started = time.perf_counter()
-    fresh_merged = merged_copy(base, fresh, workdir / "merged")
+    # A new directory each run: merging is part of what serving a merged copy costs.
+    fresh_merged = merged_copy(base, fresh, workdir / f"merged-{time.time_ns()}")
     report["merge_s"] = time.perf_counter() - started
     started = time.perf_counter()
     with ModelPool(pool_config(fresh_merged, args, args.threads)) as pool:

@@ -95,7 +95,7 @@ def validate(params: Mapping[str, Any]) -> None:
     if params.get(LORA_PARAM) is not None:
         raise InvalidRequest(
             "LoRA adapters are served by the hf backend only (the llama_cpp backend does not "
-            "apply them yet): serve the adapter's base with backend = \"hf\""
+            'apply them yet): serve the adapter\'s base with backend = "hf"'
         )
 
 
