@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 from e2e_support import Daemon, keyed_daemon, keyed_http, registry_config
+from prometheus_client.parser import text_string_to_metric_families
 
 from lora_adapters import broken_adapter, make_adapter, peft_answers
 from modelpool.tinymodel import build_tiny_model
@@ -123,6 +124,21 @@ def test_each_adapter_answers_as_peft_alone_and_mixed(
         )
     for (key, index), answer in zip(jobs, answers, strict=True):
         assert answer == expected[key][index], (key, index)
+
+
+def test_metrics_count_an_adapters_requests_by_lora_name(
+    http: httpx.Client, client: openai.OpenAI
+) -> None:
+    complete(client, "poet", PROMPTS[2])
+    text = http.get("/metrics").text
+    counts = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "modelpool_lora_request_duration_seconds_count"
+        and sample.labels == {"model_name": "tiny", "lora_name": "poet"}
+    ]
+    assert counts and counts[0] >= 1, text[-2000:]
 
 
 def test_the_chat_route_takes_an_adapter(client: openai.OpenAI) -> None:

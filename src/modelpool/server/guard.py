@@ -252,7 +252,7 @@ class Gate:
             status = state.get("status") or (sent_status[0] if sent_status else 500)
             path = scope["path"]
             if path in GENERATION_PATHS:
-                self.metrics.observe_request(seconds, state.get("model"))
+                self.metrics.observe_request(seconds, state.get("model"), state.get("lora"))
             access_logger.info(
                 "%s %s %s request_id=%s attempts=%s worker_pid=%s seconds=%.4f",
                 scope["method"],
