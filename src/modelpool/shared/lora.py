@@ -165,7 +165,8 @@ def inspect_adapter(name: str, path: str, base: str | None) -> AdapterInfo:
     and what is wrong."""
 
     def bad(why: str) -> InvalidRequest:
-        return InvalidRequest(f"LoRA adapter {name!r} ({path}): {why}")
+        # The adapter's name, never its path: a tenant sees this message.
+        return InvalidRequest(f"LoRA adapter {name!r}: {why}")
 
     folder = Path(path)
     try:
@@ -299,7 +300,7 @@ def check_adapter(
         )
     except subprocess.TimeoutExpired:
         raise ModelUnavailable(
-            f"LoRA adapter {name!r} ({path}): reading it took over {timeout_s:g} s",
+            f"LoRA adapter {name!r}: reading it took over {timeout_s:g} s",
             model=name,
             reason="adapter check timed out",
             retry_after_s=timeout_s,
@@ -309,7 +310,7 @@ def check_adapter(
     if done.returncode == 2:
         raise InvalidRequest(done.stdout.strip())
     raise ModelUnavailable(
-        f"LoRA adapter {name!r} ({path}): its check failed "
+        f"LoRA adapter {name!r}: its check failed "
         f"(exit {done.returncode}): {done.stderr.strip()[-300:]}",
         model=name,
         reason="adapter check crashed",

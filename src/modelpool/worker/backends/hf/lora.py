@@ -279,7 +279,7 @@ def read_adapter(model: Any, ref: LoraRef) -> LoraWeights:
     info = inspect_adapter(ref.name, ref.path, None)
 
     def bad(why: str) -> InvalidRequest:
-        return InvalidRequest(f"LoRA adapter {ref.name!r} ({ref.path}): {why}")
+        return InvalidRequest(f"LoRA adapter {ref.name!r}: {why}")
 
     folder = Path(ref.path)
     config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
