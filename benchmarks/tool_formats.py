@@ -97,7 +97,6 @@ def check_costs_ms(parser: str) -> tuple[float, float]:
     grammar validation: the same with any parser) and of the part this parser adds
     (binding it: the grammar rewritten in its syntax), medians of 20."""
     from modelpool.server.core.generation_body import parse_chat
-
     from modelpool.server.generation import bind_tool_syntax
     from modelpool.shared.config import PoolConfig
     from modelpool.shared.structured import constrain

@@ -171,6 +171,7 @@ def _serve_models(effective: EffectiveConfig, listener: socket.socket, api_key: 
 
     from modelpool.server import DrainingServer, create_app
     from modelpool.server.guard import guarded_protocol
+    from modelpool.shared.lora import adapter_specs
     from modelpool.supervisor import gpu
     from modelpool.supervisor.registry import ModelRegistry, RegistryConfig
     from modelpool.supervisor.registry.preflight import ModelCheckFailed, check_models
@@ -183,7 +184,13 @@ def _serve_models(effective: EffectiveConfig, listener: socket.socket, api_key: 
     except ModelCheckFailed as exc:
         listener.close()
         raise CliError(str(exc)) from None
-    registry = ModelRegistry(RegistryConfig.from_server(specs, server_config))
+    try:
+        adapters = adapter_specs(effective.model_tables, str(effective.config_path))
+        registry_config = RegistryConfig.from_server(specs, server_config, adapters)
+    except ValueError as exc:
+        listener.close()
+        raise CliError(str(exc)) from None
+    registry = ModelRegistry(registry_config)
     previous = _on_signals(_raise_stop)
     server: DrainingServer | None = None
     try:

@@ -356,6 +356,14 @@ class PoolMetrics:
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
+        # An adapter's requests (docs/lora.md) by its base (model_name) and itself (lora_name).
+        self.lora_duration = Histogram(
+            "modelpool_lora_request_duration_seconds",
+            "Wall-clock time of the completion requests that named a LoRA adapter, any status.",
+            labelnames=["model_name", "lora_name"],
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
         self.vllm = VllmMetrics(self.registry) if vllm else None
         if registry_source is not None:
             self.registry.register(RegistryCollector(registry_source, self.vllm))
@@ -364,10 +372,16 @@ class PoolMetrics:
             self.request_duration.labels(model=model)  # the series exists before a request
             self.registry.register(PoolCollector(stats_source, self.vllm, model, waiting))
 
-    def observe_request(self, seconds: float, model: str | None = None) -> None:
+    def observe_request(
+        self, seconds: float, model: str | None = None, lora: str | None = None
+    ) -> None:
         """One generation request's time; ``model`` the one it named (a registry's), else
-        the served model."""
+        the served model; ``lora`` the adapter it named (``model`` is then its base)."""
         self.request_duration.labels(model=model or self.model).observe(seconds)
+        if lora is not None:
+            self.lora_duration.labels(model_name=model or self.model, lora_name=lora).observe(
+                seconds
+            )
 
     def add_tracing(self, snapshot: Callable[[], Mapping[str, int]]) -> None:
         """Also export the trace exporter's counters (``TraceExporter.snapshot``)."""

@@ -36,9 +36,10 @@ from modelpool.server.core.deadline import deadline_from
 from modelpool.server.core.served import Served
 from modelpool.server.fair_share import FairShare
 from modelpool.server.http import invalid
+from modelpool.server.lora import AdapterUse, base_of, install_lora_routes, lora_table, resolve
 from modelpool.server.metrics import PoolMetrics
 from modelpool.shared.config import PoolConfig, ServerConfig
-from modelpool.supervisor.registry import ModelLease, ModelRegistry, ModelStats, parse_keep_alive
+from modelpool.supervisor.registry import ModelRegistry, ModelStats, parse_keep_alive
 
 if TYPE_CHECKING:
     from modelpool.supervisor.pool import ModelPool
@@ -88,11 +89,19 @@ class ServedModels(Protocol):
     async def read_json(self, request: Request) -> dict[str, Any]: ...
 
 
+class Releasable(Protocol):
+    """What a request holds until its answer is sent: a model's lease, an adapter's use."""
+
+    name: str
+
+    def release(self) -> None: ...
+
+
 class ModelUse:
-    """ASGI middleware around a request's use of its model: releases the model leases it
-    took once its answer is sent (the app returns only after a streamed body's last
-    event), and times a generation request under its model's name (``metrics``: the
-    served model's, or the leased one's with a registry)."""
+    """ASGI middleware around a request's use of its model: releases the model leases
+    (and the adapter's use) it took once its answer is sent (the app returns only after a
+    streamed body's last event), and times a generation request under its model's name
+    (``metrics``: the served model's, or the leased one's with a registry) and adapter's."""
 
     def __init__(self, app: ASGIApp, metrics: PoolMetrics) -> None:
         self.app = app
@@ -104,12 +113,13 @@ class ModelUse:
             await self.app(scope, receive, send)
         finally:
             note = scope.get("state")
-            leases: list[ModelLease] = note.pop(LEASES, []) if isinstance(note, dict) else []
+            leases: list[Releasable] = note.pop(LEASES, []) if isinstance(note, dict) else []
             for lease in leases:
                 lease.release()
             if scope["type"] == "http" and scope["path"] in GENERATION_PATHS:
-                model = leases[0].name if leases else None
-                self.metrics.observe_request(time.perf_counter() - started, model)
+                model = next((u.name for u in leases if not isinstance(u, AdapterUse)), None)
+                lora = next((u.name for u in leases if isinstance(u, AdapterUse)), None)
+                self.metrics.observe_request(time.perf_counter() - started, model, lora)
 
 
 def split_keep_alive(body: dict[str, Any]) -> object:
@@ -133,7 +143,7 @@ def _model_name(body: Mapping[str, Any]) -> str:
 def config_for(registry: ModelRegistry, body: Mapping[str, Any]) -> PoolConfig:
     """The pool configuration of ``body["model"]``, loaded or not (ModelNotFound if no
     model of that name or alias is configured)."""
-    return registry.spec(_model_name(body)).pool
+    return registry.spec(base_of(registry, _model_name(body))).pool
 
 
 async def serve(
@@ -146,7 +156,12 @@ async def serve(
     if registry is None:
         assert state.pool is not None
         return Served(state.pool, state.model_name, state.fair_share)
-    spec = registry.spec(_model_name(body))
+    # An adapter's requests go to its base's pool with the adapter (server.lora); its use
+    # is held, like the lease, until the answer is out.
+    name, adapter_use = await resolve(registry, _model_name(body))
+    if adapter_use is not None:
+        request.scope.setdefault("state", {}).setdefault(LEASES, []).append(adapter_use)
+    spec = registry.spec(name)
     deadline = deadline_from(
         dict(body), request.headers, spec.pool.deadline_s, state.config.max_request_timeout_s
     )
@@ -168,7 +183,9 @@ async def serve(
         share = state.fair_share
     else:
         share.fit_to_pool(lease.pool.config.workers * lease.pool.config.max_batch_size)
-    return Served(lease.pool, spec.name, share, lease, time.monotonic() - started)
+    # An adapter's answers name the adapter; its base serves them.
+    answers_as = spec.name if adapter_use is None else adapter_use.name
+    return Served(lease.pool, answers_as, share, lease, time.monotonic() - started)
 
 
 def model_card(stats: ModelStats, created: int) -> dict[str, Any]:
@@ -202,7 +219,9 @@ def install_routes(app: FastAPI, state: ServedModels, registry: ModelRegistry) -
 
         stats = await run_in_threadpool(registry.stats)
         cards = [model_card(model, state.started) for model in stats.models.values()]
-        return cards if rights.operates(request) else [rights.tenant_card(c) for c in cards]
+        operator = rights.operates(request)
+        cards = cards if operator else [rights.tenant_card(c) for c in cards]
+        return cards + lora_table(registry).cards(state.started, operator)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -210,8 +229,11 @@ def install_routes(app: FastAPI, state: ServedModels, registry: ModelRegistry) -
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> dict[str, Any]:
-        name = registry.spec(model_id).name
+        adapter = lora_table(registry).get(model_id)
+        name = model_id if adapter is not None else registry.spec(model_id).name
         return next(card for card in await cards(request) if card["id"] == name)
+
+    install_lora_routes(app, registry, state.config, state.read_json)
 
     @app.post("/models/load", dependencies=[rights.OPERATOR_ONLY])
     async def load(request: Request) -> Response:

@@ -32,6 +32,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from modelpool.shared.lora import lora_ref
 from modelpool.shared.protocol import ChatMessage, Prompt, TokenIds
 
 TEXT_BLOCK_CHARS = 256
@@ -43,12 +44,18 @@ MAX_CACHE_SALT_CHARS = 1024
 
 def partition_of(params: Mapping[str, Any]) -> int:
     """The prefix-cache partition of a request's parameters: 0, the shared one, without a
-    ``cache_salt``; else a 64-bit id of the salt (never 0)."""
+    ``cache_salt`` nor a LoRA adapter; else a 64-bit id of the salt and the adapter (never
+    0): an adapter changes every layer's keys and values, so no entry is shared between
+    adapters, nor with the base."""
     salt = params.get(CACHE_SALT_PARAM)
-    if not salt:
+    adapter = lora_ref(params)
+    if not salt and adapter is None:
         return 0
+    key = str(salt or "")
+    if adapter is not None:
+        key += f"\0lora\0{adapter.name}\0{adapter.path}"
     digest = hashlib.blake2b(
-        str(salt).encode("utf-8", "surrogatepass"), digest_size=8, person=b"cache_salt"
+        key.encode("utf-8", "surrogatepass"), digest_size=8, person=b"cache_salt"
     ).digest()
     return int.from_bytes(digest, "little") or 1
 
@@ -111,8 +118,13 @@ def _message_units(messages: Sequence[ChatMessage]) -> list[bytes]:
 
 def _chain(units: list[bytes], partition: int) -> tuple[int, ...]:
     chain = []
-    # The shared partition's chain is what it always was; another starts from its id.
+    # The shared partition's chain is what it always was; another starts from its id, and
+    # with that id as a unit of its own: a worker holding anything of the partition (an
+    # adapter's rows leave their KV there) is preferred for its requests, short ones too.
     previous = partition.to_bytes(8, "little") if partition else b""
+    if partition:
+        previous = hashlib.blake2b(previous, digest_size=8).digest()
+        chain.append(int.from_bytes(previous, "little"))
     for unit in units:
         previous = hashlib.blake2b(previous + unit, digest_size=8).digest()
         chain.append(int.from_bytes(previous, "little"))

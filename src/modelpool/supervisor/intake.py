@@ -22,6 +22,7 @@ from typing import Any
 from modelpool.scheduling.sizes import RunSize, size_of
 from modelpool.shared.config import PoolConfig
 from modelpool.shared.errors import InvalidRequest
+from modelpool.shared.lora import with_request_lora
 from modelpool.shared.prefixes import partition_of, prompt_fingerprints
 from modelpool.shared.protocol import (
     DetokenizeRequest,
@@ -77,7 +78,7 @@ def check_request(
         deadline_s = config.deadline_s
     else:
         check_deadline(deadline_s)
-    kwargs = dict(gen_kwargs)
+    kwargs = with_request_lora(gen_kwargs)  # the daemon's adapter for it (shared.lora)
     queue = check_queue_params(kwargs)
     kwargs.pop(PROMOTED_AT_PARAM, None)  # the pool's to set, not a caller's
     if queue.priority:
@@ -94,7 +95,7 @@ def check_request(
             raise InvalidRequest(str(exc)) from exc
     fingerprints: tuple[int, ...] = ()
     if not isinstance(prompt, NOT_GENERATIONS):
-        # In the request's partition of the workers' prefix caches (its cache_salt).
+        # In the request's partition of the workers' prefix caches (cache_salt, adapter).
         fingerprints = prompt_fingerprints(prompt, partition_of(params))
     # A generation's only: an embedding's params are the pool's defaults, unused.
     max_new_tokens = params.get("max_new_tokens") if generation else None

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from modelpool.server import rights
 from modelpool.server.core.served import Served
 from modelpool.server.http import ApiError, invalid, json_bytes
+from modelpool.server.lora import base_of
 from modelpool.server.models import KEEP_ALIVE
 from modelpool.server.ollama.answer import Clock, OllamaLines, done_line
 from modelpool.server.ollama.request import (
@@ -103,7 +104,7 @@ class OllamaApi:
                 )
             model = self._state.model_name
         else:
-            model = registry.spec(request.model).name
+            model = registry.spec(base_of(registry, request.model)).name  # an adapter's base
             if unload and rights.operates(self._caller):
                 registry.unload(model)
             elif unload:

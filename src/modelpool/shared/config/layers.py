@@ -28,6 +28,7 @@ from modelpool.shared.config.schema import (
     known_fields,
     read_toml,
 )
+from modelpool.shared.lora import is_adapter_table
 from modelpool.shared.toml_text import toml_key, toml_value
 
 # The layers, a later one winning: built-in < file < environment < flag.
@@ -219,6 +220,8 @@ def _model_specs(
     base = {key: value for key, value in flat.items() if not key.startswith("server.")}
     base.pop("model", None)
     for name, table in tables.items():
+        if is_adapter_table(table):
+            continue  # a LoRA adapter, served by its base's pool (shared.lora.adapter_specs)
         own = {key: table[key] for key in MODEL_KEYS if key in table}
         pool_table = {key: value for key, value in table.items() if key not in MODEL_KEYS}
         context = f"{where}: [models.{name}]"

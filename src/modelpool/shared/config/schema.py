@@ -303,6 +303,10 @@ class ServerConfig:
     # X-Forwarded-Proto are believed: a client is the address they name. Empty: none, so
     # no client can name itself another address and so take another's fair share.
     forwarded_allow_ips: tuple[str, ...] = ()
+    # Directories POST /v1/load_lora_adapter may read adapters from (shared.lora; empty:
+    # loading adapters at run time is off); the bound of one adapter's check (a child).
+    lora_dirs: tuple[str, ...] = ()
+    lora_check_timeout_s: float = 30.0
     # Many models ([models.NAME] tables; modelpool.supervisor.registry): the budgets of host
     # RAM (RSS)
     # and of each GPU (NVML) for the models' workers (None: none); requests waiting for a
@@ -393,6 +397,10 @@ class ServerConfig:
             "forwarded_allow_ips",
             _optional_names("server.forwarded_allow_ips", self.forwarded_allow_ips) or (),
         )
+        object.__setattr__(
+            self, "lora_dirs", _optional_names("server.lora_dirs", self.lora_dirs) or ()
+        )
+        _check_number("server.lora_check_timeout_s", self.lora_check_timeout_s, allow_zero=False)
         _check_int("server.memory_budget_bytes", self.memory_budget_bytes, minimum=1, optional=True)
         _check_int(
             "server.gpu_memory_budget_bytes", self.gpu_memory_budget_bytes, minimum=1, optional=True

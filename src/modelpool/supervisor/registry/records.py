@@ -23,6 +23,7 @@ import psutil
 from modelpool.shared.config import ModelSpec, ServerConfig, check_model_names
 from modelpool.shared.embedded import modelpool_home
 from modelpool.shared.errors import ModelLoadFailed
+from modelpool.shared.lora import AdapterSpec
 from modelpool.shared.processes import describe_process
 from modelpool.supervisor.devices import nvml_index_for
 from modelpool.supervisor.gpu import GpuProbe
@@ -75,17 +76,34 @@ class RegistryConfig:
     swap_share: float = 0.2
     # The file each model's measured need is kept in across restarts (None: not kept).
     needs_file: str | None = None
+    # LoRA adapters ([models.NAME] with base and adapter), served by their base's pool.
+    adapters: tuple[AdapterSpec, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
         if not self.models:
             raise ValueError("a registry needs at least one model")
         check_model_names(self.models)
+        names = {name for spec in self.models for name in (spec.name, *spec.aliases)}
+        for adapter in self.adapters:
+            if adapter.name in names:
+                raise ValueError(f"models.{adapter.name}: the name is taken by another model")
+            if adapter.base not in names:
+                raise ValueError(
+                    f"models.{adapter.name}: base {adapter.base!r} is not a model of [models]"
+                )
+            names.add(adapter.name)
 
     @classmethod
-    def from_server(cls, models: tuple[ModelSpec, ...], server: ServerConfig) -> RegistryConfig:
+    def from_server(
+        cls,
+        models: tuple[ModelSpec, ...],
+        server: ServerConfig,
+        adapters: tuple[AdapterSpec, ...] = (),
+    ) -> RegistryConfig:
         return cls(
             models=models,
+            adapters=adapters,
             memory_budget_bytes=server.memory_budget_bytes,
             gpu_memory_budget_bytes=server.gpu_memory_budget_bytes,
             max_waiting=server.max_load_waiters,

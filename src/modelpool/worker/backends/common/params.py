@@ -15,6 +15,7 @@ from typing import Any
 from modelpool.shared.context import fit_to_context
 from modelpool.shared.errors import InvalidRequest
 from modelpool.shared.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, check_grammar_params
+from modelpool.shared.lora import LORA_PARAM, lora_ref
 from modelpool.shared.prefixes import CACHE_SALT_PARAM
 from modelpool.shared.protocol import Call
 from modelpool.shared.reasoning.controls import THINKING_PARAMS
@@ -60,6 +61,7 @@ GENERATION_PARAMS = frozenset(
         COMPILE_TIMEOUT_PARAM,
         "ignore_eos",
         PRIORITY_PARAM,
+        LORA_PARAM,
         PROMOTED_AT_PARAM,
         CACHE_SALT_PARAM,
         FIT_PARAM,
@@ -100,6 +102,7 @@ def validate(params: Mapping[str, Any], backend: str) -> None:
     if "stop" in params:
         stop_strings(params["stop"])
     check_grammar_params(params)
+    lora_ref(params)
     if params.get("tools") is not None:
         check_template_tools(params["tools"])
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from modelpool.shared.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, RowGrammar
+from modelpool.shared.lora import LORA_PARAM
 from modelpool.shared.prefixes import CACHE_SALT_PARAM, partition_of
 from modelpool.shared.protocol import Call, FinishReason, Generation, TokenLogprob, note_prompt
 from modelpool.shared.reasoning.controls import THINKING_PARAMS, template_params
@@ -107,6 +108,7 @@ def generate(handler: GeneratingModel, call: Call) -> Generation:
     params.pop(PROMOTED_AT_PARAM, None)
     partition = partition_of(params)
     params.pop(CACHE_SALT_PARAM, None)
+    params.pop(LORA_PARAM, None)  # applied by the handler around this call (hf.lora)
     ignore_eos = params.pop("ignore_eos", False)
     # Thinking is bounded on the scheduler's path (handler.generate sends a reasoning
     # model's requests there): here, only the template reads enable_thinking.

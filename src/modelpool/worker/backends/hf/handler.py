@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelpool.shared.context import check_max_model_len, context_length
 from modelpool.shared.errors import InvalidRequest
+from modelpool.shared.lora import lora_ref
 from modelpool.shared.prefixes import answered_fingerprints
 from modelpool.shared.protocol import (
     Call,
@@ -71,6 +72,7 @@ from modelpool.worker.backends.common.params import (
     check_load_options,
     check_vocabulary,
     fit_new_tokens,
+    positive_int,
 )
 from modelpool.worker.backends.common.params import validate as validate_params
 from modelpool.worker.backends.common.scheduler import (
@@ -82,7 +84,9 @@ from modelpool.worker.backends.common.scheduler import (
 )
 from modelpool.worker.backends.common.thinking import ThinkingModels, is_chat
 from modelpool.worker.backends.hf.generation import generate
+from modelpool.worker.backends.hf.generation_config import unbatchable_generation_config
 from modelpool.worker.backends.hf.grammars import LLGuidanceGrammars
+from modelpool.worker.backends.hf.lora import DEFAULT_MAX_LORAS, Loras
 from modelpool.worker.backends.hf.options import (
     LOAD_OPTIONS,
     byte_size,
@@ -96,12 +100,7 @@ from modelpool.worker.backends.hf.options import (
 )
 from modelpool.worker.backends.hf.pooling import PoolingHandler, load_pooling, pooling_task
 from modelpool.worker.backends.hf.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
-from modelpool.worker.backends.hf.runner import (
-    DEFAULT_KV_CACHE_TOKENS,
-    HFRow,
-    HFRunner,
-    unbatchable_generation_config,
-)
+from modelpool.worker.backends.hf.runner import DEFAULT_KV_CACHE_TOKENS, HFRow, HFRunner
 
 if TYPE_CHECKING:
     import torch
@@ -198,6 +197,7 @@ def load_generation(model: str, device: str = "cpu", **options: Any) -> HFHandle
     prefix_cache_bytes = byte_size(
         "prefix_cache_bytes", options.get("prefix_cache_bytes", DEFAULT_PREFIX_CACHE_BYTES)
     )
+    max_loras = positive_int("max_loras", options.get("max_loras", DEFAULT_MAX_LORAS))
     if looks_like_a_path(model) and not os.path.exists(os.path.expanduser(model)):
         # Said before importing torch (seconds) and in words, rather than as the hub
         # client's "Repo id must be in the form ..." for a path that is simply missing.
@@ -235,6 +235,7 @@ def load_generation(model: str, device: str = "cpu", **options: Any) -> HFHandle
         kv_cache_tokens=kv_cache_tokens,
         prefill_chunk_tokens=prefill_chunk_tokens,
         prefix_cache_bytes=prefix_cache_bytes,
+        max_loras=max_loras,
     )
     handler.warm_up()
     logger.info(
@@ -269,6 +270,7 @@ class HFHandler(ScheduledHandler):
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
         prefill_chunk_tokens: PrefillChunk = "auto",
         prefix_cache_bytes: int = 0,
+        max_loras: int = DEFAULT_MAX_LORAS,
     ) -> None:
         # Held as Any: transformers' annotations are partial (untyped methods,
         # decorated ones mypy cannot bind), and every use here is plain.
@@ -307,6 +309,7 @@ class HFHandler(ScheduledHandler):
         # llguidance is imported (and the tokenizer's view made) on the first grammar.
         self.grammars = LLGuidanceGrammars(tokenizer, self.vocab_size, self.eos_ids)
         self.runner = HFRunner(self)
+        self.loras = Loras(model, max_loras, self._adapters_in_use)
         self.scheduler: Scheduler[HFRow] = Scheduler(
             self.runner, kv_cache_tokens, prefill_chunk_tokens
         )
@@ -374,6 +377,9 @@ class HFHandler(ScheduledHandler):
             # The cache only saves work: failing to fill it must not fail the request.
             logger.warning("could not keep a finished request's KV", exc_info=True)
 
+    def _adapters_in_use(self) -> set[int]:
+        return {row.state.lora for row in (*self.scheduler.prefilling, *self.scheduler.rows)}
+
     def validate(self, params: Mapping[str, Any]) -> None:
         """The module's :func:`validate`, for callers that hold only the handler."""
         validate(params)
@@ -389,7 +395,8 @@ class HFHandler(ScheduledHandler):
         parser = call.params.get(PARSER_PARAM, "auto")
         if self.batched and is_chat(call.prompt) and self.thinking.get(parser):
             return run_alone(self.scheduler, call)
-        return generate(self, call)
+        with self.loras.solo(lora_ref(call.params)):
+            return generate(self, call)
 
     def token_logprobs(self, logits: torch.Tensor, ids: list[int], top: int) -> list[TokenLogprob]:
         """``logits[i]`` is the model's output that predicted ``ids[i]``."""

@@ -31,6 +31,7 @@ LOAD_OPTIONS = frozenset(
         "prefill_chunk_tokens",
         "max_model_len",
         "prefix_cache_bytes",
+        "max_loras",
     }
 )
 _MEMORY_SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$", re.IGNORECASE)

@@ -55,7 +55,7 @@ The model's ``generation_config`` supplies the defaults ``generate()`` would
 take from it (``repetition_penalty``, ``no_repeat_ngram_size``,
 ``min_new_tokens``/``min_length``, the sampling ones); a model whose
 generation_config asks for a processor this loop does not implement
-(:func:`unbatchable_generation_config`) runs one request at a time instead.
+(``generation_config.unbatchable_generation_config``) runs one request at a time instead.
 The GPU comparison with the manager is still to be measured.
 
 The rule held to: greedy decoding of a prompt in a batch gives the same tokens
@@ -92,12 +92,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from modelpool.shared.errors import InvalidRequest
 from modelpool.shared.grammar import RowGrammar
+from modelpool.shared.lora import lora_ref
 from modelpool.shared.prefixes import partition_of
 from modelpool.shared.protocol import BatchCall, Call, Prompt
 from modelpool.shared.reasoning.controls import template_params
 from modelpool.worker.backends.common.sampling import Sampling, banned_ngram_tokens
 from modelpool.worker.backends.common.scheduler import Row, Scheduler, StepPlan
 from modelpool.worker.backends.common.text import TextProgress, stop_strings
+from modelpool.worker.backends.hf.generation_config import CONFIG_DEFAULTS
+from modelpool.worker.backends.hf.lora import NO_ADAPTER, Loras, LoraWeights, tokens_use
 from modelpool.worker.backends.hf.packed import (
     FusionUnsupported,
     RowCache,
@@ -123,49 +126,6 @@ about 750 MB for SmolLM2-135M in float32 (30 layers x 2 x 3 heads x 64 x 4 bytes
 
 UNBATCHED_PARAMS = ("logprobs", "prompt_logprobs")
 """Parameters the batched loop does not compute; a request with them is refused."""
-# The generation_config fields that supply a request's defaults, as generate() takes them.
-_CONFIG_DEFAULTS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "repetition_penalty",
-    "no_repeat_ngram_size",
-    "min_new_tokens",
-)
-
-# generation_config fields that make generate() add a processor or a search this loop does
-# not implement, with the value that means "off".
-_UNBATCHABLE_GENERATION_CONFIG: dict[str, Any] = {
-    "num_beams": 1,
-    "penalty_alpha": None,
-    "bad_words_ids": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "sequence_bias": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "typical_p": 1.0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-    "min_p": None,
-    "encoder_repetition_penalty": 1.0,
-    "exponential_decay_length_penalty": None,
-    "guidance_scale": None,
-    "renormalize_logits": False,
-    "watermarking_config": None,
-}
-
-
-def unbatchable_generation_config(config: Any) -> list[str]:
-    """The fields of a model's generation_config that the batched loop cannot apply as
-    ``generate()`` would (the model then runs one request at a time)."""
-    return [
-        name
-        for name, off in _UNBATCHABLE_GENERATION_CONFIG.items()
-        if getattr(config, name, off) not in (off, None)
-    ]
-
-
 class LoadedModel(Protocol):
     """What the runner needs of the hf handler (``hf.handler.HFHandler``)."""
 
@@ -176,6 +136,7 @@ class LoadedModel(Protocol):
     grammars: LLGuidanceGrammars
 
     prefix_cache: PrefixCache | None
+    loras: Loras
 
     def encode(
         self,
@@ -206,6 +167,9 @@ class HFRow:
     # While prefilling: a DynamicCache (from the prefix cache, or slices read on the
     # padded form), or the RowKV a packed pass reads its prompt into.
     cache: Any = None
+    # Its LoRA adapter: read and checked at admission (``staged``), placed when it starts.
+    staged: LoraWeights | None = None
+    lora: int = NO_ADAPTER
 
 
 HFRequest = Row[HFRow]
@@ -261,6 +225,8 @@ class HFRunner:
                     f"{name} is not supported by the batched hf backend "
                     "(max_batch_size > 1); send it to a pool with max_batch_size = 1"
                 )
+        ref = lora_ref(params)
+        staged = None if ref is None else handler.loras.stage(ref)
         input_ids = handler.encode(
             call.prompt, params.get("tools"), template_kwargs=template_params(params)
         )
@@ -271,7 +237,7 @@ class HFRunner:
         # not say; it counts min_length over prompt and completion together.
         defaults = {
             key: value
-            for key in _CONFIG_DEFAULTS
+            for key in CONFIG_DEFAULTS
             if (value := getattr(config, key, None)) is not None
         }
         sampling = Sampling.from_params(
@@ -296,7 +262,7 @@ class HFRunner:
             # Fitted to the context as the one-call path does; raises ContextLengthExceeded
             # (the worker answers that request alone) when the prompt cannot fit.
             max_new_tokens=handler.fit_new_tokens(call, dict(params), len(prompt_ids)),
-            state=HFRow(generator),
+            state=HFRow(generator, staged=staged),
         )
 
     def kv_need(self, rows: Sequence[HFRequest]) -> int:
@@ -317,9 +283,15 @@ class HFRunner:
         return (len(rows) + 1) * width
 
     def start(self, row: HFRequest, need: int) -> bool:
-        """Start the row's prefill cache from the longest cached prefix of its prompt."""
+        """Place the row's adapter (False: every place is taken by adapters in use; it
+        waits) and start its prefill cache from the longest cached prefix of its prompt."""
         import torch
 
+        if row.state.staged is not None:
+            slot = self.handler.loras.acquire(row.state.staged)
+            if slot is None:
+                return False
+            row.state.lora, row.state.staged = slot, None
         cache = self.handler.prefix_cache
         with torch.inference_mode():
             partition = partition_of(row.call.params)
@@ -402,14 +374,15 @@ class HFRunner:
         input_ids, mask = input_ids.to(device), mask.to(device)
         cache = DynamicCache()
         try:
-            output = self.handler.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                use_cache=True,
-                **{self._cache_keyword: cache},
-                **self._last_logits,
-            )
+            with self._adapters(rows, [width] * len(rows)):
+                output = self.handler.model(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                    use_cache=True,
+                    **{self._cache_keyword: cache},
+                    **self._last_logits,
+                )
         except Exception:
             return False
         for row in rows:
@@ -471,15 +444,16 @@ class HFRunner:
         start, end = row.prefilled, row.prefilled + count
         started = time.perf_counter()
         logits = None
-        if self._packed:
-            # The packed pass with no decoding rows: the slice goes into the buffers the
-            # row will join with.
-            try:
-                logits = self._packed_slice(row, start, end)
-            except FusionUnsupported as exc:
-                self._unpack(exc)
-        if not self._packed:
-            logits = self._padded_slice(row, start, end)
+        with self._adapters([row], [count]):
+            if self._packed:
+                # The packed pass with no decoding rows: the slice goes into the buffers the
+                # row will join with.
+                try:
+                    logits = self._packed_slice(row, start, end)
+                except FusionUnsupported as exc:
+                    self._unpack(exc)
+            if not self._packed:
+                logits = self._padded_slice(row, start, end)
         step.budget.steer(count, time.perf_counter() - started, bool(self.batch))
         step.prefilled(row, count)
         if end < len(row.prompt_ids):
@@ -578,14 +552,15 @@ class HFRunner:
             # Inside the try: making the buffers (a prefix cache hit copies its columns in)
             # may run out of memory, which must fail this request alone, read apart.
             slice_row = self._prompt_buffers(row)
-            logits = packed_forward(
-                self.handler.model,
-                self._rows,
-                self._last,
-                slice_row=slice_row,
-                slice_ids=row.prompt_ids[start:end],
-                slice_logits=end == len(row.prompt_ids),
-            )
+            with self._adapters([*self.batch, row], [1] * len(self.batch) + [count]):
+                logits = packed_forward(
+                    self.handler.model,
+                    self._rows,
+                    self._last,
+                    slice_row=slice_row,
+                    slice_ids=row.prompt_ids[start:end],
+                    slice_logits=end == len(row.prompt_ids),
+                )
         except FusionUnsupported as exc:
             self._unpack(exc)
             return False
@@ -610,15 +585,8 @@ class HFRunner:
         masks = self._masks_beside_forward()
         started = time.perf_counter()
         try:
-            try:
-                logits = self._rows.decode(
-                    self.handler.model, self._last, self._cache_keyword, self._last_logits
-                )
-            except FusionUnsupported as exc:
-                self._unpack(exc)
-                logits = self._rows.decode(
-                    self.handler.model, self._last, self._cache_keyword, self._last_logits
-                )
+            with self._adapters(self.batch, [1] * len(self.batch)):
+                logits = self._decode_rows()
         except Exception as exc:
             # One pass over every running row: no one of them can be blamed. They leave
             # together; waiting and prefilling requests stay.
@@ -627,6 +595,22 @@ class HFRunner:
             step.lost(lost, exc)
         step.budget.timed_decode(time.perf_counter() - started)
         self._decoded(logits, step, masks)
+
+    def _adapters(self, rows: Sequence[HFRequest], counts: list[int]) -> Any:
+        """The pass's adapters: row ``i``'s for its ``counts[i]`` tokens (``hf.lora``)."""
+        return tokens_use([row.state.lora for row in rows], counts, self.handler.model.device)
+
+    def _decode_rows(self) -> torch.Tensor:
+        assert self._last is not None
+        try:
+            return self._rows.decode(
+                self.handler.model, self._last, self._cache_keyword, self._last_logits
+            )
+        except FusionUnsupported as exc:
+            self._unpack(exc)
+            return self._rows.decode(
+                self.handler.model, self._last, self._cache_keyword, self._last_logits
+            )
 
     def _unpack(self, reason: FusionUnsupported) -> None:
         """The model turned out not to run packed passes: its rows move to one padded

@@ -48,6 +48,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from modelpool.shared.errors import InvalidRequest
+from modelpool.shared.lora import LORA_PARAM
 from modelpool.shared.protocol import (
     Call,
     Generation,
@@ -92,6 +93,11 @@ def validate(params: Mapping[str, Any]) -> None:
     """Reject generation parameters this backend does not take (every backend's rules,
     ``common.params``)."""
     validate_params(params, "llama_cpp")
+    if params.get(LORA_PARAM) is not None:
+        raise InvalidRequest(
+            "LoRA adapters are served by the hf backend only (the llama_cpp backend does not "
+            'apply them yet): serve the adapter\'s base with backend = "hf"'
+        )
 
 
 def load(
