@@ -219,11 +219,16 @@ def test_load_and_unload_at_run_time(
 
     unloading = threading.Thread(target=unload)
     unloading.start()
+    # The unload has reached the daemon once the name is gone (new requests get 404);
+    # it must not answer while the stream still runs.
+    gone_by = time.monotonic() + 30.0
+    while "late" in {card["id"] for card in http.get("/v1/models").json()["data"]}:
+        assert time.monotonic() < gone_by, "the unload never took the name away"
+    answered_while_streaming = bool(unloaded)
     rest = list(chunks)
-    stream_ended = time.monotonic()
     unloading.join(timeout=60.0)
     assert unloaded and unloaded[0][1] == 200
-    assert unloaded[0][0] >= stream_ended, "the unload did not wait for the running request"
+    assert not answered_while_streaming, "the unload did not wait for the running request"
     assert rest[-1].choices[0].finish_reason == "length", first
     with pytest.raises(openai.NotFoundError):
         complete(client, "late", PROMPTS[0])
