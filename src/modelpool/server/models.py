@@ -175,8 +175,8 @@ async def serve(
     lease = await registry.aacquire(
         spec.name, deadline_s=deadline, keep_alive=keep_alive, client=client
     )
-    # The one thing left in the request's scope: what ModelUse releases once the
-    # answer is out (a stream's last event included), which no handler's return can know.
+    # All that is left in the request's scope: what ModelUse releases once the answer
+    # is out (a stream's last event included), which no handler's return can know.
     request.scope.setdefault("state", {}).setdefault(LEASES, []).append(lease)
     share = state.shares.get(spec.name)
     if share is None:
