@@ -42,6 +42,7 @@ from modelpool.shared.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     CHECK_TIMEOUT_S,
+    DEFAULT_MAX_LORAS,
     REQUEST_LORA,
     AdapterSpec,
     LoraRef,
@@ -116,6 +117,26 @@ class LoraTable:
                 self.checked[version] = error
         if error is not None:
             raise InvalidRequest(error.message)
+
+    def in_flight(self) -> dict[str, tuple[tuple[str, ...], int]]:
+        """Per base model: its adapters with requests in flight, and the ``max_loras`` its
+        workers hold (vLLM's ``vllm:lora_requests_info``, ``vllm_metrics``)."""
+        with self.lock:
+            names = {
+                name: self.adapters[name].base
+                for name, count in self.running.items()
+                if count > 0 and name in self.adapters
+            }
+            bases = {adapter.base for adapter in self.adapters.values()}
+        info = {}
+        for base in sorted(bases):
+            try:
+                options = self.registry.spec(base).pool.backend_options
+            except Exception:
+                continue  # a base taken away since: nothing of it to show
+            held = tuple(sorted(name for name, of in names.items() if of == base))
+            info[base] = (held, int(options.get("max_loras", DEFAULT_MAX_LORAS)))
+        return info
 
     def cards(self, created: int, operator: bool) -> list[dict[str, Any]]:
         """The adapters as ``/v1/models`` lists them (vLLM's ``parent``; the path, vLLM's

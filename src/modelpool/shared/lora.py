@@ -44,6 +44,9 @@ LORA_PARAM = "lora"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
+DEFAULT_MAX_LORAS = 8
+"""Adapters one worker holds when the ``max_loras`` load option is not given."""
+
 CHECK_TIMEOUT_S = 30.0
 """How long the child that checks an adapter may take before the adapter is refused (503)."""
 

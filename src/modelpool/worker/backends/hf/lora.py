@@ -42,15 +42,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modelpool.shared.errors import InvalidRequest
-from modelpool.shared.lora import ADAPTER_WEIGHTS, LoraRef, inspect_adapter, split_lora_key
+from modelpool.shared.lora import (
+    ADAPTER_WEIGHTS,
+    LoraRef,
+    inspect_adapter,
+    split_lora_key,
+)
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_LORAS = 8
-"""Adapters one worker holds when the ``max_loras`` load option is not given."""
 
 NO_ADAPTER = 0
 """The slot of a row that uses the base alone."""
