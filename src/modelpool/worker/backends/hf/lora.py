@@ -42,12 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modelpool.shared.errors import InvalidRequest
-from modelpool.shared.lora import (
-    ADAPTER_WEIGHTS,
-    LoraRef,
-    inspect_adapter,
-    split_lora_key,
-)
+from modelpool.shared.lora import ADAPTER_WEIGHTS, LoraRef, inspect_adapter, split_lora_key
 
 if TYPE_CHECKING:
     import torch
