@@ -131,10 +131,11 @@ def make_gguf_adapter(
     import gguf
     import numpy as np
 
-    reader = gguf.GGUFReader(str(base_gguf))
-    arch_field = reader.fields["general.architecture"]
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-    shapes = {tensor.name: [int(n) for n in tensor.shape] for tensor in reader.tensors}
+    from modelpool.shared.lora_gguf import read_gguf_header
+
+    metadata, tensors, _ = read_gguf_header(base_gguf)  # gguf.GGUFReader takes seconds
+    arch = str(metadata["general.architecture"])
+    shapes = {name: dims for name, (dims, _, _) in tensors.items()}
     rng = np.random.default_rng(seed)
     file.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(file), arch)

@@ -157,3 +157,21 @@ def test_through_a_pool_a_bad_adapter_fails_alone(gguf_dir: Path, files: dict[st
             pool.generate(PROMPTS[0], **params, **lora(files, "garbage"))
         assert pool.generate(PROMPTS[0], **params, **lora(files, "sql")).text == adapted
         assert pool.stats().workers[0].pid == pid  # the worker was not restarted
+
+
+def test_the_daemons_check_reads_a_lora_gguf(gguf_dir: Path, files: dict[str, Path]) -> None:
+    from modelpool.shared.lora import check_adapter
+
+    base = str(gguf_dir)
+    check_adapter("sql", str(files["sql"]), base)
+    faults = {
+        "truncated": "is truncated",
+        "garbage": "not a GGUF file",
+        "shape": "an adapter of another base",
+    }
+    for fault, why in faults.items():
+        with pytest.raises(InvalidRequest, match=f"LoRA adapter '{fault}': .*{why}"):
+            check_adapter(fault, str(files[fault]), base)
+    model = str(next(gguf_dir.glob("*.gguf")))
+    with pytest.raises(InvalidRequest, match="not a LoRA GGUF"):
+        check_adapter("model", model, base)

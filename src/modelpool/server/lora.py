@@ -109,7 +109,7 @@ class LoraTable:
         if not known:
             base = self.registry.spec(adapter.base).pool.model
             try:
-                folder = base if os.path.isdir(base) else None
+                folder = base if os.path.exists(base) else None  # a directory or a GGUF
                 check_adapter(adapter.name, adapter.path, folder, self.check_timeout_s)
             except InvalidRequest as exc:
                 error = exc

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from modelpool.shared.errors import InvalidRequest, ModelUnavailable
+from modelpool.shared.lora_gguf import inspect_gguf_adapter
 
 LORA_PARAM = "lora"
 """The generation parameter naming a request's adapter: ``{"name": ..., "path": ...}``."""
@@ -164,14 +165,19 @@ class AdapterInfo:
 
 def inspect_adapter(name: str, path: str, base: str | None) -> AdapterInfo:
     """Check the PEFT LoRA directory ``path`` (and, when ``base`` is a directory holding
-    safetensors, its shapes against the base's weights); InvalidRequest naming ``name``
-    and what is wrong."""
+    safetensors, its shapes against the base's weights), or the LoRA GGUF file ``path``
+    (``shared.lora_gguf``, against the base's GGUF); InvalidRequest naming ``name`` and
+    what is wrong."""
 
     def bad(why: str) -> InvalidRequest:
         # The adapter's name, never its path: a tenant sees this message.
         return InvalidRequest(f"LoRA adapter {name!r}: {why}")
 
     folder = Path(path)
+    if folder.is_file():
+        # A llama.cpp LoRA GGUF, for a base served by the llama_cpp backend.
+        modules, rank = inspect_gguf_adapter(folder, Path(base) if base else None, bad)
+        return AdapterInfo(modules, rank)
     try:
         config = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except FileNotFoundError:
