@@ -176,8 +176,8 @@ def inspect_adapter(name: str, path: str, base: str | None) -> AdapterInfo:
     folder = Path(path)
     if folder.is_file():
         # A llama.cpp LoRA GGUF, for a base served by the llama_cpp backend.
-        modules, rank = inspect_gguf_adapter(folder, Path(base) if base else None, bad)
-        return AdapterInfo(modules, rank)
+        modules, gguf_rank = inspect_gguf_adapter(folder, Path(base) if base else None, bad)
+        return AdapterInfo(modules, gguf_rank)
     try:
         config = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -55,11 +55,11 @@ def _value(stream: BinaryIO, kind: int) -> Any:
         scalar = _SCALARS.get(item)
         if scalar is not None and count <= _MAX_STRING:
             # A vocabulary's scores and types: one read, not one per token.
-            fmt = f"<{count}{scalar[1:]}"
-            data = stream.read(struct.calcsize(fmt))
-            if len(data) < struct.calcsize(fmt):
+            packed = f"<{count}{scalar[1:]}"
+            data = stream.read(struct.calcsize(packed))
+            if len(data) < struct.calcsize(packed):
                 raise _Corrupt("the header ends early")
-            return list(struct.unpack(fmt, data))
+            return list(struct.unpack(packed, data))
         return [_value(stream, item) for _ in range(count)]
     fmt = _SCALARS.get(kind)
     if fmt is None:
