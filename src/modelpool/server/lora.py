@@ -50,7 +50,8 @@ from modelpool.shared.lora import (
 )
 from modelpool.supervisor.registry import ModelRegistry
 
-_Version = tuple[str, tuple[int, int, int, int] | None]
+# An adapter's name (its error names it), its path and the version of its files.
+_Version = tuple[str, str, tuple[int, int, int, int] | None]
 
 
 @dataclass(eq=False)
@@ -102,7 +103,7 @@ class LoraTable:
 
     def check(self, adapter: AdapterSpec) -> None:
         """The adapter's files checked (in a child, bounded) once per version of them."""
-        version = (adapter.path, _stamp(adapter.path))
+        version = (adapter.name, adapter.path, _stamp(adapter.path))
         with self.lock:
             known = version in self.checked
             error = self.checked.get(version)
@@ -275,8 +276,9 @@ def allowed_path(path: str, lora_dirs: tuple[str, ...]) -> Path:
             f"lora_path must lie under one of [server] lora_dirs ({', '.join(lora_dirs)})",
             "lora_path",
         )
-    if not (folder / ADAPTER_CONFIG).is_file():
-        raise invalid(f"{path} holds no {ADAPTER_CONFIG}", "lora_path")
+    gguf = folder.is_file() and folder.suffix == ".gguf"  # a LoRA GGUF, for llama_cpp
+    if not gguf and not (folder / ADAPTER_CONFIG).is_file():
+        raise invalid(f"{path} holds no {ADAPTER_CONFIG} and is no .gguf file", "lora_path")
     return folder
 
 
@@ -285,8 +287,12 @@ def _model_names(registry: ModelRegistry) -> set[str]:
 
 
 def _stamp(path: str) -> tuple[int, int, int, int] | None:
-    """The version of an adapter's files (mtime and size of its config and weights)."""
+    """The version of an adapter's files (mtime and size of its config and weights, or of
+    its one GGUF file)."""
     try:
+        if os.path.isfile(path):
+            found = os.stat(path)
+            return found.st_mtime_ns, found.st_size, 0, 0
         config = os.stat(os.path.join(path, ADAPTER_CONFIG))
         weights = os.stat(os.path.join(path, ADAPTER_WEIGHTS))
     except OSError:

@@ -108,14 +108,12 @@ def inspect_gguf_adapter(file: Path, base: Path | None, bad: Bad) -> tuple[tuple
         metadata, tensors, start = read_gguf_header(file)
         size = file.stat().st_size
     except OSError as exc:
-        raise bad(f"{file.name} cannot be read: {exc}") from None
+        raise bad(f"its file cannot be read: {exc.strerror}") from None
     except ValueError as exc:
-        raise bad(f"{file.name}: {exc}") from None
+        raise bad(f"its file: {exc}") from None
     kind, adapter = metadata.get("general.type"), metadata.get("adapter.type")
     if kind != "adapter" or adapter != "lora":
-        raise bad(
-            f"{file.name} is not a LoRA GGUF (general.type {kind!r}, adapter.type {adapter!r})"
-        )
+        raise bad(f"its file is not a LoRA GGUF (general.type {kind!r}, adapter.type {adapter!r})")
     pairs: dict[str, dict[str, list[int]]] = {}
     end = 0
     for key, (dims, kind_id, offset) in tensors.items():
@@ -130,7 +128,7 @@ def inspect_gguf_adapter(file: Path, base: Path | None, bad: Bad) -> tuple[tuple
                 count *= dim
             end = max(end, offset + -(-count // block[1]) * block[0])
     if start + end > size:
-        raise bad(f"{file.name} is truncated: its tensors need {start + end} bytes, it has {size}")
+        raise bad(f"its file is truncated: its tensors need {start + end} bytes, it has {size}")
     if not pairs:
         raise bad("the adapter holds no LoRA matrices")
     ranks = set()
