@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from lora_adapters import make_gguf_adapter
+    from lora_adapters import make_gguf_adapter  # type: ignore[import-not-found]
 
     base = prepare_gguf()
     with tempfile.TemporaryDirectory(prefix="lora-gguf-bench-") as scratch:
