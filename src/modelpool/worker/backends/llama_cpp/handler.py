@@ -109,7 +109,8 @@ def load(
     step, default 512), ``max_sequences`` (requests one worker may hold at once,
     default 64), ``prefix_cache_tokens`` (KV cells the prefix cache may keep of
     finished requests, default half of the KV cells, 0 turns it off; see
-    ``llama_cpp.prefix_cache``), ``use_mmap`` (default true), and the placement ones
+    ``llama_cpp.prefix_cache``), ``max_loras`` (LoRA GGUF adapters held, default 8;
+    ``llama_cpp.lora``), ``use_mmap`` (default true), and the placement ones
     (:func:`placement`): ``n_gpu_layers``, ``main_gpu``, ``split_mode``,
     ``tensor_split``, and ``embedding`` (true: an embedding model, see
     ``llama_cpp.embedding``; default: what the GGUF's architecture says)::
