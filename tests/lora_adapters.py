@@ -1,6 +1,7 @@
 """Tiny LoRA adapters made with PEFT on the tiny random model, and PEFT's own answers with
 them: the reference the pool's adapters are compared with (tests/integration/test_lora.py,
-tests/e2e/test_lora_api.py, benchmarks/lora.py)."""
+tests/e2e/test_lora_api.py, benchmarks/lora.py); and LoRA GGUFs for the llama_cpp backend
+(tests/integration/test_llama_cpp_lora.py)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,47 @@ def broken_adapter(good: Path, folder: Path, fault: str) -> Path:
     else:
         raise ValueError(fault)
     return folder
+
+
+def make_gguf_adapter(
+    base_gguf: Path,
+    file: Path,
+    *,
+    seed: int,
+    rank: int = 8,
+    targets: Sequence[str] = ("attn_q",),
+    wrong_width: bool = False,
+) -> Path:
+    """A LoRA GGUF of ``base_gguf`` (as llama.cpp's convert_lora_to_gguf.py writes one:
+    ``general.type = adapter``, ``adapter.type = lora``, ``adapter.lora.alpha``, and
+    ``blk.N.T.weight.lora_a`` [rank x in] / ``.lora_b`` [out x rank] in numpy's order)
+    with random, non-zero A and B on every layer's ``targets``; ``wrong_width``: A one
+    column wider than the base's input (an adapter of another base)."""
+    import gguf
+    import numpy as np
+
+    from modelpool.shared.lora_gguf import read_gguf_header
+
+    metadata, tensors, _ = read_gguf_header(base_gguf)  # gguf.GGUFReader takes seconds
+    arch = str(metadata["general.architecture"])
+    shapes = {name: dims for name, (dims, _, _) in tensors.items()}
+    rng = np.random.default_rng(seed)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(file), arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(rank))
+    for name, shape in sorted(shapes.items()):
+        module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        if not name.startswith("blk.") or module not in targets or len(shape) != 2:
+            continue
+        n_in, n_out = shape  # ggml's order: the input width first
+        a = rng.normal(0.0, 0.2, (rank, n_in + wrong_width)).astype(np.float32)
+        b = rng.normal(0.0, 0.2, (n_out, rank)).astype(np.float32)
+        writer.add_tensor(f"{name}.lora_a", a)
+        writer.add_tensor(f"{name}.lora_b", b)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return file

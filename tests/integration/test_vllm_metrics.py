@@ -66,3 +66,35 @@ def test_each_model_of_a_registry_has_its_own_model_name_series() -> None:
             assert values[("vllm:num_requests_running", model)] == 0
     finally:
         registry.close(timeout=5.0)
+
+
+def test_lora_requests_info_names_the_adapters_with_requests_in_flight() -> None:
+    from modelpool.server.lora import lora_table
+    from modelpool.shared.lora import AdapterSpec
+
+    config = make_config(workers=1, backend_options={"max_loras": 3})
+    adapters = tuple(AdapterSpec(name, "chat", f"/adapters/{name}") for name in ("sql", "poet"))
+    registry = ModelRegistry(
+        RegistryConfig(models=(ModelSpec("chat", config),), adapters=adapters)
+    ).start()
+    try:
+        client = TestClient(create_app(registry, ServerConfig()), base_url=LOOPBACK)
+
+        def info() -> list[dict[str, str]]:
+            return [
+                sample.labels
+                for family in text_string_to_metric_families(client.get("/metrics").text)
+                for sample in family.samples
+                if sample.name == "vllm:lora_requests_info"
+            ]
+
+        idle = {"model_name": "chat", "max_lora": "3", "waiting_lora_adapters": ""}
+        assert info() == [{**idle, "running_lora_adapters": ""}]
+        table = lora_table(registry)
+        uses = [table.started("sql"), table.started("poet"), table.started("sql")]
+        assert info() == [{**idle, "running_lora_adapters": "poet,sql"}]
+        uses[1].release()
+        uses[0].release()
+        assert info() == [{**idle, "running_lora_adapters": "sql"}]
+    finally:
+        registry.close(timeout=5.0)

@@ -89,6 +89,7 @@ from modelpool.server.http import (
     read_body,
     run_unless_disconnected,
 )
+from modelpool.server.lora import lora_table
 from modelpool.server.metrics import PoolMetrics
 from modelpool.server.ollama.routes import install_ollama_routes
 from modelpool.server.openai.api import ChatApi, CompletionsApi
@@ -177,6 +178,8 @@ def create_app(
     }
     if registry is not None:
         metrics = PoolMetrics(registry_source=registry.stats, vllm=server_config.vllm_metrics)
+        if metrics.vllm is not None:
+            metrics.vllm.lora_info = lora_table(registry).in_flight
     else:
         assert pool is not None
         metrics = PoolMetrics(

@@ -42,6 +42,7 @@ from modelpool.shared.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     CHECK_TIMEOUT_S,
+    DEFAULT_MAX_LORAS,
     REQUEST_LORA,
     AdapterSpec,
     LoraRef,
@@ -49,7 +50,8 @@ from modelpool.shared.lora import (
 )
 from modelpool.supervisor.registry import ModelRegistry
 
-_Version = tuple[str, tuple[int, int, int, int] | None]
+# An adapter's name (its error names it), its path and the version of its files.
+_Version = tuple[str, str, tuple[int, int, int, int] | None]
 
 
 @dataclass(eq=False)
@@ -101,14 +103,14 @@ class LoraTable:
 
     def check(self, adapter: AdapterSpec) -> None:
         """The adapter's files checked (in a child, bounded) once per version of them."""
-        version = (adapter.path, _stamp(adapter.path))
+        version = (adapter.name, adapter.path, _stamp(adapter.path))
         with self.lock:
             known = version in self.checked
             error = self.checked.get(version)
         if not known:
             base = self.registry.spec(adapter.base).pool.model
             try:
-                folder = base if os.path.isdir(base) else None
+                folder = base if os.path.exists(base) else None  # a directory or a GGUF
                 check_adapter(adapter.name, adapter.path, folder, self.check_timeout_s)
             except InvalidRequest as exc:
                 error = exc
@@ -116,6 +118,26 @@ class LoraTable:
                 self.checked[version] = error
         if error is not None:
             raise InvalidRequest(error.message)
+
+    def in_flight(self) -> dict[str, tuple[tuple[str, ...], int]]:
+        """Per base model: its adapters with requests in flight, and the ``max_loras`` its
+        workers hold (vLLM's ``vllm:lora_requests_info``, ``vllm_metrics``)."""
+        with self.lock:
+            names = {
+                name: self.adapters[name].base
+                for name, count in self.running.items()
+                if count > 0 and name in self.adapters
+            }
+            bases = {adapter.base for adapter in self.adapters.values()}
+        info = {}
+        for base in sorted(bases):
+            try:
+                options = self.registry.spec(base).pool.backend_options
+            except Exception:
+                continue  # a base taken away since: nothing of it to show
+            held = tuple(sorted(name for name, of in names.items() if of == base))
+            info[base] = (held, int(options.get("max_loras", DEFAULT_MAX_LORAS)))
+        return info
 
     def cards(self, created: int, operator: bool) -> list[dict[str, Any]]:
         """The adapters as ``/v1/models`` lists them (vLLM's ``parent``; the path, vLLM's
@@ -254,8 +276,9 @@ def allowed_path(path: str, lora_dirs: tuple[str, ...]) -> Path:
             f"lora_path must lie under one of [server] lora_dirs ({', '.join(lora_dirs)})",
             "lora_path",
         )
-    if not (folder / ADAPTER_CONFIG).is_file():
-        raise invalid(f"{path} holds no {ADAPTER_CONFIG}", "lora_path")
+    gguf = folder.is_file() and folder.suffix == ".gguf"  # a LoRA GGUF, for llama_cpp
+    if not gguf and not (folder / ADAPTER_CONFIG).is_file():
+        raise invalid(f"{path} holds no {ADAPTER_CONFIG} and is no .gguf file", "lora_path")
     return folder
 
 
@@ -264,8 +287,12 @@ def _model_names(registry: ModelRegistry) -> set[str]:
 
 
 def _stamp(path: str) -> tuple[int, int, int, int] | None:
-    """The version of an adapter's files (mtime and size of its config and weights)."""
+    """The version of an adapter's files (mtime and size of its config and weights, or of
+    its one GGUF file)."""
     try:
+        if os.path.isfile(path):
+            found = os.stat(path)
+            return found.st_mtime_ns, found.st_size, 0, 0
         config = os.stat(os.path.join(path, ADAPTER_CONFIG))
         weights = os.stat(os.path.join(path, ADAPTER_WEIGHTS))
     except OSError:

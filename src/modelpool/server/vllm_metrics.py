@@ -18,10 +18,19 @@ attempt's dispatch to its first token and decode the rest; the inter-token laten
 one observation per request, its mean gap; ``kv_cache_usage_perc`` is the share of batch
 rows in use (workers do not report their KV capacity); the prefix cache's queries and
 hits are counted in prompt tokens, as vLLM counts them.
+
+LoRA adapters (docs/lora.md): vLLM's ``vllm:lora_requests_info`` gauge, one series per
+base model (``model_name`` beside vLLM's labels): ``running_lora_adapters`` the adapters
+with requests in the daemon (comma-separated; the daemon does not tell a queued request
+from a running one, so ``waiting_lora_adapters`` stays empty), ``max_lora`` the base's
+``max_loras``, the value the time of the scrape, as vLLM sets it. vLLM's per-request
+series carry no ``lora_name``: an adapter's requests count under its base there, and by
+adapter in ``modelpool_lora_request_duration_seconds``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -125,6 +134,8 @@ class VllmMetrics:
                 "vllm:num_preemptions", "Attempts preempted for a more urgent request."
             ),
         }
+        # Per base model: adapters with requests in flight, max_loras (server.lora.in_flight).
+        self.lora_info: Callable[[], Mapping[str, tuple[tuple[str, ...], int]]] | None = None
         self.success = Counter(
             "vllm:request_success",
             "Finished requests, by finish reason (abort: cancelled; error: failed).",
@@ -152,6 +163,20 @@ class VllmMetrics:
             for family, value in zip(families, values, strict=True):
                 family.add_metric([model], value)
         yield from families
+        if self.lora_info is not None:
+            yield self._lora_family(self.lora_info())
+
+    @staticmethod
+    def _lora_family(info: Mapping[str, tuple[tuple[str, ...], int]]) -> Metric:
+        family = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests (the value: when they were read).",
+            labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        now = time.time()
+        for model, (running, max_loras) in info.items():
+            family.add_metric([model, ",".join(running), "", str(max_loras)], now)
+        return family
 
 
 class _ModelSeries:

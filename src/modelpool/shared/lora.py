@@ -37,12 +37,16 @@ from pathlib import Path
 from typing import Any
 
 from modelpool.shared.errors import InvalidRequest, ModelUnavailable
+from modelpool.shared.lora_gguf import inspect_gguf_adapter
 
 LORA_PARAM = "lora"
 """The generation parameter naming a request's adapter: ``{"name": ..., "path": ...}``."""
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+DEFAULT_MAX_LORAS = 8
+"""Adapters one worker holds when the ``max_loras`` load option is not given."""
 
 CHECK_TIMEOUT_S = 30.0
 """How long the child that checks an adapter may take before the adapter is refused (503)."""
@@ -161,14 +165,19 @@ class AdapterInfo:
 
 def inspect_adapter(name: str, path: str, base: str | None) -> AdapterInfo:
     """Check the PEFT LoRA directory ``path`` (and, when ``base`` is a directory holding
-    safetensors, its shapes against the base's weights); InvalidRequest naming ``name``
-    and what is wrong."""
+    safetensors, its shapes against the base's weights), or the LoRA GGUF file ``path``
+    (``shared.lora_gguf``, against the base's GGUF); InvalidRequest naming ``name`` and
+    what is wrong."""
 
     def bad(why: str) -> InvalidRequest:
         # The adapter's name, never its path: a tenant sees this message.
         return InvalidRequest(f"LoRA adapter {name!r}: {why}")
 
     folder = Path(path)
+    if folder.is_file():
+        # A llama.cpp LoRA GGUF, for a base served by the llama_cpp backend.
+        modules, gguf_rank = inspect_gguf_adapter(folder, Path(base) if base else None, bad)
+        return AdapterInfo(modules, gguf_rank)
     try:
         config = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except FileNotFoundError:

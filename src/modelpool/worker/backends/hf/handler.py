@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelpool.shared.context import check_max_model_len, context_length
 from modelpool.shared.errors import InvalidRequest
-from modelpool.shared.lora import lora_ref
+from modelpool.shared.lora import DEFAULT_MAX_LORAS, lora_ref
 from modelpool.shared.prefixes import answered_fingerprints
 from modelpool.shared.protocol import (
     Call,
@@ -86,7 +86,7 @@ from modelpool.worker.backends.common.thinking import ThinkingModels, is_chat
 from modelpool.worker.backends.hf.generation import generate
 from modelpool.worker.backends.hf.generation_config import unbatchable_generation_config
 from modelpool.worker.backends.hf.grammars import LLGuidanceGrammars
-from modelpool.worker.backends.hf.lora import DEFAULT_MAX_LORAS, Loras
+from modelpool.worker.backends.hf.lora import Loras
 from modelpool.worker.backends.hf.options import (
     LOAD_OPTIONS,
     byte_size,

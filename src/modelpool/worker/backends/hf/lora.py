@@ -49,9 +49,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_LORAS = 8
-"""Adapters one worker holds when the ``max_loras`` load option is not given."""
-
 NO_ADAPTER = 0
 """The slot of a row that uses the base alone."""
 

@@ -48,7 +48,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from modelpool.shared.errors import InvalidRequest
-from modelpool.shared.lora import LORA_PARAM
 from modelpool.shared.protocol import (
     Call,
     Generation,
@@ -74,6 +73,7 @@ from modelpool.worker.backends.llama_cpp.embedding import (
     read_metadata,
 )
 from modelpool.worker.backends.llama_cpp.grammars import LlamaGrammars
+from modelpool.worker.backends.llama_cpp.lora import GgufLoras
 from modelpool.worker.backends.llama_cpp.options import (
     ALL_LAYERS,
     Options,
@@ -93,11 +93,6 @@ def validate(params: Mapping[str, Any]) -> None:
     """Reject generation parameters this backend does not take (every backend's rules,
     ``common.params``)."""
     validate_params(params, "llama_cpp")
-    if params.get(LORA_PARAM) is not None:
-        raise InvalidRequest(
-            "LoRA adapters are served by the hf backend only (the llama_cpp backend does not "
-            'apply them yet): serve the adapter\'s base with backend = "hf"'
-        )
 
 
 def load(
@@ -115,7 +110,8 @@ def load(
     step, default 512), ``max_sequences`` (requests one worker may hold at once,
     default 64), ``prefix_cache_tokens`` (KV cells the prefix cache may keep of
     finished requests, default half of the KV cells, 0 turns it off; see
-    ``llama_cpp.prefix_cache``), ``use_mmap`` (default true), and the placement ones
+    ``llama_cpp.prefix_cache``), ``max_loras`` (LoRA GGUF adapters held, default 8;
+    ``llama_cpp.lora``), ``use_mmap`` (default true), and the placement ones
     (:func:`placement`): ``n_gpu_layers``, ``main_gpu``, ``split_mode``,
     ``tensor_split``, and ``embedding`` (true: an embedding model, see
     ``llama_cpp.embedding``; default: what the GGUF's architecture says)::
@@ -183,6 +179,7 @@ class LlamaCppHandler(ScheduledHandler):
             max_sequences=runtime.max_sequences,
             prefix_cache_tokens=_prefix_cache_tokens(runtime, settings),
             cell_bytes=runtime.cell_bytes(),
+            loras=GgufLoras(runtime, settings.max_loras),
         )
         self.scheduler: Scheduler[LlamaRow] = Scheduler(
             self.runner, runtime.kv_cells, settings.prefill_chunk_tokens

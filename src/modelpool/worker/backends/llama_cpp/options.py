@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from modelpool.shared.context import check_max_model_len
+from modelpool.shared.lora import DEFAULT_MAX_LORAS
 from modelpool.worker.backends.common.params import (
     chat_template_option,
     check_load_options,
@@ -37,6 +38,7 @@ LOAD_OPTIONS = frozenset(
         "tensor_split",
         "use_mmap",
         "embedding",
+        "max_loras",
     }
 )
 DEFAULT_MAX_SEQUENCES = 64
@@ -153,6 +155,7 @@ class Options:
     max_sequences: int
     use_mmap: bool
     prefix_cache_tokens: int | None
+    max_loras: int = DEFAULT_MAX_LORAS
 
 
 def parse_options(options: Mapping[str, Any]) -> Options:
@@ -187,6 +190,7 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         ),
         use_mmap=use_mmap,
         prefix_cache_tokens=prefix_cache_tokens,
+        max_loras=positive_int("max_loras", options.get("max_loras", DEFAULT_MAX_LORAS)),
     )
 
 

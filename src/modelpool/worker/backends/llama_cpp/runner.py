@@ -26,6 +26,11 @@ a request starting its prefill takes the longest cached prefix of its prompt int
 own sequence (``llama_memory_seq_cp``) and reads only the rest. Cached cells count
 against ``kv_cells`` beside the started requests' reservations, and entries are evicted
 the moment a request needs their cells or sequence id.
+
+LoRA adapters (``llama_cpp.lora``): llama.cpp applies an adapter to the whole context, so a
+step decodes the rows of one adapter (or of none), the groups taken in turn step by
+step so that no group's rows stall; a request's adapter is read as it is admitted (a
+file llama.cpp refuses is its 400) and held while it runs.
 """
 
 from __future__ import annotations
@@ -36,12 +41,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from modelpool.shared.errors import InvalidRequest
 from modelpool.shared.grammar import RowGrammar
+from modelpool.shared.lora import LoraRef, lora_ref
 from modelpool.shared.prefixes import answered_fingerprints, partition_of
 from modelpool.shared.protocol import BatchCall, Call, PrefixCacheReport, Prompt, TokenLogprob
 from modelpool.worker.backends.common.sampling import Sampling
 from modelpool.worker.backends.common.scheduler import Grammars, Row, Scheduler, StepPlan
 from modelpool.worker.backends.common.text import TextProgress, stop_strings
+from modelpool.worker.backends.llama_cpp.lora import GgufLoras
 from modelpool.worker.backends.llama_cpp.prefix_cache import SequencePrefixCache
 from modelpool.worker.backends.llama_cpp.sampling import choose_token, token_logprob
 
@@ -76,6 +84,8 @@ class Runtime(Protocol):
         ...
 
     def clear(self) -> None: ...
+
+    def use_adapter(self, handle: Any) -> None: ...
 
     def token_text(self, token_id: int) -> str: ...
 
@@ -112,6 +122,9 @@ class LlamaRow:
     seq_id: int = -1
     pending: int = -1  # the latest token, decoded at the next step
     seen: list[int] = field(default_factory=list)
+    lora: LoraRef | None = None  # the request's adapter
+    adapter: str | None = None  # its key in the held adapters, while the row holds it
+    adapter_error: InvalidRequest | None = None  # its adapter could not be read as it started
 
 
 LlamaRequest = Row[LlamaRow]
@@ -142,11 +155,14 @@ class LlamaRunner:
         max_sequences: int,
         prefix_cache_tokens: int = 0,
         cell_bytes: int = 0,
+        loras: GgufLoras | None = None,
     ) -> None:
         self.runtime = runtime
         self.encoder = encoder
         self.kv_cells = kv_cells
         self._free_seq_ids = list(range(max_sequences - 1, -1, -1))
+        self.loras = loras
+        self._turn = ""  # the adapter group the latest step decoded ("": the base)
         self.prefix_cache = (
             SequencePrefixCache(prefix_cache_tokens, cell_bytes, self._free_sequence)
             if prefix_cache_tokens > 0
@@ -176,6 +192,11 @@ class LlamaRunner:
         sampling = Sampling.from_params(params, self.runtime.n_vocab)
         rng = np.random.default_rng(params.get("seed")) if sampling.do_sample else None
         top_logprobs: int | None = params.get("logprobs")
+        lora = lora_ref(params)
+        if lora is not None:
+            if self.loras is None:
+                raise InvalidRequest("this model serves no LoRA adapters")
+            self.loras.check(lora)  # its 400, before any batch
         return Row(
             call=call,
             prompt_ids=prompt_ids,
@@ -183,7 +204,13 @@ class LlamaRunner:
             sampling=sampling,
             # Raises ContextLengthExceeded (that request's answer alone) when it cannot fit.
             max_new_tokens=self.encoder.fit_new_tokens(call, dict(params), len(prompt_ids)),
-            state=LlamaRow(rng, top_logprobs, params.get("prompt_logprobs"), seen=list(prompt_ids)),
+            state=LlamaRow(
+                rng,
+                top_logprobs,
+                params.get("prompt_logprobs"),
+                seen=list(prompt_ids),
+                lora=lora,
+            ),
             logprobs=None if top_logprobs is None else [],
         )
 
@@ -206,10 +233,25 @@ class LlamaRunner:
                 return False
         elif not self._free_seq_ids:
             return False
+        if not self._take_adapter(row):
+            return False
         self._take_sequence(row)
         return True
 
+    def _take_adapter(self, row: LlamaRequest) -> bool:
+        """Hold the row's adapter; False when every place is in use (it waits)."""
+        state = row.state
+        if state.lora is None or self.loras is None:
+            return True
+        try:
+            state.adapter = self.loras.acquire(state.lora)
+        except InvalidRequest as exc:
+            state.adapter_error = exc  # its file changed since admission: failed in run
+            return True
+        return state.adapter is not None
+
     def run(self, plan: StepPlan[LlamaRow], step: Scheduler[LlamaRow]) -> None:
+        plan = self._one_adapter(plan, step)
         decoding = plan.decoding
         tokens: list[int] = []
         positions: list[int] = []
@@ -242,8 +284,42 @@ class LlamaRunner:
             work = functools.partial(self._read, row, start, end, first, step)
             self._guarded(row, step, work)
 
+    def _one_adapter(
+        self, plan: StepPlan[LlamaRow], step: Scheduler[LlamaRow]
+    ) -> StepPlan[LlamaRow]:
+        """The part of ``plan`` this step decodes: the rows of one adapter group, the
+        group after the latest one decoded (llama.cpp applies adapters per context); the
+        adapter set on the context. Rows whose adapter failed to load leave first."""
+        rows = [*plan.decoding, *plan.whole, *(row for row, _ in plan.slices)]
+        for row in rows:
+            if row.state.adapter_error is not None:
+                self._end(row)
+                step.fail(row, row.state.adapter_error)
+        groups = sorted(
+            {row.state.adapter or "" for row in rows if row.state.adapter_error is None}
+        )
+        if not groups:
+            return StepPlan([], [], [], plan.fused)
+        chosen = next((key for key in groups if key > self._turn), groups[0])
+        self._turn = chosen
+
+        def mine(row: LlamaRequest) -> bool:
+            return row.state.adapter_error is None and (row.state.adapter or "") == chosen
+
+        if self.loras is not None:
+            self.runtime.use_adapter(self.loras.handle(chosen) if chosen else None)
+        return StepPlan(
+            [row for row in plan.decoding if mine(row)],
+            [row for row in plan.whole if mine(row)],
+            [(row, count) for row, count in plan.slices if mine(row)],
+            plan.fused,
+        )
+
     def release(self, row: LlamaRequest) -> None:
-        """Free the row's KV cells and its sequence id."""
+        """Free the row's KV cells, its sequence id and its hold on its adapter."""
+        if row.state.adapter is not None and self.loras is not None:
+            self.loras.release(row.state.adapter)
+            row.state.adapter = None
         if row.state.seq_id < 0:
             return
         seq_id, row.state.seq_id = row.state.seq_id, -1

@@ -54,6 +54,7 @@ class Runtime:
         self._pieces: dict[int, bytes] = {}
         self._texts: dict[int, str] = {}
         self._decoder = Detokenizer(self)
+        self._adapter: Any = None  # the adapter the context applies (use_adapter)
 
     @classmethod
     def open(cls, llama: Any, path: Path, layout: Placement, settings: Options) -> Runtime:
@@ -171,6 +172,35 @@ class Runtime:
 
     def clear(self) -> None:
         self.llama.llama_memory_clear(self.memory, True)
+
+    # ---- LoRA adapters (llama_cpp.lora) -----------------------------------------------------
+
+    def load_adapter(self, path: str) -> Any:
+        """A LoRA GGUF read onto this model; None when llama.cpp refuses it (not a LoRA
+        GGUF, another architecture, shapes of another base, a truncated file)."""
+        handle = self.llama.llama_adapter_lora_init(self.model, path.encode())
+        return handle if handle else None
+
+    def free_adapter(self, handle: Any) -> None:
+        if handle is self._adapter:
+            self.use_adapter(None)
+        self.llama.llama_adapter_lora_free(handle)
+
+    def use_adapter(self, handle: Any) -> None:
+        """Apply ``handle`` (None: no adapter) to the next decodes: llama.cpp applies
+        adapters per context, not per sequence."""
+        if handle is self._adapter:
+            return
+        llama = self.llama
+        if handle is None:
+            code = int(llama.llama_set_adapters_lora(self.context, None, 0, None))
+        else:
+            handles = (llama.llama_adapter_lora_p_ctypes * 1)(handle)
+            scales = (ctypes.c_float * 1)(1.0)
+            code = int(llama.llama_set_adapters_lora(self.context, handles, 1, scales))
+        if code != 0:
+            raise RuntimeError(f"llama_set_adapters_lora returned {code}")
+        self._adapter = handle
 
     def decoder(self) -> Detokenizer:
         return self._decoder
