@@ -234,7 +234,14 @@ ROUTES = [
 ]
 # The POST routes that cost no model's work: operators' (see test_only_an_operator_...),
 # Ollama's description of a model, and its model management (refused: 501).
-ADMIN_ROUTES = {"/models/load", "/models/unload", "/models/pin", "/models/unpin"}
+ADMIN_ROUTES = {
+    "/models/load",
+    "/models/unload",
+    "/models/pin",
+    "/models/unpin",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+}
 FREE_ROUTES = ADMIN_ROUTES | {
     "/api/show",
     "/api/pull",
