@@ -49,6 +49,8 @@ _EXPORTS = {
     "InvalidRequest": "modelpool.shared.errors",
     "ContextLengthExceeded": "modelpool.shared.errors",
     "WrongTask": "modelpool.shared.errors",
+    "ImageRefused": "modelpool.shared.errors",
+    "ImageLimits": "modelpool.shared.images",
     "MalformedToolCall": "modelpool.shared.errors",
     "EmbeddingResult": "modelpool.shared.embeddings",
     "ScoreResult": "modelpool.shared.embeddings",
@@ -71,6 +73,8 @@ __all__ = [
     "GrammarCompileTimeout",
     "GrammarEngineMissing",
     "GrammarError",
+    "ImageLimits",
+    "ImageRefused",
     "InvalidRequest",
     "MalformedToolCall",
     "ModelLoadFailed",
@@ -114,6 +118,7 @@ if TYPE_CHECKING:
         GrammarCompileTimeout,
         GrammarEngineMissing,
         GrammarError,
+        ImageRefused,
         InvalidRequest,
         MalformedToolCall,
         ModelLoadFailed,
@@ -129,6 +134,7 @@ if TYPE_CHECKING:
         WorkerCrashed,
         WrongTask,
     )
+    from modelpool.shared.images import ImageLimits
     from modelpool.shared.logprob_columns import TokenLogprobs
     from modelpool.shared.protocol import Generation, TokenIds, TokenLogprob
     from modelpool.supervisor.pool import ModelPool, PoolFuture, Result

@@ -418,6 +418,31 @@ class WrongTask(InvalidRequest):
         self.task = task
 
 
+class ImageRefused(InvalidRequest):
+    """An image in the request that is not served: over a limit, not an image, truncated,
+    a remote URL the operator did not allow, or sent to a model that reads no images when
+    ``unsupported_images = "refuse"``. ``part`` names it (``"messages[1].content[0]"``);
+    ``reason`` is a short machine-readable word (``"too_many_pixels"``, ``"not_an_image"``,
+    ``"model_not_multimodal"``, ...)::
+
+        except ImageRefused as exc:
+            print(exc.part, exc.reason)
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        part: str,
+        reason: str,
+        request_id: str | None = None,
+        attempts: Sequence[Attempt] = (),
+    ) -> None:
+        super().__init__(message, request_id=request_id, attempts=attempts)
+        self.part = part
+        self.reason = reason
+
+
 class GrammarError(InvalidRequest):
     """A structured-output constraint (``response_format``, ``grammar``) that the grammar
     engine cannot honour: refused, never ignored.

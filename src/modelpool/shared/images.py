@@ -1,0 +1,69 @@
+"""Images in a chat message: the one form every API's parser produces, and their limits.
+
+A chat message's ``content`` is either a string or a list of parts, each a plain dict::
+
+    {"type": "text", "text": "What is in this picture?"}
+    {"type": "image", "data": b"\\x89PNG...", "media_type": "image/png"}
+
+``data`` is the image file as its client sent it (base64 already decoded), never a
+decoded bitmap: decoding untrusted bytes happens in the worker, after the limits below,
+never on the daemon's event loop or the supervisor's thread. The API parsers (chat
+``image_url`` data URLs, Anthropic ``image`` blocks, Responses ``input_image``, Ollama
+``images``) each turn their own shape into this one.
+
+The limits are checked in two places: what needs no decoding (encoded bytes, images per
+request) when the request is taken, and what the file declares (pixels, frames) in the
+worker, from the header, before a single pixel is decoded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+ImageMediaType = Literal["image/png", "image/jpeg", "image/webp", "image/gif"]
+IMAGE_MEDIA_TYPES: Final[tuple[ImageMediaType, ...]] = (
+    "image/png",
+    "image/jpeg",
+    "image/webp",
+    "image/gif",
+)
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What one request's images may be; ``PoolConfig`` carries one for every model.
+
+    Defaults sit near the peers' (vLLM, Ollama): a phone photo or a 4K screenshot passes,
+    a decompression bomb (a small file declaring a huge canvas) does not.
+    """
+
+    max_bytes: int = 20 * 1024 * 1024
+    """Encoded bytes of one image, as sent (after base64)."""
+    max_pixels: int = 40_000_000
+    """Width times height that one image's header declares."""
+    max_frames: int = 1
+    """Frames of an animated image (GIF, WebP, APNG) that are read; more is refused."""
+    max_images: int = 16
+    """Images in one request, over all of its messages."""
+
+
+def image_parts(content: object) -> list[Mapping[str, Any]]:
+    """The image parts of one message's content, in order (none for a string)."""
+    if not isinstance(content, Sequence) or isinstance(content, (str, bytes)):
+        return []
+    return [
+        part for part in content if isinstance(part, Mapping) and part.get("type") == "image"
+    ]
+
+
+def count_images(messages: object) -> int:
+    """How many image parts a prompt carries (0 for a string or token ids)."""
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+        return 0
+    return sum(
+        len(image_parts(message.get("content")))
+        for message in messages
+        if isinstance(message, Mapping)
+    )
