@@ -254,7 +254,8 @@ def test_errors_in_ollama_shape(daemon: Daemon, client: ollama.Client) -> None:
     assert raised.value.status_code == 404 and "nope" in raised.value.error
     chat = {"model": "chat", "stream": False}
     image = {"role": "user", "content": "what is this", "images": ["AAAA"]}
-    assert "no vision" in error_of(post(daemon, "/api/chat", {**chat, "messages": [image]}), 400)
+    refused = error_of(post(daemon, "/api/chat", {**chat, "messages": [image]}), 400)
+    assert "messages[0].images[0]: the data is not a PNG" in refused
     hello = [{"role": "user", "content": "x"}]
     # /api/chat thinks apart (test_reasoning); /api/generate does not.
     think = {**chat, "prompt": "x", "think": True}

@@ -254,7 +254,7 @@ def test_crash_before_any_text_is_its_status(client: openai.OpenAI) -> None:
         ({"input": "x", "max_output_tokens": "many"}, "max_output_tokens"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
-            "input[0].content[0].type",
+            "input[0].content[0]",
         ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"input": "x", "frequency_penalty": 1}, "frequency_penalty"),

@@ -14,7 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from modelpool.shared.images import IMAGE_TOKEN_ESTIMATE
 from modelpool.shared.protocol import Prompt, TokenIds
+
+# An image part, in the characters a prompt is sized in: its estimated tokens at about
+# four characters a token.
+IMAGE_CHARS = 4 * IMAGE_TOKEN_ESTIMATE
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,5 +121,14 @@ def _message_chars(messages: Sequence[object]) -> int:
     total = 0
     for message in messages:
         content = message.get("content") if isinstance(message, Mapping) else None
-        total += len(content) if isinstance(content, str) else 0
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                if not isinstance(part, Mapping):
+                    continue
+                text = part.get("text")
+                # An image, in characters of text: its estimated tokens at ~4 a token.
+                is_image = part.get("type") == "image"
+                total += IMAGE_CHARS if is_image else len(text) if isinstance(text, str) else 0
     return total

@@ -89,6 +89,7 @@ from modelpool.server.http import (
     read_body,
     run_unless_disconnected,
 )
+from modelpool.server.images import IMAGES_OMITTED_HEADER, fetch_images, settle_images
 from modelpool.server.lora import lora_table
 from modelpool.server.metrics import PoolMetrics
 from modelpool.server.ollama.routes import install_ollama_routes
@@ -319,9 +320,19 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     )
     budget = client.config(state.config).max_request_tokens
     body, parsed = await state.checks.run(
-        client.name, client.limits, waiting_s, _parse, raw, api, budget, state.pool_config_for
+        client.name,
+        client.limits,
+        waiting_s,
+        _parse,
+        raw,
+        api,
+        budget,
+        state.pool_config_for,
+        state.config,
     )
     job = parsed.job
+    await fetch_images(job, state.config, state.pool_config_for(body).image_limits)
+    image_headers = {IMAGES_OMITTED_HEADER: str(job.images_omitted)} if job.images_omitted else {}
     taken = await api.take_pool(parsed, body, lambda: state.serve(request, body))
     if isinstance(taken, Response):
         return taken  # answered without a run (Ollama's load and unload)
@@ -380,6 +391,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
             start=start,
             ticket=ticket,
             heavy_work=state.heavy_work,
+            headers=image_headers,
         )
 
     async def run(prompt: Prompt, params: dict[str, Any]) -> Result:
@@ -414,7 +426,11 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
     return Response(
         content,
         media_type="application/json",
-        headers={"X-Request-Id": results[0].request_id, **closed_header(by_index)},
+        headers={
+            "X-Request-Id": results[0].request_id,
+            **closed_header(by_index),
+            **image_headers,
+        },
     )
 
 
@@ -423,16 +439,18 @@ def _parse(
     api: Api[P],
     budget: int,
     config_for: Callable[[dict[str, Any]], PoolConfig],
+    server_config: ServerConfig,
 ) -> tuple[dict[str, Any], P]:
-    """A generation's body, parsed by its API family, checked and costed against
-    ``budget`` (``max_request_tokens``) with its model's ``max_new_tokens`` for a request
-    that says none; in a check thread. ``keep_alive`` (Ollama's) is the registry's, not
-    the API's."""
+    """A generation's body, parsed by its API family, its images settled against its
+    model (``images``), checked and costed against ``budget`` (``max_request_tokens``)
+    with its model's ``max_new_tokens`` for a request that says none; in a check thread.
+    ``keep_alive`` (Ollama's) is the registry's, not the API's."""
     body = parse_json_object(raw)
     keep_alive = multi.split_keep_alive(body)
     parsed = api.parse(body)
     multi.put_keep_alive(body, keep_alive)
     config = config_for(body)
+    settle_images(parsed.job, config, server_config)
     fit_max_tokens(parsed, config)
     bind_tool_syntax(parsed.job, config, str(body.get("model") or config.model))
     # A request with no maximum is costed as before it got the context's room (128).

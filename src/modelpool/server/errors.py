@@ -19,6 +19,7 @@ from modelpool.shared.errors import (
     DeadlineExceeded,
     GrammarCompileTimeout,
     GrammarError,
+    ImageRefused,
     InvalidRequest,
     MalformedToolCall,
     ModelLoadFailed,
@@ -77,6 +78,9 @@ def pool_error_to_api(error: PoolError) -> ApiError:
         # The model does not do what the route asks (an embedding model asked to chat).
         extra["task"] = error.task
         return ApiError(400, error.message, code="wrong_task", param="model", extra=extra)
+    if isinstance(error, ImageRefused):
+        # The reason is the code ("too_many_images", "model_not_multimodal", ...).
+        return ApiError(400, error.message, code=error.reason, param=error.part, extra=extra)
     if isinstance(error, InvalidRequest):
         return ApiError(400, error.message, code="invalid_value", extra=extra)
     if isinstance(error, QueueFull):

@@ -133,8 +133,10 @@ class EventStream(Response):
         start: Callable[[StreamedChoice], AbstractAsyncContextManager[AsyncPoolStream]],
         ticket: Ticket,
         heavy_work: asyncio.Semaphore,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(status_code=200)
+        self._route_headers = dict(headers or {})  # beside the stream's own
         self._ticket = ticket
         self._heavy_work = heavy_work
         self._choices = choices
@@ -261,6 +263,10 @@ class EventStream(Response):
                     # Proxies such as nginx would otherwise buffer the whole stream.
                     (b"x-accel-buffering", b"no"),
                     (b"x-request-id", request_id.encode()),
+                    *(
+                        (name.encode(), value.encode())
+                        for name, value in self._route_headers.items()
+                    ),
                 ],
             }
         )

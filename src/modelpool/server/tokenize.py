@@ -69,7 +69,7 @@ def parse_tokenize(body: Mapping[str, Any]) -> TokenizeJob:
     messages = body["messages"]
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", param="messages")
-    prompt: list[Mapping[str, str]] = []
+    prompt: list[Mapping[str, Any]] = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):

@@ -18,8 +18,11 @@ worker, from the header, before a single pixel is decoded.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final, Literal
 
 ImageMediaType = Literal["image/png", "image/jpeg", "image/webp", "image/gif"]
@@ -53,9 +56,7 @@ def image_parts(content: object) -> list[Mapping[str, Any]]:
     """The image parts of one message's content, in order (none for a string)."""
     if not isinstance(content, Sequence) or isinstance(content, (str, bytes)):
         return []
-    return [
-        part for part in content if isinstance(part, Mapping) and part.get("type") == "image"
-    ]
+    return [part for part in content if isinstance(part, Mapping) and part.get("type") == "image"]
 
 
 def count_images(messages: object) -> int:
@@ -67,3 +68,44 @@ def count_images(messages: object) -> int:
         for message in messages
         if isinstance(message, Mapping)
     )
+
+
+IMAGE_TOKEN_ESTIMATE: Final = 1024
+"""What one image is counted as, in tokens, wherever the pool sizes a prompt before a
+worker has read it (the daemon's ``max_request_tokens`` budget, admission's predicted
+prefill): about what the common vision towers make of a photo (LLaVA 576, Gemma 3 256,
+Qwen2-VL ~1,000 at 1 MP). The worker counts the real tokens in ``usage``."""
+
+
+def model_reads_images(backend: str, model: str, backend_options: Mapping[str, Any]) -> bool:
+    """Whether a pool of this backend and model reads images: the testing backend when
+    ``backend_options["vision"]`` is true, llama_cpp with an ``mmproj`` file, hf when the
+    directory's ``config.json`` names an image-text-to-text model (transformers'
+    ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``). ``auto`` is either of the last two,
+    whichever the model turns out to be; a custom backend is taken to read none."""
+    if backend == "testing":
+        return bool(backend_options.get("vision"))
+    if backend in ("llama_cpp", "auto") and backend_options.get("mmproj"):
+        return True
+    if backend in ("hf", "auto"):
+        return _is_vision_directory(model)
+    return False
+
+
+@functools.lru_cache(maxsize=64)
+def _is_vision_directory(model: str) -> bool:
+    """A model directory whose ``config.json`` ``model_type`` is an image-text-to-text one
+    (read once per directory: transformers' tables take seconds to import)."""
+    try:
+        with open(Path(model) / "config.json", encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str):
+        return False
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    return model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES

@@ -109,11 +109,34 @@ def _id_blocks(ids: Sequence[int]) -> list[bytes]:
 
 def _message_units(messages: Sequence[ChatMessage]) -> list[bytes]:
     return [
-        f"{message.get('role', '')}\x00{message.get('content', '')}".encode(
+        f"{message.get('role', '')}\x00{_content_key(message.get('content', ''))}".encode(
             "utf-8", "surrogatepass"
         )
         for message in messages
     ]
+
+
+# Of an image, its length and this many bytes at each end name it in a fingerprint:
+# placement only, so a collision costs a cache miss, and hashing 20 MB on the caller's
+# thread (the daemon's event loop) would cost ~20 ms.
+_IMAGE_KEY_BYTES = 4096
+
+
+def _content_key(content: object) -> str:
+    """A message's content as the text its fingerprint hashes: an image part as its type,
+    length and ends, never the repr of its bytes."""
+    if not isinstance(content, list):
+        return str(content)
+    keys = []
+    for part in content:
+        data = part.get("data") if isinstance(part, dict) else None
+        if isinstance(data, bytes):
+            ends = data[:_IMAGE_KEY_BYTES] + data[-_IMAGE_KEY_BYTES:]
+            digest = hashlib.blake2b(ends, digest_size=8).hexdigest()
+            keys.append(f"\x01image:{len(data)}:{digest}")
+        else:
+            keys.append(str(part.get("text", "")) if isinstance(part, dict) else str(part))
+    return "\x00".join(keys)
 
 
 def _chain(units: list[bytes], partition: int) -> tuple[int, ...]:

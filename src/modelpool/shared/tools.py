@@ -256,7 +256,9 @@ def _choice(value: object, where: str, names: list[str], legacy: bool) -> tuple[
     return "named", name
 
 
-def chat_message(message: Mapping[str, Any], where: str, content: str) -> dict[str, Any] | None:
+def chat_message(
+    message: Mapping[str, Any], where: str, content: str | list[dict[str, Any]]
+) -> dict[str, Any] | None:
     """An OpenAI message that belongs to tool calling, in the pool's message form, or None
     for a plain one. Assistant ``tool_calls`` (or a legacy ``function_call``) keep
     ``arguments`` as a JSON object (what chat templates expect); a ``tool`` (or legacy

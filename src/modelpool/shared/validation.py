@@ -8,7 +8,8 @@ import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from modelpool.shared.errors import InvalidRequest
+from modelpool.shared.errors import ImageRefused, InvalidRequest
+from modelpool.shared.images import IMAGE_MEDIA_TYPES
 from modelpool.shared.prefixes import CACHE_SALT_PARAM, MAX_CACHE_SALT_CHARS
 from modelpool.shared.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
 from modelpool.shared.reasoning.controls import check_thinking_params
@@ -124,8 +125,9 @@ def _check_penalties(params: Mapping[str, Any], prefix: str) -> None:
 
 
 def check_prompt(prompt: object) -> Prompt:
-    """A prompt is a string, a non-empty list of ``{"role", "content"}`` string messages,
-    or token ids (:class:`TokenIds`, or a non-empty list of ints).
+    """A prompt is a string, a non-empty list of ``{"role", "content"}`` messages (content
+    a string or a list of text and image parts, ``shared.images``), or token ids
+    (:class:`TokenIds`, or a non-empty list of ints).
 
     Returns what is sent: the string, a copy of the messages as plain dicts, or the ids as
     a ``TokenIds`` of plain ints, so that a caller's later change to its list, or a type
@@ -149,9 +151,7 @@ def check_prompt(prompt: object) -> Prompt:
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"prompt[{index}].role must be a non-empty string")
-        if not isinstance(content, str):
-            raise InvalidRequest(f"prompt[{index}].content must be a string")
-        copy: dict[str, Any] = {"role": str(role), "content": str(content)}
+        copy: dict[str, Any] = {"role": str(role), "content": _content(content, index)}
         for key in ("tool_call_id", "name"):
             if isinstance(message.get(key), str):
                 copy[key] = str(message[key])
@@ -159,6 +159,44 @@ def check_prompt(prompt: object) -> Prompt:
             copy["tool_calls"] = _tool_calls(message["tool_calls"], index)
         messages.append(copy)
     return messages
+
+
+def _content(content: object, index: int) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or a list of text and image parts (``shared.images``)
+    copied as plain dicts, the image's bytes as ``bytes`` (immutable: never copied)."""
+    if isinstance(content, str):
+        return str(content)
+    if not isinstance(content, (list, tuple)):
+        raise InvalidRequest(
+            f"prompt[{index}].content must be a string or a list of text and image parts"
+        )
+    parts: list[dict[str, Any]] = []
+    for number, part in enumerate(content):
+        where = f"prompt[{index}].content[{number}]"
+        if not isinstance(part, Mapping) or part.get("type") not in ("text", "image"):
+            raise InvalidRequest(f"{where} must be a text part or an image part")
+        if part["type"] == "text":
+            if not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"{where}.text must be a string")
+            parts.append({"type": "text", "text": str(part["text"])})
+            continue
+        data, media_type = part.get("data"), part.get("media_type")
+        if not isinstance(data, (bytes, bytearray, memoryview)) or not data:
+            raise ImageRefused(
+                f"{where}: an image part's data must be the image file's bytes (a URL is "
+                "fetched, or refused, by the daemon before a request reaches the pool)",
+                part=where,
+                reason="invalid_image",
+            )
+        if media_type not in IMAGE_MEDIA_TYPES:
+            raise ImageRefused(
+                f"{where}: media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}, "
+                f"got {media_type!r}",
+                part=where,
+                reason="unsupported_media_type",
+            )
+        parts.append({"type": "image", "data": bytes(data), "media_type": str(media_type)})
+    return parts
 
 
 def _tool_calls(calls: object, index: int) -> list[dict[str, Any]]:

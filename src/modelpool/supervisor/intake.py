@@ -21,7 +21,9 @@ from typing import Any
 
 from modelpool.scheduling.sizes import RunSize, size_of
 from modelpool.shared.config import PoolConfig
-from modelpool.shared.errors import InvalidRequest
+from modelpool.shared.errors import ImageRefused, InvalidRequest
+from modelpool.shared.image_input import check_image_limits
+from modelpool.shared.images import model_reads_images
 from modelpool.shared.lora import with_request_lora
 from modelpool.shared.prefixes import partition_of, prompt_fingerprints
 from modelpool.shared.protocol import (
@@ -74,6 +76,7 @@ def check_request(
     generation = not isinstance(prompt, NOT_GENERATIONS)
     if generation:
         prompt = check_prompt(prompt)
+        _check_images(prompt, config)
     if deadline_s is None:
         deadline_s = config.deadline_s
     else:
@@ -109,6 +112,20 @@ def check_request(
         size=size_of(prompt, max_new_tokens),
         reproducible=_reproducible(params),
     )
+
+
+def _check_images(prompt: Prompt, config: PoolConfig) -> None:
+    """The image checks that need no decoding (count, encoded bytes: ``image_limits``),
+    and a model that reads none refuses them: the daemon replaces them with a note first
+    when its ``unsupported_images`` says so (``server.images``)."""
+    if check_image_limits(prompt, config.image_limits, "prompt") and not model_reads_images(
+        config.backend, config.model, config.backend_options
+    ):
+        raise ImageRefused(
+            f"{config.model!r} reads no images (a text-only model); send text only",
+            part="prompt",
+            reason="model_not_multimodal",
+        )
 
 
 def backend_validator(backend: str) -> Validator | None:

@@ -14,8 +14,9 @@ there is renamed back to the field the client sent::
 
 Claude Code's fields that do not change what is generated (``thinking``, ``metadata``,
 ``cache_control`` markers) are accepted, left out and logged; so are server tools
-(``web_search_...``, ``bash_...``) the model cannot call. ``image`` and ``document``
-blocks are refused: the models served here read text only.
+(``web_search_...``, ``bash_...``) the model cannot call. ``image`` blocks (and text
+``document`` blocks) become the pool's parts (``sources``), in a user message or a
+tool result.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelpool.server.agent_tools import constrainable, renamed
+from modelpool.server.anthropic.sources import source_block
 from modelpool.server.core.fields import check_ignored_fields
 from modelpool.server.core.generation_body import parse_chat
 from modelpool.server.core.job import Job
@@ -212,40 +214,40 @@ def _message(message: object, where: str) -> list[dict[str, Any]]:
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise invalid(f"{where}.content must be a string or a list of blocks", f"{where}.content")
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # text and image parts, in order
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for number, block in enumerate(content):
         block_where = f"{where}.content[{number}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, block_where))
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(block, block_where))
         elif kind in _DROPPED_BLOCKS and role == "assistant":
             continue
-        elif kind in ("image", "document"):
-            raise invalid(
-                f"{block_where}: {kind} blocks are not supported: the model reads text only "
-                "(no vision)",
-                f"{block_where}.type",
-                "unsupported_value",
-            )
+        elif kind in ("image", "document") and role == "user":
+            parts.append(source_block(block, block_where))
         else:
             raise invalid(
                 f"{block_where}: a {role} message takes text"
-                + {"assistant": ", tool_use", "user": ", tool_result"}.get(role, "")
+                + {"assistant": ", tool_use", "user": ", image, document, tool_result"}.get(
+                    role, ""
+                )
                 + f" blocks, got {kind!r}",
                 f"{block_where}.type",
                 "unsupported_value",
             )
     converted: list[dict[str, Any]] = list(results)
+    text = "\n".join(part["text"] for part in parts if part["type"] == "text")
     if calls:
-        converted.append({"role": "assistant", "content": "\n".join(texts), "tool_calls": calls})
-    elif texts or not results:
-        converted.append({"role": role, "content": "\n".join(texts)})
+        converted.append({"role": "assistant", "content": text, "tool_calls": calls})
+    elif any(part["type"] == "image" for part in parts):
+        converted.append({"role": role, "content": parts})
+    elif parts or not results:
+        converted.append({"role": role, "content": text})
     return converted
 
 
@@ -268,22 +270,34 @@ def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise invalid(f"{where}.tool_use_id must be a string", f"{where}.tool_use_id")
     content = block.get("content", "")
     if isinstance(content, list):
-        texts = []
-        for number, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise invalid(
-                    f"{where}.content[{number}]: only text blocks are supported in a tool "
-                    "result (no vision)",
-                    f"{where}.content[{number}]",
-                    "unsupported_value",
-                )
-            texts.append(str(part.get("text", "")))
-        content = "\n".join(texts)
+        # Claude Code's Read of an image file answers with an image block here.
+        parts = [
+            _result_part(part, f"{where}.content[{number}]") for number, part in enumerate(content)
+        ]
+        if any(part["type"] == "image" for part in parts):
+            if block.get("is_error") is True:
+                parts.insert(0, {"type": "text", "text": "Error:"})
+            return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": parts}
+        content = "\n".join(part["text"] for part in parts)
     if not isinstance(content, str):
         raise invalid(f"{where}.content must be a string or text blocks", f"{where}.content")
     if block.get("is_error") is True:
         content = f"Error: {content}"
     return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
+
+
+def _result_part(part: object, where: str) -> dict[str, Any]:
+    """A tool result's block: text, or an image (``source_block``)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if isinstance(part, dict) and kind == "text":
+        return {"type": "text", "text": str(part.get("text", ""))}
+    if isinstance(part, dict) and kind in ("image", "document"):
+        return source_block(part, where)
+    raise invalid(
+        f"{where}: a tool result takes text, image and document blocks, got {kind!r}",
+        where,
+        "unsupported_value",
+    )
 
 
 def _tools(value: object) -> tuple[list[dict[str, Any]], list[int], list[tuple[int, str]]]:

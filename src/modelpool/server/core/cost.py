@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from modelpool.server.core.job import Job
 from modelpool.server.http import invalid
+from modelpool.shared.images import IMAGE_TOKEN_ESTIMATE, count_images
 from modelpool.shared.protocol import Prompt, TokenIds
 
 # What a chat message costs besides its text: the template's markers around it, which a
@@ -54,7 +55,8 @@ def prompt_size(prompt: Prompt) -> int:
         return len(prompt.ids)
     if isinstance(prompt, str):
         return len(prompt)
-    return sum(
+    # An image's bytes count one unit in text_units: it costs its estimated tokens instead.
+    return IMAGE_TOKEN_ESTIMATE * count_images(prompt) + sum(
         MESSAGE_UNITS + text_units([value for key, value in message.items() if key != "role"])
         for message in prompt
     )

@@ -33,7 +33,8 @@ from modelpool.server.core.fields import (
 )
 from modelpool.server.core.job import MAX_CHOICES, Job
 from modelpool.server.http import ApiError, invalid
-from modelpool.shared.errors import GrammarError, SchemaTooComplex
+from modelpool.shared.errors import GrammarError, ImageRefused, SchemaTooComplex
+from modelpool.shared.image_input import image_from_url
 from modelpool.shared.protocol import MAX_TOP_LOGPROBS, Prompt, TokenIds
 from modelpool.shared.reasoning.controls import ControlError, chat_controls
 from modelpool.shared.structured import GUIDED_FIELDS, grammar_for_body
@@ -363,27 +364,57 @@ def parse_completion(body: Mapping[str, Any]) -> Job:
     )
 
 
-def message_content(content: object, index: int) -> str:
+def message_content(content: object, index: int) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or, when it carries images, its text and image
+    parts in order (``shared.images``; ``image_url`` parts as data URLs, or http(s) URLs
+    left pending for the daemon's host rule, ``server.images``)."""
     where = f"messages[{index}].content"
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
+        parts: list[dict[str, Any]] = []
         for part_index, part in enumerate(content):
             part_where = f"{where}[{part_index}]"
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                 raise invalid(f"{part_where} must be an object with a 'type'", param=part_where)
-            if part["type"] != "text":
+            if part["type"] == "image_url":
+                parts.append(_image_url_part(part, part_where))
+            elif part["type"] == "image" and ("data" in part or "url" in part):
+                parts.append(part)  # another family's image, in the pool's form already
+            elif part["type"] != "text":
                 raise invalid(
-                    f"{part_where}: content of type {part['type']!r} is not supported",
+                    f"{part_where}: content of type {part['type']!r} is not supported "
+                    "(text and image_url are)",
                     param=part_where,
                     code="unsupported_value",
                 )
-            if not isinstance(part.get("text"), str):
+            elif not isinstance(part.get("text"), str):
                 raise invalid(f"{part_where}.text must be a string", param=part_where)
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise invalid(f"{where} must be a string or a list of text parts", param=where)
+            else:
+                parts.append({"type": "text", "text": part["text"]})
+        if any(part["type"] == "image" for part in parts):
+            return parts
+        return "\n".join(part["text"] for part in parts)
+    raise invalid(f"{where} must be a string or a list of text and image parts", param=where)
+
+
+def _image_url_part(part: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """OpenAI's ``{"type": "image_url", "image_url": {"url", "detail"}}`` (the URL alone
+    as a string is taken too); ``detail`` is accepted and left to the model's processor."""
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if isinstance(image_url, dict):
+        detail = image_url.get("detail")
+        if detail not in (None, "auto", "low", "high"):
+            raise invalid(
+                f"{where}.image_url.detail must be 'auto', 'low' or 'high', got {detail!r}",
+                param=f"{where}.image_url.detail",
+            )
+    if url is None:
+        raise ImageRefused(
+            f"{where}: missing image_url.url", part=where, reason="invalid_image_url"
+        )
+    return image_from_url(url, where)
 
 
 def parse_chat(body: Mapping[str, Any]) -> Job:
@@ -480,6 +511,12 @@ def _chat_message(message: Mapping[str, Any], role: str, index: int) -> dict[str
     if content is None and role == "assistant" and calls:
         content = ""  # OpenAI's null content beside the calls
     text = message_content(content, index)
+    if isinstance(text, list) and role not in ("user", "tool"):
+        raise invalid(
+            f"{where}.content: images are read in user messages and tool results only",
+            param=f"{where}.content",
+            code="unsupported_value",
+        )
     try:
         converted = chat_message(message, where, text)
     except ToolRequestError as exc:

@@ -43,6 +43,9 @@ class Job:
     echo: bool = False
     chat: bool = False
     tools: ToolPlan | None = None
+    # Images replaced by a note for a model that reads none (server.images): the answer's
+    # x-modelpool-images-omitted header.
+    images_omitted: int = 0
 
     @property
     def runs_per_prompt(self) -> int:

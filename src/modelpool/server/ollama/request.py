@@ -14,9 +14,10 @@ back to the field the client sent (``max_tokens`` → ``options.num_predict``)::
 
 A body without messages (or with an empty prompt) runs nothing: it loads the model, or
 unloads it with ``keep_alive: 0``, as Ollama's clients ask for it (``api.OllamaApi``).
-What cannot be honoured is a 400 naming the field: ``images`` (the models served here
-read text), ``think`` (none of them thinks apart), ``suffix`` (none fills in the
-middle), ``template``, sampling options without a counterpart (``mirostat``, ``min_p``...).
+``images`` (base64 files) become the pool's image parts, before the message's text.
+What cannot be honoured is a 400 naming the field: ``think`` (none of them thinks
+apart), ``suffix`` (none fills in the middle), ``template``, sampling options without
+a counterpart (``mirostat``, ``min_p``...).
 Options that tune Ollama's own runtime (``num_thread``, ``num_gpu``...) and ``context``
 are accepted and ignored, logged.
 """
@@ -33,6 +34,7 @@ from modelpool.server.core.generation_body import parse_chat, parse_completion
 from modelpool.server.core.job import Job
 from modelpool.server.http import ApiError, invalid
 from modelpool.server.reasoning import apply_controls
+from modelpool.shared.image_input import image_from_base64
 from modelpool.shared.reasoning.controls import ollama_controls
 from modelpool.shared.validation import is_int, is_number
 
@@ -160,7 +162,7 @@ def parse_generate_body(body: Mapping[str, Any]) -> OllamaRequest:
     _check_fields(body, GENERATE_FIELDS)
     model = _model(body)
     _check_think(body, model)
-    _no_images(body.get("images"), "images")
+    images = _images(body.get("images"), "images")
     suffix = body.get("suffix")
     if suffix not in (None, ""):
         raise invalid(
@@ -177,6 +179,8 @@ def parse_generate_body(body: Mapping[str, Any]) -> OllamaRequest:
             "unsupported_value",
         )
     prompt = body.get("prompt")
+    if (prompt is None or prompt == "") and images:
+        raise invalid("images: a prompt is needed with the images", "prompt")
     if prompt is None or prompt == "":
         return _load_only("generate", model, body)
     if not isinstance(prompt, str):
@@ -194,6 +198,13 @@ def parse_generate_body(body: Mapping[str, Any]) -> OllamaRequest:
         raise invalid("context must be a list of token ids", "context")
     completion: dict[str, Any] = {"stream": _stream(body)}
     if raw:
+        if images:
+            raise invalid(
+                "images: with raw: true no template is applied, so the images have no place; "
+                "send raw: false",
+                "images",
+                "unsupported_value",
+            )
         if system:
             raise invalid(
                 "system: with raw: true no template is applied, so a system message has no "
@@ -204,7 +215,8 @@ def parse_generate_body(body: Mapping[str, Any]) -> OllamaRequest:
         completion["prompt"] = prompt
         sources = ["prompt"]
     else:
-        messages = [{"role": "user", "content": prompt}]
+        content = [*images, {"type": "text", "text": prompt}] if images else prompt
+        messages = [{"role": "user", "content": content}]
         sources = ["prompt"]
         if system:
             messages.insert(0, {"role": "system", "content": system})
@@ -279,16 +291,15 @@ def _check_think(body: Mapping[str, Any], model: str) -> None:
     raise invalid("think must be true, false, 'low', 'medium' or 'high'", "think")
 
 
-def _no_images(images: object, where: str) -> None:
-    if images is None or images == []:
-        return
+def _images(images: object, where: str) -> list[dict[str, Any]]:
+    """Ollama's ``images``: base64 image files (no data: URL), as the pool's parts."""
+    if images is None:
+        return []
     if not isinstance(images, list):
         raise invalid(f"{where} must be a list of base64 images", where)
-    raise invalid(
-        f"{where}: the models served here read text only (no vision); send text",
-        where,
-        "unsupported_value",
-    )
+    return [
+        image_from_base64(image, None, f"{where}[{number}]") for number, image in enumerate(images)
+    ]
 
 
 def _chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
@@ -306,14 +317,18 @@ def _chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
                 raise invalid(
                     f"{where}.{key} is not supported", f"{where}.{key}", "unsupported_field"
                 )
-        _no_images(message.get("images"), f"{where}.images")
+        images = _images(message.get("images"), f"{where}.images")
         role = message.get("role")
         content = message.get("content")
         if content is None:
             content = ""
         if not isinstance(content, str):
             raise invalid(f"{where}.content must be a string", f"{where}.content")
-        chat: dict[str, Any] = {"role": role, "content": content}
+        if images and role != "user":
+            raise invalid(f"{where}.images: images are read in user messages", f"{where}.images")
+        # The images before the text, as Ollama's own templates place them.
+        parts = [*images, {"type": "text", "text": content}]
+        chat: dict[str, Any] = {"role": role, "content": parts if images else content}
         calls = message.get("tool_calls")
         if calls and role == "assistant":
             if not isinstance(calls, list):

@@ -34,6 +34,8 @@ from modelpool.server.core.job import Job
 from modelpool.server.http import ApiError, invalid
 from modelpool.server.reasoning import apply_controls
 from modelpool.server.responses.store import ResponseStore
+from modelpool.shared.errors import ImageRefused
+from modelpool.shared.image_input import image_from_url
 from modelpool.shared.reasoning.controls import responses_controls
 
 logger = logging.getLogger(__name__)
@@ -284,26 +286,51 @@ def _message(item: Mapping[str, Any], where: str) -> dict[str, Any]:
         return {"role": role, "content": content}
     if not isinstance(content, list):
         raise invalid(f"{where}.content must be a string or a list of parts", f"{where}.content")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for number, part in enumerate(content):
         part_where = f"{where}.content[{number}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
+            parts.append({"type": "text", "text": part["refusal"]})
+        elif kind == "input_image" and role == "user":
+            parts.append(_input_image(part, part_where))
         elif kind in ("input_image", "input_file", "input_audio"):
             raise invalid(
-                f"{part_where}: {kind} is not supported: the model reads text only",
+                f"{part_where}: {kind} is not supported"
+                + (" here: images are read in user messages" if kind == "input_image" else ""),
                 f"{part_where}.type",
                 "unsupported_value",
             )
         else:
             raise invalid(
-                f"{part_where} must be an input_text or output_text part with a text",
+                f"{part_where} must be an input_text, output_text or input_image part",
                 part_where,
             )
-    return {"role": role, "content": "\n".join(texts)}
+    if any(part["type"] == "image" for part in parts):
+        return {"role": role, "content": parts}
+    return {"role": role, "content": "\n".join(part["text"] for part in parts)}
+
+
+def _input_image(part: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``{"type": "input_image", "image_url": "data:...", "detail": ...}``; a ``file_id``
+    names a file uploaded to OpenAI's Files API, which this server does not keep."""
+    if part.get("file_id") is not None:
+        raise ImageRefused(
+            f"{where}: file_id is not supported (this server keeps no uploaded files): send "
+            "the image as image_url, a data: URL",
+            part=where,
+            reason="unsupported_file_id",
+        )
+    detail = part.get("detail")
+    if detail not in (None, "auto", "low", "high"):
+        raise invalid(
+            f"{where}.detail must be 'auto', 'low' or 'high', got {detail!r}", f"{where}.detail"
+        )
+    if part.get("image_url") is None:
+        raise ImageRefused(f"{where}: missing image_url", part=where, reason="invalid_image_url")
+    return image_from_url(part["image_url"], where)
 
 
 def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:

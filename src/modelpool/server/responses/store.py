@@ -76,7 +76,9 @@ class ResponseStore:
     ) -> bool:
         """Keep an answer for ``owner``; False when it alone is larger than the store (not
         kept)."""
-        size = len(json.dumps(response)) + len(json.dumps(messages))
+        # An image part's bytes count as themselves (JSON has no bytes to write).
+        images = sum(len(part["data"]) for message in messages for part in _images(message))
+        size = len(json.dumps(response)) + len(json.dumps(messages, default=_no_text)) + images
         if size > self.max_bytes or self.max_entries == 0:
             return False
         with self._lock:
@@ -136,3 +138,15 @@ class ResponseStore:
         holding.bytes -= entry.size
         if not holding.ids:
             del self._owners[entry.owner]
+
+
+def _images(message: dict[str, Any]) -> list[dict[str, Any]]:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return []
+    return [part for part in content if isinstance(part.get("data"), bytes)]
+
+
+def _no_text(value: object) -> str:
+    """An image's bytes in the size's JSON: counted apart (``put``)."""
+    return ""

@@ -46,7 +46,7 @@ EMBEDDED_BACKEND_OPTIONS: Mapping[str, Any] = {"dtype": "float32"}
 CONFIG_ENV = "MODELPOOL_CONFIG"
 
 # The tables of a config file; every other key is a top-level PoolConfig field.
-_TABLES = ("generation_defaults", "backend_options", "retry", "server")
+_TABLES = ("generation_defaults", "backend_options", "retry", "image_limits", "server")
 
 
 def _split_list(text: str) -> list[str]:
@@ -286,6 +286,7 @@ def _config_file(config_path: str | Path | None, environ: Mapping[str, str]) -> 
 def _as_tables(pool: PoolConfig, server: ServerConfig) -> dict[str, Any]:
     data = {f.name: getattr(pool, f.name) for f in dataclasses.fields(pool)}
     data["retry"] = {f.name: getattr(pool.retry, f.name) for f in dataclasses.fields(RetryPolicy)}
+    data["image_limits"] = dataclasses.asdict(pool.image_limits)
     data["server"] = {f.name: getattr(server, f.name) for f in dataclasses.fields(server)}
     # Tables last, as a TOML file must have them.
     return {key: data[key] for key in sorted(data, key=lambda key: key in _TABLES)}

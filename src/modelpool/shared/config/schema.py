@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from modelpool.shared.config.devices import DeviceEntry, check_device_groups, check_devices
+from modelpool.shared.images import ImageLimits
 from modelpool.shared.reasoning.controls import DEFAULT_ANSWER_RESERVE, check_pool_settings
 from modelpool.shared.tool_formats.detect import check_tool_parser
 from modelpool.shared.validation import check_generation_params, is_number
@@ -93,6 +94,19 @@ class RetryPolicy:
                 raise ValueError(f"retry.on: unknown reason {reason!r} (known: {RETRY_REASONS})")
 
 
+def check_image_limits(value: object) -> ImageLimits:
+    """An ``[image_limits]`` table (or an :class:`ImageLimits`), each bound checked."""
+    if isinstance(value, Mapping):
+        value = ImageLimits(**known_fields(value, ImageLimits, "image_limits"))
+    if not isinstance(value, ImageLimits):
+        raise ValueError(f"image_limits must be a table, got {value!r}")
+    for name in ("max_bytes", "max_pixels", "max_frames"):
+        _check_int(f"image_limits.{name}", getattr(value, name), minimum=1)
+    # 0 images: this model takes none (each is a 400 too_many_images).
+    _check_int("image_limits.max_images", value.max_images, minimum=0)
+    return value
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """How a :class:`~modelpool.ModelPool` is built; docs/configuration.md says what each
@@ -157,6 +171,8 @@ class PoolConfig:
     reasoning_parser: str = "auto"
     reasoning_budgets: dict[str, int] = field(default_factory=dict)
     reasoning_answer_reserve: int = DEFAULT_ANSWER_RESERVE
+    # What one request's images may be (docs/images.md): an [image_limits] table.
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -223,6 +239,7 @@ class PoolConfig:
         object.__setattr__(self, "generation_defaults", dict(self.generation_defaults))
         check_generation_params(self.generation_defaults, where="generation_defaults")
         check_pool_settings(self)
+        object.__setattr__(self, "image_limits", check_image_limits(self.image_limits))
 
     @classmethod
     def from_toml(cls, path: str | Path) -> PoolConfig:
@@ -321,6 +338,13 @@ class ServerConfig:
     min_residency_s: float = 3.0
     swap_share: float = 0.2
     state_dir: str | None = None
+    # Images (docs/images.md): one sent to a model that reads none is replaced by a short
+    # note ("note", the answer's x-modelpool-images-omitted header counts them) or refused
+    # ("refuse": 400 model_not_multimodal); the hosts whose http(s) image URLs the daemon
+    # fetches (empty: none, a 400 remote_image_url), each within this many seconds.
+    unsupported_images: str = "note"
+    image_url_hosts: tuple[str, ...] = ()
+    image_fetch_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -412,6 +436,17 @@ class ServerConfig:
         _check_number("server.swap_share", self.swap_share, allow_zero=False)
         if self.swap_share > 1 or not isinstance(self.state_dir, str | None):
             raise ValueError("server.swap_share must be at most 1; server.state_dir a path")
+        if self.unsupported_images not in ("note", "refuse"):
+            raise ValueError(
+                "server.unsupported_images must be 'note' or 'refuse', "
+                f"got {self.unsupported_images!r}"
+            )
+        object.__setattr__(
+            self,
+            "image_url_hosts",
+            _optional_names("server.image_url_hosts", self.image_url_hosts) or (),
+        )
+        _check_number("server.image_fetch_timeout_s", self.image_fetch_timeout_s, allow_zero=False)
         if self.max_pending_body_bytes < self.max_body_bytes:
             raise ValueError(
                 f"server.max_pending_body_bytes ({self.max_pending_body_bytes}) must be at "
