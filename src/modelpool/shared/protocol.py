@@ -83,8 +83,10 @@ import socket
 import struct
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol, SupportsIndex
+
+from modelpool.shared.images import ImageLimits
 
 PROTOCOL_VERSION = 6
 
@@ -407,6 +409,8 @@ class WorkerSpec:
     generation_defaults: dict[str, Any]
     max_batch_size: int = 1
     poll_s: float = 0.0  # PoolConfig.worker_poll_s
+    # PoolConfig.image_limits: the worker decodes images (worker/images.py) within them.
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
 
 
 MAX_FRAME_BYTES = 1 << 30

@@ -15,6 +15,7 @@ from modelpool.shared.errors import (
     BackendError,
     ContextLengthExceeded,
     CudaError,
+    ImageRefused,
     InvalidRequest,
     Outcome,
     OutOfMemory,
@@ -29,10 +30,13 @@ def worker_refusal(
     text: str, detail: tuple[int, int | None, int] | Mapping[str, Any] | None
 ) -> InvalidRequest:
     """The typed error for a worker's refusal; ``detail`` carries a context refusal's numbers
-    or a grammar refusal's bound, param and keyword, or the task of a model asked for another."""
+    or a grammar refusal's bound, param and keyword, or the task of a model asked for another,
+    or the part and reason of a refused image."""
     if isinstance(detail, Mapping):
         if "task" in detail:
             return WrongTask(text, task=str(detail["task"]))
+        if "reason" in detail and "part" in detail:
+            return ImageRefused(text, part=str(detail["part"]), reason=str(detail["reason"]))
         return grammar_refusal(text, detail)
     if detail is None:
         return InvalidRequest(text)

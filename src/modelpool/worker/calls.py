@@ -11,7 +11,13 @@ import pickle
 import traceback
 from typing import Any
 
-from modelpool.shared.errors import ContextLengthExceeded, GrammarError, InvalidRequest, WrongTask
+from modelpool.shared.errors import (
+    ContextLengthExceeded,
+    GrammarError,
+    ImageRefused,
+    InvalidRequest,
+    WrongTask,
+)
 from modelpool.shared.pooling_answers import (
     answer_pooling_request,
     check_task,
@@ -275,6 +281,12 @@ def send_failure(
         task_detail = {"task": exc.task}
         channel.send(
             ("error", attempt_id, "invalid", str(exc), "", process_rss_bytes(), task_detail)
+        )
+        return
+    if isinstance(exc, ImageRefused):
+        image_detail = {"part": exc.part, "reason": exc.reason}
+        channel.send(
+            ("error", attempt_id, "invalid", str(exc), "", process_rss_bytes(), image_detail)
         )
         return
     if isinstance(exc, InvalidRequest):

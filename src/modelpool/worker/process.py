@@ -51,7 +51,7 @@ from modelpool.shared.protocol import (
     Handler,
     WorkerSpec,
 )
-from modelpool.worker import cuda_faults
+from modelpool.worker import cuda_faults, images
 from modelpool.worker.answers import normalise
 from modelpool.worker.backends import import_backend
 from modelpool.worker.batch_loop import BatchLoop, is_batched
@@ -139,6 +139,7 @@ def serve(channel: Channel, control: ControlBlock) -> int:
     # must not speak on the pool's channel: its frames would interleave with ours, and
     # it could keep the channel open after this worker died.
     os.register_at_fork(after_in_child=lambda: _leave_channel(root, forwarding, channel))
+    images.configure(spec.image_limits)
 
     try:
         factory = import_backend(spec.backend)

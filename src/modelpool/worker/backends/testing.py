@@ -103,21 +103,21 @@ with ``prompt_logprobs`` returns no text.
 
 Load-time options (``backend_options``): ``env_command`` (allow ``env:NAME``),
 ``load_delay_s`` (sleep before ready), ``hold_mb`` (megabytes held from the load on, as
-weights are: a model of a given size for the registry's budget),
-``fail_load`` (raise during load), ``exit_on_load`` (``os._exit`` during load),
-``exit_after_load_s`` (``os._exit(1)`` that many seconds after a successful load: a
-worker that says ready and dies), ``task`` ("embed" or "score": an embedding model or a
-cross-encoder, which refuse to generate; its faults are in ``testing_embeddings``),
-``batch_log`` (a file each batched step of pooling requests appends its number of
-requests to), ``pooling_token_s`` and ``pooling_batch_tokens`` (an embedding's or a
-score's time: ``testing_embeddings.Passes``), ``max_model_len`` (a context length, so that
-the pool's side of context limits is tested without a model). With it, a string
-prompt counts one token per whitespace-separated word, chat messages count as a
-template renders them (a role marker, the words and an end marker each, then one
-for the assistant's turn), a request that does not fit is refused as the hf
-backend refuses it, a ``tokens:N`` request without ``max_new_tokens`` of its own
-stops at 128 tokens or where the context ends, and with ``fit_to_context`` where the
-context ends (finish_reason "length"), and its result reports prompt_tokens::
+weights are: a model of a given size for the registry's budget), ``fail_load`` (raise during
+load), ``exit_on_load`` (``os._exit`` during load), ``exit_after_load_s`` (``os._exit(1)``
+that many seconds after a successful load: a worker that says ready and dies), ``task``
+("embed" or "score": an embedding model or a cross-encoder, which refuse to generate; its
+faults are in ``testing_embeddings``), ``batch_log`` (a file each batched step of pooling
+requests appends its number of requests to), ``pooling_token_s`` and
+``pooling_batch_tokens`` (an embedding's or a score's time: ``testing_embeddings.Passes``),
+``vision`` (reads images: ``testing_images``), ``max_model_len`` (a context length, so that
+the pool's side of context limits is tested without a model). With it, a string prompt
+counts one token per whitespace-separated word, chat messages count as a template renders
+them (a role marker, the words and an end marker each, then one for the assistant's turn), a
+request that does not fit is refused as the hf backend refuses it, a ``tokens:N`` request
+without ``max_new_tokens`` of its own stops at 128 tokens or where the context ends, and
+with ``fit_to_context`` where the context ends (finish_reason "length"), and its result
+reports prompt_tokens::
 
     load(max_model_len=8).generate(call)    # call.prompt "tokens:20" -> t0 .. t6, "length"
 
@@ -174,7 +174,7 @@ from modelpool.shared.validation import (
     PROMOTED_AT_PARAM,
     check_generation_params,
 )
-from modelpool.worker.backends import testing_embeddings, testing_thinking
+from modelpool.worker.backends import testing_embeddings, testing_images, testing_thinking
 from modelpool.worker.backends.common.params import DEFAULT_MAX_NEW_TOKENS, requested_new_tokens
 from modelpool.worker.backends.common.text import first_stop, stop_strings
 
@@ -262,10 +262,11 @@ class _Job:
     pieces: list[str] = field(default_factory=list)
     whole: bool = False
     grammar: PendingGrammar[str] | None = None  # while its grammar compiles
+    preamble: str = ""  # what it says of its images (testing_images)
 
     def partial(self, finish_reason: Any, stop_sequence: str | None = None) -> Generation:
         return Generation(
-            "".join(self.pieces),
+            self.preamble + "".join(self.pieces),
             finish_reason,
             None,
             len(self.pieces),
@@ -300,8 +301,10 @@ class FaultBackend:
         task: Task = "generate",
         batch_log: str | None = None,
         passes: testing_embeddings.Passes = testing_embeddings.INSTANT,
+        vision: bool = False,
     ) -> None:
         self.task = task
+        self.vision = vision
         self.batches_pooling = task != "generate"
         self.passes = passes
         self._pooled = testing_embeddings.PooledBatch(
@@ -368,6 +371,7 @@ class FaultBackend:
         text = _prompt_text(prompt)
         command, _, argument = text.partition(":")
         job = _Job(call, command, argument, self._fit(call)[0])
+        job.preamble = testing_images.read_images(prompt, self.vision)
         note_prompt(call, count_tokens(prompt), 0)
         # Log probabilities come from the one-call path: such a request runs whole in one step.
         job.whole = any(
@@ -442,9 +446,11 @@ class FaultBackend:
     def _advance(self, job: _Job) -> Generation | str | None:
         """One step of one request: its result once it ends, else None."""
         if job.command not in _STEPPED or job.whole:
-            return self.generate(job.call)
+            return self._generate(job.call, job.preamble)
         if job.command == "spin":
             return None
+        if job.preamble and not job.pieces:
+            job.call.emit(job.preamble)
         index = len(job.pieces)
         if job.command == "stall" and index >= job.count:
             _block_forever()
@@ -480,6 +486,22 @@ class FaultBackend:
         return limit, prompt_tokens
 
     def generate(self, call: Call) -> str | Generation:
+        return self._generate(call, testing_images.read_images(call.prompt, self.vision))
+
+    def _generate(self, call: Call, preamble: str) -> str | Generation:
+        """The answer, after ``preamble`` (what it says of the prompt's images)."""
+        if preamble:
+            call.emit(preamble)
+        output = self._with_logprobs(call)
+        if not preamble:
+            return output
+        generation = Generation(output) if isinstance(output, str) else output
+        generation.text = preamble + generation.text
+        if generation.prompt_tokens is None:
+            generation.prompt_tokens = count_tokens(call.prompt)
+        return generation
+
+    def _with_logprobs(self, call: Call) -> str | Generation:
         if call.params.get(GRAMMAR_PARAM) is not None:
             pending = self.grammars.start(call.params[GRAMMAR_PARAM], compile_bound(call.params))
             if pending.wait(call.cancelled) is None:
@@ -593,7 +615,8 @@ def count_tokens(prompt: Prompt) -> int:
         return len(prompt.split())
     if isinstance(prompt, TokenIds):
         return len(prompt.ids)
-    return sum(2 + len(message["content"].split()) for message in prompt) + 1
+    words = sum(len(testing_images.content_text(message["content"]).split()) for message in prompt)
+    return 2 * len(prompt) + words + testing_images.image_tokens(prompt) + 1
 
 
 def _prompt_text(prompt: object) -> str:
@@ -602,8 +625,7 @@ def _prompt_text(prompt: object) -> str:
     if isinstance(prompt, TokenIds):
         return " ".join(str(token_id) for token_id in prompt.ids)
     assert isinstance(prompt, list)
-    content: str = prompt[-1]["content"]
-    return content
+    return testing_images.content_text(prompt[-1]["content"])
 
 
 def _command(call: Call) -> str:
@@ -734,6 +756,7 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
             "hold_mb",
             "pooling_token_s",
             "pooling_batch_tokens",
+            "vision",
         }
     )
     if unknown:
@@ -762,6 +785,7 @@ def load(model: str = "", device: str = "cpu", **options: Any) -> FaultBackend:
         task=task,
         batch_log=None if batch_log is None else str(batch_log),
         passes=passes,
+        vision=options.get("vision") is True,
     )
     if options.get("hold_mb"):
         backend.hold(int(options["hold_mb"]))
