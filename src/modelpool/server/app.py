@@ -70,7 +70,7 @@ from starlette.requests import ClientDisconnect
 from modelpool.server import models as multi
 from modelpool.server import rights
 from modelpool.server.anthropic.api import MessagesApi, count_prompt, fit_max_tokens
-from modelpool.server.checks import Checks
+from modelpool.server.checks import LARGE_BODY_BYTES, Checks
 from modelpool.server.core.admission import admit
 from modelpool.server.core.cost import check_budget, check_size, prompt_size
 from modelpool.server.core.deadline import deadline_from
@@ -329,6 +329,7 @@ async def _generate(request: Request, state: ServerState, api: Api[P]) -> Respon
         budget,
         state.pool_config_for,
         state.config,
+        large=len(raw) > LARGE_BODY_BYTES,
     )
     job = parsed.job
     await fetch_images(job, state.config, state.pool_config_for(body).image_limits)

@@ -27,6 +27,11 @@ from modelpool.shared.structured import checked_inline
 T = TypeVar("T")
 
 CHECK_THREADS = 2
+# A body larger than this (images: a 20 MB data URL takes ~0.1-0.4 s to parse and decode)
+# is checked in a lane of its own, one thread, so that the small bodies of every other
+# client never wait behind a flood of large ones for a check thread.
+LARGE_BODY_BYTES = 1_048_576
+LARGE_BODY_THREADS = 1
 
 
 class Checks:
@@ -40,6 +45,15 @@ class Checks:
             capacity=threads, max_running=1, max_queued=max_waiting, max_waiting=max_waiting
         )
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="modelpool-check")
+        self._large_turns = FairShare(
+            capacity=LARGE_BODY_THREADS,
+            max_running=1,
+            max_queued=max_waiting,
+            max_waiting=max_waiting,
+        )
+        self._large_executor = ThreadPoolExecutor(
+            LARGE_BODY_THREADS, thread_name_prefix="modelpool-check-large"
+        )
 
     async def run(
         self,
@@ -48,16 +62,21 @@ class Checks:
         deadline_s: float,
         work: Callable[..., T],
         *args: Any,
+        large: bool = False,
     ) -> T:
         """``work(*args)`` in a check thread when ``client``'s turn comes (within
         ``deadline_s``, else DeadlineExceeded), its grammar checks inline there;
-        ``limits``: the client's own share (a tenant's)."""
+        ``limits``: the client's own share (a tenant's); ``large``: a body over
+        ``LARGE_BODY_BYTES``, checked in the large bodies' lane."""
+        turns, executor = (
+            (self._large_turns, self._large_executor) if large else (self._turns, self._executor)
+        )
         with self._share.checking(client, limits):
-            ticket = self._turns.reserve(client, 1)
+            ticket = turns.reserve(client, 1)
             try:
                 async with ticket.slot(deadline_s):
                     loop = asyncio.get_running_loop()
-                    done = loop.run_in_executor(self._executor, checked_inline, work, *args)
+                    done = loop.run_in_executor(executor, checked_inline, work, *args)
                     try:
                         return await asyncio.shield(done)
                     except asyncio.CancelledError:
@@ -74,3 +93,4 @@ class Checks:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._large_executor.shutdown(wait=False, cancel_futures=True)

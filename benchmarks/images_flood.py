@@ -1,0 +1,206 @@
+"""The daemon's event loop under an image flood (issue 55): ten clients sending large
+images (8-15 MB PNGs as data URLs) while a probe measures ``/healthz`` and other clients
+send short text requests, against the same probe and text clients without the flood.
+
+One daemon on 127.0.0.1 with two models of the testing backend: ``eyes``
+(``vision = true``: its worker decodes every image, as a vision model's would) takes the
+flood, ``text`` the text clients, so that what the flood can slow down for them is the
+daemon's own work (reading 20 MB bodies, parsing them, decoding their base64), not a
+shared worker. Each client is its own address (``X-Forwarded-For``, believed from
+127.0.0.1), as separate machines would be: one address would share one check thread.
+The flood runs in processes of its own, so that this process's probe is not slowed by
+its own clients. Prints, side by side, the probe's worst and p99 latency, the text
+requests' p50 and p90, and the flood's image rate; targets: ``/healthz`` worst < 0.2 s,
+text p50 < 1.5x without the flood::
+
+    python -m benchmarks.images_flood                    # 20 s per phase
+    python -m benchmarks.images_flood --seconds 40 --flood-clients 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import multiprocessing
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+# Sides of the flood's PNGs (random pixels: a PNG about as large as its pixels, 3 bytes
+# each): 8.6, 11.5 and 14.5 MB.
+SIDES = ((1700, 1700), (1960, 1960), (2200, 2200))
+PROBE_INTERVAL_S = 0.02
+TEXT_CLIENTS = 2
+
+
+def _image_body(side: tuple[int, int]) -> bytes:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from image_files import png  # type: ignore[import-not-found]
+
+    data = png(*side, noise=True)
+    url = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+    body = {
+        "model": "eyes",
+        "max_tokens": 8,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "echo:seen"},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            }
+        ],
+    }
+    return json.dumps(body).encode()
+
+
+def _flood(url: str, body: bytes, address: str, stop_at: float, counts: Any) -> None:
+    """One flooding client (a process): the same image, again and again, until ``stop_at``."""
+    headers = {"Content-Type": "application/json", "X-Forwarded-For": address}
+    with httpx.Client(base_url=url, timeout=120.0) as client:
+        while time.time() < stop_at:
+            answer = client.post("/v1/chat/completions", content=body, headers=headers)
+            if answer.status_code != 200:
+                print(f"flood {address}: {answer.status_code} {answer.text[:300]}", file=sys.stderr)
+            with counts.get_lock():
+                counts.value += 1 if answer.status_code == 200 else 1_000_000
+
+
+def _probe(url: str, stop: threading.Event, latencies: list[float]) -> None:
+    with httpx.Client(base_url=url, timeout=30.0) as client:
+        while not stop.is_set():
+            started = time.perf_counter()
+            client.get("/healthz").raise_for_status()
+            latencies.append(time.perf_counter() - started)
+            stop.wait(PROBE_INTERVAL_S)
+
+
+def _text(url: str, address: str, stop: threading.Event, latencies: list[float]) -> None:
+    body = {"model": "text", "max_tokens": 8, "messages": [{"role": "user", "content": "echo:hi"}]}
+    headers = {"X-Forwarded-For": address}
+    with httpx.Client(base_url=url, timeout=60.0) as client:
+        while not stop.is_set():
+            started = time.perf_counter()
+            client.post("/v1/chat/completions", json=body, headers=headers).raise_for_status()
+            latencies.append(time.perf_counter() - started)
+
+
+def phase(url: str, seconds: float, bodies: list[bytes], flood_clients: int) -> dict[str, Any]:
+    """The probe and the text clients for ``seconds``, with ``flood_clients`` flooding."""
+    stop = threading.Event()
+    probe: list[float] = []
+    text: list[float] = []
+    counts = multiprocessing.Value("i", 0)
+    stop_at = time.time() + seconds
+    floods = [
+        multiprocessing.Process(
+            target=_flood, args=(url, bodies[n % len(bodies)], f"10.0.1.{n + 1}", stop_at, counts)
+        )
+        for n in range(flood_clients)
+    ]
+    for process in floods:
+        process.start()
+    threads = [threading.Thread(target=_probe, args=(url, stop, probe))]
+    threads += [
+        threading.Thread(target=_text, args=(url, f"10.0.2.{n + 1}", stop, text))
+        for n in range(TEXT_CLIENTS)
+    ]
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)  # the phase's length: the clients run meanwhile
+    stop.set()
+    for thread in threads:
+        thread.join()
+    for process in floods:
+        process.join()
+    flooded = counts.value
+    assert flooded < 1_000_000, "a flood request failed"
+    probe.sort()
+    text.sort()
+    return {
+        "healthz_worst": probe[-1],
+        "healthz_p99": probe[int(len(probe) * 0.99)],
+        "text_p50": statistics.median(text),
+        "text_p90": text[int(len(text) * 0.9)],
+        "text_runs": len(text),
+        "images_per_s": flooded / seconds,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=20.0, help="per phase")
+    parser.add_argument("--flood-clients", type=int, default=10)
+    parser.add_argument("--eyes-workers", type=int, default=2)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from e2e_support import registry_config, start_daemon  # type: ignore[import-not-found]
+
+    models = {
+        "eyes": {
+            "model": "eyes",
+            "preload": True,
+            "workers": args.eyes_workers,
+            "backend_options": {"vision": True},
+            "deadline_s": 120.0,
+        },
+        "text": {"model": "text", "preload": True, "workers": 1},
+    }
+    server = {
+        "max_body_bytes": 24_000_000,
+        "max_pending_body_bytes": 400_000_000,
+        "client_max_pending_body_bytes": 400_000_000,
+        "forwarded_allow_ips": ["127.0.0.1"],
+        "max_request_timeout_s": 120.0,
+    }
+    config = registry_config(models, workers=1, server=server)
+    bodies = [_image_body(side) for side in SIDES]
+    sizes = ", ".join(f"{len(body) / 1e6:.1f}" for body in bodies)
+    with tempfile.TemporaryDirectory(prefix="modelpool-images-flood-") as scratch:
+        daemon = start_daemon(Path(scratch), config, ready_timeout=600.0)
+        try:
+            phase(daemon.url, 2.0, bodies, 1)  # warm-up: every model loaded, every path taken
+            quiet = phase(daemon.url, args.seconds, bodies, 0)
+            flooded = phase(daemon.url, args.seconds, bodies, args.flood_clients)
+        finally:
+            daemon.stop()
+    print(
+        f"{args.seconds:g} s per phase; {args.flood_clients} flood clients, bodies of {sizes} MB "
+        f"(PNG data URLs), 'eyes' on {args.eyes_workers} testing worker(s) with vision; "
+        f"{TEXT_CLIENTS} text clients on 'text'; /healthz every {PROBE_INTERVAL_S * 1000:g} ms"
+    )
+    print(f"{'':<22}{'no flood':>12}{'flood':>12}{'ratio':>10}")
+    for key, unit in (
+        ("healthz_worst", "s"),
+        ("healthz_p99", "s"),
+        ("text_p50", "s"),
+        ("text_p90", "s"),
+        ("text_runs", ""),
+        ("images_per_s", ""),
+    ):
+        before, during = quiet[key], flooded[key]
+        ratio = f"{during / before:>9.2f}x" if before else f"{'':>10}"
+        print(
+            f"{key + (' (' + unit + ')' if unit else ''):<22}{before:>12.4g}{during:>12.4g}{ratio}"
+        )
+    worst_ok = flooded["healthz_worst"] < 0.2
+    p50_ok = flooded["text_p50"] < 1.5 * quiet["text_p50"]
+    print(
+        f"targets: /healthz worst < 0.2 s: {'met' if worst_ok else 'NOT met'}; "
+        f"text p50 < 1.5x: {'met' if p50_ok else 'NOT met'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
