@@ -24,6 +24,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Message, Receive, Scope, Send
 
+from modelpool.server.large_bodies import MIN_PAYLOAD, loads_large
+
 T = TypeVar("T")
 
 
@@ -86,7 +88,10 @@ def _reject_constant(name: str) -> None:
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
+        if len(raw) > MIN_PAYLOAD:
+            data = loads_large(raw, _reject_constant)  # an image's base64 kept out of the parser
+        else:
+            data = json.loads(raw, parse_constant=_reject_constant)
     except RecursionError:
         raise invalid("request body is nested too deeply", code="invalid_json") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors.
@@ -112,6 +117,8 @@ def _lone_surrogate_at(value: object, path: str) -> str | None:
     while stack:
         item, where = stack.pop()
         if isinstance(item, str):
+            if item.isascii():  # known without a scan (a str's flag): an image's base64
+                continue
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:
