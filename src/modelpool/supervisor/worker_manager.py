@@ -42,7 +42,6 @@ from typing import Any, Protocol
 
 from modelpool.shared.config import PoolConfig
 from modelpool.shared.errors import ModelLoadFailed
-from modelpool.shared.images import ImageLimits
 from modelpool.shared.protocol import PROTOCOL_VERSION, TASKS, PrefixCacheReport, Task, WorkerSpec
 from modelpool.shared.reasoning.controls import pool_params
 from modelpool.supervisor.devices import group_devices
@@ -155,7 +154,7 @@ class WorkerManager:
             generation_defaults={**pool_params(self.config), **self.config.generation_defaults},
             max_batch_size=self.config.max_batch_size,
             poll_s=self.config.worker_poll_s,
-            image_limits=getattr(self.config, "image_limits", ImageLimits()),
+            image_limits=self.config.image_limits,
         )
         if replacement:
             self.counters["respawns"] += 1
