@@ -120,3 +120,28 @@ def test_llama_cpp_bounds_thinking_written_as_text() -> None:
     assert generation.reasoning_tokens == 6
     assert generation.thinking_closed == "budget"
     assert generation.text.startswith("<think>") and "</think>" in generation.text
+
+
+def test_llama_cpp_keeps_the_special_tokens_asked_for_and_drops_the_others() -> None:
+    """The llama_cpp decode path of gpt-oss's Harmony tokens (no Harmony GGUF is built
+    here: the embedded GGUF's own control tokens stand in for them)."""
+    from modelpool.shared.embedded import prepare_gguf
+    from modelpool.worker.backends.common.text import TextProgress
+    from modelpool.worker.backends.llama_cpp import load as load_gguf
+
+    runtime = load_gguf(str(prepare_gguf()), threads=1).runtime
+    controls = runtime.control_tokens()
+    assert {"<|im_start|>", "<|im_end|>"} <= controls.keys()
+    ids = runtime.tokenize("<|im_start|>Hi<|im_end|>", add_special=False)
+    assert controls["<|im_end|>"] in ids
+
+    def decoded(keep: frozenset[str]) -> str:
+        progress = TextProgress(runtime.decoder(), FakeCall(CHAT, {}), 0, ())
+        if keep:
+            progress.keep_special(keep)
+        progress.take(ids)
+        progress.flush()
+        return progress.text
+
+    assert decoded(frozenset()) == "Hi"
+    assert decoded(frozenset({"<|im_end|>"})) == "Hi<|im_end|>"
