@@ -145,7 +145,7 @@ class OllamaLines:
                     _put_text(line, event)
                     line["done"] = False
                     lines.append(_encode(line))
-            else:
+            elif isinstance(event, tools.ToolCall):  # whole calls only: no argument deltas
                 line = _line(self._kind, self._model)
                 line["message"]["tool_calls"] = [_ollama_call(event)]
                 line["done"] = False
