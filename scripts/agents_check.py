@@ -137,6 +137,7 @@ def run_claude(
     timeout: float,
     *extra: str,
     env_extra: dict[str, str] | None = None,
+    prompt: str = PROMPT,
 ) -> subprocess.CompletedProcess[str]:
     config_dir = workdir / "claude-config"
     config_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +151,7 @@ def run_claude(
         **(env_extra or {}),
     }
     return subprocess.run(
-        [str(bin_dir / "claude"), "-p", PROMPT, "--model", MODEL, "--max-turns", "1", *extra],
+        [str(bin_dir / "claude"), "-p", prompt, "--model", MODEL, "--max-turns", "1", *extra],
         capture_output=True,
         text=True,
         timeout=timeout,
