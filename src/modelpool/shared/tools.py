@@ -393,11 +393,13 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]],
     tools: list[dict[str, Any]] | None,
     add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
-    """The prompt text of a conversation, with ``tools`` offered to the model."""
+    """The prompt text of a conversation, with ``tools`` offered to the model;
+    ``template_kwargs`` are the request's own template variables (``enable_thinking``)."""
     features = template_features(tokenizer)
     rendered = [_for_template(dict(message), features) for message in messages]
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
     if tools and features.tools:
         kwargs["tools"] = tools
     elif tools:

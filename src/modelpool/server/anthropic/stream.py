@@ -85,6 +85,7 @@ class MessageEvents:
                 delta={
                     "stop_reason": stop_reason,
                     "stop_sequence": _stop_sequence(stop_reason, result),
+                    **_closed(result),
                 },
                 usage=_usage(result),
             ),
@@ -115,7 +116,9 @@ class MessageEvents:
         return "stop_sequence" if result.stop_sequence is not None else "end_turn"
 
     def _message(self, stop_reason: str | None, result: Result | None) -> dict[str, Any]:
+        closed = {} if result is None else _closed(result)
         return {
+            **closed,
             "id": self._id,
             "type": "message",
             "role": "assistant",
@@ -226,6 +229,12 @@ class MessageEvents:
         index = self.content.index(self._open_text)
         self._open_text = None
         return [_event("content_block_stop", index=index)]
+
+
+def _closed(result: Result) -> dict[str, str]:
+    """The forced close of the thinking (server.reasoning), a field of the message whole
+    or streamed (a stream's headers went out before it was known)."""
+    return {} if result.thinking_closed is None else {"thinking_closed": result.thinking_closed}
 
 
 def _stop_sequence(stop_reason: str | None, result: Result) -> str | None:

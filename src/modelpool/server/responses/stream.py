@@ -85,6 +85,10 @@ class ResponseEvents:
         self.response = response_object(
             self._request, self._model, status, self.output, result=result
         )
+        if result.thinking_closed is not None:
+            # The forced close (server.reasoning), whole or streamed (a stream's headers
+            # went out before it was known).
+            self.response["thinking_closed"] = result.thinking_closed
         if self._request.store:
             self._store.put(
                 self._request.response_id,
