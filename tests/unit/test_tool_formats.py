@@ -231,6 +231,24 @@ def test_auto_detects_each_family_from_its_chat_template(family_models: dict[str
         PoolConfig(model="m", tool_parser="xml")
 
 
+@pytest.mark.parametrize("parser", ["mistral", "qwen3_coder"])
+def test_auto_reads_a_gguf_files_embedded_template(tmp_path: Path, parser: str) -> None:
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / f"{parser}.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_chat_template(FAMILIES[parser].template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert resolve_tool_parser("auto", str(path)) == parser
+    # A missing GGUF, or a corrupt one: Hermes.
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF\x03\x00")
+    assert resolve_tool_parser("auto", str(tmp_path / "none.gguf")) == "hermes"
+    assert resolve_tool_parser("auto", str(corrupt)) == "hermes"
+
+
 @pytest.mark.slow
 def test_each_template_renders_the_tools_and_a_history_in_its_own_syntax(
     family_models: dict[str, Path],
