@@ -196,7 +196,7 @@ def _build_model(
     return model
 
 
-ThinkingFamily = Literal["qwen3", "deepseek_r1"]
+ThinkingFamily = Literal["qwen3", "deepseek_r1", "gpt_oss"]
 
 # Qwen3's thinking variant (2507): the template opens thinking unless enable_thinking is
 # false, when it writes an empty one, closed.
@@ -216,7 +216,41 @@ DEEPSEEK_R1_TEMPLATE = (
     "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|Assistant|><think>\n{% endif %}"
 )
-THINKING_TEMPLATES = {"qwen3": QWEN3_TEMPLATE, "deepseek_r1": DEEPSEEK_R1_TEMPLATE}
+# gpt-oss's Harmony, cut down: tools in the developer message, calls on the commentary
+# channel. gpt-oss itself opens its analysis channel; random weights never would, so this
+# template opens it in the prompt (thinking the template opens counts as started).
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: medium<|end|>"
+    "{% if tools %}<|start|>developer<|message|># Tools\nnamespace functions {\n"
+    "{% for tool in tools %}type {{ tool.function.name }} = "
+    "(_: {{ tool.function.parameters | tojson }}) => any;\n{% endfor %}}<|end|>{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' and message.tool_calls %}"
+    "{% for call in message.tool_calls %}<|start|>assistant<|channel|>commentary "
+    "to=functions.{{ call.function.name }} <|constrain|>json<|message|>"
+    "{{ call.function.arguments | tojson }}<|call|>{% endfor %}"
+    "{% elif message.role == 'tool' %}<|start|>functions.{{ message.name }} to=assistant"
+    "<|channel|>commentary<|message|>{{ message.content }}<|end|>"
+    "{% elif message.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>"
+    "{{ message.content }}<|end|>"
+    "{% else %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant<|channel|>analysis<|message|>{% endif %}"
+)
+HARMONY_SPECIAL_TOKENS = (
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|call|>",
+    "<|return|>",
+)
+THINKING_TEMPLATES = {
+    "qwen3": QWEN3_TEMPLATE,
+    "deepseek_r1": DEEPSEEK_R1_TEMPLATE,
+    "gpt_oss": HARMONY_TEMPLATE,
+}
 
 
 def build_thinking_model(
@@ -225,10 +259,18 @@ def build_thinking_model(
     """Build (once) a tiny reasoning model of ``family`` in ``path``: the tiny llama with
     ``<think>`` and ``</think>`` added to its vocabulary (added, not special, as Qwen3's
     and DeepSeek-R1's tokenizers have them, so they stay in the decoded text) and that
-    family's chat template. Random weights never close their own thinking: whatever ends
-    it is the worker's bound (docs/reasoning.md). ``context_length`` as
-    :func:`build_tiny_model`'s."""
+    family's chat template; for ``gpt_oss``, Harmony's tokens added as special tokens (as
+    gpt-oss has them: decoding drops them unless the worker keeps them). Random weights
+    never close their own thinking: whatever ends it is the worker's bound
+    (docs/reasoning.md). ``context_length`` as :func:`build_tiny_model`'s."""
     target = Path(path)
+    if family == "gpt_oss":
+        return build_tiny_model(
+            target,
+            context_length=context_length,
+            chat_template=HARMONY_TEMPLATE,
+            special_tokens=HARMONY_SPECIAL_TOKENS,
+        )
     if (target / _CONFIG_FILE).is_file():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer

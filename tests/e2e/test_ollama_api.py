@@ -257,9 +257,9 @@ def test_errors_in_ollama_shape(daemon: Daemon, client: ollama.Client) -> None:
     refused = error_of(post(daemon, "/api/chat", {**chat, "messages": [image]}), 400)
     assert "messages[0].images[0]: the data is not a PNG" in refused
     hello = [{"role": "user", "content": "x"}]
-    # /api/chat thinks apart (test_reasoning); /api/generate does not.
-    think = {**chat, "prompt": "x", "think": True}
-    assert "does not support thinking" in error_of(post(daemon, "/api/generate", think), 400)
+    # /api/generate thinks apart as /api/chat does (test_reasoning), but not a raw prompt.
+    think = {**chat, "prompt": "x", "think": True, "raw": True}
+    assert "nothing thinks apart" in error_of(post(daemon, "/api/generate", think), 400)
     fim = post(daemon, "/api/generate", {**chat, "prompt": "def f(", "suffix": "return 1"})
     assert "does not support insert" in error_of(fim, 400)
     too_long = {**chat, "messages": hello, "options": {"num_ctx": CONTEXT * 2}}

@@ -142,6 +142,16 @@ def test_responses_stream_sends_reasoning_text(client: openai.OpenAI) -> None:
     assert [item.type for item in final.output] == ["reasoning", "message"]
 
 
+def test_responses_mark_a_forced_close_whole_and_streamed(client: openai.OpenAI) -> None:
+    # 40 thinking tokens do not leave the answer's reserve of 24: closed for it.
+    asked: Any = {"model": "none", "input": "think:40:done", "max_output_tokens": 24}
+    whole = client.responses.create(**asked)
+    assert whole.output_text == "done"
+    assert (whole.model_extra or {})["thinking_closed"] == "reserve"
+    final = list(client.responses.create(**asked, stream=True))[-1].response
+    assert (final.model_extra or {})["thinking_closed"] == "reserve"
+
+
 def test_messages_thinking_blocks(daemon: Daemon) -> None:
     with anthropic.Anthropic(base_url=daemon.url, api_key="none", max_retries=0) as client:
         message = client.messages.create(
@@ -178,9 +188,13 @@ def test_messages_stream_thinking_delta(daemon: Daemon) -> None:
             messages=[{"role": "user", "content": "think:5:the answer is 4"}],
         ) as stream,
     ):
-        deltas = [e.delta for e in stream if e.type == "content_block_delta"]
+        events = list(stream)
         final = stream.get_final_message()
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
     assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == "w0 w1"
+    # The forced close, marked in the stream as on the whole message.
+    (closing,) = [e for e in events if e.type == "message_delta"]
+    assert (closing.delta.model_extra or {})["thinking_closed"] == "budget"
     assert "".join(d.text for d in deltas if d.type == "text_delta") == "the answer is 4"
     assert [block.type for block in final.content] == ["thinking", "text"]
 
@@ -194,6 +208,7 @@ def test_messages_thinking_disabled(daemon: Daemon) -> None:
             messages=[{"role": "user", "content": "think:5:the answer is 4"}],
         )
     assert [block.type for block in message.content] == ["text"]
+    assert (message.model_extra or {})["thinking_closed"] == "budget"
     assert message.content[0].text == "the answer is 4"
 
 
@@ -213,6 +228,17 @@ def test_ollama_think_returns_message_thinking(http: httpx.Client) -> None:
     ]
     assert "".join(line["message"].get("thinking", "") for line in lines) == THOUGHT
     assert "".join(line["message"]["content"] for line in lines) == "the answer is 4"
+    generate = {"model": "none", "prompt": "think:5:the answer is 4", "think": "low"}
+    answer = http.post("/api/generate", json={**generate, "stream": False}).json()
+    assert answer["thinking"] == THOUGHT and answer["response"] == "the answer is 4"
+    lines = [
+        json.loads(line)
+        for line in http.post("/api/generate", json={**generate, "stream": True}).text.splitlines()
+    ]
+    assert "".join(line.get("thinking", "") for line in lines) == THOUGHT
+    assert "".join(line["response"] for line in lines) == "the answer is 4"
+    bad = http.post("/api/generate", json={**generate, "think": "max"})
+    assert bad.status_code == 400 and "think must be" in bad.json()["error"]
 
 
 def test_langchain_chat_openai_reads_the_answer(daemon: Daemon) -> None:

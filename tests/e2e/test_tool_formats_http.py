@@ -309,3 +309,108 @@ def test_a_malformed_call_streamed_ends_each_api_stream_with_its_error(daemon: D
             assert "cannot be read" in last and "mistral" in last, (path, lines)
             # The content before the call went out first; the call's syntax never did.
             assert "Sure." in "".join(lines) and not any("TOOL_CALLS" in x for x in lines[:-1])
+
+
+# A long argument, written word by word by the scripted model (``think:0:ANSWER``: no
+# thinking, then ANSWER a word a token), so that a call's arguments stream in pieces.
+CITY = "Llanfair pwll gwyn gyll go gery chwyrn drobwll llan ty silio go go goch"
+LONG_ARGUMENTS = json.dumps({"city": CITY, "days": 2})
+LONG_CALLS = {
+    "hermes": f'Checking. <tool_call>\n{{"name": "get_weather", "arguments": {LONG_ARGUMENTS}}}'
+    "\n</tool_call>",
+    "llama3_json": f'<|python_tag|>{{"name": "get_weather", "parameters": {LONG_ARGUMENTS}}}',
+    "mistral": f'Checking. [TOOL_CALLS][{{"name": "get_weather", "arguments": {LONG_ARGUMENTS}}}]',
+    "gpt_oss": "<|channel|>final<|message|>Checking. <|end|><|start|>assistant<|channel|>"
+    "commentary to=functions.get_weather <|constrain|>json<|message|>"
+    f"{LONG_ARGUMENTS}<|call|>",
+    # Read whole (its parameters are not JSON): one piece.
+    "qwen3_coder": "Checking. <tool_call>\n<function=get_weather>\n<parameter=city>\n"
+    f"{CITY}\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+}
+
+
+def words(answer: str) -> Any:
+    return [{"role": "user", "content": "think:0:" + answer}]
+
+
+@pytest.mark.parametrize("parser", list(LONG_CALLS))
+def test_openai_streams_a_calls_arguments_as_the_model_writes_them(
+    client: openai.OpenAI, parser: str
+) -> None:
+    messages = words(LONG_CALLS[parser])
+    whole = client.chat.completions.create(model=parser, messages=messages, tools=[WEATHER])
+    (call,) = whole.choices[0].message.tool_calls or []
+    assert json.loads(call.function.arguments) == {"city": CITY, "days": 2}
+
+    chunks = list(
+        client.chat.completions.create(
+            model=parser, messages=messages, tools=[WEATHER], stream=True
+        )
+    )
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert {d.index for d in deltas} == {0}
+    first = deltas[0]
+    assert first.id and first.function and first.function.name == "get_weather"
+    assert first.function.arguments == ""
+    pieces = [d.function.arguments for d in deltas[1:] if d.function and d.function.arguments]
+    if parser == "qwen3_coder":
+        assert len(pieces) == 1
+    else:
+        assert len(pieces) > 5  # as written: a word a token
+        assert "".join(pieces) == LONG_ARGUMENTS
+    assert "".join(pieces) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_anthropic_streams_input_json_deltas(daemon: Daemon) -> None:
+    tool: Any = {"name": "get_weather", "description": "The weather", "input_schema": PARAMETERS}
+    with (
+        anthropic.Anthropic(base_url=daemon.url, api_key=KEY, max_retries=0) as client,
+        client.messages.stream(
+            model="mistral", max_tokens=300, messages=words(LONG_CALLS["mistral"]), tools=[tool]
+        ) as stream,
+    ):
+        events = list(stream)
+        final = stream.get_final_message()
+    partial = [
+        e.delta.partial_json
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
+    assert len(partial) > 5
+    assert "".join(partial) == LONG_ARGUMENTS
+    assert [b.type for b in final.content] == ["text", "tool_use"]
+    block = final.content[1]
+    assert block.type == "tool_use" and block.input == {"city": CITY, "days": 2}
+
+
+def test_responses_streams_function_call_arguments_deltas(client: openai.OpenAI) -> None:
+    tool: Any = {"type": "function", "name": "get_weather", "parameters": PARAMETERS}
+    events = list(
+        client.responses.create(
+            model="hermes", input="think:0:" + LONG_CALLS["hermes"], tools=[tool], stream=True
+        )
+    )
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(deltas) > 5
+    assert "".join(deltas) == done.arguments == LONG_ARGUMENTS
+    (completed,) = [e for e in events if e.type == "response.completed"]
+    (item,) = [i for i in completed.response.output if i.type == "function_call"]
+    assert item.arguments == LONG_ARGUMENTS
+
+
+def test_streamed_arguments_that_do_not_validate_end_the_stream_with_the_error(
+    client: openai.OpenAI,
+) -> None:
+    bad = LONG_CALLS["hermes"].replace('"days": 2', '"days": "two"')
+    stream = client.chat.completions.create(
+        model="hermes", messages=words(bad), tools=[WEATHER], stream=True
+    )
+    pieces: list[str] = []
+    with pytest.raises(openai.APIError, match="do not validate"):
+        for chunk in stream:
+            for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                pieces.append(delta.function.arguments or "" if delta.function else "")
+    # The pieces went out as written; the error, not a call, ends the stream.
+    assert "".join(pieces).startswith('{"city": "Llanfair')

@@ -120,3 +120,61 @@ def test_llama_cpp_bounds_thinking_written_as_text() -> None:
     assert generation.reasoning_tokens == 6
     assert generation.thinking_closed == "budget"
     assert generation.text.startswith("<think>") and "</think>" in generation.text
+
+
+def test_llama_cpp_keeps_the_special_tokens_asked_for_and_drops_the_others() -> None:
+    """The llama_cpp decode path of gpt-oss's Harmony tokens (no Harmony GGUF is built
+    here: the embedded GGUF's own control tokens stand in for them)."""
+    from modelpool.shared.embedded import prepare_gguf
+    from modelpool.worker.backends.common.text import TextProgress
+    from modelpool.worker.backends.llama_cpp import load as load_gguf
+
+    runtime = load_gguf(str(prepare_gguf()), threads=1).runtime
+    controls = runtime.control_tokens()
+    assert {"<|im_start|>", "<|im_end|>"} <= controls.keys()
+    ids = runtime.tokenize("<|im_start|>Hi<|im_end|>", add_special=False)
+    assert controls["<|im_end|>"] in ids
+
+    def decoded(keep: frozenset[str]) -> str:
+        progress = TextProgress(runtime.decoder(), FakeCall(CHAT, {}), 0, ())
+        if keep:
+            progress.keep_special(keep)
+        progress.take(ids)
+        progress.flush()
+        return progress.text
+
+    assert decoded(frozenset()) == "Hi"
+    assert decoded(frozenset({"<|im_end|>"})) == "Hi<|im_end|>"
+
+
+WEATHER: Any = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def test_enable_thinking_reaches_the_template_on_the_tools_path(handler: HFHandler) -> None:
+    ids = handler.encode(CHAT, [WEATHER], template_kwargs={"enable_thinking": False})
+    prompt = handler.tokenizer.decode(ids[0])
+    if "enable_thinking" in handler.tokenizer.chat_template:
+        assert prompt.rstrip().endswith("</think>")  # Qwen3's: written closed
+    else:
+        assert prompt.rstrip().endswith("<think>")  # DeepSeek-R1's opens it anyway
+
+
+def test_llama_cpp_template_reads_enable_thinking() -> None:
+    from modelpool.shared.embedded import prepare_gguf
+    from modelpool.tinymodel import QWEN3_TEMPLATE
+    from modelpool.worker.backends.llama_cpp import load as load_gguf
+
+    gguf = load_gguf(str(prepare_gguf()), threads=1, chat_template=QWEN3_TEMPLATE)
+    asked = {"max_new_tokens": 8, "reasoning_parser": "qwen3", "enable_thinking": False}
+    for tools in (None, [WEATHER]):
+        params = {**asked, **({"tools": tools} if tools else {})}
+        generation = gguf.generate(FakeCall(CHAT, params))
+        # The template wrote the thinking closed: nothing to close, none counted.
+        assert generation.reasoning_tokens == 0
+        assert generation.thinking_closed is None
+        assert not generation.text.startswith("<think>")
+    opened = gguf.generate(FakeCall(CHAT, {**asked, "enable_thinking": True}))
+    assert opened.text.startswith("<think>")

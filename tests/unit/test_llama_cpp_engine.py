@@ -5,6 +5,7 @@ and where the layers go for each device."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +98,13 @@ class Decoder:
 class Encoder:
     max_model_len = 64
 
-    def encode(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode(
+        self,
+        prompt: Prompt,
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         assert isinstance(prompt, TokenIds)
         return list(prompt.ids)
 

@@ -16,6 +16,8 @@ from modelpool.shared.config import PoolConfig
 from modelpool.shared.errors import MalformedToolCall
 from modelpool.shared.tool_formats import detect_tool_parser, marker_tokens, resolve_tool_parser
 from modelpool.shared.tools import (
+    ArgumentsDelta,
+    CallOpened,
     CallReader,
     ToolCall,
     ToolPlan,
@@ -86,6 +88,36 @@ def test_each_syntax_reads_the_same_whole_and_split_anywhere(parser: str) -> Non
     ]:
         got = split(streamed(CallReader(plan(parser)), family.sample, cuts))
         assert got == ((content or ""), expected), cuts
+
+
+@pytest.mark.parametrize("parser", list(FAMILIES))
+def test_json_arguments_stream_as_written_split_anywhere(parser: str) -> None:
+    """Each call opened once its name is read, its arguments' pieces adding up to the
+    call's ``arguments`` (as the model wrote them), at every split of the text."""
+    family = FAMILIES[parser]
+    every = random.Random(parser)
+    for cuts in [list(range(1, len(family.sample)))] + [
+        sorted(every.sample(range(1, len(family.sample)), 6)) for _ in range(30)
+    ]:
+        events = streamed(CallReader(plan(parser), stream_arguments=True), family.sample, cuts)
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        opened = [e for e in events if isinstance(e, CallOpened)]
+        if parser == "qwen3_coder":  # read whole: nothing streamed
+            assert not opened and not any(call.streamed for call in calls)
+            continue
+        assert [(o.index, o.id, o.name) for o in opened] == [(c.index, c.id, c.name) for c in calls]
+        for call in calls:
+            assert call.streamed
+            pieces = [e.text for e in events if isinstance(e, ArgumentsDelta) and e.id == call.id]
+            assert "".join(pieces) == call.arguments
+            # Each piece goes out before its call is whole.
+            assert events.index(call) > max(
+                i for i, e in enumerate(events) if isinstance(e, ArgumentsDelta) and e.id == call.id
+            )
+        # Whole, the same arguments' text.
+        assert [c.arguments for c in read_answer(plan(parser), family.sample)[1]] == [
+            c.arguments for c in calls
+        ]
 
 
 @pytest.mark.parametrize("parser", list(FAMILIES))
@@ -197,6 +229,24 @@ def test_auto_detects_each_family_from_its_chat_template(family_models: dict[str
     assert PoolConfig(model="m").tool_parser == "auto"
     with pytest.raises(ValueError, match="tool_parser must be one of"):
         PoolConfig(model="m", tool_parser="xml")
+
+
+@pytest.mark.parametrize("parser", ["mistral", "qwen3_coder"])
+def test_auto_reads_a_gguf_files_embedded_template(tmp_path: Path, parser: str) -> None:
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / f"{parser}.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_chat_template(FAMILIES[parser].template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert resolve_tool_parser("auto", str(path)) == parser
+    # A missing GGUF, or a corrupt one: Hermes.
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF\x03\x00")
+    assert resolve_tool_parser("auto", str(tmp_path / "none.gguf")) == "hermes"
+    assert resolve_tool_parser("auto", str(corrupt)) == "hermes"
 
 
 @pytest.mark.slow

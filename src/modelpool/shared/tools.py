@@ -49,6 +49,8 @@ from modelpool.shared.errors import (
 from modelpool.shared.structured import json_schema_grammar_fragment
 from modelpool.shared.tool_formats import (
     DEFAULT_PARSER,
+    ArgumentsPiece,
+    CallStart,
     GrammarTool,
     MalformedCall,
     Mode,
@@ -393,11 +395,13 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]],
     tools: list[dict[str, Any]] | None,
     add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
-    """The prompt text of a conversation, with ``tools`` offered to the model."""
+    """The prompt text of a conversation, with ``tools`` offered to the model;
+    ``template_kwargs`` are the request's own template variables (``enable_thinking``)."""
     features = template_features(tokenizer)
     rendered = [_for_template(dict(message), features) for message in messages]
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
     if tools and features.tools:
         kwargs["tools"] = tools
     elif tools:
@@ -438,6 +442,9 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # the model's JSON text of the arguments
+    # Its CallOpened and ArgumentsDelta events went out before it (the writer only ends it).
+    streamed: bool = False
+    index: int = 0  # its place among the answer's calls, in the order they were announced
 
     def openai(self) -> dict[str, Any]:
         return {
@@ -447,8 +454,28 @@ class ToolCall:
         }
 
 
-Event = str | ToolCall
-"""What :class:`CallReader` yields: content text, or a whole call that validated."""
+@dataclass(frozen=True)
+class CallOpened:
+    """A call whose name is read, as it streams: its arguments follow as
+    :class:`ArgumentsDelta` s, then the whole :class:`ToolCall` (validated) ends it."""
+
+    index: int  # its place among the answer's calls
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    """The next piece of the open call's arguments, as the model wrote it."""
+
+    index: int
+    id: str
+    text: str
+
+
+Event = str | ToolCall | CallOpened | ArgumentsDelta
+"""What :class:`CallReader` yields: content text, a whole call that validated, and (with
+``stream_arguments``) a call's start and its arguments piece by piece before it."""
 
 
 @dataclass
@@ -460,10 +487,21 @@ class CallReader:
     ``parameters``. Text that opens a call and is not one (malformed, an unknown tool,
     arguments that do not validate, an output that ends inside it) raises
     :class:`MalformedToolCall`. With ``tool_choice: none`` the text is all content.
+
+    ``stream_arguments``: a call in a syntax whose arguments are JSON (all but
+    qwen3_coder's) is also yielded as it is written: :class:`CallOpened` once its name is
+    read (an unknown tool is an error at once), :class:`ArgumentsDelta` s, then the
+    :class:`ToolCall` whose ``arguments`` the deltas add up to. Arguments that turn out
+    not to validate are the same error as before, after their pieces went out.
     """
 
     plan: ToolPlan
+    stream_arguments: bool = False
     calls: list[ToolCall] = field(default_factory=list)
+    # Calls opened and not yet whole, in order (a region read at its end, as Mistral's
+    # list, streams several before the first is read).
+    _open: list[CallOpened] = field(default_factory=list)
+    _announced: int = 0  # calls opened or read whole so far: the next call's index
 
     def __post_init__(self) -> None:
         schemas = {tool.name: tool.parameters for tool in self.plan.tools}
@@ -485,19 +523,46 @@ class CallReader:
             pieces = read(text)
         except MalformedCall as exc:
             raise self._malformed(exc.reason, exc.text) from None
-        return [piece if isinstance(piece, str) else self._call(piece) for piece in pieces]
+        events: list[Event] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                events.append(piece)
+            elif isinstance(piece, CallStart):
+                self._tool(piece.name)
+                opened = CallOpened(self._announced, _call_id(), piece.name)
+                self._open.append(opened)
+                self._announced += 1
+                if self.stream_arguments:
+                    events.append(opened)
+            elif isinstance(piece, ArgumentsPiece):
+                if self.stream_arguments and self._open:
+                    last = self._open[-1]  # the pieces are the latest call's
+                    events.append(ArgumentsDelta(last.index, last.id, piece.text))
+            else:
+                events.append(self._call(piece))
+        return events
+
+    def _tool(self, name: str) -> Tool:
+        tool = self.plan.by_name().get(name)
+        if tool is None:
+            raise self._malformed(f"a call of {name!r}, which is not among the tools", "")
+        if self.plan.choice == "named" and name != self.plan.named:
+            raise self._malformed(f"a call of {name!r}, not of {self.plan.named!r}", "")
+        return tool
 
     def _call(self, raw: RawCall) -> ToolCall:
-        tool = self.plan.by_name().get(raw.name)
-        if tool is None:
-            raise self._malformed(f"a call of {raw.name!r}, which is not among the tools", "")
-        if self.plan.choice == "named" and raw.name != self.plan.named:
-            raise self._malformed(f"a call of {raw.name!r}, not of {self.plan.named!r}", "")
+        tool = self._tool(raw.name)
         error = _invalid(raw.arguments, tool.parameters)
         if error is not None:
             raise self._malformed(f"arguments of {raw.name!r} that do not validate: {error}", "")
-        arguments = json.dumps(raw.arguments, ensure_ascii=False)
-        call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", tool.name, arguments)
+        # The arguments as written when they were streamed (the deltas add up to them).
+        if raw.written is not None and self._open:
+            opened = self._open.pop(0)
+            call = ToolCall(opened.id, tool.name, raw.written, self.stream_arguments, opened.index)
+        else:
+            arguments = json.dumps(raw.arguments, ensure_ascii=False)
+            call = ToolCall(_call_id(), tool.name, arguments, index=self._announced)
+            self._announced += 1
         self.calls.append(call)
         return call
 
@@ -510,6 +575,10 @@ class CallReader:
             model=self.plan.model,
             parser=self.plan.parser,
         )
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _invalid(arguments: dict[str, Any], schema: dict[str, Any]) -> str | None:
@@ -548,22 +617,24 @@ def answer_message(
 
 def call_deltas(plan: ToolPlan, call: ToolCall, index: int) -> list[dict[str, Any]]:
     """The ``delta`` objects that stream one call as OpenAI streams it: id, type and name
-    with empty arguments first, then the arguments."""
-    if plan.legacy:
-        return [
-            {"function_call": {"name": call.name, "arguments": ""}},
-            {"function_call": {"arguments": call.arguments}},
-        ]
+    with empty arguments first, then the arguments (a call read whole: both at once)."""
     return [
-        {
-            "tool_calls": [
-                {
-                    "index": index,
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": ""},
-                }
-            ]
-        },
-        {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]},
+        opened_delta(plan, CallOpened(index, call.id, call.name)),
+        arguments_delta(plan, index, call.arguments),
     ]
+
+
+def opened_delta(plan: ToolPlan, opened: CallOpened) -> dict[str, Any]:
+    """A streamed call's first ``delta``: its id, type and name, its arguments empty."""
+    if plan.legacy:
+        return {"function_call": {"name": opened.name, "arguments": ""}}
+    function = {"name": opened.name, "arguments": ""}
+    call = {"index": opened.index, "id": opened.id, "type": "function", "function": function}
+    return {"tool_calls": [call]}
+
+
+def arguments_delta(plan: ToolPlan, index: int, text: str) -> dict[str, Any]:
+    """The ``delta`` of a piece of a call's arguments."""
+    if plan.legacy:
+        return {"function_call": {"arguments": text}}
+    return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}

@@ -41,7 +41,8 @@ class MessageEvents:
         self._request = request
         self._model = model
         plan = request.job.tools
-        self._reader = tools.CallReader(plan) if plan is not None else None
+        self._reader = tools.CallReader(plan, stream_arguments=True) if plan is not None else None
+        self._tool_blocks: dict[str, dict[str, Any]] = {}  # by call id, while streamed
         self._id = ""
         self.content: list[dict[str, Any]] = []
         self._open_text: dict[str, Any] | None = None
@@ -84,6 +85,7 @@ class MessageEvents:
                 delta={
                     "stop_reason": stop_reason,
                     "stop_sequence": _stop_sequence(stop_reason, result),
+                    **_closed(result),
                 },
                 usage=_usage(result),
             ),
@@ -114,7 +116,9 @@ class MessageEvents:
         return "stop_sequence" if result.stop_sequence is not None else "end_turn"
 
     def _message(self, stop_reason: str | None, result: Result | None) -> dict[str, Any]:
+        closed = {} if result is None else _closed(result)
         return {
+            **closed,
             "id": self._id,
             "type": "message",
             "role": "assistant",
@@ -140,10 +144,32 @@ class MessageEvents:
             if isinstance(event, str):
                 if event:
                     out += self._delta(event)
-            else:
+            elif isinstance(event, tools.CallOpened):
                 out += self._close_text()
-                out += self._tool_use(event)
+                out += self._tool_use_start(event.id, event.name)
+            elif isinstance(event, tools.ArgumentsDelta):
+                out.append(self._input_delta(event.id, event.text))
+            else:
+                if not event.streamed:  # read whole (qwen3_coder's): one delta
+                    out += self._close_text()
+                    out += self._tool_use_start(event.id, event.name)
+                    out.append(self._input_delta(event.id, event.arguments))
+                block = self._tool_blocks.pop(event.id)
+                block["input"] = json.loads(event.arguments)
+                out.append(_event("content_block_stop", index=self.content.index(block)))
         return out
+
+    def _tool_use_start(self, call_id: str, name: str) -> list[bytes]:
+        block = {"type": "tool_use", "id": call_id, "name": name, "input": {}}
+        self.content.append(block)
+        self._tool_blocks[call_id] = block
+        index = len(self.content) - 1
+        return [_event("content_block_start", index=index, content_block=dict(block))]
+
+    def _input_delta(self, call_id: str, text: str) -> bytes:
+        index = self.content.index(self._tool_blocks[call_id])
+        delta = {"type": "input_json_delta", "partial_json": text}
+        return _event("content_block_delta", index=index, delta=delta)
 
     def _delta(self, text: str) -> list[bytes]:
         out = []
@@ -204,21 +230,11 @@ class MessageEvents:
         self._open_text = None
         return [_event("content_block_stop", index=index)]
 
-    def _tool_use(self, call: tools.ToolCall) -> list[bytes]:
-        block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
-        self.content.append(block)
-        index = len(self.content) - 1
-        start = _event("content_block_start", index=index, content_block=dict(block))
-        block["input"] = json.loads(call.arguments)
-        return [
-            start,
-            _event(
-                "content_block_delta",
-                index=index,
-                delta={"type": "input_json_delta", "partial_json": call.arguments},
-            ),
-            _event("content_block_stop", index=index),
-        ]
+
+def _closed(result: Result) -> dict[str, str]:
+    """The forced close of the thinking (server.reasoning), a field of the message whole
+    or streamed (a stream's headers went out before it was known)."""
+    return {} if result.thinking_closed is None else {"thinking_closed": result.thinking_closed}
 
 
 def _stop_sequence(stop_reason: str | None, result: Result) -> str | None:

@@ -95,9 +95,9 @@ class OllamaLines:
 
     def text(self, choice: StreamedChoice, item: StreamedText) -> list[bytes]:
         thinking = []
-        if item.reasoning and self._kind == "chat":
+        if item.reasoning:
             line = _line(self._kind, self._model)
-            line["message"]["thinking"] = item.reasoning
+            _put_thinking(line, item.reasoning)
             line["done"] = False
             thinking.append(_encode(line))
         return thinking + self._write(self._reader.feed(item.text) if self._reader else [item.text])
@@ -126,8 +126,8 @@ class OllamaLines:
             answer["message"]["content"] = content or ""
             if calls:
                 answer["message"]["tool_calls"] = [_ollama_call(call) for call in calls]
-        if result.reasoning is not None and self._kind == "chat":
-            answer["message"]["thinking"] = result.reasoning
+        if result.reasoning is not None:
+            _put_thinking(answer, result.reasoning)
         return json_bytes(self._last(result, answer))
 
     def _last(self, result: Result, line: dict[str, Any]) -> dict[str, Any]:
@@ -145,12 +145,20 @@ class OllamaLines:
                     _put_text(line, event)
                     line["done"] = False
                     lines.append(_encode(line))
-            else:
+            elif isinstance(event, tools.ToolCall):  # whole calls only: no argument deltas
                 line = _line(self._kind, self._model)
                 line["message"]["tool_calls"] = [_ollama_call(event)]
                 line["done"] = False
                 lines.append(_encode(line))
         return lines
+
+
+def _put_thinking(line: dict[str, Any], thinking: str) -> None:
+    """A line's thinking: ``message.thinking`` for chat, ``thinking`` for generate."""
+    if "message" in line:
+        line["message"]["thinking"] = thinking
+    else:
+        line["thinking"] = thinking
 
 
 def _line(kind: Literal["chat", "generate"], model: str) -> dict[str, Any]:

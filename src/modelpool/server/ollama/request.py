@@ -15,11 +15,11 @@ back to the field the client sent (``max_tokens`` → ``options.num_predict``)::
 A body without messages (or with an empty prompt) runs nothing: it loads the model, or
 unloads it with ``keep_alive: 0``, as Ollama's clients ask for it (``api.OllamaApi``).
 ``images`` (base64 files) become the pool's image parts, before the message's text.
-What cannot be honoured is a 400 naming the field: ``think`` (none of them thinks
-apart), ``suffix`` (none fills in the middle), ``template``, sampling options without
-a counterpart (``mirostat``, ``min_p``...).
-Options that tune Ollama's own runtime (``num_thread``, ``num_gpu``...) and ``context``
-are accepted and ignored, logged.
+What cannot be honoured is a 400 naming the field: ``think`` with ``raw`` (a raw prompt
+is no chat: nothing thinks apart), ``suffix`` (none fills in the middle), ``template``,
+sampling options without a counterpart (``mirostat``, ``min_p``...). Options that tune
+Ollama's own runtime (``num_thread``, ``num_gpu``...) and ``context`` are accepted and
+ignored, logged.
 """
 
 from __future__ import annotations
@@ -161,7 +161,6 @@ def parse_generate_body(body: Mapping[str, Any]) -> OllamaRequest:
     """``POST /api/generate`` (see the module docstring)."""
     _check_fields(body, GENERATE_FIELDS)
     model = _model(body)
-    _check_think(body, model)
     images = _images(body.get("images"), "images")
     suffix = body.get("suffix")
     if suffix not in (None, ""):
@@ -191,6 +190,13 @@ def parse_generate_body(body: Mapping[str, Any]) -> OllamaRequest:
     raw = body.get("raw")
     if raw is not None and not isinstance(raw, bool):
         raise invalid("raw must be true or false", "raw")
+    if raw and body.get("think") not in (None, False):
+        raise invalid(
+            "think: with raw: true the prompt is no chat, so nothing thinks apart from the "
+            "answer; leave think out or send the prompt without raw",
+            "think",
+            "unsupported_value",
+        )
     context = body.get("context")
     if context is not None and not (
         isinstance(context, list) and all(is_int(item, minimum=0) for item in context)
@@ -228,6 +234,8 @@ def parse_generate_body(body: Mapping[str, Any]) -> OllamaRequest:
         job = parse_completion(completion) if raw else parse_chat(completion)
     except ApiError as exc:
         raise renamed(exc, sources, [], _CHAT_NAMES) from None
+    if not raw:
+        apply_controls(job.params, ollama_controls, body.get("think"))
     return _request(job, "generate", model, body, num_ctx, repeat_penalty, ignored)
 
 
@@ -279,16 +287,6 @@ def _stream(body: Mapping[str, Any]) -> bool:
     if not isinstance(stream, bool):
         raise invalid("stream must be true or false", "stream")
     return stream
-
-
-def _check_think(body: Mapping[str, Any], model: str) -> None:
-    think = body.get("think")
-    if think is None or think is False:
-        return
-    if think is True or think in ("low", "medium", "high"):
-        # Ollama's own refusal for a model without the thinking capability.
-        raise invalid(f"{model!r} does not support thinking", "think", "unsupported_value")
-    raise invalid("think must be true, false, 'low', 'medium' or 'high'", "think")
 
 
 def _images(images: object, where: str) -> list[dict[str, Any]]:

@@ -50,7 +50,9 @@ class ChatChunks:
         self._created = int(time.time())
         # Tool calling: each choice's text read into content and calls as it streams.
         self._call_readers = {
-            choice.index: tools.CallReader(job.tools) for choice in choices if job.tools
+            choice.index: tools.CallReader(job.tools, stream_arguments=True)
+            for choice in choices
+            if job.tools
         }
 
     def opening(self, request_id: str) -> list[bytes]:
@@ -179,7 +181,8 @@ class ChatChunks:
             )
 
     def _tool_events(self, choice: StreamedChoice, events: list[tools.Event]) -> list[bytes]:
-        """A tool-calling choice's content, and each whole call as OpenAI streams it."""
+        """A tool-calling choice's content, and its calls as OpenAI streams them: the
+        arguments piece by piece as written (a call read whole: in one piece)."""
         plan = self._job.tools
         assert plan is not None
         out = []
@@ -187,8 +190,14 @@ class ChatChunks:
             if isinstance(event, str):
                 out.append(sse(self._chunk(choice.index, event, None)))
                 continue
-            # Its place among the choice's calls (one feed may finish several).
-            number = self._call_readers[choice.index].calls.index(event)
-            for delta in tools.call_deltas(plan, event, number):
+            if isinstance(event, tools.CallOpened):
+                deltas = [tools.opened_delta(plan, event)]
+            elif isinstance(event, tools.ArgumentsDelta):
+                deltas = [tools.arguments_delta(plan, event.index, event.text)]
+            elif event.streamed:
+                continue
+            else:
+                deltas = tools.call_deltas(plan, event, event.index)
+            for delta in deltas:
                 out.append(sse(self._chunk(choice.index, None, None, tool_delta=delta)))
         return out

@@ -48,7 +48,8 @@ class ResponseEvents:
         self._model = model
         self._store = store
         plan = request.job.tools
-        self._reader = tools.CallReader(plan) if plan is not None else None
+        self._reader = tools.CallReader(plan, stream_arguments=True) if plan is not None else None
+        self._call_items: dict[str, dict[str, Any]] = {}  # by call id, while streamed
         self._sequence = 0
         self.output: list[dict[str, Any]] = []
         self._message: dict[str, Any] | None = None
@@ -84,6 +85,10 @@ class ResponseEvents:
         self.response = response_object(
             self._request, self._model, status, self.output, result=result
         )
+        if result.thinking_closed is not None:
+            # The forced close (server.reasoning), whole or streamed (a stream's headers
+            # went out before it was known).
+            self.response["thinking_closed"] = result.thinking_closed
         if self._request.store:
             self._store.put(
                 self._request.response_id,
@@ -145,9 +150,17 @@ class ResponseEvents:
             if isinstance(event, str):
                 if event:
                     out += self._delta(event)
-            else:
+            elif isinstance(event, tools.CallOpened):
                 out += self._close_message("completed")
-                out += self._call(event)
+                out.append(self._call_added(event.id, event.name))
+            elif isinstance(event, tools.ArgumentsDelta):
+                out.append(self._arguments_delta(event.id, event.text))
+            else:
+                if not event.streamed:  # read whole (qwen3_coder's): one delta
+                    out += self._close_message("completed")
+                    out.append(self._call_added(event.id, event.name))
+                    out.append(self._arguments_delta(event.id, event.arguments))
+                out += self._call_done(event)
         return out
 
     def _delta(self, text: str) -> list[bytes]:
@@ -242,28 +255,34 @@ class ResponseEvents:
             self._item_event("response.output_item.done", message, index),
         ]
 
-    def _call(self, call: tools.ToolCall) -> list[bytes]:
+    def _call_added(self, call_id: str, name: str) -> bytes:
         item: dict[str, Any] = {
             "id": f"fc_{uuid.uuid4().hex}",
             "type": "function_call",
             "status": "in_progress",
-            "call_id": call.id,
-            "name": call.name,
+            "call_id": call_id,
+            "name": name,
             "arguments": "",
         }
         self.output.append(item)
-        index = len(self.output) - 1
-        added = self._item_event("response.output_item.added", item, index)
+        self._call_items[call_id] = item
+        return self._item_event("response.output_item.added", dict(item), len(self.output) - 1)
+
+    def _arguments_delta(self, call_id: str, text: str) -> bytes:
+        item = self._call_items[call_id]
+        return self._event(
+            "response.function_call_arguments.delta",
+            item_id=item["id"],
+            output_index=self.output.index(item),
+            delta=text,
+        )
+
+    def _call_done(self, call: tools.ToolCall) -> list[bytes]:
+        item = self._call_items.pop(call.id)
         item["arguments"] = call.arguments
         item["status"] = "completed"
+        index = self.output.index(item)
         return [
-            added,
-            self._event(
-                "response.function_call_arguments.delta",
-                item_id=item["id"],
-                output_index=index,
-                delta=call.arguments,
-            ),
             self._event(
                 "response.function_call_arguments.done",
                 item_id=item["id"],

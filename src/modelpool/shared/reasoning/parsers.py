@@ -25,6 +25,19 @@ HARMONY_END = "<|end|>"
 HARMONY_START = "<|start|>assistant"
 HARMONY_CLOSE = HARMONY_END + HARMONY_START + HARMONY_FINAL
 """What gpt-oss writes between its thinking and its answer: the forced close."""
+HARMONY_TOKENS = frozenset(
+    {
+        "<|start|>",
+        "<|end|>",
+        "<|channel|>",
+        "<|message|>",
+        "<|return|>",
+        "<|call|>",
+        "<|constrain|>",
+    }
+)
+"""Harmony's special tokens: a worker keeps them in a gpt-oss model's text (every other
+special token is dropped), since its channels are told apart by them."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from modelpool.shared.tool_formats.detect import (
     marker_tokens,
     resolve_tool_parser,
 )
+from modelpool.shared.tool_formats.streaming import ArgumentsPiece, CallStart
 
 # By parser: the module and class of its syntax, imported when first used (the
 # configuration imports this package for its names alone, and qwen3_coder's grammar
@@ -54,6 +55,8 @@ __all__ = [
     "DEFAULT_PARSER",
     "KEPT_SPECIAL_TOKENS",
     "TOOL_PARSERS",
+    "ArgumentsPiece",
+    "CallStart",
     "GrammarTool",
     "MalformedCall",
     "Mode",

@@ -13,13 +13,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from modelpool.shared.tool_formats.streaming import ArgumentsPiece, ArgumentsScanner, CallStart
+
 
 @dataclass(frozen=True)
 class RawCall:
-    """A call as the model wrote it: the tool's name and its arguments, read."""
+    """A call as the model wrote it: the tool's name and its arguments, read; ``written``:
+    the arguments' JSON text as the model wrote it, when it was streamed in pieces
+    (:mod:`.streaming`: the pieces add up to it)."""
 
     name: str
     arguments: dict[str, Any]
+    written: str | None = None
 
 
 class MalformedCall(ValueError):
@@ -43,8 +48,9 @@ class GrammarTool:
 Mode = Literal["auto", "required"]
 """``auto``: free text, or calls; ``required``: the output starts with a call."""
 
-Piece = str | RawCall
-"""What a reader yields: content text, or a call."""
+Piece = str | RawCall | CallStart | ArgumentsPiece
+"""What a reader yields: content text, a call, or (from a syntax whose arguments are
+JSON, as the model writes them) the start of a call and its arguments' next piece."""
 
 
 class SyntaxReader(Protocol):
@@ -140,6 +146,31 @@ def named_call(value: object, arguments_key: tuple[str, ...], text: str) -> RawC
     return RawCall(value["name"], arguments)
 
 
+def with_written(
+    calls: Sequence[RawCall], scanning: ArgumentsScanner | None, text: str
+) -> Sequence[RawCall]:
+    """``calls`` with the arguments' text their streamed pieces added up to; a region
+    whose streamed calls are not the calls it reads is malformed (the pieces went out)."""
+    written = scanning.written if scanning is not None else []
+    if not any(arguments is not None for arguments in written):
+        return calls
+    if len(written) != len(calls):
+        raise MalformedCall("the calls streamed are not the calls read", text)
+    read = []
+    for call, arguments in zip(calls, written, strict=True):
+        if arguments is None:
+            read.append(call)
+            continue
+        try:
+            same = json.loads(arguments) == call.arguments
+        except ValueError:
+            same = False
+        if not same:
+            raise MalformedCall("the arguments streamed are not the arguments read", text)
+        read.append(RawCall(call.name, call.arguments, arguments))
+    return read
+
+
 def partial_suffix(text: str, markers: Sequence[str]) -> int:
     """Length of the longest end of ``text`` that is the start of one of ``markers``."""
     longest = 0
@@ -169,7 +200,11 @@ class RegionReader:
     opens: Mapping[str, str | None]
     parse: RegionParser
     start_opens: str | None = None
+    # A scanner of a region's calls as they stream (the JSON syntaxes), made per region.
+    scanner: Callable[[], ArgumentsScanner] | None = None
     _buffer: str = ""
+    _scanning: ArgumentsScanner | None = None
+    _scanned: int = 0
     _open: str | None = None
     _seen_text: bool = False
     _calls: int = 0
@@ -185,11 +220,16 @@ class RegionReader:
             if self._open is not None:
                 close = self.opens.get(self._open)
                 if close is None:
-                    return pieces  # read whole at the end
+                    # Read whole at the end; its arguments stream meanwhile.
+                    self._scan(self._buffer, pieces)
+                    return pieces
                 end = self._buffer.find(close)
                 if end < 0:
+                    keep = partial_suffix(self._buffer, (close,))
+                    self._scan(self._buffer[: len(self._buffer) - keep], pieces)
                     return pieces
                 body = self._buffer[:end]
+                self._scan(body, pieces)
                 self._buffer = self._buffer[end + len(close) :]
                 pieces += self._calls_of(self._open, body)
                 self._open = None
@@ -200,6 +240,7 @@ class RegionReader:
                     return pieces
                 if stripped.startswith(self.start_opens):
                     self._open, self._buffer = self.start_opens, stripped
+                    self._opened()
                     continue
                 if self.start_opens.startswith(stripped):
                     return pieces
@@ -209,6 +250,7 @@ class RegionReader:
                 self._content(self._buffer[:start], pieces)
                 self._buffer = self._buffer[start + len(marker) :]
                 self._open = marker
+                self._opened()
                 continue
             keep = partial_suffix(self._buffer, self._markers)
             ready = self._buffer[: len(self._buffer) - keep]
@@ -225,18 +267,30 @@ class RegionReader:
             self._open, self._buffer = None, ""
             if self.opens.get(opened) is not None:
                 raise MalformedCall("the output ends inside a call", opened + body)
-            return self._calls_of(opened, body)
+            self._scan(body, pieces)
+            return pieces + self._calls_of(opened, body)
         rest, self._buffer = self._buffer, ""
         if rest and not (self._calls and not rest.strip()):
             pieces.append(rest)
         return pieces
+
+    def _opened(self) -> None:
+        self._scanning = self.scanner() if self.scanner is not None else None
+        self._scanned = 0
+
+    def _scan(self, body: str, pieces: list[Piece]) -> None:
+        """Stream the arguments of the open region's ``body`` (its text so far)."""
+        if self._scanning is not None and len(body) > self._scanned:
+            pieces += self._scanning.feed(body[self._scanned :])
+            self._scanned = len(body)
 
     def _calls_of(self, opened: str, body: str) -> list[Piece]:
         calls = self.parse(opened, body)
         if not calls:
             raise MalformedCall("a call region without a call", opened + body)
         self._calls += len(calls)
-        return list(calls)
+        scanning, self._scanning = self._scanning, None
+        return list(with_written(calls, scanning, opened + body))
 
     def _content(self, text: str, pieces: list[Piece]) -> None:
         if self._calls and not text.strip():

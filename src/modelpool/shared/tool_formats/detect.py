@@ -3,9 +3,9 @@
 ``tool_parser = "auto"`` (a model's default) is resolved here, on the supervisor's side,
 before any worker loads: the template is read from the model's files (a local directory's
 ``chat_template.jinja``, ``chat_template.json`` or ``tokenizer_config.json``, or the same
-files of a hub model already in the local cache); a template that shows none of the
-families' markers (or no template found, a GGUF file among them) keeps Hermes, the
-syntax the generic tool preamble teaches.
+files of a hub model already in the local cache, or a GGUF file's embedded
+``tokenizer.chat_template``); a template that shows none of the families' markers (or no
+template found) keeps Hermes, the syntax the generic tool preamble teaches.
 """
 
 from __future__ import annotations
@@ -141,7 +141,11 @@ def _json_file(model: str, name: str) -> object:
 
 
 def chat_template_of(model: str) -> str | None:
-    """The chat template text of a model directory or a cached hub model, or None."""
+    """The chat template text of a model directory, a cached hub model or a GGUF file
+    (its ``tokenizer.chat_template``), or None."""
+    local = Path(model).expanduser()
+    if local.suffix == ".gguf" and local.is_file():
+        return _gguf_template(local)
     for name in _TEMPLATE_FILES:
         path = _model_file(model, name)
         if path is None:
@@ -154,6 +158,17 @@ def chat_template_of(model: str) -> str | None:
         if template:
             return template
     return None
+
+
+def _gguf_template(path: Path) -> str | None:
+    from modelpool.shared.lora_gguf import read_gguf_header
+
+    try:
+        metadata = read_gguf_header(path)[0]
+    except (OSError, ValueError):
+        return None
+    template = metadata.get("tokenizer.chat_template")
+    return template if isinstance(template, str) else None
 
 
 def _model_file(model: str, name: str) -> Path | None:

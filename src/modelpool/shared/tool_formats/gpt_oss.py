@@ -31,7 +31,9 @@ from modelpool.shared.tool_formats.base import (
     lark_string,
     mark,
     partial_suffix,
+    with_written,
 )
+from modelpool.shared.tool_formats.streaming import ArgumentsScanner
 
 START = "<|start|>"
 CHANNEL = "<|channel|>"
@@ -91,6 +93,8 @@ class HarmonyReader:
     _header: str = ""
     _name: str = ""
     _calls: int = 0
+    _scanning: ArgumentsScanner | None = None
+    _scanned: int = 0
 
     def feed(self, text: str) -> list[Piece]:
         self._buffer += text
@@ -103,6 +107,7 @@ class HarmonyReader:
         pieces: list[Piece] = []
         if self._state == "call":
             # <|call|> is a stop token: the output may end without it.
+            self._scan(self._buffer, pieces)
             pieces.append(self._read_call(self._buffer))
         elif self._state == "header":
             header = self._header + self._buffer
@@ -117,7 +122,10 @@ class HarmonyReader:
         if self._state == "call":
             end = self._buffer.find(CALL)
             if end < 0:
+                keep = partial_suffix(self._buffer, (CALL,))
+                self._scan(self._buffer[: len(self._buffer) - keep], pieces)
                 return False
+            self._scan(self._buffer[:end], pieces)
             pieces.append(self._read_call(self._buffer[:end]))
             self._buffer = self._buffer[end + len(CALL) :]
             self._state = "text"
@@ -132,6 +140,8 @@ class HarmonyReader:
             self._state = "call" if named else "text"
             self._name = named.group(1) if named else ""
             self._header = ""
+            self._scanning = ArgumentsScanner("bare", name=self._name) if named else None
+            self._scanned = 0
             return True
         found = [(self._buffer.find(m), m) for m in (*_HEADS, *_ENDS) if m in self._buffer]
         if found:
@@ -151,6 +161,15 @@ class HarmonyReader:
         if text and not (self._calls and not text.strip()):
             pieces.append(text)
 
+    def _scan(self, body: str, pieces: list[Piece]) -> None:
+        """Stream the open call's arguments (``body``: its text so far)."""
+        if self._scanning is not None and len(body) > self._scanned:
+            pieces += self._scanning.feed(body[self._scanned :])
+            self._scanned = len(body)
+
     def _read_call(self, body: str) -> RawCall:
         self._calls += 1
-        return RawCall(self._name, json_object(body.strip(), "the arguments"))
+        call = RawCall(self._name, json_object(body.strip(), "the arguments"))
+        scanning, self._scanning = self._scanning, None
+        (read,) = with_written([call], scanning, body)
+        return read

@@ -22,6 +22,7 @@ from modelpool.shared.tool_formats.base import (
     mark,
     named_call,
 )
+from modelpool.shared.tool_formats.streaming import ArgumentsScanner
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -43,7 +44,7 @@ class Hermes:
         return "\n".join(["%llguidance {}", *lines]) + "\n"
 
     def reader(self, parameters: Mapping[str, dict[str, Any]]) -> SyntaxReader:
-        return RegionReader({OPEN: CLOSE}, _parse)
+        return RegionReader({OPEN: CLOSE}, _parse, scanner=lambda: ArgumentsScanner("named"))
 
 
 def _call(tool: GrammarTool, tokens: Mapping[str, int]) -> str:

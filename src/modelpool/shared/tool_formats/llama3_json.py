@@ -26,6 +26,7 @@ from modelpool.shared.tool_formats.base import (
     lark_string,
     named_call,
 )
+from modelpool.shared.tool_formats.streaming import ArgumentsScanner
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
@@ -52,7 +53,9 @@ class Llama3Json:
         return "\n".join(["%llguidance {}", *lines]) + "\n"
 
     def reader(self, parameters: Mapping[str, dict[str, Any]]) -> SyntaxReader:
-        return RegionReader({PYTHON_TAG: None}, _parse, start_opens="{")
+        return RegionReader(
+            {PYTHON_TAG: None}, _parse, start_opens="{", scanner=lambda: ArgumentsScanner("named")
+        )
 
 
 def _call(tool: GrammarTool) -> str:

@@ -30,6 +30,7 @@ from modelpool.shared.tool_formats.base import (
     mark,
     named_call,
 )
+from modelpool.shared.tool_formats.streaming import ArgumentsScanner
 
 OPEN = "[TOOL_CALLS]"
 _NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[CALL_ID\][A-Za-z0-9]*)?\s*\[ARGS\]", re.S)
@@ -52,7 +53,9 @@ class Mistral:
         return "\n".join(["%llguidance {}", *lines]) + "\n"
 
     def reader(self, parameters: Mapping[str, dict[str, Any]]) -> SyntaxReader:
-        return RegionReader({OPEN: None}, _parse)
+        return RegionReader(
+            {OPEN: None}, _parse, scanner=lambda: ArgumentsScanner("named", first="[")
+        )
 
 
 def _call(tool: GrammarTool) -> str:

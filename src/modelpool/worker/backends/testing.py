@@ -8,7 +8,8 @@ Use it as ``backend="testing"``; the prompt says what the worker should do::
         pool.generate("hang")                     # ignores the cancel flag and SIGTERM
         pool.generate("segfault")                 # dies with SIGSEGV
 
-Commands (``name[:arg[:arg]]``; anything else is echoed back):
+Commands (``name[:arg[:arg]]``, after any ``<system-reminder>`` blocks Claude Code writes
+ahead of its user's text; anything else is echoed back):
 
 =====================  ======================================================
 ``echo:TEXT``          returns TEXT, cut before the first ``stop`` string in it
@@ -528,7 +529,7 @@ class FaultBackend:
         return generation
 
     def _run(self, call: Call) -> str | Generation:
-        text = _prompt_text(call.prompt)
+        text = _command_text(call.prompt)
         command, _, argument = text.partition(":")
         self.check_device()
         limit, prompt_tokens = self._fit(call)
@@ -628,8 +629,18 @@ def _prompt_text(prompt: object) -> str:
     return testing_images.content_text(prompt[-1]["content"])
 
 
+# Claude Code writes reminders ahead of the user's text in the same message.
+_REMINDERS = re.compile(r"\A(?:\s*<system-reminder>.*?</system-reminder>)+\s*", re.S)
+
+
+def _command_text(prompt: object) -> str:
+    """The text a command is read from: the last message's, less the reminders an agent
+    puts ahead of it."""
+    return _REMINDERS.sub("", _prompt_text(prompt))
+
+
 def _command(call: Call) -> str:
-    return _prompt_text(call.prompt).partition(":")[0]
+    return _command_text(call.prompt).partition(":")[0]
 
 
 def _pieces(text: str) -> list[str]:

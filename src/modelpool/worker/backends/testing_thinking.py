@@ -1,13 +1,13 @@
 """The testing backend's scripted thinker: a reasoning model rehearsed without a model.
 
-``think:N:ANSWER[:DELAY]`` thinks N tokens (``"w0 "``, ``"w1 "`` ...) inside thinking the
-template opened (as DeepSeek-R1's does), writes ``</think>``, then answers ANSWER word by
-word (each word a token), DELAY seconds a token. ``think_tag:...`` is the same model
-opening thinking itself (``<think>`` first, as Qwen3 does). N as ``loop`` thinks
-``"a b c a b c ..."`` until something closes it. The worker's bound
-(``common.thinking``) runs over it as over a real model's tokens (each piece one token):
-its forced end of thinking replaces the script's next piece, and the answer follows.
-With ``reasoning_parser = "none"`` nothing is bounded and the text is the script's.
+``think:N:ANSWER[:DELAY]`` (ANSWER may hold colons) thinks N tokens (``"w0 "``,
+``"w1 "`` ...) inside thinking the template opened (as DeepSeek-R1's does), writes
+``</think>``, then answers ANSWER word by word (each word a token), DELAY seconds a
+token. ``think_tag:...`` is the same model opening thinking itself (``<think>`` first, as
+Qwen3 does). N as ``loop`` thinks ``"a b c a b c ..."`` until something closes it. The
+worker's bound (``common.thinking``) runs over it as over a real model's tokens (each
+piece one token): its forced end of thinking replaces the script's next piece, and the
+answer follows. With ``reasoning_parser = "none"`` nothing is bounded and the text is the script's.
 """
 
 from __future__ import annotations
@@ -44,11 +44,20 @@ def _script(command: str, count: str, answer: str) -> tuple[Iterator[str], list[
     ]
 
 
+def _answer_and_delay(rest: str) -> tuple[str, float]:
+    """``ANSWER[:DELAY]``: the delay is the last field when it is a number, so that an
+    answer may hold colons (a JSON tool call, say)."""
+    answer, _, delay_text = rest.rpartition(":")
+    try:
+        return answer, float(delay_text)
+    except ValueError:
+        return rest, 0.0
+
+
 def think(call: Call, command: str, argument: str, limit: int | None) -> Generation:
     """Run the script of ``command:argument`` through the worker's bound."""
     count, _, rest = argument.partition(":")
-    answer, _, delay_text = rest.partition(":")
-    delay = float(delay_text or 0)
+    answer, delay = _answer_and_delay(rest)
     thinking, answer_pieces = _script(command, count, answer)
     started = command == "think"
     tracker: ThinkingTracker[str] | None = None

@@ -53,7 +53,10 @@ class TextProgress:
         # A request with tools keeps the call markers that are special tokens (Mistral's
         # [TOOL_CALLS], Llama's <|python_tag|>, gpt-oss's Harmony tokens): the supervisor
         # reads the calls by them. Every other special token is dropped, as always.
-        self._dropped = _dropped_special_ids(tokenizer) if call.params.get("tools") else None
+        self._kept: frozenset[str] = (
+            KEPT_SPECIAL_TOKENS if call.params.get("tools") else frozenset()
+        )
+        self._dropped = _dropped_special_ids(tokenizer, self._kept) if self._kept else None
         self.token_ids: list[int] = []
         # Everything emitted so far. It is the returned text, so that the text
         # always equals the chunks joined.
@@ -67,6 +70,12 @@ class TextProgress:
         # The stop string that ended the text (Anthropic's answer names it).
         self.stop_sequence: str | None = None
         self.error: Exception | None = None
+
+    def keep_special(self, tokens: frozenset[str]) -> None:
+        """Keep these special tokens in the text too (gpt-oss's Harmony tokens, which its
+        thinking is told from its answer by). Called before the first token is taken."""
+        self._kept = self._kept | tokens
+        self._dropped = _dropped_special_ids(self._tokenizer, self._kept)
 
     def on_step(self, input_ids: torch.Tensor) -> bool:
         """Stopping-criterion hook: take this step's token; True ends generation."""
@@ -172,10 +181,10 @@ def stop_strings(value: object) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _dropped_special_ids(tokenizer: Any) -> frozenset[int] | None:
-    """The special tokens a request with tools drops: all but the call markers; None when
-    the tokenizer has no marker among its special tokens (or says nothing of them, as
-    llama_cpp's detokenizer does), and decoding stays as it is."""
+def _dropped_special_ids(tokenizer: Any, kept_tokens: frozenset[str]) -> frozenset[int] | None:
+    """The special tokens a request drops when it keeps ``kept_tokens`` (the call markers,
+    Harmony's tokens): all the others; None when the tokenizer has none of them among its
+    special tokens (or says nothing of them), and decoding stays as it is."""
     decoder = getattr(tokenizer, "added_tokens_decoder", None)
     if not isinstance(decoder, dict):
         return None
@@ -189,7 +198,7 @@ def _dropped_special_ids(tokenizer: Any) -> frozenset[int] | None:
         for token_id in getattr(tokenizer, "all_special_ids", ())
         if token_id not in special
     )
-    kept = {token_id for token_id, content in special.items() if content in KEPT_SPECIAL_TOKENS}
+    kept = {token_id for token_id, content in special.items() if content in kept_tokens}
     if not kept:
         return None
     return frozenset(special) - kept

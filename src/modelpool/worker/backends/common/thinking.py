@@ -31,7 +31,7 @@ from modelpool.shared.protocol import TokenIds
 from modelpool.shared.reasoning.controls import PARSER_PARAM, ThinkingBound
 from modelpool.shared.reasoning.detect import ReasoningFamily, detect_family
 from modelpool.shared.reasoning.loops import LoopDetector
-from modelpool.shared.reasoning.parsers import THINK_END, THINK_START, ParserName
+from modelpool.shared.reasoning.parsers import HARMONY_TOKENS, THINK_END, THINK_START, ParserName
 from modelpool.worker.backends.common.text import TextProgress
 
 T = TypeVar("T", bound=Hashable)
@@ -102,13 +102,25 @@ def thinking_for(
     """A request's tracker, when its model thinks (for the request's parser); thinking
     the template opened gets its opening written back at the head of the text (the
     canonical form the server splits)."""
-    model = None if models is None else models.get(params.get(PARSER_PARAM, "auto"))
+    model = keep_family_tokens(models, params, progress)
     if model is None:
         return None
     tracker = model.tracker(prompt, params, max_new_tokens)
     if tracker.started_in_prompt:
         progress.lead = model.family.start_text
     return tracker
+
+
+def keep_family_tokens(
+    models: ThinkingModels | None, params: dict[str, Any], progress: TextProgress
+) -> ThinkingModel[int] | None:
+    """A chat request's thinking model (for its parser), if its model thinks; a gpt-oss
+    model's text keeps Harmony's special tokens, which the server splits its channels by
+    (the backends otherwise drop special tokens when decoding)."""
+    model = None if models is None else models.get(params.get(PARSER_PARAM, "auto"))
+    if model is not None and model.family.family == "gpt_oss":
+        progress.keep_special(HARMONY_TOKENS)
+    return model
 
 
 def _open_in_prompt(prompt: Sequence[T], start: tuple[T, ...], end: tuple[T, ...]) -> bool:

@@ -26,6 +26,11 @@ from modelpool.shared.validation import FIT_PARAM, PRIORITY_PARAM, PROMOTED_AT_P
 from modelpool.worker.backends.common.params import DEFAULT_MAX_NEW_TOKENS
 from modelpool.worker.backends.common.penalties import PENALTY_PARAMS, Penalties
 from modelpool.worker.backends.common.text import TextProgress, stop_strings
+from modelpool.worker.backends.common.thinking import (
+    ThinkingModels,
+    is_chat,
+    keep_family_tokens,
+)
 from modelpool.worker.backends.hf.layer_checks import transformer_layers
 from modelpool.worker.backends.hf.runner import LoadedModel
 
@@ -43,6 +48,7 @@ class GeneratingModel(LoadedModel, Protocol):
     imports this module), beyond what the batched runner needs."""
 
     cache_keyword: str
+    thinking: ThinkingModels
 
     def validate(self, params: Mapping[str, Any]) -> None: ...
 
@@ -154,6 +160,9 @@ def generate(handler: GeneratingModel, call: Call) -> Generation:
         # Only now: keeping every step's logits is what logprobs cost.
         params.update(output_logits=True, return_dict_in_generate=True)
     progress = TextProgress(handler.tokenizer, call, prompt_tokens, stops)
+    if is_chat(call.prompt):
+        # Unbounded here (one request at a time), but a gpt-oss answer is still split.
+        keep_family_tokens(handler.thinking, call.params, progress)
     prompt_ids: list[int] = input_ids[0].tolist()
     kv, cached_tokens = _prefix_kv(
         handler, prompt_ids, params, prompt_top_logprobs is None, partition

@@ -483,7 +483,9 @@ class HFHandler(ScheduledHandler):
             specials = self.specials if self.chat_as_text else NO_SPECIALS
             chat = EscapedChat.of(prompt, tools, specials)
             if tools or any(len(message) > 2 for message in prompt):
-                text = render_chat(tokenizer, chat.messages, chat.tools, add_generation_prompt)
+                text = render_chat(
+                    tokenizer, chat.messages, chat.tools, add_generation_prompt, template_kwargs
+                )
             else:
                 text = tokenizer.apply_chat_template(
                     chat.messages,

@@ -257,9 +257,12 @@ class LlamaCppHandler(ScheduledHandler):
         prompt: Prompt,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The prompt's token ids; a chat prompt offers ``tools`` (OpenAI's shape) to the
-        model as the hf backend does (``modelpool.shared.tools.render_chat``)."""
+        model as the hf backend does (``modelpool.shared.tools.render_chat``);
+        ``template_kwargs``: the request's template variables (``enable_thinking``)."""
         runtime = self.runtime
         refuse_images(prompt, "a llama_cpp model without an mmproj")
         if isinstance(prompt, TokenIds):
@@ -271,10 +274,12 @@ class LlamaCppHandler(ScheduledHandler):
             # The content's special tokens are text; the template writes its own (BOS
             # included), the only ones read as such.
             chat = EscapedChat.of(prompt, tools, self.specials)
-            text = self.render_chat(chat.messages, chat.tools, add_generation_prompt)
+            text = self.render_chat(
+                chat.messages, chat.tools, add_generation_prompt, template_kwargs
+            )
             ids = chat.token_ids(text, self._text_ids)
         else:
-            text = self.render_chat(prompt, tools, add_generation_prompt)
+            text = self.render_chat(prompt, tools, add_generation_prompt, template_kwargs)
             ids = runtime.tokenize(text, add_special=False)
         if not ids:
             if self._bos < 0:
@@ -292,6 +297,7 @@ class LlamaCppHandler(ScheduledHandler):
         messages: Sequence[Mapping[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         if self.chat_template is None:
             raise InvalidRequest(
@@ -300,11 +306,12 @@ class LlamaCppHandler(ScheduledHandler):
             )
         if tools or any(len(message) > 2 for message in messages):
             # Tool definitions, calls and results: the one renderer both backends share.
-            return render_chat(self, messages, tools, add_generation_prompt)
+            return render_chat(self, messages, tools, add_generation_prompt, template_kwargs)
         return self.apply_chat_template(
             [dict(message) for message in messages],
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **(template_kwargs or {}),
         )
 
     def apply_chat_template(

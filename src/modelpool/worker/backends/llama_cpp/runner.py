@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -46,6 +46,7 @@ from modelpool.shared.grammar import RowGrammar
 from modelpool.shared.lora import LoraRef, lora_ref
 from modelpool.shared.prefixes import answered_fingerprints, partition_of
 from modelpool.shared.protocol import BatchCall, Call, PrefixCacheReport, Prompt, TokenLogprob
+from modelpool.shared.reasoning.controls import template_params
 from modelpool.worker.backends.common.sampling import Sampling
 from modelpool.worker.backends.common.scheduler import Grammars, Row, Scheduler, StepPlan
 from modelpool.worker.backends.common.text import TextProgress, stop_strings
@@ -101,7 +102,13 @@ class LlamaGrammarEngine(Grammars, Protocol):
 class Encoder(Protocol):
     """What the runner needs of the handler: prompts as token ids, the context fit."""
 
-    def encode(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]: ...
+    def encode(
+        self,
+        prompt: Prompt,
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]: ...
 
     def fit_new_tokens(self, call: Call, params: dict[str, Any], prompt_tokens: int) -> int: ...
 
@@ -187,7 +194,9 @@ class LlamaRunner:
         import numpy as np
 
         params = call.params
-        prompt_ids = self.encoder.encode(call.prompt, params.get("tools"))
+        prompt_ids = self.encoder.encode(
+            call.prompt, params.get("tools"), template_kwargs=template_params(params)
+        )
         stops = stop_strings(params["stop"]) if "stop" in params else ()
         sampling = Sampling.from_params(params, self.runtime.n_vocab)
         rng = np.random.default_rng(params.get("seed")) if sampling.do_sample else None

@@ -5,6 +5,7 @@ makes: one unified KV cache for every sequence, a reusable batch, token text.
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,7 @@ class Runtime:
         self.end_ids: npt.NDArray[np.int64] = np.array(ends, dtype=np.int64)
         self.end_id_set = frozenset(ends)
         self._pieces: dict[int, bytes] = {}
+        self._special_pieces: dict[int, bytes] = {}
         self._texts: dict[int, str] = {}
         self._decoder = Detokenizer(self)
         self._adapter: Any = None  # the adapter the context applies (use_adapter)
@@ -241,6 +243,15 @@ class Runtime:
             self._pieces[token_id] = piece
         return piece
 
+    def special_piece(self, token_id: int) -> bytes:
+        """A token's bytes with a control token's text shown (what is decoded when some
+        special tokens are kept)."""
+        piece = self._special_pieces.get(token_id)
+        if piece is None:
+            piece = self._piece(token_id, special=True)
+            self._special_pieces[token_id] = piece
+        return piece
+
     def _piece(self, token_id: int, *, special: bool) -> bytes:
         size = 32
         for _ in range(2):
@@ -264,17 +275,23 @@ class Runtime:
             self.llama.llama_model_meta_val_str(self.model, key.encode(), buffer, count + 1)
         return buffer.value.decode("utf-8", errors="replace")
 
-    def control_tokens(self) -> dict[str, int]:
-        """The text of each token llama.cpp reads as special only when told to (control
-        and unknown tokens), and its id: what chat content may not write."""
+    def control_ids(self) -> dict[int, str]:
+        """Each token llama.cpp reads as special only when told to (control and unknown
+        tokens), by id, with its text."""
         llama = self.llama
         special = int(llama.LLAMA_TOKEN_ATTR_CONTROL) | int(llama.LLAMA_TOKEN_ATTR_UNKNOWN)
+        return {
+            token_id: self.token_text(token_id)
+            for token_id in range(self.n_vocab)
+            if int(llama.llama_vocab_get_attr(self.vocab, token_id)) & special
+        }
+
+    def control_tokens(self) -> dict[str, int]:
+        """The text of each control token and its id: what chat content may not write."""
         tokens: dict[str, int] = {}
-        for token_id in range(self.n_vocab):
-            if int(llama.llama_vocab_get_attr(self.vocab, token_id)) & special:
-                text = self.token_text(token_id)
-                if text:
-                    tokens.setdefault(text, token_id)
+        for token_id, text in self.control_ids().items():
+            if text:
+                tokens.setdefault(text, token_id)
         return tokens
 
     def special_text(self, token_id: int) -> str:
@@ -291,6 +308,13 @@ class Detokenizer:
     def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
 
-    def decode(self, token_ids: list[int], **_: Any) -> str:
-        piece = self._runtime.piece
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True, **_: Any) -> str:
+        runtime = self._runtime
+        piece = runtime.piece if skip_special_tokens else runtime.special_piece
         return b"".join(piece(token_id) for token_id in token_ids).decode("utf-8", errors="replace")
+
+    @functools.cached_property
+    def added_tokens_decoder(self) -> dict[int, str]:
+        """The control tokens by id, as a Hugging Face tokenizer lists its special tokens:
+        what ``TextProgress`` keeps some of (tool-call markers, Harmony's tokens)."""
+        return self._runtime.control_ids()
