@@ -291,7 +291,7 @@ def test_invalid_toml_is_a_value_error_naming_the_file(tmp_path: Path) -> None:
         ("max_headers", 2),
         ("max_connections", 0),
         ("max_pending_body_bytes", 0),
-        # Under max_body_bytes (1 MiB), one whole body would be refused.
+        # Under max_body_bytes (32 MiB), one whole body would be refused.
         ("max_pending_body_bytes", 65_536),
     ],
 )

@@ -269,7 +269,8 @@ class ServerConfig:
     # Several keys, one per tenant, each with its own share and budget (server.tenants);
     # with it, fair share is by tenant, not by address.
     keys_file: str | None = None
-    max_body_bytes: int = 1_048_576
+    # 32 MiB: an agent's request carries its screenshots (base64) with the conversation.
+    max_body_bytes: int = 33_554_432
     drain_timeout_s: float = 30.0
     max_request_timeout_s: float | None = None
     model_name: str | None = None
@@ -299,7 +300,7 @@ class ServerConfig:
     max_connections: int = 1000
     # Bytes of request bodies still being received, all connections together: past it,
     # the connection whose body grew gets 503 (a body that arrives whole never counts).
-    max_pending_body_bytes: int = 8_388_608
+    max_pending_body_bytes: int = 134_217_728
     # /metrics also under vLLM's names (vllm:..., labelled model_name), for its dashboards.
     vllm_metrics: bool = True
     # OpenTelemetry traces of each request, exported here (an OTLP/HTTP traces URL such as
