@@ -22,7 +22,10 @@ as ``modelpool prepare-model`` does)::
     python -m benchmarks.lora --model embedded --batch 8 --tokens 64 --threads 2
     python -m benchmarks.lora --device cuda:0 --model embedded --dtype bfloat16
 
-Prints one JSON object (tokens/s by contender, ratios, the two times to first token).
+Mixed and base take turns, ``--repeats`` runs each (a change in the machine's load falls on
+both): their tokens/s are the medians, ``mixed_vs_base`` the median of each pair's ratio
+with its lowest and highest, beside the load average. Prints one JSON object (tokens/s by
+contender, ratios, the two times to first token); ``--no-merged`` stops after 2.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -140,8 +145,25 @@ def first_token_s(pool: ModelPool, adapter: Path | None, started: float) -> floa
     return time.perf_counter() - started
 
 
-def best_of(repeats: int, measure: Callable[[], float]) -> float:
-    return max(measure() for _ in range(repeats))
+def interleaved(
+    repeats: int, first: Callable[[], float], second: Callable[[], float]
+) -> tuple[list[float], list[float]]:
+    """``repeats`` runs of each, taking turns (first, second, second, first, ...), so that
+    a change in the machine's load falls on both alike rather than on one of them."""
+    firsts: list[float] = []
+    seconds: list[float] = []
+    for index in range(repeats):
+        order = ((firsts, first), (seconds, second))
+        for results, measure in order if index % 2 == 0 else reversed(order):
+            results.append(measure())
+    return firsts, seconds
+
+
+def ratio_summary(numerators: list[float], denominators: list[float]) -> dict[str, float]:
+    """The median of the paired ratios (each repeat's pair ran back to back), and their
+    spread (lowest, highest)."""
+    ratios = sorted(n / d for n, d in zip(numerators, denominators, strict=True))
+    return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -155,6 +177,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument(
+        "--no-merged", action="store_true", help="mixed against base only (3. and 4. left out)"
+    )
     args = parser.parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="modelpool-lora-bench-"))
     if args.model == "tiny":
@@ -171,16 +196,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     four, fresh = adapters[:4], adapters[4]
     prompts = [QUESTIONS[index % len(QUESTIONS)] for index in range(args.batch)]
     report: dict[str, Any] = {"model": str(base), "batch": args.batch, "tokens": args.tokens}
+    report["load_average_at_start"] = os.getloadavg()[0]
 
     with ModelPool(pool_config(base, args, args.threads)) as pool:
         run_batch([(pool, four[0], prompts[0])], 4)  # warm: the adapters' hooks, the caches
         mixed = [(pool, four[index % 4], prompt) for index, prompt in enumerate(prompts)]
         plain = [(pool, None, prompt) for prompt in prompts]
         run_batch(mixed, args.tokens)
-        report["mixed_tok_s"] = best_of(args.repeats, lambda: run_batch(mixed, args.tokens))
-        report["base_tok_s"] = best_of(args.repeats, lambda: run_batch(plain, args.tokens))
+        mixed_runs, base_runs = interleaved(
+            args.repeats,
+            lambda: run_batch(mixed, args.tokens),
+            lambda: run_batch(plain, args.tokens),
+        )
+        report["mixed_tok_s"] = statistics.median(mixed_runs)
+        report["base_tok_s"] = statistics.median(base_runs)
+        report["mixed_vs_base"] = ratio_summary(mixed_runs, base_runs)
         report["new_adapter_first_token_s"] = first_token_s(pool, fresh, time.perf_counter())
 
+    report["load_average_after_mixed_and_base"] = os.getloadavg()[0]
+    if args.no_merged:
+        print(json.dumps(report, indent=2))
+        return report
     merged = [merged_copy(base, adapter, workdir / "merged") for adapter in four]
     per_pool = max(1, args.threads // 4)
     pools = [ModelPool(pool_config(model, args, per_pool)) for model in merged]
@@ -189,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             each.start()
         jobs = [(pools[index % 4], None, prompt) for index, prompt in enumerate(prompts)]
         run_batch(jobs, args.tokens)
-        report["merged_pools_tok_s"] = best_of(args.repeats, lambda: run_batch(jobs, args.tokens))
+        merged_runs = [run_batch(jobs, args.tokens) for _ in range(args.repeats)]
+        report["merged_pools_tok_s"] = statistics.median(merged_runs)
     finally:
         for each in pools:
             each.close()
@@ -201,7 +238,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     with ModelPool(pool_config(fresh_merged, args, args.threads)) as pool:
         report["merged_model_first_token_s"] = first_token_s(pool, None, started)
-    report["mixed_vs_base"] = report["mixed_tok_s"] / report["base_tok_s"]
     report["mixed_vs_merged_pools"] = report["mixed_tok_s"] / report["merged_pools_tok_s"]
     print(json.dumps(report, indent=2))
     return report

@@ -8,20 +8,24 @@ groups in turn::
 
     python -m benchmarks.lora_gguf --batch 8 --tokens 32 --adapters 4
 
-Prints one JSON object (tokens/s of each, their ratio).
+Mixed and base take turns, ``--repeats`` runs each. Prints one JSON object (the median
+tokens/s of each, the median of the paired ratios with its lowest and highest, the load
+average).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lora import QUESTIONS, best_of, run_batch
+from benchmarks.lora import QUESTIONS, interleaved, ratio_summary, run_batch
 from modelpool import ModelPool, PoolConfig
 from modelpool.shared.embedded import prepare_gguf
 
@@ -65,15 +69,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 for index, prompt in enumerate(prompts)
             ]
             run_batch(mixed_jobs, 2)  # every adapter read once, as a running pool has them
-            base_rate = best_of(args.repeats, lambda: run_batch(base_jobs, args.tokens))
-            mixed_rate = best_of(args.repeats, lambda: run_batch(mixed_jobs, args.tokens))
+            mixed_runs, base_runs = interleaved(
+                args.repeats,
+                lambda: run_batch(mixed_jobs, args.tokens),
+                lambda: run_batch(base_jobs, args.tokens),
+            )
     report = {
         "batch": args.batch,
         "tokens": args.tokens,
         "adapters": args.adapters,
-        "base_tok_s": round(base_rate, 1),
-        "mixed_tok_s": round(mixed_rate, 1),
-        "mixed_over_base": round(mixed_rate / base_rate, 2),
+        "base_tok_s": round(statistics.median(base_runs), 1),
+        "mixed_tok_s": round(statistics.median(mixed_runs), 1),
+        "mixed_over_base": ratio_summary(mixed_runs, base_runs),
+        "load_average": os.getloadavg()[0],
     }
     print(json.dumps(report))
     return report

@@ -9,7 +9,8 @@ costs each hooked module one context-variable read. A mixed pass costs each hook
 two matrix products whatever the number of adapters: the held adapters' A matrices are
 stacked (r rows each, zeros where an adapter leaves the module alone), every token goes
 through all of them, a per-token mask keeps its own adapter's columns (times its scale),
-and the stacked B matrices sum them back. That is the sum of the held ranks in work, where
+and the stacked B matrices sum them back (the mask is one gather a pass, of rows made when
+an adapter comes or goes). That is the sum of the held ranks in work, where
 gathering each adapter's tokens apart (Punica's and S-LoRA's layout, without their
 kernels) costs four small operations per adapter and module: on a CPU, and on small
 models, the number of operations is what costs.
@@ -79,6 +80,9 @@ def tokens_use(slots: Sequence[int], counts: Sequence[int], device: Any) -> Iter
     value: TokenAdapters
     if len(set(slots)) == 1:
         value = slots[0]
+    elif all(count == 1 for count in counts):
+        # A decode step (one token a row): the rows' slots are the tokens' slots.
+        value = MixedPass(torch.tensor(list(slots), device=device))
     else:
         flat = torch.repeat_interleave(torch.tensor(list(slots)), torch.tensor(list(counts)))
         value = MixedPass(flat.to(device))
@@ -128,6 +132,8 @@ class Loras:
     # Each column's scale when every module has the same (one lora_alpha / r an adapter,
     # the usual case): folded into the pass's mask, one product fewer per module.
     _column_scale: torch.Tensor | None = None
+    # Each slot's mask row (row 0, the base's, all zero): a pass's mask is one gather.
+    _mask_rows: torch.Tensor | None = None
 
     @property
     def names(self) -> list[str]:
@@ -226,16 +232,19 @@ class Loras:
         scales_seen = list(self._scales.values())
         same = all(bool((other == scales_seen[0]).all()) for other in scales_seen[1:])
         self._column_scale = scales_seen[0] if scales_seen and same else None
+        rows = next(self.model.parameters()).new_zeros((max(self._columns, default=0) + 1, start))
+        for slot, (first, end) in self._columns.items():
+            rows[slot, first:end] = (
+                1 if self._column_scale is None else self._column_scale[first:end]
+            )
+        self._mask_rows = rows
 
     def _mask(self, active: MixedPass) -> torch.Tensor:
         """Per token, 1 in its adapter's columns (or their scale, when every module has the
         same), 0 elsewhere: made once a pass."""
         if active.mask is None:
-            dtype = next(self.model.parameters()).dtype
-            mask = active.slots.new_zeros((active.slots.shape[0], self._width), dtype=dtype)
-            for slot, (first, end) in self._columns.items():
-                mask[active.slots == slot, first:end] = 1
-            active.mask = mask if self._column_scale is None else mask * self._column_scale
+            assert self._mask_rows is not None  # a mixed pass comes after an install
+            active.mask = self._mask_rows.index_select(0, active.slots)
         return active.mask
 
     def _hook(self, name: str) -> Callable[[Any, tuple[Any, ...], Any], Any]:
