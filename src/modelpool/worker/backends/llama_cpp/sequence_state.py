@@ -60,35 +60,40 @@ def save_sequence(
     scratch: int | None = None,
 ) -> bytes:
     """The framed state of the first ``len(tokens)`` positions of sequence ``seq_id``,
-    whose cells hold ``tokens`` from position 0. When the sequence holds more, its
-    prefix is shared into the empty sequence ``scratch`` (cells are shared in a unified
-    cache, not copied), saved from there, and ``scratch`` emptied again."""
+    whose cells hold ``tokens`` from position 0 (``scratch``: see :func:`state_bytes`)."""
+    state = state_bytes(runtime, seq_id, len(tokens), scratch)
+    body = struct.pack(f"<{len(tokens)}i", *tokens) + state
+    return _HEADER.pack(MAGIC, len(tokens), len(state), zlib.crc32(body)) + body
+
+
+def state_bytes(
+    runtime: StateContext, seq_id: int, count: int, scratch: int | None = None
+) -> bytes:
+    """llama.cpp's state of the first ``count`` positions of sequence ``seq_id``, unframed
+    (the tiers' entries carry their own checksum and ids). When the sequence holds more,
+    its prefix is shared into the empty sequence ``scratch`` (cells are shared in a
+    unified cache, not copied), saved from there, and ``scratch`` emptied again."""
     llama, memory = runtime.llama, runtime.memory
     held = int(llama.llama_memory_seq_pos_max(memory, seq_id)) + 1
-    if held == len(tokens) or scratch is None:
-        return _save_whole(runtime, seq_id, tokens)
-    llama.llama_memory_seq_cp(memory, seq_id, scratch, 0, len(tokens))
+    if held == count or scratch is None:
+        return _whole_state(runtime, seq_id, count)
+    llama.llama_memory_seq_cp(memory, seq_id, scratch, 0, count)
     try:
-        return _save_whole(runtime, scratch, tokens)
+        return _whole_state(runtime, scratch, count)
     finally:
         llama.llama_memory_seq_rm(memory, scratch, -1, -1)
 
 
-def _save_whole(runtime: StateContext, seq_id: int, tokens: list[int] | tuple[int, ...]) -> bytes:
+def _whole_state(runtime: StateContext, seq_id: int, count: int) -> bytes:
     llama, context = runtime.llama, runtime.context
-    _check_positions(runtime, seq_id, len(tokens))
+    _check_positions(runtime, seq_id, count)
     size = int(llama.llama_state_seq_get_size(context, seq_id))
-    token_bytes = struct.pack(f"<{len(tokens)}i", *tokens)
-    out = bytearray(_HEADER.size + len(token_bytes) + size)
-    out[_HEADER.size : _HEADER.size + len(token_bytes)] = token_bytes
-    start = _HEADER.size + len(token_bytes)
-    target = (ctypes.c_uint8 * size).from_buffer(out, start)
+    out = bytearray(size)
+    target = (ctypes.c_uint8 * size).from_buffer(out)
     written = int(llama.llama_state_seq_get_data(context, target, size, seq_id))
-    del target  # the buffer export ends here, so that ``out`` may be read as bytes
+    del target  # the buffer export ends here, so that ``out`` may be copied out
     if written != size:
         raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
-    checksum = zlib.crc32(memoryview(out)[_HEADER.size :])
-    _HEADER.pack_into(out, 0, MAGIC, len(tokens), size, checksum)
     return bytes(out)
 
 
@@ -126,21 +131,33 @@ def restore_sequence(
     shared = _shared_length(saved.tokens, prompt, limit)
     if shared == 0:
         raise StateRefused("tokens", "the saved tokens are not a prefix of the prompt")
+    load_state(runtime, saved.state, seq_id, len(saved.tokens), shared)
+    return shared
+
+
+def load_state(
+    runtime: StateContext, state: bytes | memoryview, seq_id: int, count: int, keep: int
+) -> None:
+    """Load llama.cpp's checked bytes ``state`` of ``count`` positions into the empty
+    sequence ``seq_id`` and keep its first ``keep``; StateRefused (the sequence left
+    empty) when llama.cpp refuses them or they do not hold positions 0..count-1."""
+    import numpy as np
+
     llama, context, memory = runtime.llama, runtime.context, runtime.memory
-    state = saved.state
-    source = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-    read = int(llama.llama_state_seq_set_data(context, source, len(state), seq_id))
-    if read != len(state):
+    # llama.cpp only reads the buffer: it is passed in place, not copied.
+    source = np.frombuffer(state, dtype=np.uint8)
+    pointer = source.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+    read = int(llama.llama_state_seq_set_data(context, pointer, len(source), seq_id))
+    if read != len(source):
         llama.llama_memory_seq_rm(memory, seq_id, -1, -1)
-        raise StateRefused("refused", f"llama.cpp read {read} of {len(state)} bytes")
+        raise StateRefused("refused", f"llama.cpp read {read} of {len(source)} bytes")
     try:
-        _check_positions(runtime, seq_id, len(saved.tokens))
+        _check_positions(runtime, seq_id, count)
     except RuntimeError as exc:
         llama.llama_memory_seq_rm(memory, seq_id, -1, -1)
         raise StateRefused("refused", str(exc)) from None
-    if shared < len(saved.tokens):
-        llama.llama_memory_seq_rm(memory, seq_id, shared, -1)
-    return shared
+    if keep < count:
+        llama.llama_memory_seq_rm(memory, seq_id, keep, -1)
 
 
 def _shared_length(tokens: tuple[int, ...], prompt: list[int], limit: int) -> int:
