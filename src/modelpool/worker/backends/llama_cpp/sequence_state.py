@@ -62,13 +62,13 @@ def save_sequence(
     """The framed state of the first ``len(tokens)`` positions of sequence ``seq_id``,
     whose cells hold ``tokens`` from position 0 (``scratch``: see :func:`state_bytes`)."""
     state = state_bytes(runtime, seq_id, len(tokens), scratch)
-    body = struct.pack(f"<{len(tokens)}i", *tokens) + state
+    body = struct.pack(f"<{len(tokens)}i", *tokens) + bytes(state)
     return _HEADER.pack(MAGIC, len(tokens), len(state), zlib.crc32(body)) + body
 
 
 def state_bytes(
     runtime: StateContext, seq_id: int, count: int, scratch: int | None = None
-) -> bytes:
+) -> memoryview:
     """llama.cpp's state of the first ``count`` positions of sequence ``seq_id``, unframed
     (the tiers' entries carry their own checksum and ids). When the sequence holds more,
     its prefix is shared into the empty sequence ``scratch`` (cells are shared in a
@@ -84,17 +84,17 @@ def state_bytes(
         llama.llama_memory_seq_rm(memory, scratch, -1, -1)
 
 
-def _whole_state(runtime: StateContext, seq_id: int, count: int) -> bytes:
+def _whole_state(runtime: StateContext, seq_id: int, count: int) -> memoryview:
     llama, context = runtime.llama, runtime.context
     _check_positions(runtime, seq_id, count)
     size = int(llama.llama_state_seq_get_size(context, seq_id))
     out = bytearray(size)
     target = (ctypes.c_uint8 * size).from_buffer(out)
     written = int(llama.llama_state_seq_get_data(context, target, size, seq_id))
-    del target  # the buffer export ends here, so that ``out`` may be copied out
+    del target  # the ctypes view of ``out`` ends here
     if written != size:
         raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
-    return bytes(out)
+    return memoryview(out)
 
 
 def read_saved(blob: bytes | bytearray | memoryview) -> SavedSequence:
