@@ -32,24 +32,28 @@ def _entries(tmp_path: Path) -> list[Path]:
 def test_lookup_finds_the_longest_stored_prefix_and_its_payload(tmp_path: Path) -> None:
     store = _store(tmp_path)
     ids = list(range(100))
-    assert store.store(ids[:40], 0, b"forty", meta={"n": 40}, fingerprints=(7, 8))
-    assert store.store(ids[:70], 0, [b"seven", b"ty"], meta={"n": 70})
+    assert store.store(ids[:40], 0, b"forty", meta={"n": 40})
+    assert store.store(ids[:70], 0, [b"seven", b"ty"], meta={"n": 70}, fingerprints=(7, 8))
     hit = store.lookup([*ids, 5], 0)
     assert hit is not None
     assert (hit.length, bytes(hit.payload), hit.meta["n"], hit.tier) == (70, b"seventy", 70, "host")
+    assert hit.fingerprints == (7, 8)
+    # The longer entry took over the names of the shorter one, which it holds all of.
     shorter = store.lookup(ids[:50], 0)
-    assert shorter is not None and bytes(shorter.payload) == b"forty"
-    assert shorter.length == 40 and shorter.fingerprints == (7, 8)
+    assert shorter is not None and bytes(shorter.payload) == b"seventy"
+    assert shorter.length == 49
+    other = store.lookup([*ids[:40], 1000, 1001], 0)
+    assert other is not None and other.length == 40
     # Fewer than a block of the prompt is never looked up; the last id is never restored.
     assert store.lookup(ids[:16], 0) is None
     stats = store.stats()[0]
-    assert (stats.hits, stats.misses, stats.stores, stats.entries) == (2, 1, 2, 2)
+    assert (stats.hits, stats.misses, stats.stores, stats.entries) == (3, 1, 2, 1)
     assert stats.restore_seconds > 0
 
 
 def test_a_partition_never_sees_another_partitions_entry(tmp_path: Path) -> None:
     store = _store(tmp_path)
-    ids = list(range(64))
+    ids = list(range(20))  # one block: one name
     store.store(ids, 11, b"salted")
     assert store.lookup([*ids, 1], 12) is None
     assert store.lookup([*ids, 1], 0) is None
@@ -65,7 +69,7 @@ def test_a_partition_never_sees_another_partitions_entry(tmp_path: Path) -> None
 
 def test_corrupted_torn_and_foreign_entries_are_rejected_and_removed(tmp_path: Path) -> None:
     store = _store(tmp_path)
-    ids = list(range(48))
+    ids = list(range(20))  # one block: one name
     store.store(ids, 0, b"x" * 1000)
     (entry,) = _entries(tmp_path)
     data = bytearray(entry.read_bytes())
@@ -88,6 +92,23 @@ def test_corrupted_torn_and_foreign_entries_are_rejected_and_removed(tmp_path: P
     assert store.lookup([*ids, 1], 0) is None
     assert store.stats()[0].rejected == 4
     assert _entries(tmp_path) == []
+
+
+def test_an_entry_is_found_by_a_prompt_sharing_only_its_first_blocks(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    answered = list(range(100))
+    store.store(answered, 0, b"turn")
+    # The next turn's prompt differs from the stored ids from id 90 on (a template's end
+    # of turn in place of the answer's last token, say).
+    prompt = [*answered[:90], 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]
+    hit = store.lookup(prompt, 0)
+    assert hit is not None and hit.length == 90
+    # A longer entry takes over the shared names; the shorter one is gone with its last.
+    store.store([*answered, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5], 0, b"next")
+    stats = store.stats()[0]
+    assert stats.entries == 1
+    hit = store.lookup(prompt, 0)
+    assert hit is not None and bytes(hit.payload) == b"next"
 
 
 def test_the_bound_evicts_the_least_recently_used_first(tmp_path: Path) -> None:

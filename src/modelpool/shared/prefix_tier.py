@@ -218,26 +218,38 @@ class PrefixTierStore:
         fingerprints: Sequence[int] = (),
     ) -> bool:
         """Keep ``payload`` (the backend's state of ``ids``; several buffers are written
-        one after the other, without joining them) in every tier, named by the key of the
-        last whole block of ``ids``; True if any tier kept it. An entry larger than a
-        tier's bound is not kept there; the least recently used entries make room."""
+        one after the other, without joining them) in every tier; True if any tier kept
+        it. An entry larger than a tier's bound is not kept there; the least recently
+        used entries make room. The file gets one name (a hard link) per whole block of
+        ``ids``, so a prompt that shares only its first blocks finds it too; a name an
+        older entry had is taken over (the new entry holds that prefix as well), and an
+        entry left with no name is gone."""
         keys = entry_keys(ids, partition, self.identity)
         if not keys:
             return False
         header, body = _encode(ids, partition, self.identity, payload, meta, fingerprints)
         kept = False
         for tier in self.tiers:
-            kept = tier.store(keys[-1], header, body) or kept
+            kept = tier.store(keys, header, body) or kept
         return kept
 
     def holds(self, ids: Sequence[int], partition: int = 0) -> bool:
-        """Whether some tier already has an entry named for ``ids`` (not read nor checked:
-        a writer skips what is already there)."""
+        """Whether some tier already has an entry holding the whole blocks of ``ids`` (not
+        read nor checked: a writer skips what is already there)."""
         keys = entry_keys(ids, partition, self.identity)
         return bool(keys) and any(tier.path(keys[-1]).exists() for tier in self.tiers)
 
     def stats(self) -> list[TierStats]:
         return [tier.stats() for tier in self.tiers]
+
+
+@dataclass
+class _Stored:
+    """An entry as a directory scan finds it: its names, size and last use (ns)."""
+
+    paths: list[Path]
+    size: int
+    used_ns: int
 
 
 class _Tier:
@@ -258,7 +270,7 @@ class _Tier:
         for block in range(len(keys) - 1, -1, -1):
             path = self.path(keys[block])
             try:
-                data = path.read_bytes()
+                data = _read(path)
             except OSError:
                 continue
             hit = _decode(data, self.name, ids, partition, identity, BLOCK_TOKENS * (block + 1))
@@ -270,11 +282,11 @@ class _Tier:
             return hit
         return None
 
-    def store(self, key: str, header: bytes, body: Sequence[bytes | memoryview]) -> bool:
-        size = len(header) + sum(len(part) for part in body)
+    def store(self, keys: list[str], header: bytes, body: Sequence[bytes | memoryview]) -> bool:
+        size = len(header) + sum(memoryview(part).nbytes for part in body)
         if size > self.limit_bytes:
             return False
-        temp = self.directory / f"{_TEMP_PREFIX}{os.getpid()}-{next(_writes)}"
+        temp = self._temp_path()
         try:
             with open(temp, "wb") as file:
                 file.write(header)
@@ -282,20 +294,29 @@ class _Tier:
                     file.write(part)
             with self._locked():
                 self._make_room(size)
-                os.replace(temp, self.path(key))
+                for key in keys:
+                    # A link to a temporary name, then renamed over the entry's name: a
+                    # name always points at a whole file, old or new.
+                    link = self._temp_path()
+                    os.link(temp, link)
+                    os.replace(link, self.path(key))
                 self._add_counts(stores=1)
         except OSError:
+            return False
+        finally:
             with contextlib.suppress(OSError):
                 temp.unlink()
-            return False
         return True
+
+    def _temp_path(self) -> Path:
+        return self.directory / f"{_TEMP_PREFIX}{os.getpid()}-{next(_writes)}"
 
     def count(self, **counts: float) -> None:
         with contextlib.suppress(OSError), self._locked():
             self._add_counts(**counts)
 
     def stats(self) -> TierStats:
-        sizes = [size for _, size, _ in self._entries()]
+        sizes = [entry.size for entry in self._entries()]
         counters = self._read_counts()
         return TierStats(
             tier=self.name,
@@ -317,36 +338,40 @@ class _Tier:
             self._add_counts(rejected=1)
 
     def _make_room(self, size: int) -> None:
-        """Remove the least recently used entries (oldest modification first) until
-        ``size`` more bytes fit, and the temporary files of dead writers (under the
-        lock)."""
+        """Remove the least recently used entries (oldest modification first, every name
+        of each) until ``size`` more bytes fit, and the temporary files of dead writers
+        (under the lock)."""
         entries = self._entries()
-        total = sum(entry_size for _, entry_size, _ in entries)
+        total = sum(entry.size for entry in entries)
         evicted = 0
-        for path, entry_size, _ in sorted(entries, key=lambda entry: entry[2]):
+        for entry in sorted(entries, key=lambda entry: entry.used_ns):
             if total + size <= self.limit_bytes:
                 break
-            with contextlib.suppress(OSError):
-                path.unlink()
-                total -= entry_size
-                evicted += 1
+            for path in entry.paths:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            total -= entry.size
+            evicted += 1
         for temp in self.directory.glob(_TEMP_PREFIX + "*"):
             if not _writer_alive(temp.name):
                 temp.unlink(missing_ok=True)
         if evicted:
             self._add_counts(evictions=evicted)
 
-    def _entries(self) -> list[tuple[Path, int, int]]:
-        """Each entry's path, size and last use (modification time, ns)."""
-        found = []
+    def _entries(self) -> list[_Stored]:
+        """Each entry (a file, under each of its names) with its size and last use."""
+        found: dict[int, _Stored] = {}
         with contextlib.suppress(OSError), os.scandir(self.directory) as scan:
             for item in scan:
                 if not item.name.endswith(ENTRY_SUFFIX):
                     continue
                 with contextlib.suppress(OSError):
                     stat = item.stat()
-                    found.append((Path(item.path), stat.st_size, stat.st_mtime_ns))
-        return found
+                    entry = found.setdefault(
+                        stat.st_ino, _Stored([], stat.st_size, stat.st_mtime_ns)
+                    )
+                    entry.paths.append(Path(item.path))
+        return list(found.values())
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -376,7 +401,7 @@ class _Tier:
         current = self._read_counts()
         for name, value in counts.items():
             current[name] += value
-        temp = self.directory / f"{_TEMP_PREFIX}{os.getpid()}-{next(_writes)}"
+        temp = self._temp_path()
         temp.write_text(json.dumps(current))
         os.replace(temp, self.directory / _STATS_NAME)
 
@@ -402,7 +427,7 @@ def _encode(
             "identity": identity,
             "partition": partition,
             "tokens": len(ids),
-            "payload_bytes": sum(len(memoryview(part).cast("B")) for part in parts),
+            "payload_bytes": sum(memoryview(part).nbytes for part in parts),
             "checksum": checksum.hexdigest(),
             "meta": dict(meta or {}),
             "fingerprints": list(fingerprints),
@@ -412,7 +437,7 @@ def _encode(
 
 
 def _decode(
-    data: bytes,
+    data: bytearray,
     tier: TierName,
     ids: Sequence[int],
     partition: int,
@@ -423,7 +448,7 @@ def _decode(
     identity, partition, sizes, checksum, and the entry's first ``claimed`` ids (what its
     name says it holds) being the prompt's."""
     start = len(MAGIC) + _HEADER_LENGTH.size
-    if len(data) < start or not data.startswith(MAGIC):
+    if len(data) < start or data[: len(MAGIC)] != MAGIC:
         return None
     (header_length,) = _HEADER_LENGTH.unpack_from(data, len(MAGIC))
     if header_length > _MAX_HEADER_BYTES or start + header_length > len(data):
@@ -459,6 +484,15 @@ def _decode(
         meta=meta,
         fingerprints=fingerprints,
     )
+
+
+def _read(path: Path) -> bytearray:
+    """The file's bytes, writable: a backend may view its payload as tensors in place."""
+    with open(path, "rb") as file:
+        data = bytearray(os.fstat(file.fileno()).st_size)
+        if file.readinto(data) != len(data):
+            raise OSError(f"{path} changed while read")
+    return data
 
 
 def _writer_alive(temp_name: str) -> bool:
