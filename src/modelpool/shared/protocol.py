@@ -86,6 +86,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Protocol, SupportsIndex
 
+from modelpool.shared.prefix_tier import TierSpec
+
 PROTOCOL_VERSION = 6
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -407,6 +409,9 @@ class WorkerSpec:
     generation_defaults: dict[str, Any]
     max_batch_size: int = 1
     poll_s: float = 0.0  # PoolConfig.worker_poll_s
+    # The model's prefix cache tiers (shared.prefix_tier): the host tier's directory,
+    # which the pool owns, and the disk tier's; a backend that keeps none ignores them.
+    prefix_tiers: tuple[TierSpec, ...] = ()
 
 
 MAX_FRAME_BYTES = 1 << 30

@@ -46,6 +46,7 @@ from modelpool.shared.protocol import PROTOCOL_VERSION, TASKS, PrefixCacheReport
 from modelpool.shared.reasoning.controls import pool_params
 from modelpool.supervisor.devices import group_devices
 from modelpool.supervisor.observe import Observers, WorkerEvent
+from modelpool.supervisor.prefix_tiers import tier_specs
 from modelpool.supervisor.records import DispatcherIO, TimerHeap, Worker, describe_exit
 from modelpool.supervisor.stats import (
     DeviceStats,
@@ -154,6 +155,7 @@ class WorkerManager:
             generation_defaults={**pool_params(self.config), **self.config.generation_defaults},
             max_batch_size=self.config.max_batch_size,
             poll_s=self.config.worker_poll_s,
+            prefix_tiers=tier_specs(self.config),
         )
         if replacement:
             self.counters["respawns"] += 1

@@ -1,0 +1,121 @@
+"""Prefix cache tiers through a real pool of hf workers: a worker SIGKILLed between two
+turns is replaced by one that restores the conversation from the host tier (same greedy
+answer, ``cached_tokens`` > 0); a new pool over the same disk tier (a daemon restart)
+restores it too; the pool's host tier is gone after close; the stats show the tiers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import Recorder, make_config, wait_until, workers
+from modelpool import ModelPool
+from modelpool.shared.protocol import ChatMessage
+from modelpool.worker.backends.hf.handler import HFHandler, load
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux processes"),
+    pytest.mark.slow,
+]
+
+SYSTEM = "You answer questions about a garden in one sentence. " * 6
+QUESTIONS = ["What grows by the wall?", "And near the pond?", "Which flowers bloom first?"]
+OPTIONS = {"dtype": "float32", "torch_threads": 1}
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir: Path) -> HFHandler:
+    return load(str(tiny_model_dir), prefix_cache_bytes=0, **OPTIONS)
+
+
+def reference(plain: HFHandler, turns: int) -> list[str]:
+    """The greedy answers of the conversation's turns, every prefix prefilled."""
+    messages: list[ChatMessage] = [{"role": "system", "content": SYSTEM}]
+    answers = []
+    for question in QUESTIONS[:turns]:
+        messages.append({"role": "user", "content": question})
+        text = plain.generate(Recorder(list(messages), {"max_new_tokens": 8})).text
+        messages.append({"role": "assistant", "content": text})
+        answers.append(text)
+    return answers
+
+
+def tiered_pool(model: Path, **overrides: Any) -> ModelPool:
+    config = make_config(
+        model=str(model),
+        backend="hf",
+        workers=1,
+        backend_options=dict(OPTIONS),
+        deadline_s=120.0,
+        startup_timeout_s=180.0,
+        **overrides,
+    )
+    return ModelPool(config).start()
+
+
+def ask(pool: ModelPool, messages: list[ChatMessage], question: str) -> tuple[str, int]:
+    messages.append({"role": "user", "content": question})
+    result = pool.generate(list(messages), max_new_tokens=8)
+    messages.append({"role": "assistant", "content": result.text})
+    return result.text, result.cached_tokens
+
+
+def stored(pool: ModelPool, tier: int, count: int) -> None:
+    """Wait until the tier holds ``count`` writes (a worker writes after it answers)."""
+    wait_until(
+        lambda: pool.stats().prefix_tiers[tier].stores >= count,
+        60.0,
+        message=lambda: f"{count} tier writes ({pool.stats().prefix_tiers})",
+    )
+
+
+@pytest.mark.parametrize("batch", [1, 2], ids=["one-call", "batched"])
+def test_a_worker_killed_between_turns_is_replaced_by_one_that_restores(
+    tiny_model_dir: Path, plain: HFHandler, batch: int
+) -> None:
+    expected = reference(plain, 3)
+    pool = tiered_pool(tiny_model_dir, prefix_cache_host_bytes=64 * 2**20, max_batch_size=batch)
+    host = pool.config.prefix_cache_host_dir
+    try:
+        assert host is not None and os.path.isdir(host)
+        messages: list[ChatMessage] = [{"role": "system", "content": SYSTEM}]
+        answers = [ask(pool, messages, question)[0] for question in QUESTIONS[:2]]
+        stored(pool, 0, 2)
+        (victim,) = workers(pool)
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_until(
+            lambda: [w for w in workers(pool) if w.state == "idle" and w.pid != victim.pid],
+            120.0,
+            message="a replacement worker",
+        )
+        text, cached = ask(pool, messages, QUESTIONS[2])
+        assert [*answers, text] == expected
+        assert cached > 0
+        (tier,) = pool.stats().prefix_tiers
+        assert tier.tier == "host" and tier.restores >= 1 and tier.bytes > 0
+        assert tier.rejected == 0
+    finally:
+        pool.close(drain=False, timeout=10.0)
+    assert not os.path.exists(host), "the pool's host tier is removed at close"
+
+
+def test_a_new_pool_restores_from_the_disk_tier(
+    tiny_model_dir: Path, plain: HFHandler, tmp_path: Path
+) -> None:
+    expected = reference(plain, 2)
+    messages: list[ChatMessage] = [{"role": "system", "content": SYSTEM}]
+    with tiered_pool(tiny_model_dir, prefix_cache_dir=str(tmp_path)) as first:
+        first_answer, _ = ask(first, messages, QUESTIONS[0])
+        stored(first, 0, 1)
+    with tiered_pool(tiny_model_dir, prefix_cache_dir=str(tmp_path)) as second:
+        text, cached = ask(second, messages, QUESTIONS[1])
+        (tier,) = second.stats().prefix_tiers
+    assert [first_answer, text] == expected
+    assert cached > 0
+    assert tier.tier == "disk" and tier.restores == 1 and tier.entries >= 1
