@@ -194,7 +194,9 @@ def test_a_new_pool_restores_from_the_disk_tier_and_ignores_a_corrupted_file(
     try:
         first = pool.generate(FIRST_TURN, max_new_tokens=8)
         wait_until(
-            lambda: tier_stats(disk, "disk").stores == 1, 60.0, message="the first turn's entry"
+            lambda: disk.is_dir() and tier_stats(model_dir(disk), "disk").stores == 1,
+            60.0,
+            message="the first turn's entry",
         )
     finally:
         pool.close()
@@ -207,7 +209,7 @@ def test_a_new_pool_restores_from_the_disk_tier_and_ignores_a_corrupted_file(
     assert restored.text == without_tiers[1].text
     assert restored.cached_tokens >= 128
 
-    damage(disk)
+    damage(model_dir(disk))
     pool = tier_pool(prefix_cache_dir=str(disk), prefix_cache_dir_bytes=TIER_BYTES)
     try:
         prefilled = pool.generate(second_turn_of(first.text), max_new_tokens=8)
@@ -215,5 +217,11 @@ def test_a_new_pool_restores_from_the_disk_tier_and_ignores_a_corrupted_file(
         pool.close()
     assert prefilled.text == without_tiers[1].text
     assert prefilled.cached_tokens == 0
-    stats = tier_stats(disk, "disk")
+    stats = tier_stats(model_dir(disk), "disk")
     assert stats.rejected >= 1 and stats.entries == 0
+
+
+def model_dir(disk: Path) -> Path:
+    """The disk tier's directory of the one model served (a subdirectory per model)."""
+    (directory,) = disk.iterdir()
+    return directory
