@@ -25,7 +25,10 @@ request that ends normally leaves its sequence to the cache instead of removing 
 a request starting its prefill takes the longest cached prefix of its prompt into its
 own sequence (``llama_memory_seq_cp``) and reads only the rest. Cached cells count
 against ``kv_cells`` beside the started requests' reservations, and entries are evicted
-the moment a request needs their cells or sequence id.
+the moment a request needs their cells or sequence id. With prefix cache tiers
+(``llama_cpp.prefix_tier``), each new entry's state is also written out of the worker,
+and a request the worker's cache misses by a block or more starts its sequence from
+the longest prefix a tier holds (``sequence_state.load_state``) before its prefill.
 
 LoRA adapters (``llama_cpp.lora``): llama.cpp applies an adapter to the whole context, so a
 step decodes the rows of one adapter (or of none), the groups taken in turn step by
