@@ -221,6 +221,10 @@ def run(args: argparse.Namespace, log: Any = print) -> Json:
                              ("warm", "killed_tiers_off", "killed_host_tier")},
             "host_tier_vs_warm": ttft(report["killed_host_tier"], turn4) / warm,
             "tiers_off_vs_warm": ttft(report["killed_tiers_off"], turn4) / warm,
+            # The replacement's second request: what is left once a fresh process has
+            # served its first long prompt.
+            "turn5_host_tier_vs_warm": ttft(report["killed_host_tier"], turn4 + 1)
+            / ttft(report["warm"], turn4 + 1),
             "cached_tokens_turn4": report["killed_host_tier"]["rounds"][0][turn4]["cached_tokens"],
             "same_answers": [r["text"] for r in report["killed_host_tier"]["rounds"][0]]
             == [r["text"] for r in report["warm"]["rounds"][0]],
@@ -282,7 +286,8 @@ def markdown(report: Json) -> str:
             f"{kill['host_tier_vs_warm']:.2f}x |",
             "",
             f"cached tokens after the kill: {kill['cached_tokens_turn4']}; same greedy "
-            f"answers as warm: {kill['same_answers']}",
+            f"answers as warm: {kill['same_answers']}; turn 5, host tier vs warm: "
+            f"{kill['turn5_host_tier_vs_warm']:.2f}x",
             "",
         ]
     if "move" in report:
