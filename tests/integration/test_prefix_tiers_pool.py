@@ -119,3 +119,67 @@ def test_a_new_pool_restores_from_the_disk_tier(
     assert [first_answer, text] == expected
     assert cached > 0
     assert tier.tier == "disk" and tier.restores == 1 and tier.entries >= 1
+
+
+def test_kills_during_writes_and_restores_a_full_tier_and_a_corrupted_file_change_no_answer(
+    tiny_model_dir: Path, plain: HFHandler
+) -> None:
+    expected = reference(plain, 3) + reference_more(plain)
+    # About two entries' worth: every write past the second evicts.
+    pool = tiered_pool(tiny_model_dir, prefix_cache_host_bytes=240_000)
+    try:
+        host = pool.config.prefix_cache_host_dir
+        assert host is not None
+        messages: list[ChatMessage] = [{"role": "system", "content": SYSTEM}]
+        answers = [ask(pool, messages, QUESTIONS[0])[0]]
+        # Killed as it answers: its write may be under way, done or not begun.
+        kill_and_replace(pool)
+        answers.append(ask(pool, messages, QUESTIONS[1])[0])
+        stored(pool, 0, 1)
+        for entry in {path.stat().st_ino: path for path in Path(host).glob("*.kv")}.values():
+            with open(entry, "r+b") as file:
+                file.seek(entry.stat().st_size - 7)
+                file.write(b"garbage")
+        # Killed while it restores or prefills: the request is retried on its replacement.
+        messages.append({"role": "user", "content": QUESTIONS[2]})
+        future = pool.submit(list(messages), max_new_tokens=8)
+        wait_until(lambda: future.done() or [w for w in workers(pool) if w.state == "busy"], 60.0)
+        kill_and_replace(pool, wait=False)
+        answers.append(future.result(timeout=300).text)
+        messages.append({"role": "assistant", "content": answers[-1]})
+        for question in MORE:
+            answers.append(ask(pool, messages, question)[0])
+        assert answers == expected
+        (tier,) = pool.stats().prefix_tiers
+        assert tier.bytes <= tier.limit_bytes and tier.evictions >= 1
+        pid_files = [path.name for path in Path(host).glob(".tmp-*")]
+        live = {str(w.pid) for w in workers(pool)}
+        assert all(name.split("-")[1] in live for name in pid_files), pid_files
+    finally:
+        pool.close(drain=False, timeout=10.0)
+
+
+MORE = ["Is the pond deep?", "What should I plant in autumn?"]
+
+
+def reference_more(plain: HFHandler) -> list[str]:
+    messages: list[ChatMessage] = [{"role": "system", "content": SYSTEM}]
+    answers = []
+    for question in [*QUESTIONS, *MORE]:
+        messages.append({"role": "user", "content": question})
+        text = plain.generate(Recorder(list(messages), {"max_new_tokens": 8})).text
+        messages.append({"role": "assistant", "content": text})
+        answers.append(text)
+    return answers[len(QUESTIONS) :]
+
+
+def kill_and_replace(pool: ModelPool, wait: bool = True) -> None:
+    (victim,) = [w for w in workers(pool) if w.pid is not None]
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    if wait:
+        wait_until(
+            lambda: [w for w in workers(pool) if w.state == "idle" and w.pid != victim.pid],
+            300.0,
+            message="a replacement worker",
+        )
