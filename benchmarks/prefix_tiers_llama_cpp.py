@@ -136,7 +136,9 @@ def kill_runs(args: argparse.Namespace, model: str, log: Any) -> Json:
             pool = start_pool(model, args.threads, host_dir, 0 if host_dir is None else 2**30)
             try:
                 for repeat in range(args.repeats):
-                    system = f"Shift log {repeat} of {name}.\n" + system_prompt(args.system_chars)
+                    # The same conversations in every mode (each mode has its own pool
+                    # and tier), so that their answers compare.
+                    system = f"Shift log {repeat}.\n" + system_prompt(args.system_chars)
                     kill = name != "warm"
                     records = conversation(pool, system, args.new_tokens, kill, host_dir)
                     runs[name].append(records)
