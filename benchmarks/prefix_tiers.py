@@ -165,11 +165,12 @@ def moved(args: argparse.Namespace, model: str, system: str, tiers: Json) -> Jso
         messages: list[Json] = [{"role": "system", "content": f"[{number}] {system}"}]
         pool = start(args, model, **tiers)
         try:
+            # The tiers' counters outlive the pools: this round's three writes on top.
+            before = [tier.stores for tier in pool.stats().prefix_tiers]
             for index in range(KILLED_BEFORE - 1):
                 turn(pool, messages, index, args.new_tokens)
             if tiers:
-                # The tiers' counters outlive the pools: the earlier rounds' four writes.
-                written(pool, KILLED_BEFORE * number + KILLED_BEFORE - 1)
+                written(pool, min(before) + KILLED_BEFORE - 1)
         finally:
             pool.close()
         pool = start(args, model, **tiers)

@@ -30,7 +30,9 @@ OPTIONS = {"dtype": "float32", "torch_threads": 1}
 
 @pytest.fixture(scope="module")
 def plain(tiny_model_dir: Path) -> HFHandler:
-    return load(str(tiny_model_dir), prefix_cache_bytes=0, **OPTIONS)
+    handler = load(str(tiny_model_dir), prefix_cache_bytes=0, dtype="float32", torch_threads=1)
+    assert isinstance(handler, HFHandler)
+    return handler
 
 
 def reference(plain: HFHandler, turns: int) -> list[str]:
@@ -183,3 +185,37 @@ def kill_and_replace(pool: ModelPool, wait: bool = True) -> None:
             300.0,
             message="a replacement worker",
         )
+
+
+def test_a_model_unloaded_by_the_registry_restores_when_loaded_again(
+    tiny_model_dir: Path, plain: HFHandler, tmp_path: Path
+) -> None:
+    from modelpool.shared.config import ModelSpec
+    from modelpool.supervisor.registry import ModelRegistry, RegistryConfig
+
+    expected = reference(plain, 2)
+    config = make_config(
+        model=str(tiny_model_dir),
+        backend="hf",
+        workers=1,
+        backend_options=dict(OPTIONS),
+        deadline_s=120.0,
+        startup_timeout_s=180.0,
+        prefix_cache_dir=str(tmp_path),
+    )
+    registry = ModelRegistry(RegistryConfig(models=(ModelSpec("garden", config),))).start()
+    try:
+        messages: list[ChatMessage] = [{"role": "system", "content": SYSTEM}]
+        with registry.use("garden") as pool:
+            answers = [ask(pool, messages, QUESTIONS[0])[0]]
+            stored(pool, 0, 1)
+        registry.unload("garden")
+        wait_until(
+            lambda: registry.model_stats("garden").state == "unloaded", 60.0, message="unload"
+        )
+        with registry.use("garden", deadline_s=300.0) as pool:
+            text, cached = ask(pool, messages, QUESTIONS[1])
+    finally:
+        registry.close(timeout=10.0)
+    assert [*answers, text] == expected
+    assert cached > 0

@@ -528,8 +528,10 @@ def _prefix_tier_families(stats: PoolStats) -> Iterator[Metric]:
         )
     }
     for tier in stats.prefix_tiers:
-        for name, family in (*gauges.items(), *counters.items()):
-            family.add_metric([tier.tier], getattr(tier, name))
+        for name, gauge in gauges.items():
+            gauge.add_metric([tier.tier], getattr(tier, name))
+        for name, counter in counters.items():
+            counter.add_metric([tier.tier], getattr(tier, name))
     yield from gauges.values()
     yield from counters.values()
 
