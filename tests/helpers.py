@@ -312,7 +312,7 @@ STATS_KEYS = {
     "state", "workers", "queue_depth", "counters", "latency_s", "gpu",
     "uptime_s", "last_load_error", "kill_reasons", "max_model_len", "heartbeat_age_s",
     "capacity", "running", "batch_occupancy", "throughput", "queue_by_priority",
-    "recent_events", "backend", "backend_reason", "task",
+    "recent_events", "backend", "backend_reason", "task", "prefix_tiers",
 }  # fmt: skip
 WORKER_KEYS = {
     "id", "pid", "state", "role", "device", "requests", "uptime_s",

@@ -152,6 +152,7 @@ def stats_families(stats: PoolStats) -> Iterator[Metric]:
     yield rss
 
     yield from _prefix_cache_families(stats)
+    yield from _prefix_tier_families(stats)
 
     kills = CounterMetricFamily(
         "modelpool_worker_kills",
@@ -502,6 +503,36 @@ def _prefix_cache_families(stats: PoolStats) -> Iterator[Metric]:
         for name, family in counters.items():
             family.add_metric([str(worker.id)], getattr(cache, name))
     yield held
+    yield from counters.values()
+
+
+def _prefix_tier_families(stats: PoolStats) -> Iterator[Metric]:
+    """The prefix cache tiers (docs/prefix-tiers.md), every worker's counts together."""
+    gauges = {
+        name: GaugeMetricFamily(f"modelpool_prefix_tier_{name}", text, labels=["tier"])
+        for name, text in (
+            ("bytes", "Bytes each prefix cache tier holds."),
+            ("limit_bytes", "Each prefix cache tier's bound in bytes."),
+        )
+    }
+    counters = {
+        name: CounterMetricFamily(f"modelpool_prefix_tier_{name}", text, labels=["tier"])
+        for name, text in (
+            ("hits", "Lookups a tier answered with a stored prefix."),
+            ("misses", "Lookups a tier held nothing for."),
+            ("restores", "Prefixes restored from a tier into a worker."),
+            ("restore_seconds", "Seconds spent reading and checking restored prefixes."),
+            ("stores", "Prefixes written to a tier."),
+            ("rejected", "Entries refused (torn, corrupted, another model's) and removed."),
+            ("evictions", "Entries removed to stay within the tier's bound."),
+        )
+    }
+    for tier in stats.prefix_tiers:
+        for name, gauge in gauges.items():
+            gauge.add_metric([tier.tier], getattr(tier, name))
+        for name, counter in counters.items():
+            counter.add_metric([tier.tier], getattr(tier, name))
+    yield from gauges.values()
     yield from counters.values()
 
 

@@ -87,8 +87,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol, SupportsIndex
 
 from modelpool.shared.images import ImageLimits
+from modelpool.shared.prefix_tier import TierSpec
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 FinishReason = Literal["stop", "length", "cancelled"]
 Task = Literal["generate", "embed", "score"]
@@ -411,6 +412,9 @@ class WorkerSpec:
     poll_s: float = 0.0  # PoolConfig.worker_poll_s
     # PoolConfig.image_limits: the worker decodes images (worker/images.py) within them.
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    # The model's prefix cache tiers (shared.prefix_tier): the host tier's directory,
+    # which the pool owns, and the disk tier's; a backend that keeps none ignores them.
+    prefix_tiers: tuple[TierSpec, ...] = ()
 
 
 MAX_FRAME_BYTES = 1 << 30

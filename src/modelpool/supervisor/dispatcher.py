@@ -78,6 +78,7 @@ from modelpool.supervisor.observe import (
     Observers,
     WorkerEvent,
 )
+from modelpool.supervisor.prefix_tiers import tier_specs, tier_stats
 from modelpool.supervisor.records import (
     DispatcherIO,
     Request,
@@ -441,6 +442,7 @@ class Dispatcher:
             queue_by_priority={str(p): n for p, n in sorted(self.priorities.waiting.items())},
             recent_events=[event.to_dict(time.time() - now) for event in self.observers.recent],
             backend=self.config.backend,
+            prefix_tiers=tier_stats(tier_specs(self.config)),
         )
 
     # ---- requests to workers -------------------------------------------------------------

@@ -68,6 +68,7 @@ from modelpool.supervisor.dispatcher import Dispatcher
 from modelpool.supervisor.intake import backend_validator, check_request
 from modelpool.supervisor.loop import EventLoop
 from modelpool.supervisor.observe import Observers, RequestRecord, WorkerEvent
+from modelpool.supervisor.prefix_tiers import remove_host_tier, with_host_tier
 from modelpool.supervisor.preflight import check_devices, check_model_source
 from modelpool.supervisor.records import NoIO, Request
 from modelpool.supervisor.results import PoolFuture, Result
@@ -148,6 +149,7 @@ class ModelPool:
         # Observers of finished requests and worker events (add_observer), kept here so
         # that they can be added before start().
         self._observers = Observers()
+        self._host_tier: str | None = None  # a host tier directory this pool made
 
     # ---- life cycle ------------------------------------------------------------------------
 
@@ -187,6 +189,7 @@ class ModelPool:
                 if self._closed:
                     raise PoolClosed("the pool is closed")
                 if self._loop is None:
+                    config, self._host_tier = with_host_tier(config)
                     self.config = config
                     self._backend_reason = reason
                     self._backend_validate = backend_validator(config.backend)
@@ -332,6 +335,8 @@ class ModelPool:
                 logger.error("the dispatcher did not stop within %.0fs; killing workers", bound)
                 loop.kill_all_workers()
         self._last_snapshot = loop.dispatcher.snapshot() if not loop.thread.is_alive() else None
+        if not loop.thread.is_alive():
+            remove_host_tier(self._host_tier)
         _live_pools.discard(self)
 
     def __enter__(self) -> ModelPool:

@@ -16,6 +16,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from modelpool.shared.prefix_tier import TierStats
+
 COUNTER_NAMES = (
     "submitted",
     "completed",
@@ -144,6 +146,8 @@ class PoolStats:
     backend_reason: str | None = None
     # What the model does, as the workers report it: "generate", "embed" or "score".
     task: str = "generate"
+    # The prefix cache tiers' bytes and counters, host first (docs/prefix-tiers.md).
+    prefix_tiers: list[TierStats] = field(default_factory=list)
 
     @property
     def batch_occupancy(self) -> float:

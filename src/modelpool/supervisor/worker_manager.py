@@ -46,6 +46,7 @@ from modelpool.shared.protocol import PROTOCOL_VERSION, TASKS, PrefixCacheReport
 from modelpool.shared.reasoning.controls import pool_params
 from modelpool.supervisor.devices import group_devices
 from modelpool.supervisor.observe import Observers, WorkerEvent
+from modelpool.supervisor.prefix_tiers import tier_specs
 from modelpool.supervisor.records import DispatcherIO, TimerHeap, Worker, describe_exit
 from modelpool.supervisor.stats import (
     DeviceStats,
@@ -155,6 +156,7 @@ class WorkerManager:
             max_batch_size=self.config.max_batch_size,
             poll_s=self.config.worker_poll_s,
             image_limits=self.config.image_limits,
+            prefix_tiers=tier_specs(self.config),
         )
         if replacement:
             self.counters["respawns"] += 1

@@ -144,6 +144,9 @@ def serve(channel: Channel, control: ControlBlock) -> int:
     try:
         factory = import_backend(spec.backend)
         handler = factory(model=spec.model, device=spec.device, **spec.backend_options)
+        attach_tiers = getattr(handler, "attach_prefix_tiers", None)
+        if spec.prefix_tiers and attach_tiers is not None:
+            attach_tiers(spec.prefix_tiers, spec.model, spec.backend_options)
         max_model_len = check_max_model_len(
             getattr(handler, "max_model_len", None), f"{spec.backend} backend's max_model_len"
         )

@@ -51,6 +51,19 @@ def _check_int(name: str, value: object, *, minimum: int, optional: bool = False
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
 
 
+DEFAULT_PREFIX_CACHE_DIR_BYTES = 8 * 2**30
+"""The disk tier's bound when ``prefix_cache_dir`` is given without one."""
+
+
+def _check_prefix_tiers(config: PoolConfig) -> None:
+    _check_int("prefix_cache_host_bytes", config.prefix_cache_host_bytes, minimum=0)
+    _check_int("prefix_cache_dir_bytes", config.prefix_cache_dir_bytes, minimum=0)
+    for name in ("prefix_cache_host_dir", "prefix_cache_dir"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"{name} must be a directory path, got {value!r}")
+
+
 def _reject_unknown(table: str, given: Mapping[str, Any], known: set[str]) -> None:
     unknown = sorted(set(given) - known)
     if unknown:
@@ -173,6 +186,14 @@ class PoolConfig:
     reasoning_answer_reserve: int = DEFAULT_ANSWER_RESERVE
     # What one request's images may be (docs/images.md): an [image_limits] table.
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    # Prefix cache tiers (docs/prefix-tiers.md): cached prefixes outside the workers, so a
+    # kill, a swap or a restart costs a restore. The host tier's bound (0: off) and
+    # directory (None: one the pool makes in /dev/shm and removes at close); the disk
+    # tier's directory (None: off) and bound.
+    prefix_cache_host_bytes: int = 0
+    prefix_cache_host_dir: str | None = None
+    prefix_cache_dir: str | None = None
+    prefix_cache_dir_bytes: int = DEFAULT_PREFIX_CACHE_DIR_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -214,6 +235,7 @@ class PoolConfig:
             raise ValueError(f"retry must be a RetryPolicy, got {self.retry!r}")
         _check_int("max_queue", self.max_queue, minimum=1)
         _check_number("priority_aging_s", self.priority_aging_s, allow_zero=False)
+        _check_prefix_tiers(self)
         _check_number("max_queue_time_s", self.max_queue_time_s, allow_zero=False, optional=True)
         if not isinstance(self.preempt_for_priority, bool):
             raise ValueError(

@@ -104,8 +104,11 @@ class Memory(Releases):
             stats = pool.stats()
         except PoolError:
             return {}, 0
-        held: dict[str, int] = {MEMORY: 0}
-        peak = 0
+        # The host tier's files are shared memory no worker's RSS shows: counted at their
+        # bound, which they may fill at any moment (docs/prefix-tiers.md).
+        host_tier = pool.config.prefix_cache_host_bytes
+        held: dict[str, int] = {MEMORY: host_tier}
+        peak = host_tier
         for worker in stats.workers:
             if worker.pid is None:
                 continue

@@ -57,7 +57,8 @@ def estimate(spec: ModelSpec) -> dict[str, int] | None:
     if not weights:
         return None
     runtime = RUNTIME_BYTES.get(spec.pool.backend, DEFAULT_RUNTIME_BYTES)
-    return {MEMORY: spec.pool.workers * (int(weights * WEIGHTS_FACTOR) + runtime)}
+    workers = spec.pool.workers * (int(weights * WEIGHTS_FACTOR) + runtime)
+    return {MEMORY: workers + spec.pool.prefix_cache_host_bytes}
 
 
 class NeedStore:

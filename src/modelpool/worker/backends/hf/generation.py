@@ -248,7 +248,7 @@ def _prefix_kv(
 
     if handler.prefix_cache is None or not usable:
         return None, 0
-    found = handler.prefix_cache.lookup(prompt_ids, partition)
+    found = handler.prefix_lookup(prompt_ids, partition)
     kv, cached_tokens = found if found is not None else (DynamicCache(), 0)
     params[handler.cache_keyword] = kv
     return kv, cached_tokens

@@ -44,12 +44,14 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from modelpool.shared.context import check_max_model_len, context_length
 from modelpool.shared.errors import InvalidRequest
 from modelpool.shared.lora import DEFAULT_MAX_LORAS, lora_ref
+from modelpool.shared.prefix_tier import BLOCK_TOKENS as TIER_BLOCK_TOKENS
+from modelpool.shared.prefix_tier import TierSpec
 from modelpool.shared.prefixes import answered_fingerprints
 from modelpool.shared.protocol import (
     Call,
@@ -100,6 +102,7 @@ from modelpool.worker.backends.hf.options import (
 )
 from modelpool.worker.backends.hf.pooling import PoolingHandler, load_pooling, pooling_task
 from modelpool.worker.backends.hf.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
+from modelpool.worker.backends.hf.prefix_tier import HFPrefixTiers
 from modelpool.worker.backends.hf.runner import DEFAULT_KV_CACHE_TOKENS, HFRow, HFRunner
 from modelpool.worker.backends.hf.vision import VisionHandler, load_vision, vision_model_type
 from modelpool.worker.images import refuse_images
@@ -355,9 +358,42 @@ class HFHandler(ScheduledHandler):
             if prefix_cache_bytes > 0 and full_attention and not adapters
             else None
         )
+        self.prefix_tiers: HFPrefixTiers | None = None  # attach_prefix_tiers
         # transformers 5.24 renamed generate()'s past_key_values to cache, as the forward's.
         forward = inspect.signature(model.forward).parameters
         self.cache_keyword = "cache" if "cache" in forward else "past_key_values"
+
+    def attach_prefix_tiers(
+        self, specs: Sequence[TierSpec], model: str, options: Mapping[str, Any]
+    ) -> None:
+        """Write the prefix cache's entries to the tiers of ``specs`` and restore from them
+        on a miss (``hf.prefix_tier``); nothing while the prefix cache is off. A tier that
+        cannot be opened is logged and left off: it only saves work."""
+        if self.prefix_cache is None or not specs:
+            return
+        try:
+            self.prefix_tiers = HFPrefixTiers.open(specs, model, dict(options), self.model)
+        except OSError:
+            logger.warning("the prefix cache tiers could not be opened", exc_info=True)
+
+    def prefix_lookup(self, ids: list[int], partition: int) -> tuple[Any, int] | None:
+        """A request cache holding the longest prefix of ``ids`` cached in ``partition``
+        and its length: from the worker's prefix cache, or restored from a tier that holds
+        at least a block more (then kept in the worker's cache too)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        found = cache.lookup(ids, partition)
+        held = 0 if found is None else found[1]
+        tiers = self.prefix_tiers
+        if tiers is None or held + TIER_BLOCK_TOKENS > len(ids) - 1:
+            return found
+        restored = tiers.restore(ids, partition)
+        if restored is None or restored[0].length <= held:
+            return found
+        hit, layers = restored
+        prefix = list(hit.ids[: hit.length])
+        return cache.adopt(prefix, layers, hit.fingerprints, partition), hit.length
 
     def prefix_cache_report(self) -> PrefixCacheReport | None:
         """The prefix cache's size, counters and fingerprints (None: it is off)."""
@@ -379,7 +415,9 @@ class HFHandler(ScheduledHandler):
             return
         try:
             fingerprints = answered_fingerprints(prompt, answer_text, answer_ids, partition)
-            self.prefix_cache.insert(token_ids, layers, fingerprints, partition)
+            kept = self.prefix_cache.insert(token_ids, layers, fingerprints, partition)
+            if kept is not None and self.prefix_tiers is not None:
+                self.prefix_tiers.write(token_ids, kept, fingerprints, partition)
         except Exception:
             # The cache only saves work: failing to fill it must not fail the request.
             logger.warning("could not keep a finished request's KV", exc_info=True)

@@ -62,17 +62,23 @@ class PrefixCache(PrefixLRU[_Entry]):
         """A DynamicCache holding the KV of the longest prefix of ``ids`` (at most all but
         the last id) cached in ``partition``, and that prefix's length; None when nothing
         useful is held."""
-        from transformers import DynamicCache
-
         found = self._find(ids, partition, _CANDIDATES_COMPARED)
         if found is None:
             return None
         entry, length = found
-        # DynamicLayer.update copies into the request's own tensors: the entry is never
-        # written to, and an eviction meanwhile frees nothing the request still needs.
-        prefix = [(keys[:, :, :length], values[:, :, :length]) for keys, values in entry.layers]
-        cache = DynamicCache(ddp_cache_data=prefix)
-        return cache, length
+        return _request_cache(entry.layers, length), length
+
+    def adopt(
+        self,
+        ids: list[int],
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        fingerprints: tuple[int, ...],
+        partition: int = 0,
+    ) -> Any:
+        """Keep a prefix restored from a tier (``layers`` hold exactly ``ids``) as an entry,
+        so the next turn finds it here, and a request cache starting from it."""
+        self.insert(ids, layers, fingerprints, partition)
+        return _request_cache(layers, len(ids))
 
     def insert(
         self,
@@ -80,24 +86,36 @@ class PrefixCache(PrefixLRU[_Entry]):
         layers: list[tuple[torch.Tensor, torch.Tensor]],
         fingerprints: tuple[int, ...],
         partition: int = 0,
-    ) -> None:
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Keep the KV of ``ids`` (``layers``: each [1, heads, len(ids), dim], taken over as
-        they are if they own their storage, else copied) in ``partition``. An entry of it
-        whose ids are a prefix of these is dropped (this one holds all of it); ids already
-        held are only touched."""
+        they are if they own their storage, else copied) in ``partition``; the tensors
+        kept (never written to: the tiers read them), or None when nothing new was kept.
+        An entry of it whose ids are a prefix of these is dropped (this one holds all of
+        it); ids already held are only touched."""
         if len(ids) < BLOCK_TOKENS or self.limit <= 0:
-            return
+            return None
         chain = block_keys(ids, partition)
         if self._holds(chain, ids, partition):
-            return
+            return None
         owned = [(_owned(keys), _owned(values)) for keys, values in layers]
         nbytes = sum(keys.nbytes + values.nbytes for keys, values in owned)
         if nbytes > self.limit:
-            return
+            return None
         key = self._next_key
         self._next_key += 1
         entry = _Entry(tuple(ids), fingerprints, chain, nbytes, owned, partition=partition)
         self._add(key, entry)
+        return owned
+
+
+def _request_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> Any:
+    """A DynamicCache starting from the first ``length`` positions of ``layers``."""
+    from transformers import DynamicCache
+
+    # DynamicLayer.update copies into the request's own tensors: the entry is never
+    # written to, and an eviction meanwhile frees nothing the request still needs.
+    prefix = [(keys[:, :, :length], values[:, :, :length]) for keys, values in layers]
+    return DynamicCache(ddp_cache_data=prefix)
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:

@@ -126,6 +126,8 @@ about 750 MB for SmolLM2-135M in float32 (30 layers x 2 x 3 heads x 64 x 4 bytes
 
 UNBATCHED_PARAMS = ("logprobs", "prompt_logprobs")
 """Parameters the batched loop does not compute; a request with them is refused."""
+
+
 class LoadedModel(Protocol):
     """What the runner needs of the hf handler (``hf.handler.HFHandler``)."""
 
@@ -147,6 +149,8 @@ class LoadedModel(Protocol):
     ) -> torch.Tensor: ...
 
     def fit_new_tokens(self, call: Call, params: dict[str, Any], prompt_tokens: int) -> int: ...
+
+    def prefix_lookup(self, ids: list[int], partition: int) -> tuple[Any, int] | None: ...
 
     def remember(
         self,
@@ -292,10 +296,8 @@ class HFRunner:
             if slot is None:
                 return False
             row.state.lora, row.state.staged = slot, None
-        cache = self.handler.prefix_cache
         with torch.inference_mode():
-            partition = partition_of(row.call.params)
-            found = None if cache is None else cache.lookup(row.prompt_ids, partition)
+            found = self.handler.prefix_lookup(row.prompt_ids, partition_of(row.call.params))
         if found is not None:
             row.state.cache, row.prefilled = found
             row.cached_tokens = row.prefilled

@@ -48,6 +48,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from modelpool.shared.errors import InvalidRequest
+from modelpool.shared.prefix_tier import TierSpec
 from modelpool.shared.protocol import (
     Call,
     Generation,
@@ -82,6 +83,7 @@ from modelpool.worker.backends.llama_cpp.options import (
     parse_options,
     placement,
 )
+from modelpool.worker.backends.llama_cpp.prefix_tier import LlamaPrefixTiers
 from modelpool.worker.backends.llama_cpp.probe import probe_once
 from modelpool.worker.backends.llama_cpp.runner import LlamaRow, LlamaRunner
 from modelpool.worker.backends.llama_cpp.runtime import Runtime
@@ -234,6 +236,20 @@ class LlamaCppHandler(ScheduledHandler):
     def prefix_cache_report(self) -> PrefixCacheReport | None:
         """The prefix cache's size, counters and fingerprints (None: it is off)."""
         return self.runner.prefix_cache_report()
+
+    def attach_prefix_tiers(
+        self, specs: Sequence[TierSpec], model: str, options: Mapping[str, Any]
+    ) -> None:
+        """Write the prefix cache's sequences to the tiers of ``specs`` and restore from
+        them on a miss (``llama_cpp.prefix_tier``); nothing while the prefix cache is off.
+        A tier that cannot be opened is logged and left off: it only saves work."""
+        if self.runner.prefix_cache is None or not specs:
+            return
+        layout = f"unified-f16:{self.runtime.cell_bytes()}"
+        try:
+            self.runner.tiers = LlamaPrefixTiers.open(specs, model, dict(options), layout)
+        except OSError:
+            logger.warning("the prefix cache tiers could not be opened", exc_info=True)
 
     # ---- what the runner asks --------------------------------------------------------------
 

@@ -25,7 +25,10 @@ request that ends normally leaves its sequence to the cache instead of removing 
 a request starting its prefill takes the longest cached prefix of its prompt into its
 own sequence (``llama_memory_seq_cp``) and reads only the rest. Cached cells count
 against ``kv_cells`` beside the started requests' reservations, and entries are evicted
-the moment a request needs their cells or sequence id.
+the moment a request needs their cells or sequence id. With prefix cache tiers
+(``llama_cpp.prefix_tier``), each new entry's state is also written out of the worker,
+and a request the worker's cache misses by a block or more starts its sequence from
+the longest prefix a tier holds (``sequence_state.load_state``) before its prefill.
 
 LoRA adapters (``llama_cpp.lora``): llama.cpp applies an adapter to the whole context, so a
 step decodes the rows of one adapter (or of none), the groups taken in turn step by
@@ -44,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from modelpool.shared.errors import InvalidRequest
 from modelpool.shared.grammar import RowGrammar
 from modelpool.shared.lora import LoraRef, lora_ref
+from modelpool.shared.prefix_tier import BLOCK_TOKENS as TIER_BLOCK_TOKENS
 from modelpool.shared.prefixes import answered_fingerprints, partition_of
 from modelpool.shared.protocol import BatchCall, Call, PrefixCacheReport, Prompt, TokenLogprob
 from modelpool.shared.reasoning.controls import template_params
@@ -52,7 +56,13 @@ from modelpool.worker.backends.common.scheduler import Grammars, Row, Scheduler,
 from modelpool.worker.backends.common.text import TextProgress, stop_strings
 from modelpool.worker.backends.llama_cpp.lora import GgufLoras
 from modelpool.worker.backends.llama_cpp.prefix_cache import SequencePrefixCache
+from modelpool.worker.backends.llama_cpp.prefix_tier import LlamaPrefixTiers
 from modelpool.worker.backends.llama_cpp.sampling import choose_token, token_logprob
+from modelpool.worker.backends.llama_cpp.sequence_state import (
+    StateRefused,
+    load_state,
+    state_bytes,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -73,6 +83,10 @@ class Runtime(Protocol):
     ) -> int: ...
 
     def logits(self, index: int) -> npt.NDArray[np.float32]: ...
+
+    llama: Any
+    context: Any
+    memory: Any
 
     def remove_sequence(self, seq_id: int) -> None: ...
 
@@ -175,6 +189,7 @@ class LlamaRunner:
             if prefix_cache_tokens > 0
             else None
         )
+        self.tiers: LlamaPrefixTiers | None = None  # the handler's attach_prefix_tiers
 
     # ---- the ModelRunner surface ---------------------------------------------------------
 
@@ -352,8 +367,11 @@ class LlamaRunner:
         position's logits are read)."""
         cache = self.prefix_cache
         found = None
+        partition = partition_of(row.call.params)
         if cache is not None and row.state.prompt_top_logprobs is None:
-            found = cache.lookup(row.prompt_ids, partition_of(row.call.params))
+            found = cache.lookup(row.prompt_ids, partition)
+        if self._restore_from_tier(row, partition, 0 if found is None else found[1]):
+            return
         if cache is not None and found is not None:
             entry, length = found
             if self._free_seq_ids:
@@ -368,6 +386,43 @@ class LlamaRunner:
             if not self._free_seq_ids and cache is not None:
                 cache.evict()
             row.state.seq_id = self._free_seq_ids.pop()
+
+    def _restore_from_tier(self, row: LlamaRequest, partition: int, held: int) -> bool:
+        """Start ``row``'s sequence with the state of the longest prefix of its prompt a
+        tier holds, when that is at least a block more than the worker's cache holds
+        (``held``); False when it starts otherwise (no tier hit, or llama.cpp refused the
+        state: the prompt is then prefilled)."""
+        tiers, cache, prompt = self.tiers, self.prefix_cache, row.prompt_ids
+        if tiers is None or cache is None or row.state.prompt_top_logprobs is not None:
+            return False
+        if held + TIER_BLOCK_TOKENS > len(prompt) - 1:
+            return False
+        hit = tiers.lookup(prompt, partition)
+        if hit is None or hit.length <= held:
+            return False
+        if not self._free_seq_ids:
+            cache.evict()
+        if not self._free_seq_ids:
+            return False
+        seq_id = self._free_seq_ids.pop()
+        try:
+            load_state(self.runtime, hit.payload, seq_id, len(hit.ids), hit.length)
+        except StateRefused:
+            logger.warning("llama.cpp refused a prefix tier's state; prefilling", exc_info=True)
+            self._free_seq_ids.append(seq_id)
+            return False
+        row.state.seq_id = seq_id
+        row.prefilled = row.cached_tokens = hit.length
+        return True
+
+    def _write_to_tiers(
+        self, seq_id: int, ids: list[int], fingerprints: tuple[int, ...], partition: int
+    ) -> None:
+        """Hand a new cache entry's state to the tiers (copied out here; written on their
+        writer thread)."""
+        tiers = self.tiers
+        if tiers is not None and tiers.wants(ids, partition):
+            tiers.write(ids, state_bytes(self.runtime, seq_id, len(ids)), fingerprints, partition)
 
     def _free_sequence(self, seq_id: int) -> None:
         self.runtime.remove_sequence(seq_id)
@@ -385,7 +440,8 @@ class LlamaRunner:
                 )
                 held = held_ids(row)
                 if self.prefix_cache.insert(row.state.seq_id, held, fingerprints, partition):
-                    row.state.seq_id = -1
+                    seq_id, row.state.seq_id = row.state.seq_id, -1
+                    self._write_to_tiers(seq_id, held, fingerprints, partition)
             except Exception:
                 # The cache only saves work: failing to fill it must not fail the request.
                 logger.warning("could not keep a finished request's KV", exc_info=True)

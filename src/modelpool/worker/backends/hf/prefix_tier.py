@@ -1,0 +1,149 @@
+"""The hf backend's side of the prefix cache tiers (``shared.prefix_tier``): the KV of a
+prefix written out of the worker, and read back into a new one.
+
+**Written on insert, off the request's path.** Each entry that enters the worker's
+prefix cache (``hf.prefix_cache``) is written to the tiers at once, not when it is
+evicted: a worker killed the next moment (its deadline, a neighbour's hang, a recycle, a
+swap) has already given it away, so its kill costs the next turn a restore, not a
+prefill. The write runs on one writer thread: the entry's tensors are never written to
+once cached, so the thread reads them while the next request runs, and hashing and the
+file's write release the GIL. At most ``MAX_PENDING_WRITES`` wait; past that an entry is
+not written (a burst of finished requests never queues memory without bound).
+
+**Restored on a miss.** A request whose prompt the worker's cache holds less of than a
+tier looks the tier up; a hit's tensors (raw bytes, their dtype and shapes in the entry's
+``meta``) are viewed in place, moved to the model's device and dtype, kept in the
+worker's cache (so the next turn is a memory hit) and start the request's cache, which
+prefills only the rest of the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from modelpool.shared.prefix_tier import PrefixTierStore, TierHit, TierSpec, model_identity
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("modelpool.worker")
+
+MAX_PENDING_WRITES = 4
+FORMAT = "hf-kv-1"
+"""The payload's layout: per layer keys then values, each [1, heads, tokens, dim]."""
+
+Layers = list[tuple["torch.Tensor", "torch.Tensor"]]
+
+
+class HFPrefixTiers:
+    """The tiers one hf worker writes its prefix cache's entries to and restores from."""
+
+    def __init__(self, store: PrefixTierStore, dtype: torch.dtype, device: torch.device) -> None:
+        self.store = store
+        self.dtype = dtype
+        self.device = device
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-tier")
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(
+        cls, specs: Sequence[TierSpec], model: str, options: dict[str, Any], loaded: Any
+    ) -> HFPrefixTiers | None:
+        """The tiers of ``specs`` for the loaded model ``loaded`` (None when none is on).
+        The identity names what its KV depends on besides the ids: the weights' files,
+        the dtype, and a GGUF file inside the model."""
+        dtype = loaded.dtype
+        extra = {"gguf_file": options.get("gguf_file"), "layout": FORMAT}
+        identity = model_identity(model, backend="hf", dtype=str(dtype), extra=extra)
+        store = PrefixTierStore.open(specs, identity)
+        return cls(store, dtype, loaded.device) if store else None
+
+    def write(
+        self, ids: Sequence[int], layers: Layers, fingerprints: Sequence[int], partition: int
+    ) -> None:
+        """Write the entry (``layers``: tensors never written to again) on the writer
+        thread; not at all when ``MAX_PENDING_WRITES`` are waiting."""
+        with self._lock:
+            if self._pending >= MAX_PENDING_WRITES:
+                return
+            self._pending += 1
+        self._writer.submit(self._write, tuple(ids), layers, tuple(fingerprints), partition)
+
+    def flush(self) -> None:
+        """Wait for the writes submitted so far (tests, and a worker's orderly exit)."""
+        self._writer.submit(lambda: None).result()
+
+    def restore(self, ids: Sequence[int], partition: int) -> tuple[TierHit, Layers] | None:
+        """The longest stored prefix of ``ids`` in ``partition`` and its KV on the model's
+        device and dtype, each [1, heads, hit.length, dim] (None: no tier holds one, or
+        the entry does not fit this model's layout)."""
+        hit = self.store.lookup(ids, partition)
+        if hit is None:
+            return None
+        try:
+            return hit, _tensors(hit, self.dtype, self.device)
+        except (KeyError, TypeError, ValueError, RuntimeError):
+            logger.warning("a prefix tier entry does not fit this model; ignored", exc_info=True)
+            return None
+
+    def _write(
+        self, ids: tuple[int, ...], layers: Layers, fingerprints: tuple[int, ...], partition: int
+    ) -> None:
+        try:
+            if not self.store.holds(ids, partition):
+                buffers, meta = _buffers(layers)
+                self.store.store(ids, partition, buffers, meta, fingerprints)
+        except Exception:
+            # The tiers only save work: a failed write costs a later prefill, nothing more.
+            logger.warning("could not write a prefix to the tiers", exc_info=True)
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+
+def _buffers(layers: Layers) -> tuple[list[memoryview], dict[str, Any]]:
+    """Each tensor's bytes (viewed, not copied, when it is on the CPU and contiguous) and
+    the meta that reads them back."""
+    import torch
+
+    buffers = []
+    shapes = []
+    dtype = ""
+    for pair in layers:
+        for tensor in pair:
+            flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+            buffers.append(flat.view(torch.uint8).numpy().data)
+            shapes.append(list(tensor.shape))
+            dtype = str(tensor.dtype).removeprefix("torch.")
+    return buffers, {"format": FORMAT, "dtype": dtype, "shapes": shapes}
+
+
+def _tensors(hit: TierHit, dtype: torch.dtype, device: torch.device) -> Layers:
+    """The hit's layers, cut to its length, on ``device`` in ``dtype``."""
+    import torch
+
+    meta = hit.meta
+    if meta["format"] != FORMAT:
+        raise ValueError(f"unknown prefix tier layout {meta['format']!r}")
+    stored = getattr(torch, str(meta["dtype"]))
+    if not isinstance(stored, torch.dtype):
+        raise ValueError(f"unknown dtype {meta['dtype']!r}")
+    raw = torch.frombuffer(hit.payload, dtype=torch.uint8)
+    size = torch.empty((), dtype=stored).element_size()
+    offset = 0
+    tensors = []
+    for shape in meta["shapes"]:
+        count = 1
+        for extent in shape:
+            count *= int(extent)
+        part = raw[offset : offset + count * size].view(stored).reshape(shape)
+        offset += count * size
+        tensors.append(part[:, :, : hit.length].to(device=device, dtype=dtype).clone())
+    if offset != len(raw) or len(tensors) % 2:
+        raise ValueError("the payload's size does not match its shapes")
+    return [(tensors[index], tensors[index + 1]) for index in range(0, len(tensors), 2)]
