@@ -13,8 +13,8 @@ import pytest
 from modelpool import ContextLengthExceeded, InvalidRequest
 from modelpool.shared.context import context_length, fit_to_context
 from modelpool.shared.protocol import Generation, Prompt
-from modelpool.worker.backends.testing import count_tokens
 from modelpool.worker.backends.testing import load as load_testing
+from modelpool.worker.backends.testing_prompts import count_tokens
 
 
 def test_explicit_max_new_tokens_up_to_the_limit_is_kept() -> None:

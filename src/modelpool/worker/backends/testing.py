@@ -178,6 +178,7 @@ from modelpool.shared.validation import (
 from modelpool.worker.backends import testing_embeddings, testing_images, testing_thinking
 from modelpool.worker.backends.common.params import DEFAULT_MAX_NEW_TOKENS, requested_new_tokens
 from modelpool.worker.backends.common.text import first_stop, stop_strings
+from modelpool.worker.backends.testing_prompts import command_text, count_tokens, prompt_text
 
 # The sampling parameters and the penalties are accepted (and checked) without effect:
 # this backend has no scores;
@@ -345,7 +346,7 @@ class FaultBackend:
         chat messages as the text of the last one; token ids as they are."""
         if isinstance(prompt, TokenIds):
             return list(prompt.ids)
-        return [ord(char) for char in _prompt_text(prompt)]
+        return [ord(char) for char in prompt_text(prompt)]
 
     def embed(self, request: EmbedRequest, call: Call) -> Generation:
         """Vectors from a hash, and the faults of a real embedding model (see
@@ -369,7 +370,7 @@ class FaultBackend:
         if self._pooled.admit(call):
             return
         prompt = call.prompt
-        text = _prompt_text(prompt)
+        text = prompt_text(prompt)
         command, _, argument = text.partition(":")
         job = _Job(call, command, argument, self._fit(call)[0])
         job.preamble = testing_images.read_images(prompt, self.vision)
@@ -523,13 +524,13 @@ class FaultBackend:
             if isinstance(prompt, TokenIds):
                 tokens = [(token_id, f"<{token_id}>") for token_id in prompt.ids]
             else:
-                tokens = [(ord(char), char) for char in _prompt_text(prompt)]
+                tokens = [(ord(char), char) for char in prompt_text(prompt)]
             generation.prompt_logprobs = _scored(tokens, prompt_top, first_scored=False)
             generation.prompt_tokens = len(tokens)
         return generation
 
     def _run(self, call: Call) -> str | Generation:
-        text = _command_text(call.prompt)
+        text = command_text(call.prompt)
         command, _, argument = text.partition(":")
         self.check_device()
         limit, prompt_tokens = self._fit(call)
@@ -610,37 +611,8 @@ class FaultBackend:
         raise InvalidRequest(f"unknown testing command {command!r}")
 
 
-def count_tokens(prompt: Prompt) -> int:
-    """This backend's token count: words, and for chat what a template adds around them."""
-    if isinstance(prompt, str):
-        return len(prompt.split())
-    if isinstance(prompt, TokenIds):
-        return len(prompt.ids)
-    words = sum(len(testing_images.content_text(message["content"]).split()) for message in prompt)
-    return 2 * len(prompt) + words + testing_images.image_tokens(prompt) + 1
-
-
-def _prompt_text(prompt: object) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, TokenIds):
-        return " ".join(str(token_id) for token_id in prompt.ids)
-    assert isinstance(prompt, list)
-    return testing_images.content_text(prompt[-1]["content"])
-
-
-# Claude Code writes reminders ahead of the user's text in the same message.
-_REMINDERS = re.compile(r"\A(?:\s*<system-reminder>.*?</system-reminder>)+\s*", re.S)
-
-
-def _command_text(prompt: object) -> str:
-    """The text a command is read from: the last message's, less the reminders an agent
-    puts ahead of it."""
-    return _REMINDERS.sub("", _prompt_text(prompt))
-
-
 def _command(call: Call) -> str:
-    return _command_text(call.prompt).partition(":")[0]
+    return command_text(call.prompt).partition(":")[0]
 
 
 def _pieces(text: str) -> list[str]:
