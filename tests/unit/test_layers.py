@@ -42,7 +42,7 @@ WORKER_SIDE = ("modelpool.worker",)
 SHARED = ("modelpool.shared",)
 SCHEDULING = ("modelpool.scheduling",)
 # Beside the sides: the package's face, its entry point and the tiny-model builder.
-TOP = ("modelpool", "modelpool.__main__", "modelpool.tinymodel")
+TOP = ("modelpool", "modelpool.__main__", "modelpool.tinymodel", "modelpool.tinyvision")
 # The packages of the built-in model backends ("modelpool.worker.backends.hf", ...).
 BACKEND_PACKAGES = tuple(
     target.partition(":")[0]

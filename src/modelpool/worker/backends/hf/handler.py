@@ -101,6 +101,8 @@ from modelpool.worker.backends.hf.options import (
 from modelpool.worker.backends.hf.pooling import PoolingHandler, load_pooling, pooling_task
 from modelpool.worker.backends.hf.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from modelpool.worker.backends.hf.runner import DEFAULT_KV_CACHE_TOKENS, HFRow, HFRunner
+from modelpool.worker.backends.hf.vision import VisionHandler, load_vision, vision_model_type
+from modelpool.worker.images import refuse_images
 
 if TYPE_CHECKING:
     import torch
@@ -120,12 +122,17 @@ def validate(params: Mapping[str, Any]) -> None:
     validate_params(params, "hf")
 
 
-def load(model: str, device: str = "cpu", **options: Any) -> HFHandler | PoolingHandler:
+def load(
+    model: str, device: str = "cpu", **options: Any
+) -> HFHandler | PoolingHandler | VisionHandler:
     """The backend's factory: a local directory of a sentence-transformers embedding model or
     of a cross-encoder is a pooling model, loaded by
     :func:`modelpool.worker.backends.hf.pooling.load_pooling` (its own options; its worker embeds
-    and scores instead of generating); anything else a generation model
-    (:func:`load_generation`)."""
+    and scores instead of generating); an image-text-to-text model's a vision model
+    (:func:`modelpool.worker.backends.hf.vision.load_vision`); anything else a generation
+    model (:func:`load_generation`)."""
+    if vision_model_type(model) is not None:
+        return load_vision(model, device, **options)
     task = pooling_task(model)
     if task is not None:
         return load_pooling(model, device, task, **options)
@@ -465,6 +472,7 @@ class HFHandler(ScheduledHandler):
         elif isinstance(prompt, str):
             input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
         else:
+            refuse_images(prompt, "a text-only hf model")
             if tokenizer.chat_template is None:
                 raise InvalidRequest(
                     "this model's tokenizer has no chat template: send a string prompt, "

@@ -85,6 +85,7 @@ from modelpool.worker.backends.llama_cpp.options import (
 from modelpool.worker.backends.llama_cpp.probe import probe_once
 from modelpool.worker.backends.llama_cpp.runner import LlamaRow, LlamaRunner
 from modelpool.worker.backends.llama_cpp.runtime import Runtime
+from modelpool.worker.images import refuse_images
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +261,7 @@ class LlamaCppHandler(ScheduledHandler):
         """The prompt's token ids; a chat prompt offers ``tools`` (OpenAI's shape) to the
         model as the hf backend does (``modelpool.shared.tools.render_chat``)."""
         runtime = self.runtime
+        refuse_images(prompt, "a llama_cpp model without an mmproj")
         if isinstance(prompt, TokenIds):
             check_vocabulary(prompt.ids, self.runtime.n_vocab)
             ids = list(prompt.ids)
