@@ -45,6 +45,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from modelpool.shared.errors import InvalidRequest
@@ -112,7 +114,8 @@ def load(
     default 64), ``prefix_cache_tokens`` (KV cells the prefix cache may keep of
     finished requests, default half of the KV cells, 0 turns it off; see
     ``llama_cpp.prefix_cache``), ``max_loras`` (LoRA GGUF adapters held, default 8;
-    ``llama_cpp.lora``), ``use_mmap`` (default true), and the placement ones
+    ``llama_cpp.lora``), ``mmproj`` (a multimodal projector GGUF: the model reads
+    images, ``llama_cpp.vision``), ``use_mmap`` (default true), and the placement ones
     (:func:`placement`): ``n_gpu_layers``, ``main_gpu``, ``split_mode``,
     ``tensor_split``, and ``embedding`` (true: an embedding model, see
     ``llama_cpp.embedding``; default: what the GGUF's architecture says)::
@@ -128,13 +131,18 @@ def load(
     if embedding is not None and not isinstance(embedding, bool):
         raise ValueError(f"embedding must be true or false, got {embedding!r}")
     if embedding or (embedding is None and is_embedding_model(read_metadata(path))):
+        if settings.mmproj is not None:
+            raise ValueError("mmproj: an embedding model reads no images")
         return load_embedding(
             path, settings.threads, settings.max_model_len, layout.n_gpu_layers, settings.use_mmap
         )
     probe_once(path, layout)
     started = time.monotonic()
+    if settings.mmproj is not None:
+        # The image path uses the sequence a finished request leaves free (llama_cpp.vision).
+        settings = replace(settings, prefix_cache_tokens=0)
     runtime = Runtime.open(llama, path, layout, settings)
-    handler = LlamaCppHandler(runtime, settings)
+    handler = _handler(runtime, settings, gpu=layout.n_gpu_layers != 0)
     handler.warm_up()
     logger.info(
         "loaded %s with llama.cpp (%d threads, %s GPU layers, context %d tokens, %d KV cells) "
@@ -147,6 +155,18 @@ def load(
         time.monotonic() - started,
     )
     return handler
+
+
+def _handler(runtime: Runtime, settings: Options, *, gpu: bool) -> LlamaCppHandler:
+    """The text handler, or with ``mmproj`` the one that also reads images."""
+    if settings.mmproj is None:
+        return LlamaCppHandler(runtime, settings)
+    from modelpool.worker.backends.llama_cpp.projector import Projector
+    from modelpool.worker.backends.llama_cpp.vision import LlamaVisionHandler
+
+    mmproj = Path(settings.mmproj).expanduser()
+    projector = Projector.open(runtime, mmproj, threads=settings.threads, use_gpu=gpu)
+    return LlamaVisionHandler(runtime, settings, projector)
 
 
 def load_generation(model: str, device: str = "cpu", **options: Any) -> LlamaCppHandler:
