@@ -85,9 +85,11 @@ from modelpool.worker.backends.llama_cpp.options import (
     placement,
 )
 from modelpool.worker.backends.llama_cpp.probe import probe_once
+from modelpool.worker.backends.llama_cpp.projector import Projector
 from modelpool.worker.backends.llama_cpp.runner import LlamaRow, LlamaRunner
 from modelpool.worker.backends.llama_cpp.runtime import Runtime
-from modelpool.worker.images import refuse_images
+from modelpool.worker.backends.llama_cpp.vision import ImageGeneration
+from modelpool.worker.images import image_locations, refuse_images
 
 logger = logging.getLogger(__name__)
 
@@ -161,12 +163,9 @@ def _handler(runtime: Runtime, settings: Options, *, gpu: bool) -> LlamaCppHandl
     """The text handler, or with ``mmproj`` the one that also reads images."""
     if settings.mmproj is None:
         return LlamaCppHandler(runtime, settings)
-    from modelpool.worker.backends.llama_cpp.projector import Projector
-    from modelpool.worker.backends.llama_cpp.vision import LlamaVisionHandler
-
     mmproj = Path(settings.mmproj).expanduser()
     projector = Projector.open(runtime, mmproj, threads=settings.threads, use_gpu=gpu)
-    return LlamaVisionHandler(runtime, settings, projector)
+    return LlamaCppHandler(runtime, settings, projector)
 
 
 def load_generation(model: str, device: str = "cpu", **options: Any) -> LlamaCppHandler:
@@ -189,8 +188,13 @@ def _prefix_cache_tokens(runtime: Runtime, settings: Options) -> int:
 class LlamaCppHandler(ScheduledHandler):
     """A loaded GGUF model; made by :func:`load`. Both backend forms, one scheduler."""
 
-    def __init__(self, runtime: Runtime, settings: Options) -> None:
+    def __init__(
+        self, runtime: Runtime, settings: Options, projector: Projector | None = None
+    ) -> None:
         self.runtime = runtime
+        # With a projector, images too (llama_cpp.vision), one request at a time.
+        self.images = None if projector is None else ImageGeneration(runtime, projector)
+        self.batched = projector is None
         self.max_model_len: int = runtime.max_model_len
         self.chat_template = settings.chat_template or runtime.metadata("tokenizer.chat_template")
         self.runner = LlamaRunner(
@@ -239,6 +243,8 @@ class LlamaCppHandler(ScheduledHandler):
     # ---- one-call form -----------------------------------------------------------------------
 
     def generate(self, call: Call) -> Generation:
+        if self.images is not None and image_locations(call.prompt):
+            return self.images.generate(self, call)
         validate(call.params)
         return run_alone(self.scheduler, call)
 

@@ -1,9 +1,9 @@
 """A GGUF served with its multimodal projector (``backend_options.mmproj``): images read
 through llama.cpp's mtmd library (:mod:`.projector`).
 
-Such a model runs one request at a time (``batched = False``): text requests through
-the shared scheduler alone (as ``generate`` always does), a request with images through
-:meth:`LlamaVisionHandler.generate_with_images`. The scheduler cannot carry an image:
+Such a model's handler runs one request at a time (``batched = False``): text requests
+through the shared scheduler alone (as ``generate`` always does), a request with images
+through :meth:`ImageGeneration.generate`. The scheduler cannot carry an image:
 its rows are token ids, prefilled in slices beside other rows' steps, while an image is
 a run of embeddings that the projector encodes and writes into the sequence in one
 piece (``mtmd_helper_eval_chunks``). The prefix cache is off on such a model: it is keyed
@@ -21,7 +21,7 @@ and LoRA adapters are refused on an image request (a text request still has them
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from modelpool.shared.errors import InvalidRequest
 from modelpool.shared.protocol import Call, FinishReason, Generation, Prompt, note_prompt
@@ -29,10 +29,9 @@ from modelpool.shared.reasoning.controls import THINKING_PARAMS, template_params
 from modelpool.shared.validation import FIT_PARAM, PRIORITY_PARAM, PROMOTED_AT_PARAM
 from modelpool.worker import images
 from modelpool.worker.backends.common.params import fit_new_tokens
+from modelpool.worker.backends.common.params import validate as validate_params
 from modelpool.worker.backends.common.sampling import Sampling
 from modelpool.worker.backends.common.text import TextProgress, stop_strings
-from modelpool.worker.backends.llama_cpp.handler import LlamaCppHandler, validate
-from modelpool.worker.backends.llama_cpp.options import Options
 from modelpool.worker.backends.llama_cpp.projector import Projector
 from modelpool.worker.backends.llama_cpp.runtime import Runtime
 from modelpool.worker.backends.llama_cpp.sampling import choose_token
@@ -59,43 +58,52 @@ IMAGE_PARAMS = frozenset(
 _SEQUENCE = 0  # the image path's sequence: the scheduler holds none between requests
 
 
-class LlamaVisionHandler(LlamaCppHandler):
-    """A GGUF and its projector; one request at a time (see the module docstring)."""
+class ChatModel(Protocol):
+    """What the image path asks of the llama_cpp handler: its template and context."""
 
-    batched = False
+    chat_template: str | None
+    max_model_len: int
 
-    def __init__(self, runtime: Runtime, settings: Options, projector: Projector) -> None:
-        super().__init__(runtime, settings)
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tokenize: bool,
+        **template_variables: Any,
+    ) -> str: ...
+
+
+class ImageGeneration:
+    """The image path of a GGUF served with its projector (see the module docstring)."""
+
+    def __init__(self, runtime: Runtime, projector: Projector) -> None:
+        self.runtime = runtime
         self.projector = projector
 
-    def generate(self, call: Call) -> Generation:
-        if images.image_locations(call.prompt):
-            return self.generate_with_images(call)
-        return super().generate(call)
-
-    def generate_with_images(self, call: Call) -> Generation:
+    def generate(self, model: ChatModel, call: Call) -> Generation:
         """One chat request with image parts, prefilled through the projector."""
-        validate(call.params)
+        validate_params(call.params, "llama_cpp")
         refused = sorted(set(call.params) - IMAGE_PARAMS)
         if refused:
             raise InvalidRequest(f"{refused[0]!r} is not supported with images on llama_cpp")
         params = dict(call.params)
         stops = stop_strings(params.pop("stop", ()))
         seed = params.pop("seed", None)
-        text, decoded = self._chat_text(call.prompt, template_params(params))
+        text, decoded = self._chat_text(model, call.prompt, template_params(params))
         runtime = self.runtime
         # Text requests may have left an adapter applied to the context.
         runtime.use_adapter(None)
         try:
             prefilled = self.projector.prefill(runtime, text, decoded, _SEQUENCE)
             return self._sample(
-                call, params, prefilled.prompt_tokens, prefilled.next_position, stops, seed
+                model, call, params, prefilled.prompt_tokens, prefilled.next_position, stops, seed
             )
         finally:
             runtime.remove_sequence(_SEQUENCE)
 
     def _chat_text(
-        self, prompt: Prompt, template_kwargs: Mapping[str, Any]
+        self, model: ChatModel, prompt: Prompt, template_kwargs: Mapping[str, Any]
     ) -> tuple[str, list[images.DecodedImage]]:
         """The chat rendered by the model's template, each image written as the
         projector's marker, and the images decoded in the same order."""
@@ -114,18 +122,19 @@ class LlamaVisionHandler(LlamaCppHandler):
                         pieces.append(str(part.get("text", "")).replace(marker, ""))
                 content = "".join(pieces)
             messages.append({**message, "content": content})
-        if self.chat_template is None:
+        if model.chat_template is None:
             raise InvalidRequest(
                 "this GGUF has no chat template: give the llama_cpp backend a chat_template "
                 "option to send images"
             )
-        text = self.apply_chat_template(
+        text = model.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, **template_kwargs
         )
         return text, decoded
 
     def _sample(
         self,
+        model: ChatModel,
         call: Call,
         params: dict[str, Any],
         prompt_tokens: int,
@@ -136,7 +145,7 @@ class LlamaVisionHandler(LlamaCppHandler):
         import numpy as np
 
         runtime = self.runtime
-        max_new_tokens = fit_new_tokens(call, params, prompt_tokens, self.max_model_len)
+        max_new_tokens = fit_new_tokens(call, params, prompt_tokens, model.max_model_len)
         sampling = Sampling.from_params(params, runtime.n_vocab, prompt_tokens=prompt_tokens)
         rng = np.random.default_rng(seed if isinstance(seed, int) else None)
         decoder: Any = runtime.decoder()  # the tokenizer face TextProgress decodes with
