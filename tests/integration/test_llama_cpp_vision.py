@@ -130,3 +130,43 @@ def test_a_missing_or_invalid_mmproj_fails_the_load_naming_it(
         ModelPool(_config(gguf_dir, garbage)),
     ):
         pass
+
+
+class _CancelAfter:
+    """A call whose cancel flag is set once ``chunks`` chunks were emitted."""
+
+    def __init__(self, prompt: list[dict[str, Any]], chunks: int) -> None:
+        self.prompt = prompt
+        self.params: dict[str, Any] = {"max_new_tokens": 64, "ignore_eos": True}
+        self.emitted: list[str] = []
+        self._chunks = chunks
+
+    def cancelled(self) -> bool:
+        return len(self.emitted) >= self._chunks
+
+    def emit(self, text: str) -> None:
+        self.emitted.append(text)
+
+    def with_params(self, **params: Any) -> _CancelAfter:
+        self.params = {**self.params, **params}
+        return self
+
+
+@pytest.mark.slow
+def test_in_process_cancel_lora_and_tokenize_on_an_image_request(
+    gguf_dir: Path, mmproj: Path
+) -> None:
+    from modelpool.worker.backends.llama_cpp.handler import load_generation
+
+    handler = load_generation(str(gguf_dir), threads=1, max_model_len=1024, mmproj=str(mmproj))
+    assert handler.batched is False
+    prompt = _user(text_part("Describe: "), image_part(encoded(16, 16)))
+    call = _CancelAfter(prompt, chunks=2)
+    result = handler.generate(call)
+    assert result.finish_reason == "cancelled"
+    assert result.completion_tokens < 64
+    assert result.text == "".join(call.emitted)
+    with pytest.raises(InvalidRequest, match="lora"):
+        handler.generate(_CancelAfter(prompt, 99).with_params(lora={"name": "x", "path": "y"}))
+    with pytest.raises(InvalidRequest, match="no token ids"):
+        handler.tokenize(prompt)

@@ -287,7 +287,11 @@ class LlamaCppHandler(ScheduledHandler):
         """The prompt's token ids; a chat prompt offers ``tools`` (OpenAI's shape) to the
         model as the hf backend does (``modelpool.shared.tools.render_chat``)."""
         runtime = self.runtime
-        refuse_images(prompt, "a llama_cpp model without an mmproj")
+        if self.images is None:
+            refuse_images(prompt, "a llama_cpp model without an mmproj")
+        elif image_locations(prompt):
+            # generate() sends these to the image path; /tokenize has no ids for an image.
+            raise InvalidRequest("a prompt with images has no token ids: its images are embeddings")
         if isinstance(prompt, TokenIds):
             check_vocabulary(prompt.ids, self.runtime.n_vocab)
             ids = list(prompt.ids)
