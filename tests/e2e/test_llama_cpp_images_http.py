@@ -55,7 +55,7 @@ def _openai_answer(client: openai.OpenAI, image: bytes | None) -> tuple[str, int
         content.append({"type": "image_url", "image_url": {"url": data_url(image)}})
     answer = client.chat.completions.create(
         model="m",
-        messages=[{"role": "user", "content": content}],  # type: ignore[misc,list-item]
+        messages=[{"role": "user", "content": content}],
         max_tokens=NEW_TOKENS,
         temperature=0,
     )
