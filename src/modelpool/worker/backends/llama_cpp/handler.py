@@ -142,6 +142,8 @@ def load(
     started = time.monotonic()
     if settings.mmproj is not None:
         # The image path uses the sequence a finished request leaves free (llama_cpp.vision).
+        if settings.prefix_cache_tokens:
+            logger.info("a model with an mmproj keeps no prefix cache: prefix_cache_tokens unused")
         settings = replace(settings, prefix_cache_tokens=0)
     runtime = Runtime.open(llama, path, layout, settings)
     handler = _handler(runtime, settings, gpu=layout.n_gpu_layers != 0)
