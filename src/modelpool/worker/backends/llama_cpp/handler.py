@@ -45,6 +45,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from modelpool.shared.errors import InvalidRequest
@@ -85,9 +87,11 @@ from modelpool.worker.backends.llama_cpp.options import (
 )
 from modelpool.worker.backends.llama_cpp.prefix_tier import LlamaPrefixTiers
 from modelpool.worker.backends.llama_cpp.probe import probe_once
+from modelpool.worker.backends.llama_cpp.projector import Projector
 from modelpool.worker.backends.llama_cpp.runner import LlamaRow, LlamaRunner
 from modelpool.worker.backends.llama_cpp.runtime import Runtime
-from modelpool.worker.images import refuse_images
+from modelpool.worker.backends.llama_cpp.vision import ImageGeneration
+from modelpool.worker.images import image_locations, refuse_images
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +118,8 @@ def load(
     default 64), ``prefix_cache_tokens`` (KV cells the prefix cache may keep of
     finished requests, default half of the KV cells, 0 turns it off; see
     ``llama_cpp.prefix_cache``), ``max_loras`` (LoRA GGUF adapters held, default 8;
-    ``llama_cpp.lora``), ``use_mmap`` (default true), and the placement ones
+    ``llama_cpp.lora``), ``mmproj`` (a multimodal projector GGUF: the model reads
+    images, ``llama_cpp.vision``), ``use_mmap`` (default true), and the placement ones
     (:func:`placement`): ``n_gpu_layers``, ``main_gpu``, ``split_mode``,
     ``tensor_split``, and ``embedding`` (true: an embedding model, see
     ``llama_cpp.embedding``; default: what the GGUF's architecture says)::
@@ -130,13 +135,20 @@ def load(
     if embedding is not None and not isinstance(embedding, bool):
         raise ValueError(f"embedding must be true or false, got {embedding!r}")
     if embedding or (embedding is None and is_embedding_model(read_metadata(path))):
+        if settings.mmproj is not None:
+            raise ValueError("mmproj: an embedding model reads no images")
         return load_embedding(
             path, settings.threads, settings.max_model_len, layout.n_gpu_layers, settings.use_mmap
         )
     probe_once(path, layout)
     started = time.monotonic()
+    if settings.mmproj is not None:
+        # The image path uses the sequence a finished request leaves free (llama_cpp.vision).
+        if settings.prefix_cache_tokens:
+            logger.info("a model with an mmproj keeps no prefix cache: prefix_cache_tokens unused")
+        settings = replace(settings, prefix_cache_tokens=0)
     runtime = Runtime.open(llama, path, layout, settings)
-    handler = LlamaCppHandler(runtime, settings)
+    handler = _handler(runtime, settings, gpu=layout.n_gpu_layers != 0)
     handler.warm_up()
     logger.info(
         "loaded %s with llama.cpp (%d threads, %s GPU layers, context %d tokens, %d KV cells) "
@@ -149,6 +161,15 @@ def load(
         time.monotonic() - started,
     )
     return handler
+
+
+def _handler(runtime: Runtime, settings: Options, *, gpu: bool) -> LlamaCppHandler:
+    """The text handler, or with ``mmproj`` the one that also reads images."""
+    if settings.mmproj is None:
+        return LlamaCppHandler(runtime, settings)
+    mmproj = Path(settings.mmproj).expanduser()
+    projector = Projector.open(runtime, mmproj, threads=settings.threads, use_gpu=gpu)
+    return LlamaCppHandler(runtime, settings, projector)
 
 
 def load_generation(model: str, device: str = "cpu", **options: Any) -> LlamaCppHandler:
@@ -171,8 +192,13 @@ def _prefix_cache_tokens(runtime: Runtime, settings: Options) -> int:
 class LlamaCppHandler(ScheduledHandler):
     """A loaded GGUF model; made by :func:`load`. Both backend forms, one scheduler."""
 
-    def __init__(self, runtime: Runtime, settings: Options) -> None:
+    def __init__(
+        self, runtime: Runtime, settings: Options, projector: Projector | None = None
+    ) -> None:
         self.runtime = runtime
+        # With a projector, images too (llama_cpp.vision), one request at a time.
+        self.images = None if projector is None else ImageGeneration(runtime, projector)
+        self.batched = projector is None
         self.max_model_len: int = runtime.max_model_len
         self.chat_template = settings.chat_template or runtime.metadata("tokenizer.chat_template")
         self.runner = LlamaRunner(
@@ -221,6 +247,8 @@ class LlamaCppHandler(ScheduledHandler):
     # ---- one-call form -----------------------------------------------------------------------
 
     def generate(self, call: Call) -> Generation:
+        if self.images is not None and image_locations(call.prompt):
+            return self.images.generate(self, call)
         validate(call.params)
         return run_alone(self.scheduler, call)
 
@@ -280,7 +308,11 @@ class LlamaCppHandler(ScheduledHandler):
         model as the hf backend does (``modelpool.shared.tools.render_chat``);
         ``template_kwargs``: the request's template variables (``enable_thinking``)."""
         runtime = self.runtime
-        refuse_images(prompt, "a llama_cpp model without an mmproj")
+        if self.images is None:
+            refuse_images(prompt, "a llama_cpp model without an mmproj")
+        elif image_locations(prompt):
+            # generate() sends these to the image path; /tokenize has no ids for an image.
+            raise InvalidRequest("a prompt with images has no token ids: its images are embeddings")
         if isinstance(prompt, TokenIds):
             check_vocabulary(prompt.ids, self.runtime.n_vocab)
             ids = list(prompt.ids)

@@ -39,6 +39,7 @@ LOAD_OPTIONS = frozenset(
         "use_mmap",
         "embedding",
         "max_loras",
+        "mmproj",
     }
 )
 DEFAULT_MAX_SEQUENCES = 64
@@ -156,6 +157,8 @@ class Options:
     use_mmap: bool
     prefix_cache_tokens: int | None
     max_loras: int = DEFAULT_MAX_LORAS
+    mmproj: str | None = None
+    """The multimodal projector GGUF (``llama_cpp.vision``); None: a text model."""
 
 
 def parse_options(options: Mapping[str, Any]) -> Options:
@@ -176,6 +179,9 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         raise ValueError(
             f"prefix_cache_tokens must be a non-negative integer, got {prefix_cache_tokens!r}"
         )
+    mmproj = options.get("mmproj")
+    if mmproj is not None and (not isinstance(mmproj, str) or not mmproj):
+        raise ValueError(f"mmproj must be the path of a projector GGUF, got {mmproj!r}")
     return Options(
         threads=threads(options.get("threads")),
         chat_template=chat_template,
@@ -191,6 +197,7 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         use_mmap=use_mmap,
         prefix_cache_tokens=prefix_cache_tokens,
         max_loras=positive_int("max_loras", options.get("max_loras", DEFAULT_MAX_LORAS)),
+        mmproj=mmproj,
     )
 
 
