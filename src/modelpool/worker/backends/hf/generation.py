@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from modelpool.shared.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM, RowGrammar
@@ -215,13 +215,7 @@ def generate(handler: GeneratingModel, call: Call) -> Generation:
     else:
         sequences = output
 
-    finish_reason: FinishReason
-    if progress.cancelled:
-        finish_reason = "cancelled"
-    elif progress.stopped or (not ignore_eos and int(sequences[0, -1]) in handler.eos_ids):
-        finish_reason = "stop"
-    else:
-        finish_reason = "length"
+    finish_reason = finish_reason_of(progress, int(sequences[0, -1]), handler.eos_ids, ignore_eos)
     return Generation(
         progress.text,
         finish_reason,
@@ -232,6 +226,18 @@ def generate(handler: GeneratingModel, call: Call) -> Generation:
         cached_tokens,
         stop_sequence=progress.stop_sequence if finish_reason == "stop" else None,
     )
+
+
+def finish_reason_of(
+    progress: TextProgress, last_token: int, eos_ids: Container[int], ignore_eos: bool
+) -> FinishReason:
+    """Why a ``generate()`` call ended: cancelled, a stop (a stop string, or the model's end
+    of sequence unless ignored) or its token limit."""
+    if progress.cancelled:
+        return "cancelled"
+    if progress.stopped or (not ignore_eos and last_token in eos_ids):
+        return "stop"
+    return "length"
 
 
 def _prefix_kv(

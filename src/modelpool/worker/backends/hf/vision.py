@@ -32,7 +32,7 @@ from typing import Any
 
 from modelpool.shared.context import check_max_model_len, context_length
 from modelpool.shared.errors import InvalidRequest
-from modelpool.shared.protocol import Call, FinishReason, Generation, Prompt, TokenIds, note_prompt
+from modelpool.shared.protocol import Call, Generation, Prompt, TokenIds, note_prompt
 from modelpool.shared.reasoning.controls import THINKING_PARAMS, template_params
 from modelpool.shared.validation import FIT_PARAM, PRIORITY_PARAM, PROMOTED_AT_PARAM
 from modelpool.worker import images
@@ -48,6 +48,7 @@ from modelpool.worker.backends.hf.generation import (
     _generation_kwargs,
     _hooks,
     cancellable,
+    finish_reason_of,
 )
 from modelpool.worker.backends.hf.options import (
     LOAD_OPTIONS,
@@ -221,13 +222,7 @@ class VisionHandler:
         progress.flush()
         if progress.error is not None:
             raise progress.error
-        finish_reason: FinishReason
-        if progress.cancelled:
-            finish_reason = "cancelled"
-        elif progress.stopped or (not ignore_eos and int(sequences[0, -1]) in self.eos_ids):
-            finish_reason = "stop"
-        else:
-            finish_reason = "length"
+        finish_reason = finish_reason_of(progress, int(sequences[0, -1]), self.eos_ids, ignore_eos)
         return Generation(
             progress.text,
             finish_reason,
