@@ -439,7 +439,11 @@ class Agent:
                 # Freeze a busy worker, or an idle serving one (the next request it is given
                 # must be caught by its attempt deadline and retried elsewhere).
                 freezable = busy + [w for w in idle if w.state == "idle"]
-                if roll < self.stop_share and freezable and not frozen:
+                # The first chance to freeze is always taken: a short run makes some twenty
+                # actions, and at a 0.15 share one run in thirty would leave the frozen-worker
+                # path unexercised by the dice alone.
+                first_freeze = self.stop_share > 0 and not self.stopped
+                if (roll < self.stop_share or first_freeze) and freezable and not frozen:
                     target = self.rng.choice(freezable)
                     assert target.pid is not None
                     self.strike(target.pid, signal.SIGSTOP, "sigstop", target.state)
