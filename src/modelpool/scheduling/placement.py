@@ -24,6 +24,13 @@ The rules, in order of precedence:
   workers. The workers report their fingerprints after every change, evictions
   included, so the pool never prefers a worker for what it has dropped; a worker that
   is replaced starts with no report, as its cache starts empty.
+- The prefix cache tiers (``shared.prefix_tier``: host memory, disk) hold prefixes any
+  worker of the model restores: what they hold of the prompt (``tier_fingerprints``, their
+  entries' fingerprints, of every partition: a chain matches only its own) counts as
+  held by every worker, so a worker's own hit beats the least loaded only where it is
+  longer than the tiers'. A busy holder of a prefix the tiers hold is then no better than
+  an idle worker, which restores it instead of the request sharing the holder's batch;
+  at equal load, a worker's own hit still wins (a memory hit, no restore).
 """
 
 from __future__ import annotations
@@ -62,16 +69,18 @@ def assign(
     queue: Iterable[RequestT],
     candidates: list[WorkerT],
     capacity: Callable[[WorkerT], int] = lambda worker: worker.slots,
+    tier_fingerprints: frozenset[int] = frozenset(),
 ) -> list[tuple[RequestT, WorkerT]]:
     """Queued requests and the worker each goes to, in queue order, stopping as soon as
     the free slots are spoken for: the cost is the number of free slots, not the length
-    of the queue."""
+    of the queue. ``tier_fingerprints``: what the prefix cache tiers hold, for every
+    worker."""
     size = {w.id: capacity(w) for w in candidates}
     free = {w.id: size[w.id] - len(w.runs) for w in candidates}
     suspects = {w.id for w in candidates if any(r.owner.suspect for r in w.runs.values())}
     assignments: list[tuple[RequestT, WorkerT]] = []
     for request in queue:
-        choice = _choose(request, candidates, size, free, suspects)
+        choice = _choose(request, candidates, size, free, suspects, tier_fingerprints)
         if choice is None:
             if request.isolated:
                 # It waits for an empty worker: let one drain rather than starve it.
@@ -105,12 +114,21 @@ def prefix_held(request: RequestView, worker: WorkerView[RunView]) -> int:
     return matched_units(request.prefix_fingerprints, report.fingerprints)
 
 
+def tier_held(request: RequestView, tier_fingerprints: frozenset[int]) -> int:
+    """How many leading units of the request's prompt the prefix cache tiers hold, as
+    their latest walk found them (``supervisor.tier_watch``): any worker restores them."""
+    if not tier_fingerprints or not request.prefix_fingerprints:
+        return 0
+    return matched_units(request.prefix_fingerprints, tier_fingerprints)
+
+
 def _choose(
     request: RequestView,
     candidates: list[WorkerT],
     size: dict[int, int],
     free: dict[int, int],
     suspects: set[int],
+    tier_fingerprints: frozenset[int],
 ) -> WorkerT | None:
     """The worker ``request`` goes to now, if any (see the module docstring)."""
     eligible = []
@@ -126,15 +144,17 @@ def _choose(
     if not eligible:
         return None
     least = min(size[worker.id] - free[worker.id] for worker in eligible)
+    in_tiers = tier_held(request, tier_fingerprints)
 
-    def preference(worker: WorkerT) -> tuple[int, int, int]:
+    def preference(worker: WorkerT) -> tuple[int, int, int, int]:
         load = size[worker.id] - free[worker.id]
         # A one-call worker's prefix counts only if it would start the request now, not
         # hold it prefetched behind another while a worker is idle.
         starts_now = load < worker.slots
-        held = (
-            prefix_held(request, worker) if load <= least + PREFIX_LOAD_SLACK and starts_now else 0
-        )
-        return (-held, load, -(worker.kv_free_tokens or 0))
+        own = held = 0
+        if load <= least + PREFIX_LOAD_SLACK and starts_now:
+            own = prefix_held(request, worker)
+            held = max(own, in_tiers)
+        return (-held, load, -own, -(worker.kv_free_tokens or 0))
 
     return min(eligible, key=preference)

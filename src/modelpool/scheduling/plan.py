@@ -70,9 +70,11 @@ def place(
     waiting_by_priority: Mapping[int, int],
     run_s: float,
     now: float,
+    tier_fingerprints: frozenset[int] = frozenset(),
 ) -> Placed[RequestT, WorkerT]:
     """Step 2 (see the module docstring). ``run_s``: the pool's mean run, which sets how
-    many runs a one-call worker holds prefetched (``prefetch.depth``)."""
+    many runs a one-call worker holds prefetched (``prefetch.depth``);
+    ``tier_fingerprints``: what the prefix cache tiers hold (``placement.assign``)."""
     may_preempt = config.preempt_for_priority and preemption.worth_looking(
         waiting_by_priority, workers
     )
@@ -85,7 +87,7 @@ def place(
     order = dispatch_order(
         queue, now=now, aging_s=config.priority_aging_s, priorities=len(waiting_by_priority)
     )
-    dispatch = placement.assign(order, open_workers, capacity)
+    dispatch = placement.assign(order, open_workers, capacity, tier_fingerprints)
     sent = {worker.id: 0 for worker in open_workers}
     for _, worker in dispatch:
         sent[worker.id] += 1

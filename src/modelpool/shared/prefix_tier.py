@@ -317,20 +317,7 @@ class _Tier:
 
     def stats(self) -> TierStats:
         sizes = [entry.size for entry in self._entries()]
-        counters = self._read_counts()
-        return TierStats(
-            tier=self.name,
-            bytes=sum(sizes),
-            limit_bytes=self.limit_bytes,
-            entries=len(sizes),
-            hits=int(counters["hits"]),
-            misses=int(counters["misses"]),
-            restores=int(counters["restores"]),
-            restore_seconds=float(counters["restore_seconds"]),
-            stores=int(counters["stores"]),
-            rejected=int(counters["rejected"]),
-            evictions=int(counters["evictions"]),
-        )
+        return counted_stats(self.name, self.limit_bytes, sizes, tier_counters(self.directory))
 
     def _reject(self, path: Path) -> None:
         with contextlib.suppress(OSError), self._locked():
@@ -382,28 +369,71 @@ class _Tier:
         finally:
             os.close(fd)  # releases the lock; the kernel does as much for a dead holder
 
-    def _read_counts(self) -> dict[str, float]:
-        counts = dict.fromkeys(_COUNTERS, 0.0)
-        try:
-            stored = json.loads((self.directory / _STATS_NAME).read_text())
-        except (OSError, ValueError):
-            return counts
-        if isinstance(stored, dict):
-            for name in _COUNTERS:
-                value = stored.get(name)
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    counts[name] = float(value)
-        return counts
-
     def _add_counts(self, **counts: float) -> None:
         """Add ``counts`` to the tier's counters (the caller holds the lock); written
         through a temporary file, so a kill leaves the old counters, not torn ones."""
-        current = self._read_counts()
+        current = tier_counters(self.directory)
         for name, value in counts.items():
             current[name] += value
         temp = self._temp_path()
         temp.write_text(json.dumps(current))
         os.replace(temp, self.directory / _STATS_NAME)
+
+
+def tier_counters(directory: str | os.PathLike[str]) -> dict[str, float]:
+    """A tier's counters as its ``.stats`` file holds them (zeros where it holds none)."""
+    counts = dict.fromkeys(_COUNTERS, 0.0)
+    try:
+        stored = json.loads(Path(directory, _STATS_NAME).read_text())
+    except (OSError, ValueError):
+        return counts
+    if isinstance(stored, dict):
+        for name in _COUNTERS:
+            value = stored.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                counts[name] = float(value)
+    return counts
+
+
+def counted_stats(
+    tier: TierName, limit_bytes: int, sizes: Sequence[int], counters: Mapping[str, float]
+) -> TierStats:
+    """A tier's stats from its entries' sizes and its counters (``tier_counters``)."""
+    return TierStats(
+        tier=tier,
+        bytes=sum(sizes),
+        limit_bytes=limit_bytes,
+        entries=len(sizes),
+        hits=int(counters["hits"]),
+        misses=int(counters["misses"]),
+        restores=int(counters["restores"]),
+        restore_seconds=float(counters["restore_seconds"]),
+        stores=int(counters["stores"]),
+        rejected=int(counters["rejected"]),
+        evictions=int(counters["evictions"]),
+    )
+
+
+def entry_fingerprints(path: str | os.PathLike[str]) -> tuple[int, ...] | None:
+    """The prefix fingerprints an entry's header names (None: not an entry of this
+    format), from its header alone: the supervisor places by them and never reads a
+    payload. Nothing is checked beyond the format: a worker's read checks the rest, and a
+    fingerprint wrongly believed costs a placement, never an answer."""
+    start = len(MAGIC) + _HEADER_LENGTH.size
+    try:
+        with open(path, "rb") as file:
+            opening = file.read(start)
+            if len(opening) != start or opening[: len(MAGIC)] != MAGIC:
+                return None
+            (header_length,) = _HEADER_LENGTH.unpack_from(opening, len(MAGIC))
+            if header_length > _MAX_HEADER_BYTES:
+                return None
+            header = json.loads(file.read(header_length))
+        if header["version"] != FORMAT_VERSION:
+            return None
+        return tuple(int(value) for value in header["fingerprints"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _encode(

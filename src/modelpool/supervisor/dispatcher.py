@@ -78,7 +78,6 @@ from modelpool.supervisor.observe import (
     Observers,
     WorkerEvent,
 )
-from modelpool.supervisor.prefix_tiers import tier_specs, tier_stats
 from modelpool.supervisor.records import (
     DispatcherIO,
     Request,
@@ -90,6 +89,7 @@ from modelpool.supervisor.resolution import Resolution
 from modelpool.supervisor.retries import Retries
 from modelpool.supervisor.stalls import StallWatch
 from modelpool.supervisor.stats import COUNTER_NAMES, DeviceStats, PoolStats, percentiles
+from modelpool.supervisor.tier_watch import TierState
 from modelpool.supervisor.worker_manager import WorkerManager
 from modelpool.supervisor.worker_messages import WorkerMessages
 
@@ -137,6 +137,7 @@ class Dispatcher:
         # Attached runs sent to one-call workers behind their current one (prefetch.py),
         # by attempt id in dispatch order.
         self.prefetched: dict[int, Run] = {}
+        self.prefix_tiers = TierState(config)  # the latest walk of the tiers (tier_watch.py)
         self._started_reported = False
         # Observers of finished requests and worker events (observe.py), the moving
         # averages that predict a new request's wait (scheduling.prediction), and the queued
@@ -442,7 +443,7 @@ class Dispatcher:
             queue_by_priority={str(p): n for p, n in sorted(self.priorities.waiting.items())},
             recent_events=[event.to_dict(time.time() - now) for event in self.observers.recent],
             backend=self.config.backend,
-            prefix_tiers=tier_stats(tier_specs(self.config)),
+            prefix_tiers=list(self.prefix_tiers.view.stats),
         )
 
     # ---- requests to workers -------------------------------------------------------------
@@ -475,6 +476,7 @@ class Dispatcher:
             waiting_by_priority=self.priorities.waiting,
             run_s=self.predictor.run_s,
             now=now,
+            tier_fingerprints=self.prefix_tiers.view.fingerprints,
         )
         self._dispatch_all(placed.dispatch)
         pairs = plan.victims(

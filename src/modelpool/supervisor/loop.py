@@ -224,6 +224,7 @@ class EventLoop:
             on_release_checked=self.dispatcher.worker_manager.on_release_checked,
             on_device_free=self.dispatcher.on_device_free,
             on_gpu_sample=self.dispatcher.on_gpu_sample,
+            on_prefix_tiers=self.dispatcher.prefix_tiers.update,
             environ=self.environ,
         )
         self.thread = threading.Thread(target=self.run, name="modelpool-dispatcher", daemon=True)

@@ -1,5 +1,6 @@
 """The pool's background checks, each on its own thread: a dead worker's release, a
-blocked GPU's free memory, and periodic GPU sampling.
+blocked GPU's free memory, periodic GPU sampling, and the prefix cache tiers' directories
+(``tier_watch``).
 
 They only read (processes, NVML) and wait; every result goes back to the dispatcher
 thread as a command through ``post``, so the dispatcher stays the single owner of
@@ -21,8 +22,10 @@ from modelpool.shared import processes
 from modelpool.shared.config import PoolConfig
 from modelpool.supervisor import gpu
 from modelpool.supervisor.devices import group_devices, nvml_index_for
+from modelpool.supervisor.prefix_tiers import tier_specs
 from modelpool.supervisor.records import GpuWorker, Worker
 from modelpool.supervisor.stats import DeviceStats
+from modelpool.supervisor.tier_watch import TierView, TierWatch
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +33,8 @@ logger = logging.getLogger(__name__)
 class Monitors:
     """Starts the check threads; ``post(action, *args)`` hands results to the dispatcher.
 
-    ``on_release_checked``, ``on_device_free`` and ``on_gpu_sample`` are the dispatcher's
-    entry points that receive them.
+    ``on_release_checked``, ``on_device_free``, ``on_gpu_sample`` and ``on_prefix_tiers``
+    are the dispatcher's entry points that receive them.
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class Monitors:
         on_release_checked: Callable[..., None],
         on_device_free: Callable[[str], None],
         on_gpu_sample: Callable[..., None],
+        on_prefix_tiers: Callable[[TierView], None],
         environ: Mapping[str, str],
     ) -> None:
         self.config = config
@@ -66,10 +70,14 @@ class Monitors:
         self._sampler = threading.Thread(
             target=self._sample_gpu, name="modelpool-gpu-sampler", daemon=True
         )
+        self._tiers = TierWatch(
+            tier_specs(config), functools.partial(post, on_prefix_tiers), self._stopped
+        )
 
     def start(self) -> None:
         if self.probe.available:
             self._sampler.start()
+        self._tiers.start()
 
     def stop(self) -> None:
         self._stopped.set()

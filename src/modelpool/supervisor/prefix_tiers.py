@@ -6,9 +6,9 @@ owner keeps it: several pools, or pools one after another, may share it), else i
 directory the pool makes in ``/dev/shm`` when it starts and removes when it closes, so
 that it outlives every worker of the pool but not the pool. The disk tier lives in a
 subdirectory of ``prefix_cache_dir`` named for the model and backend, and is never
-removed. Workers get both as ``WorkerSpec.prefix_tiers``; the pool's stats read the
-tiers' sizes and counters from their directories, so they cost no worker a message and
-count what killed workers did.
+removed. Workers get both as ``WorkerSpec.prefix_tiers``; the pool reads the tiers'
+sizes, counters and fingerprints from their directories on a thread of its own
+(``tier_watch``), so they cost no worker a message and count what killed workers did.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from modelpool.shared.config import PoolConfig
-from modelpool.shared.prefix_tier import PrefixTierStore, TierSpec, TierStats
+from modelpool.shared.prefix_tier import TierSpec
 
 logger = logging.getLogger("modelpool.pool")
 
@@ -56,12 +56,3 @@ def tier_specs(config: PoolConfig) -> tuple[TierSpec, ...]:
         specs.append(TierSpec("disk", directory, config.prefix_cache_dir_bytes))
     return tuple(specs)
 
-
-def tier_stats(specs: tuple[TierSpec, ...]) -> list[TierStats]:
-    """Each tier's bytes and counters as its directory holds them (none when unreadable)."""
-    try:
-        # The identity only checks entries, which stats never reads.
-        return PrefixTierStore.open(specs, identity="").stats()
-    except OSError:
-        logger.warning("could not read the prefix cache tiers", exc_info=True)
-        return []
