@@ -120,6 +120,14 @@ class TierStats:
     evictions: int = 0
 
 
+@dataclass(frozen=True)
+class EntryHeader:
+    """An entry's partition and the prefix fingerprints stored with it."""
+
+    partition: int
+    fingerprints: tuple[int, ...]
+
+
 def model_identity(
     model: str, *, backend: str, dtype: str | None, extra: Mapping[str, Any] | None = None
 ) -> str:
@@ -414,11 +422,11 @@ def counted_stats(
     )
 
 
-def entry_fingerprints(path: str | os.PathLike[str]) -> tuple[int, ...] | None:
-    """The prefix fingerprints an entry's header names (None: not an entry of this
-    format), from its header alone: the supervisor places by them and never reads a
-    payload. Nothing is checked beyond the format: a worker's read checks the rest, and a
-    fingerprint wrongly believed costs a placement, never an answer."""
+def entry_header(path: str | os.PathLike[str]) -> EntryHeader | None:
+    """What an entry's header says of its prompt (None: not an entry of this format),
+    read from the header alone: the supervisor places by it and never reads a payload.
+    Nothing is checked beyond the format: a worker's read checks the rest, and a header
+    wrongly believed costs a placement, never an answer."""
     start = len(MAGIC) + _HEADER_LENGTH.size
     try:
         with open(path, "rb") as file:
@@ -431,7 +439,8 @@ def entry_fingerprints(path: str | os.PathLike[str]) -> tuple[int, ...] | None:
             header = json.loads(file.read(header_length))
         if header["version"] != FORMAT_VERSION:
             return None
-        return tuple(int(value) for value in header["fingerprints"])
+        fingerprints = tuple(int(value) for value in header["fingerprints"])
+        return EntryHeader(int(header["partition"]), fingerprints)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

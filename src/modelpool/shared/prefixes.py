@@ -139,14 +139,25 @@ def _content_key(content: object) -> str:
     return "\x00".join(keys)
 
 
+def partition_unit(partition: int) -> int | None:
+    """The first fingerprint of every chain of ``partition`` (None for the shared one),
+    which names the partition alone: a worker that holds it has served the partition (an
+    adapter's rows), which says nothing of a prompt's tokens."""
+    return int.from_bytes(_partition_digest(partition), "little") if partition else None
+
+
+def _partition_digest(partition: int) -> bytes:
+    return hashlib.blake2b(partition.to_bytes(8, "little"), digest_size=8).digest()
+
+
 def _chain(units: list[bytes], partition: int) -> tuple[int, ...]:
     chain = []
     # The shared partition's chain is what it always was; another starts from its id, and
     # with that id as a unit of its own: a worker holding anything of the partition (an
     # adapter's rows leave their KV there) is preferred for its requests, short ones too.
-    previous = partition.to_bytes(8, "little") if partition else b""
+    previous = b""
     if partition:
-        previous = hashlib.blake2b(previous, digest_size=8).digest()
+        previous = _partition_digest(partition)
         chain.append(int.from_bytes(previous, "little"))
     for unit in units:
         previous = hashlib.blake2b(previous + unit, digest_size=8).digest()

@@ -55,4 +55,3 @@ def tier_specs(config: PoolConfig) -> tuple[TierSpec, ...]:
         directory = os.path.join(os.path.expanduser(config.prefix_cache_dir), subdirectory)
         specs.append(TierSpec("disk", directory, config.prefix_cache_dir_bytes))
     return tuple(specs)
-

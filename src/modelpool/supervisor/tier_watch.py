@@ -35,9 +35,10 @@ from modelpool.shared.prefix_tier import (
     TierSpec,
     TierStats,
     counted_stats,
-    entry_fingerprints,
+    entry_header,
     tier_counters,
 )
+from modelpool.shared.prefixes import partition_unit
 from modelpool.supervisor.prefix_tiers import tier_specs
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class TierScanner:
             key = (inode, stat.st_size, stat.st_mtime_ns)
             entry = self._seen.get(key)
             if entry is None:
-                entry = _Seen(stat.st_size, stat.st_mtime_ns, entry_fingerprints(item.path))
+                entry = _Seen(stat.st_size, stat.st_mtime_ns, _held(item.path))
             seen[key] = entry
         self._seen = seen
         self._stats = counted_stats(
@@ -212,6 +213,18 @@ def _recent_fingerprints(entries: Iterable[_Seen]) -> frozenset[int]:
             break
         held.update(entry.fingerprints)
     return frozenset(held)
+
+
+def _held(path: str) -> tuple[int, ...] | None:
+    """The fingerprints of the prompt an entry holds, from its header: without its
+    partition's own unit (``prefixes.partition_unit``), which names the partition, not
+    tokens, and which a worker that has served the partition (an adapter loaded) is
+    preferred by; every worker would seem to hold it."""
+    header = entry_header(path)
+    if header is None:
+        return None
+    own = partition_unit(header.partition)
+    return tuple(value for value in header.fingerprints if value != own)
 
 
 def _mtime_ns(directory: str) -> int | None:
