@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 
 from helpers import Recorder, make_config, wait_until, workers
 from modelpool import ModelPool
+from modelpool.shared.prefix_tier import TierStats
 from modelpool.shared.protocol import ChatMessage
 from modelpool.worker.backends.hf.handler import HFHandler, load
 
@@ -48,16 +50,15 @@ def reference(plain: HFHandler, turns: int) -> list[str]:
 
 
 def tiered_pool(model: Path, **overrides: Any) -> ModelPool:
-    config = make_config(
-        model=str(model),
-        backend="hf",
-        workers=1,
-        backend_options=dict(OPTIONS),
-        deadline_s=120.0,
-        startup_timeout_s=180.0,
-        **overrides,
-    )
-    return ModelPool(config).start()
+    values: dict[str, Any] = {
+        "model": str(model),
+        "backend": "hf",
+        "workers": 1,
+        "backend_options": dict(OPTIONS),
+        "deadline_s": 120.0,
+        "startup_timeout_s": 180.0,
+    }
+    return ModelPool(make_config(**{**values, **overrides})).start()
 
 
 def ask(pool: ModelPool, messages: list[ChatMessage], question: str) -> tuple[str, int]:
@@ -68,11 +69,22 @@ def ask(pool: ModelPool, messages: list[ChatMessage], question: str) -> tuple[st
 
 
 def stored(pool: ModelPool, tier: int, count: int) -> None:
-    """Wait until the tier holds ``count`` writes (a worker writes after it answers)."""
+    """Wait until the tier holds ``count`` writes (a worker writes after it answers) and
+    the pool has seen them (``supervisor.tier_watch``)."""
     wait_until(
         lambda: pool.stats().prefix_tiers[tier].stores >= count,
         60.0,
         message=lambda: f"{count} tier writes ({pool.stats().prefix_tiers})",
+    )
+
+
+def tier_shows(pool: ModelPool, check: Callable[[TierStats], bool]) -> TierStats:
+    """The pool's only tier, once its stats (walked off the dispatcher thread, a moment
+    behind the workers) pass ``check``."""
+    return wait_until(
+        lambda: next((tier for tier in pool.stats().prefix_tiers if check(tier)), None),
+        60.0,
+        message=lambda: f"the tier's stats ({pool.stats().prefix_tiers})",
     )
 
 
@@ -99,12 +111,58 @@ def test_a_worker_killed_between_turns_is_replaced_by_one_that_restores(
         text, cached = ask(pool, messages, QUESTIONS[2])
         assert [*answers, text] == expected
         assert cached > 0
-        (tier,) = pool.stats().prefix_tiers
-        assert tier.tier == "host" and tier.restores >= 1 and tier.bytes > 0
+        tier = tier_shows(pool, lambda tier: tier.restores >= 1)
+        assert tier.tier == "host" and tier.bytes > 0
         assert tier.rejected == 0
     finally:
         pool.close(drain=False, timeout=10.0)
     assert not os.path.exists(host), "the pool's host tier is removed at close"
+
+
+@pytest.mark.parametrize("tiers", [True, False], ids=["host-tier", "no-tier"])
+def test_a_busy_holder_of_a_prefix_the_tier_holds_leaves_the_next_turn_to_an_idle_worker(
+    tiny_model_dir: Path, plain: HFHandler, tiers: bool
+) -> None:
+    """Two batched workers, one holding the conversation and busy with a long answer:
+    the next turn joins its batch for the prefix (placement's slack), unless the host
+    tier holds that prefix too: then the idle worker restores it and starts at once."""
+    expected = reference(plain, 2)
+    overrides: dict[str, Any] = {"prefix_cache_host_bytes": 64 * 2**20} if tiers else {}
+    pool = tiered_pool(tiny_model_dir, workers=2, max_batch_size=2, **overrides)
+    long = None
+    try:
+        messages: list[ChatMessage] = [{"role": "system", "content": SYSTEM}]
+        messages.append({"role": "user", "content": QUESTIONS[0]})
+        first = pool.generate(list(messages), max_new_tokens=8)
+        messages.append({"role": "assistant", "content": first.text})
+        holder = first.worker_pid
+        wait_until(
+            lambda: any(
+                w.pid == holder and w.prefix_cache and w.prefix_cache.entries for w in workers(pool)
+            ),
+            60.0,
+            message="the holder's prefix cache report",
+        )
+        if tiers:
+            stored(pool, 0, 1)
+        # The holder takes a long answer to the same conversation (its own hit) and stays
+        # busy with it.
+        aside = [*messages, {"role": "user", "content": "Tell me everything."}]
+        long = pool.submit(aside, max_new_tokens=500, ignore_eos=True)
+        (busy,) = wait_until(lambda: [w for w in workers(pool) if w.running], 60.0)
+        assert busy.pid == holder
+        messages.append({"role": "user", "content": QUESTIONS[1]})
+        second = pool.generate(list(messages), max_new_tokens=8)
+        if tiers:
+            assert second.worker_pid != holder, "the idle worker restores the prefix"
+            assert second.cached_tokens > 0
+            assert [first.text, second.text] == expected
+        else:
+            assert second.worker_pid == holder, "the holder took it into its batch"
+    finally:
+        if long is not None:
+            long.cancel()
+        pool.close(drain=False, timeout=10.0)
 
 
 def test_a_new_pool_restores_from_the_disk_tier(
@@ -117,7 +175,7 @@ def test_a_new_pool_restores_from_the_disk_tier(
         stored(first, 0, 1)
     with tiered_pool(tiny_model_dir, prefix_cache_dir=str(tmp_path)) as second:
         text, cached = ask(second, messages, QUESTIONS[1])
-        (tier,) = second.stats().prefix_tiers
+        tier = tier_shows(second, lambda tier: tier.restores >= 1)
     assert [first_answer, text] == expected
     assert cached > 0
     assert tier.tier == "disk" and tier.restores == 1 and tier.entries >= 1
@@ -152,8 +210,8 @@ def test_kills_during_writes_and_restores_a_full_tier_and_a_corrupted_file_chang
         for question in MORE:
             answers.append(ask(pool, messages, question)[0])
         assert answers == expected
-        (tier,) = pool.stats().prefix_tiers
-        assert tier.bytes <= tier.limit_bytes and tier.evictions >= 1
+        tier = tier_shows(pool, lambda tier: tier.evictions >= 1)
+        assert tier.bytes <= tier.limit_bytes
         pid_files = [path.name for path in Path(host).glob(".tmp-*")]
         live = {str(w.pid) for w in workers(pool)}
         assert all(name.split("-")[1] in live for name in pid_files), pid_files
