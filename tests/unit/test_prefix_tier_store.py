@@ -10,6 +10,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+from modelpool.shared import prefix_tier
 from modelpool.shared.prefix_tier import (
     ENTRY_SUFFIX,
     PrefixTierStore,
@@ -128,6 +131,36 @@ def test_the_bound_evicts_the_least_recently_used_first(tmp_path: Path) -> None:
     assert stats.bytes <= 5000 and stats.evictions == 1
     # An entry larger than the bound is not kept.
     assert not store.store(list(range(32)), 0, b"z" * 6000)
+
+
+def test_a_write_under_the_bytes_bound_walks_no_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tier of long prefixes is tens of thousands of names: a write that fits under the
+    kept upper bound of the tier's bytes must not stat them all; one that would pass the
+    limit walks the tier and evicts, and the bound never lets the tier grow past it."""
+    store = _store(tmp_path, limit=8000)
+    walks: list[str] = []
+    real_scandir = os.scandir
+
+    def counted(path: object) -> object:
+        walks.append(str(path))
+        return real_scandir(path)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(prefix_tier.os, "scandir", counted)
+    prompts = [[base + i for i in range(32)] for base in range(1000, 9000, 1000)]
+    assert store.store(prompts[0], 0, b"a" * 1500)
+    first_walk = len(walks)
+    assert first_walk > 0  # the first write of a tier finds no bound: it walks
+    store.store(prompts[1], 0, b"b" * 1500)
+    store.store(prompts[2], 0, b"c" * 1500)
+    assert len(walks) == first_walk
+    for prompt in prompts[3:]:
+        store.store(prompt, 0, b"d" * 1500)
+    assert len(walks) > first_walk  # past the limit: walked and evicted
+    monkeypatch.setattr(prefix_tier.os, "scandir", real_scandir)
+    stats = store.stats()[0]
+    assert stats.bytes <= 8000 and stats.evictions >= 3
 
 
 def test_a_writer_killed_mid_write_leaves_nothing_read(tmp_path: Path) -> None:
