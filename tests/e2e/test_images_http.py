@@ -363,6 +363,43 @@ def test_the_note_on_every_api(daemon: Daemon, claude: anthropic.Anthropic) -> N
     assert ollama.status_code == 200 and ollama.headers[OMITTED] == "1"
 
 
+def test_an_image_in_a_tool_result(daemon: Daemon, claude: anthropic.Anthropic) -> None:
+    """Claude Code's Read of a picture (an ``image`` block in a ``tool_result``) and a chat
+    ``tool`` message with an image part: read as an image by a vision model, a note with
+    the header for a text-only one."""
+    use = {"type": "tool_use", "id": "t1", "name": "Read", "input": {"file_path": "a.png"}}
+    block = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": b64(PICTURE)},
+    }
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": [block]}
+    tools = [{"name": "Read", "input_schema": {"type": "object"}}]
+    turns: list[Any] = [
+        {"role": "user", "content": "echo:look"},
+        {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [result, {"type": "text", "text": "echo:seen"}]},
+    ]
+    seen = claude.messages.create(model="eyes", max_tokens=32, messages=turns, tools=tools)  # type: ignore[arg-type]
+    assert SEEN in seen.content[0].text  # type: ignore[union-attr]
+    noted = claude.messages.with_raw_response.create(
+        model="text",
+        max_tokens=32,
+        messages=turns,
+        tools=tools,  # type: ignore[arg-type]
+    )
+    assert noted.headers[OMITTED] == "1"
+    call = {"id": "c1", "type": "function", "function": {"name": "Read", "arguments": "{}"}}
+    chat = [
+        {"role": "user", "content": "echo:look"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": [image_url(data_url(PICTURE))]},
+        {"role": "user", "content": "echo:seen"},
+    ]
+    answer = post(daemon, "/v1/chat/completions", {"model": "eyes", "messages": chat})
+    assert answer.status_code == 200, answer.text
+    assert SEEN in answer.json()["choices"][0]["message"]["content"]
+
+
 def test_count_tokens_settles_images_as_messages_does(claude: anthropic.Anthropic) -> None:
     """A text-only model counts the note its generation is given (and says so in the
     header); a vision model counts its image's tokens (16 on the testing backend)."""
