@@ -24,6 +24,7 @@ from e2e_support import Daemon, daemon_config, keyed_daemon, registry_config, st
 from helpers import slack
 from image_files import b64, data_url, png
 from images_support import encoded, png_bomb
+from modelpool.server.http import JOIN_OFF_LOOP_BYTES
 from modelpool.shared.image_input import IMAGE_NOTE
 from modelpool.worker.backends.testing_images import IMAGE_TOKENS
 
@@ -398,6 +399,20 @@ def test_an_image_in_a_tool_result(daemon: Daemon, claude: anthropic.Anthropic) 
     answer = post(daemon, "/v1/chat/completions", {"model": "eyes", "messages": chat})
     assert answer.status_code == 200, answer.text
     assert SEEN in answer.json()["choices"][0]["message"]["content"]
+
+
+def test_a_body_of_megabytes_is_read_whole(daemon: Daemon) -> None:
+    """A body over JOIN_OFF_LOOP_BYTES (joined in a thread): its image reaches the checks
+    whole, here over eyes' max_bytes, so a 400 naming the part."""
+    big = png(700, 700, noise=True)
+    body = chat_body("eyes", image_url(data_url(big)))
+    answer = post(daemon, "/v1/chat/completions", body)
+    assert len(answer.request.content) > JOIN_OFF_LOOP_BYTES
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert (error["code"], error["param"]) == ("image_too_large", "messages[0].content[1]")
+    assert str(len(big)) in error["message"]
+    assert_serves(daemon)
 
 
 def test_count_tokens_settles_images_as_messages_does(claude: anthropic.Anthropic) -> None:

@@ -3,6 +3,7 @@ request; the tiny vision model's answers equal transformers' ``generate()`` in p
 
 from __future__ import annotations
 
+import asyncio
 import io
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,11 @@ from typing import Any
 import pytest
 
 from helpers import counters, open_pool, slack, wait_until, workers
+from image_files import png
 from images_support import encoded, image_part, pattern, png_bomb, text_part
 from modelpool import ModelPool, PoolConfig
 from modelpool.shared.errors import ImageRefused, InvalidRequest, PoisonRequest
+from modelpool.shared.images import SUBMIT_OFF_LOOP_BYTES
 from modelpool.shared.validation import check_prompt
 from modelpool.tinyvision import IMAGE_TOKENS, build_tiny_vision_model
 from modelpool.worker.backends.testing_images import IMAGE_TOKENS as TESTING_IMAGE_TOKENS
@@ -105,6 +108,27 @@ def test_an_image_that_crashes_the_decoder_costs_one_request() -> None:
         assert pool.generate(_user(text_part("echo:ok"), image_part(encoded(3, 3)))).text == (
             "image 1: 3x3 PNG\nok"
         )
+
+
+def test_agenerate_sends_megabytes_of_image_from_off_the_loop() -> None:
+    """A prompt with over SUBMIT_OFF_LOOP_BYTES of images is pickled in a thread: the
+    answer is the same; a caller cancelled meanwhile cancels its request."""
+    picture = png(700, 700, noise=True)
+    assert len(picture) > SUBMIT_OFF_LOOP_BYTES
+    prompt = _user(text_part("echo:ok"), image_part(picture))
+
+    async def run(pool: ModelPool) -> str:
+        answer = await pool.agenerate(prompt, max_new_tokens=8)
+        cancelled = asyncio.ensure_future(pool.agenerate(prompt, max_new_tokens=8))
+        await asyncio.sleep(0)  # the submission under way in its thread
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        return answer.text
+
+    with open_pool(backend_options={"vision": True}, workers=1) as pool:
+        assert asyncio.run(run(pool)) == "image 1: 700x700 PNG\nok"
+        assert pool.generate(_user(text_part("echo:next"))).text == "next"
 
 
 # ---- the tiny vision model on the hf backend ---------------------------------------------------
