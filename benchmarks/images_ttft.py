@@ -1,10 +1,14 @@
 """Time to first token with an image, through the pool against in process (issue 55).
 
-Side by side in one run, on the same vision model (default: the tiny random LLaVA of
-``modelpool.tinyvision``, built in seconds), greedy, one request at a time:
+Side by side in one run, on the same vision model, greedy, one request at a time. The
+model is a random LLaVA built from configs (``modelpool.tinyvision``) and kept in
+``--cache-dir``: ``--size tiny`` (the tests' model, a forward pass in milliseconds: the
+pool's own overhead shows most) or ``--size realistic`` (a CLIP ViT-B/16 tower, 224 px,
+~86M parameters, before a language model of SmolLM2-135M's shape: what a small real
+vision model costs), or any directory given with ``--model``.
 
-1. **pool, image**: ``pool.stream`` of a chat message with one PNG (``--size`` pixels a
-   side, varied pixels) and a question: the image's bytes travel to the worker, which
+1. **pool, image**: ``pool.stream`` of a chat message with one PNG (``--image-side``
+   pixels a side, varied pixels) and a question: the image's bytes travel to the worker, which
    decodes them within the pool's limits (``worker.images``) and runs the processor and
    ``generate()``; the time to the first text chunk;
 2. **in process, image**: the same bytes decoded with Pillow, the same processor and
@@ -17,7 +21,8 @@ in-process / pool for each prompt (target >= 0.95: the pool costs at most 5 % of
 token)::
 
     python -m benchmarks.images_ttft                     # tiny model, 512x512, 20 runs
-    python -m benchmarks.images_ttft --size 1024 --runs 30 --threads 2
+    python -m benchmarks.images_ttft --size realistic --runs 10 --threads 2
+    python -m benchmarks.images_ttft --image-side 1024 --runs 30 --threads 2
     python -m benchmarks.images_ttft --model /models/smolvlm --device cuda:0
 
 Prints one JSON object (median seconds by contender, ratios).
@@ -36,7 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from modelpool import ModelPool, PoolConfig
-from modelpool.tinyvision import build_tiny_vision_model
+from modelpool.tinyvision import REALISTIC, TINY, build_tiny_vision_model
+
+SHAPES = {"tiny": TINY, "realistic": REALISTIC}
 
 QUESTION = "What is in this picture? Describe it in a few words."
 
@@ -136,43 +143,54 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a vision model directory (default: the tiny LLaVA)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--size", type=int, default=512, help="the image's side in pixels")
+    parser.add_argument("--size", choices=sorted(SHAPES), default="tiny", help="the model built")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "modelpool-bench-vision",
+        help="where the built model is kept between runs",
+    )
+    parser.add_argument("--image-side", type=int, default=512, help="the image's side in pixels")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=4, help="new tokens per request")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, each side")
     args = parser.parse_args(argv)
 
-    with tempfile.TemporaryDirectory() as scratch:
-        model = Path(args.model) if args.model else build_tiny_vision_model(Path(scratch) / "v")
-        png = make_png(args.size)
-        reference = InProcess(model, args.device, args.threads)
-        config = PoolConfig(
-            model=str(model),
-            backend="hf",
-            workers=1,
-            devices=(args.device,),
-            backend_options={"torch_threads": args.threads},
+    if args.model:
+        model = Path(args.model)
+    else:
+        model = build_tiny_vision_model(
+            args.cache_dir / f"llava-{args.size}", shape=SHAPES[args.size], context_length=2048
         )
-        timings: dict[str, list[float]] = {
-            "pool_image": [],
-            "in_process_image": [],
-            "pool_text": [],
-            "in_process_text": [],
-        }
-        with ModelPool(config) as pool:
-            for _ in range(2):  # warm both sides: first calls pay for lazy set-up
-                pool_first_chunk_s(pool, png, args.tokens)
-                reference.first_token_s(png, args.tokens)
-            for _ in range(args.runs):
-                timings["pool_image"].append(pool_first_chunk_s(pool, png, args.tokens))
-                timings["in_process_image"].append(reference.first_token_s(png, args.tokens))
-                timings["pool_text"].append(pool_first_chunk_s(pool, None, args.tokens))
-                timings["in_process_text"].append(reference.first_token_s(None, args.tokens))
+    png = make_png(args.image_side)
+    reference = InProcess(model, args.device, args.threads)
+    config = PoolConfig(
+        model=str(model),
+        backend="hf",
+        workers=1,
+        devices=(args.device,),
+        backend_options={"torch_threads": args.threads},
+    )
+    timings: dict[str, list[float]] = {
+        "pool_image": [],
+        "in_process_image": [],
+        "pool_text": [],
+        "in_process_text": [],
+    }
+    with ModelPool(config) as pool:
+        for _ in range(2):  # warm both sides: first calls pay for lazy set-up
+            pool_first_chunk_s(pool, png, args.tokens)
+            reference.first_token_s(png, args.tokens)
+        for _ in range(args.runs):
+            timings["pool_image"].append(pool_first_chunk_s(pool, png, args.tokens))
+            timings["in_process_image"].append(reference.first_token_s(png, args.tokens))
+            timings["pool_text"].append(pool_first_chunk_s(pool, None, args.tokens))
+            timings["in_process_text"].append(reference.first_token_s(None, args.tokens))
     medians = {name: statistics.median(values) for name, values in timings.items()}
     report = {
-        "model": str(args.model or "tiny-llava"),
+        "model": str(args.model or f"llava-{args.size}"),
         "device": args.device,
-        "image": f"{args.size}x{args.size} PNG, {len(png)} bytes",
+        "image": f"{args.image_side}x{args.image_side} PNG, {len(png)} bytes",
         "runs": args.runs,
         "median_ttft_s": {name: round(value, 5) for name, value in medians.items()},
         "ratio_in_process_over_pool": {

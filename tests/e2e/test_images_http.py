@@ -24,6 +24,9 @@ from e2e_support import Daemon, daemon_config, keyed_daemon, registry_config, st
 from helpers import slack
 from image_files import b64, data_url, png
 from images_support import encoded, png_bomb
+from modelpool.server.http import JOIN_OFF_LOOP_BYTES
+from modelpool.shared.image_input import IMAGE_NOTE
+from modelpool.worker.backends.testing_images import IMAGE_TOKENS
 
 KEY = "images-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -361,6 +364,79 @@ def test_the_note_on_every_api(daemon: Daemon, claude: anthropic.Anthropic) -> N
     assert ollama.status_code == 200 and ollama.headers[OMITTED] == "1"
 
 
+def test_an_image_in_a_tool_result(daemon: Daemon, claude: anthropic.Anthropic) -> None:
+    """Claude Code's Read of a picture (an ``image`` block in a ``tool_result``) and a chat
+    ``tool`` message with an image part: read as an image by a vision model, a note with
+    the header for a text-only one."""
+    use = {"type": "tool_use", "id": "t1", "name": "Read", "input": {"file_path": "a.png"}}
+    block = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": b64(PICTURE)},
+    }
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": [block]}
+    tools = [{"name": "Read", "input_schema": {"type": "object"}}]
+    turns: list[Any] = [
+        {"role": "user", "content": "echo:look"},
+        {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [result, {"type": "text", "text": "echo:seen"}]},
+    ]
+    seen = claude.messages.create(model="eyes", max_tokens=32, messages=turns, tools=tools)  # type: ignore[arg-type]
+    assert SEEN in seen.content[0].text  # type: ignore[union-attr]
+    noted = claude.messages.with_raw_response.create(
+        model="text",
+        max_tokens=32,
+        messages=turns,
+        tools=tools,  # type: ignore[arg-type]
+    )
+    assert noted.headers[OMITTED] == "1"
+    call = {"id": "c1", "type": "function", "function": {"name": "Read", "arguments": "{}"}}
+    chat = [
+        {"role": "user", "content": "echo:look"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": [image_url(data_url(PICTURE))]},
+        {"role": "user", "content": "echo:seen"},
+    ]
+    answer = post(daemon, "/v1/chat/completions", {"model": "eyes", "messages": chat})
+    assert answer.status_code == 200, answer.text
+    assert SEEN in answer.json()["choices"][0]["message"]["content"]
+
+
+def test_a_body_of_megabytes_is_read_whole(daemon: Daemon) -> None:
+    """A body over JOIN_OFF_LOOP_BYTES (joined in a thread): its image reaches the checks
+    whole, here over eyes' max_bytes, so a 400 naming the part."""
+    big = png(700, 700, noise=True)
+    body = chat_body("eyes", image_url(data_url(big)))
+    answer = post(daemon, "/v1/chat/completions", body)
+    assert len(answer.request.content) > JOIN_OFF_LOOP_BYTES
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert (error["code"], error["param"]) == ("image_too_large", "messages[0].content[1]")
+    assert str(len(big)) in error["message"]
+    assert_serves(daemon)
+
+
+def test_count_tokens_settles_images_as_messages_does(claude: anthropic.Anthropic) -> None:
+    """A text-only model counts the note its generation is given (and says so in the
+    header); a vision model counts its image's tokens (16 on the testing backend)."""
+    block = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": b64(PICTURE)},
+    }
+    text = {"type": "text", "text": "hi"}
+    counts = {}
+    for model in ("text", "eyes"):
+        alone = claude.messages.count_tokens(
+            model=model, messages=[{"role": "user", "content": [text]}]
+        )
+        raw = claude.messages.with_raw_response.count_tokens(
+            model=model,
+            messages=[{"role": "user", "content": [block, text]}],  # type: ignore[list-item]
+        )
+        counts[model] = (alone.input_tokens, raw.parse().input_tokens, raw.headers.get(OMITTED))
+    assert counts["text"] == (2, 2 + len(IMAGE_NOTE) + 1, "1")  # the note, a newline, "hi"
+    assert counts["eyes"] == (2, 2 + IMAGE_TOKENS, None)
+
+
 def test_refuse_mode(tmp_path_factory: pytest.TempPathFactory) -> None:
     config = daemon_config(server={"unsupported_images": "refuse", "max_body_bytes": 1_000_000})
     refusing = start_daemon(tmp_path_factory.mktemp("refuse"), config)
@@ -371,5 +447,15 @@ def test_refuse_mode(tmp_path_factory: pytest.TempPathFactory) -> None:
         error = answer.json()["error"]
         assert (error["code"], error["param"]) == ("model_not_multimodal", "messages[0].content[1]")
         assert httpx.post(url, json=chat_body("m"), timeout=30).status_code == 200
+        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png"}}
+        block["source"]["data"] = b64(PICTURE)
+        counted = httpx.post(
+            refusing.url + "/v1/messages/count_tokens",
+            json={"model": "m", "messages": [{"role": "user", "content": [block]}]},
+            timeout=30,
+        )
+        assert counted.status_code == 400, counted.text
+        assert counted.json()["error"]["type"] == "invalid_request_error"
+        assert "model_not_multimodal" in counted.text
     finally:
         assert refusing.stop() == 0, refusing.log()[-4000:]

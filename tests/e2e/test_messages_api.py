@@ -20,7 +20,7 @@ import pytest
 from e2e_support import Daemon, daemon_config, start_daemon
 
 from helpers import FAR_DEADLINE_S
-from modelpool.server.anthropic.api import count_prompt
+from modelpool.server.anthropic.api import count_job, count_prompt
 
 KEY = "sk-test-messages"
 WEATHER_SCHEMA = {
@@ -224,7 +224,9 @@ def test_count_tokens(client: anthropic.Anthropic, daemon: Daemon) -> None:
 
 
 def test_count_tokens_counts_the_tools() -> None:
-    prompt = count_prompt({"tools": [WEATHER], "messages": [{"role": "user", "content": "hi"}]})
+    prompt = count_prompt(
+        count_job({"tools": [WEATHER], "messages": [{"role": "user", "content": "hi"}]})
+    )
     assert isinstance(prompt, list)
     assert prompt[0]["role"] == "system"
     assert '"name": "get_weather"' in prompt[0]["content"]

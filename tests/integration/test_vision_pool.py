@@ -3,6 +3,7 @@ request; the tiny vision model's answers equal transformers' ``generate()`` in p
 
 from __future__ import annotations
 
+import asyncio
 import io
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,11 @@ from typing import Any
 import pytest
 
 from helpers import counters, open_pool, slack, wait_until, workers
+from image_files import png
 from images_support import encoded, image_part, pattern, png_bomb, text_part
 from modelpool import ModelPool, PoolConfig
 from modelpool.shared.errors import ImageRefused, InvalidRequest, PoisonRequest
+from modelpool.shared.images import SUBMIT_OFF_LOOP_BYTES
 from modelpool.shared.validation import check_prompt
 from modelpool.tinyvision import IMAGE_TOKENS, build_tiny_vision_model
 from modelpool.worker.backends.testing_images import IMAGE_TOKENS as TESTING_IMAGE_TOKENS
@@ -107,6 +110,27 @@ def test_an_image_that_crashes_the_decoder_costs_one_request() -> None:
         )
 
 
+def test_agenerate_sends_megabytes_of_image_from_off_the_loop() -> None:
+    """A prompt with over SUBMIT_OFF_LOOP_BYTES of images is pickled in a thread: the
+    answer is the same; a caller cancelled meanwhile cancels its request."""
+    picture = png(700, 700, noise=True)
+    assert len(picture) > SUBMIT_OFF_LOOP_BYTES
+    prompt = _user(text_part("echo:ok"), image_part(picture))
+
+    async def run(pool: ModelPool) -> str:
+        answer = await pool.agenerate(prompt, max_new_tokens=8)
+        cancelled = asyncio.ensure_future(pool.agenerate(prompt, max_new_tokens=8))
+        await asyncio.sleep(0)  # the submission under way in its thread
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        return answer.text
+
+    with open_pool(backend_options={"vision": True}, workers=1) as pool:
+        assert asyncio.run(run(pool)) == "image 1: 700x700 PNG\nok"
+        assert pool.generate(_user(text_part("echo:next"))).text == "next"
+
+
 # ---- the tiny vision model on the hf backend ---------------------------------------------------
 
 
@@ -116,7 +140,10 @@ def tiny_vision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _references(
-    model_dir: Path, prompts: dict[str, list[dict[str, Any]]], max_new_tokens: int
+    model_dir: Path,
+    prompts: dict[str, list[dict[str, Any]]],
+    max_new_tokens: int,
+    chat_template: str | None = None,
 ) -> dict[str, tuple[str, int]]:
     """transformers' greedy generate() in this process on the same images (decoded as the
     worker decodes them) and the same processor: each prompt's text and prompt tokens."""
@@ -125,6 +152,8 @@ def _references(
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor: Any = AutoProcessor.from_pretrained(model_dir)
+    if chat_template is not None:
+        processor.chat_template = chat_template
     model: Any = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
 
     def part_of(part: dict[str, Any]) -> dict[str, Any]:
@@ -194,3 +223,48 @@ def test_the_tiny_vision_model_answers_as_generate_does_in_process(tiny_vision_d
         assert answers[name].prompt_tokens > count * IMAGE_TOKENS, "image tokens are counted"
     # The answer depends on the image's pixels, not only on its tokens' places.
     assert other_image.text != answers["one image"].text
+
+
+@pytest.mark.slow
+def test_a_tool_results_image_stays_an_image_where_the_template_renders_no_tools(
+    tiny_vision_dir: Path,
+) -> None:
+    """A template that refuses a ``tool`` turn (as Gemma 3's does): the call and the result
+    go in as text, the result's image as an image in the user turn that carries it (how
+    Claude Code's Read of a picture arrives), equal to generate() on that conversation."""
+    from modelpool.tinyvision import VISION_CHAT_TEMPLATE
+
+    strict = VISION_CHAT_TEMPLATE.replace(
+        "{% for message in messages %}",
+        "{% for message in messages %}{% if message['role'] == 'tool' %}"
+        "{{ raise_exception('no tool turns') }}{% endif %}",
+        1,
+    )
+    picture = image_part(pattern(40, 30, seed=4))
+    call = {"id": "c1", "type": "function", "function": {"name": "Read", "arguments": {}}}
+    conversation = [
+        *_user(text_part("read shot.png")),
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": [picture]},
+    ]
+    written_call = '<tool_call>{"name": "Read", "arguments": {}}</tool_call>'
+    as_rendered = [
+        *_user(text_part("read shot.png")),
+        {"role": "assistant", "content": written_call},
+        *_user(text_part("<tool_response>\n"), picture, text_part("\n</tool_response>")),
+    ]
+    options = {"chat_template": strict}
+    config = PoolConfig(
+        model=str(tiny_vision_dir),
+        backend="hf",
+        workers=1,
+        devices=["cpu"],
+        backend_options=options,
+    )
+    with ModelPool(config) as pool:
+        answer = pool.generate(conversation, max_new_tokens=12)
+    text, prompt_tokens = _references(tiny_vision_dir, {"rendered": as_rendered}, 12, strict)[
+        "rendered"
+    ]
+    assert (answer.text, answer.prompt_tokens) == (text, prompt_tokens)
+    assert prompt_tokens > IMAGE_TOKENS

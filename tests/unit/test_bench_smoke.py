@@ -70,16 +70,26 @@ def test_dispatch_ratios_are_against_modelpool() -> None:
 
 
 def _naive_phase(total: float) -> dict[str, Any]:
-    return {"spawn": 0.2, "import": 2.0, "load": 3.0, "generate": 1.0, "return": 0.01, "exit": 0.1,
-            "total": total, "tokens": 16, "text": "t", "peak_rss_mb": 1000.0}
+    return {
+        "spawn": 0.2,
+        "import": 2.0,
+        "load": 3.0,
+        "generate": 1.0,
+        "return": 0.01,
+        "exit": 0.1,
+        "total": total,
+        "tokens": 16,
+        "text": "t",
+        "peak_rss_mb": 1000.0,
+    }
 
 
 def test_latency_and_naive_limit() -> None:
-    samples = {"inprocess": [1.0, 1.0, 1.0], "modelpool": [1.02, 1.03, 1.01],
-               "naive": [6.2, 6.4]}
+    samples = {"inprocess": [1.0, 1.0, 1.0], "modelpool": [1.02, 1.03, 1.01], "naive": [6.2, 6.4]}
     texts = {"inprocess": "same", "modelpool": "same", "naive": "different"}
-    block = bench.build_latency(16, samples, texts, {"modelpool": {"workers": 1}},
-                                [_naive_phase(6.2), _naive_phase(6.4)])
+    block = bench.build_latency(
+        16, samples, texts, {"modelpool": {"workers": 1}}, [_naive_phase(6.2), _naive_phase(6.4)]
+    )
     assert block["modelpool_vs_inprocess"] == pytest.approx(1.02)
     assert block["naive_vs_modelpool"] == pytest.approx(6.3 / 1.02)
     contenders = block["contenders"]
@@ -94,18 +104,36 @@ def test_latency_and_naive_limit() -> None:
 
 
 def test_throughput_two_vs_one() -> None:
-    result = bench.build_throughput({
-        "modelpool": {1: {"requests_per_s": 1.0}, 2: {"requests_per_s": 1.8}},
-        "pebble": {1: {"requests_per_s": 0.9}, 2: {"requests_per_s": 1.2}},
-    })
+    result = bench.build_throughput(
+        {
+            "modelpool": {1: {"requests_per_s": 1.0}, 2: {"requests_per_s": 1.8}},
+            "pebble": {1: {"requests_per_s": 0.9}, 2: {"requests_per_s": 1.2}},
+        }
+    )
     contenders = result["contenders"]
     assert contenders["modelpool"]["two_vs_one"] == pytest.approx(1.8)
     assert contenders["pebble"]["runs"]["2"]["vs_modelpool"] == pytest.approx(1.2 / 1.8)
     combined = bench.combine_rounds(
-        [{"wall_s": 2.0, "requests": 4, "callers": 8, "latencies_s": [1.0] * 4,
-          "errors": [], "requests_per_s": 2.0},
-         {"wall_s": 6.0, "requests": 4, "callers": 8, "latencies_s": [1.0] * 3,
-          "errors": ["boom"], "requests_per_s": 0.5}], torch_threads=1)
+        [
+            {
+                "wall_s": 2.0,
+                "requests": 4,
+                "callers": 8,
+                "latencies_s": [1.0] * 4,
+                "errors": [],
+                "requests_per_s": 2.0,
+            },
+            {
+                "wall_s": 6.0,
+                "requests": 4,
+                "callers": 8,
+                "latencies_s": [1.0] * 3,
+                "errors": ["boom"],
+                "requests_per_s": 0.5,
+            },
+        ],
+        torch_threads=1,
+    )
     assert combined["requests_per_s"] == pytest.approx(7 / 8.0)
     assert combined["errors"] == ["boom"]
 
@@ -115,8 +143,12 @@ def synthetic_report() -> dict[str, Any]:
     latency = {
         str(tokens): bench.build_latency(
             tokens,
-            {"inprocess": [1.0, 1.1], "modelpool": [1.02, 1.12], "pebble": [1.1, 1.2],
-             "naive": [6.5]},
+            {
+                "inprocess": [1.0, 1.1],
+                "modelpool": [1.02, 1.12],
+                "pebble": [1.1, 1.2],
+                "naive": [6.5],
+            },
             {"inprocess": "x", "modelpool": "x", "pebble": "x"},
             {},
             [_naive_phase(6.5)] if tokens == 16 else (),
@@ -124,59 +156,102 @@ def synthetic_report() -> dict[str, Any]:
         for tokens in (16, 64)
     }
     hung = {
-        "timeout_s": 2.0, "normal_request": "1 new token",
+        "timeout_s": 2.0,
+        "normal_request": "1 new token",
         "contenders": {
             "modelpool s1 graces 0": {
-                "raised": "DeadlineExceeded", "timeout_error_s": 2.0, "baseline_next_s": 0.1,
-                "wedged": False, "next_done_after_error_s": 0.15,
-                "next_started_after_error_s": 0.0004, "spares": 1, "reloads": False,
-                "restored_after_error_s": 3.0, "how": "killed and replaced"},
-            "ppe": {"raised": "TimeoutError", "timeout_error_s": 2.0, "baseline_next_s": 0.1,
-                    "wedged": True, "waited_s": 3.0, "wedge_cap_s": 3.0, "reloads": None,
-                    "worker_alive_after_shutdown": True, "how": "cannot stop it"},
+                "raised": "DeadlineExceeded",
+                "timeout_error_s": 2.0,
+                "baseline_next_s": 0.1,
+                "wedged": False,
+                "next_done_after_error_s": 0.15,
+                "next_started_after_error_s": 0.0004,
+                "spares": 1,
+                "reloads": False,
+                "restored_after_error_s": 3.0,
+                "how": "killed and replaced",
+            },
+            "ppe": {
+                "raised": "TimeoutError",
+                "timeout_error_s": 2.0,
+                "baseline_next_s": 0.1,
+                "wedged": True,
+                "waited_s": 3.0,
+                "wedge_cap_s": 3.0,
+                "reloads": None,
+                "worker_alive_after_shutdown": True,
+                "how": "cannot stop it",
+            },
             "loky": {"error": "Traceback ...\nRuntimeError: broke"},
             "inprocess": {"cannot": True, "how": "no timeout at all"},
         },
-        "retry_on_spare": {"attempt_timeout_s": 0.3, "samples_s": [0.002, 0.004],
-                           "summary": bench.summarize([0.002, 0.004])},
+        "retry_on_spare": {
+            "attempt_timeout_s": 0.3,
+            "samples_s": [0.002, 0.004],
+            "summary": bench.summarize([0.002, 0.004]),
+        },
         "timeline": [
             {"lane": "ppe: request", "start": 0.0, "end": 2.0, "kind": "hung"},
             {"lane": "ppe: request", "start": 2.0, "end": 5.0, "kind": "wedged"},
-            {"lane": "modelpool s1 graces 0 worker 7", "start": 0.0, "end": 2.0,
-             "kind": "busy"},
+            {"lane": "modelpool s1 graces 0 worker 7", "start": 0.0, "end": 2.0, "kind": "busy"},
         ],
     }
     cancel = {
-        "step_s": 0.05, "cancel_after_s": 0.5, "first_chunk_s": 0.3, "step_samples_s": [0.05],
+        "step_s": 0.05,
+        "cancel_after_s": 0.5,
+        "first_chunk_s": 0.3,
+        "step_samples_s": [0.05],
         "contenders": {
             "modelpool": {"can_cancel": True, "cancel_s": 0.04, "next_s": 0.1, "how": "flag"},
             "loky": {"can_cancel": False, "ran_on_s": 2.0, "how": "refuses"},
             "naive": {"can_cancel": None, "how": "kill only"},
         },
     }
-    throughput = bench.build_throughput({
-        "modelpool": {1: {"requests_per_s": 1.0, "callers": 8, "requests": 8, "errors": []},
-                      2: {"requests_per_s": 1.9, "callers": 8, "requests": 8, "errors": []}},
-    })
+    throughput = bench.build_throughput(
+        {
+            "modelpool": {
+                1: {"requests_per_s": 1.0, "callers": 8, "requests": 8, "errors": []},
+                2: {"requests_per_s": 1.9, "callers": 8, "requests": 8, "errors": []},
+            },
+        }
+    )
     memory = {
         "note": "VmHWM",
         "contenders": {
-            "modelpool": {"label": "modelpool", "supervisor_mb": 30.0, "workers_mb": [900.0],
-                          "helpers_mb": [], "total_mb": 930.0},
-            "inprocess": {"label": "in-process", "supervisor_mb": 900.0, "workers_mb": [],
-                          "helpers_mb": [], "total_mb": 900.0},
+            "modelpool": {
+                "label": "modelpool",
+                "supervisor_mb": 30.0,
+                "workers_mb": [900.0],
+                "helpers_mb": [],
+                "total_mb": 930.0,
+            },
+            "inprocess": {
+                "label": "in-process",
+                "supervisor_mb": 900.0,
+                "workers_mb": [],
+                "helpers_mb": [],
+                "total_mb": 900.0,
+            },
         },
     }
     scenarios = {
         "a": {"by_tokens": latency},
         "b": bench.build_dispatch({"modelpool": [2e-4, 3e-4], "pebble": [4e-4, 5e-4]}, 1),
-        "c": hung, "d": cancel, "e": throughput, "f": memory,
+        "c": hung,
+        "d": cancel,
+        "e": throughput,
+        "f": memory,
     }
     return {
-        "command": "scripts/bench --quick", "wall_s": 123.0,
-        "machine": {"cpu": "Test CPU", "cores": 2, "python": "3.11",
-                    "versions": {"torch": "2.13.0", "transformers": "5"},
-                    "git": {"commit": "abcdef1234567890", "dirty": True}},
+        "command": "scripts/bench --quick",
+        "wall_s": 123.0,
+        "machine": {
+            "cpu": "Test CPU",
+            "cores": 2,
+            "python": "3.11",
+            "versions": {"torch": "2.13.0", "transformers": "5"},
+            "git": {"commit": "abcdef1234567890", "dirty": True},
+        },
         "load_average": {"start": [0.5, 0.4, 0.3], "end": [2.0, 1.0, 0.5]},
         "shared_machine": True,
         "settings": {"model": "embedded:smollm2-135m-instruct", "dtype": "float32"},
@@ -199,9 +274,16 @@ def test_targets_follow_the_measurements() -> None:
 
 def test_markdown_has_every_table_and_marks_what_cannot_be_done() -> None:
     text = bench.render_markdown(synthetic_report())
-    for heading in ("(a) Per-request latency", "### 16 new tokens", "(b) Dispatch round trip",
-                    "(c) A hung request", "(d) Cancel", "(e) Throughput", "(f) Peak memory",
-                    "## Targets"):
+    for heading in (
+        "(a) Per-request latency",
+        "### 16 new tokens",
+        "(b) Dispatch round trip",
+        "(c) A hung request",
+        "(d) Cancel",
+        "(e) Throughput",
+        "(f) Peak memory",
+        "## Targets",
+    ):
         assert heading in text
     assert "Test CPU, 2 cores" in text
     assert "abcdef123456 + uncommitted changes" in text
@@ -247,12 +329,28 @@ def test_quick_dispatch_run_end_to_end(tmp_path: Path) -> None:
     """A real run of scenario (b) only: every contender starts, answers, and is cleaned up."""
     calls = 60
     source = str(Path(bench.__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get(
-        "PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")])),
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench", "--quick", "--scenarios", "b",
-         "--dispatch-calls", str(calls), "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=240, env=env, check=False,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench",
+            "--quick",
+            "--scenarios",
+            "b",
+            "--dispatch-calls",
+            str(calls),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())

@@ -69,11 +69,12 @@ from starlette.requests import ClientDisconnect
 
 from modelpool.server import models as multi
 from modelpool.server import rights
-from modelpool.server.anthropic.api import MessagesApi, count_prompt, fit_max_tokens
+from modelpool.server.anthropic.api import MessagesApi, count_job, count_prompt, fit_max_tokens
 from modelpool.server.checks import LARGE_BODY_BYTES, Checks
 from modelpool.server.core.admission import admit
 from modelpool.server.core.cost import check_budget, check_size, prompt_size
 from modelpool.server.core.deadline import deadline_from
+from modelpool.server.core.job import Job
 from modelpool.server.error_handlers import install_error_handlers, note_attempts
 from modelpool.server.errors import (
     shutting_down,
@@ -274,11 +275,18 @@ def create_app(
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        async def run(pool: ModelPool, prompt: Prompt, left_s: float) -> list[int]:
-            return await pool.atokenize(prompt, deadline_s=left_s)
+        # The images settled as /v1/messages settles them: a text-only model counts the
+        # note its generation would be given (or refuses them), a vision model its images.
+        def parse(body: dict[str, Any], config: ServerConfig) -> Job:
+            return _parse_count(body, config, state.pool_config_for(body))
 
-        _, tokens = await on_a_worker(request, state, _parse_count, run)
-        return JSONResponse({"input_tokens": len(tokens)})
+        async def run(pool: ModelPool, job: Job, left_s: float) -> tuple[int, list[int]]:
+            await fetch_images(job, state.config, pool.config.image_limits)
+            return job.images_omitted, await pool.atokenize(count_prompt(job), deadline_s=left_s)
+
+        _, (omitted, tokens) = await on_a_worker(request, state, parse, run)
+        headers = {IMAGES_OMITTED_HEADER: str(omitted)} if omitted else {}
+        return JSONResponse({"input_tokens": len(tokens)}, headers=headers)
 
     install_pooling_routes(app, state)
     install_ollama_routes(app, state, _generate)
@@ -291,10 +299,11 @@ def _parse_tokenize(body: dict[str, Any], config: ServerConfig) -> TokenizeJob:
     return job
 
 
-def _parse_count(body: dict[str, Any], config: ServerConfig) -> Prompt:
-    prompt = count_prompt(body)
-    check_size(prompt_size(prompt), limit=config.max_request_tokens, param="messages")
-    return prompt
+def _parse_count(body: dict[str, Any], config: ServerConfig, pool_config: PoolConfig) -> Job:
+    job = count_job(body)
+    settle_images(job, pool_config, config)
+    check_size(prompt_size(count_prompt(job)), limit=config.max_request_tokens, param="messages")
+    return job
 
 
 def _parse_detokenize(body: dict[str, Any], config: ServerConfig) -> list[int]:

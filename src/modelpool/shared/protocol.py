@@ -429,6 +429,29 @@ def encode_frame(message: tuple[Any, ...]) -> bytes:
     return _FRAME_HEADER.pack(len(payload)) + payload
 
 
+class _Pieces:
+    """A pickler's file that keeps what it is given: the pickler hands a large bytes
+    object (a request's payload) to ``write`` itself, never copied into its buffer."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+
+    def write(self, data: bytes) -> int:
+        self.pieces.append(data)
+        return len(data)
+
+
+def frame_pieces(message: tuple[Any, ...]) -> list[bytes]:
+    """The frame of ``message`` (the same bytes as :func:`encode_frame`) in pieces, a large
+    bytes item of the message among them as the object itself: a run's payload holding
+    an image of 15 MB is not copied three times (pickled, framed, queued) on the
+    supervisor's thread, each copy of which held the GIL ~35 ms on a loaded machine."""
+    file = _Pieces()
+    pickle.Pickler(file, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    size = sum(len(piece) for piece in file.pieces)
+    return [_FRAME_HEADER.pack(size), *file.pieces]
+
+
 def encode_request(
     prompt: Prompt | TokenizeRequest | DetokenizeRequest | PoolingRequest, params: dict[str, Any]
 ) -> bytes:

@@ -400,7 +400,7 @@ def render_chat(
     """The prompt text of a conversation, with ``tools`` offered to the model;
     ``template_kwargs`` are the request's own template variables (``enable_thinking``)."""
     features = template_features(tokenizer)
-    rendered = [_for_template(dict(message), features) for message in messages]
+    rendered = template_messages(messages, features)
     kwargs: dict[str, Any] = dict(template_kwargs or {})
     if tools and features.tools:
         kwargs["tools"] = tools
@@ -418,6 +418,15 @@ def render_chat(
     return text
 
 
+def template_messages(
+    messages: Sequence[Mapping[str, Any]], features: TemplateFeatures
+) -> list[dict[str, Any]]:
+    """The conversation as a template with ``features`` renders it: tool calls and results
+    it cannot render written as text in the assistant's and the user's turns (a result's
+    image parts kept as parts), the rest as they are."""
+    return [_for_template(dict(message), features) for message in messages]
+
+
 def _for_template(message: dict[str, Any], features: TemplateFeatures) -> dict[str, Any]:
     if "tool_calls" in message and not features.calls:
         written = "\n".join(
@@ -429,7 +438,14 @@ def _for_template(message: dict[str, Any], features: TemplateFeatures) -> dict[s
         content = message.get("content") or ""
         return {"role": "assistant", "content": f"{content}\n{written}" if content else written}
     if message["role"] == "tool" and not features.results:
-        return {"role": "user", "content": f"{RESULT_OPEN}\n{message['content']}\n{RESULT_CLOSE}"}
+        content = message["content"]
+        if isinstance(content, list):
+            # A result holding images (Claude Code's Read of a picture) keeps them as parts,
+            # in the turn that carries the result, for a vision model's template to place.
+            opened = {"type": "text", "text": f"{RESULT_OPEN}\n"}
+            closed = {"type": "text", "text": f"\n{RESULT_CLOSE}"}
+            return {"role": "user", "content": [opened, *content, closed]}
+        return {"role": "user", "content": f"{RESULT_OPEN}\n{content}\n{RESULT_CLOSE}"}
     return message
 
 

@@ -42,6 +42,7 @@ from modelpool.shared.embeddings import (
     score_result,
 )
 from modelpool.shared.errors import InvalidRequest, PoolClosed, PoolError, PoolOverloaded, QueueFull
+from modelpool.shared.images import SUBMIT_OFF_LOOP_BYTES, image_bytes
 from modelpool.shared.pooling_answers import check_task
 from modelpool.shared.protocol import (
     DetokenizeRequest,
@@ -71,7 +72,7 @@ from modelpool.supervisor.observe import Observers, RequestRecord, WorkerEvent
 from modelpool.supervisor.prefix_tiers import remove_host_tier, with_host_tier
 from modelpool.supervisor.preflight import check_devices, check_model_source
 from modelpool.supervisor.records import NoIO, Request
-from modelpool.supervisor.results import PoolFuture, Result
+from modelpool.supervisor.results import PoolFuture, Result, cancel_submitted
 from modelpool.supervisor.stats import PoolHealth, PoolStats
 from modelpool.supervisor.streams import END, AsyncPoolStream, PoolStream, StreamBuffer
 
@@ -419,7 +420,18 @@ class ModelPool:
         self, prompt: Prompt, *, deadline_s: float | None = None, **gen_kwargs: Any
     ) -> Result:
         """asyncio version of :meth:`generate`; cancelling the task stops the worker."""
-        future = self._submit(prompt, deadline_s, gen_kwargs, None)
+        if image_bytes(prompt) < SUBMIT_OFF_LOOP_BYTES:
+            future = self._submit(prompt, deadline_s, gen_kwargs, None)
+        else:
+            # Pickling megabytes of images holds the GIL: not on the caller's event loop.
+            submitting = asyncio.get_running_loop().run_in_executor(
+                None, self._submit, prompt, deadline_s, gen_kwargs, None
+            )
+            try:
+                future = await asyncio.shield(submitting)
+            except asyncio.CancelledError:
+                submitting.add_done_callback(cancel_submitted)
+                raise
         return await asyncio.wrap_future(future)
 
     def astream(

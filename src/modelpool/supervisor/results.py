@@ -6,6 +6,7 @@ caller's thread only waits on it or cancels it.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -86,3 +87,9 @@ def set_future(future: PoolFuture, outcome: Result | PoolError) -> None:
             future.set_exception(outcome)
     except concurrent.futures.InvalidStateError:
         pass  # The caller cancelled the future in the meantime; the request is still counted.
+
+
+def cancel_submitted(submitting: asyncio.Future[PoolFuture]) -> None:
+    """The request a submission made, cancelled: its caller was cancelled meanwhile."""
+    if not submitting.cancelled() and submitting.exception() is None:
+        submitting.result().cancel()

@@ -11,6 +11,8 @@ selector and sends ``("init", spec)``.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import os
 import socket
 import subprocess
@@ -19,7 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from modelpool.shared.protocol import ControlBlock, FrameDecoder, encode_frame
+from modelpool.shared.protocol import ControlBlock, FrameDecoder, frame_pieces
 from modelpool.supervisor.records import do_nothing
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
@@ -120,6 +122,43 @@ def start_worker_process(
     return ProcessWorkerIO(popen, parent_sock, control, pidfd, on_backlog, on_queued)
 
 
+# Pieces handed to one sendmsg: the kernel's IOV_MAX is 1024; a frame is a few.
+_SEND_PIECES = 64
+
+
+class Outbox:
+    """What waits to be written to a worker's socket: frames as pieces (a large payload
+    the object itself, never copied into one buffer), sent with sendmsg, consumed from
+    the front as the socket takes them."""
+
+    def __init__(self) -> None:
+        self._pieces: collections.deque[memoryview] = collections.deque()
+
+    def __bool__(self) -> bool:
+        return bool(self._pieces)
+
+    def extend(self, pieces: list[bytes]) -> None:
+        self._pieces.extend(memoryview(piece) for piece in pieces if piece)
+
+    def head(self) -> list[memoryview]:
+        """The first pieces, for one sendmsg."""
+        return list(itertools.islice(self._pieces, _SEND_PIECES))
+
+    def consume(self, sent: int) -> None:
+        """Drop the first ``sent`` bytes (whole pieces, then the front of one)."""
+        pieces = self._pieces
+        while sent:
+            first = pieces[0]
+            if sent < len(first):
+                pieces[0] = first[sent:]
+                return
+            sent -= len(first)
+            pieces.popleft()
+
+    def clear(self) -> None:
+        self._pieces.clear()
+
+
 class ProcessWorkerIO:
     """One worker process as the event loop sees it.
 
@@ -144,7 +183,7 @@ class ProcessWorkerIO:
         self.control = control
         self.pidfd = pidfd
         self.decoder = FrameDecoder()
-        self.outbox = bytearray()
+        self.outbox = Outbox()
         self.eof = False
         self.closed = False
         self._on_backlog = on_backlog
@@ -152,7 +191,7 @@ class ProcessWorkerIO:
 
     def send(self, message: tuple[Any, ...]) -> None:
         was_empty = not self.outbox
-        self.outbox += encode_frame(message)
+        self.outbox.extend(frame_pieces(message))
         if self._on_queued is None:
             self.flush()
         elif was_empty:
@@ -162,14 +201,14 @@ class ProcessWorkerIO:
     def flush(self) -> None:
         while self.outbox:
             try:
-                sent = self.sock.send(self.outbox)
+                sent = self.sock.sendmsg(self.outbox.head())
             except BlockingIOError:
                 self._on_backlog(self)
                 return
             except OSError:
                 self.outbox.clear()  # The worker is gone; its exit event will follow.
                 return
-            del self.outbox[:sent]
+            self.outbox.consume(sent)
 
     def request_cancel(self, slot: int, attempt_id: int) -> None:
         self.control.request_cancel(slot, attempt_id)

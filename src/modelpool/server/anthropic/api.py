@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelpool.server.anthropic.request import MessagesRequest, parse_messages
 from modelpool.server.anthropic.stream import MessageEvents
+from modelpool.server.core.job import Job
 from modelpool.server.generation import RunsOnItsModel
 from modelpool.server.http import json_bytes
 from modelpool.server.streaming import StreamedChoice
@@ -45,16 +46,21 @@ def fit_max_tokens(request: object, config: PoolConfig) -> None:
         request.job.params[FIT_PARAM] = True
 
 
-def count_prompt(body: Mapping[str, Any]) -> Prompt:
+def count_job(body: Mapping[str, Any]) -> Job:
+    """A ``count_tokens`` body as a generation's job (no ``max_tokens``), whose images the
+    daemon settles as a generation's (``server.images``) before :func:`count_prompt`."""
+    return parse_messages(body, count=True).job
+
+
+def count_prompt(job: Job) -> Prompt:
     """The prompt whose tokens ``count_tokens`` reports: the conversation as a
     generation's, rendered by the model's template. The tools are counted as the generic
     tool preamble in the system message (what a template that cannot render tools is
     given; a template's own tool rendering may differ by a few tokens)."""
-    request = parse_messages(body, count=True)
-    prompt = request.job.prompts[0]
+    prompt = job.prompts[0]
     assert isinstance(prompt, list)
     messages = [dict(message) for message in prompt]
-    offered = request.job.params.get("tools")
+    offered = job.params.get("tools")
     if offered:
         preamble = GENERIC_PREAMBLE.format(
             tools="\n".join(json.dumps(tool["function"]) for tool in offered)

@@ -343,10 +343,13 @@ class FaultBackend:
 
     def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
         """One id per character (its code point), as ``prompt_logprobs`` scores a prompt;
-        chat messages as the text of the last one; token ids as they are."""
+        chat messages as the text of the last one, after id 0 for each of the prompt's
+        image tokens (its images read, or refused without ``vision``, as a generation's
+        are); token ids as they are."""
         if isinstance(prompt, TokenIds):
             return list(prompt.ids)
-        return [ord(char) for char in prompt_text(prompt)]
+        testing_images.read_images(prompt, self.vision)
+        return [0] * testing_images.image_tokens(prompt) + [ord(c) for c in prompt_text(prompt)]
 
     def embed(self, request: EmbedRequest, call: Call) -> Generation:
         """Vectors from a hash, and the faults of a real embedding model (see

@@ -34,6 +34,7 @@ from modelpool.shared.context import check_max_model_len, context_length
 from modelpool.shared.errors import InvalidRequest
 from modelpool.shared.protocol import Call, Generation, Prompt, TokenIds, note_prompt
 from modelpool.shared.reasoning.controls import THINKING_PARAMS, template_params
+from modelpool.shared.tools import template_features, template_messages
 from modelpool.shared.validation import FIT_PARAM, PRIORITY_PARAM, PROMOTED_AT_PARAM
 from modelpool.worker import images
 from modelpool.worker.backends.common.params import (
@@ -172,9 +173,11 @@ class VisionHandler:
         if isinstance(prompt, str):
             return self.tokenizer(prompt, return_tensors="pt").to(self.model.device)
         decoded = iter(images.decode_prompt_images(prompt))
+        # Tool calls and results the template cannot render go in as text, a result's
+        # images kept as parts in its turn (the order they were decoded in is kept).
+        rendered = template_messages(prompt, template_features(self.processor))
         messages = [
-            {"role": message["role"], "content": _parts(message["content"], decoded)}
-            for message in prompt
+            {**message, "content": _parts(message["content"], decoded)} for message in rendered
         ]
         inputs = self.processor.apply_chat_template(
             messages,

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from modelpool.shared.errors import InvalidRequest
 from modelpool.shared.protocol import Call, FinishReason, Generation, Prompt, note_prompt
 from modelpool.shared.reasoning.controls import THINKING_PARAMS, template_params
+from modelpool.shared.tools import template_features, template_messages
 from modelpool.shared.validation import FIT_PARAM, PRIORITY_PARAM, PROMOTED_AT_PARAM
 from modelpool.worker import images
 from modelpool.worker.backends.common.params import fit_new_tokens
@@ -108,10 +109,17 @@ class ImageGeneration:
         """The chat rendered by the model's template, each image written as the
         projector's marker, and the images decoded in the same order."""
         assert isinstance(prompt, list)  # image_locations found image parts in a chat
+        if model.chat_template is None:
+            raise InvalidRequest(
+                "this GGUF has no chat template: give the llama_cpp backend a chat_template "
+                "option to send images"
+            )
         decoded = images.decode_prompt_images(prompt)
         marker = self.projector.marker
         messages: list[dict[str, Any]] = []
-        for message in prompt:
+        # As on hf: what the template cannot render of tool calling goes in as text, a
+        # tool result's images kept in its turn.
+        for message in template_messages(prompt, template_features(model)):
             content = message.get("content")
             if isinstance(content, list):
                 pieces = []
@@ -122,11 +130,6 @@ class ImageGeneration:
                         pieces.append(str(part.get("text", "")).replace(marker, ""))
                 content = "".join(pieces)
             messages.append({**message, "content": content})
-        if model.chat_template is None:
-            raise InvalidRequest(
-                "this GGUF has no chat template: give the llama_cpp backend a chat_template "
-                "option to send images"
-            )
         text = model.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, **template_kwargs
         )
