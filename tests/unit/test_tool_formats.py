@@ -318,6 +318,11 @@ def test_each_grammar_holds_the_model_to_valid_calls_in_its_syntax(
             _accepts(auto, plain.replace("<|channel|>final", "<|channel|>analysis"), tokenizer)
             is False
         )
+        # Thinking ended (the model's end or the worker's close): analysis is not reopened.
+        analysis = "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant"
+        assert not _accepts(auto, analysis + plain, tokenizer)
+        assert _accepts(required, analysis + good, tokenizer)
+        assert not _accepts(required, analysis + analysis + good, tokenizer)
     assert _accepts(auto, plain, tokenizer)
     assert not _accepts(required, "Plain text, no call.", tokenizer)
     assert not _accepts(required, good.replace("Paris", "Rome"), tokenizer)
