@@ -103,6 +103,26 @@ def mark(marker: str, tokens: Mapping[str, int]) -> str:
     return lark_string(marker) if token is None else f"<[{token}]>"
 
 
+def grammar_text(lines: Sequence[str]) -> str:
+    """The llguidance (Lark) grammar of ``lines``."""
+    return "\n".join(["%llguidance {}", *lines]) + "\n"
+
+
+def marked_calls(marker: str, calls: str, mode: Mode, tokens: Mapping[str, int]) -> list[str]:
+    """The start of a syntax whose calls follow ``marker``: ``auto``, free text or text up
+    to the marker and then ``calls`` (:func:`free_text_or`); ``required``, the marker and
+    ``calls`` first."""
+    if mode == "auto":
+        return free_text_or(marker, calls, tokens)
+    return [f"start: {mark(marker, tokens)} {calls}"]
+
+
+def json_call(tool: GrammarTool, arguments_key: str) -> str:
+    """A call as one JSON object, its name first: ``{"name": NAME, KEY: ARGUMENTS}``."""
+    head = lark_string(f'{{"name": "{tool.name}", "{arguments_key}": ')
+    return f'{head} {tool.fragment} "}}"'
+
+
 def free_text_or(marker: str, rest: str, tokens: Mapping[str, int]) -> list[str]:
     """``auto``: free text that never holds ``marker``, or text up to the marker (a lazy
     lexeme: it ends at the first marker; text, then the marker's special token) followed

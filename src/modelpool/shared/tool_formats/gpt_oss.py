@@ -27,6 +27,7 @@ from modelpool.shared.tool_formats.base import (
     RawCall,
     SyntaxReader,
     calls_rule,
+    grammar_text,
     json_object,
     lark_string,
     mark,
@@ -74,7 +75,7 @@ class GptOss:
             "BODY: /(.|\\n)*/",
         ]
         lines += calls_rule(tools, lambda tool: _call(tool, tokens))
-        return "\n".join(["%llguidance {}", *lines]) + "\n"
+        return grammar_text(lines)
 
     def reader(self, parameters: Mapping[str, dict[str, Any]]) -> SyntaxReader:
         return HarmonyReader()

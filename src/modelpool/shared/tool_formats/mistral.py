@@ -26,10 +26,10 @@ from modelpool.shared.tool_formats.base import (
     RegionReader,
     SyntaxReader,
     calls_rule,
-    free_text_or,
+    grammar_text,
+    json_call,
     json_object,
-    lark_string,
-    mark,
+    marked_calls,
     named_call,
 )
 from modelpool.shared.tool_formats.streaming import ArgumentsPiece, ArgumentsScanner, Streamed
@@ -49,20 +49,12 @@ class Mistral:
     ) -> str:
         more = ' (", " call)*' if parallel else ""
         calls = f'"[" call{more} "]"'
-        if mode == "auto":
-            lines = free_text_or(OPEN, calls, tokens)
-        else:
-            lines = [f"start: {mark(OPEN, tokens)} {calls}"]
-        lines += calls_rule(tools, _call)
-        return "\n".join(["%llguidance {}", *lines]) + "\n"
+        lines = marked_calls(OPEN, calls, mode, tokens)
+        lines += calls_rule(tools, lambda tool: json_call(tool, "arguments"))
+        return grammar_text(lines)
 
     def reader(self, parameters: Mapping[str, dict[str, Any]]) -> SyntaxReader:
         return RegionReader({OPEN: None}, _parse, scanner=MistralScanner)
-
-
-def _call(tool: GrammarTool) -> str:
-    head = lark_string(f'{{"name": "{tool.name}", "arguments": ')
-    return f'{head} {tool.fragment} "}}"'
 
 
 def _parse(opened: str, body: str) -> list[RawCall]:

@@ -35,9 +35,10 @@ from modelpool.shared.tool_formats.base import (
     RegionReader,
     SyntaxReader,
     calls_rule,
-    free_text_or,
+    grammar_text,
     lark_string,
     mark,
+    marked_calls,
     partial_suffix,
 )
 from modelpool.shared.tool_formats.streaming import ArgumentsPiece, CallStart, Streamed
@@ -62,16 +63,13 @@ class Qwen3Coder:
         self, tools: Sequence[GrammarTool], mode: Mode, parallel: bool, tokens: Mapping[str, int]
     ) -> str:
         more = f' ("\\n" {mark(OPEN, tokens)} call)*' if parallel else ""
-        if mode == "auto":
-            lines = free_text_or(OPEN, f"call{more}", tokens)
-        else:
-            lines = [f"start: {mark(OPEN, tokens)} call{more}"]
+        lines = marked_calls(OPEN, f"call{more}", mode, tokens)
         values: list[str] = []
         lines += calls_rule(tools, lambda tool: _call(tool, values, tokens))
         lines += values
         # A text value ends at the first "</parameter>" (a lazy lexeme).
         lines += ['text_param[lazy]: ANY_TEXT "\\n</parameter>\\n"', "ANY_TEXT: /(.|\\n)*/"]
-        return "\n".join(["%llguidance {}", *lines]) + "\n"
+        return grammar_text(lines)
 
     def reader(self, parameters: Mapping[str, dict[str, Any]]) -> SyntaxReader:
         def parse(opened: str, body: str) -> list[RawCall]:
