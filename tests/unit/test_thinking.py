@@ -264,3 +264,30 @@ def test_scripted_harmony_call_after_a_forced_close_and_after_its_own_end() -> N
         FakeCall("", {"thinking_token_budget": 1}), "harmony", "9:<|channel|>final<|message|>4.", 99
     )
     assert split_reasoning(final.text) == ("w0 ", "4.")
+
+
+def test_harmony_analysis_opened_again_counts_against_the_same_budget() -> None:
+    # Harmony's markers as a model's tokens: several per sequence.
+    model = ThinkingModel(
+        testing_thinking.SCRIPTED_HARMONY.family,
+        ("<|channel|>", "analysis", "<|message|>"),
+        ("<|end|>", "<|start|>", "assistant"),
+        ("<|channel|>", "final", "<|message|>"),
+    )
+    tracker = ThinkingTracker(model, False, {"thinking_token_budget": 3}, 1000)
+    for token in ("<|channel|>", "analysis", "<|message|>", "w0", "w1", "<|end|>", "<|start|>"):
+        assert not tracker.take(token)
+    assert tracker.take("assistant") and tracker.closed_by is None
+    for token in ("<|channel|>", "<|channel|>", "analysis", "<|message|>"):
+        tracker.take(token)  # the model opens analysis again (a stray header first)
+    assert tracker.thinking and tracker.tokens == 2
+    assert _think(tracker, 10) == [
+        "w0",
+        "<|end|>",
+        "<|start|>",
+        "assistant",
+        "<|channel|>",
+        "final",
+        "<|message|>",
+    ]
+    assert tracker.tokens == 3 and tracker.closed_by == "budget"

@@ -176,6 +176,9 @@ class ThinkingTracker(Generic[T]):
         calls = bool(params.get("tools"))
         self._close = model.end if calls else model.end + model.answer
         harmony = model.family.family == "gpt_oss"
+        # Harmony may open its analysis channel again after a message (the server reads
+        # every analysis message as reasoning): it counts against the same budget.
+        self._reopens = harmony
         # What a held Harmony tool grammar reads before the answer (see the module's doc).
         self.grammar_lead: tuple[T, ...] = model.start + model.end if calls and harmony else ()
         self._forced: deque[T] = deque()
@@ -188,9 +191,12 @@ class ThinkingTracker(Generic[T]):
             self._opened()
 
     def _opened(self) -> None:
-        """Thinking began: with a budget of 0 (thinking disabled) it is closed at once."""
-        self.thinking = True
-        if self.bound.budget == 0:
+        """Thinking began: with its budget spent (0: thinking disabled) it is closed at
+        once."""
+        self.thinking, self.ended = True, False
+        self._start_matched = self._matched = 0
+        budget = self.bound.budget
+        if budget is not None and self.tokens >= budget:
             self.closed_by = "budget"
             self._forced.extend(self._close)
 
@@ -207,15 +213,16 @@ class ThinkingTracker(Generic[T]):
                 return self._end()
             return False
         if not self.thinking:
-            if self.ended:
+            if self.ended and not self._reopens:
                 return False
             start = self.model.start
+            matched = self._start_matched
             self._start_matched = (
-                self._start_matched + 1 if token == start[self._start_matched] else 0
+                matched + 1 if token == start[matched] else (1 if token == start[0] else 0)
             )
             if self._start_matched == len(start):
                 self._opened()
-            elif self._generated > len(start) * 2 and self._start_matched == 0:
+            elif self._generated > len(start) * 2 and self._start_matched == 0 and not self.ended:
                 self.ended = True  # the answer began without thinking
             return False
         end = self.model.end
