@@ -355,8 +355,8 @@ def test_openai_streams_a_calls_arguments_as_the_model_writes_them(
     assert first.id and first.function and first.function.name == "get_weather"
     assert first.function.arguments == ""
     pieces = [d.function.arguments for d in deltas[1:] if d.function and d.function.arguments]
-    # As written (a word a token); qwen3_coder's a piece per parameter's key and value.
-    assert len(pieces) > 5
+    # As written, a word a token (qwen3_coder's city too: a string's text streams).
+    assert len(pieces) > 10
     assert "".join(pieces) == LONG_ARGUMENTS == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
@@ -429,7 +429,7 @@ def test_mistral_args_form_and_qwen3_coder_stream_in_every_api(
         )
         deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
         pieces = [d.function.arguments for d in deltas if d.function and d.function.arguments]
-        assert len(pieces) > 3, (model, pieces)
+        assert len(pieces) > 10, (model, pieces)
         assert "".join(pieces) == LONG_ARGUMENTS
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
@@ -439,7 +439,7 @@ def test_mistral_args_form_and_qwen3_coder_stream_in_every_api(
         )
         arguments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
         (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
-        assert len(arguments) > 3
+        assert len(arguments) > 10
         assert "".join(arguments) == done.arguments == LONG_ARGUMENTS
 
         schema: Any = {"name": "get_weather", "input_schema": PARAMETERS}
@@ -456,7 +456,7 @@ def test_mistral_args_form_and_qwen3_coder_stream_in_every_api(
             for e in streamed
             if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
         ]
-        assert len(partial) > 3
+        assert len(partial) > 10
         assert "".join(partial) == LONG_ARGUMENTS
         block = final.content[-1]
         assert block.type == "tool_use" and block.input == {"city": CITY, "days": 2}

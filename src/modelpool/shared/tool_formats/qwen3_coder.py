@@ -14,8 +14,9 @@ text (a string) or JSON (any other type), inside ``<tool_call>``::
 
 A ``<function=...>`` without the ``<tool_call>`` around it is read too. Streamed, a
 call's arguments go out as the JSON object its parameters make (:class:`ParameterScanner`):
-``{`` once the name is read, ``"KEY": `` as a parameter opens, its value's JSON as it
-closes, ``}`` at the call's end; the pieces add up to the call's ``arguments``.
+``{`` once the name is read, ``"KEY": `` as a parameter opens, a string's text as it
+comes and any other value's JSON as it closes, ``}`` at the call's end; the pieces add
+up to the call's ``arguments``.
 """
 
 from __future__ import annotations
@@ -155,9 +156,10 @@ def _value(text: str, schema: object, raw: str) -> Any:
 class ParameterScanner:
     """One call region read as it streams (``<tool_call>``'s, its text from after the
     marker; or ``<function=``'s, from the name on): its arguments as the JSON text of the
-    parameters read so far. A parameter's value goes out when it closes (its type, and
-    so its JSON, is known only then: a string's text may still end in the newline the
-    syntax drops). A region this cannot follow is left to be read whole at its end."""
+    parameters read so far. A string parameter's text streams as written, escaped into
+    a JSON string (a last newline, which the syntax drops, held until the next
+    character); any other value goes out whole as it closes. A region this cannot
+    follow is left to be read whole at its end."""
 
     parameters: Mapping[str, dict[str, Any]]
     written: list[str | None] = field(default_factory=list)
@@ -165,6 +167,7 @@ class ParameterScanner:
     _state: Literal["name", "body", "value", "done"] = "name"
     _name: str = ""
     _key: str = ""
+    _text: bool | None = None  # the open value streams as text (None: not yet known)
     _arguments: list[str] = field(default_factory=list)
 
     def feed(self, text: str) -> list[Streamed]:
@@ -214,22 +217,51 @@ class ParameterScanner:
             separator = ", " if len(self._arguments) > 1 else ""
             self._emit(f"{separator}{json.dumps(self._key, ensure_ascii=False)}: ", out)
             return True
+        return self._value_step(out)
+
+    def _value_step(self, out: list[Streamed]) -> bool:
         end = self._buffer.find(PARAMETER_CLOSE)
+        if self._text is None and end < 0:
+            # A plain string's text streams as written; anything else (a JSON value, a
+            # string written as JSON) goes out whole at its close.
+            if len(self._buffer) < 2:
+                return False  # the value's first character, after the newline dropped
+            body = self._buffer.removeprefix("\n")
+            self._text = self._schema_type() == "string" and not body.startswith('"')
+            if self._text:
+                self._buffer = body
+                self._emit('"', out)
+        if self._text:
+            if end < 0:
+                keep = partial_suffix(self._buffer, (PARAMETER_CLOSE,))
+                ready = self._buffer[: len(self._buffer) - keep].removesuffix("\n")
+                self._buffer = self._buffer[len(ready) :]
+                if ready:
+                    self._emit(_escaped(ready), out)
+                return False
+            self._emit(_escaped(self._buffer[:end].removesuffix("\n")) + '"', out)
+            self._next_parameter(end)
+            return True
         if end < 0:
             return False
-        text = self._buffer[:end]
-        text = text.removeprefix("\n")
-        text = text.removesuffix("\n")
-        self._buffer, self._state = self._buffer[end + len(PARAMETER_CLOSE) :], "body"
-        properties = self.parameters.get(self._name, {}).get("properties", {})
-        schema = properties.get(self._key) if isinstance(properties, dict) else None
+        text = self._buffer[:end].removeprefix("\n").removesuffix("\n")
+        self._next_parameter(end)
         try:
-            value = _value(text, schema, text)
+            value = _value(text, {"type": self._schema_type()}, text)
         except MalformedCall:
             self._stop()  # read whole at the region's end: the error is raised there
             return False
         self._emit(json.dumps(value, ensure_ascii=False), out)
         return True
+
+    def _schema_type(self) -> object:
+        properties = self.parameters.get(self._name, {}).get("properties", {})
+        schema = properties.get(self._key) if isinstance(properties, dict) else None
+        return schema.get("type") if isinstance(schema, dict) else None
+
+    def _next_parameter(self, end: int) -> None:
+        self._buffer = self._buffer[end + len(PARAMETER_CLOSE) :]
+        self._state, self._text = "body", None
 
     def _emit(self, text: str, out: list[Streamed]) -> None:
         self._arguments.append(text)
@@ -242,3 +274,9 @@ class ParameterScanner:
 
     def _stop(self) -> None:
         self._state, self._buffer = "done", ""
+
+
+def _escaped(text: str) -> str:
+    """``text`` inside a JSON string (escaping is character by character, so that the
+    pieces of a string add up to the whole one's JSON)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
