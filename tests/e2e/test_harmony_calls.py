@@ -16,18 +16,9 @@ import pytest
 from e2e_support import Daemon, daemon_config, start_daemon
 
 from modelpool.server.reasoning import CLOSED_HEADER
+from tool_families import weather_tool
 
-WEATHER: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
+WEATHER = weather_tool()
 CALL = (
     "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
     '{"city": "Paris"}<|call|>'

@@ -20,6 +20,7 @@ from e2e_support import Daemon, daemon_config, start_daemon
 
 from modelpool.server.reasoning import CLOSED_HEADER
 from modelpool.tinymodel import build_thinking_model
+from tool_families import weather_tool
 
 pytestmark = pytest.mark.slow
 
@@ -81,18 +82,7 @@ def test_analysis_is_reasoning_and_the_budget_holds(client: openai.OpenAI) -> No
     assert "".join(streamed_content) == content
 
 
-WEATHER: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = weather_tool(enum=["Paris", "Oslo"])
 
 
 def test_a_call_after_the_workers_forced_close(client: openai.OpenAI) -> None:

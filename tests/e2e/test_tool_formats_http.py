@@ -361,12 +361,13 @@ def test_openai_streams_a_calls_arguments_as_the_model_writes_them(
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_anthropic_streams_input_json_deltas(daemon: Daemon) -> None:
+def anthropic_streamed(daemon: Daemon, model: str, text: str) -> tuple[list[str], Any]:
+    """A streamed Messages call's ``input_json_delta`` pieces and its final message."""
     tool: Any = {"name": "get_weather", "description": "The weather", "input_schema": PARAMETERS}
     with (
         anthropic.Anthropic(base_url=daemon.url, api_key=KEY, max_retries=0) as client,
         client.messages.stream(
-            model="mistral", max_tokens=300, messages=words(LONG_CALLS["mistral"]), tools=[tool]
+            model=model, max_tokens=300, messages=words(text), tools=[tool]
         ) as stream,
     ):
         events = list(stream)
@@ -376,6 +377,11 @@ def test_anthropic_streams_input_json_deltas(daemon: Daemon) -> None:
         for e in events
         if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
     ]
+    return partial, final
+
+
+def test_anthropic_streams_input_json_deltas(daemon: Daemon) -> None:
+    partial, final = anthropic_streamed(daemon, "mistral", LONG_CALLS["mistral"])
     assert len(partial) > 5
     assert "".join(partial) == LONG_ARGUMENTS
     assert [b.type for b in final.content] == ["text", "tool_use"]
@@ -442,20 +448,7 @@ def test_mistral_args_form_and_qwen3_coder_stream_in_every_api(
         assert len(arguments) > 10
         assert "".join(arguments) == done.arguments == LONG_ARGUMENTS
 
-        schema: Any = {"name": "get_weather", "input_schema": PARAMETERS}
-        with (
-            anthropic.Anthropic(base_url=daemon.url, api_key=KEY, max_retries=0) as messages,
-            messages.messages.stream(
-                model=model, max_tokens=300, messages=words(text), tools=[schema]
-            ) as stream,
-        ):
-            streamed = list(stream)
-            final = stream.get_final_message()
-        partial = [
-            e.delta.partial_json
-            for e in streamed
-            if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
-        ]
+        partial, final = anthropic_streamed(daemon, model, text)
         assert len(partial) > 10
         assert "".join(partial) == LONG_ARGUMENTS
         block = final.content[-1]
