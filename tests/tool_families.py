@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from modelpool.tinymodel import build_tiny_model
 
@@ -275,3 +276,20 @@ def build_family_model(root: Path, family: Family) -> Path:
         chat_template=family.template,
         special_tokens=family.special_tokens,
     )
+
+
+def weather_tool(**city: Any) -> Any:
+    """The ``get_weather`` tool in OpenAI's shape: one required string ``city`` (with
+    ``city``'s keywords beside its type: an enum, say), nothing else."""
+    return {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", **city}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }

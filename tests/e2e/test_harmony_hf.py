@@ -9,6 +9,7 @@ the worker's."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from e2e_support import Daemon, daemon_config, start_daemon
 
 from modelpool.server.reasoning import CLOSED_HEADER
 from modelpool.tinymodel import build_thinking_model
+from tool_families import weather_tool
 
 pytestmark = pytest.mark.slow
 
@@ -78,3 +80,52 @@ def test_analysis_is_reasoning_and_the_budget_holds(client: openai.OpenAI) -> No
             streamed_content.append(delta.content or "")
     assert "".join(streamed_reasoning) == reasoning
     assert "".join(streamed_content) == content
+
+
+WEATHER = weather_tool(enum=["Paris", "Oslo"])
+
+
+def test_a_call_after_the_workers_forced_close(client: openai.OpenAI) -> None:
+    # The template opened analysis; the budget closes it at <|start|>assistant and the
+    # tool grammar, past the analysis, offers only the call (required).
+    answer = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=120,  # the call alone is some 50 of the tiny vocabulary's tokens
+        temperature=0,
+        tools=[WEATHER],
+        tool_choice="required",
+        extra_body={"thinking_token_budget": 5},
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    assert choice.model_extra["thinking_closed"] == "budget"
+    assert answer.usage is not None and answer.usage.completion_tokens_details is not None
+    assert answer.usage.completion_tokens_details.reasoning_tokens == 5
+    # (Random weights may write any token while thinking, Harmony's among them.)
+    assert choice.message.model_extra["reasoning_content"]
+    assert not choice.message.content
+
+
+def test_auto_after_a_forced_close_never_reopens_analysis(client: openai.OpenAI) -> None:
+    # Random weights choose between the final channel and the call; analysis is not
+    # among the choices any more, so thinking stays at the budget's 5 tokens.
+    answer = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=120,
+        temperature=0,
+        tools=[WEATHER],
+        extra_body={"thinking_token_budget": 5},
+    )
+    choice = answer.choices[0]
+    assert answer.usage is not None and answer.usage.completion_tokens_details is not None
+    assert answer.usage.completion_tokens_details.reasoning_tokens == 5
+    content = choice.message.content or ""
+    assert choice.message.tool_calls or content
+    assert not any(marker in content for marker in HARMONY)
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"

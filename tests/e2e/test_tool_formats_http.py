@@ -323,10 +323,12 @@ LONG_CALLS = {
     "gpt_oss": "<|channel|>final<|message|>Checking. <|end|><|start|>assistant<|channel|>"
     "commentary to=functions.get_weather <|constrain|>json<|message|>"
     f"{LONG_ARGUMENTS}<|call|>",
-    # Read whole (its parameters are not JSON): one piece.
+    # Its parameters make the JSON: each goes out as it closes.
     "qwen3_coder": "Checking. <tool_call>\n<function=get_weather>\n<parameter=city>\n"
     f"{CITY}\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
 }
+# Mistral's tekken form, one marker per call.
+MISTRAL_ARGS = f"Checking. [TOOL_CALLS]get_weather[ARGS]{LONG_ARGUMENTS}"
 
 
 def words(answer: str) -> Any:
@@ -353,21 +355,19 @@ def test_openai_streams_a_calls_arguments_as_the_model_writes_them(
     assert first.id and first.function and first.function.name == "get_weather"
     assert first.function.arguments == ""
     pieces = [d.function.arguments for d in deltas[1:] if d.function and d.function.arguments]
-    if parser == "qwen3_coder":
-        assert len(pieces) == 1
-    else:
-        assert len(pieces) > 5  # as written: a word a token
-        assert "".join(pieces) == LONG_ARGUMENTS
-    assert "".join(pieces) == call.function.arguments
+    # As written, a word a token (qwen3_coder's city too: a string's text streams).
+    assert len(pieces) > 10
+    assert "".join(pieces) == LONG_ARGUMENTS == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_anthropic_streams_input_json_deltas(daemon: Daemon) -> None:
+def anthropic_streamed(daemon: Daemon, model: str, text: str) -> tuple[list[str], Any]:
+    """A streamed Messages call's ``input_json_delta`` pieces and its final message."""
     tool: Any = {"name": "get_weather", "description": "The weather", "input_schema": PARAMETERS}
     with (
         anthropic.Anthropic(base_url=daemon.url, api_key=KEY, max_retries=0) as client,
         client.messages.stream(
-            model="mistral", max_tokens=300, messages=words(LONG_CALLS["mistral"]), tools=[tool]
+            model=model, max_tokens=300, messages=words(text), tools=[tool]
         ) as stream,
     ):
         events = list(stream)
@@ -377,6 +377,11 @@ def test_anthropic_streams_input_json_deltas(daemon: Daemon) -> None:
         for e in events
         if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
     ]
+    return partial, final
+
+
+def test_anthropic_streams_input_json_deltas(daemon: Daemon) -> None:
+    partial, final = anthropic_streamed(daemon, "mistral", LONG_CALLS["mistral"])
     assert len(partial) > 5
     assert "".join(partial) == LONG_ARGUMENTS
     assert [b.type for b in final.content] == ["text", "tool_use"]
@@ -414,3 +419,37 @@ def test_streamed_arguments_that_do_not_validate_end_the_stream_with_the_error(
                 pieces.append(delta.function.arguments or "" if delta.function else "")
     # The pieces went out as written; the error, not a call, ends the stream.
     assert "".join(pieces).startswith('{"city": "Llanfair')
+
+
+def test_mistral_args_form_and_qwen3_coder_stream_in_every_api(
+    client: openai.OpenAI, daemon: Daemon
+) -> None:
+    """The two syntaxes whose arguments are not a JSON object in a JSON call: Mistral's
+    ``NAME[ARGS]{...}`` and Qwen3-Coder's parameters, streamed as chat deltas, Responses
+    ``function_call_arguments.delta`` and Messages ``input_json_delta``."""
+    for model, text in (("mistral", MISTRAL_ARGS), ("qwen3_coder", LONG_CALLS["qwen3_coder"])):
+        chunks = list(
+            client.chat.completions.create(
+                model=model, messages=words(text), tools=[WEATHER], stream=True
+            )
+        )
+        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        pieces = [d.function.arguments for d in deltas if d.function and d.function.arguments]
+        assert len(pieces) > 10, (model, pieces)
+        assert "".join(pieces) == LONG_ARGUMENTS
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+        tool: Any = {"type": "function", "name": "get_weather", "parameters": PARAMETERS}
+        events = list(
+            client.responses.create(model=model, input="think:0:" + text, tools=[tool], stream=True)
+        )
+        arguments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+        assert len(arguments) > 10
+        assert "".join(arguments) == done.arguments == LONG_ARGUMENTS
+
+        partial, final = anthropic_streamed(daemon, model, text)
+        assert len(partial) > 10
+        assert "".join(partial) == LONG_ARGUMENTS
+        block = final.content[-1]
+        assert block.type == "tool_use" and block.input == {"city": CITY, "days": 2}

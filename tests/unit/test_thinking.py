@@ -23,7 +23,8 @@ from modelpool.shared.reasoning.controls import (
 from modelpool.shared.reasoning.detect import detect_family
 from modelpool.shared.reasoning.loops import LoopDetector
 from modelpool.shared.reasoning.parsers import (
-    HARMONY_CLOSE,
+    HARMONY_FINAL,
+    HARMONY_THINKING_END,
     HarmonyParser,
     ReasoningParser,
     ReturnedTextParser,
@@ -105,7 +106,8 @@ def test_detection_from_template_and_vocabulary() -> None:
     deepseek = detect_family("auto", "<|Assistant|><think>\n", {"<think>", "</think>"})
     assert deepseek is not None and deepseek.family == "deepseek_r1"
     harmony = detect_family("auto", None, {"<|channel|>", "<|message|>"})
-    assert harmony is not None and harmony.end_text == HARMONY_CLOSE
+    assert harmony is not None and harmony.end_text == HARMONY_THINKING_END
+    assert harmony.answer_text == HARMONY_FINAL
     assert detect_family("auto", "{{ messages }}", {"<s>"}) is None
     assert detect_family("none", qwen3, {"<think>", "</think>"}) is None
     assert detect_family("qwen3", None, ()) is not None
@@ -209,3 +211,83 @@ def test_scripted_thinker_with_parser_none_is_left_alone() -> None:
     generation = testing_thinking.think(call, "think", "3:ok", 100)
     assert generation.text == "w0 w1 w2 </think>ok"
     assert generation.reasoning_tokens is None
+
+
+HARMONY_CALL = (
+    '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": '
+    '"Paris"}<|call|>'
+)
+
+
+def test_harmony_forced_close_stops_where_a_call_may_follow() -> None:
+    model = testing_thinking.SCRIPTED_HARMONY
+    plain = ThinkingTracker(model, False, {"thinking_token_budget": 2}, 1000)
+    plain.take("<|channel|>analysis<|message|>")
+    # No tools: straight into the final channel, the grammar (if any) not led.
+    assert _think(plain, 10) == ["w0", "w1", "<|end|>", "<|start|>assistant", HARMONY_FINAL]
+    assert plain.grammar_lead == ()
+    tools = {"thinking_token_budget": 2, "tools": [{"type": "function"}]}
+    calling = ThinkingTracker(model, False, tools, 1000)
+    calling.take("<|channel|>analysis<|message|>")
+    # Tools: the close ends at the next message's start; the model names the channel.
+    assert _think(calling, 10) == ["w0", "w1", "<|end|>", "<|start|>assistant"]
+    assert calling.closed_by == "budget" and calling.tokens == 2
+    assert calling.grammar_lead == (
+        "<|channel|>analysis<|message|>",
+        "<|end|>",
+        "<|start|>assistant",
+    )
+
+
+def test_harmony_thinking_the_model_ends_itself_before_a_call() -> None:
+    tracker = ThinkingTracker(testing_thinking.SCRIPTED_HARMONY, False, {}, 1000)
+    ended = [tracker.take(t) for t in ("<|channel|>analysis<|message|>", "Hm.", "<|end|>")]
+    assert ended == [False, False, False] and tracker.thinking
+    assert tracker.take("<|start|>assistant")
+    assert tracker.ended and tracker.closed_by is None and tracker.tokens == 1
+
+
+def test_scripted_harmony_call_after_a_forced_close_and_after_its_own_end() -> None:
+    params = {"thinking_token_budget": 3, "tools": [{"type": "function"}]}
+    call = FakeCall("harmony:40:" + HARMONY_CALL, params)
+    forced = testing_thinking.think(call, "harmony", "40:" + HARMONY_CALL, 1000)
+    assert forced.thinking_closed == "budget" and forced.reasoning_tokens == 3
+    assert forced.text == (
+        "<|channel|>analysis<|message|>w0 w1 w2 <|end|><|start|>assistant" + HARMONY_CALL
+    )
+    assert split_reasoning(forced.text) == ("w0 w1 w2 ", HARMONY_CALL)
+    own = testing_thinking.think(FakeCall("", {}), "harmony", "2:" + HARMONY_CALL, 1000)
+    assert own.thinking_closed is None and own.reasoning_tokens == 2
+    assert split_reasoning(own.text) == ("w0 w1 ", HARMONY_CALL)
+    # Without tools the close writes the final channel, which the answer does not repeat.
+    final = testing_thinking.think(
+        FakeCall("", {"thinking_token_budget": 1}), "harmony", "9:<|channel|>final<|message|>4.", 99
+    )
+    assert split_reasoning(final.text) == ("w0 ", "4.")
+
+
+def test_harmony_analysis_opened_again_counts_against_the_same_budget() -> None:
+    # Harmony's markers as a model's tokens: several per sequence.
+    model = ThinkingModel(
+        testing_thinking.SCRIPTED_HARMONY.family,
+        ("<|channel|>", "analysis", "<|message|>"),
+        ("<|end|>", "<|start|>", "assistant"),
+        ("<|channel|>", "final", "<|message|>"),
+    )
+    tracker = ThinkingTracker(model, False, {"thinking_token_budget": 3}, 1000)
+    for token in ("<|channel|>", "analysis", "<|message|>", "w0", "w1", "<|end|>", "<|start|>"):
+        assert not tracker.take(token)
+    assert tracker.take("assistant") and tracker.closed_by is None
+    for token in ("<|channel|>", "<|channel|>", "analysis", "<|message|>"):
+        tracker.take(token)  # the model opens analysis again (a stray header first)
+    assert tracker.thinking and tracker.tokens == 2
+    assert _think(tracker, 10) == [
+        "w0",
+        "<|end|>",
+        "<|start|>",
+        "assistant",
+        "<|channel|>",
+        "final",
+        "<|message|>",
+    ]
+    assert tracker.tokens == 3 and tracker.closed_by == "budget"

@@ -90,21 +90,36 @@ def test_each_syntax_reads_the_same_whole_and_split_anywhere(parser: str) -> Non
         assert got == ((content or ""), expected), cuts
 
 
-@pytest.mark.parametrize("parser", list(FAMILIES))
-def test_json_arguments_stream_as_written_split_anywhere(parser: str) -> None:
+# Each family's sample, and the other forms a syntax reads: Mistral's NAME[ARGS] calls,
+# Qwen3-Coder's <function=...> without <tool_call> around it.
+STREAMED_SAMPLES = [
+    *((parser, family.sample) for parser, family in FAMILIES.items()),
+    (
+        "mistral",
+        'Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}'
+        '[TOOL_CALLS]note [CALL_ID]a1b2[ARGS] {"text": "two lines\\nof text"}',
+    ),
+    (
+        "qwen3_coder",
+        'Checking. <function=note>\n<parameter=text>\n"quoted" two\nlines\n</parameter>\n'
+        "</function>",
+    ),
+]
+
+
+@pytest.mark.parametrize(("parser", "text"), STREAMED_SAMPLES)
+def test_arguments_stream_as_written_split_anywhere(parser: str, text: str) -> None:
     """Each call opened once its name is read, its arguments' pieces adding up to the
-    call's ``arguments`` (as the model wrote them), at every split of the text."""
-    family = FAMILIES[parser]
+    call's ``arguments`` (as the model wrote them; Qwen3-Coder's, the JSON its parameters
+    make), at every split of the text."""
     every = random.Random(parser)
-    for cuts in [list(range(1, len(family.sample)))] + [
-        sorted(every.sample(range(1, len(family.sample)), 6)) for _ in range(30)
+    for cuts in [list(range(1, len(text)))] + [
+        sorted(every.sample(range(1, len(text)), 6)) for _ in range(30)
     ]:
-        events = streamed(CallReader(plan(parser), stream_arguments=True), family.sample, cuts)
+        events = streamed(CallReader(plan(parser), stream_arguments=True), text, cuts)
         calls = [e for e in events if isinstance(e, ToolCall)]
         opened = [e for e in events if isinstance(e, CallOpened)]
-        if parser == "qwen3_coder":  # read whole: nothing streamed
-            assert not opened and not any(call.streamed for call in calls)
-            continue
+        assert calls
         assert [(o.index, o.id, o.name) for o in opened] == [(c.index, c.id, c.name) for c in calls]
         for call in calls:
             assert call.streamed
@@ -115,7 +130,7 @@ def test_json_arguments_stream_as_written_split_anywhere(parser: str) -> None:
                 i for i, e in enumerate(events) if isinstance(e, ArgumentsDelta) and e.id == call.id
             )
         # Whole, the same arguments' text.
-        assert [c.arguments for c in read_answer(plan(parser), family.sample)[1]] == [
+        assert [c.arguments for c in read_answer(plan(parser), text)[1]] == [
             c.arguments for c in calls
         ]
 
@@ -318,6 +333,11 @@ def test_each_grammar_holds_the_model_to_valid_calls_in_its_syntax(
             _accepts(auto, plain.replace("<|channel|>final", "<|channel|>analysis"), tokenizer)
             is False
         )
+        # Thinking ended (the model's end or the worker's close): analysis is not reopened.
+        analysis = "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant"
+        assert not _accepts(auto, analysis + plain, tokenizer)
+        assert _accepts(required, analysis + good, tokenizer)
+        assert not _accepts(required, analysis + analysis + good, tokenizer)
     assert _accepts(auto, plain, tokenizer)
     assert not _accepts(required, "Plain text, no call.", tokenizer)
     assert not _accepts(required, good.replace("Paris", "Rome"), tokenizer)

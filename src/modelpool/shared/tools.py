@@ -504,8 +504,8 @@ class CallReader:
     arguments that do not validate, an output that ends inside it) raises
     :class:`MalformedToolCall`. With ``tool_choice: none`` the text is all content.
 
-    ``stream_arguments``: a call in a syntax whose arguments are JSON (all but
-    qwen3_coder's) is also yielded as it is written: :class:`CallOpened` once its name is
+    ``stream_arguments``: a call is also yielded as it is written (qwen3_coder's as
+    the JSON its parameters make): :class:`CallOpened` once its name is
     read (an unknown tool is an error at once), :class:`ArgumentsDelta` s, then the
     :class:`ToolCall` whose ``arguments`` the deltas add up to. Arguments that turn out
     not to validate are the same error as before, after their pieces went out.

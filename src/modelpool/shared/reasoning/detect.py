@@ -7,7 +7,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from modelpool.shared.reasoning.parsers import (
-    HARMONY_CLOSE,
+    HARMONY_ANALYSIS,
+    HARMONY_FINAL,
+    HARMONY_THINKING_END,
     THINK_END,
     THINK_START,
     Family,
@@ -17,17 +19,20 @@ from modelpool.shared.reasoning.parsers import (
 
 @dataclass(frozen=True)
 class ReasoningFamily:
-    """A model's thinking: its family, the text that opens and the text that closes it
-    (what the worker forces at a bound)."""
+    """A model's thinking: its family, the text that opens it and the text that ends it
+    (the worker forces it at a bound, and a model that writes it has ended thinking);
+    ``answer_text``: what a forced close adds when no tool call may follow (Harmony's
+    ``final`` channel; a request with tools lets the model name the channel itself)."""
 
     family: Family
     start_text: str
     end_text: str
+    answer_text: str = ""
 
 
 def family_named(name: Family) -> ReasoningFamily:
     if name == "gpt_oss":
-        return ReasoningFamily("gpt_oss", "<|channel|>analysis<|message|>", HARMONY_CLOSE)
+        return ReasoningFamily("gpt_oss", HARMONY_ANALYSIS, HARMONY_THINKING_END, HARMONY_FINAL)
     return ReasoningFamily(name, THINK_START, THINK_END)
 
 

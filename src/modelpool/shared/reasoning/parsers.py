@@ -23,8 +23,12 @@ HARMONY_ANALYSIS = "<|channel|>analysis<|message|>"
 HARMONY_FINAL = "<|channel|>final<|message|>"
 HARMONY_END = "<|end|>"
 HARMONY_START = "<|start|>assistant"
-HARMONY_CLOSE = HARMONY_END + HARMONY_START + HARMONY_FINAL
-"""What gpt-oss writes between its thinking and its answer: the forced close."""
+HARMONY_THINKING_END = HARMONY_END + HARMONY_START
+"""The end of gpt-oss's thinking: the analysis message ends and the next one starts, on
+whichever channel the model names next (``final``: the answer; ``commentary
+to=functions.NAME``: a call)."""
+HARMONY_CLOSE = HARMONY_THINKING_END + HARMONY_FINAL
+"""The forced close of a request that cannot call a tool: straight to the answer."""
 HARMONY_TOKENS = frozenset(
     {
         "<|start|>",

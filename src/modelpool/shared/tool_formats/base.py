@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from modelpool.shared.tool_formats.streaming import ArgumentsPiece, ArgumentsScanner, CallStart
+from modelpool.shared.tool_formats.streaming import ArgumentsPiece, CallScanner, CallStart
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,26 @@ def mark(marker: str, tokens: Mapping[str, int]) -> str:
     return lark_string(marker) if token is None else f"<[{token}]>"
 
 
+def grammar_text(lines: Sequence[str]) -> str:
+    """The llguidance (Lark) grammar of ``lines``."""
+    return "\n".join(["%llguidance {}", *lines]) + "\n"
+
+
+def marked_calls(marker: str, calls: str, mode: Mode, tokens: Mapping[str, int]) -> list[str]:
+    """The start of a syntax whose calls follow ``marker``: ``auto``, free text or text up
+    to the marker and then ``calls`` (:func:`free_text_or`); ``required``, the marker and
+    ``calls`` first."""
+    if mode == "auto":
+        return free_text_or(marker, calls, tokens)
+    return [f"start: {mark(marker, tokens)} {calls}"]
+
+
+def json_call(tool: GrammarTool, arguments_key: str) -> str:
+    """A call as one JSON object, its name first: ``{"name": NAME, KEY: ARGUMENTS}``."""
+    head = lark_string(f'{{"name": "{tool.name}", "{arguments_key}": ')
+    return f'{head} {tool.fragment} "}}"'
+
+
 def free_text_or(marker: str, rest: str, tokens: Mapping[str, int]) -> list[str]:
     """``auto``: free text that never holds ``marker``, or text up to the marker (a lazy
     lexeme: it ends at the first marker; text, then the marker's special token) followed
@@ -147,7 +167,7 @@ def named_call(value: object, arguments_key: tuple[str, ...], text: str) -> RawC
 
 
 def with_written(
-    calls: Sequence[RawCall], scanning: ArgumentsScanner | None, text: str
+    calls: Sequence[RawCall], scanning: CallScanner | None, text: str
 ) -> Sequence[RawCall]:
     """``calls`` with the arguments' text their streamed pieces added up to; a region
     whose streamed calls are not the calls it reads is malformed (the pieces went out)."""
@@ -200,10 +220,10 @@ class RegionReader:
     opens: Mapping[str, str | None]
     parse: RegionParser
     start_opens: str | None = None
-    # A scanner of a region's calls as they stream (the JSON syntaxes), made per region.
-    scanner: Callable[[], ArgumentsScanner] | None = None
+    # A scanner of a region's calls as they stream, made per region.
+    scanner: Callable[[], CallScanner] | None = None
     _buffer: str = ""
-    _scanning: ArgumentsScanner | None = None
+    _scanning: CallScanner | None = None
     _scanned: int = 0
     _open: str | None = None
     _seen_text: bool = False
@@ -290,7 +310,8 @@ class RegionReader:
             raise MalformedCall("a call region without a call", opened + body)
         self._calls += len(calls)
         scanning, self._scanning = self._scanning, None
-        return list(with_written(calls, scanning, opened + body))
+        ending: list[Piece] = [] if scanning is None else list(scanning.end())
+        return [*ending, *with_written(calls, scanning, opened + body)]
 
     def _content(self, text: str, pieces: list[Piece]) -> None:
         if self._calls and not text.strip():

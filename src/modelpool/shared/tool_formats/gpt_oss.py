@@ -27,6 +27,7 @@ from modelpool.shared.tool_formats.base import (
     RawCall,
     SyntaxReader,
     calls_rule,
+    grammar_text,
     json_object,
     lark_string,
     mark,
@@ -55,15 +56,17 @@ class GptOss:
     def grammar(
         self, tools: Sequence[GrammarTool], mode: Mode, parallel: bool, tokens: Mapping[str, int]
     ) -> str:
-        # Messages of analysis, then the final answer or (Harmony ends the answer at a
-        # call: <|call|> is a stop token) one call; ``required``: the call.
+        # A message of analysis, then the final answer or (Harmony ends the answer at a
+        # call: <|call|> is a stop token) one call; ``required``: the call. One analysis at
+        # most: once thinking ended (the model's end or the worker's forced one, which
+        # stops at ``<|start|>assistant``), the next channel is the answer's or the call's.
         analysis_end = (
             [f"analysis_end: BODY {mark(END, tokens)}"]
             if END in tokens
             else [f"analysis_end[lazy]: BODY {lark_string(END)}"]
         )
         lines = [
-            "start: analysis* " + ("(final | called)" if mode == "auto" else "called"),
+            "start: analysis? " + ("(final | called)" if mode == "auto" else "called"),
             f'analysis: {mark(CHANNEL, tokens)} "analysis" {mark(MESSAGE, tokens)} analysis_end '
             f'{mark(START, tokens)} "assistant"',
             *analysis_end,
@@ -72,7 +75,7 @@ class GptOss:
             "BODY: /(.|\\n)*/",
         ]
         lines += calls_rule(tools, lambda tool: _call(tool, tokens))
-        return "\n".join(["%llguidance {}", *lines]) + "\n"
+        return grammar_text(lines)
 
     def reader(self, parameters: Mapping[str, dict[str, Any]]) -> SyntaxReader:
         return HarmonyReader()

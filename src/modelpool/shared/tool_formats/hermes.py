@@ -16,10 +16,11 @@ from modelpool.shared.tool_formats.base import (
     RegionReader,
     SyntaxReader,
     calls_rule,
-    free_text_or,
+    grammar_text,
+    json_call,
     json_object,
-    lark_string,
     mark,
+    marked_calls,
     named_call,
 )
 from modelpool.shared.tool_formats.streaming import ArgumentsScanner
@@ -36,20 +37,14 @@ class Hermes:
         self, tools: Sequence[GrammarTool], mode: Mode, parallel: bool, tokens: Mapping[str, int]
     ) -> str:
         more = f' ("\\n" {mark(OPEN, tokens)} call)*' if parallel else ""
-        if mode == "auto":
-            lines = free_text_or(OPEN, f"call{more}", tokens)
-        else:
-            lines = [f"start: {mark(OPEN, tokens)} call{more}"]
-        lines += calls_rule(tools, lambda tool: _call(tool, tokens))
-        return "\n".join(["%llguidance {}", *lines]) + "\n"
+        lines = marked_calls(OPEN, f"call{more}", mode, tokens)
+        lines += calls_rule(
+            tools, lambda tool: f"{json_call(tool, 'arguments')} {mark(CLOSE, tokens)}"
+        )
+        return grammar_text(lines)
 
     def reader(self, parameters: Mapping[str, dict[str, Any]]) -> SyntaxReader:
         return RegionReader({OPEN: CLOSE}, _parse, scanner=lambda: ArgumentsScanner("named"))
-
-
-def _call(tool: GrammarTool, tokens: Mapping[str, int]) -> str:
-    head = lark_string(f'{{"name": "{tool.name}", "arguments": ')
-    return f'{head} {tool.fragment} "}}" {mark(CLOSE, tokens)}'
 
 
 def _parse(opened: str, body: str) -> list[RawCall]:

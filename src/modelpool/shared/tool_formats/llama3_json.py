@@ -23,7 +23,8 @@ from modelpool.shared.tool_formats.base import (
     RegionReader,
     SyntaxReader,
     calls_rule,
-    lark_string,
+    grammar_text,
+    json_call,
     named_call,
 )
 from modelpool.shared.tool_formats.streaming import ArgumentsScanner
@@ -49,18 +50,13 @@ class Llama3Json:
             ]
         else:
             lines = [f"start: call{more}"]
-        lines += calls_rule(tools, _call)
-        return "\n".join(["%llguidance {}", *lines]) + "\n"
+        lines += calls_rule(tools, lambda tool: json_call(tool, "parameters"))
+        return grammar_text(lines)
 
     def reader(self, parameters: Mapping[str, dict[str, Any]]) -> SyntaxReader:
         return RegionReader(
             {PYTHON_TAG: None}, _parse, start_opens="{", scanner=lambda: ArgumentsScanner("named")
         )
-
-
-def _call(tool: GrammarTool) -> str:
-    head = lark_string(f'{{"name": "{tool.name}", "parameters": ')
-    return f'{head} {tool.fragment} "}}"'
 
 
 def _parse(opened: str, body: str) -> list[RawCall]:

@@ -14,7 +14,7 @@ when its region ends (:class:`~modelpool.shared.tool_formats.base.RawCall`), and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,23 @@ class ArgumentsPiece:
 
 
 Streamed = CallStart | ArgumentsPiece
+
+
+class CallScanner(Protocol):
+    """A call region's scanner: fed the region's text in pieces, it streams each call's
+    start and its arguments' JSON text; ``written``: each finished call's arguments as
+    streamed (None: a call not streamed)."""
+
+    written: list[str | None]
+
+    def feed(self, text: str) -> list[Streamed]:
+        """The calls' starts and argument pieces that ``text`` (the next piece) makes."""
+        ...
+
+    def end(self) -> list[Streamed]:
+        """The region ended (its closing marker, or the output's end)."""
+        ...
+
 
 Layout = Literal["named", "bare"]
 """``named``: JSON objects ``{"name": ..., "arguments": {...}}`` (alone, in a list, or
@@ -84,6 +101,9 @@ class ArgumentsScanner:
             self._char(char, out)
         self._flush(out)
         return out
+
+    def end(self) -> list[Streamed]:
+        return []  # a JSON call ends at its own closing brace
 
     def _char(self, char: str, out: list[Streamed]) -> None:
         if self.layout == "bare":

@@ -54,7 +54,7 @@ ahead of its user's text; anything else is echoed back):
 ``device_memory``      returns the simulated allocated bytes and cache releases,
                        "ALLOCATED/RELEASES"
 ``think:N:ANSWER``     a reasoning model: N thinking tokens (``loop``: endless),
-                       then ANSWER (see ``testing_thinking``)
+                       then ANSWER (see ``testing_thinking``; ``harmony:``: gpt-oss)
 ``detach:SECONDS``     starts a child in a session of its own (outside the worker's
                        process group, so a kill of the group misses it) that sleeps
                        SECONDS (default 60) and returns its pid

@@ -4,7 +4,12 @@
 ``"w1 "`` ...) inside thinking the template opened (as DeepSeek-R1's does), writes
 ``</think>``, then answers ANSWER word by word (each word a token), DELAY seconds a
 token. ``think_tag:...`` is the same model opening thinking itself (``<think>`` first, as
-Qwen3 does). N as ``loop`` thinks ``"a b c a b c ..."`` until something closes it. The
+Qwen3 does). ``harmony:...`` is gpt-oss: it opens its analysis channel itself, ends
+it with ``<|end|><|start|>assistant``, and ANSWER is the next message from its channel
+on (``<|channel|>final<|message|>4``, or a call: ``<|channel|>commentary
+to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``); after a forced close
+that wrote the final channel already, ANSWER's own ``<|channel|>final<|message|>`` is
+left out. N as ``loop`` thinks ``"a b c a b c ..."`` until something closes it. The
 worker's bound (``common.thinking``) runs over it as over a real model's tokens (each
 piece one token): its forced end of thinking replaces the script's next piece, and the
 answer follows. With ``reasoning_parser = "none"`` nothing is bounded and the text is the script's.
@@ -19,29 +24,51 @@ from collections.abc import Iterator
 from modelpool.shared.protocol import Call, FinishReason, Generation, note_prompt
 from modelpool.shared.reasoning.controls import PARSER_PARAM
 from modelpool.shared.reasoning.detect import family_named
-from modelpool.shared.reasoning.parsers import THINK_END, THINK_START
+from modelpool.shared.reasoning.parsers import (
+    HARMONY_ANALYSIS,
+    HARMONY_END,
+    HARMONY_FINAL,
+    HARMONY_START,
+    THINK_END,
+    THINK_START,
+)
 from modelpool.worker.backends.common.thinking import ThinkingModel, ThinkingTracker
 
-COMMANDS = frozenset({"think", "think_tag"})
+COMMANDS = frozenset({"think", "think_tag", "harmony"})
 SCRIPTED_MODEL: ThinkingModel[str] = ThinkingModel(
     family_named("deepseek_r1"), (THINK_START,), (THINK_END,)
+)
+# Harmony's markers, each one piece (one token) of the script.
+SCRIPTED_HARMONY: ThinkingModel[str] = ThinkingModel(
+    family_named("gpt_oss"), (HARMONY_ANALYSIS,), (HARMONY_END, HARMONY_START), (HARMONY_FINAL,)
 )
 _LOOP = ("a ", "b ", "c ")
 
 
 def _script(command: str, count: str, answer: str) -> tuple[Iterator[str], list[str]]:
-    """The thinking pieces (``</think>`` last) and the answer's."""
+    """The thinking pieces (the end of thinking last) and the answer's."""
     thinking: Iterator[str]
+    model = SCRIPTED_HARMONY if command == "harmony" else SCRIPTED_MODEL
     if count == "loop":
         thinking = itertools.cycle(_LOOP)
     else:
-        thinking = itertools.chain((f"w{index} " for index in range(int(count or 8))), (THINK_END,))
-    if command == "think_tag":
-        thinking = itertools.chain((THINK_START,), thinking)
+        thinking = itertools.chain((f"w{index} " for index in range(int(count or 8))), model.end)
+    if command != "think":
+        thinking = itertools.chain(model.start, thinking)
+    return thinking, _words(answer)
+
+
+def _after_final(pieces: list[str]) -> Iterator[str]:
+    """A Harmony answer, after a forced close that wrote its final channel already."""
+    text = "".join(pieces)
+    rest = text[len(HARMONY_FINAL) :] if text.startswith(HARMONY_FINAL) else text
+    return iter(_words(rest))
+
+
+def _words(answer: str) -> list[str]:
+    """``answer`` word by word, each word a token (its space kept)."""
     words = answer.split(" ") if answer else []
-    return thinking, [
-        word + (" " if index < len(words) - 1 else "") for index, word in enumerate(words)
-    ]
+    return [word + (" " if index < len(words) - 1 else "") for index, word in enumerate(words)]
 
 
 def _answer_and_delay(rest: str) -> tuple[str, float]:
@@ -60,9 +87,10 @@ def think(call: Call, command: str, argument: str, limit: int | None) -> Generat
     answer, delay = _answer_and_delay(rest)
     thinking, answer_pieces = _script(command, count, answer)
     started = command == "think"
+    model = SCRIPTED_HARMONY if command == "harmony" else SCRIPTED_MODEL
     tracker: ThinkingTracker[str] | None = None
     if call.params.get(PARSER_PARAM) != "none":
-        tracker = ThinkingTracker(SCRIPTED_MODEL, started, call.params, limit or 1 << 30)
+        tracker = ThinkingTracker(model, started, call.params, limit or 1 << 30)
     note_prompt(call, 1, 0)
     delivered = getattr(call, "delivered", None)
     pause = threading.Event()
@@ -91,9 +119,11 @@ def think(call: Call, command: str, argument: str, limit: int | None) -> Generat
         generated += 1
         if delivered is not None:
             delivered()
-        ended = piece == THINK_END if tracker is None else tracker.take(piece)
+        ended = piece == model.end[-1] if tracker is None else tracker.take(piece)
         if ended:
             in_thought = False
+            if piece == HARMONY_FINAL:
+                answering = _after_final(answer_pieces)
         call.emit(lead + piece)
         lead = ""
         pieces.append(piece)

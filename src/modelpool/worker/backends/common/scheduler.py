@@ -386,7 +386,10 @@ class Scheduler(Generic[State]):
         thinking = row.thinking
         if thinking is not None and thinking.take(token_id) and thinking.held_grammar is not None:
             # Thinking ended with this token: the grammar reads the answer from the next.
-            row.grammar, thinking.held_grammar = thinking.held_grammar, None
+            held, thinking.held_grammar = thinking.held_grammar, None
+            for lead in thinking.grammar_lead:
+                held.take(lead)
+            row.grammar = held
         grammar_complete = grammar is not None and grammar.take(token_id)
         ended = not row.sampling.ignore_eos and token_id in self.runner.end_ids
         if progress.stopped or ended or grammar_complete:

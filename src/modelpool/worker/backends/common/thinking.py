@@ -17,6 +17,15 @@ takes as the next tokens in place of its own choice (:meth:`ThinkingTracker.forc
 Thinking tokens are never more than the budget: the end sequence is forced on the token
 that would have been the first past it. While thinking, the row's grammar (structured
 output, tool calls) is held aside: it constrains the answer, from the end of thinking on.
+
+Harmony (gpt-oss) ends thinking by ending the analysis message and starting the next
+(``<|end|><|start|>assistant``), whose channel says what follows: ``final`` (the answer)
+or ``commentary to=functions.NAME`` (a call). A forced close of a request that offers
+tools stops there, so that the model may still call; one that offers none goes on into
+the final channel. A Harmony tool grammar covers the whole output (analysis, then the
+answer or a call, :mod:`modelpool.shared.tool_formats.gpt_oss`): held aside, it first
+reads an empty analysis message when it starts, so that it stands where the model does,
+past the analysis (it allows one), and offers the answer or the call, never analysis.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ class ThinkingModel(Generic[T]):
     family: ReasoningFamily
     start: tuple[T, ...]
     end: tuple[T, ...]
+    answer: tuple[T, ...] = ()  # what a forced close adds when no call may follow
 
     def tracker(
         self, prompt: Sequence[T], params: dict[str, Any], max_new_tokens: int
@@ -84,7 +94,10 @@ class ThinkingModels:
 
     def _model(self, family: ReasoningFamily) -> ThinkingModel[int] | None:
         start, end = self._encode(family.start_text), self._encode(family.end_text)
-        return ThinkingModel(family, tuple(start), tuple(end)) if start and end else None
+        answer = self._encode(family.answer_text) if family.answer_text else []
+        if not (start and end):
+            return None
+        return ThinkingModel(family, tuple(start), tuple(end), tuple(answer))
 
 
 def is_chat(prompt: object) -> bool:
@@ -158,6 +171,16 @@ class ThinkingTracker(Generic[T]):
         self.closed_by: CloseReason | None = None
         self.ended = False  # thinking ended (by the model or forced)
         self._generated = 0
+        # A request with tools may call one after thinking: the close stops at the end of
+        # thinking, where the model names its next channel (Harmony) itself.
+        calls = bool(params.get("tools"))
+        self._close = model.end if calls else model.end + model.answer
+        harmony = model.family.family == "gpt_oss"
+        # Harmony may open its analysis channel again after a message (the server reads
+        # every analysis message as reasoning): it counts against the same budget.
+        self._reopens = harmony
+        # What a held Harmony tool grammar reads before the answer (see the module's doc).
+        self.grammar_lead: tuple[T, ...] = model.start + model.end if calls and harmony else ()
         self._forced: deque[T] = deque()
         self._matched = 0  # how much of the end sequence the latest tokens are
         self._start_matched = 0
@@ -168,11 +191,14 @@ class ThinkingTracker(Generic[T]):
             self._opened()
 
     def _opened(self) -> None:
-        """Thinking began: with a budget of 0 (thinking disabled) it is closed at once."""
-        self.thinking = True
-        if self.bound.budget == 0:
+        """Thinking began: with its budget spent (0: thinking disabled) it is closed at
+        once."""
+        self.thinking, self.ended = True, False
+        self._start_matched = self._matched = 0
+        budget = self.bound.budget
+        if budget is not None and self.tokens >= budget:
             self.closed_by = "budget"
-            self._forced.extend(self.model.end)
+            self._forced.extend(self._close)
 
     def forced(self) -> T | None:
         """The token the model must take next (the end of thinking being forced)."""
@@ -187,15 +213,16 @@ class ThinkingTracker(Generic[T]):
                 return self._end()
             return False
         if not self.thinking:
-            if self.ended:
+            if self.ended and not self._reopens:
                 return False
             start = self.model.start
+            matched = self._start_matched
             self._start_matched = (
-                self._start_matched + 1 if token == start[self._start_matched] else 0
+                matched + 1 if token == start[matched] else (1 if token == start[0] else 0)
             )
             if self._start_matched == len(start):
                 self._opened()
-            elif self._generated > len(start) * 2 and self._start_matched == 0:
+            elif self._generated > len(start) * 2 and self._start_matched == 0 and not self.ended:
                 self.ended = True  # the answer began without thinking
             return False
         end = self.model.end
@@ -210,7 +237,7 @@ class ThinkingTracker(Generic[T]):
         reason = self._bounded(token)
         if reason is not None:
             self.closed_by = reason
-            self._forced.extend(end)
+            self._forced.extend(self._close)
         return False
 
     def _end(self) -> bool:
@@ -222,7 +249,7 @@ class ThinkingTracker(Generic[T]):
     def _bounded(self, token: T) -> CloseReason | None:
         """Why thinking must close before the next token, if it must."""
         looping = self._loops.take(token)
-        end = len(self.model.end)
+        end = len(self._close)
         budget = self.bound.budget
         if budget is not None and self.tokens >= budget:
             return "budget"
