@@ -4,6 +4,8 @@ configuration of both; which models read them (shared.image_input, shared.images
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -373,6 +375,31 @@ def test_model_reads_images(tmp_path: Path) -> None:
     assert not model_reads_images("hf", str(text), {})
     assert not model_reads_images("hf", str(tmp_path / "missing"), {})
     assert not model_reads_images("my.pkg:factory", str(vision), {})
+
+
+def test_the_daemon_tells_a_vision_directory_without_importing_torch(tmp_path: Path) -> None:
+    """The table of image-text-to-text model types is read from transformers' source in a
+    process that has not imported it (the import brings torch into the daemon), and that
+    reading equals the table the import gives."""
+    vision = tmp_path / "vision"
+    vision.mkdir()
+    (vision / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    probe = (
+        "import sys\n"
+        "from modelpool.shared.images import _types_from_source, model_reads_images\n"
+        f"assert model_reads_images('hf', {str(vision)!r}, {{}})\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+        "print(sorted(_types_from_source() or ()))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    assert json.loads(done.stdout.replace("'", '"')) == sorted(
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    )
 
 
 def test_an_image_is_sized_and_fingerprinted_without_its_bytes() -> None:

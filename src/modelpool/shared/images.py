@@ -18,8 +18,12 @@ worker, from the header, before a single pixel is decoded.
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib.util
 import json
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,24 +110,69 @@ def model_reads_images(backend: str, model: str, backend_options: Mapping[str, A
     if backend in ("llama_cpp", "auto") and backend_options.get("mmproj"):
         return True
     if backend in ("hf", "auto"):
-        return _is_vision_directory(model)
+        return vision_model_type(model) is not None
     return False
 
 
 @functools.lru_cache(maxsize=64)
-def _is_vision_directory(model: str) -> bool:
-    """A model directory whose ``config.json`` ``model_type`` is an image-text-to-text one
-    (read once per directory: transformers' tables take seconds to import)."""
+def vision_model_type(model: str) -> str | None:
+    """The ``model_type`` of a local directory's ``config.json`` when it is an
+    image-text-to-text model's (transformers' ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``),
+    else None (a hub id, a text model, no config). The one rule the daemon, the supervisor
+    and the hf worker share, so that all three agree on what a directory is."""
+    config_path = Path(os.path.expanduser(model)) / "config.json"
     try:
-        with open(Path(model) / "config.json", encoding="utf-8") as handle:
-            config = json.load(handle)
+        config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
+        return None
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not isinstance(model_type, str):
-        return False
+        return None
+    return model_type if model_type in _image_text_to_text_types() else None
+
+
+@functools.lru_cache(maxsize=1)
+def _image_text_to_text_types() -> frozenset[str]:
+    """transformers' image-text-to-text model types. Read from its module's source where
+    transformers is not imported yet: importing that module imports torch (~250 MB and five
+    seconds here), and the daemon and the supervisor otherwise never load either; the
+    table is a literal, so its source says exactly what the import would."""
+    if "transformers" not in sys.modules:
+        from_source = _types_from_source()
+        if from_source:
+            return from_source
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     )
 
-    return model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    return frozenset(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def _types_from_source() -> frozenset[str] | None:
+    """The table's keys from ``transformers/models/auto/modeling_auto.py``'s text (found
+    without importing the package), or None where it is not the literal expected."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or spec.origin is None:
+        return None
+    source = Path(spec.origin).parent / "models" / "auto" / "modeling_auto.py"
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(
+                isinstance(target, ast.Name)
+                and target.id == "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"
+                for target in node.targets
+            )
+            and isinstance(node.value, ast.Call)
+            and node.value.args
+        ):
+            try:
+                pairs = ast.literal_eval(node.value.args[0])
+            except ValueError:
+                return None
+            return frozenset(name for name, _ in pairs)
+    return None

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelpool.shared.context import check_max_model_len, context_length
 from modelpool.shared.errors import InvalidRequest
+from modelpool.shared.images import vision_model_type
 from modelpool.shared.lora import DEFAULT_MAX_LORAS, lora_ref
 from modelpool.shared.prefix_tier import BLOCK_TOKENS as TIER_BLOCK_TOKENS
 from modelpool.shared.prefix_tier import TierSpec
@@ -104,7 +105,7 @@ from modelpool.worker.backends.hf.pooling import PoolingHandler, load_pooling, p
 from modelpool.worker.backends.hf.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from modelpool.worker.backends.hf.prefix_tier import HFPrefixTiers
 from modelpool.worker.backends.hf.runner import DEFAULT_KV_CACHE_TOKENS, HFRow, HFRunner
-from modelpool.worker.backends.hf.vision import VisionHandler, load_vision, vision_model_type
+from modelpool.worker.backends.hf.vision import VisionHandler, load_vision
 from modelpool.worker.images import refuse_images
 
 if TYPE_CHECKING:

@@ -22,12 +22,9 @@ probabilities, grammars, penalties, tools and adapters are refused on such a mod
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from modelpool.shared.context import check_max_model_len, context_length
@@ -83,19 +80,6 @@ VISION_PARAMS = frozenset(
 )
 # Load options that shape the batched loop, its prefix cache or adapters: none applies.
 _BATCH_ONLY_OPTIONS = ("kv_cache_tokens", "prefill_chunk_tokens", "prefix_cache_bytes", "max_loras")
-
-
-def vision_model_type(model: str) -> str | None:
-    """The ``model_type`` of a local directory's config when it is an image-text-to-text
-    model's, else None (a hub id, a text model, no config)."""
-    config = Path(os.path.expanduser(model)) / "config.json"
-    try:
-        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    return model_type if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES else None
 
 
 def load_vision(model: str, device: str = "cpu", **options: Any) -> VisionHandler:
