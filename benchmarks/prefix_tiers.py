@@ -12,7 +12,14 @@ each sent with the conversation so far, greedy, ``--new-tokens`` a turn. In one 
    the same model, as after a registry swap or a daemon restart: with the disk tier
    (``prefix_cache_dir``), with a host tier in a directory that outlives the pool
    (``prefix_cache_host_dir``, the swap case), and with no tier (cold), against warm.
-3. **Cost on misses**: distinct prompts (nothing to restore, every answer written), one
+3. **Swap through the registry**: turns 1-3 on a model of a :class:`ModelRegistry`, which
+   then loads another model whose need is not known (so it evicts every model that may
+   go); turn 4 asks for the first model again, which loads and answers: with the host
+   tier the registry kept for it while it was out, and with no tier (cold), against the
+   same turn on the model never evicted (warm). The reloaded pool serves a one-token
+   "Hello" first, as the other parts do, so the TTFT is the turn's and not the new
+   process's first call; the load's own time is reported apart.
+4. **Cost on misses**: distinct prompts (nothing to restore, every answer written), one
    worker, tiers on vs off: tokens per second (target >= 0.97x).
 
 ::
@@ -20,6 +27,7 @@ each sent with the conversation so far, greedy, ``--new-tokens`` a turn. In one 
     python -m benchmarks.prefix_tiers                                  # the tiny model
     python -m benchmarks.prefix_tiers --model embedded:smollm2-135m-instruct
     python -m benchmarks.prefix_tiers --backend llama_cpp
+    python -m benchmarks.prefix_tiers --no-kill --no-move --no-misses   # the registry swap
 
 TTFT is the median over ``--rounds`` conversations per mode.
 """
@@ -42,6 +50,8 @@ from typing import Any
 import modelpool.supervisor.backend_choice
 from benchmarks.batching import closed_loop, read_to_end, summarize
 from modelpool import ModelPool, PoolConfig
+from modelpool.shared.config import ModelSpec
+from modelpool.supervisor.registry import ModelRegistry, RegistryConfig
 from modelpool.tinymodel import build_tiny_model
 
 Json = dict[str, Any]
@@ -68,22 +78,24 @@ def system_prompt(tokens: int, chars_per_token: float) -> str:
     return text
 
 
-def start(args: argparse.Namespace, model: str, **tiers: Any) -> ModelPool:
+def pool_config(args: argparse.Namespace, model: str, **tiers: Any) -> PoolConfig:
     options: Json = {"threads": args.threads}
     if args.backend == "hf":
         options = {"dtype": "float32", "torch_threads": args.threads}
-    pool = ModelPool(
-        PoolConfig(
-            model=model,
-            backend=args.backend,
-            backend_options=options,
-            workers=1,
-            devices=("cpu",),
-            deadline_s=1800.0,
-            startup_timeout_s=600.0,
-            **tiers,
-        )
-    ).start()
+    return PoolConfig(
+        model=model,
+        backend=args.backend,
+        backend_options=options,
+        workers=1,
+        devices=("cpu",),
+        deadline_s=1800.0,
+        startup_timeout_s=600.0,
+        **tiers,
+    )
+
+
+def start(args: argparse.Namespace, model: str, **tiers: Any) -> ModelPool:
+    pool = ModelPool(pool_config(args, model, **tiers)).start()
     pool.generate("Hello", max_new_tokens=1)
     return pool
 
@@ -181,6 +193,40 @@ def moved(args: argparse.Namespace, model: str, system: str, tiers: Json) -> Jso
     return {"rounds": rounds}
 
 
+def swapped(
+    args: argparse.Namespace, model: str, system: str, tiers: Json, *, evict: bool
+) -> Json:
+    """Turns 1-3 on the registry's ``agent``, then (``evict``) ``other`` loaded in its
+    place and ``agent`` asked for again; turn 4: per round, with the reload's seconds."""
+    rounds = []
+    loads = []
+    for number in range(args.rounds):
+        messages: list[Json] = [{"role": "system", "content": f"[{number}] {system}"}]
+        models = (
+            ModelSpec("agent", pool_config(args, model, **tiers)),
+            ModelSpec("other", PoolConfig(model="none", backend="testing", devices=("cpu",))),
+        )
+        # A budget: "other"'s need is not known, so its load evicts every model that may go.
+        registry = ModelRegistry(RegistryConfig(models, memory_budget_bytes=2**40)).start()
+        try:
+            with registry.use("agent", deadline_s=1800.0) as pool:
+                pool.generate("Hello", max_new_tokens=1)
+                for index in range(KILLED_BEFORE - 1):
+                    turn(pool, messages, index, args.new_tokens)
+                if tiers:
+                    written(pool, KILLED_BEFORE - 1)
+            if evict:
+                registry.acquire("other", deadline_s=600.0).release()
+                assert registry.model_stats("agent").state == "unloaded"
+            with registry.use("agent", deadline_s=1800.0) as pool:
+                pool.generate("Hello", max_new_tokens=1)
+                rounds.append([turn(pool, messages, KILLED_BEFORE - 1, args.new_tokens)])
+            loads.append(registry.model_stats("agent").last_load_s)
+        finally:
+            registry.close()
+    return {"rounds": rounds, "load_s": loads}
+
+
 def misses(args: argparse.Namespace, model: str, tiers: Json) -> Json:
     pool = start(args, model, **tiers)
 
@@ -256,6 +302,32 @@ def run(args: argparse.Namespace, log: Any = print) -> Json:
             "vs_cold": {mode: value / firsts["cold"] for mode, value in firsts.items()},
         }
         log(json.dumps(report["move"], indent=1))
+    if not args.no_swap:
+        swaps = {
+            "warm": ({}, False),
+            "cold": ({}, True),
+            "host_tier": (host, True),
+        }
+        for mode, (tiers, evict) in swaps.items():
+            log(f"registry swap: {mode}")
+            report[f"swap_{mode}"] = swapped(args, model, system, tiers, evict=evict)
+        firsts = {mode: ttft(report[f"swap_{mode}"], 0) for mode in swaps}
+        report["swap"] = {
+            "prefix_tokens": report["swap_warm"]["rounds"][0][0]["prompt_tokens"],
+            "first_turn_ttft_s": firsts,
+            "vs_warm": {mode: value / firsts["warm"] for mode, value in firsts.items()},
+            "vs_cold": {mode: value / firsts["cold"] for mode, value in firsts.items()},
+            "load_s": {
+                mode: statistics.median(report[f"swap_{mode}"]["load_s"]) for mode in swaps
+            },
+            "cached_tokens": {
+                mode: [r[0]["cached_tokens"] for r in report[f"swap_{mode}"]["rounds"]]
+                for mode in swaps
+            },
+            "same_answers": [r[0]["text"] for r in report["swap_host_tier"]["rounds"]]
+            == [r[0]["text"] for r in report["swap_warm"]["rounds"]],
+        }
+        log(json.dumps(report["swap"], indent=1))
     if not args.no_misses:
         sweep = {}
         with tempfile.TemporaryDirectory(dir=args.workdir) as disk:
@@ -302,6 +374,25 @@ def markdown(report: Json) -> str:
                 f"| {mode} | {value:.3f} s | {against:.2f}x | {move['vs_cold'][mode]:.2f}x |"
             )
         lines.append("")
+    if "swap" in report:
+        swap = report["swap"]
+        lines += [
+            f"Turn 4 after a registry swap (prefix {swap['prefix_tokens']} tokens):",
+            "",
+            "| turn 4 | TTFT | vs warm | vs cold | load |",
+            "|---|---|---|---|---|",
+        ]
+        for mode, value in swap["first_turn_ttft_s"].items():
+            lines.append(
+                f"| {mode} | {value:.3f} s | {swap['vs_warm'][mode]:.2f}x | "
+                f"{swap['vs_cold'][mode]:.2f}x | {swap['load_s'][mode]:.2f} s |"
+            )
+        lines += [
+            "",
+            f"cached tokens: {swap['cached_tokens']}; same greedy answers (host tier and "
+            f"warm): {swap['same_answers']}",
+            "",
+        ]
     if "misses" in report:
         misses_ = report["misses"]
         rates = misses_["tokens_per_s"]
@@ -325,6 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", default=tempfile.gettempdir())
     parser.add_argument("--no-kill", action="store_true")
     parser.add_argument("--no-move", action="store_true")
+    parser.add_argument("--no-swap", action="store_true")
     parser.add_argument("--no-misses", action="store_true")
     parser.add_argument("--json", help="also write the whole report here")
     args = parser.parse_args(argv)

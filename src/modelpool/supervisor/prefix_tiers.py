@@ -4,11 +4,13 @@ and what the supervisor reads of them.
 The host tier lives in ``prefix_cache_host_dir`` when the configuration names one (its
 owner keeps it: several pools, or pools one after another, may share it), else in a
 directory the pool makes in ``/dev/shm`` when it starts and removes when it closes, so
-that it outlives every worker of the pool but not the pool. The disk tier lives in a
-subdirectory of ``prefix_cache_dir`` named for the model and backend, and is never
-removed. Workers get both as ``WorkerSpec.prefix_tiers``; the pool reads the tiers'
-sizes, counters and fingerprints from their directories on a thread of its own
-(``tier_watch``), so they cost no worker a message and count what killed workers did.
+that it outlives every worker of the pool but not the pool (a registry's pools are given
+their model's directory, kept while the model is out: ``registry.host_tiers``). The
+disk tier lives in a subdirectory of ``prefix_cache_dir`` named for the model and
+backend, and is never removed. Workers get both as ``WorkerSpec.prefix_tiers``; the pool
+reads the tiers' sizes, counters and fingerprints from their directories on a thread of
+its own (``tier_watch``), so they cost no worker a message and count what killed workers
+did.
 """
 
 from __future__ import annotations

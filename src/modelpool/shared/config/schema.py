@@ -188,8 +188,9 @@ class PoolConfig:
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     # Prefix cache tiers (docs/prefix-tiers.md): cached prefixes outside the workers, so a
     # kill, a swap or a restart costs a restore. The host tier's bound (0: off) and
-    # directory (None: one the pool makes in /dev/shm and removes at close); the disk
-    # tier's directory (None: off) and bound.
+    # directory (None: one the pool makes in /dev/shm and removes at close, or under a
+    # registry the model's own, kept while it is out); the disk tier's directory (None:
+    # off) and bound.
     prefix_cache_host_bytes: int = 0
     prefix_cache_host_dir: str | None = None
     prefix_cache_dir: str | None = None

@@ -19,6 +19,7 @@ from modelpool.shared.errors import ModelLoadFailed, ModelNotFound, ModelUnavail
 from modelpool.supervisor.gpu import GpuProbe
 from modelpool.supervisor.pool import ModelPool
 from modelpool.supervisor.registry.budget import Budgets
+from modelpool.supervisor.registry.host_tiers import HostTiers
 from modelpool.supervisor.registry.needs import NeedStore, estimate, identity
 from modelpool.supervisor.registry.records import Entry, RegistryConfig, Step
 from modelpool.supervisor.registry.swaps import SwapLedger
@@ -69,10 +70,17 @@ class RegistryBase:
         # The steps running, each on its thread: one of any kind, or several loads that
         # evict nothing (loads in parallel where memory allows).
         self._steps: list[Step] = []
-        # The budgets read the records, the draining swaps and the running steps; their
-        # decisions are ours.
+        # Each model's host prefix cache tier, kept while it is out (``host_tiers``).
+        self._host_tiers = HostTiers()
+        # The budgets read the records, the draining swaps, the running steps and the
+        # kept tiers; their decisions are ours.
         self._budgets = Budgets(
-            config, self._entries, self._draining, self._swaps_ledger, self._steps
+            config,
+            self._entries,
+            self._draining,
+            self._swaps_ledger,
+            self._steps,
+            self._host_tiers,
         )
         self._waiting = 0
         self._waiting_by: dict[str, int] = {}
@@ -153,6 +161,18 @@ class RegistryBase:
         )
         if entry.load is not None and not entry.load.done():
             entry.load.set_exception(entry.error.copy())
+
+    def _drop_tiers(self, entries: list[Entry]) -> list[str]:
+        """Take the out models' kept host tiers from them, to be removed by a step (lock
+        held): counted until they are gone, and each model's next load makes a new one."""
+        directories = []
+        for entry in entries:
+            directory = self._host_tiers.detach(entry.spec.name, entry.tier_bytes)
+            entry.tier_bytes = 0
+            if directory is not None:
+                directories.append(directory)
+                logger.info("registry: dropping the host tier of %s", entry.spec.name)
+        return directories
 
     def _keep_need(self, entry: Entry) -> None:
         """Save the model's measured need for the next start (off the lock: a file)."""

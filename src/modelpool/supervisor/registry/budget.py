@@ -4,13 +4,25 @@ evicted, and what a load must evict first (or wait for).
 :class:`Budgets` reads the registry's records (each ``Entry``: held and needed memory,
 state, pin, waiters) and the swaps waiting for their victims to drain; it decides, and
 the registry carries the decision out. Every call is made with the registry's lock held.
+
+Out models' host prefix cache tiers (``host_tiers``) count at their bytes, and are the
+first room a load takes: before a loaded model is evicted, the tiers of models that are
+out are dropped, least recently used first (a tier is a faster reload, a loaded model
+serves requests now); a loaded model is evicted only when they are not enough, and then
+the tiers that still fit beside the load are kept. They never make a load impossible: a
+model too large for the budget is judged without them.
 """
 
 from __future__ import annotations
 
 from modelpool.shared.errors import ModelTooLarge
+from modelpool.supervisor.registry.host_tiers import HostTiers
 from modelpool.supervisor.registry.records import ANYONE, MEMORY, Entry, RegistryConfig, Step
 from modelpool.supervisor.registry.swaps import SwapLedger
+
+# A plan: the models to evict, the unverified releases to wait for, and the out models
+# whose host tiers are dropped first.
+Plan = tuple[list[Entry], list[Entry], list[Entry]]
 
 
 class Budgets:
@@ -23,6 +35,7 @@ class Budgets:
         draining: list[Step],
         ledger: SwapLedger,
         steps: list[Step],
+        host_tiers: HostTiers,
     ) -> None:
         self.config = config
         self.entries = entries
@@ -31,6 +44,7 @@ class Budgets:
         self.draining = draining
         self.ledger = ledger
         self.steps = steps
+        self.host_tiers = host_tiers
 
     def loading(self) -> dict[int, dict[str, int] | None]:
         """The models a running step is loading (ids), each with the need its load was
@@ -63,17 +77,22 @@ class Budgets:
         return self.config.gpu_memory_budget_bytes
 
     def held_total(
-        self, without: set[int] | None = None, *, at_peak: bool = False
+        self, without: set[int] | None = None, *, at_peak: bool = False, tiers: bool = True
     ) -> dict[str, int]:
         """What the models hold now, by resource; ``at_peak``: each model that holds
         anything counted at its need (the most it was measured to hold), since a model
-        that holds less now may grow back to it while the next one loads."""
+        that holds less now may grow back to it while the next one loads; ``tiers``: with
+        the host tiers kept for out models and those being dropped."""
         total: dict[str, int] = {}
+        if tiers and (dropping := self.host_tiers.dropping_bytes()):
+            total[MEMORY] = dropping
         loading = self.loading() if at_peak else {}
         for entry in self.entries.values():
             if without is not None and id(entry) in without:
                 continue
             held = dict(entry.held)
+            if tiers and entry.tier_bytes:
+                held[MEMORY] = held.get(MEMORY, 0) + entry.tier_bytes
             counted = held or id(entry) in loading
             if at_peak and counted and entry.lingering is None:
                 for need in (entry.need, loading.get(id(entry))):
@@ -107,11 +126,23 @@ class Budgets:
         ]
         return sorted(found, key=lambda e: (not e.idle, e.last_used))
 
-    def plan(
-        self, entry: Entry, client: str = ANYONE, now: float = 0.0
-    ) -> tuple[list[Entry], list[Entry]] | None:
-        """The models to evict before ``entry`` loads ([]: none) and the models whose
-        unverified release it must wait for ([]: none), or None to wait; raises
+    def kept_tiers(self, loading: Entry | None) -> list[Entry]:
+        """Out models whose host tiers may be dropped (not ``loading``, nor a model whose
+        load is asked for), least recently used first."""
+        found = [
+            e
+            for e in self.entries.values()
+            if e.tier_bytes
+            and e.pool is None
+            and e.state in ("unloaded", "failed")
+            and e is not loading
+        ]
+        return sorted(found, key=lambda e: e.last_used)
+
+    def plan(self, entry: Entry, client: str = ANYONE, now: float = 0.0) -> Plan | None:
+        """The models to evict before ``entry`` loads ([]: none), the models whose
+        unverified release it must wait for ([]: none) and the out models whose host
+        tiers are dropped first ([]: none), or None to wait; raises
         ModelTooLarge when it cannot fit even beside the pinned models alone. ``client``:
         who the load is for (the models it may evict: ``candidates``).
 
@@ -123,7 +154,8 @@ class Budgets:
         unverified release left is counted as measured; the load waits for it (within
         its deadline) only when evicting what may be evicted does not make room."""
         if self.unbounded():
-            return [], []
+            return [], [], []
+        tiers = self.kept_tiers(entry)
         candidates = self.candidates(entry, client, now)
         movable = {id(e) for e in candidates}
         lingering = [e for e in self.entries.values() if e.lingering is not None]
@@ -166,7 +198,7 @@ class Budgets:
                 )
             ):
                 return None
-            return candidates, lingering
+            return candidates, lingering, tiers
         too_large = self.too_large(entry, need)
         if too_large is not None:
             raise too_large
@@ -186,7 +218,8 @@ class Budgets:
             victims: list[Entry] = []
             # The model's own lingering memory counts too: never two copies of it.
             gone = {id(e) for e in wait} | ({id(entry)} if entry.lingering is None else set())
-            for victim in [None, *candidates]:
+            # The out models' tiers first, so kept back last where they turn out not needed.
+            for victim in [None, *tiers, *candidates]:
                 if victim is not None:
                     victims.append(victim)
                     gone.add(id(victim))
@@ -195,13 +228,14 @@ class Budgets:
                         if fits(gone - {id(kept)}):
                             victims.remove(kept)
                             gone.discard(id(kept))
-                    return victims, wait
+                    drops = [v for v in victims if v in tiers]
+                    return [v for v in victims if v not in tiers], wait, drops
         return None  # models just loaded for their waiters are in the way: they go first
 
     def too_large(self, entry: Entry, need: dict[str, int]) -> ModelTooLarge | None:
         """The error if ``need`` does not fit a budget even beside the pinned models alone."""
         others = {id(e) for e in self.entries.values() if not e.pinned or e is entry}
-        floor_by = self.held_total(without=others)
+        floor_by = self.held_total(without=others, tiers=False)
         for resource, amount in need.items():
             budget = self.budget(resource)
             if budget is None:

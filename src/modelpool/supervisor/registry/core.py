@@ -174,6 +174,7 @@ class ModelRegistry(Admission, Loads, Observing):
                     entry.state = "unloaded"
         for pool in pools:
             pool.close(drain=True, timeout=timeout)
+        self._host_tiers.close()  # its pools are closed: nobody writes the tiers now
         if self._own_probe is not None:
             self._own_probe.close()
 
@@ -512,6 +513,11 @@ class ModelRegistry(Admission, Loads, Observing):
                 why = f"unloading idle model {entry.spec.name}"
                 return Step("unload", None, [entry], why, release_by=now + RELEASE_TIMEOUT_S)
         if self._budgets.over_budget():
+            tiers = self._budgets.kept_tiers(None)
+            if tiers:  # an out model's kept tier goes before a loaded model does
+                why = f"dropping the host tier of {tiers[0].spec.name}: over the budget"
+                drops = self._drop_tiers(tiers[:1])
+                return Step("unload", None, [], why, release_by=now, drops=drops)
             idle = [v for v in self._budgets.candidates(None) if v.idle]
             if idle:
                 idle[0].state = "unloading"
@@ -535,9 +541,9 @@ class ModelRegistry(Admission, Loads, Observing):
                 continue
             need = self._budgets.proven_need(entry)
             alone = need is None and not self._budgets.unbounded()
-            if plan is None or (busy and (plan[0] or plan[1] or alone)):
+            if plan is None or (busy and (plan[0] or plan[1] or plan[2] or alone)):
                 continue  # waits for memory not back yet, or its turn; re-planned each round
-            victims, awaits = plan
+            victims, awaits, tiers = plan
             self._pending.remove(entry)
             if victims:
                 self._swaps += 1
@@ -556,6 +562,7 @@ class ModelRegistry(Admission, Loads, Observing):
                 awaits,
                 release_by=now + entry.spec.load_deadline_s,
                 need=need,
+                drops=self._drop_tiers(tiers),
             )
             if any(v.in_flight for v in victims):
                 step.drain_by = now + self.config.unload_timeout_s

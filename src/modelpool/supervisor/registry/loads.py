@@ -20,6 +20,8 @@ class Loads(Memory):
 
     def _run_step(self, step: Step) -> None:
         try:
+            for directory in step.drops:
+                self._host_tiers.remove(directory)
             for victim in step.victims:
                 self._unload(victim, evicted=step.kind == "swap", why=step.why, step=step)
             if step.entry is not None and self._await_release(step):
@@ -40,9 +42,12 @@ class Loads(Memory):
         entry = step.entry
         assert entry is not None
         spec = entry.spec
-        pool = self._pool_class(spec.pool, gpu_probe=self._gpu_probe)
+        # Its host tier is the registry's: kept from its last load, and after this one.
+        pool = self._pool_class(self._host_tiers.pool_config(spec), gpu_probe=self._gpu_probe)
         started = time.monotonic()
         with self._cond:
+            # Counted in what the loading pool holds from now on, at its bound.
+            entry.tier_bytes = 0
             # The readings of requests are this load's own (the memory module's docstring).
             entry.readings = []
             # What it was planned at: a load that does not become ready measured only the
@@ -75,7 +80,7 @@ class Loads(Memory):
                 discard = error is None
             elif error is not None:
                 self._fail(entry, f"its load failed: {error}", now)
-                return
+                discard = False
             else:
                 self._note_held(entry, held, now, load_peak=peak)
                 entry.need = self._settled(entry) or entry.need
@@ -86,10 +91,13 @@ class Loads(Memory):
                     self._fail(entry, too_large.message, now, error=too_large)
                 else:
                     self._loaded(entry, pool, seconds, now)
-        if discard:
-            # Closed on this step's thread: until its processes are gone (close returns
-            # then) the step runs, and the load counts at its need beside other loads.
-            pool.close(drain=False, timeout=0.0)
+        if error is not None or discard:
+            if discard:
+                # Closed on this step's thread: until its processes are gone (close
+                # returns then) the step runs, and the load counts at its need beside
+                # other loads.
+                pool.close(drain=False, timeout=0.0)
+            self._keep_tier(entry)
             return
         logger.info("registry: %s loaded in %.2f s", spec.name, seconds)
         self._keep_need(entry)

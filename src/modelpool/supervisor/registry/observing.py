@@ -126,4 +126,9 @@ class Observing(RegistryBase):
             else None,
             keep_alive_s=None if until is None else round(max(0.0, until - entry.last_used), 3),
             need_source=entry.need_source if entry.need is not None else None,
+            host_tier_bytes=entry.tier_bytes
+            if entry.pool is None
+            and entry.state != "loading"
+            and self._host_tiers.directory(spec.name) is not None
+            else None,
         )

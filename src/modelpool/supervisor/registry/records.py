@@ -129,7 +129,9 @@ class ModelStats:
     now (None unless loaded), ``need_bytes`` what a load of it is planned to take (None:
     not known; ``need_source`` says whether it was measured, saved by an earlier run or
     estimated from its files), ``gpu_bytes`` by GPU. ``keep_alive_s``: idle seconds
-    after its last use before it unloads (None: never)."""
+    after its last use before it unloads (None: never). ``host_tier_bytes``: the bytes of
+    the host prefix cache tier the registry keeps for it while it is out (None: it keeps
+    none, or the model is loaded: its pool's ``prefix_tiers`` show the tier)."""
 
     name: str
     state: ModelState
@@ -154,6 +156,8 @@ class ModelStats:
     keep_alive_s: float | None
     need_source: NeedSource | None = None
     pool: PoolStats | None = None
+    # The bytes of the host prefix cache tier kept for it while it is out (None: none kept).
+    host_tier_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -320,6 +324,9 @@ class Entry:
     lingering: Lingering | None = None
     # Failed only because memory was not back: unloaded again once it is.
     held_back: bool = False
+    # The bytes of its host prefix cache tier the registry keeps while it is out
+    # (``host_tiers``); 0 while it loads or is loaded, when ``held`` counts the tier.
+    tier_bytes: int = 0
 
     @property
     def idle(self) -> bool:
@@ -404,6 +411,8 @@ class Step:
     # The need the load was planned at when proven (``Budgets.proven_need``); None: not
     # known, nothing loads beside it.
     need: dict[str, int] | None = None
+    # Out models' host tier directories to remove before anything else (``host_tiers``).
+    drops: list[str] = field(default_factory=list)
     thread: threading.Thread | None = None
     loading: ModelPool | None = None
     deadline: float | None = None

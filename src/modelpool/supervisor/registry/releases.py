@@ -62,12 +62,15 @@ class Releases(RegistryBase):
         gpus = {device: had.get(device, 0) for device in pool.stats().gpu.blocked_devices}
         lingering = Lingering(processes, frozenset(p.pid for p in processes), gpus)
         held = self._wait_released(lingering, until)
+        # Its workers are gone: its kept host tier (if any) holds what it will while out.
+        tier_bytes = self._host_tiers.measure(entry.spec)
         logger.info(
             "registry: %s: %s unloaded in %.2f s", why, entry.spec.name, time.monotonic() - started
         )
         with self._cond:
             entry.pool = None
             entry.held = {}
+            entry.tier_bytes = tier_bytes
             entry.unloads += 1
             entry.evictions += 1 if evicted else 0
             entry.unload_requested = False
@@ -85,6 +88,15 @@ class Releases(RegistryBase):
                     self._request_load(entry)  # requests came while it drained
             self._cond.notify_all()
         self._keep_need(entry)
+
+    def _keep_tier(self, entry: Entry) -> None:
+        """A load that did not end loaded: the model's kept host tier counts at its
+        bytes from now on (unless its next load started meanwhile)."""
+        tier_bytes = self._host_tiers.measure(entry.spec)
+        with self._cond:
+            if entry.pool is None and entry.state != "loading":
+                entry.tier_bytes = tier_bytes
+            self._cond.notify_all()
 
     def _wait_released(self, lingering: Lingering, until: float) -> dict[str, int]:
         """Poll ``lingering`` until all of it is back or ``until``; what is still held."""
