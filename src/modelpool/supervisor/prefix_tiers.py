@@ -16,7 +16,6 @@ did.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import shutil
 import tempfile
@@ -24,8 +23,6 @@ from pathlib import Path
 
 from modelpool.shared.config import PoolConfig
 from modelpool.shared.prefix_tier import TierSpec
-
-logger = logging.getLogger("modelpool.pool")
 
 SHARED_MEMORY = Path("/dev/shm")
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import threading
 
 from modelpool.shared.config import ModelSpec, PoolConfig
-from modelpool.shared.prefix_tier import TierSpec
-from modelpool.supervisor.prefix_tiers import remove_host_tier, tier_stats, with_host_tier
+from modelpool.shared.prefix_tier import PrefixTierStore, TierSpec
+from modelpool.supervisor.prefix_tiers import remove_host_tier, with_host_tier
 
 
 class HostTiers:
@@ -64,8 +64,12 @@ class HostTiers:
         if directory is None:
             return 0
         bound = spec.pool.prefix_cache_host_bytes
-        found = tier_stats((TierSpec("host", directory, bound),))
-        return found[0].bytes if found else 0
+        try:
+            # The identity only checks entries, which stats never reads.
+            store = PrefixTierStore.open((TierSpec("host", directory, bound),), identity="")
+            return sum(tier.bytes for tier in store.stats())
+        except OSError:
+            return 0
 
     def detach(self, name: str, tier_bytes: int) -> str | None:
         """Take ``name``'s directory from it to be removed (its next load makes a new
