@@ -83,6 +83,52 @@ def test_claude_code_sends_tools_and_an_image(daemon: Daemon) -> None:
 
 
 @pytest.mark.slow
+def test_a_streamed_session_reads_a_picture_through_a_tool(daemon: Daemon) -> None:
+    """Claude Code's shape: streamed turns, the model calls Read, the result is the picture
+    as an image block, and the next turn (tools still offered) is answered too."""
+    read: Any = {
+        "name": "Read",
+        "description": "Read a file",
+        "input_schema": {
+            "type": "object",
+            "properties": {"file_path": {"enum": ["shot.png"]}},
+            "required": ["file_path"],
+            "additionalProperties": False,
+        },
+    }
+    asked: list[Any] = [{"role": "user", "content": "Look at shot.png"}]
+    with _claude(daemon) as claude:
+        with claude.messages.stream(
+            model="seer",
+            max_tokens=ROOM,
+            tools=[read],
+            tool_choice={"type": "tool", "name": "Read"},
+            messages=asked,
+        ) as stream:
+            first = stream.get_final_message()
+        uses = [block for block in first.content if block.type == "tool_use"]
+        assert first.stop_reason == "tool_use" and len(uses) == 1, first
+        assert uses[0].input == {"file_path": "shot.png"}
+        image = {"type": "base64", "media_type": "image/png", "data": b64(PICTURE)}
+        result = {
+            "type": "tool_result",
+            "tool_use_id": uses[0].id,
+            "content": [{"type": "image", "source": image}],
+        }
+        conversation: list[Any] = [
+            *asked,
+            {"role": "assistant", "content": [block.model_dump() for block in first.content]},
+            {"role": "user", "content": [result]},
+        ]
+        with claude.messages.stream(
+            model="seer", max_tokens=ROOM, tools=[read], messages=conversation
+        ) as stream:
+            second = stream.get_final_message()
+    assert second.content and {block.type for block in second.content} <= {"text", "tool_use"}
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+
+@pytest.mark.slow
 def test_chat_and_responses_tool_calls_with_an_image(daemon: Daemon) -> None:
     function = {"name": "count_sides", "parameters": SIDES}
     with openai.OpenAI(
