@@ -405,9 +405,7 @@ def render_chat(
     if tools and features.tools:
         kwargs["tools"] = tools
     elif tools:
-        preamble = GENERIC_PREAMBLE.format(
-            tools="\n".join(json.dumps(tool["function"]) for tool in tools)
-        )
+        preamble = generic_preamble(tools)
         if rendered and rendered[0]["role"] == "system":
             rendered[0]["content"] = f"{rendered[0]['content']}\n\n{preamble}"
         else:
@@ -416,6 +414,12 @@ def render_chat(
         rendered, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
     )
     return text
+
+
+def generic_preamble(tools: Sequence[Mapping[str, Any]]) -> str:
+    """:data:`GENERIC_PREAMBLE` offering ``tools`` (OpenAI's shape), for a template that
+    does not render them."""
+    return GENERIC_PREAMBLE.format(tools="\n".join(json.dumps(tool["function"]) for tool in tools))
 
 
 def template_messages(

@@ -16,8 +16,16 @@ shared KV cache, while a vision model's prefill must run its vision tower and sp
 features in at the image tokens, per model family. For the same reason it keeps no prefix
 cache: a cache keyed by token ids would give one image's KV to another image behind the
 same image tokens. Streaming, stop strings, cancellation (between decoder layers of the
-prefill, and every step) are the one-call text form's (:mod:`.generation`). Log
-probabilities, grammars, penalties, tools and adapters are refused on such a model.
+prefill, and every step) are the one-call text form's (:mod:`.generation`).
+
+Tools and grammars are the text model's too, so that an agent's session (Claude Code
+always sends tools) can use a vision model: the tools are rendered by the processor's
+template when it renders them, else offered in the system message as text
+(:data:`~modelpool.shared.tools.GENERIC_PREAMBLE`, the system turn's other parts kept);
+the request's grammar (a tool call's syntax, a ``response_format``) masks each step's
+logits through a logits processor given to the model's ``generate()``, and the supervisor
+reads the calls out of the text as for any model. Log probabilities, penalties and
+adapters are refused on such a model.
 """
 
 from __future__ import annotations
@@ -29,9 +37,11 @@ from typing import Any
 
 from modelpool.shared.context import check_max_model_len, context_length
 from modelpool.shared.errors import InvalidRequest
+from modelpool.shared.grammar import COMPILE_TIMEOUT_PARAM, GRAMMAR_PARAM
+from modelpool.shared.prefixes import CACHE_SALT_PARAM
 from modelpool.shared.protocol import Call, Generation, Prompt, TokenIds, note_prompt
 from modelpool.shared.reasoning.controls import THINKING_PARAMS, template_params
-from modelpool.shared.tools import template_features, template_messages
+from modelpool.shared.tools import generic_preamble, template_features, template_messages
 from modelpool.shared.validation import FIT_PARAM, PRIORITY_PARAM, PROMOTED_AT_PARAM
 from modelpool.worker import images
 from modelpool.worker.backends.common.params import (
@@ -44,10 +54,12 @@ from modelpool.worker.backends.common.text import TextProgress, stop_strings
 from modelpool.worker.backends.hf.generation import (
     PrefillCancelled,
     _generation_kwargs,
+    _grammar_processor,
     _hooks,
     cancellable,
     finish_reason_of,
 )
+from modelpool.worker.backends.hf.grammars import LLGuidanceGrammars
 from modelpool.worker.backends.hf.options import (
     LOAD_OPTIONS,
     thread_count,
@@ -75,6 +87,11 @@ VISION_PARAMS = frozenset(
         PRIORITY_PARAM,
         PROMOTED_AT_PARAM,
         FIT_PARAM,
+        "tools",
+        GRAMMAR_PARAM,
+        COMPILE_TIMEOUT_PARAM,
+        # A prefix cache's partition (the Anthropic API sets it): no prefix cache here.
+        CACHE_SALT_PARAM,
         *THINKING_PARAMS,
     }
 )
@@ -142,6 +159,7 @@ class VisionHandler:
             [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
         )
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.grammars = LLGuidanceGrammars(self.tokenizer, self.vocab_size, self.eos_ids)
 
     def validate(self, params: Mapping[str, Any]) -> None:
         validate_params(params, "hf")
@@ -149,9 +167,15 @@ class VisionHandler:
         if refused:
             raise InvalidRequest(f"{refused[0]!r} is not supported for a vision model")
 
-    def encode(self, prompt: Prompt, template_kwargs: Mapping[str, Any] | None = None) -> Any:
-        """The processor's inputs for ``prompt`` (input ids, attention mask, and the
-        images' pixel values and whatever else the family needs), on the model's device."""
+    def encode(
+        self,
+        prompt: Prompt,
+        template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Any:
+        """The processor's inputs for ``prompt`` with ``tools`` offered (input ids,
+        attention mask, and the images' pixel values and whatever else the family needs),
+        on the model's device."""
         if isinstance(prompt, TokenIds):
             raise InvalidRequest("a vision model takes a string or chat messages, not token ids")
         if isinstance(prompt, str):
@@ -159,17 +183,23 @@ class VisionHandler:
         decoded = iter(images.decode_prompt_images(prompt))
         # Tool calls and results the template cannot render go in as text, a result's
         # images kept as parts in its turn (the order they were decoded in is kept).
-        rendered = template_messages(prompt, template_features(self.processor))
+        features = template_features(self.processor)
+        rendered = template_messages(prompt, features)
         messages = [
             {**message, "content": _parts(message["content"], decoded)} for message in rendered
         ]
+        kwargs = dict(template_kwargs or {})
+        if tools and features.tools:
+            kwargs["tools"] = tools
+        elif tools:
+            _offer_in_system(messages, generic_preamble(tools))
         inputs = self.processor.apply_chat_template(
             messages,
             add_generation_prompt=True,
             tokenize=True,
             return_dict=True,
             return_tensors="pt",
-            **(template_kwargs or {}),
+            **kwargs,
         )
         return inputs.to(self.model.device, dtype=self.model.dtype)
 
@@ -182,19 +212,28 @@ class VisionHandler:
         stops = stop_strings(params.pop("stop", ()))
         seed = params.pop("seed", None)
         ignore_eos = params.pop("ignore_eos", False)
-        for name in (PRIORITY_PARAM, PROMOTED_AT_PARAM):
+        tools = params.pop("tools", None)
+        grammar_text = params.pop(GRAMMAR_PARAM, None)
+        for name in (PRIORITY_PARAM, PROMOTED_AT_PARAM, COMPILE_TIMEOUT_PARAM, CACHE_SALT_PARAM):
             params.pop(name, None)
         template_kwargs = template_params(params)
         for name in THINKING_PARAMS:
             params.pop(name, None)
         if ignore_eos:
             params["eos_token_id"] = None
-        inputs = self.encode(call.prompt, template_kwargs)
+        inputs = self.encode(call.prompt, template_kwargs, tools)
         prompt_tokens = int(inputs["input_ids"].shape[1])
         params["max_new_tokens"] = fit_new_tokens(call, params, prompt_tokens, self.max_model_len)
         params.pop(FIT_PARAM, None)
         if params["max_new_tokens"] == 0:
             return Generation("", "length", prompt_tokens, 0)
+        processors: list[Any] = []
+        if grammar_text is not None:
+            # Compiled on a thread of its own within its bound, the cancel flag read meanwhile.
+            compiled = self.grammars.start(call.params).wait(call.cancelled)
+            if compiled is None:
+                return Generation("", "cancelled", prompt_tokens, 0)
+            processors.append(_grammar_processor(self.grammars, self.grammars.row(compiled)))
         progress = TextProgress(self.tokenizer, call, prompt_tokens, stops)
         note_prompt(call, prompt_tokens, 0)
         if seed is not None:
@@ -202,7 +241,7 @@ class VisionHandler:
         try:
             with torch.inference_mode(), cancellable(self.model, call.cancelled):
                 sequences = self.model.generate(
-                    **inputs, **_generation_kwargs(params), **_hooks(progress, [])
+                    **inputs, **_generation_kwargs(params), **_hooks(progress, processors)
                 )
         except PrefillCancelled:
             return Generation(progress.text, "cancelled", prompt_tokens, len(progress.token_ids))
@@ -227,6 +266,16 @@ class VisionHandler:
         check_vocabulary(token_ids, self.vocab_size)
         text: str = self.tokenizer.decode(token_ids, clean_up_tokenization_spaces=False)
         return text
+
+
+def _offer_in_system(messages: list[dict[str, Any]], preamble: str) -> None:
+    """Put ``preamble`` at the end of the system turn's parts (one made first if there is
+    none), for a template that does not render tools."""
+    if not messages or messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": []})
+    system = messages[0]["content"]
+    separator = "\n\n" if system else ""
+    system.append({"type": "text", "text": f"{separator}{preamble}"})
 
 
 def _parts(content: object, decoded: Any) -> list[dict[str, Any]]:
