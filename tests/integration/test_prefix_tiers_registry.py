@@ -112,7 +112,12 @@ def test_a_model_evicted_for_another_restores_from_the_host_tier_the_registry_ke
         with registry.use("orchard", deadline_s=300.0) as pool:
             assert pool.config.prefix_cache_host_dir == host
             text, cached = ask(pool, messages, QUESTIONS[1])
-            (tier,) = pool.stats().prefix_tiers
+            # The pool's tier stats are read on its watch thread, a moment behind the worker.
+            tier = wait_until(
+                lambda: next((t for t in pool.stats().prefix_tiers if t.restores), None),
+                60.0,
+                message=lambda: f"a restore in the tier's stats ({pool.stats().prefix_tiers})",
+            )
         assert registry.model_stats("orchard").host_tier_bytes is None  # loaded: the pool's
     finally:
         registry.close(timeout=10.0)
