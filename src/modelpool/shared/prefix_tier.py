@@ -283,7 +283,7 @@ class _Tier:
     def lookup(
         self, ids: Sequence[int], partition: int, identity: str, keys: list[str]
     ) -> TierHit | None:
-        for block in range(len(keys) - 1, -1, -1):
+        for block in range(self._longest_named(keys), -1, -1):
             path = self.path(keys[block])
             try:
                 data = _read(path)
@@ -297,6 +297,20 @@ class _Tier:
                 os.utime(path)  # the most recently used: the last out
             return hit
         return None
+
+    def _longest_named(self, keys: list[str]) -> int:
+        """The last block of ``keys`` with a name in the tier (-1: none), by bisection: an
+        entry is named under each of its blocks, so the names a prompt finds are its first
+        blocks (a miss is one ``stat``, not one per block). A name removed meanwhile only
+        makes the hit shorter; the caller walks down from here past any it rejects."""
+        low, high = -1, len(keys) - 1
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.path(keys[middle]).exists():
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     def store(self, keys: list[str], header: bytes, body: Sequence[bytes | memoryview]) -> bool:
         size = len(header) + sum(memoryview(part).nbytes for part in body)
@@ -314,12 +328,15 @@ class _Tier:
                 recount = int(counters.get("stores", 0.0)) % RECOUNT_EVERY == 0
                 if bound is None or recount or bound + size > self.limit_bytes:
                     bound = self._make_room(size)
+                # Plain strings: a long prefix is a hundred names and more, and pathlib's
+                # joins cost as much as the links themselves.
+                directory, written = str(self.directory), str(temp)
                 for key in keys:
                     # A link to a temporary name, then renamed over the entry's name: a
                     # name always points at a whole file, old or new.
-                    link = self._temp_path()
-                    os.link(temp, link)
-                    os.replace(link, self.path(key))
+                    link = f"{directory}/{_TEMP_PREFIX}{os.getpid()}-{next(_writes)}"
+                    os.link(written, link)
+                    os.replace(link, f"{directory}/{key}{ENTRY_SUFFIX}")
                 self._add_counts(stores=1, **{_UPPER_BOUND: bound + size})
         except OSError:
             return False
