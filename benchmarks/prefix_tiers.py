@@ -272,6 +272,7 @@ def ttft(run: Json, turn_index: int) -> float:
 
 
 def run(args: argparse.Namespace, log: Any = print) -> Json:
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
     model = args.model
     if model == "tiny":
         model = str(build_tiny_model(Path(args.workdir) / "tiny-4k", context_length=8192))
