@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.embeddings import p50_s
 from modelpool import ModelPool, PoolConfig
 from modelpool.scheduling.placement import tier_held
 from modelpool.shared.prefix_tier import BLOCK_TOKENS, PrefixTierStore, TierSpec
@@ -41,15 +40,6 @@ from modelpool.supervisor.results import PoolFuture
 from modelpool.supervisor.tier_watch import TierScanner, TierWatch
 
 SHARED_MEMORY = Path("/dev/shm")
-
-
-def median_s(action: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def fill(spec: TierSpec, entries: int, tokens: int) -> None:
@@ -80,8 +70,8 @@ def main() -> None:
         names = args.entries * (args.tokens // BLOCK_TOKENS)
         report = {"entries": args.entries, "names": names, "fill_s": time.perf_counter() - started}
         store = PrefixTierStore.open([spec], "")
-        report["before_stats_walk_s"] = median_s(store.stats, args.repeats)
-        report["watch_first_walk_s"] = median_s(lambda: TierScanner(spec).walk(), args.repeats)
+        report["before_stats_walk_s"] = p50_s(store.stats, args.repeats)
+        report["watch_first_walk_s"] = p50_s(lambda: TierScanner(spec).walk(), args.repeats)
         # A quiet tier: its last change well before the walk (tier_watch.SETTLE_NS).
         quiet = os.stat(spec.directory).st_mtime_ns - 10**9
         os.utime(spec.directory, ns=(quiet, quiet))
@@ -89,8 +79,8 @@ def main() -> None:
         (scanner,) = watch.scanners
         scanner.walk()
         assert not scanner.changed()
-        report["watch_walk_after_change_s"] = median_s(scanner.walk, args.repeats)
-        report["watch_unchanged_look_s"] = median_s(scanner.changed, args.repeats)
+        report["watch_walk_after_change_s"] = p50_s(scanner.walk, args.repeats)
+        report["watch_unchanged_look_s"] = p50_s(scanner.changed, args.repeats)
         view = watch.view()
         report["view_fingerprints"] = len(view.fingerprints)
         messages = [
@@ -105,11 +95,11 @@ def main() -> None:
             prefix_fingerprints=prompt_fingerprints(messages),
         )
         report["placement_tier_held"] = tier_held(request, view.fingerprints)
-        report["placement_tier_held_s"] = median_s(
+        report["placement_tier_held_s"] = p50_s(
             lambda: tier_held(request, view.fingerprints), max(args.repeats, 1000)
         )
         with ModelPool(config).start() as pool:
-            report["pool_stats_s"] = median_s(pool.stats, max(args.repeats, 50))
+            report["pool_stats_s"] = p50_s(pool.stats, max(args.repeats, 50))
             report["pool_stats_entries"] = pool.stats().prefix_tiers[0].entries
     for name, value in report.items():
         print(json.dumps({name: value}))
