@@ -193,6 +193,27 @@ class Recorder:
         self.prompt_counts = (prompt_tokens, cached_tokens)
 
 
+class Generating(Protocol):
+    """A handler that answers one call whole (the hf handler, in process)."""
+
+    def generate(self, call: Recorder) -> Any: ...
+
+
+def greedy_conversation(
+    handler: Generating, system: str, questions: Iterable[str], max_new_tokens: int = 8
+) -> list[str]:
+    """The greedy answers of a conversation's turns in process, each turn's whole prompt
+    prefilled: what a pool must answer, tiers or not."""
+    messages: list[Any] = [{"role": "system", "content": system}]
+    answers = []
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        text = handler.generate(Recorder(list(messages), {"max_new_tokens": max_new_tokens})).text
+        messages.append({"role": "assistant", "content": text})
+        answers.append(text)
+    return answers
+
+
 class Stepped(Protocol):
     """A batched backend as the tests drive it: each ``step()`` returns the calls it ended."""
 

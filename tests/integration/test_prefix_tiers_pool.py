@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from helpers import Recorder, make_config, wait_until, workers
+from helpers import Recorder, greedy_conversation, make_config, wait_until, workers
 from modelpool import ModelPool
 from modelpool.shared.prefix_tier import TierStats
 from modelpool.shared.protocol import ChatMessage
@@ -39,14 +39,7 @@ def plain(tiny_model_dir: Path) -> HFHandler:
 
 def reference(plain: HFHandler, turns: int) -> list[str]:
     """The greedy answers of the conversation's turns, every prefix prefilled."""
-    messages: list[ChatMessage] = [{"role": "system", "content": SYSTEM}]
-    answers = []
-    for question in QUESTIONS[:turns]:
-        messages.append({"role": "user", "content": question})
-        text = plain.generate(Recorder(list(messages), {"max_new_tokens": 8})).text
-        messages.append({"role": "assistant", "content": text})
-        answers.append(text)
-    return answers
+    return greedy_conversation(plain, SYSTEM, QUESTIONS[:turns])
 
 
 def tiered_pool(model: Path, **overrides: Any) -> ModelPool:

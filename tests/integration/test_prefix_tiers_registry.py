@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from helpers import Recorder, make_config, wait_until
+from helpers import greedy_conversation, make_config, wait_until
 from modelpool import ModelPool
 from modelpool.shared.config import ModelSpec, PoolConfig
 from modelpool.shared.protocol import ChatMessage
@@ -42,14 +42,7 @@ def plain(tiny_model_dir: Path) -> HFHandler:
 
 def reference(plain: HFHandler) -> list[str]:
     """The greedy answers of the conversation's turns, every prefix prefilled."""
-    messages: list[ChatMessage] = [{"role": "system", "content": SYSTEM}]
-    answers = []
-    for question in QUESTIONS:
-        messages.append({"role": "user", "content": question})
-        text = plain.generate(Recorder(list(messages), {"max_new_tokens": 8})).text
-        messages.append({"role": "assistant", "content": text})
-        answers.append(text)
-    return answers
+    return greedy_conversation(plain, SYSTEM, QUESTIONS)
 
 
 def orchard(model: Path, **overrides: Any) -> PoolConfig:
