@@ -208,3 +208,38 @@ def test_model_identity_changes_with_the_files_dtype_and_backend(tmp_path: Path)
     assert first != model_identity(str(model), backend="llama_cpp", dtype="float32")
     (model / "weights").write_bytes(b"12345")
     assert first != model_identity(str(model), backend="hf", dtype="float32")
+
+
+def test_a_lookup_reads_no_entry_the_worker_already_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = _store(tmp_path)
+    ids = list(range(100))
+    store.store(ids[:64], 0, b"sixty-four")
+    reads: list[Path] = []
+    read = prefix_tier._read
+
+    def counted_read(path: Path) -> bytearray:
+        reads.append(path)
+        return read(path)
+
+    monkeypatch.setattr(prefix_tier, "_read", counted_read)
+    # The worker holds 64 ids already: the tier's entry (4 blocks) adds nothing, so it is
+    # not read, and neither a hit nor a miss is counted.
+    assert store.lookup(ids, 0, longer_than=64) is None
+    assert store.lookup(ids, 0, longer_than=70) is None
+    assert reads == []
+    stats = store.stats()[0]
+    assert (stats.hits, stats.misses, stats.restores) == (0, 0, 0)
+    # Holding less than the entry's blocks: it is read and counted as a hit.
+    hit = store.lookup(ids, 0, longer_than=40)
+    assert hit is not None and hit.length == 64 and len(reads) == 1
+    # A longer entry stored later is found past what the worker holds.
+    store.store(ids[:96], 0, b"ninety-six")
+    longer = store.lookup(ids, 0, longer_than=64)
+    assert longer is not None and longer.length == 96
+    stats = store.stats()[0]
+    assert (stats.hits, stats.misses) == (2, 0)
+    # Holding nothing, a prompt no entry starts with is a miss.
+    assert store.lookup([7, *ids], 0) is None
+    assert store.stats()[0].misses == 1

@@ -389,7 +389,7 @@ class HFHandler(ScheduledHandler):
         tiers = self.prefix_tiers
         if tiers is None or held + TIER_BLOCK_TOKENS > len(ids) - 1:
             return found
-        restored = tiers.restore(ids, partition)
+        restored = tiers.restore(ids, partition, held)
         if restored is None or restored[0].length <= held:
             return found
         hit, layers = restored

@@ -5,10 +5,10 @@ prefix written out of the worker, and read back into a new one.
 prefix cache (``hf.prefix_cache``) is written to the tiers at once, not when it is
 evicted: a worker killed the next moment (its deadline, a neighbour's hang, a recycle, a
 swap) has already given it away, so its kill costs the next turn a restore, not a
-prefill. The write runs on one writer thread: the entry's tensors are never written to
-once cached, so the thread reads them while the next request runs, and hashing and the
-file's write release the GIL. At most ``MAX_PENDING_WRITES`` wait; past that an entry is
-not written (a burst of finished requests never queues memory without bound).
+prefill. The write runs on the worker's ``TierWriter`` (``common.tier_writer``: one
+thread, at a low priority, a bounded queue): the entry's tensors are never written to
+once cached, so the thread reads them while the next request runs, and the checksum and
+the file's write release the GIL.
 
 **Restored on a miss.** A request whose prompt the worker's cache holds less of than a
 tier looks the tier up; a hit's tensors (raw bytes, their dtype and shapes in the entry's
@@ -20,19 +20,17 @@ prefills only the rest of the prompt.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from modelpool.shared.prefix_tier import PrefixTierStore, TierHit, TierSpec, model_identity
+from modelpool.worker.backends.common.tier_writer import TierWriter
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("modelpool.worker")
 
-MAX_PENDING_WRITES = 4
 FORMAT = "hf-kv-1"
 """The payload's layout: per layer keys then values, each [1, heads, tokens, dim]."""
 
@@ -46,9 +44,7 @@ class HFPrefixTiers:
         self.store = store
         self.dtype = dtype
         self.device = device
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-tier")
-        self._pending = 0
-        self._lock = threading.Lock()
+        self.writer = TierWriter(store)
 
     @classmethod
     def open(
@@ -67,22 +63,21 @@ class HFPrefixTiers:
         self, ids: Sequence[int], layers: Layers, fingerprints: Sequence[int], partition: int
     ) -> None:
         """Write the entry (``layers``: tensors never written to again) on the writer
-        thread; not at all when ``MAX_PENDING_WRITES`` are waiting."""
-        with self._lock:
-            if self._pending >= MAX_PENDING_WRITES:
-                return
-            self._pending += 1
-        self._writer.submit(self._write, tuple(ids), layers, tuple(fingerprints), partition)
+        thread, unless its queue is full."""
+        self.writer.submit(ids, partition, fingerprints, lambda: _buffers(layers))
 
     def flush(self) -> None:
         """Wait for the writes submitted so far (tests, and a worker's orderly exit)."""
-        self._writer.submit(lambda: None).result()
+        self.writer.flush()
 
-    def restore(self, ids: Sequence[int], partition: int) -> tuple[TierHit, Layers] | None:
-        """The longest stored prefix of ``ids`` in ``partition`` and its KV on the model's
-        device and dtype, each [1, heads, hit.length, dim] (None: no tier holds one, or
-        the entry does not fit this model's layout)."""
-        hit = self.store.lookup(ids, partition)
+    def restore(
+        self, ids: Sequence[int], partition: int, held: int
+    ) -> tuple[TierHit, Layers] | None:
+        """The longest stored prefix of ``ids`` in ``partition`` longer than ``held`` ids
+        (what the worker's cache holds) and its KV on the model's device and dtype, each
+        [1, heads, hit.length, dim] (None: no tier holds one, or the entry does not fit
+        this model's layout)."""
+        hit = self.store.lookup(ids, partition, longer_than=held)
         if hit is None:
             return None
         try:
@@ -90,20 +85,6 @@ class HFPrefixTiers:
         except (KeyError, TypeError, ValueError, RuntimeError):
             logger.warning("a prefix tier entry does not fit this model; ignored", exc_info=True)
             return None
-
-    def _write(
-        self, ids: tuple[int, ...], layers: Layers, fingerprints: tuple[int, ...], partition: int
-    ) -> None:
-        try:
-            if not self.store.holds(ids, partition):
-                buffers, meta = _buffers(layers)
-                self.store.store(ids, partition, buffers, meta, fingerprints)
-        except Exception:
-            # The tiers only save work: a failed write costs a later prefill, nothing more.
-            logger.warning("could not write a prefix to the tiers", exc_info=True)
-        finally:
-            with self._lock:
-                self._pending -= 1
 
 
 def _buffers(layers: Layers) -> tuple[list[memoryview], dict[str, Any]]:
@@ -143,7 +124,8 @@ def _tensors(hit: TierHit, dtype: torch.dtype, device: torch.device) -> Layers:
             count *= int(extent)
         part = raw[offset : offset + count * size].view(stored).reshape(shape)
         offset += count * size
-        tensors.append(part[:, :, : hit.length].to(device=device, dtype=dtype).clone())
+        # One copy out of the mapped entry (also when device and dtype are already right).
+        tensors.append(part[:, :, : hit.length].to(device=device, dtype=dtype, copy=True))
     if offset != len(raw) or len(tensors) % 2:
         raise ValueError("the payload's size does not match its shapes")
     return [(tensors[index], tensors[index + 1]) for index in range(0, len(tensors), 2)]

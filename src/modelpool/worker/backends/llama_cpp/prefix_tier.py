@@ -4,9 +4,10 @@ sequence's llama.cpp state written out of the worker, and read back into a new o
 As on hf (``hf.prefix_tier``): **written on insert, off the request's path.** A sequence
 that becomes a prefix cache entry has its state copied out of the context at once (on the
 worker loop's thread: llama.cpp's context is not shared with another thread; a memcpy of
-its cells), then hashed and written to the tiers on one writer thread, so a worker killed
-the next moment has already given its prefix away. At most ``MAX_PENDING_WRITES`` wait;
-past that an entry is not written (nor copied).
+its cells), then checksummed and written to the tiers by the worker's ``TierWriter``
+(``common.tier_writer``: one thread, at a low priority, a bounded queue), so a worker
+killed the next moment has already given its prefix away. Past the writer's bound an
+entry is not written (nor copied).
 
 **Restored on a miss.** A request whose prompt the worker's cache holds less of than a
 tier may (at least a block more) looks the tier up; a hit's state is loaded into the
@@ -23,17 +24,12 @@ version (its state format), the GGUF file and the KV layout of the context.
 from __future__ import annotations
 
 import importlib.metadata
-import logging
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from modelpool.shared.prefix_tier import PrefixTierStore, TierHit, TierSpec, model_identity
+from modelpool.worker.backends.common.tier_writer import TierWriter
 
-logger = logging.getLogger("modelpool.worker")
-
-MAX_PENDING_WRITES = 4
 FORMAT = "llama-cpp-seq-1"
 """The payload: ``llama_state_seq_get_data``'s bytes of one sequence (positions 0..n-1)."""
 
@@ -43,9 +39,7 @@ class LlamaPrefixTiers:
 
     def __init__(self, store: PrefixTierStore) -> None:
         self.store = store
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-tier")
-        self._pending = 0
-        self._lock = threading.Lock()
+        self.writer = TierWriter(store)
 
     @classmethod
     def open(
@@ -68,47 +62,26 @@ class LlamaPrefixTiers:
         return cls(store) if store else None
 
     def wants(self, ids: Sequence[int], partition: int) -> bool:
-        """Whether an entry of ``ids`` would be written now: a writer is free and no tier
-        holds it already (checked before its state is copied out of the context)."""
-        with self._lock:
-            if self._pending >= MAX_PENDING_WRITES:
-                return False
-        return not self.store.holds(ids, partition)
+        """Whether an entry of ``ids`` would be written now: the writer's queue has room
+        and no tier holds it already (checked before its state is copied out of the
+        context)."""
+        return not self.writer.full() and not self.store.holds(ids, partition)
 
     def write(
         self, ids: Sequence[int], state: memoryview, fingerprints: Sequence[int], partition: int
     ) -> None:
         """Write the entry (``state``: a copy of the sequence's, owned by the writer) on the
-        writer thread; not at all when ``MAX_PENDING_WRITES`` are waiting."""
-        with self._lock:
-            if self._pending >= MAX_PENDING_WRITES:
-                return
-            self._pending += 1
-        self._writer.submit(self._write, tuple(ids), state, tuple(fingerprints), partition)
+        writer thread, unless its queue is full."""
+        self.writer.submit(ids, partition, fingerprints, lambda: ([state], {"format": FORMAT}))
 
     def flush(self) -> None:
         """Wait for the writes submitted so far (tests, and a worker's orderly exit)."""
-        self._writer.submit(lambda: None).result()
+        self.writer.flush()
 
-    def lookup(self, ids: Sequence[int], partition: int) -> TierHit | None:
-        """The longest stored prefix of ``ids`` in ``partition`` written in this format."""
-        hit = self.store.lookup(ids, partition)
+    def lookup(self, ids: Sequence[int], partition: int, held: int) -> TierHit | None:
+        """The longest stored prefix of ``ids`` in ``partition`` written in this format and
+        longer than ``held`` ids (what the worker's cache holds)."""
+        hit = self.store.lookup(ids, partition, longer_than=held)
         if hit is None or hit.meta.get("format") != FORMAT:
             return None
         return hit
-
-    def _write(
-        self,
-        ids: tuple[int, ...],
-        state: memoryview,
-        fingerprints: tuple[int, ...],
-        partition: int,
-    ) -> None:
-        try:
-            self.store.store(ids, partition, state, {"format": FORMAT}, fingerprints)
-        except Exception:
-            # The tiers only save work: a failed write costs a later prefill, nothing more.
-            logger.warning("could not write a prefix to the tiers", exc_info=True)
-        finally:
-            with self._lock:
-                self._pending -= 1

@@ -397,7 +397,7 @@ class LlamaRunner:
             return False
         if held + TIER_BLOCK_TOKENS > len(prompt) - 1:
             return False
-        hit = tiers.lookup(prompt, partition)
+        hit = tiers.lookup(prompt, partition, held)
         if hit is None or hit.length <= held:
             return False
         if not self._free_seq_ids:
