@@ -11,8 +11,9 @@ shared worker. Each client is its own address (``X-Forwarded-For``, believed fro
 The flood runs in a process of its own (its clients on one event loop, each body encoded
 once before the phase), so that this process's probe is not slowed by its own clients.
 Prints, side by side, the probe's worst and p99 latency, the text requests' p50 and p90,
-and the flood's image rate; targets: ``/healthz`` worst < 0.2 s, text p50 < 1.5x without
-the flood::
+the flood's image rate and where the machine's CPU went (cores used, on average, by the
+daemon's process, its workers, the flood's clients and this process); targets:
+``/healthz`` worst < 0.2 s, text p50 < 1.5x without the flood::
 
     python -m benchmarks.images_flood                    # 20 s per phase
     python -m benchmarks.images_flood --seconds 40 --flood-clients 10
@@ -24,6 +25,7 @@ import argparse
 import base64
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
@@ -64,7 +66,9 @@ def _image_body(side: tuple[int, int]) -> bytes:
     return json.dumps(body).encode()
 
 
-def _flood(url: str, bodies: list[bytes], clients: int, stop_at: float, counts: Any) -> None:
+def _flood(
+    url: str, bodies: list[bytes], clients: int, stop_at: float, counts: Any, cpu: Any
+) -> None:
     """The flooding clients (one process, one event loop, each client its own connection
     and address): each sends its image, again and again, until ``stop_at``. The bodies
     were encoded once, before the phase: the clients only send bytes, so that the
@@ -88,6 +92,8 @@ def _flood(url: str, bodies: list[bytes], clients: int, stop_at: float, counts: 
         await asyncio.gather(*(client(number) for number in range(clients)))
 
     asyncio.run(flood())
+    times = os.times()
+    cpu.value = times.user + times.system
 
 
 def _probe(url: str, stop: threading.Event, latencies: list[float]) -> None:
@@ -109,18 +115,43 @@ def _text(url: str, address: str, stop: threading.Event, latencies: list[float])
             latencies.append(time.perf_counter() - started)
 
 
-def phase(url: str, seconds: float, bodies: list[bytes], flood_clients: int) -> dict[str, Any]:
+def _cpu_seconds(daemon_pid: int) -> dict[str, float]:
+    """CPU seconds (user and system) so far of the daemon's own process, of its workers
+    (its descendants, together) and of this process (the probe and the text clients)."""
+    import psutil
+
+    def used(process: psutil.Process) -> float:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            return 0.0
+        return float(times.user + times.system)
+
+    daemon = psutil.Process(daemon_pid)
+    return {
+        "daemon": used(daemon),
+        "workers": sum(used(child) for child in daemon.children(recursive=True)),
+        "probe_and_text_clients": used(psutil.Process()),
+    }
+
+
+def phase(
+    url: str, seconds: float, bodies: list[bytes], flood_clients: int, daemon_pid: int
+) -> dict[str, Any]:
     """The probe and the text clients for ``seconds``, with ``flood_clients`` flooding."""
     stop = threading.Event()
     probe: list[float] = []
     text: list[float] = []
     counts = multiprocessing.Value("i", 0)
+    flood_cpu = multiprocessing.Value("d", 0.0)
     stop_at = time.time() + seconds
-    floods = (
-        [multiprocessing.Process(target=_flood, args=(url, bodies, flood_clients, stop_at, counts))]
-        if flood_clients
-        else []
-    )
+    floods = [
+        multiprocessing.Process(
+            target=_flood, args=(url, bodies, flood_clients, stop_at, counts, flood_cpu)
+        )
+        for _ in range(1 if flood_clients else 0)
+    ]
+    cpu_before = _cpu_seconds(daemon_pid)
     for process in floods:
         process.start()
     threads = [threading.Thread(target=_probe, args=(url, stop, probe))]
@@ -136,6 +167,9 @@ def phase(url: str, seconds: float, bodies: list[bytes], flood_clients: int) -> 
         thread.join()
     for process in floods:
         process.join()
+    cpu_after = _cpu_seconds(daemon_pid)
+    cpu = {name: (cpu_after[name] - cpu_before[name]) / seconds for name in cpu_before}
+    cpu["flood_clients"] = flood_cpu.value / seconds
     flooded = counts.value
     assert flooded < 1_000_000, "a flood request failed"
     probe.sort()
@@ -147,6 +181,7 @@ def phase(url: str, seconds: float, bodies: list[bytes], flood_clients: int) -> 
         "text_p90": text[int(len(text) * 0.9)],
         "text_runs": len(text),
         "images_per_s": flooded / seconds,
+        **{f"cpu_{name}": share for name, share in cpu.items()},
     }
 
 
@@ -183,9 +218,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="modelpool-images-flood-") as scratch:
         daemon = start_daemon(Path(scratch), config, ready_timeout=600.0)
         try:
-            phase(daemon.url, 2.0, bodies, 1)  # warm-up: every model loaded, every path taken
-            quiet = phase(daemon.url, args.seconds, bodies, 0)
-            flooded = phase(daemon.url, args.seconds, bodies, args.flood_clients)
+            pid = daemon.process.pid
+            phase(daemon.url, 2.0, bodies, 1, pid)  # warm-up: every model loaded, every path taken
+            quiet = phase(daemon.url, args.seconds, bodies, 0, pid)
+            flooded = phase(daemon.url, args.seconds, bodies, args.flood_clients, pid)
         finally:
             daemon.stop()
     print(
@@ -201,6 +237,10 @@ def main() -> int:
         ("text_p90", "s"),
         ("text_runs", ""),
         ("images_per_s", ""),
+        ("cpu_daemon", "cores"),
+        ("cpu_workers", "cores"),
+        ("cpu_flood_clients", "cores"),
+        ("cpu_probe_and_text_clients", "cores"),
     ):
         before, during = quiet[key], flooded[key]
         ratio = f"{during / before:>9.2f}x" if before else f"{'':>10}"

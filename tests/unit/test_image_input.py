@@ -3,7 +3,10 @@ configuration of both; which models read them (shared.image_input, shared.images
 
 from __future__ import annotations
 
+import binascii
 import json
+import random
+import string
 import subprocess
 import sys
 from pathlib import Path
@@ -147,11 +150,45 @@ def test_images_only_in_user_messages() -> None:
         parse_chat(body)
 
 
-def test_base64_is_decoded_strictly_across_slices() -> None:
-    data = bytes(range(256)) * 9000  # more than one slice of base64
+def test_base64_is_decoded_strictly() -> None:
+    data = bytes(range(256)) * 9000
     assert decode_base64(b64(data), "p") == data
+    assert decode_base64("data:," + b64(data[:7]), "p", start=6) == data[:7]
     with pytest.raises(ImageRefused, match="not valid base64"):
         decode_base64(b64(data)[:-4] + "a=bc", "p")
+
+
+def test_base64_decoding_agrees_with_binascii_strict_mode() -> None:
+    """The numpy decoder accepts exactly what ``binascii.a2b_base64(strict_mode=True)``
+    does, and gives the same bytes: random strings with stray characters and padding
+    in every place."""
+    rng = random.Random(56)
+    alphabet = string.ascii_letters + string.digits + "+/"
+    for _ in range(3000):
+        chars = [rng.choice(alphabet) for _ in range(rng.choice((4, 8, 12, 40)))]
+        for _ in range(rng.choice((0, 0, 1, 2))):
+            chars[rng.randrange(len(chars))] = rng.choice("== $\n-_\u00e9")
+        if rng.random() < 0.3:
+            chars[-1] = "="
+        if rng.random() < 0.2:
+            chars[-2] = "="
+        text = "".join(chars)
+        try:
+            expected: bytes | None = binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
+        except (binascii.Error, UnicodeEncodeError):
+            expected = None
+        try:
+            got: bytes | None = decode_base64(text, "p")
+        except ImageRefused:
+            got = None
+        assert got == expected, text
+
+
+def test_a_data_url_whose_comma_is_past_any_header_is_refused() -> None:
+    url = "data:image/png;" + "x" * 300 + ";base64," + b64(PNG)
+    with pytest.raises(ImageRefused, match="data URL must be") as refused:
+        image_from_url(url, "p")
+    assert refused.value.reason == "invalid_image_url"
 
 
 def test_anthropic_image_and_text_document_blocks() -> None:
