@@ -159,7 +159,7 @@ def test_base64_is_decoded_strictly() -> None:
 
 
 def test_base64_decoding_agrees_with_binascii_strict_mode() -> None:
-    """The numpy decoder accepts exactly what ``binascii.a2b_base64(strict_mode=True)``
+    """The decoder (pybase64) accepts exactly what ``binascii.a2b_base64(strict_mode=True)``
     does, and gives the same bytes: random strings with stray characters and padding
     in every place."""
     rng = random.Random(56)

@@ -1,40 +1,19 @@
-"""The prefix tier writer (worker.backends.common.tier_writer): a low-priority thread,
-a bounded queue, entries a tier already holds not rebuilt, failures swallowed."""
+"""The prefix tier writer (worker.backends.common.tier_writer): a bounded queue, entries
+a tier already holds not rebuilt, failures swallowed."""
 
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from pathlib import Path
 
 from modelpool.shared.prefix_tier import PrefixTierStore, TierSpec
-from modelpool.worker.backends.common.tier_writer import (
-    MAX_PENDING_WRITES,
-    WRITER_NICENESS,
-    TierWriter,
-)
+from modelpool.worker.backends.common.tier_writer import MAX_PENDING_WRITES, TierWriter
 
 
 def _writer(tmp_path: Path) -> TierWriter:
     spec = TierSpec("host", str(tmp_path / "host"), 1 << 20)
     return TierWriter(PrefixTierStore.open([spec], "a" * 32))
-
-
-def test_the_writer_thread_runs_below_the_workers_priority(tmp_path: Path) -> None:
-    writer = _writer(tmp_path)
-    seen: list[int] = []
-
-    def payload() -> tuple[list[bytes], dict[str, str]]:
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        return [b"state"], {"format": "test"}
-
-    writer.submit(list(range(32)), 0, (), payload)
-    writer.flush()
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert seen == [min(mine + WRITER_NICENESS, 19)]
-    hit = writer.store.lookup(list(range(33)), 0)
-    assert hit is not None and bytes(hit.payload) == b"state"
 
 
 def test_past_the_bound_entries_are_dropped_and_held_ones_not_rebuilt(tmp_path: Path) -> None:

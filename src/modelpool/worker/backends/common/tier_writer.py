@@ -12,19 +12,18 @@ requests never queues memory without bound)::
         writer.submit(ids, partition, fingerprints, lambda: ([payload], {"format": "..."}))
     writer.flush()  # tests, and an orderly exit
 
-**At a low CPU priority** (``WRITER_NICENESS``, Linux's per-thread nice value): the write
-is a copy and a checksum of the whole prefix (92 MB for 2,000 tokens of SmolLM2 in
-float32, ~0.1 s of a core), and on a CPU-bound worker it ran beside the next turn's
-forward passes, which it slowed by more than half as much again. The writer now takes what
-the model leaves; under contention it still gets about a tenth of a core, so writes are
-late, not lost.
+**Not at a lower CPU priority**, though the write (a copy and a checksum of the whole
+prefix: 92 MB for 2,000 tokens of SmolLM2 in float32, ~0.1 s of a core) runs beside the
+next turn's forward passes. Tried: the thread niced by 10 (Linux nice values are per
+thread) gave the next turn its CPU on a quiet machine; but a thread that holds the GIL
+or the tier's lock and waits for a core stops the worker's other threads with it, and
+in one run, when another process took the cores midway, requests that miss went from
+1.01-1.07x the tokens per second of the tiers off to 0.28-0.35x.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,8 +34,6 @@ from modelpool.shared.prefix_tier import PrefixTierStore
 logger = logging.getLogger("modelpool.worker")
 
 MAX_PENDING_WRITES = 4
-WRITER_NICENESS = 10
-"""Added to the writer thread's nice value: its weight against a nice-0 thread is ~1:9."""
 
 Payload = Callable[[], tuple[Sequence[bytes | memoryview], Mapping[str, Any]]]
 """Builds an entry's buffers and meta, on the writer thread (after the check that no tier
@@ -48,9 +45,7 @@ class TierWriter:
 
     def __init__(self, store: PrefixTierStore) -> None:
         self.store = store
-        self._thread = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="prefix-tier", initializer=_lower_priority
-        )
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-tier")
         self._pending = 0
         self._lock = threading.Lock()
 
@@ -89,10 +84,3 @@ class TierWriter:
             with self._lock:
                 self._pending -= 1
 
-
-def _lower_priority() -> None:
-    """Lower the calling thread's CPU priority (Linux: nice values are per thread)."""
-    with contextlib.suppress(OSError, AttributeError):
-        thread = threading.get_native_id()
-        niceness = os.getpriority(os.PRIO_PROCESS, thread) + WRITER_NICENESS
-        os.setpriority(os.PRIO_PROCESS, thread, niceness)

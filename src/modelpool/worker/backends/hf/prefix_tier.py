@@ -6,9 +6,9 @@ prefix cache (``hf.prefix_cache``) is written to the tiers at once, not when it 
 evicted: a worker killed the next moment (its deadline, a neighbour's hang, a recycle, a
 swap) has already given it away, so its kill costs the next turn a restore, not a
 prefill. The write runs on the worker's ``TierWriter`` (``common.tier_writer``: one
-thread, at a low priority, a bounded queue): the entry's tensors are never written to
-once cached, so the thread reads them while the next request runs, and the checksum and
-the file's write release the GIL.
+thread, a bounded queue): the entry's tensors are never written to once cached, so the
+thread reads them while the next request runs, and the checksum and the file's write
+release the GIL.
 
 **Restored on a miss.** A request whose prompt the worker's cache holds less of than a
 tier looks the tier up; a hit's tensors (raw bytes, their dtype and shapes in the entry's

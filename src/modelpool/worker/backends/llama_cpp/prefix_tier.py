@@ -5,9 +5,9 @@ As on hf (``hf.prefix_tier``): **written on insert, off the request's path.** A 
 that becomes a prefix cache entry has its state copied out of the context at once (on the
 worker loop's thread: llama.cpp's context is not shared with another thread; a memcpy of
 its cells), then checksummed and written to the tiers by the worker's ``TierWriter``
-(``common.tier_writer``: one thread, at a low priority, a bounded queue), so a worker
-killed the next moment has already given its prefix away. Past the writer's bound an
-entry is not written (nor copied).
+(``common.tier_writer``: one thread, a bounded queue), so a worker killed the next
+moment has already given its prefix away. Past the writer's bound an entry is not
+written (nor copied).
 
 **Restored on a miss.** A request whose prompt the worker's cache holds less of than a
 tier may (at least a block more) looks the tier up; a hit's state is loaded into the
