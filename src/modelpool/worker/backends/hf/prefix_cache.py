@@ -75,10 +75,18 @@ class PrefixCache(PrefixLRU[_Entry]):
         fingerprints: tuple[int, ...],
         partition: int = 0,
     ) -> Any:
-        """Keep a prefix restored from a tier (``layers`` hold exactly ``ids``) as an entry,
-        so the next turn finds it here, and a request cache starting from it."""
-        self.insert(ids, layers, fingerprints, partition)
-        return _request_cache(layers, len(ids))
+        """Keep a prefix restored from a tier (``layers`` hold exactly ``ids``, and may view
+        the tier's mapped entry) as an entry, so the next turn finds it here, and a request
+        cache starting from it.
+
+        The request cache's copy of ``layers`` is the entry's too: a restore copies the
+        prefix once, not once for the entry and again for the request (92 MB for 2,000
+        tokens of SmolLM2: ~50 ms). The request never writes to them either: its first
+        step's ``update`` concatenates into new tensors."""
+        cache = _request_cache(layers, len(ids))
+        copied = [(layer.keys, layer.values) for layer in cache.layers]
+        self.insert(ids, copied, fingerprints, partition)
+        return cache
 
     def insert(
         self,

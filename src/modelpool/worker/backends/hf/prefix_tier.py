@@ -76,7 +76,8 @@ class HFPrefixTiers:
         """The longest stored prefix of ``ids`` in ``partition`` longer than ``held`` ids
         (what the worker's cache holds) and its KV on the model's device and dtype, each
         [1, heads, hit.length, dim] (None: no tier holds one, or the entry does not fit
-        this model's layout)."""
+        this model's layout). On the CPU the tensors may view the mapped entry: copy
+        them before keeping them."""
         hit = self.store.lookup(ids, partition, longer_than=held)
         if hit is None:
             return None
@@ -105,7 +106,8 @@ def _buffers(layers: Layers) -> tuple[list[memoryview], dict[str, Any]]:
 
 
 def _tensors(hit: TierHit, dtype: torch.dtype, device: torch.device) -> Layers:
-    """The hit's layers, cut to its length, on ``device`` in ``dtype``."""
+    """The hit's layers, cut to its length, on ``device`` in ``dtype`` (views of the
+    hit's payload where no copy was needed to get them there)."""
     import torch
 
     meta = hit.meta
@@ -124,8 +126,9 @@ def _tensors(hit: TierHit, dtype: torch.dtype, device: torch.device) -> Layers:
             count *= int(extent)
         part = raw[offset : offset + count * size].view(stored).reshape(shape)
         offset += count * size
-        # One copy out of the mapped entry (also when device and dtype are already right).
-        tensors.append(part[:, :, : hit.length].to(device=device, dtype=dtype, copy=True))
+        # On the CPU in its own dtype, a view of the mapped entry: the request's cache
+        # copies it into its own tensors (``PrefixCache.adopt``), one copy in all.
+        tensors.append(part[:, :, : hit.length].to(device=device, dtype=dtype))
     if offset != len(raw) or len(tensors) % 2:
         raise ValueError("the payload's size does not match its shapes")
     return [(tensors[index], tensors[index + 1]) for index in range(0, len(tensors), 2)]
