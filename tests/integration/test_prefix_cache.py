@@ -286,3 +286,24 @@ def test_a_pool_sends_the_next_turn_where_its_conversation_is_cached(
         ]
         three = pool.generate(turn, max_new_tokens=8)
         assert three.worker_pid != one.worker_pid and three.cached_tokens == 0
+
+
+def test_an_adopted_prefix_is_copied_once_and_never_written_by_its_request() -> None:
+    import torch
+
+    cache = PrefixCache(1 << 20)
+    ids = list(range(300, 332))
+    source = torch.arange(2 * 32 * 4, dtype=torch.float32).reshape(1, 2, 32, 4)
+    viewed = torch.cat([source, source], dim=2)[:, :, :32]  # a view, as of a mapped entry
+    request = cache.adopt(ids, [(viewed, viewed * 2)], (7,), 0)
+    (layer,) = request.layers
+    # The request's tensors are a compact copy of the view, counted as the entry's bytes.
+    assert layer.keys.data_ptr() != viewed.data_ptr() and torch.equal(layer.keys, source)
+    assert cache.bytes == 2 * source.nbytes
+    # The request's first step concatenates into new tensors: the entry is unchanged.
+    keys, _ = request.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), 0)
+    assert keys.shape[2] == 35
+    again = cache.lookup([*ids, 1])
+    assert again is not None
+    (kept,) = again[0].layers
+    assert torch.equal(kept.keys, source) and torch.equal(kept.values, source * 2)
