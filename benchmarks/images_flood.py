@@ -17,6 +17,10 @@ daemon's process, its workers, the flood's clients and this process); targets:
 
     python -m benchmarks.images_flood                    # 20 s per phase
     python -m benchmarks.images_flood --seconds 40 --flood-clients 10
+    python -m benchmarks.images_flood --images-per-s 5   # two daemons at the same load
+
+Unbounded, the flood is a closed loop: a daemon that spends less on each image is sent
+more of them, and its workers decode more. ``--images-per-s`` holds the load still.
 """
 
 from __future__ import annotations
@@ -67,19 +71,34 @@ def _image_body(side: tuple[int, int]) -> bytes:
 
 
 def _flood(
-    url: str, bodies: list[bytes], clients: int, stop_at: float, counts: Any, cpu: Any
+    url: str,
+    bodies: list[bytes],
+    clients: int,
+    rate: float | None,
+    stop_at: float,
+    counts: Any,
+    cpu: Any,
 ) -> None:
     """The flooding clients (one process, one event loop, each client its own connection
-    and address): each sends its image, again and again, until ``stop_at``. The bodies
-    were encoded once, before the phase: the clients only send bytes, so that the
-    flood's own CPU is the kernel's copies, not ten interpreters re-encoding JSON."""
+    and address): each sends its image, again and again, until ``stop_at``; with
+    ``rate``, the clients together start at most ``rate`` requests a second (each its
+    share, on a schedule). The bodies were encoded once, before the phase: the clients
+    only send bytes, so that the flood's own CPU is the kernel's copies, not ten
+    interpreters re-encoding JSON."""
     import asyncio
 
     async def client(number: int) -> None:
         body = bodies[number % len(bodies)]
         headers = {"Content-Type": "application/json", "X-Forwarded-For": f"10.0.1.{number + 1}"}
+        interval = clients / rate if rate else 0.0
+        next_at = time.time() + interval * number / clients
         async with httpx.AsyncClient(base_url=url, timeout=120.0) as session:
             while time.time() < stop_at:
+                if interval:
+                    await asyncio.sleep(max(0.0, next_at - time.time()))
+                    next_at += interval
+                    if time.time() >= stop_at:
+                        break
                 answer = await session.post("/v1/chat/completions", content=body, headers=headers)
                 if answer.status_code != 200:
                     print(
@@ -136,7 +155,12 @@ def _cpu_seconds(daemon_pid: int) -> dict[str, float]:
 
 
 def phase(
-    url: str, seconds: float, bodies: list[bytes], flood_clients: int, daemon_pid: int
+    url: str,
+    seconds: float,
+    bodies: list[bytes],
+    flood_clients: int,
+    daemon_pid: int,
+    rate: float | None = None,
 ) -> dict[str, Any]:
     """The probe and the text clients for ``seconds``, with ``flood_clients`` flooding."""
     stop = threading.Event()
@@ -147,7 +171,7 @@ def phase(
     stop_at = time.time() + seconds
     floods = [
         multiprocessing.Process(
-            target=_flood, args=(url, bodies, flood_clients, stop_at, counts, flood_cpu)
+            target=_flood, args=(url, bodies, flood_clients, rate, stop_at, counts, flood_cpu)
         )
         for _ in range(1 if flood_clients else 0)
     ]
@@ -190,6 +214,12 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="per phase")
     parser.add_argument("--flood-clients", type=int, default=10)
     parser.add_argument("--eyes-workers", type=int, default=2)
+    parser.add_argument(
+        "--images-per-s",
+        type=float,
+        help="the flood's rate cap (default: none, each client sends as fast as answered); "
+        "the same cap compares two daemons at the same load",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests" / "e2e"))
     sys.path.insert(0, str(ROOT / "tests"))
@@ -221,11 +251,15 @@ def main() -> int:
             pid = daemon.process.pid
             phase(daemon.url, 2.0, bodies, 1, pid)  # warm-up: every model loaded, every path taken
             quiet = phase(daemon.url, args.seconds, bodies, 0, pid)
-            flooded = phase(daemon.url, args.seconds, bodies, args.flood_clients, pid)
+            flooded = phase(
+                daemon.url, args.seconds, bodies, args.flood_clients, pid, args.images_per_s
+            )
         finally:
             daemon.stop()
+    capped = f" (at most {args.images_per_s:g} images/s)" if args.images_per_s else ""
     print(
-        f"{args.seconds:g} s per phase; {args.flood_clients} flood clients, bodies of {sizes} MB "
+        f"{args.seconds:g} s per phase; {args.flood_clients} flood clients{capped}, "
+        f"bodies of {sizes} MB "
         f"(PNG data URLs), 'eyes' on {args.eyes_workers} testing worker(s) with vision; "
         f"{TEXT_CLIENTS} text clients on 'text'; /healthz every {PROBE_INTERVAL_S * 1000:g} ms"
     )
