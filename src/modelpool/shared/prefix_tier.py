@@ -37,8 +37,8 @@ the partition) and a CRC-32 of the ids and payload (it guards against torn and d
 files; whoever can write the tier's directory could write a whole entry anyway, and a
 cryptographic hash cost 145 ms on a 92 MB prefix against the CRC's 38), and that the
 entry's ids are the prompt's prefix its key claims; an entry failing any check is never
-used: it is removed and counted as ``rejected``. Eviction runs under an ``fcntl`` lock on the tier's
-``.lock`` file, which the kernel releases when its holder dies.
+used: it is removed and counted as ``rejected``. Eviction runs under an ``fcntl`` lock on
+the tier's ``.lock`` file, which the kernel releases when its holder dies.
 
 **Counters that outlive the workers.** Hits, misses, restores, restore seconds, stores
 and rejections are kept per tier in its ``.stats`` file (updated under the lock), so a
@@ -229,9 +229,9 @@ class PrefixTierStore:
         worker held nothing either: the counters say what the tiers were needed for."""
         started = time.monotonic()
         keys = entry_keys(ids[: len(ids) - 1], partition, self.identity)
-        shortest = longer_than // BLOCK_TOKENS  # the first block longer than the worker's
+        first = longer_than // BLOCK_TOKENS  # the first block longer than the worker's
         for tier in self.tiers:
-            hit = tier.lookup(ids, partition, self.identity, keys[shortest:], shortest)
+            hit = tier.lookup(ids, partition, self.identity, keys, first)
             if hit is not None:
                 tier.count(hits=1, restores=1, restore_seconds=time.monotonic() - started)
                 return hit
@@ -295,18 +295,17 @@ class _Tier:
         return self.directory / (key + ENTRY_SUFFIX)
 
     def lookup(
-        self, ids: Sequence[int], partition: int, identity: str, keys: list[str], skipped: int
+        self, ids: Sequence[int], partition: int, identity: str, keys: list[str], first: int
     ) -> TierHit | None:
-        """The longest entry named by ``keys``, the prompt's keys from its block
-        ``skipped`` on."""
-        for index in range(self._longest_named(keys), -1, -1):
-            path = self.path(keys[index])
+        """The longest entry named by one of the prompt's ``keys`` from block ``first``
+        on."""
+        for block in range(self._longest_named(keys, first), first - 1, -1):
+            path = self.path(keys[block])
             try:
                 data = _read(path)
             except OSError:
                 continue
-            length = BLOCK_TOKENS * (skipped + index + 1)
-            hit = _decode(data, self.name, ids, partition, identity, length)
+            hit = _decode(data, self.name, ids, partition, identity, BLOCK_TOKENS * (block + 1))
             if hit is None:
                 self._reject(path)
                 continue
@@ -315,12 +314,13 @@ class _Tier:
             return hit
         return None
 
-    def _longest_named(self, keys: list[str]) -> int:
-        """The last block of ``keys`` with a name in the tier (-1: none), by bisection: an
-        entry is named under each of its blocks, so the names a prompt finds are its first
-        blocks (a miss is one ``stat``, not one per block). A name removed meanwhile only
-        makes the hit shorter; the caller walks down from here past any it rejects."""
-        low, high = -1, len(keys) - 1
+    def _longest_named(self, keys: list[str], first: int) -> int:
+        """The last block of ``keys`` from ``first`` on with a name in the tier (``first``
+        - 1: none), by bisection: an entry is named under each of its blocks, so the names
+        a prompt finds are its first blocks (a miss is one ``stat``, not one per block). A
+        name removed meanwhile only makes the hit shorter; the caller walks down from here
+        past any it rejects."""
+        low, high = first - 1, len(keys) - 1
         while low < high:
             middle = (low + high + 1) // 2
             if self.path(keys[middle]).exists():

@@ -390,7 +390,7 @@ class HFHandler(ScheduledHandler):
         if tiers is None or held + TIER_BLOCK_TOKENS > len(ids) - 1:
             return found
         restored = tiers.restore(ids, partition, held)
-        if restored is None or restored[0].length <= held:
+        if restored is None:
             return found
         hit, layers = restored
         prefix = list(hit.ids[: hit.length])

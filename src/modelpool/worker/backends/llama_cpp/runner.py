@@ -398,7 +398,7 @@ class LlamaRunner:
         if held + TIER_BLOCK_TOKENS > len(prompt) - 1:
             return False
         hit = tiers.lookup(prompt, partition, held)
-        if hit is None or hit.length <= held:
+        if hit is None:
             return False
         if not self._free_seq_ids:
             cache.evict()
